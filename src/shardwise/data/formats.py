@@ -1,0 +1,263 @@
+"""Record formats (alpaca, chat, ShareGPT, plain text) and file loading with exact locations.
+
+Files are read through `datasets` (Arrow, cached, Parquet for free). Arrow cannot say which
+*line* broke, so when `datasets` refuses a JSON file we re-read it with the standard library
+to name the file and line; every record keeps a "file:line" location for later errors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from shardwise.errors import ShardwiseError, did_you_mean
+
+Format = Literal["auto", "alpaca", "chat", "sharegpt", "text"]
+OnError = Literal["raise", "skip"]
+
+# Canonical field names per format; DataConfig.fields maps them to the user's column names.
+FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "alpaca": ("instruction", "input", "output", "system"),
+    "chat": ("messages", "role", "content"),
+    "sharegpt": ("conversations", "from", "value"),
+    "text": ("text",),
+}
+ALL_FIELDS = tuple(sorted({f for fs in FORMAT_FIELDS.values() for f in fs}))
+# The column whose presence identifies a format in "auto" mode, in priority order.
+_MARKERS = (("chat", "messages"), ("sharegpt", "conversations"), ("alpaca", "instruction"), ("text", "text"))
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "model": "assistant"}  # fmt: skip
+SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One validated record: a conversation (chat-like formats) or a text (pre-training)."""
+
+    where: str  # "file:line" for errors
+    format: str
+    messages: tuple[dict[str, str], ...] = ()
+    text: str | None = None
+
+    @property
+    def target_field(self) -> str:
+        """The user-facing field that holds the targets, for 'no target tokens' errors."""
+        return {"alpaca": "output", "chat": "messages", "sharegpt": "conversations"}.get(self.format, "text")
+
+
+@dataclass
+class LoadReport:
+    records: int = 0
+    skipped: int = 0
+    skip_reasons: list[str] = field(default_factory=list)
+
+    def skip(self, exc: ShardwiseError) -> None:
+        self.skipped += 1
+        if len(self.skip_reasons) < 5:  # keep a few examples for the report, not thousands
+            self.skip_reasons.append(str(exc))
+
+
+# ---------------------------------------------------------------- record validation
+
+
+def _str(rec: dict[str, Any], col: str, where: str, *, required: bool, label: str | None = None) -> str | None:
+    value = rec.get(col)
+    label = label or col
+    if value is None:
+        if required:
+            raise ShardwiseError(f"{where}: field '{label}': missing (expected a string).")
+        return None
+    if not isinstance(value, str):
+        raise ShardwiseError(f"{where}: field '{label}': expected a string, got {type(value).__name__}.")
+    return value
+
+
+def _turns(rec: dict[str, Any], fmt: str, cols: dict[str, str], where: str) -> tuple[dict[str, str], ...]:
+    list_col, role_col, content_col = (cols[f] for f in FORMAT_FIELDS[fmt])
+    turns = rec.get(list_col)
+    if turns is None:
+        raise ShardwiseError(f"{where}: field '{list_col}': missing (expected a list of turns).")
+    if not isinstance(turns, list):
+        raise ShardwiseError(f"{where}: field '{list_col}': expected a list of turns, got {type(turns).__name__}.")
+    if not turns:
+        raise ShardwiseError(f"{where}: field '{list_col}': empty conversation (expected at least one turn).")
+    out = []
+    for i, turn in enumerate(turns):
+        label = f"{list_col}[{i}]"
+        if not isinstance(turn, dict):
+            raise ShardwiseError(f"{where}: field '{label}': expected an object, got {type(turn).__name__}.")
+        role = _str(turn, role_col, where, required=True, label=f"{label}.{role_col}")
+        if fmt == "sharegpt":
+            if role not in SHAREGPT_ROLES:
+                raise ShardwiseError(f"{where}: field '{label}.{role_col}': unknown role {role!r}. "
+                                     + did_you_mean(str(role), list(SHAREGPT_ROLES)))
+            role = SHAREGPT_ROLES[role]
+        elif role not in ROLES:
+            raise ShardwiseError(f"{where}: field '{label}.{role_col}': unknown role {role!r}. "
+                                 + did_you_mean(str(role), list(ROLES)))
+        content = _str(turn, content_col, where, required=True, label=f"{label}.{content_col}")
+        if role == "assistant" and not content.strip():  # type: ignore[union-attr]
+            raise ShardwiseError(f"{where}: field '{label}.{content_col}': empty assistant reply (nothing to learn).")
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def detect_format(rec: dict[str, Any], cols: dict[str, str], where: str) -> str:
+    for fmt, marker in _MARKERS:
+        if rec.get(cols[marker]) is not None:
+            return fmt
+    wanted = ", ".join(repr(cols[m]) for _, m in _MARKERS)
+    raise ShardwiseError(f"{where}: cannot tell the record format: expected one of the fields {wanted} "
+                         f"(got fields {sorted(rec)}); set data.format or data.fields.")
+
+
+def to_example(rec: Any, fmt: str, fields: dict[str, str], where: str) -> Example:
+    """Validate one raw record into an :class:`Example`; raises ShardwiseError naming the field."""
+    if not isinstance(rec, dict):
+        raise ShardwiseError(f"{where}: expected a JSON object per record, got {type(rec).__name__}.")
+    cols = {f: fields.get(f, f) for f in ALL_FIELDS}
+    if fmt == "auto":
+        fmt = detect_format(rec, cols, where)
+    if fmt == "text":
+        text = _str(rec, cols["text"], where, required=True)
+        if not text.strip():  # type: ignore[union-attr]
+            raise ShardwiseError(f"{where}: field '{cols['text']}': empty text (nothing to learn).")
+        return Example(where, fmt, text=text)
+    if fmt in ("chat", "sharegpt"):
+        return Example(where, fmt, messages=_turns(rec, fmt, cols, where))
+    instruction = _str(rec, cols["instruction"], where, required=True)
+    extra = _str(rec, cols["input"], where, required=False)
+    output = _str(rec, cols["output"], where, required=True)
+    system = _str(rec, cols["system"], where, required=False)
+    if not output.strip():  # type: ignore[union-attr]
+        raise ShardwiseError(f"{where}: field '{cols['output']}': empty output (nothing to learn).")
+    user = f"{instruction}\n\n{extra}" if extra else instruction
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": user}, {"role": "assistant", "content": output}]  # fmt: skip
+    return Example(where, fmt, messages=tuple(messages))
+
+
+# ---------------------------------------------------------------- files
+
+
+def resolve_files(patterns: list[str], *, where: str) -> list[Path]:
+    """Expand paths and globs (sorted, so the record order is reproducible)."""
+    out: list[Path] = []
+    for pattern in patterns:
+        p = Path(pattern).expanduser()
+        matches = sorted(Path(p.anchor or ".").glob(str(p.relative_to(p.anchor)))) if any(
+            c in pattern for c in "*?[") else [p]  # fmt: skip
+        if not matches or not all(m.is_file() for m in matches):
+            raise ShardwiseError(f"{where}: file {pattern!r} not found (expected a JSON, JSONL or Parquet file).")
+        for m in matches:
+            if m.suffix.lower() not in SUFFIXES:
+                raise ShardwiseError(f"{where}: file {str(m)!r}: unsupported suffix {m.suffix!r} "
+                                     f"(expected one of {', '.join(SUFFIXES)}).")
+        out.extend(matches)
+    return out
+
+
+def _is_array(path: Path) -> bool:
+    with path.open("rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _parse_stdlib(path: Path, on_error: OnError, report: LoadReport) -> list[tuple[Any, int]]:
+    """(record, line) pairs read with the standard library, with line-exact JSON errors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ShardwiseError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}).") from exc
+    if text.lstrip().startswith("["):
+        return _parse_array(path, text)
+    out = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((json.loads(line), lineno))
+        except json.JSONDecodeError as exc:
+            err = ShardwiseError(f"{path}:{lineno}: malformed JSON: {exc.msg} at column {exc.colno}.")
+            if on_error == "raise":
+                raise err from exc
+            report.skip(err)
+    return out
+
+
+def _parse_array(path: Path, text: str) -> list[tuple[Any, int]]:
+    """Elements of a top-level JSON array with the line each one starts on."""
+    dec = json.JSONDecoder()
+    try:
+        json.loads(text)  # cheap full check first: the error position is exact
+    except json.JSONDecodeError as exc:
+        raise ShardwiseError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg} at column {exc.colno}.") from exc
+    out, pos = [], text.index("[") + 1
+    while True:
+        while text[pos] in " \t\r\n,":
+            pos += 1
+        if text[pos] == "]":
+            return out
+        obj, end = dec.raw_decode(text, pos)
+        out.append((obj, text.count("\n", 0, pos) + 1))
+        pos = end
+
+
+def _line_numbers(path: Path) -> list[int]:
+    """Line numbers of the records `datasets` returns for ``path``, in order."""
+    if path.suffix.lower() == ".parquet":
+        return []  # rows, not lines
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return [line for _, line in _parse_array(path, text)]
+    return [i for i, line in enumerate(text.splitlines(), start=1) if line.strip()]  # Arrow skips blank lines
+
+
+class _Locator:
+    """Lazy "file:line" for record i: only computed when an error must name it."""
+
+    def __init__(self, path: Path, lines: list[int] | None = None):
+        self.path, self._lines = path, lines
+
+    def __call__(self, i: int) -> str:
+        if self.path.suffix.lower() == ".parquet":
+            return f"{self.path}:row {i + 1}"
+        if self._lines is None:
+            self._lines = _line_numbers(self.path)
+        return f"{self.path}:{self._lines[i] if i < len(self._lines) else '?'}"
+
+
+def read_file(path: Path, on_error: OnError, report: LoadReport) -> tuple[list[Any], _Locator]:
+    """All raw records of one file, plus their locator."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(path)], split="train")
+        return ds.to_list(), _Locator(path)
+    except Exception as exc:  # Arrow's error names no line: find it ourselves below
+        if builder == "parquet":
+            raise ShardwiseError(f"{path}: cannot read Parquet: {exc}") from exc
+    pairs = _parse_stdlib(path, on_error, report)
+    return [rec for rec, _ in pairs], _Locator(path, [line for _, line in pairs])
+
+
+def iter_examples(paths: list[Path], fmt: str, fields: dict[str, str], on_error: OnError,
+                  report: LoadReport) -> Iterator[Example]:  # fmt: skip
+    """Validated examples from all files in order; invalid ones raise or are counted as skipped."""
+    for path in paths:
+        records, locate = read_file(path, on_error, report)
+        for i, rec in enumerate(records):
+            report.records += 1
+            try:
+                yield to_example(rec, fmt, fields, locate(i))
+            except ShardwiseError as exc:
+                if on_error == "raise":
+                    raise
+                report.skip(exc)
+
