@@ -1,0 +1,105 @@
+"""Bundled model and hardware presets (YAML data beside this file), looked up by name."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from shardwise.errors import ShardwiseError, did_you_mean
+from shardwise.specs.hardware import GB, GPUSpec, HardwareSpec, LinkSpec
+from shardwise.specs.model import ModelSpec
+
+_HERE = Path(__file__).parent
+
+
+@lru_cache(maxsize=None)
+def _models() -> dict[str, dict]:
+    return yaml.safe_load((_HERE / "models.yaml").read_text())
+
+
+@lru_cache(maxsize=None)
+def _hardware() -> dict[str, dict]:
+    return yaml.safe_load((_HERE / "hardware.yaml").read_text())
+
+
+def model_names() -> list[str]:
+    return list(_models())
+
+
+def gpu_names() -> list[str]:
+    return list(_hardware()["gpus"])
+
+
+def interconnect_names() -> list[str]:
+    return list(_hardware()["interconnects"])
+
+
+@lru_cache(maxsize=None)
+def get_model(name: str) -> ModelSpec:
+    key = name.strip().lower()
+    if key not in _models():
+        raise ShardwiseError(f"unknown model {name!r}. {did_you_mean(key, model_names())}")
+    return ModelSpec(name=key, **_models()[key])
+
+
+@lru_cache(maxsize=None)
+def get_gpu(name: str) -> GPUSpec:
+    key = name.strip().lower()
+    gpus = _hardware()["gpus"]
+    if key not in gpus:
+        raise ShardwiseError(f"unknown GPU {name!r}. {did_you_mean(key, gpu_names())}")
+    g = gpus[key]
+    return GPUSpec(
+        name=key,
+        memory_bytes=g["memory_gb"] * GB,
+        bf16_flops=g["bf16_tflops"] * 1e12,
+        fp16_flops=g["fp16_tflops"] * 1e12,
+        fp32_flops=g["fp32_tflops"] * 1e12,
+        hbm_bytes_per_s=g["hbm_gbps"] * GB,
+    )
+
+
+@lru_cache(maxsize=None)
+def get_link(name: str) -> LinkSpec:
+    key = name.strip().lower()
+    links = _hardware()["interconnects"]
+    if key not in links:
+        raise ShardwiseError(f"unknown interconnect {name!r}. {did_you_mean(key, interconnect_names())}")
+    link = links[key]
+    return LinkSpec(name=key, bus_bytes_per_s=link["bus_gbps"] * GB, latency_s=link["latency_us"] * 1e-6)
+
+
+def build_hardware(
+    gpu: str = "a100-80g",
+    gpus: int = 8,
+    gpus_per_node: int | None = None,
+    interconnect: str | None = None,
+    intra: str | None = None,
+    inter: str | None = None,
+    memory_gb: float | None = None,
+    **overrides,
+) -> HardwareSpec:
+    """A HardwareSpec from preset names and overrides.
+
+    `interconnect` names the slowest link the data-parallel traffic crosses: on one node it
+    replaces the intra-node link (e.g. 8 GPUs on PCIe), across nodes the inter-node link.
+    """
+    if gpus < 1:
+        raise ShardwiseError(f"--gpus must be at least 1, got {gpus}")
+    per_node = gpus_per_node or min(gpus, 8)
+    if gpus % per_node:
+        raise ShardwiseError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}")
+    nodes = gpus // per_node
+    g = get_gpu(gpu)
+    if memory_gb is not None:
+        g = g.model_copy(update={"memory_bytes": memory_gb * GB})
+    intra_link = get_link(intra or "nvlink")
+    inter_link = get_link(inter or "ib-200")
+    if interconnect:
+        if nodes == 1 and not intra:
+            intra_link = get_link(interconnect)
+        elif not inter:
+            inter_link = get_link(interconnect)
+    return HardwareSpec(gpu=g, gpus_per_node=per_node, nodes=nodes, intra=intra_link, inter=inter_link, **overrides)

@@ -1,0 +1,84 @@
+"""Activation and logit memory per GPU: bytes saved for backward, derived for the real HF block.
+
+Korthikanti et al. 2022 (Table 2) give sbh(34 + 5as/h) for a GPT block with dropout and a
+4h GeLU MLP. The Llama/Qwen/Mistral block differs (RMSNorm, SwiGLU, RoPE, no dropout), so we
+derive each saved tensor of `transformers`' decoder layer instead (docs/planner.md has the
+walk-through) and check the sum by measuring saved-for-backward bytes
+(tests/test_measured_memory.py). c = bytes of the compute dtype, x = s·b tokens.
+"""
+
+from __future__ import annotations
+
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.train import TrainSpec
+
+
+def rmsnorm_saved(c: int, h: int) -> float:
+    """Per token: HF LlamaRMSNorm upcasts to fp32 (saved by pow/mul: 4h), saves the normalised
+    tensor for the weight's grad (c·h) and its output is saved by the next linear (c·h)."""
+    return (4 + 2 * c) * h
+
+
+def attention_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
+    """Per token, one layer's attention block (q/k/v/o projections and the core), TP-sharded."""
+    c, s = train.compute_bytes, train.seq_len
+    q, kv, heads = model.q_dim / tp, model.kv_dim / tp, model.num_heads / tp
+    core = 0.0
+    if train.checkpointing != "selective":
+        # SDPA/flash save q, k, v (GQA native when unmasked), output, and fp32 logsumexp per head.
+        core = c * (q + 2 * kv) + c * q + 4 * heads
+        if train.attention == "eager":
+            # k, v repeated to all heads (repeat_kv copies), softmax in fp32 saved (4·a·s per token)
+            # and its cast back to c (unless fp32) saved by the value matmul; no logsumexp.
+            core = c * 3 * q + 4 * heads * s + (c * heads * s if c != 4 else 0)
+    # o_proj saves its input: the attention output made contiguous after the head transpose.
+    return core + c * q
+
+
+def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
+    """Per token: SwiGLU saves gate (for SiLU), silu(gate) and up (for the product) and the
+    product (for down_proj): 4·c·I. MoE: each token visits k experts, plus the router."""
+    c, i = train.compute_bytes, model.intermediate_size / tp
+    if not model.is_moe:
+        return 4 * c * i
+    k, e = model.experts_per_token, model.num_experts
+    return k * (4 * c * i + c * model.hidden_size) + 4 * 2 * e  # routed copies + fp32 router softmax
+
+
+def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
+    """Bytes saved per token by one decoder layer without checkpointing (TP without sequence
+    parallelism: norms and residuals are replicated, attention and MLP internals split)."""
+    h = model.hidden_size
+    return 2 * rmsnorm_saved(train.compute_bytes, h) + attention_saved(model, train, tp) + mlp_saved(model, train, tp)
+
+
+def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> float:
+    """Saved-for-backward bytes per GPU at the end of forward (the activation peak)."""
+    tokens = train.micro_batch * train.seq_len
+    layers = -(-model.num_layers // pp)  # worst pipeline stage
+    per_layer = layer_saved_per_token(model, train, tp)
+    c, h = train.compute_bytes, model.hidden_size
+    if train.checkpointing == "full":
+        # Only each layer's input is kept (c·h per token) plus one layer's full set while it is
+        # recomputed in backward (Korthikanti et al. §4.1: 2sbh per layer in 16-bit).
+        body = layers * c * h + per_layer
+    else:
+        body = layers * per_layer
+    final_norm = rmsnorm_saved(c, h)  # its output feeds lm_head
+    # 1F1B keeps up to pp micro-batches in flight on the first stage (Megatron's 1F1B schedule).
+    in_flight = pp if pp > 1 else 1
+    return tokens * (body + final_norm) * in_flight
+
+
+def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
+    """Peak memory of logits and loss: lm_head output (c·V), its fp32 upcast in HF's loss (4·V),
+    log-softmax output saved for backward (4·V) and the logits' gradient (4·V), per token.
+    Chunked/fused cross-entropy materialises only one chunk of tokens at a time."""
+    v = model.vocab_size / tp  # vocab-parallel lm_head
+    per_token = (train.compute_bytes + 12) * v
+    tokens = train.micro_batch * train.seq_len
+    if train.cross_entropy == "chunked":
+        tokens = min(tokens, train.ce_chunk)
+    elif train.cross_entropy == "fused":
+        tokens = min(tokens, 256)  # fused linear-CE kernels (Liger) work in small row blocks
+    return tokens * per_token

@@ -1,0 +1,69 @@
+"""Turn plans into the `--json` object (schema: docs/plan-json.md) and the rich table."""
+
+from __future__ import annotations
+
+from shardwise.plan.memory import MemoryPlan
+from shardwise.specs.hardware import HardwareSpec
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.train import TrainSpec
+
+GIB = 2**30
+
+
+def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[MemoryPlan],
+              accounting: str = "engine") -> dict:
+    return {
+        "model": {"name": model.name, "params": model.params, "active_params": model.active_params},
+        "hardware": {
+            "gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes, "gpus": hw.world_size,
+            "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes, "intra": hw.intra.name,
+            "inter": hw.inter.name, "host_memory_bytes": hw.host_memory_bytes,
+        },
+        "train": train.model_dump(mode="json"),
+        "accounting": accounting,
+        "strategies": [
+            {
+                "name": p.strategy.name,
+                "engine": p.strategy.engine,
+                "tp": p.layout.tp,
+                "pp": p.layout.pp,
+                "dp": p.layout.dp,
+                "dp_shard": p.layout.dp_shard,
+                "dp_replicate": p.layout.dp_replicate,
+                "fits": p.fits,
+                "usable_bytes": p.usable_bytes,
+                "memory": p.gpu.as_dict(),
+                "host_memory": p.host.as_dict(),
+            }
+            for p in plans
+        ],
+    }
+
+
+def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[MemoryPlan]):
+    from rich.table import Table
+
+    title = (
+        f"{model.name} ({model.params / 1e9:.2f}B params) on {hw.world_size}× {hw.gpu.name} "
+        f"({hw.gpu.memory_bytes / 1e9:.0f} GB), seq {train.seq_len} × micro-batch {train.micro_batch}"
+        f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
+    )
+    t = Table(title=title, caption="GiB per GPU; total = peak of the step (activations and "
+              "gradients do not peak together); host = CPU RAM per node", title_justify="left")
+    cols = ["strategy", "params", "grads", "master", "optim", "step", "activ", "logits",
+            "buffers", "overhead", "total", "host", "fits"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "strategy" else "right")
+    for p in plans:
+        g = p.gpu
+        fits = "[green]yes[/]" if p.fits else "[red]no[/]"
+        t.add_row(
+            p.strategy.name + (f" tp{p.layout.tp}" if p.layout.tp > 1 else "") + (f" pp{p.layout.pp}" if p.layout.pp > 1 else ""),
+            *(f"{v / GIB:.2f}" for v in (g.params, g.grads, g.master_params, g.optimizer_states,
+                                          g.step_buffers, g.activations, g.logits, g.engine_buffers,
+                                          g.runtime_overhead)),
+            f"[bold]{g.total / GIB:.2f}[/]",
+            f"{p.host.total / GIB:.1f}" if p.host.total else "-",
+            fits,
+        )
+    return t

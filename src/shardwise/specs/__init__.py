@@ -1,0 +1,12 @@
+"""Typed, validated, frozen inputs of the planner and the trainer."""
+
+from shardwise.specs.hardware import GPUSpec, HardwareSpec, LinkSpec
+from shardwise.specs.layout import ParallelLayout
+from shardwise.specs.model import ModelSpec, ParamTensor
+from shardwise.specs.strategy import STRATEGY_NAMES, DeepSpeedKnobs, Strategy
+from shardwise.specs.train import TrainSpec
+
+__all__ = [
+    "GPUSpec", "HardwareSpec", "LinkSpec", "ParallelLayout", "ModelSpec", "ParamTensor",
+    "STRATEGY_NAMES", "DeepSpeedKnobs", "Strategy", "TrainSpec",
+]

@@ -1,0 +1,54 @@
+"""HardwareSpec: GPU, how many, and the links between them (bundled presets + overrides)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shardwise.errors import ShardwiseError
+
+GB = 1e9
+GIB = 2**30
+
+
+class GPUSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    memory_bytes: float = Field(gt=0)
+    bf16_flops: float = Field(ge=0)  # dense peak, no sparsity
+    fp16_flops: float = Field(ge=0)
+    fp32_flops: float = Field(gt=0)
+    hbm_bytes_per_s: float = Field(gt=0)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak for the compute dtype; V100 has no bf16, so bf16 falls back to fp32 rate."""
+        f = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[dtype]
+        return f or self.fp32_flops
+
+
+class LinkSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    bus_bytes_per_s: float = Field(gt=0)  # achievable ring bus bandwidth per GPU, one direction
+    latency_s: float = Field(ge=0)
+
+
+class HardwareSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    gpu: GPUSpec
+    gpus_per_node: int = Field(8, gt=0)
+    nodes: int = Field(1, gt=0)
+    intra: LinkSpec  # between GPUs of one node
+    inter: LinkSpec  # between nodes (unused when nodes == 1)
+    pcie_bytes_per_s: float = Field(25 * GB, gt=0)  # GPU<->host, PCIe 4.0 x16 achievable
+    host_memory_bytes: float = Field(1024 * GB, gt=0)  # per node
+    host_adam_params_per_s: float = Field(1.0e9, gt=0)  # DeepSpeed CPU Adam throughput per node
+
+    @model_validator(mode="after")
+    def _check(self) -> "HardwareSpec":
+        if self.gpus_per_node > 64:
+            raise ShardwiseError(f"gpus_per_node {self.gpus_per_node} is implausible (expected 1..64)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes

@@ -1,0 +1,73 @@
+"""The parallel layout, shared by the planner and the trainer: validated without GPUs.
+
+dp_replicate × dp_shard × tp × pp must equal the world size (torchtitan's ParallelDims).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shardwise.errors import ShardwiseError
+
+
+class ParallelLayout(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    world_size: int = Field(gt=0)
+    dp_shard: int = Field(1, gt=0)  # GPUs a model state is sharded over (ZeRO/FSDP group)
+    dp_replicate: int = Field(1, gt=0)  # replicas of each shard (DDP, HSDP across nodes)
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelLayout":
+        prod = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if prod != self.world_size:
+            raise ShardwiseError(
+                f"parallel layout does not cover the GPUs: dp_replicate {self.dp_replicate} × dp_shard "
+                f"{self.dp_shard} × tp {self.tp} × pp {self.pp} = {prod}, but there are {self.world_size} GPUs"
+            )
+        return self
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def for_strategy(cls, strategy, world_size: int, gpus_per_node: int) -> "ParallelLayout":
+        """Derive the layout a strategy implies on `world_size` GPUs with its TP/PP degrees."""
+        tp, pp = strategy.tp, strategy.pp
+        if world_size % (tp * pp):
+            raise ShardwiseError(
+                f"tp {tp} × pp {pp} = {tp * pp} does not divide the {world_size} GPUs "
+                f"(data-parallel degree would be {world_size / (tp * pp):.3g})"
+            )
+        if tp > gpus_per_node or gpus_per_node % tp:
+            raise ShardwiseError(
+                f"tp {tp} must divide the {gpus_per_node} GPUs of a node (tensor parallelism stays on NVLink)"
+            )
+        dp = world_size // (tp * pp)
+        if strategy.engine == "ddp" or strategy.zero_stage == 0:
+            return cls(world_size=world_size, dp_replicate=dp, tp=tp, pp=pp)
+        if strategy.fsdp_sharding == "hybrid":
+            group = strategy.shard_group or max(1, gpus_per_node // tp)
+            if dp % group:
+                raise ShardwiseError(
+                    f"fsdp-hybrid: shard group of {group} GPUs does not divide the data-parallel degree {dp}"
+                )
+            return cls(world_size=world_size, dp_shard=group, dp_replicate=dp // group, tp=tp, pp=pp)
+        return cls(world_size=world_size, dp_shard=dp, tp=tp, pp=pp)
+
+    def check_model(self, model) -> None:
+        """Refuse layouts the model's shape cannot split."""
+        if model.num_heads % self.tp:
+            raise ShardwiseError(
+                f"tp {self.tp} does not divide the {model.num_heads} attention heads of {model.name}"
+            )
+        if model.num_kv_heads % self.tp and self.tp % model.num_kv_heads:
+            raise ShardwiseError(
+                f"tp {self.tp} and the {model.num_kv_heads} key/value heads of {model.name}: "
+                "neither divides the other"
+            )
+        if self.pp > model.num_layers:
+            raise ShardwiseError(f"pp {self.pp} exceeds the {model.num_layers} layers of {model.name}")

@@ -1,0 +1,41 @@
+"""TrainSpec: the training knobs that change memory, communication and time."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
+Optimizer = Literal["adamw", "sgd", "adam8bit"]
+Checkpointing = Literal["none", "full", "selective"]
+Attention = Literal["eager", "sdpa", "flash"]
+CrossEntropy = Literal["standard", "chunked", "fused"]
+
+
+class TrainSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: int = Field(2048, gt=0, description="tokens per sample")
+    micro_batch: int = Field(1, gt=0, description="samples per GPU per forward")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    precision: Precision = "bf16-mixed"
+    optimizer: Optimizer = "adamw"
+    checkpointing: Checkpointing = "none"
+    attention: Attention = "sdpa"
+    lora_rank: int = Field(0, ge=0, description="0 = full fine-tuning")
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    cross_entropy: CrossEntropy = "standard"
+    ce_chunk: int = Field(1024, gt=0, description="tokens per chunk for chunked cross-entropy")
+
+    @property
+    def compute_dtype(self) -> str:
+        return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16", "fp32": "fp32"}[self.precision]
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
