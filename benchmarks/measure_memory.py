@@ -1,0 +1,81 @@
+"""Regenerate benchmarks/results/measured_model_states.json and measured_activations.json.
+
+    python benchmarks/measure_memory.py            # both
+    python benchmarks/measure_memory.py states     # model states only (2 gloo processes, ~1 min)
+    python benchmarks/measure_memory.py activations
+
+CPU only; the numbers are bytes per rank (model states) and saved-for-backward bytes
+(activations) as shardwise.bench measures them. The planner is never consulted here.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _versions() -> dict[str, str]:
+    import deepspeed
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def model_states() -> dict:
+    from shardwise.bench import worker
+
+    psi = worker.model_params()
+    unit = 4 * psi  # P: one fp32 copy of the model
+    runs = worker.measure_model_states(worker.STRATEGIES)
+    out: dict = {
+        "what": "bytes held per rank after backward of step 2 (and after step 2), by census category; "
+                "2 processes, gloo, CPU, fp32, AdamW (torch), see src/shardwise/bench/census.py",
+        "psi": psi, "P_bytes": unit, "world_size": worker.WORLD,
+        "seq_len": worker.SEQ, "micro_batch": worker.BATCH,
+        "model": {"model_type": "llama", **worker.TINY_LLAMA},
+        "deepspeed_config": {f"zero{s}": worker.ds_config(s) for s in (0, 1, 2, 3)}
+        | {"zero3-nopersist": worker.ds_config(3, 0)},
+        "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": worker.BUCKET * 4 / 2**20},
+        "fsdp": "fully_shard(mesh=cpu(2)) per LlamaDecoderLayer, then the root; reshard_after_forward=True; "
+                "torch.optim.AdamW",
+        "versions": _versions(),
+        "strategies": {},
+    }
+    for name, ranks in runs.items():
+        out["strategies"][name] = [
+            {
+                "rank": r["rank"],
+                "after_backward": r["after_backward"],
+                "after_step": r["after_step"],
+                "after_backward_in_P": {k: round(v / unit, 5) for k, v in r["after_backward"].items()},
+                "after_step_in_P": {k: round(v / unit, 5) for k, v in r["after_step"].items()},
+                "largest_storages_after_backward": r["top_after_backward"],
+            }
+            for r in ranks
+        ]
+    return out
+
+
+def activations() -> dict:
+    from shardwise.bench import saved
+
+    return saved.measure_all()
+
+
+def main(argv: list[str]) -> None:
+    which = argv[1:] or ["states", "activations"]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if "states" in which:
+        (RESULTS / "measured_model_states.json").write_text(json.dumps(model_states(), indent=1) + "\n")
+    if "activations" in which:
+        (RESULTS / "measured_activations.json").write_text(json.dumps(activations(), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
