@@ -1,6 +1,6 @@
 """Build the bundled sample SFT dataset and the offline tokenizer, deterministically.
 
-    python scripts/make_assets.py        # rewrites src/shardwise/assets/{data,tokenizer}
+    python scripts/make_assets.py [OUT]  # rewrites OUT/{data,tokenizer}, default src/shardwise/assets
 
 Everything is generated here (no downloads): small arithmetic, unit, word and list tasks as
 single- and multi-turn chats and alpaca records; then a byte-level BPE trained on that text.
@@ -94,11 +94,11 @@ def alpaca_record(rng: random.Random) -> dict:
     return rec
 
 
-def make_data() -> list[dict]:
+def make_data(assets: Path) -> list[dict]:
     rng = random.Random(SEED)
     records = [chat_record(rng) for _ in range(N_CHAT)] + [alpaca_record(rng) for _ in range(N_ALPACA)]
     rng.shuffle(records)
-    path = ASSETS / "data" / "sft_sample.jsonl"
+    path = assets / "data" / "sft_sample.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return records
@@ -114,7 +114,7 @@ def corpus(records: list[dict]) -> list[str]:
     return [t for t in out if t]
 
 
-def make_tokenizer(records: list[dict]) -> None:
+def make_tokenizer(records: list[dict], assets: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -130,7 +130,7 @@ def make_tokenizer(records: list[dict]) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
                                    pad_token="<|pad|>", extra_special_tokens=SPECIAL[3:], model_max_length=4096)
     fast.chat_template = DEFAULT_CHAT_TEMPLATE
-    out = ASSETS / "tokenizer"
+    out = assets / "tokenizer"
     out.mkdir(parents=True, exist_ok=True)
     for old in out.iterdir():
         old.unlink()
@@ -138,9 +138,10 @@ def make_tokenizer(records: list[dict]) -> None:
 
 
 def main() -> None:
-    records = make_data()
-    make_tokenizer(records)
-    print(f"wrote {len(records)} records and a {VOCAB}-token tokenizer under {ASSETS}")
+    assets = Path(sys.argv[1]) if len(sys.argv) > 1 else ASSETS
+    records = make_data(assets)
+    make_tokenizer(records, assets)
+    print(f"wrote {len(records)} records and a tokenizer (vocab <= {VOCAB}) under {assets}")
 
 
 if __name__ == "__main__":
