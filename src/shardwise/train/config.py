@@ -1,0 +1,231 @@
+"""TrainConfig: the typed YAML of `shardwise train`, validated before any process starts.
+
+Errors name the file, the line, the dotted field, the value given and what is accepted.
+`--set a.b=c` overrides are parsed as YAML scalars and applied before validation, so an
+override is checked exactly like a line of the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shardwise.errors import ShardwiseError, did_you_mean
+from shardwise.specs.strategy import STRATEGY_NAMES
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+
+
+class _Section(BaseModel):
+    # A typo must fail loudly, never silently fall back to a default.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    name: str | None = Field("tiny-llama", description="catalog model built from its config with random init")
+    path: str | None = Field(None, description="local HF directory (config.json + weights); overrides name")
+    random_init: bool = Field(False, description="with `path`: build from its config.json, ignore weights")
+    trust_remote_code: bool = Field(False, description="allow code shipped with the checkpoint to run")
+    attention: Literal["eager", "sdpa"] = Field("sdpa", description="attention kernel")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if not self.name and not self.path:
+            raise ValueError("give model.name (a catalog model) or model.path (a local HF directory)")
+        return self
+
+
+class SyntheticData(_Section):
+    samples: int = Field(256, gt=0, description="number of random sequences")
+    seq_len: int = Field(64, ge=4, description="tokens per sequence")
+    seed: int = Field(1234, description="seed of the token and mask generator")
+
+
+class DataSection(_Section):
+    kind: Literal["sft", "synthetic"] = Field("sft", description="SFT files or seeded random tokens")
+    tokenizer: str | None = Field(None, description="local tokenizer dir (default: the bundled one)")
+    sft: dict[str, Any] = Field(
+        default_factory=dict, description="shardwise.data.DataConfig fields (train_files, max_length, ...)"
+    )
+    synthetic: SyntheticData = SyntheticData()
+
+
+class StrategySection(_Section):
+    name: str = Field("fsdp", description=f"one of {', '.join(STRATEGY_NAMES)}")
+    shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: ranks per shard group")
+    bucket_elements: int | None = Field(
+        None, gt=0, description="DeepSpeed reduce/allgather bucket elements (default: plan's; 1e6 on CPU)"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        key = v.strip().lower()
+        if key not in STRATEGY_NAMES:
+            raise ValueError(f"unknown strategy {v!r}. {did_you_mean(key, STRATEGY_NAMES)}")
+        return key
+
+
+class OptimizerSection(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-4, gt=0, description="peak learning rate")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="set explicitly: torch AdamW's default is 0.01")
+    max_grad_norm: float = Field(1.0, ge=0, description="global-norm clipping; 0 disables")
+    fused: bool | None = Field(None, description="fused AdamW; None = on CUDA only")
+
+
+class ScheduleSection(_Section):
+    kind: Literal["cosine", "linear", "constant", "warmup_decay"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / peak lr (cosine, linear)")
+
+
+class RunSection(_Section):
+    steps: int = Field(100, gt=0, description="optimizer steps")
+    micro_batch: int = Field(4, gt=0, description="sequences per rank per forward")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    seed: int = 0
+    nproc: int = Field(1, gt=0, description="local ranks to launch (ignored under torchrun/deepspeed/srun)")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class CheckpointingSection(_Section):
+    activation: Literal["none", "full"] = Field("none", description="activation checkpointing per layer")
+    output_dir: str = Field("runs/shardwise", description="metrics, TensorBoard and exports go here")
+    save_final: bool = Field(False, description="write consolidated weights (safetensors) at the end")
+
+
+class LoggingSection(_Section):
+    every: int = Field(1, gt=0, description="log every N steps")
+    progress: bool = True
+    tensorboard: bool = True
+    wandb: bool = Field(False, description="also log to Weights & Biases when installed")
+    wandb_project: str = "shardwise"
+
+
+class HardwareSection(_Section):
+    gpu: str = Field("a100-80g", description="catalog GPU the memory check plans for")
+    check_memory: bool | None = Field(None, description="planner OOM check; None = on for CUDA, off for CPU")
+
+
+class TrainConfig(_Section):
+    name: str = "run"
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    strategy: StrategySection = StrategySection()
+    optimizer: OptimizerSection = OptimizerSection()
+    schedule: ScheduleSection = ScheduleSection()
+    precision: Precision = "bf16-mixed"
+    run: RunSection = RunSection()
+    checkpointing: CheckpointingSection = CheckpointingSection()
+    logging: LoggingSection = LoggingSection()
+    hardware: HardwareSection = HardwareSection()
+    source: str = Field("<config>", exclude=True, description="file the config came from (errors)")
+
+    def resolved_device(self) -> str:
+        if self.run.device != "auto":
+            return self.run.device
+        import torch  # only when asked: validation stays torch-free
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """`a.b.c=value`: value parsed as YAML (so `1e-4`, `true`, `[1, 2]` get their types)."""
+    if "=" not in assignment:
+        raise ShardwiseError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set strategy.name=zero3")
+    key, value = assignment.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ShardwiseError(f"--set {assignment!r}: empty key")
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ShardwiseError(f"--set {assignment!r}: {p!r} is a value, not a section")
+        node = nxt
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise ShardwiseError(f"--set {assignment!r}: value is not valid YAML ({e})") from None
+
+
+def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
+    """Map every key path of the YAML document to its 1-based line."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            p = path + (k.value,)
+            out[p] = k.start_mark.line + 1
+            _lines(v, p, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out[path + (i,)] = v.start_mark.line + 1
+            _lines(v, path + (i,), out)
+    return out
+
+
+def _describe(err: dict, source: str, lines: dict[tuple, int]) -> str:
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    where = source
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in lines:
+            where = f"{source}:{lines[loc[:n]]}"
+            break
+    dotted = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        allowed = list(parent.model_fields) if parent else []
+        allowed = [a for a in allowed if a != "source"]
+        return f"{where}: unknown field {dotted!r}. {did_you_mean(str(loc[-1]), allowed)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{where}: field {dotted!r} = {err.get('input')!r}: {msg}"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = TrainConfig
+    for p in loc:
+        field = model.model_fields.get(str(p))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def validate(raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate({**raw, "source": source})
+    except ValidationError as exc:
+        errs = [_describe(e, source, lines or {}) for e in exc.errors()]
+        raise ShardwiseError("invalid config:\n  " + "\n  ".join(errs)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read, override and validate a YAML config; every failure is a ShardwiseError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ShardwiseError(f"{path}: config file not found") from None
+    try:
+        node = yaml.compose(text)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark else ""
+        raise ShardwiseError(f"{path}{at}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ShardwiseError(f"{path}: expected a mapping of sections at the top, got {type(raw).__name__}")
+    for o in overrides:
+        apply_override(raw, o)
+    return validate(raw, str(path), _lines(node) if node is not None else {})

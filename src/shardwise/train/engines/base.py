@@ -1,0 +1,136 @@
+"""The one Engine interface the training loop talks to, and the loss every engine shares.
+
+The loop never asks which engine it drives. Each engine owns: the wrapped model, the
+optimizer, gradient synchronisation, clipping and the parameter update. The loop owns:
+batches, the learning rate value, loss normalisation and logging.
+
+Loss normalisation (the contract every engine implements identically): the loop passes
+`loss_scale = dp_world_size / global_target_tokens`, where `global_target_tokens` counts the
+targets of *all* micro-batches of the optimizer step on *all* ranks. Every backend averages
+gradients over ranks (divides by dp_world_size), so backpropagating `sum(token losses) *
+loss_scale` yields exactly the gradient of the mean loss over the step's target tokens — the
+same gradient a single process computes on the whole global batch. A per-micro-batch or
+per-rank mean (the 2024 gradient-accumulation bug) weights short sequences too much.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits. `world_size` ranks all hold a data-parallel replica or shard."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"  # "cpu" or "cuda"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device, self.local_rank) if self.device == "cuda" else torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One optimizer step = GA × (`sync_grads(last)` + `forward_backward`) then `step`, `zero_grad`."""
+
+    name: str
+    module: torch.nn.Module  # the user's (possibly sharded) model, for state and hooks
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
+        """Forward, backward of `token_loss_sum * loss_scale`; return the detached fp32 loss sum."""
+        ...
+
+    def sync_grads(self, enabled: bool) -> AbstractContextManager[None]:
+        """Context for one micro-batch: `enabled` only on the step's last one (the GA boundary)."""
+        ...
+
+    def step(self) -> float:
+        """Clip to `max_grad_norm`, update parameters; return the global pre-clip gradient norm."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    @property
+    def lr(self) -> float: ...
+
+    def set_lr(self, lr: float) -> None:
+        """Every parameter group gets `lr` (the loop's schedule owns the value, not the engine)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model + optimizer state for resumable checkpoints (engine-native layout)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full, unsharded model weights on CPU on rank 0 (None elsewhere). Collective."""
+        ...
+
+    def close(self) -> None:
+        """Release engine resources (hooks, buffers) so another engine can start in-process."""
+        ...
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropies over target positions, in fp32.
+
+    `labels` are not pre-shifted (the collator's contract): position t predicts labels[t+1].
+    fp32 upcast of the logits: bf16 log-softmax over a large vocabulary loses ~3 digits.
+    """
+    vocab = logits.size(-1)
+    return F.cross_entropy(
+        logits[:, :-1, :].float().reshape(-1, vocab),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Targets of a micro-batch under the shift above (the data pipeline defines the same count)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The keyword arguments of the HF forward. A 2-D all-ones mask is dropped (causal is implied,
+    and dropping it keeps the fast SDPA path); a 4-D packing mask is passed through."""
+    out = {"input_ids": batch["input_ids"].to(device, non_blocking=True)}
+    if "position_ids" in batch:
+        out["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+    mask = batch.get("attention_mask")
+    if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
+        out["attention_mask"] = mask.to(device, non_blocking=True)
+    return out
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: no decay on norms, biases and embeddings (1-D or embedding tensors).
+
+    Built by name so every engine (and a DTensor-sharded model) gets the same split.
+    """
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

@@ -1,0 +1,82 @@
+"""DDP: full replicas, gradients all-reduced (averaged) in buckets during backward."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.specs import Strategy
+from shardwise.train.config import TrainConfig
+from shardwise.train.engines._torch_common import autocast, build_adamw, grad_scaler, set_lr
+from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
+
+
+class DDPEngine:
+    name = "ddp"
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy: Strategy, env: DistEnv):
+        self.cfg, self.env = cfg, env
+        self.module = model.to(env.torch_device)
+        # gradient_as_bucket_view: grads alias the reduce buckets (no second gradient copy).
+        self.ddp = DistributedDataParallel(
+            self.module,
+            device_ids=[env.local_rank] if env.device == "cuda" else None,
+            gradient_as_bucket_view=strategy.gradient_as_bucket_view,
+        )
+        self.optimizer = build_adamw(cfg, self.module, env)
+        self.scaler = grad_scaler(cfg, env)
+        self._sync = True
+
+    def sync_grads(self, enabled: bool):
+        # DDP's own no_sync: skip the all-reduce on all but the last micro-batch.
+        return contextlib.nullcontext() if enabled else self.ddp.no_sync()
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
+        labels = batch["labels"].to(self.env.torch_device)
+        with autocast(self.cfg, self.env):
+            logits = self.ddp(**model_inputs(batch, self.env.torch_device)).logits
+        loss_sum = token_loss_sum(logits, labels)
+        loss = loss_sum * loss_scale
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss_sum.detach()
+
+    def step(self) -> float:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.cfg.optimizer.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return float(norm)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if not self.env.is_main:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def close(self) -> None:
+        del self.ddp

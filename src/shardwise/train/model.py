@@ -1,0 +1,73 @@
+"""Build the HF causal LM: a catalog model from its config (random init) or a local checkpoint.
+
+`check_model_source` is torch-free and runs before ranks start; `build_model` runs per rank
+under the same seed, so every rank (and a single-process reference) starts from equal weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.errors import ShardwiseError
+from shardwise.train.config import ModelSection
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")  # fmt: skip
+
+
+def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
+    """Refuse a bad model before any process starts (missing dir/config/weights, remote code)."""
+    if cfg.path is None:
+        from shardwise.catalog import get_model
+
+        get_model(cfg.name or "")  # raises with the valid names
+        return
+    p = Path(cfg.path)
+    if not p.is_dir():
+        raise ShardwiseError(f"{source}: model.path {cfg.path!r} is not a directory (expected a local HF model dir)")
+    if not (p / "config.json").is_file():
+        raise ShardwiseError(f"{source}: model.path {cfg.path!r} has no config.json")
+    if not cfg.random_init and not any((p / f).is_file() for f in WEIGHT_FILES):
+        raise ShardwiseError(
+            f"{source}: model.path {cfg.path!r} has no weights (expected one of {', '.join(WEIGHT_FILES)}); "
+            "set model.random_init: true to train from its config with random weights"
+        )
+    import json
+
+    auto_map = json.loads((p / "config.json").read_text()).get("auto_map")
+    if auto_map and not cfg.trust_remote_code:
+        raise ShardwiseError(
+            f"{source}: model.path {cfg.path!r} ships its own code (config.json auto_map); "
+            "set model.trust_remote_code: true only if you trust it"
+        )
+
+
+def model_spec(cfg: ModelSection):
+    """The planner's ModelSpec of the configured model (for the memory check and MFU)."""
+    from shardwise.specs import ModelSpec
+
+    if cfg.path is None:
+        from shardwise.catalog import get_model
+
+        return get_model(cfg.name or "")
+    return ModelSpec.from_hf_config(cfg.path)
+
+
+def build_model(cfg: ModelSection, seed: int):
+    """fp32 master weights on CPU; engines move, cast and shard them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)  # the init is part of the result: seeded identically on every rank
+    kw = {"attn_implementation": cfg.attention, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.path is None:
+        d = dict(model_spec(cfg).to_hf_dict())
+        hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
+    elif cfg.random_init:
+        hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, **kw)
+    model.config.use_cache = False  # no KV cache in training
+    return model

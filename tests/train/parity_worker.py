@@ -1,0 +1,65 @@
+"""One rank of the parity runs: trains every requested (strategy, grad_accum) in turn.
+
+Run by tests/train/test_parity.py through `shardwise.train.launch.spawn`; rank 0 writes one
+`<strategy>-ga<N>.pt` per run with the loss curve and the consolidated final weights.
+All runs share one process launch (interpreter and import cost paid once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from shardwise.train.config import TrainConfig
+from shardwise.train.launch import init_distributed
+from shardwise.train.loop import train
+
+GLOBAL_BATCH = 4  # sequences per optimizer step, fixed across world sizes and accumulation
+STEPS = 8
+
+
+def parity_config(strategy: str, world: int, grad_accum: int, model: str = "tiny-llama") -> TrainConfig:
+    micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
+    assert rest == 0, "global batch must split evenly"
+    return TrainConfig.model_validate({
+        "model": {"name": model, "attention": "eager"},
+        "data": {"kind": "synthetic", "synthetic": {"samples": GLOBAL_BATCH * STEPS, "seq_len": 32, "seed": 7}},
+        "strategy": {"name": strategy},
+        # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
+        "schedule": {"kind": "cosine", "warmup_steps": 2},
+        "precision": "fp32",
+        "run": {"steps": STEPS, "micro_batch": micro, "grad_accum": grad_accum, "seed": 3, "device": "cpu"},
+        "logging": {"progress": False, "tensorboard": False},
+    })
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", nargs="+", required=True, help="strategy:ga pairs")
+    ap.add_argument("--model", default="tiny-llama")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    out = Path(args.out)
+    for run in args.runs:
+        strategy, ga = run.split(":")
+        cfg = parity_config(strategy, env.world_size, int(ga), args.model)
+        res = train(cfg, env, export_weights=True)
+        if env.is_main:
+            torch.save(
+                {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records],
+                 "weights": res.final_weights},  # fmt: skip
+                out / f"{args.model}-{strategy}-ga{ga}-w{env.world_size}.pt",
+            )
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
