@@ -1,0 +1,198 @@
+"""Saved-for-backward bytes of one forward, deduplicated by storage (single process, CPU).
+
+Two independent measurements:
+
+* `saved_activation_bytes`: every tensor autograd packs for backward passes through a
+  `saved_tensors_hooks` pack hook; we sum the *storages* (a view saved by three ops is one
+  buffer — without dedupe the sum is ~37% too high) and skip parameter/buffer storages and
+  the batch. Non-reentrant checkpointing saves each checkpointed region's inputs through
+  `_NoopSaveInputs.save_for_backward` outside its own hook, so the outer hook sees exactly
+  what a checkpointed forward keeps.
+* `live_forward_bytes`: a TorchDispatchMode records a weak reference to the storage of every
+  op output during forward; afterwards the storages still alive (minus params, the batch and
+  the model output) are what the forward left behind. A cross-check of the first.
+
+bf16: the model's weights are cast to bf16 (`model.to(torch.bfloat16)`), which is how
+DeepSpeed's bf16 mode and FSDP2 `MixedPrecisionPolicy(param_dtype=bf16)` run the forward:
+activations in bf16, RMSNorm internals upcast to fp32 by the HF code. `torch.autocast`
+(fp32 weights) is measured separately as "bf16-autocast": there the residual stream stays
+fp32 and autocast's bf16 weight copies are saved by every linear, a different layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from shardwise.bench.census import storage_key
+
+SEQ, BATCH = 128, 2
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama: MHA, untied, no bias.
+    "tiny-llama": dict(model_type="llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+                       intermediate_size=344, vocab_size=2048, tie_word_embeddings=False,
+                       max_position_embeddings=512),
+    # Qwen2: GQA (4 q heads, 2 kv heads), tied embeddings, q/k/v bias.
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=344, vocab_size=2048, tie_word_embeddings=True,
+                       max_position_embeddings=512),
+}
+PRECISIONS = ("fp32", "bf16", "bf16-autocast")
+
+
+def _model_keys(model: torch.nn.Module, extra: Iterable[torch.Tensor]) -> set[int]:
+    keys = set()
+    for t in [*model.parameters(), *model.buffers(), *extra]:
+        k = storage_key(t)
+        if k:
+            keys.add(k[0])
+    return keys
+
+
+def _autocast(precision: str):
+    if precision == "bf16-autocast":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def saved_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                           precision: str = "fp32") -> int:
+    """Bytes autograd saves for backward in one forward of `model(**batch)` (storage-deduped,
+    parameters, buffers and batch excluded). `precision` only selects autocast; cast the
+    model yourself for bf16 weights."""
+    skip = _model_keys(model, batch.values())
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        k = storage_key(t)
+        if k and k[0] not in skip:
+            seen[k[0]] = max(seen.get(k[0], 0), k[1])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(precision):
+        out = model(**batch)
+    total = sum(seen.values())
+    del out  # the saved tensors stay alive (no ptr reuse) until the sum is taken
+    return total
+
+
+class _OutputRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st.nbytes():
+                    self.refs[st.data_ptr()] = (StorageWeakRef(st), st.nbytes())
+        return out
+
+
+def live_forward_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], precision: str = "fp32",
+                       keep_output: bool = False) -> int:
+    """Bytes of op outputs still alive after one forward (what the graph keeps). The model
+    output (logits, loss) is excluded unless `keep_output`."""
+    skip = _model_keys(model, batch.values())
+    rec = _OutputRecorder()
+    with rec, _autocast(precision):
+        out = model(**batch)
+    if not keep_output:
+        skip |= {k[0] for t in tree_flatten(dict(out))[0] if isinstance(t, torch.Tensor)
+                 if (k := storage_key(t))}
+    total = sum(n for ptr, (ref, n) in rec.refs.items() if ptr not in skip and not ref.expired())
+    del out
+    return total
+
+
+def build_model(shape: str, layers: int, precision: str, attention: str, checkpointing: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(d.pop("model_type"), num_hidden_layers=layers, **d)
+    cfg._attn_implementation = attention
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()  # HF checkpoints only in training mode; no dropout in these configs
+
+
+def make_batch(vocab: int, labels: bool = False, seq: int = SEQ, batch: int = BATCH) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()} if labels else {"input_ids": ids}
+
+
+def measure_case(shape: str, precision: str, attention: str, checkpointing: str,
+                 layers: tuple[int, int] = (2, 4),
+                 method: Callable[..., int] = saved_activation_bytes) -> dict[str, Any]:
+    """Totals at two depths and the per-layer difference (same shape, so everything outside
+    the decoder layers cancels)."""
+    vocab = SHAPES[shape]["vocab_size"]
+    totals = {}
+    for L in layers:
+        model = build_model(shape, L, precision, attention, checkpointing)
+        totals[L] = method(model, make_batch(vocab), precision=precision)
+    lo, hi = layers
+    per_layer = (totals[hi] - totals[lo]) / (hi - lo)
+    sbh = SEQ * BATCH * SHAPES[shape]["hidden_size"]
+    return {"totals": {str(k): v for k, v in totals.items()}, "per_layer": per_layer,
+            "per_layer_over_sbh": per_layer / sbh, "outside_layers": totals[lo] - lo * per_layer}
+
+
+def loss_side_bytes(shape: str, precision: str, layers: int = 2) -> dict[str, int]:
+    """What the loss adds in forward: saved bytes and live bytes with labels minus without."""
+    vocab = SHAPES[shape]["vocab_size"]
+    out: dict[str, int] = {}
+    for name, fn in (("saved", saved_activation_bytes), ("live", live_forward_bytes)):
+        vals = []
+        for labels in (False, True):
+            model = build_model(shape, layers, precision, "sdpa", "none")
+            kw = {"keep_output": True} if fn is live_forward_bytes else {}
+            vals.append(fn(model, make_batch(vocab, labels=labels), precision=precision, **kw))
+        out[name] = vals[1] - vals[0]
+    return out
+
+
+def measure_all() -> dict[str, Any]:
+    """Every case recorded in benchmarks/results/measured_activations.json."""
+    import transformers
+
+    torch.set_num_threads(1)
+    cases = []
+    for shape in SHAPES:
+        for precision in PRECISIONS:
+            for attention in ("sdpa", "eager"):
+                for ckpt in ("none", "full"):
+                    r = measure_case(shape, precision, attention, ckpt)
+                    live = measure_case(shape, precision, attention, ckpt, method=live_forward_bytes)
+                    cases.append({"shape": shape, "precision": precision, "attention": attention,
+                                  "checkpointing": ckpt, **r,
+                                  "live_cross_check": {"totals": live["totals"], "per_layer": live["per_layer"]}})
+    loss = [{"shape": s, "precision": p, **loss_side_bytes(s, p)} for s in SHAPES for p in PRECISIONS]
+    return {
+        "what": "saved-for-backward bytes of one forward WITHOUT labels (storage-deduped; params, buffers "
+                "and input_ids excluded), at L=2 and L=4 layers; per_layer = (L4 - L2) / 2",
+        "seq_len": SEQ, "micro_batch": BATCH,
+        "shapes": {k: {**v, "head_dim": v["hidden_size"] // v["num_attention_heads"]} for k, v in SHAPES.items()},
+        "precision_notes": {"fp32": "fp32 weights and compute",
+                            "bf16": "weights cast to bf16 (as DeepSpeed bf16 / FSDP2 param_dtype=bf16 run forward)",
+                            "bf16-autocast": "fp32 weights under torch.autocast('cpu', bfloat16)"},
+        "checkpointing_notes": "full = model.gradient_checkpointing_enable(use_reentrant=False), train mode",
+        "transformers": transformers.__version__, "torch": torch.__version__,
+        "cases": cases,
+        "loss_side": {"what": "bytes the loss adds to one forward (labels minus no labels, L=2, sdpa): "
+                              "'saved' = saved-for-backward, 'live' = all live op outputs incl. logits",
+                      "tokens": SEQ * BATCH, "cases": loss},
+    }
