@@ -83,13 +83,13 @@ def model_states(
     n = layout.dp_shard
     per_node = max(1, min(layout.world_size, 8))  # GPUs sharing one host (planner default)
     if accounting == "paper":
-        return _paper(psi, n, strategy), HostBreakdown()
+        return paper_model_states(psi, n, strategy), HostBreakdown()
     if accounting == "deepspeed":
         return _deepspeed_estimator(model, psi, n, strategy, layout, per_node)
     return _engine(model, train, strategy, layout, psi, n, per_node)
 
 
-def _paper(psi: float, n: int, s: Strategy) -> MemoryBreakdown:
+def paper_model_states(psi: float, n: int, s: Strategy) -> MemoryBreakdown:
     """ZeRO paper §5: 2Ψ fp16 params + 2Ψ fp16 grads + KΨ (K = 12: fp32 params 4, Adam 8)."""
     stage = s.zero_stage if s.zero_stage is not None else {"full": 3, "hybrid": 3, "grad-op": 2}.get(s.fsdp_sharding, 0)
     opt_on_gpu = 0 if s.offload_optimizer else 1

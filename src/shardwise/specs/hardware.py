@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
+from shardwise.specs.base import Spec
 
 GB = 1e9
 GIB = 2**30
 
 
-class GPUSpec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class GPUSpec(Spec):
     name: str
     memory_bytes: float = Field(gt=0)
     bf16_flops: float = Field(ge=0)  # dense peak, no sparsity
@@ -25,15 +25,13 @@ class GPUSpec(BaseModel):
         return f or self.fp32_flops
 
 
-class LinkSpec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class LinkSpec(Spec):
     name: str
     bus_bytes_per_s: float = Field(gt=0)  # achievable ring bus bandwidth per GPU, one direction
     latency_s: float = Field(ge=0)
 
 
-class HardwareSpec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class HardwareSpec(Spec):
     gpu: GPUSpec
     gpus_per_node: int = Field(8, gt=0)
     nodes: int = Field(1, gt=0)

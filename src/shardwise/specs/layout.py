@@ -5,13 +5,13 @@ dp_replicate × dp_shard × tp × pp must equal the world size (torchtitan's Par
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
+from shardwise.specs.base import Spec
 
 
-class ParallelLayout(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ParallelLayout(Spec):
 
     world_size: int = Field(gt=0)
     dp_shard: int = Field(1, gt=0)  # GPUs a model state is sharded over (ZeRO/FSDP group)

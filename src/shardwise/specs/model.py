@@ -11,14 +11,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
+from shardwise.specs.base import Spec
 
 Family = Literal["llama", "mistral", "mixtral", "qwen2"]
 
 
-class ParamTensor(BaseModel):
+class ParamTensor(Spec):
     """One module's direct parameters (weight, optional bias), `count` times (e.g. per layer).
 
     Kept per module because DeepSpeed's estimators size "the largest layer" by a module's
@@ -26,7 +27,6 @@ class ParamTensor(BaseModel):
     `stage3_param_persistence_threshold` elements whole on every rank.
     """
 
-    model_config = ConfigDict(frozen=True)
     name: str
     weight: int
     bias: int = 0
@@ -38,10 +38,9 @@ class ParamTensor(BaseModel):
         return self.weight + self.bias
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(Spec):
     """A decoder-only transformer (Llama family: RMSNorm, RoPE, SwiGLU, optional GQA/MoE)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = "custom"
     family: Family = "llama"

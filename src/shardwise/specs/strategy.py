@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from shardwise.errors import ShardwiseError, did_you_mean
+from shardwise.specs.base import Spec
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 
@@ -29,11 +30,10 @@ _TABLE: dict[str, tuple[Engine, int | None, str | None, bool, bool]] = {
 STRATEGY_NAMES: tuple[str, ...] = tuple(_TABLE)
 
 
-class DeepSpeedKnobs(BaseModel):
+class DeepSpeedKnobs(Spec):
     """DeepSpeed ZeRO config keys that change memory or traffic (defaults = DeepSpeed 0.19's,
     `deepspeed/runtime/zero/config.py`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     reduce_bucket_size: int = Field(500_000_000, gt=0)
     allgather_bucket_size: int = Field(500_000_000, gt=0)
     overlap_comm: bool | None = None  # None = DeepSpeed's default: True for stage 3 only
@@ -49,8 +49,7 @@ class DeepSpeedKnobs(BaseModel):
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
 
 
-class Strategy(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class Strategy(Spec):
 
     name: str
     engine: Engine

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from shardwise.specs.base import Spec
 
 Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 Optimizer = Literal["adamw", "sgd", "adam8bit"]
@@ -13,8 +15,7 @@ Attention = Literal["eager", "sdpa", "flash"]
 CrossEntropy = Literal["standard", "chunked", "fused"]
 
 
-class TrainSpec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class TrainSpec(Spec):
 
     seq_len: int = Field(2048, gt=0, description="tokens per sample")
     micro_batch: int = Field(1, gt=0, description="samples per GPU per forward")

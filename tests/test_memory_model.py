@@ -1,0 +1,204 @@
+"""Hand-derived checks of the memory model: the ZeRO paper's figures, DeepSpeed's own
+estimators, and monotonic trends. Expected values are computed here from the papers'
+formulas, never copied from the planner's output."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from shardwise import catalog
+from shardwise.plan.memory import model_states, paper_model_states, plan_memory
+from shardwise.specs import STRATEGY_NAMES, ParallelLayout, Strategy, TrainSpec
+
+GB = 1e9
+
+
+@pytest.mark.parametrize(
+    "name, expected_gb",
+    [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)],
+)
+def test_zero_paper_check(name, expected_gb):
+    # ZeRO paper §5 / Figure 1: Ψ = 7.5B, N = 64, K = 12.
+    got = paper_model_states(7.5e9, 64, Strategy.from_name(name)).model_states
+    assert round(got / GB, 1) == expected_gb
+
+
+def test_paper_accounting_formulas_on_catalog_model():
+    m = catalog.get_model("llama-2-13b")
+    hw = catalog.build_hardware(gpus=16, gpus_per_node=8)
+    psi, n = m.params, 16
+    expect = {
+        "ddp": (2 + 2 + 12) * psi,
+        "zero1": 2 * psi + 2 * psi + 12 * psi / n,
+        "zero2": 2 * psi + (2 + 12) * psi / n,
+        "zero3": 16 * psi / n,
+        "fsdp": 16 * psi / n,
+    }
+    for name, bytes_ in expect.items():
+        plan = plan_memory(m, hw, TrainSpec(), Strategy.from_name(name), accounting="paper")
+        assert plan.gpu.model_states == pytest.approx(bytes_, rel=1e-12)
+
+
+# ---- DeepSpeed's own estimators ------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    """qwen2.5-0.5b shape (tied embeddings) with real (uninitialised) bf16 storage:
+    `_all_live` dedupes parameters by data_ptr, which is 0 on the meta device."""
+    spec = catalog.get_model("qwen2.5-0.5b")
+    cfg = transformers.AutoConfig.for_model(**spec.to_hf_dict())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    return spec, model
+
+
+def _printed_rows(text: str) -> dict[str, tuple[float, float]]:
+    """Parse DeepSpeed's table: '  0.92GB |   1.95GB | offload_optimizer=none' (GiB)."""
+    rows = {}
+    for cpu, gpu, opts in re.findall(r"([\d.]+)GB \|\s+([\d.]+)GB \| (.+)", text):
+        key = re.sub(r"\s+", "", opts).replace("OffloadDeviceEnum.", "")  # enum repr varies by version
+        rows[key] = (float(cpu) * 2**30, float(gpu) * 2**30)
+    return rows
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_matches_deepspeed_zero2_estimator(real_model, capsys, gpus):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+
+    spec, model = real_model
+    estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node=gpus, num_nodes=1)
+    rows = _printed_rows(capsys.readouterr().out)
+    hw = catalog.build_hardware(gpus=gpus)
+    train = TrainSpec()
+    plain = plan_memory(spec, hw, train, Strategy.from_name("zero2"), accounting="deepspeed").gpu
+    off = plan_memory(spec, hw, train, Strategy.from_name("zero2+opt-offload"), accounting="deepspeed")
+    half_cent = 0.005 * 2**30  # DeepSpeed prints 2 decimals
+    assert plain.model_states + plain.step_buffers == pytest.approx(rows["offload_optimizer=none"][1], abs=half_cent)
+    assert off.gpu.model_states == pytest.approx(rows["offload_optimizer=cpu"][1], abs=half_cent)
+    assert off.host.total == pytest.approx(rows["offload_optimizer=cpu"][0], abs=half_cent)
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+def test_matches_deepspeed_zero3_estimator(real_model, capsys, gpus):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+
+    spec, model = real_model
+    estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=gpus, num_nodes=1)
+    rows = _printed_rows(capsys.readouterr().out)
+    hw = catalog.build_hardware(gpus=gpus)
+    half_cent = 0.005 * 2**30
+    cases = {
+        "zero3": "offload_param=none,offload_optimizer=none,zero_init=1",
+        "zero3+opt-offload": "offload_param=none,offload_optimizer=cpu,zero_init=1",
+        "zero3+full-offload": "offload_param=cpu,offload_optimizer=cpu,zero_init=1",
+    }
+    for name, key in cases.items():
+        p = plan_memory(spec, hw, TrainSpec(), Strategy.from_name(name), accounting="deepspeed")
+        g = p.gpu
+        assert g.model_states + g.step_buffers + g.engine_buffers == pytest.approx(rows[key][1], abs=half_cent), name
+        if name != "zero3":
+            assert p.host.total == pytest.approx(rows[key][0], abs=half_cent), name
+
+
+# ---- trends -------------------------------------------------------------------------------
+
+MODELS = ["llama-2-7b", "llama-3.1-70b", "mixtral-8x7b", "qwen2.5-0.5b", "qwen2.5-72b"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("accounting", ["engine", "paper"])
+def test_higher_stage_never_more_model_states(model, accounting):
+    m = catalog.get_model(model)
+    hw = catalog.build_hardware(gpus=16, gpus_per_node=8)
+    for ga in (1, 4):
+        train = TrainSpec(grad_accum=ga)
+        states = [
+            plan_memory(m, hw, train, Strategy.from_name(f"zero{k}"), accounting=accounting).gpu.model_states
+            for k in range(4)
+        ]
+        assert states == sorted(states, reverse=True), states
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGY_NAMES if n not in ("ddp", "zero0")])
+def test_more_gpus_never_more_sharded_state(name):
+    m = catalog.get_model("llama-2-13b")
+    last = None
+    for gpus in (2, 4, 8, 16, 32, 64):
+        hw = catalog.build_hardware(gpus=gpus, gpus_per_node=min(gpus, 8))
+        g = plan_memory(m, hw, TrainSpec(), Strategy.from_name(name)).gpu
+        sharded = g.model_states + g.step_buffers
+        if last is not None:
+            assert sharded <= last
+        last = sharded
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_checkpointing_never_more_activations(model, attention):
+    m = catalog.get_model(model)
+    hw = catalog.build_hardware()
+    for seq in (512, 4096):
+        acts = {
+            ck: plan_memory(m, hw, TrainSpec(seq_len=seq, checkpointing=ck, attention=attention),
+                            Strategy.from_name("fsdp")).gpu.activations
+            for ck in ("none", "selective", "full")
+        }
+        assert acts["none"] >= acts["selective"] >= acts["full"]
+
+
+def test_activations_scale_linearly_with_micro_batch_and_shrink_with_tp():
+    m = catalog.get_model("llama-2-70b")
+    hw = catalog.build_hardware()
+    a1 = plan_memory(m, hw, TrainSpec(micro_batch=1), Strategy.from_name("zero3")).gpu.activations
+    a4 = plan_memory(m, hw, TrainSpec(micro_batch=4), Strategy.from_name("zero3")).gpu.activations
+    assert a4 == pytest.approx(4 * a1)
+    t2 = plan_memory(m, hw, TrainSpec(), Strategy.from_name("zero3", tp=2)).gpu.activations
+    assert t2 < a1
+
+
+def test_offload_moves_states_to_host():
+    m = catalog.get_model("llama-2-70b")
+    hw = catalog.build_hardware()
+    on = plan_memory(m, hw, TrainSpec(), Strategy.from_name("zero3"))
+    off = plan_memory(m, hw, TrainSpec(), Strategy.from_name("zero3+opt-offload"))
+    full = plan_memory(m, hw, TrainSpec(), Strategy.from_name("zero3+full-offload"))
+    assert off.gpu.total < on.gpu.total and full.gpu.total < off.gpu.total
+    # what leaves the GPU lands on the host: fp32 master + Adam (12 bytes) + fp32 grads (4) per param per GPU
+    assert off.host.total == pytest.approx(16 * m.params / 8 * 8)
+
+
+def test_lora_needs_far_less_than_full():
+    m = catalog.get_model("llama-2-7b")
+    hw = catalog.build_hardware(gpus=1)
+    full = plan_memory(m, hw, TrainSpec(), Strategy.from_name("ddp")).gpu
+    lora = plan_memory(m, hw, TrainSpec(lora_rank=16), Strategy.from_name("ddp")).gpu
+    assert lora.model_states < full.model_states / 5
+    # base weights frozen in bf16: 2 bytes per parameter at least
+    assert lora.params >= 2 * m.params
+
+
+def test_chunked_cross_entropy_cuts_logits():
+    m = catalog.get_model("llama-3.1-8b")
+    hw = catalog.build_hardware()
+    std = plan_memory(m, hw, TrainSpec(seq_len=8192, micro_batch=2), Strategy.from_name("fsdp")).gpu.logits
+    chunk = plan_memory(m, hw, TrainSpec(seq_len=8192, micro_batch=2, cross_entropy="chunked"),
+                        Strategy.from_name("fsdp")).gpu.logits
+    # b·s·V = 2·8192·128256 tokens×vocab: the fp32 log-softmax alone is 4 bytes each
+    assert std >= 4 * 2 * 8192 * 128256
+    assert chunk < std / 10
+
+
+def test_fits_uses_margin():
+    m = catalog.get_model("llama-2-7b")
+    big = plan_memory(m, catalog.build_hardware(gpu="a100-80g"), TrainSpec(), Strategy.from_name("ddp"))
+    assert not big.fits and big.gpu.total > 0.95 * 80e9
+    small = plan_memory(m, catalog.build_hardware(gpu="h200"), TrainSpec(), Strategy.from_name("fsdp"))
+    assert small.fits
