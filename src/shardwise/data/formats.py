@@ -1,8 +1,10 @@
 """Record formats (alpaca, chat, ShareGPT, plain text) and file loading with exact locations.
 
-Files are read through `datasets` (Arrow, cached, Parquet for free). Arrow cannot say which
-*line* broke, so when `datasets` refuses a JSON file we re-read it with the standard library
-to name the file and line; every record keeps a "file:line" location for later errors.
+Parquet is read through `datasets` (Arrow). JSON and JSONL are parsed with the standard
+library on purpose: `datasets` 5.2 *segfaults* on a JSONL line that is `null` (found by the
+property test; a crash cannot be turned into a user error), its Arrow schema inference
+coerces types across records (5 -> 5.0, missing keys -> None) and its errors name no line.
+Every record keeps a "file:line" (or "file:row N") location for later errors.
 """
 
 from __future__ import annotations
@@ -161,28 +163,24 @@ def resolve_files(patterns: list[str], *, where: str) -> list[Path]:
     return out
 
 
-def _is_array(path: Path) -> bool:
-    with path.open("rb") as fh:
-        head = fh.read(4096).lstrip()
-    return head.startswith(b"[")
-
-
 def _parse_stdlib(path: Path, on_error: OnError, report: LoadReport) -> list[tuple[Any, int]]:
     """(record, line) pairs read with the standard library, with line-exact JSON errors."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # tolerate a BOM
     except UnicodeDecodeError as exc:
         raise ShardwiseError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}).") from exc
     if text.lstrip().startswith("["):
         return _parse_array(path, text)
     out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # split("\n"), not splitlines(): JSON strings may hold raw U+2028 and friends.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             out.append((json.loads(line), lineno))
         except json.JSONDecodeError as exc:
-            err = ShardwiseError(f"{path}:{lineno}: malformed JSON: {exc.msg} at column {exc.colno}.")
+            err = ShardwiseError(f"{path}:{lineno}: malformed JSON: {exc.msg} at column {exc.colno} "
+                                 "(expected one JSON object per line, or a JSON array of objects).")
             if on_error == "raise":
                 raise err from exc
             report.skip(err)
@@ -197,54 +195,43 @@ def _parse_array(path: Path, text: str) -> list[tuple[Any, int]]:
     except json.JSONDecodeError as exc:
         raise ShardwiseError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg} at column {exc.colno}.") from exc
     out, pos = [], text.index("[") + 1
+    line, counted = 1, 0  # newlines counted incrementally: linear in the file size
     while True:
         while text[pos] in " \t\r\n,":
             pos += 1
         if text[pos] == "]":
             return out
         obj, end = dec.raw_decode(text, pos)
-        out.append((obj, text.count("\n", 0, pos) + 1))
+        line += text.count("\n", counted, pos)
+        counted = pos
+        out.append((obj, line))
         pos = end
 
 
-def _line_numbers(path: Path) -> list[int]:
-    """Line numbers of the records `datasets` returns for ``path``, in order."""
-    if path.suffix.lower() == ".parquet":
-        return []  # rows, not lines
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        return [line for _, line in _parse_array(path, text)]
-    return [i for i, line in enumerate(text.splitlines(), start=1) if line.strip()]  # Arrow skips blank lines
-
-
 class _Locator:
-    """Lazy "file:line" for record i: only computed when an error must name it."""
+    """"file:line" (JSON) or "file:row N" (Parquet) of record i."""
 
     def __init__(self, path: Path, lines: list[int] | None = None):
         self.path, self._lines = path, lines
 
     def __call__(self, i: int) -> str:
-        if self.path.suffix.lower() == ".parquet":
+        if self._lines is None:  # Parquet: rows, not lines
             return f"{self.path}:row {i + 1}"
-        if self._lines is None:
-            self._lines = _line_numbers(self.path)
-        return f"{self.path}:{self._lines[i] if i < len(self._lines) else '?'}"
+        return f"{self.path}:{self._lines[i]}"
 
 
 def read_file(path: Path, on_error: OnError, report: LoadReport) -> tuple[list[Any], _Locator]:
     """All raw records of one file, plus their locator."""
+    if path.suffix.lower() != ".parquet":
+        pairs = _parse_stdlib(path, on_error, report)
+        return [rec for rec, _ in pairs], _Locator(path, [line for _, line in pairs])
     import datasets
 
     datasets.disable_progress_bars()
-    builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(path)], split="train")
-        return ds.to_list(), _Locator(path)
-    except Exception as exc:  # Arrow's error names no line: find it ourselves below
-        if builder == "parquet":
-            raise ShardwiseError(f"{path}: cannot read Parquet: {exc}") from exc
-    pairs = _parse_stdlib(path, on_error, report)
-    return [rec for rec, _ in pairs], _Locator(path, [line for _, line in pairs])
+        return datasets.load_dataset("parquet", data_files=[str(path)], split="train").to_list(), _Locator(path)
+    except Exception as exc:
+        raise ShardwiseError(f"{path}: cannot read Parquet: {exc}") from exc
 
 
 def iter_examples(paths: list[Path], fmt: str, fields: dict[str, str], on_error: OnError,
