@@ -31,8 +31,10 @@ def attention_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
             # k, v repeated to all heads (repeat_kv copies), softmax in fp32 saved (4·a·s per token)
             # and its cast back to c (unless fp32) saved by the value matmul; no logsumexp.
             core = c * 3 * q + 4 * heads * s + (c * heads * s if c != 4 else 0)
-    # o_proj saves its input: the attention output made contiguous after the head transpose.
-    return core + c * q
+    # o_proj saves its input. With SDPA/flash the kernel's output is already laid out
+    # [b, s, heads, d], so HF's transpose(1, 2).contiguous() is free and o_proj's input is the
+    # storage SDPA saved (measured: one copy). Eager's matmul output needs a real copy.
+    return core + (c * q if train.attention == "eager" or train.checkpointing == "selective" else 0)
 
 
 def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
@@ -59,15 +61,27 @@ def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 
     per_layer = layer_saved_per_token(model, train, tp)
     c, h = train.compute_bytes, model.hidden_size
     if train.checkpointing == "full":
-        # Only each layer's input is kept (c·h per token) plus one layer's full set while it is
-        # recomputed in backward (Korthikanti et al. §4.1: 2sbh per layer in 16-bit).
-        body = layers * c * h + per_layer
+        # Only each layer's input is kept (Korthikanti et al. §4.1: 2sbh per layer in 16-bit);
+        # the layer recomputed in backward is `recompute_bytes`.
+        body = layers * c * h
     else:
         body = layers * per_layer
     final_norm = rmsnorm_saved(c, h)  # its output feeds lm_head
     # 1F1B keeps up to pp micro-batches in flight on the first stage (Megatron's 1F1B schedule).
     in_flight = pp if pp > 1 else 1
     return tokens * (body + final_norm) * in_flight
+
+
+def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
+    """With checkpointing, backward recomputes one layer at a time: its full saved set is live
+    on top of the kept checkpoints (full) or its attention core is (selective)."""
+    tokens = train.micro_batch * train.seq_len
+    if train.checkpointing == "full":
+        return tokens * layer_saved_per_token(model, train.model_copy(update={"checkpointing": "none"}), tp)
+    if train.checkpointing == "selective":
+        full = attention_saved(model, train.model_copy(update={"checkpointing": "none"}), tp)
+        return tokens * (full - attention_saved(model, train, tp))
+    return 0.0
 
 
 def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:

@@ -21,6 +21,7 @@ class MemoryBreakdown:
     optimizer_states: float = 0.0
     step_buffers: float = 0.0
     activations: float = 0.0
+    recompute: float = 0.0  # checkpointing: one layer re-materialised during backward
     logits: float = 0.0
     engine_buffers: float = 0.0
     runtime_overhead: float = 0.0
@@ -37,7 +38,7 @@ class MemoryBreakdown:
         inside the optimizer step. Gradients of the previous micro-batch are held during
         forward only under accumulation (step k's grads are freed before step k+1)."""
         always = self.params + self.master_params + self.optimizer_states + self.engine_buffers
-        forward = self.activations + self.logits + (self.grads if self.grads_held else 0.0)
+        forward = self.activations + self.recompute + self.logits + (self.grads if self.grads_held else 0.0)
         backward = self.grads + self.step_buffers
         return always + max(forward, backward) + self.runtime_overhead
 

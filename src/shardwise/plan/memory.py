@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardwise.plan.activations import activation_bytes, logits_bytes
+from shardwise.plan.activations import activation_bytes, logits_bytes, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.layout import ParallelLayout
@@ -192,9 +192,14 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
     # Stage 3: params partitioned except small persistent ones; the working set is the layer in
     # flight plus the prefetch bucket (bounded by max_live_parameters); grads reduce through
     # the ipg bucket.
+    # Persistent params are held whole *and* keep their 1/N `ds_tensor` partition (measured:
+    # benchmarks/results/measured_model_states.json, zero3 vs zero3-nopersist).
     persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
     live = min(ds.max_live_parameters, layer + min(ds.prefetch_bucket_size, layer))
-    params = w * (persist + (psi - persist) / n)
+    params = w * (persist + psi / n)
+    # Stage 3 keeps one reduce bucket allocated across steps (measured: 1× reduce_bucket_size
+    # elements, also with its default overlap_comm=True).
+    buckets = ds.reduce_bucket_size * w
     mem = MemoryBreakdown(
         params=params, grads=w * psi / n, master_params=4 * psi / n, optimizer_states=os_ * psi / n,
         step_buffers=4 * psi / n, engine_buffers=w * live + buckets,
@@ -206,7 +211,7 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
         )
         mem = MemoryBreakdown(params=0 if s.offload_params else params, engine_buffers=w * live + buckets)
         if s.offload_params:
-            host = HostBreakdown(params=w * (psi - persist) / n * per_node, **{
+            host = HostBreakdown(params=w * psi / n * per_node, **{
                 k: getattr(host, k) for k in ("grads", "master_params", "optimizer_states")})
     return mem, host
 
@@ -278,18 +283,20 @@ def plan_memory(
     layout.check_model(model)
     states, host = model_states(model, train, strategy, layout, accounting)
     acts = activation_bytes(model, train, layout.tp, layout.pp)
+    recompute = recompute_bytes(model, train, layout.tp)
     logits = logits_bytes(model, train, layout.tp)
     held = train.grad_accum > 1
     draft = MemoryBreakdown(
         params=states.params, grads=states.grads, master_params=states.master_params,
         optimizer_states=states.optimizer_states, step_buffers=states.step_buffers,
-        activations=acts, logits=logits, engine_buffers=states.engine_buffers, grads_held=held,
+        activations=acts, recompute=recompute, logits=logits, engine_buffers=states.engine_buffers,
+        grads_held=held,
     )
     live = draft.total
     gpu = MemoryBreakdown(
         params=states.params, grads=states.grads, master_params=states.master_params,
         optimizer_states=states.optimizer_states, step_buffers=states.step_buffers,
-        activations=acts, logits=logits, engine_buffers=states.engine_buffers,
+        activations=acts, recompute=recompute, logits=logits, engine_buffers=states.engine_buffers,
         runtime_overhead=runtime_overhead(layout, live), grads_held=held,
     )
     return MemoryPlan(
