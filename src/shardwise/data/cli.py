@@ -56,5 +56,5 @@ def inspect_cmd(
     except ShardwiseError as exc:
         from rich.markup import escape
 
-        Console(stderr=True, no_color=plain).print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        Console(stderr=True, no_color=plain, soft_wrap=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from exc
