@@ -71,7 +71,7 @@ def test_json_schema():
     assert names == list(STRATEGY_NAMES)
     for s in doc["strategies"]:
         assert {"name", "engine", "tp", "pp", "dp", "fits", "memory", "host_memory"} <= set(s)
-        parts = {"params", "grads", "master_params", "optimizer_states", "step_buffers", "activations",
+        parts = {"params", "grads", "master_params", "optimizer_states", "step_buffers", "activations", "recompute",
                  "logits", "engine_buffers", "runtime_overhead", "total"}
         assert parts == set(s["memory"])
         assert s["memory"]["total"] <= sum(v for k, v in s["memory"].items() if k != "total")
