@@ -43,47 +43,48 @@ def stack(rows: Sequence[Batch]) -> Batch:
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+def contiguous_indices(n: int, env: DistEnv, per_rank: int) -> Iterator[int]:
+    """Rank r's indices: the r-th slice of each global batch, in file order, epochs wrapping."""
+    global_batch = per_rank * env.world_size
+    if n < global_batch:
+        raise ValueError(f"dataset has {n} samples, fewer than one global batch of {global_batch}")
+    base = 0
+    while True:
+        if base + global_batch > n:  # drop the tail that cannot fill a global batch
+            base = 0
+        yield from range(base + env.rank * per_rank, base + (env.rank + 1) * per_rank)
+        base += global_batch
+
+
+def sampler_indices(sampler: Any) -> Iterator[int]:
+    """Endless epochs of the data pipeline's ResumableDistributedSampler (strided by rank:
+    the union over ranks of each step's slice is still one contiguous run of the epoch's order)."""
+    while True:
+        yield from sampler
+        sampler.set_epoch(sampler.epoch)  # __iter__ already advanced the epoch at its end
+
+
 def iter_steps(
     dataset: Any,
-    env: DistEnv,
+    indices: Iterator[int],
     micro_batch: int,
     grad_accum: int,
     collate: Callable[[Sequence[Any]], Batch] = stack,
-    seed: int = 0,
-    start_step: int = 0,
-    shuffle: bool = False,
 ) -> Iterator[list[Batch]]:
-    """Yield this rank's `grad_accum` micro-batches for each optimizer step, forever.
-
-    Epochs wrap over a seeded permutation (identical on all ranks); no sample is dropped
-    inside an epoch except the tail that does not fill a global batch.
-    """
-    per_rank = micro_batch * grad_accum
-    global_batch = per_rank * env.world_size
-    n = len(dataset)
-    if n < global_batch:
-        raise ValueError(f"dataset has {n} samples, fewer than one global batch of {global_batch}")
-    steps_per_epoch = n // global_batch
-    step = start_step
+    """Yield this rank's `grad_accum` micro-batches for each optimizer step, forever."""
     while True:
-        epoch, k = divmod(step, steps_per_epoch)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)) if shuffle else None
-        base = k * global_batch + env.rank * per_rank
-        idx = [base + j for j in range(per_rank)]
-        idx = [int(order[i]) for i in idx] if order is not None else idx
-        rows = [dataset[i] for i in idx]
+        rows = [dataset[next(indices)] for _ in range(micro_batch * grad_accum)]
         yield [collate(rows[m * micro_batch:(m + 1) * micro_batch]) for m in range(grad_accum)]
-        step += 1
 
 
-def build_source(cfg: TrainConfig, env: DistEnv, vocab_size: int, start_step: int = 0) -> Iterator[list[Batch]]:
+def build_source(cfg: TrainConfig, env: DistEnv, vocab_size: int) -> Iterator[list[Batch]]:
     """The configured data as a step iterator (synthetic, or the SFT pipeline's rows)."""
     r = cfg.run
+    per_rank = r.micro_batch * r.grad_accum
     if cfg.data.kind == "synthetic":
         ds = SyntheticSource(cfg.data.synthetic, vocab_size)
-        return iter_steps(ds, env, r.micro_batch, r.grad_accum, start_step=start_step)
-    from shardwise.train.sft_data import build_sft  # the data pipeline (torch, tokenizers)
+        return iter_steps(ds, contiguous_indices(len(ds), env, per_rank), r.micro_batch, r.grad_accum)
+    from shardwise.train.sft_data import build_sft  # the data pipeline (tokenizer, files)
 
-    ds, collate = build_sft(cfg)
-    return iter_steps(ds, env, r.micro_batch, r.grad_accum, collate, seed=r.seed, start_step=start_step,
-                      shuffle=True)  # fmt: skip
+    ds, collate, sampler = build_sft(cfg, env)
+    return iter_steps(ds, sampler_indices(sampler), r.micro_batch, r.grad_accum, collate)

@@ -1,0 +1,131 @@
+"""Observability: rich progress bar, JSONL (always), TensorBoard, optional W&B, and the end
+summary comparing measured peak memory and throughput with the plan. Rank 0 writes; other
+ranks hold a no-op instance so the loop never branches on the rank."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.train.config import TrainConfig
+from shardwise.train.engines.base import DistEnv
+
+
+class Metrics:
+    def __init__(self, cfg: TrainConfig, planned_bytes: float | None = None, flops_per_token: float | None = None,
+                 peak_flops: float | None = None):  # fmt: skip
+        self.cfg, self.planned_bytes = cfg, planned_bytes
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.records: list[Any] = []
+        self.summary: dict[str, Any] = {}
+        self._on = False
+
+    def start(self, cfg: TrainConfig, env: DistEnv, num_params: int) -> None:
+        self.env, self.num_params = env, num_params
+        self._on = env.is_main
+        if not self._on:
+            return
+        self.dir = Path(cfg.checkpointing.output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "w")
+        self.tb = self.wandb = self.progress = None
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        if cfg.logging.wandb:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.name,
+                                        config=cfg.model_dump(mode="json"))  # fmt: skip
+            except ImportError:
+                print("logging.wandb: wandb is not installed; logging to JSONL/TensorBoard only")
+        if cfg.logging.progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"))  # fmt: skip
+            self.task = self.progress.add_task("train", total=cfg.run.steps, info="")
+            self.progress.start()
+        self.t0 = time.perf_counter()
+
+    def memory_bytes(self) -> tuple[float, str]:
+        if self.env.device == "cuda":
+            return float(torch.cuda.max_memory_allocated()), "GPU max allocated"
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "host peak RSS"
+
+    def log_step(self, rec: Any) -> None:
+        self.records.append(rec)
+        if not self._on:
+            return
+        tps = rec.tokens / rec.step_time_s
+        row = asdict(rec) | {"tokens_per_s": tps, "memory_bytes": self.memory_bytes()[0]}
+        if self.flops_per_token:
+            row["tflops"] = tps * self.flops_per_token / 1e12
+            if self.peak_flops:
+                row["mfu"] = tps * self.flops_per_token / (self.peak_flops * self.env.world_size)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if rec.step % self.cfg.logging.every and rec.step != self.cfg.run.steps:
+            return
+        if self.tb:
+            for k in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_bytes"):
+                if k in row:
+                    self.tb.add_scalar(f"train/{k}", row[k], rec.step)
+        if self.wandb:
+            self.wandb.log(row, step=rec.step)
+        if self.progress:
+            mfu = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
+            info = (f"loss {rec.loss:.4f} lr {rec.lr:.2e} gnorm {rec.grad_norm:.3f} {tps:,.0f} tok/s{mfu} "
+                    f"mem {row['memory_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+            self.progress.update(self.task, completed=rec.step, info=info)
+
+    def close(self) -> dict[str, Any]:
+        if not self._on:
+            return {}
+        if self.progress:
+            self.progress.stop()
+        times = [r.step_time_s for r in self.records[1:]] or [r.step_time_s for r in self.records]
+        step_s = statistics.median(times) if times else float("nan")
+        tokens = self.records[-1].tokens if self.records else 0
+        mem, mem_kind = self.memory_bytes()
+        self.summary = {
+            "steps": len(self.records), "first_loss": self.records[0].loss if self.records else None,
+            "final_loss": self.records[-1].loss if self.records else None, "median_step_s": step_s,
+            "tokens_per_s": tokens / step_s if step_s else None, "measured_memory_bytes": mem,
+            "measured_memory_kind": mem_kind, "planned_gpu_bytes": self.planned_bytes,
+            "wall_s": time.perf_counter() - self.t0, "params": self.num_params,
+        }  # fmt: skip
+        if self.flops_per_token and self.summary["tokens_per_s"]:
+            self.summary["tflops"] = self.summary["tokens_per_s"] * self.flops_per_token / 1e12
+        (self.dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+        print_summary(self.summary)
+        return self.summary
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="shardwise train: summary", show_header=False)
+    gib = 2**30
+    t.add_row("steps", str(s["steps"]))
+    t.add_row("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+    t.add_row("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms")
+    t.add_row("throughput", f"{s['tokens_per_s']:,.0f} tokens/s" + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else ""))
+    planned = f"{s['planned_gpu_bytes'] / gib:.2f} GiB planned per GPU" if s["planned_gpu_bytes"] else "no plan"
+    t.add_row("peak memory", f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']}) vs {planned}")
+    Console().print(t)
