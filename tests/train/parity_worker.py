@@ -8,7 +8,6 @@ All runs share one process launch (interpreter and import cost paid once).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,12 +21,15 @@ GLOBAL_BATCH = 4  # sequences per optimizer step, fixed across world sizes and a
 STEPS = 8
 
 
-def parity_config(strategy: str, world: int, grad_accum: int, model: str = "tiny-llama") -> TrainConfig:
+def parity_config(strategy: str, world: int, grad_accum: int, model: str = "tiny-llama",
+                  repeat: bool = False) -> TrainConfig:
+    """`repeat`: every step sees the same global batch (a learnable task: the loss must fall)."""
     micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
     assert rest == 0, "global batch must split evenly"
+    samples = GLOBAL_BATCH if repeat else GLOBAL_BATCH * STEPS
     return TrainConfig.model_validate({
         "model": {"name": model, "attention": "eager"},
-        "data": {"kind": "synthetic", "synthetic": {"samples": GLOBAL_BATCH * STEPS, "seq_len": 32, "seed": 7}},
+        "data": {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}},
         "strategy": {"name": strategy},
         # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
         "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
@@ -41,21 +43,20 @@ def parity_config(strategy: str, world: int, grad_accum: int, model: str = "tiny
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--runs", nargs="+", required=True, help="strategy:ga pairs")
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--runs", nargs="+", required=True, help="model:strategy:ga[:repeat]")
     args = ap.parse_args()
     torch.set_num_threads(1)
     env = init_distributed("cpu")
     out = Path(args.out)
     for run in args.runs:
-        strategy, ga = run.split(":")
-        cfg = parity_config(strategy, env.world_size, int(ga), args.model)
+        model, strategy, ga, *flags = run.split(":")
+        cfg = parity_config(strategy, env.world_size, int(ga), model, repeat="repeat" in flags)
         res = train(cfg, env, export_weights=True)
         if env.is_main:
             torch.save(
                 {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records],
                  "weights": res.final_weights},  # fmt: skip
-                out / f"{args.model}-{strategy}-ga{ga}-w{env.world_size}.pt",
+                out / f"{run.replace(':', '-')}-w{env.world_size}.pt",
             )
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()

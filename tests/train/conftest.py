@@ -1,0 +1,60 @@
+"""Shared helpers: run a worker script on N gloo ranks, once per test session.
+
+Results are cached in a directory shared by all pytest-xdist workers and guarded by a file
+lock, so the (slow) multi-process runs happen once however the tests are distributed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+HERE = Path(__file__).parent
+WORKER = HERE / "parity_worker.py"
+TIMEOUT_S = 240
+
+
+def run_ranks(script: Path, args: list[str], nproc: int, timeout_s: float = TIMEOUT_S) -> None:
+    from shardwise.train.launch import spawn
+
+    rc = spawn([str(script), *args], nproc, timeout_s=timeout_s, threads_per_rank=1,
+               extra_env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    if rc == 124:
+        pytest.fail(f"{script.name} {args} timed out after {timeout_s}s on {nproc} ranks")
+    assert rc == 0, f"{script.name} {args} failed on {nproc} ranks (rc {rc}); see captured stderr"
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory) -> Path:
+    # The parent of the per-worker basetemp is common to all xdist workers of a session.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    d = root / "train-shared"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def ranks_runner(shared_dir):
+    """`runner(runs, nproc)` -> output dir, each distinct request executed once per session."""
+
+    def run(runs: list[str], nproc: int) -> Path:
+        key = hashlib.sha1(f"{nproc}:{' '.join(runs)}".encode()).hexdigest()[:12]
+        out = shared_dir / key
+        with FileLock(str(out) + ".lock"):
+            if not (out / "DONE").exists():
+                out.mkdir(exist_ok=True)
+                run_ranks(WORKER, ["--out", str(out), "--runs", *runs], nproc)
+                (out / "DONE").touch()
+        return out
+
+    return run
+
+
+sys.path.insert(0, str(HERE))  # parity_worker's constants are shared with the tests
