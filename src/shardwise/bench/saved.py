@@ -82,6 +82,61 @@ def saved_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor
     return total
 
 
+class _Held:
+    """What the pack hook hands autograd: when autograd drops a saved tensor, this object dies
+    and the storage's hold count goes down (so live saved bytes can be followed in backward)."""
+
+    __slots__ = ("t", "key", "book")
+
+    def __init__(self, t: torch.Tensor, key: tuple[int, int], book: "_SavedBook") -> None:
+        self.t, self.key, self.book = t, key, book
+        book.acquire(key)
+
+    def __del__(self) -> None:
+        self.book.release(self.key)
+
+
+class _SavedBook:
+    def __init__(self) -> None:
+        self.count: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def acquire(self, key: tuple[int, int]) -> None:
+        if self.count.get(key[0], 0) == 0:
+            self.live += key[1]
+            self.peak = max(self.peak, self.live)
+        self.count[key[0]] = self.count.get(key[0], 0) + 1
+
+    def release(self, key: tuple[int, int]) -> None:
+        self.count[key[0]] -= 1
+        if self.count[key[0]] == 0:
+            self.live -= key[1]
+
+
+def peak_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], precision: str = "fp32") -> int:
+    """Peak of live saved-for-backward bytes over one forward AND its backward (storage-deduped,
+    params/buffers/batch excluded). With checkpointing this includes the recomputed layer's
+    saved set in backward; it needs reentrant checkpointing, whose recompute packs through our
+    hook (non-reentrant recomputes under its own hook, invisible here). The backward is driven
+    by summing the logits (no labels: the loss side is measured separately)."""
+    skip = _model_keys(model, batch.values())
+    book = _SavedBook()
+
+    def pack(t: torch.Tensor) -> Any:
+        k = storage_key(t)
+        return t if k is None or k[0] in skip else _Held(t, k, book)
+
+    def unpack(h: Any) -> torch.Tensor:
+        return h.t if isinstance(h, _Held) else h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with _autocast(precision):
+            out = model(**batch)
+        out.logits.float().sum().backward()
+    del out
+    return book.peak
+
+
 class _OutputRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -113,7 +168,8 @@ def live_forward_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], p
     return total
 
 
-def build_model(shape: str, layers: int, precision: str, attention: str, checkpointing: str) -> torch.nn.Module:
+def build_model(shape: str, layers: int, precision: str, attention: str, checkpointing: str,
+                reentrant: bool = False) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     d = dict(SHAPES[shape])
@@ -124,7 +180,7 @@ def build_model(shape: str, layers: int, precision: str, attention: str, checkpo
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return model.train()  # HF checkpoints only in training mode; no dropout in these configs
 
 
@@ -138,11 +194,12 @@ def measure_case(shape: str, precision: str, attention: str, checkpointing: str,
                  layers: tuple[int, int] = (2, 4),
                  method: Callable[..., int] = saved_activation_bytes) -> dict[str, Any]:
     """Totals at two depths and the per-layer difference (same shape, so everything outside
-    the decoder layers cancels)."""
+    the decoder layers cancels). `peak_saved_bytes` gets reentrant checkpointing (see there)."""
     vocab = SHAPES[shape]["vocab_size"]
     totals = {}
     for L in layers:
-        model = build_model(shape, L, precision, attention, checkpointing)
+        model = build_model(shape, L, precision, attention, checkpointing,
+                            reentrant=method is peak_saved_bytes)
         totals[L] = method(model, make_batch(vocab), precision=precision)
     lo, hi = layers
     per_layer = (totals[hi] - totals[lo]) / (hi - lo)
@@ -177,13 +234,17 @@ def measure_all() -> dict[str, Any]:
                 for ckpt in ("none", "full"):
                     r = measure_case(shape, precision, attention, ckpt)
                     live = measure_case(shape, precision, attention, ckpt, method=live_forward_bytes)
+                    peak = measure_case(shape, precision, attention, ckpt, method=peak_saved_bytes)
                     cases.append({"shape": shape, "precision": precision, "attention": attention,
                                   "checkpointing": ckpt, **r,
+                                  "peak_fwd_bwd": {"totals": peak["totals"], "per_layer": peak["per_layer"]},
                                   "live_cross_check": {"totals": live["totals"], "per_layer": live["per_layer"]}})
     loss = [{"shape": s, "precision": p, **loss_side_bytes(s, p)} for s in SHAPES for p in PRECISIONS]
     return {
         "what": "saved-for-backward bytes of one forward WITHOUT labels (storage-deduped; params, buffers "
-                "and input_ids excluded), at L=2 and L=4 layers; per_layer = (L4 - L2) / 2",
+                "and input_ids excluded), at L=2 and L=4 layers; per_layer = (L4 - L2) / 2. "
+                "peak_fwd_bwd: peak of live saved bytes over forward + backward (reentrant checkpointing "
+                "so the recompute is visible); live_cross_check: op outputs alive after forward",
         "seq_len": SEQ, "micro_batch": BATCH,
         "shapes": {k: {**v, "head_dim": v["hidden_size"] // v["num_attention_heads"]} for k, v in SHAPES.items()},
         "precision_notes": {"fp32": "fp32 weights and compute",

@@ -1,0 +1,215 @@
+"""The planner against measurement on CPU.
+
+Model states: 2 gloo processes run tiny Llama (shardwise.bench.worker.TINY_LLAMA, fp32,
+AdamW) one full step plus forward+backward of step 2 under each strategy; a per-rank
+census (shardwise.bench.census) counts params, grads, fp32 master and optimizer state
+bytes. The planner's per-GPU figure is compared with the largest rank.
+
+Activations: saved-for-backward bytes (storage-deduped, parameters excluded) of one forward
+without labels, for tiny Llama and tiny Qwen2 shapes; with full checkpointing also the peak
+over forward + backward (the recomputed layer) against plan.activations + plan.recompute. "bf16" here = the model's weights cast to bf16, as DeepSpeed's bf16 mode and
+FSDP2 param_dtype=bf16 run the forward (planner precision "bf16-mixed"); see
+shardwise/bench/saved.py for why torch.autocast is recorded but not asserted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shardwise.bench import census, saved, worker  # noqa: E402
+
+TOL_STATES = 0.02
+TOL_ACTS = 0.10
+ASSERTED = ("zero1", "zero2", "zero3", "fsdp")
+EXTRA = ("ddp", "zero0", "zero3-nopersist")  # cheap once the processes are up
+PARTS = ("params", "grads", "master_params", "optimizer_states")
+
+
+# ---------------------------------------------------------------- the instruments themselves
+def test_saved_bytes_dedupes_by_storage_and_skips_parameters() -> None:
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(5, 8, requires_grad=True)
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = w
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x @ self.w  # saves x (5·8 fp32) and w (a parameter: not counted)
+            return y * y  # saves y twice: one storage
+
+    got = saved.saved_activation_bytes(M(), {"x": x})
+    # x is in the batch (excluded); y: 5×8 fp32 once.
+    assert got == 5 * 8 * 4, got
+
+
+def test_census_counts_params_grads_and_state_once() -> None:
+    lin = torch.nn.Linear(16, 4)  # 64 + 4 fp32
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+    lin(torch.randn(3, 16)).sum().backward()
+    opt.step()
+    view = lin.weight.detach()[:2]  # a view of a param: same storage, must not count again
+    c = census.take_census(lin, opt, exclude=(), gc_sweep=False)
+    n = (16 * 4 + 4) * 4
+    assert c.bytes["params"] == n and c.bytes["grads"] == n and c.bytes["optimizer_states"] == n, c.bytes
+    assert c.bytes["master_params"] == 0
+    del view
+
+
+# ---------------------------------------------------------------- model states (2 processes)
+@pytest.fixture(scope="module")
+def measured_states() -> dict:
+    return worker.measure_model_states(ASSERTED + EXTRA, timeout_s=240)
+
+
+def _plan(strategy: str):
+    from shardwise.catalog import build_hardware
+    from shardwise.plan.memory import plan_memory
+    from shardwise.specs import DeepSpeedKnobs, ModelSpec, Strategy, TrainSpec
+    from transformers import LlamaConfig
+
+    model = ModelSpec.from_hf_dict(LlamaConfig(**worker.TINY_LLAMA).to_dict(), name="tiny")
+    hw = build_hardware(gpu="a100-80g", gpus=worker.WORLD)
+    train = TrainSpec(precision="fp32", seq_len=worker.SEQ, micro_batch=worker.BATCH, optimizer="adamw")
+    if strategy.startswith("zero"):
+        conf = worker.ds_config(int(strategy[4]), 0 if strategy.endswith("nopersist") else 100_000)
+        z = conf["zero_optimization"]
+        knobs = DeepSpeedKnobs(
+            reduce_bucket_size=z["reduce_bucket_size"], allgather_bucket_size=z["allgather_bucket_size"],
+            prefetch_bucket_size=z.get("stage3_prefetch_bucket_size", 50_000_000),
+            param_persistence_threshold=z.get("stage3_param_persistence_threshold", 100_000),
+        )
+        strat = Strategy.from_name(strategy.removesuffix("-nopersist"), ds=knobs)
+    else:
+        strat = Strategy.from_name(strategy)
+    return plan_memory(model, hw, train, strat)
+
+
+def _table(strategy: str, ranks: list[dict], plan) -> str:
+    unit = 4 * worker.model_params()
+    rows = [f"{strategy}: bytes per GPU (P = 4Ψ = {unit}); measured = max over ranks after backward of step 2"]
+    rows.append(f"  {'part':18}{'measured':>12}{'(P)':>8}{'planned':>12}{'(P)':>8}{'err':>8}")
+    for part in (*PARTS, "other"):
+        m = max(r["after_backward"][part] for r in ranks)
+        p = getattr(plan.gpu, part if part != "other" else "engine_buffers")
+        label = part if part != "other" else "other/engine_buf"
+        err = f"{(p - m) / m:+.1%}" if m > 0.001 * unit else "-"  # "other" is ~0 after backward
+        rows.append(f"  {label:18}{m:>12}{m / unit:>8.4f}{p:>12.0f}{p / unit:>8.4f}{err:>8}")
+    return "\n".join(rows)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ASSERTED + EXTRA)
+def test_model_states_match_planner(strategy: str, measured_states: dict) -> None:
+    ranks = measured_states[strategy]
+    measured = max(sum(r["after_backward"][p] for p in PARTS) for r in ranks)
+    plan = _plan(strategy)
+    table = _table(strategy, ranks, plan)
+    print("\n" + table)
+    err = abs(plan.gpu.model_states - measured) / measured
+    assert err <= TOL_STATES, f"model states off by {err:.1%}\n{table}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ASSERTED + EXTRA)
+def test_model_state_parts_match_planner(strategy: str, measured_states: dict) -> None:
+    ranks = measured_states[strategy]
+    plan = _plan(strategy)
+    table = _table(strategy, ranks, plan)
+    total = max(sum(r["after_backward"][p] for p in PARTS) for r in ranks)
+    bad = []
+    for part in PARTS:
+        m = max(r["after_backward"][part] for r in ranks)
+        p = getattr(plan.gpu, part)
+        # a part measured as 0 must be planned as (nearly) 0; else 2% of itself
+        if (m == 0 and p > 0.001 * total) or (m and abs(p - m) / m > TOL_STATES):
+            bad.append(part)
+    assert not bad, f"{strategy}: parts off by more than {TOL_STATES:.0%}: {bad}\n{table}"
+
+
+@pytest.mark.distributed
+def test_census_ranks_agree_and_nothing_leaks(measured_states: dict) -> None:
+    """Sanity of the measurement: after the step the grads are gone for DeepSpeed (engine.step
+    zeroes them) and the fp32 master exists exactly where DeepSpeed keeps one."""
+    unit = 4 * worker.model_params()
+    for s in ("zero1", "zero2"):
+        for r in measured_states[s]:
+            assert r["after_step"]["grads"] == 0, (s, r["after_step"])
+            assert abs(r["after_backward"]["master_params"] - unit / worker.WORLD) <= 64 * 4, (s, r)
+    for r in measured_states["fsdp"] + measured_states["ddp"]:
+        assert r["after_backward"]["master_params"] == 0
+
+
+# ---------------------------------------------------------------- activations (1 process)
+LAYERS = 4
+ACT_CASES = [
+    (shape, prec, attn, ckpt)
+    for shape in saved.SHAPES for prec in ("fp32", "bf16") for attn in ("sdpa", "eager") for ckpt in ("none", "full")
+]
+
+
+def _act_plan(shape: str, prec: str, attn: str, ckpt: str):
+    from shardwise.catalog import build_hardware
+    from shardwise.plan.memory import plan_memory
+    from shardwise.specs import ModelSpec, Strategy, TrainSpec
+
+    cfg = {**saved.SHAPES[shape], "num_hidden_layers": LAYERS}
+    model = ModelSpec.from_hf_dict(cfg, name=shape)
+    train = TrainSpec(precision="fp32" if prec == "fp32" else "bf16-mixed", seq_len=saved.SEQ,
+                      micro_batch=saved.BATCH, attention=attn, checkpointing=ckpt)
+    return plan_memory(model, build_hardware(gpu="a100-80g", gpus=2), train, Strategy.from_name("ddp"))
+
+
+def _sbh(shape: str) -> int:
+    return saved.SEQ * saved.BATCH * saved.SHAPES[shape]["hidden_size"]
+
+
+@pytest.mark.parametrize("shape,prec,attn,ckpt", ACT_CASES)
+def test_activations_match_planner(shape: str, prec: str, attn: str, ckpt: str) -> None:
+    """plan.activations = saved-for-backward bytes at the end of forward (no labels)."""
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    model = saved.build_model(shape, LAYERS, prec, attn, ckpt)  # non-reentrant, as shardwise trains
+    measured = saved.saved_activation_bytes(model, saved.make_batch(saved.SHAPES[shape]["vocab_size"]))
+    planned = _act_plan(shape, prec, attn, ckpt).gpu.activations
+    err = (planned - measured) / measured
+    sbh = _sbh(shape)
+    assert abs(err) <= TOL_ACTS, (
+        f"{shape} {prec} {attn} ckpt={ckpt}: planned {planned:.0f} B ({planned / sbh:.2f}·sbh) vs measured "
+        f"saved {measured} B ({measured / sbh:.2f}·sbh), {err:+.1%}"
+    )
+
+
+@pytest.mark.parametrize("shape,prec,attn", [c[:3] for c in ACT_CASES if c[3] == "full"])
+def test_checkpointed_peak_matches_planner(shape: str, prec: str, attn: str) -> None:
+    """With full checkpointing the saved bytes peak in backward, while the last layer is
+    recomputed: plan.activations + plan.recompute against the measured peak of live saved
+    bytes over forward + backward (reentrant checkpointing, whose recompute we can see)."""
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    model = saved.build_model(shape, LAYERS, prec, attn, "full", reentrant=True)
+    measured = saved.peak_saved_bytes(model, saved.make_batch(saved.SHAPES[shape]["vocab_size"]))
+    g = _act_plan(shape, prec, attn, "full").gpu
+    planned = g.activations + g.recompute
+    err = (planned - measured) / measured
+    sbh = _sbh(shape)
+    assert abs(err) <= TOL_ACTS, (
+        f"{shape} {prec} {attn}: planned activations+recompute {planned:.0f} B ({planned / sbh:.2f}·sbh) vs "
+        f"measured peak saved {measured} B ({measured / sbh:.2f}·sbh), {err:+.1%}"
+    )
+
+
+@pytest.mark.xfail(reason="plan.gpu.logits is a backward-time peak of tensors autograd does not save "
+                          "(the logits output, HF's fp32 upcast, the logits' gradient); saved-for-backward "
+                          "bytes see only log_softmax's fp32 output, 4·V per token", strict=False)
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_loss_side_against_planner_logits(prec: str) -> None:
+    d = saved.loss_side_bytes("tiny-llama", prec)
+    from shardwise.plan.memory import plan_memory  # noqa: F401  (fail, not skip, if missing)
+
+    planned = _act_plan("tiny-llama", prec, "sdpa", "none").gpu.logits
+    measured = d["live"]  # everything the loss side leaves alive after forward, logits included
+    assert abs(planned - measured) / measured <= TOL_ACTS, (planned, d)
