@@ -83,12 +83,15 @@ def build_hardware(
 ) -> HardwareSpec:
     """A HardwareSpec from preset names and overrides.
 
-    `interconnect` names the slowest link the data-parallel traffic crosses: on one node it
-    replaces the intra-node link (e.g. 8 GPUs on PCIe), across nodes the inter-node link.
+    `interconnect` names the slowest link the data-parallel traffic crosses. An intra-node
+    link (nvlink, pcie) replaces the link inside the node; a network (ib-*, roce-*, eth-*)
+    replaces the link between nodes and, unless --gpus-per-node says otherwise, means one
+    GPU per node (e.g. 8 single-GPU machines on 10 GbE).
     """
     if gpus < 1:
         raise ShardwiseError(f"--gpus must be at least 1, got {gpus}")
-    per_node = gpus_per_node or min(gpus, 8)
+    network = interconnect is not None and _hardware()["interconnects"].get(interconnect.strip().lower(), {}).get("scope") == "inter"
+    per_node = gpus_per_node or (1 if network else min(gpus, 8))
     if gpus % per_node:
         raise ShardwiseError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}")
     nodes = gpus // per_node
@@ -98,8 +101,8 @@ def build_hardware(
     intra_link = get_link(intra or "nvlink")
     inter_link = get_link(inter or "ib-200")
     if interconnect:
-        if nodes == 1 and not intra:
-            intra_link = get_link(interconnect)
-        elif not inter:
+        if network:
             inter_link = get_link(interconnect)
+        else:
+            intra_link = get_link(interconnect)
     return HardwareSpec(gpu=g, gpus_per_node=per_node, nodes=nodes, intra=intra_link, inter=inter_link, **overrides)

@@ -76,12 +76,12 @@ def _optimizer_bytes(train: TrainSpec) -> float:
 
 def model_states(
     model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
-    accounting: Accounting = "engine",
+    accounting: Accounting = "engine", gpus_per_node: int = 8,
 ) -> tuple[MemoryBreakdown, HostBreakdown]:
     """Model states (params, grads, master, optimizer) and engine buffers on GPU and host."""
     psi = stage_params(model, layout.tp, layout.pp)
     n = layout.dp_shard
-    per_node = max(1, min(layout.world_size, 8))  # GPUs sharing one host (planner default)
+    per_node = max(1, min(layout.world_size, gpus_per_node))  # GPUs sharing one host
     if accounting == "paper":
         return paper_model_states(psi, n, strategy), HostBreakdown()
     if accounting == "deepspeed":
@@ -281,7 +281,7 @@ def plan_memory(
     """Per-GPU (and per-host) memory of `strategy`, at the step's peak."""
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
-    states, host = model_states(model, train, strategy, layout, accounting)
+    states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
     acts = activation_bytes(model, train, layout.tp, layout.pp)
     recompute = recompute_bytes(model, train, layout.tp)
     logits = logits_bytes(model, train, layout.tp)

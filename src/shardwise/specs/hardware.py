@@ -38,7 +38,7 @@ class HardwareSpec(Spec):
     intra: LinkSpec  # between GPUs of one node
     inter: LinkSpec  # between nodes (unused when nodes == 1)
     pcie_bytes_per_s: float = Field(25 * GB, gt=0)  # GPU<->host, PCIe 4.0 x16 achievable
-    host_memory_bytes: float = Field(1024 * GB, gt=0)  # per node
+    host_memory_bytes: float = Field(2048 * GB, gt=0)  # per node (DGX A100-80G / H100: 2 TB)
     host_adam_params_per_s: float = Field(1.0e9, gt=0)  # DeepSpeed CPU Adam throughput per node
 
     @model_validator(mode="after")

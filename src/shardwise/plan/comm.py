@@ -1,0 +1,168 @@
+"""Communication per GPU per optimizer step: bytes by collective and by link. Pure functions.
+
+Counting unit (shared with the measurement in tests/test_measured_comm.py): all_reduce = bytes
+of the tensors all-reduced; all_gather = bytes of the gathered output; reduce_scatter = bytes
+of the full input; broadcast, p2p (send + recv), all_to_all = bytes sent. `total` is the ring
+traffic volume 2·AR + AG + RS + the rest, so that DDP = 2Ψ and ZeRO-3 = 3Ψ elements (ZeRO paper).
+
+Two levels: `ideal_comm` is the ZeRO paper's; `plan_comm` is what the installed engines ask
+for (docs/comm-measured.md has the source references and the 2-rank gloo counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from shardwise.plan.memory import _persistent_params, stage_params
+from shardwise.specs.hardware import HardwareSpec
+from shardwise.specs.layout import ParallelLayout
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.strategy import Strategy
+from shardwise.specs.train import TrainSpec
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
+
+
+@dataclass(frozen=True, slots=True)
+class CommBreakdown:
+    all_reduce: float = 0.0
+    all_gather: float = 0.0
+    reduce_scatter: float = 0.0
+    broadcast: float = 0.0
+    p2p: float = 0.0
+    all_to_all: float = 0.0
+    # ring traffic volume by the link it crosses, and host<->GPU bytes for offload
+    intra: float = 0.0
+    inter: float = 0.0
+    pcie: float = 0.0
+    calls: int = 0  # collective launches per step (latency term)
+    blocking: float = 0.0  # volume on the critical path (TP all-reduces, PP sends): never overlapped
+
+    @property
+    def total(self) -> float:
+        return 2 * self.all_reduce + self.all_gather + self.reduce_scatter + self.broadcast + self.p2p + self.all_to_all
+
+    def as_dict(self) -> dict[str, float]:
+        d = {k: getattr(self, k) for k in KINDS}
+        d.update(intra=self.intra, inter=self.inter, pcie=self.pcie, blocking=self.blocking, calls=self.calls,
+                 total=self.total)
+        return d
+
+    def __add__(self, other: "CommBreakdown") -> "CommBreakdown":
+        return CommBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+def ideal_comm(psi: float, strategy: Strategy, bytes_per_elem: float = 2) -> CommBreakdown:
+    """ZeRO paper §7: DDP, ZeRO-1, ZeRO-2 move 2Ψ per step (reduce-scatter + all-gather), ZeRO-3
+    and full-shard FSDP 3Ψ (all-gather in forward and backward + reduce-scatter)."""
+    b = bytes_per_elem * psi
+    full_shard = strategy.zero_stage == 3 or strategy.fsdp_sharding in ("full", "hybrid")
+    if strategy.engine == "ddp" or strategy.zero_stage == 0:
+        return CommBreakdown(all_reduce=b)
+    return CommBreakdown(all_gather=2 * b if full_shard else b, reduce_scatter=b)
+
+
+def _dp_link(hw: HardwareSpec, layout: ParallelLayout, group: int) -> str:
+    """A DP group of `group` ranks spans nodes when it needs more GPUs than a node offers
+    (TP ranks are packed inside the node first)."""
+    per_node_dp = max(1, hw.gpus_per_node // layout.tp)
+    return "inter" if group > per_node_dp and hw.nodes > 1 else "intra"
+
+
+def _on(link: str, volume: float) -> dict:
+    return {link: volume}
+
+
+def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+              layout: ParallelLayout | None = None) -> CommBreakdown:
+    """Bytes each GPU asks collectives to move per optimizer step, as the engines do it."""
+    layout = layout or ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
+    psi = stage_params(model, layout.tp, layout.pp)
+    k = train.grad_accum
+    c = train.compute_bytes
+    out = _dp_comm(model, train, strategy, layout, hw, psi, k, c)
+    out = out + _tp_pp_comm(model, train, layout, hw, k, c)
+    return out
+
+
+def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
+    n = layout.dp_shard
+    if layout.dp == 1:
+        return CommBreakdown()
+    link = _dp_link(hw, layout, layout.dp)
+    if s.engine == "ddp" or s.zero_stage == 0:
+        # DDP reduces fp32 grads once per step (no_sync on the other micro-batches; autocast keeps
+        # fp32 grads); DeepSpeed stage 0 all-reduces at the accumulation boundary, in the
+        # module's dtype.
+        g = (2 if train.precision == "bf16-pure" else 4) if s.engine == "ddp" else c
+        ar = g * psi
+        return CommBreakdown(all_reduce=ar, calls=max(1, int(ar // 25e6)), **_on(link, 2 * ar))
+    if s.engine == "deepspeed" and s.zero_stage in (1, 2):
+        # Gradient reduction: ZeRO-1 once per step (holds full grads), ZeRO-2 every micro-batch.
+        # With use_multi_rank_bucket_allreduce (default) each bucket is all-reduced whole; without
+        # it each partition is reduced to its owner (reduce-scatter volume). Then the updated
+        # 16-bit params are all-gathered once (stage_1_and_2.py: all_gather_dp_groups).
+        reductions = 1 if s.zero_stage == 1 else k
+        grad = c * psi * reductions
+        ag = c * psi
+        pcie = (4 * psi / n + c * psi / n) if s.offload_optimizer else 0.0
+        calls = int(reductions * (psi // s.ds.reduce_bucket_size + 1) + psi // s.ds.allgather_bucket_size + 1)
+        if s.ds.use_multi_rank_bucket_allreduce:
+            return CommBreakdown(all_reduce=grad, all_gather=ag, pcie=pcie, calls=calls, **_on(link, 2 * grad + ag))
+        return CommBreakdown(reduce_scatter=grad, all_gather=ag, pcie=pcie, calls=calls, **_on(link, grad + ag))
+    if s.engine == "deepspeed":  # stage 3
+        ds = s.ds
+        persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+        gathered = psi - persist
+        # Params are released after forward and re-gathered in backward unless the whole model
+        # fits under the live/reuse limits (partitioned_param_coordinator.py).
+        regather = gathered > min(ds.max_live_parameters, ds.max_reuse_distance)
+        ag = c * gathered * k * (2 if regather else 1)
+        rs = c * psi * k  # every micro-batch (stage3.py reduce_ipg_grads)
+        pcie = 0.0
+        if s.offload_optimizer:
+            pcie += k * 4 * psi / n + c * psi / n
+        if s.offload_params:
+            pcie += c * psi / n * k * (2 if regather else 1)
+        calls = int(k * (model.num_layers * (2 if regather else 1) + psi // ds.reduce_bucket_size + 1))
+        return CommBreakdown(all_gather=ag, reduce_scatter=rs, pcie=pcie, calls=calls, **_on(link, ag + rs))
+    # FSDP2: all-gather every unit in forward each micro-batch (param dtype), again in backward
+    # for resharded units (not the root: it is not resharded after forward); reduce-scatter
+    # in reduce_dtype once per step (sync disabled on non-final micro-batches).
+    p = c
+    reduce = 4 if train.precision in ("bf16-mixed", "fp16-mixed", "fp32") else 2
+    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
+    ag_fwd = p * psi * k
+    ag_bwd = p * layers * k if s.reshard_after_forward else 0.0
+    rs = reduce * psi
+    units = model.num_layers // layout.pp + 1
+    calls = k * units * (2 if s.reshard_after_forward else 1) + units
+    pcie = (4 * psi / n * k * (2 if s.reshard_after_forward else 1) + 4 * psi / n) if s.offload_params else 0.0
+    if s.fsdp_sharding == "hybrid":
+        # shard within a node, all-reduce the 1/g shard across the replicas (once per step)
+        ar = reduce * psi / n if layout.dp_replicate > 1 else 0.0
+        return CommBreakdown(all_gather=ag_fwd + ag_bwd, reduce_scatter=rs, all_reduce=ar, pcie=pcie,
+                             calls=calls + 1, intra=ag_fwd + ag_bwd + rs,
+                             inter=2 * ar if layout.dp_replicate > 1 else 0.0)
+    return CommBreakdown(all_gather=ag_fwd + ag_bwd, reduce_scatter=rs, pcie=pcie, calls=calls,
+                         **_on(link, ag_fwd + ag_bwd + rs))
+
+
+def _tp_pp_comm(model, train, layout, hw, k, c) -> CommBreakdown:
+    """Megatron TP: 2 all-reduces of b·s·h in forward and 2 in backward per layer (+2 with full
+    recompute); PP: activations forward and their grads backward across each stage boundary."""
+    out = CommBreakdown()
+    act = c * train.micro_batch * train.seq_len * model.hidden_size
+    layers = -(-model.num_layers // layout.pp)
+    if layout.tp > 1:
+        per_layer = 4 + (2 if train.checkpointing == "full" else 0)
+        ar = per_layer * act * layers * k
+        out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=per_layer * layers * k)
+    if layout.pp > 1:
+        p2p = 2 * act / layout.tp * k * 2  # send + recv, forward activations and backward grads
+        out = out + CommBreakdown(p2p=p2p, calls=4 * k, blocking=p2p)
+    return out
+
+
+def comm_dict(c: CommBreakdown) -> dict:
+    return asdict(c) | {"total": c.total}

@@ -1,0 +1,136 @@
+"""The recommender: sweep strategies × micro-batch × checkpointing × TP/PP, drop what does not
+fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain in numbers."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from shardwise.errors import ShardwiseError
+from shardwise.plan.evaluate import Evaluation, evaluate
+from shardwise.specs import STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
+
+NEAR_TIE = 0.03  # within 3% tokens/s, the simpler strategy wins
+# Simpler first: fewer moving parts, fewer engine knobs, easier checkpoints.
+SIMPLICITY = {name: i for i, name in enumerate(
+    ["ddp", "zero0", "zero1", "zero2", "fsdp-grad-op", "fsdp", "zero3", "fsdp-hybrid",
+     "zero1+opt-offload", "zero2+opt-offload", "zero3+opt-offload", "fsdp+offload", "zero3+full-offload"])}
+GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Recommendation:
+    best: Evaluation
+    runner_up: Evaluation | None
+    candidates: int
+    fitting: int
+    reason: str
+
+
+def _complexity(e: Evaluation) -> tuple:
+    lay = e.memory.layout
+    return (lay.tp * lay.pp, SIMPLICITY[e.strategy.name], e.train.checkpointing != "none")
+
+
+def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=None,
+          micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
+          tps=None, pps=(1,), margin: float = 0.05) -> list[Evaluation]:
+    """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
+    where it divides, so that candidates train the same thing."""
+    tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
+    out = []
+    for name, mb, ck, tp, pp in itertools.product(strategies or STRATEGY_NAMES, micro_batches,
+                                                  checkpointing, tps, pps):
+        try:
+            s = Strategy.from_name(name, tp=tp, pp=pp)
+            dp = hw.world_size // (tp * pp)
+            global_samples = base.micro_batch * base.grad_accum * (hw.world_size // (1 * 1))
+            ga = global_samples // (mb * dp) if dp and global_samples % (mb * dp) == 0 else 0
+            if ga < 1:
+                continue
+            train = base.model_copy(update={"micro_batch": mb, "grad_accum": ga, "checkpointing": ck})
+            out.append(evaluate(model, hw, train, s, margin=margin))
+        except ShardwiseError:
+            continue  # layout impossible for this model/hardware: not a candidate
+    return out
+
+
+def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Recommendation:
+    evals = sweep(model, hw, base, **kw)
+    fitting = [e for e in evals if e.fits]
+    if not fitting:
+        smallest = min(evals, key=lambda e: e.memory.gpu.total) if evals else None
+        need = ""
+        if smallest:
+            m = smallest.memory
+            need = (f"; the smallest, {_describe(smallest)}, needs {m.gpu.total / GIB:.1f} GiB per GPU "
+                    f"(usable {m.usable_bytes / GIB:.1f}) and {m.host.total / GIB:.0f} GiB of host memory per node "
+                    f"(have {m.host_capacity_bytes / GIB:.0f})")
+        raise ShardwiseError(
+            f"no configuration of {model.name} fits {hw.world_size}× {hw.gpu.name} "
+            f"({hw.gpu.memory_bytes / 1e9:.0f} GB){need}: add GPUs, use LoRA, or a larger GPU"
+        )
+    fitting.sort(key=lambda e: -e.time.tokens_per_s_per_gpu)
+    top = fitting[0].time.tokens_per_s_per_gpu
+    near = [e for e in fitting if e.time.tokens_per_s_per_gpu >= top * (1 - NEAR_TIE)]
+    best = min(near, key=_complexity)
+    others = [e for e in fitting if e.strategy.name != best.strategy.name]
+    runner = max(others, key=lambda e: e.time.tokens_per_s_per_gpu) if others else None
+    return Recommendation(best, runner, len(evals), len(fitting), explain_choice(model, hw, best, runner, evals))
+
+
+def _describe(e: Evaluation) -> str:
+    lay = e.memory.layout
+    extra = (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" pp{lay.pp}" if lay.pp > 1 else "")
+    return (f"{e.strategy.name}{extra} (micro-batch {e.train.micro_batch} × accum {e.train.grad_accum}, "
+            f"checkpointing {e.train.checkpointing})")
+
+
+def explain_choice(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner: Evaluation | None,
+                   evals: list[Evaluation]) -> str:
+    m, t = best.memory, best.time
+    lines = [
+        f"{_describe(best)}: {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {t.mfu:.0%}, "
+        f"{m.gpu.total / GIB:.1f} of {m.capacity_bytes / GIB:.1f} GiB per GPU.",
+    ]
+    if t.exposed_fraction > 0.3:
+        lines.append(f"Binding constraint: communication — {t.exposed_comm_s:.2f} s of the {t.step_s:.2f} s step "
+                     f"is exposed ({best.comm.total / 1e9:.1f} GB moved per GPU per step).")
+    elif t.offload_s > 0.3 * t.step_s:
+        lines.append(f"Binding constraint: offload — {t.offload_s:.2f} s of the {t.step_s:.2f} s step is "
+                     f"PCIe transfers and the CPU optimizer.")
+    else:
+        lines.append(f"Binding constraint: compute ({t.compute_s:.2f} s of a {t.step_s:.2f} s step); memory leaves "
+                     f"{(m.usable_bytes - m.gpu.total) / GIB:.1f} GiB of head room.")
+    non_fit = {e.strategy.name for e in evals} - {e.strategy.name for e in evals if e.fits}
+    if non_fit:
+        lines.append(f"Do not fit in any swept setting: {', '.join(sorted(non_fit, key=SIMPLICITY.get))}.")
+    if runner:
+        r = runner.time
+        lines.append(f"Runner-up: {_describe(runner)} at {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+                     f"({r.tokens_per_s_per_gpu / t.tokens_per_s_per_gpu - 1:+.1%}).")
+        lines.append(_what_flips(model, hw, best, runner))
+    return " ".join(lines)
+
+
+def _what_flips(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner: Evaluation) -> str:
+    """Scale the interconnect bandwidth until the runner-up overtakes, if it ever does."""
+    for factor in (2, 4, 8, 16):
+        faster = hw.model_copy(update={
+            "intra": hw.intra.model_copy(update={"bus_bytes_per_s": hw.intra.bus_bytes_per_s * factor}),
+            "inter": hw.inter.model_copy(update={"bus_bytes_per_s": hw.inter.bus_bytes_per_s * factor}),
+        })
+        b = evaluate(model, faster, best.train, best.strategy).time.tokens_per_s_per_gpu
+        r = evaluate(model, faster, runner.train, runner.strategy).time.tokens_per_s_per_gpu
+        if r > b:
+            return f"With {factor}× the bandwidth, {runner.strategy.name} would win ({r:,.0f} vs {b:,.0f} tokens/s per GPU)."
+    for factor in (0.5, 0.25, 0.1):
+        slower = hw.model_copy(update={
+            "intra": hw.intra.model_copy(update={"bus_bytes_per_s": hw.intra.bus_bytes_per_s * factor}),
+            "inter": hw.inter.model_copy(update={"bus_bytes_per_s": hw.inter.bus_bytes_per_s * factor}),
+        })
+        b = evaluate(model, slower, best.train, best.strategy).time.tokens_per_s_per_gpu
+        r = evaluate(model, slower, runner.train, runner.strategy).time.tokens_per_s_per_gpu
+        if r > b:
+            return f"With {factor:g}× the bandwidth, {runner.strategy.name} would win ({r:,.0f} vs {b:,.0f} tokens/s per GPU)."
+    return "No bandwidth between 0.1× and 16× flips the ranking."
