@@ -81,3 +81,11 @@ def test_template_errors_name_the_record(tok, write_jsonl):
     cfg = DataConfig(train_files=[str(write_jsonl([chat("q", "a")]))], chat_template=strict)
     with pytest.raises(ShardwiseError, match=r"data\.jsonl:1: field 'messages'.*need a system turn"):
         build_dataset(cfg, tok)
+
+
+def test_fast_backend_ids_equal_the_tokenizer_call(tok):
+    from shardwise.data.tokenize import Encoder
+
+    texts = ["<|user|>\nHow many metres?<|end|>", " leading space", "ünï©ødé 🤖 ×", "a\u2028b"]
+    enc = Encoder(tok, DataConfig(train_files=["unused.jsonl"]))
+    assert enc._ids(texts) == tok(texts, add_special_tokens=False)["input_ids"]

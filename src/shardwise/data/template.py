@@ -83,7 +83,8 @@ def split_segments(messages: Sequence[dict[str, str]], render: Renderer, *, wher
                 segments.append((prompt[len(done) :], False))
             segments.append((full[len(prompt) :], True))
             done = full
-        final = render(messages, False)
+        # The last full render is the whole conversation when it ends with a reply: reuse it.
+        final = done if messages and messages[-1]["role"] == "assistant" else render(messages, False)
     except ShardwiseError:
         raise
     except Exception as exc:  # jinja TemplateError, raise_exception(...) in templates, KeyError

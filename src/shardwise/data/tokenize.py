@@ -47,6 +47,14 @@ class Encoder:
             raise ShardwiseError("tokenizer: field 'eos_token': the tokenizer has no EOS token but data.add_eos "
                                  "is true; set one on the tokenizer or set data.add_eos: false.")
 
+    def _ids(self, texts: list[str]) -> list[list[int]]:
+        # The Rust backend directly: same ids as tokenizer(texts), without the Python wrapper's
+        # per-call overhead and offset bookkeeping (a third of tokenisation time).
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "encode_batch_fast"):
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
     def segments(self, ex: Example) -> list[Segment]:
         if ex.text is not None:  # continued pre-training: everything is a target
             return [(ex.text, True)]
@@ -65,7 +73,7 @@ class Encoder:
     def _encode_batch(self, batch: list[Example], stats: EncodeStats) -> Iterator[Encoded]:
         segs = [self.segments(ex) for ex in batch]
         flat = [text for s in segs for text, _ in s]
-        ids = self.tok(flat, add_special_tokens=False)["input_ids"] if flat else []
+        ids = self._ids(flat) if flat else []
         k = 0
         for ex, s in zip(batch, segs, strict=True):
             parts, mask = [], []
