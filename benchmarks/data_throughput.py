@@ -28,15 +28,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardwise.data import (DataConfig, SFTCollator, build_dataset, count_target_tokens, load_tokenizer,
-                            sample_data_path)  # fmt: skip
+from shardwise.data import (
+    DataConfig,
+    SFTCollator,
+    build_dataset,
+    count_target_tokens,
+    load_tokenizer,
+    sample_data_path,  # fmt: skip
+)
 
 OUT = Path(__file__).resolve().parent / "results" / "data_throughput.json"
 MODELS = {  # proxies for the trainer: the test-size Llama and a slightly larger one
-    "llama-h64-l2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2),
-    "llama-h256-l4": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                          num_key_value_heads=4),
+    "llama-h64-l2": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2},
+    "llama-h256-l4": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+                      "num_attention_heads": 8, "num_key_value_heads": 4},
 }
 
 

@@ -21,14 +21,11 @@ N_CHAT, N_ALPACA = 240, 160
 VOCAB = 2048
 SPECIAL = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
-WORDS = ("apple banana cherry river mountain window garden pencil rocket silver planet yellow orange "
-         "forest butter candle dragon engine falcon guitar harbor island jacket kettle lemon marble "
-         "needle ocean pepper quartz saddle tunnel violin walnut zebra anchor bridge castle").split()
+WORDS = ["apple", "banana", "cherry", "river", "mountain", "window", "garden", "pencil", "rocket", "silver", "planet", "yellow", "orange", "forest", "butter", "candle", "dragon", "engine", "falcon", "guitar", "harbor", "island", "jacket", "kettle", "lemon", "marble", "needle", "ocean", "pepper", "quartz", "saddle", "tunnel", "violin", "walnut", "zebra", "anchor", "bridge", "castle"]
 UNITS = [("kilometres", "metres", 1000), ("hours", "minutes", 60), ("minutes", "seconds", 60),
          ("kilograms", "grams", 1000), ("metres", "centimetres", 100), ("days", "hours", 24)]
-ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen " \
-       "sixteen seventeen eighteen nineteen".split()
-TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+TENS = ["_", "_", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 SYSTEMS = ["You are a concise assistant.", "Answer in one short sentence.",
            "You are a careful tutor who shows the result plainly.", "Reply politely and briefly."]
 
@@ -61,8 +58,8 @@ def task(rng: random.Random) -> tuple[str, str, str, str]:
         return "Reverse the word.", w, f"How do you spell '{w}' backwards?", f"'{w}' backwards is '{w[::-1]}'."
     if kind == 4:
         ws = rng.sample(WORDS, rng.randint(3, 6))
-        return ("Sort the words alphabetically.", ", ".join(ws), f"Put these words in alphabetical order: "
-                f"{', '.join(ws)}.", ", ".join(sorted(ws)) + ".")
+        question = f"Put these words in alphabetical order: {', '.join(ws)}."
+        return "Sort the words alphabetically.", ", ".join(ws), question, ", ".join(sorted(ws)) + "."
     if kind == 5:
         n = rng.randint(0, 999)
         return "Write the number in words.", str(n), f"How do you write {n} in words?", f"{n} is {words(n)}."

@@ -6,11 +6,10 @@ import json
 
 import pandas as pd
 import pytest
+from sft_records import chat
 
 from shardwise.data import DataConfig, build_dataset
 from shardwise.errors import ShardwiseError
-
-from sft_records import chat
 
 
 def targets(ds, tok, i=0) -> str:
@@ -117,3 +116,12 @@ def test_validation_by_file(tok, write_jsonl):
                      validation_files=[str(write_jsonl([chat("v", "w")], "v.jsonl"))])
     assert build_dataset(cfg, tok, split="validation").num_documents == 1
     assert build_dataset(cfg, tok).num_documents == 3
+
+
+def test_unicode_line_separators_inside_strings_stay_in_one_record(tok, tmp_path):
+    path = tmp_path / "u.jsonl"
+    rec = chat("line\u2028break\x85next", "ok")
+    path.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")  # raw U+2028 in the file
+    ds = build_dataset(DataConfig(train_files=[str(path)], packing=False), tok)
+    assert ds.num_documents == 1
+    assert "line\u2028break" in tok.decode(ds.document(0)[0].tolist())

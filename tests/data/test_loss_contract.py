@@ -20,7 +20,7 @@ def summed_loss(model, batch) -> torch.Tensor:
 def test_same_mean_loss_packed_unpacked_accumulated_and_sharded(tok):
     from test_packing_isolation import tiny_llama
 
-    cfg = dict(train_files=[str(sample_data_path())], max_length=128)
+    cfg = {"train_files": [str(sample_data_path())], "max_length": 128}
     packed = build_dataset(DataConfig(**cfg), tok)
     docs = sorted({d for r in packed.rows[:3] for d in r})  # the documents of three packed rows
     unpacked = build_dataset(DataConfig(**cfg, packing=False), tok)

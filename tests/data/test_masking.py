@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from sft_records import chat
 
 from shardwise.data import DataConfig, build_dataset
 from shardwise.data.template import make_renderer, split_segments
 from shardwise.errors import ShardwiseError
-
-from sft_records import chat
 
 
 def runs(ds, tok, i=0):

@@ -24,7 +24,9 @@ _LAZY = {
     "DEFAULT_CHAT_TEMPLATE": "shardwise.data.template",
 }
 
-__all__ = [*_LAZY, "default_tokenizer_path", "sample_data_path", "load_tokenizer"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "DataConfig", "DataStats", "ResumableDistributedSampler", "SFTCollator",
+           "SFTDataset", "build_dataset", "count_target_tokens", "default_tokenizer_path", "load_data_config",
+           "load_tokenizer", "sample_data_path"]
 
 
 def default_tokenizer_path() -> Path:

@@ -11,7 +11,7 @@ import numpy as np
 from shardwise.data.config import DataConfig
 from shardwise.data.formats import Example, LoadReport, iter_examples, resolve_files
 from shardwise.data.packing import efficiency, pack
-from shardwise.data.tokenize import EncodeStats, Encoder
+from shardwise.data.tokenize import Encoder, EncodeStats
 from shardwise.errors import ShardwiseError
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def _split(examples: list[Example], fraction: float, seed: int, split: str) -> l
     if fraction <= 0:
         return examples
     perm = np.random.default_rng(seed).permutation(len(examples))
-    n_val = max(1, int(round(fraction * len(examples))))
+    n_val = max(1, round(fraction * len(examples)))
     chosen = np.sort(perm[:n_val] if split == "validation" else perm[n_val:])
     return [examples[i] for i in chosen]
 

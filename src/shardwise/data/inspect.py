@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -41,8 +42,8 @@ def length_histogram(lengths: list[int], max_length: int, bins: int = 8, width: 
         return t
     arr = np.asarray(lengths)
     edges = np.linspace(0, max_length, bins + 1).astype(int)
-    counts = [int(((arr > lo) & (arr <= hi)).sum()) for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
-    labels = [f"{lo + 1}-{hi}" for lo, hi in zip(edges[:-1], edges[1:], strict=True)]
+    counts = [int(((arr > lo) & (arr <= hi)).sum()) for lo, hi in pairwise(edges)]
+    labels = [f"{lo + 1}-{hi}" for lo, hi in pairwise(edges)]
     over = int((arr > max_length).sum())
     if over:
         counts.append(over), labels.append(f"> {max_length} (over)")
