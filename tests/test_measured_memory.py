@@ -202,14 +202,18 @@ def test_checkpointed_peak_matches_planner(shape: str, prec: str, attn: str) -> 
     )
 
 
-@pytest.mark.xfail(reason="plan.gpu.logits is a backward-time peak of tensors autograd does not save "
-                          "(the logits output, HF's fp32 upcast, the logits' gradient); saved-for-backward "
-                          "bytes see only log_softmax's fp32 output, 4·V per token", strict=False)
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])
 def test_loss_side_against_planner_logits(prec: str) -> None:
+    """plan.gpu.logits is a backward-time peak: the lm_head output (c·V per token), HF's fp32
+    upcast (4·V), the log-softmax output autograd saves (4·V) and the logits' gradient (4·V).
+    A forward-only measurement sees what the loss leaves alive; the plan must cover it and
+    exceed it by exactly the tensors that only exist later (the upcast copy, the gradient)."""
     d = saved.loss_side_bytes("tiny-llama", prec)
-    from shardwise.plan.memory import plan_memory  # noqa: F401  (fail, not skip, if missing)
-
-    planned = _act_plan("tiny-llama", prec, "sdpa", "none").gpu.logits
-    measured = d["live"]  # everything the loss side leaves alive after forward, logits included
-    assert abs(planned - measured) / measured <= TOL_ACTS, (planned, d)
+    plan = _act_plan("tiny-llama", prec, "sdpa", "none")
+    planned = plan.gpu.logits
+    measured = d["live"]  # everything the loss side leaves alive after forward (log-softmax output)
+    tokens = 256
+    vocab = 2048
+    not_yet_alive = (4 + 4 + (2 if prec == "bf16" else 4)) * tokens * vocab  # upcast, gradient, logits output
+    assert planned >= measured, (planned, d)
+    assert abs(planned - not_yet_alive - measured) / measured <= TOL_ACTS, (planned, d)

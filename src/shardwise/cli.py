@@ -48,13 +48,17 @@ def plan(
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel degree."),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float = typer.Option(0.05, "--margin", help="Fraction of GPU memory kept free."),
+    host_memory_gb: Optional[float] = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    emit: Optional[Path] = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
+    emit_strategy: Optional[str] = typer.Option(None, "--emit-strategy", help="Strategy to emit (default: the recommended one)."),
 ) -> None:
-    """Per-GPU memory of every strategy for a model, hardware and training setup."""
+    """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
     from pydantic import ValidationError
 
     from shardwise.plan.planner import build_specs, plan_strategies
-    from shardwise.plan.report import plan_json, plan_table
+    from shardwise.plan.recommend import recommend
+    from shardwise.plan.report import plan_json, plan_table, time_table
 
     try:
         m, hw, train = build_specs(
@@ -62,22 +66,90 @@ def plan(
             gpus_per_node=gpus_per_node, interconnect=interconnect, gpu_memory_gb=gpu_memory_gb,
             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
-            lora_rank=lora_rank, cross_entropy=cross_entropy,
+            lora_rank=lora_rank, cross_entropy=cross_entropy, host_memory_gb=host_memory_gb,
         )
         if accounting not in ("engine", "paper", "deepspeed"):
             raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
-        plans = plan_strategies(m, hw, train, strategy, tp=tp, pp=pp, accounting=accounting, margin=margin)
+        evals = plan_strategies(m, hw, train, strategy, tp=tp, pp=pp, accounting=accounting, margin=margin)
+        try:
+            rec = recommend(m, hw, train, strategies=strategy or None, margin=margin)
+        except ShardwiseError as no_fit:
+            rec, rec_error = None, str(no_fit)
+        emitted = []
+        if emit is not None:
+            emitted = _emit(m, hw, train, evals, rec, emit, emit_strategy, tp, pp)
     except (ShardwiseError, ValidationError) as e:
         _fail(e)
     if as_json:
-        sys.stdout.write(json.dumps(plan_json(m, hw, train, plans, accounting), indent=2) + "\n")
-    else:
-        from rich.console import Console
+        doc = plan_json(m, hw, train, evals, accounting, rec)
+        if rec is None:
+            doc["recommended"], doc["reason"] = None, rec_error
+        if emitted:
+            doc["emitted"] = [str(p) for p in emitted]
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    from rich.console import Console
 
-        console = Console()
-        if console.width < 140:  # the table has 13 columns; wrap nothing, let the terminal scroll
-            console = Console(width=140)
-        console.print(plan_table(m, hw, train, plans))
+    console = Console()
+    if console.width < 150:  # the table has 14 columns; wrap nothing, let the terminal scroll
+        console = Console(width=150)
+    console.print(plan_table(m, hw, train, [e.memory for e in evals]))
+    console.print(time_table(evals))
+    if rec is not None:
+        console.print(f"[bold green]Recommended:[/] {rec.reason}", highlight=False)
+    else:
+        console.print(f"[bold red]Nothing fits:[/] {rec_error}", highlight=False)
+    for path in emitted:
+        console.print(f"wrote {path}", highlight=False)
+
+
+def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp):
+    from shardwise.plan.emit import emit_configs
+    from shardwise.specs import Strategy
+
+    if name:
+        strategy = Strategy.from_name(name, tp=tp, pp=pp)
+        chosen = next((e for e in evals if e.strategy.name == strategy.name), None)
+        plan = chosen.memory if chosen else None
+    elif rec is not None:
+        strategy, train, plan = rec.best.strategy, rec.best.train, rec.best.memory
+    else:
+        raise ShardwiseError("--emit: nothing fits, so there is no recommended strategy; name one with --emit-strategy")
+    return emit_configs(m, hw, train, strategy, Path(out_dir), plan=plan)
+
+
+@app.command()
+def explain(
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model name."),
+    model_config: Optional[Path] = typer.Option(None, "--model-config", help="Local HF config.json."),
+    params: Optional[float] = typer.Option(None, "--params", help="Parameter count (Llama shape)."),
+    gpu: str = typer.Option("a100-80g", "--gpu"),
+    gpus: int = typer.Option(8, "--gpus"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node"),
+    interconnect: Optional[str] = typer.Option(None, "--interconnect"),
+    seq_len: int = typer.Option(2048, "--seq-len"),
+    micro_batch: int = typer.Option(1, "--micro-batch"),
+    checkpointing: str = typer.Option("none", "--checkpointing"),
+) -> None:
+    """ZeRO-1/2/3 vs FSDP for your model and hardware: what each shards, memory, traffic, crossovers."""
+    from pydantic import ValidationError
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from shardwise.plan.explain import explain as explain_text
+    from shardwise.plan.planner import build_specs
+
+    try:
+        m, hw, train = build_specs(model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
+                                   gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
+                                   micro_batch=micro_batch, checkpointing=checkpointing)
+        text = explain_text(m, hw, train)
+    except (ShardwiseError, ValidationError) as e:
+        _fail(e)
+    if sys.stdout.isatty():
+        Console().print(Markdown(text))
+    else:
+        sys.stdout.write(text + "\n")
 
 
 def _passthrough(module: str, name: str, help_text: str):

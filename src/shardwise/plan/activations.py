@@ -16,7 +16,7 @@ from shardwise.specs.train import TrainSpec
 def rmsnorm_saved(c: int, h: int) -> float:
     """Per token: HF LlamaRMSNorm upcasts to fp32 (saved by pow/mul: 4h), saves the normalised
     tensor for the weight's grad (c·h) and its output is saved by the next linear (c·h)."""
-    return (4 + 2 * c) * h
+    return (4 + 2 * c) * h + 4  # + the fp32 rsqrt(variance) per token
 
 
 def attention_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
@@ -77,7 +77,12 @@ def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
     on top of the kept checkpoints (full) or its attention core is (selective)."""
     tokens = train.micro_batch * train.seq_len
     if train.checkpointing == "full":
-        return tokens * layer_saved_per_token(model, train.model_copy(update={"checkpointing": "none"}), tp)
+        # The recomputed layer's input is the kept checkpoint (same storage), and by the time
+        # backward reaches the last layer the final norm's saved tensors are already freed
+        # (measured: benchmarks/results/measured_activations.json, peak_with_recompute).
+        full = layer_saved_per_token(model, train.model_copy(update={"checkpointing": "none"}), tp)
+        return tokens * max(0.0, full - train.compute_bytes * model.hidden_size
+                            - rmsnorm_saved(train.compute_bytes, model.hidden_size))
     if train.checkpointing == "selective":
         full = attention_saved(model, train.model_copy(update={"checkpointing": "none"}), tp)
         return tokens * (full - attention_saved(model, train, tp))

@@ -91,11 +91,13 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
     lines = [
         f"# {strategy.name}: {model.name} on {hw.nodes} x {hw.gpus_per_node} {hw.gpu.name}",
         "",
-        f"Emitted by `shardwise plan --emit`. Training setup: sequence {train.seq_len}, micro-batch "
-        f"{train.micro_batch}, gradient accumulation {train.grad_accum} (global batch "
-        f"{train.micro_batch * train.grad_accum * lay.dp} sequences), {train.precision}, optimizer "
-        f"{train.optimizer}, activation checkpointing {train.checkpointing}. Layout: data-parallel "
-        f"{lay.dp} (shard {lay.dp_shard} x replicate {lay.dp_replicate}).",
+        (
+            f"Emitted by `shardwise plan --emit`. Training setup: sequence {train.seq_len}, micro-batch "
+            f"{train.micro_batch}, gradient accumulation {train.grad_accum} (global batch "
+            f"{train.micro_batch * train.grad_accum * lay.dp} sequences), {train.precision}, optimizer "
+            f"{train.optimizer}, activation checkpointing {train.checkpointing}. Layout: data-parallel "
+            f"{lay.dp} (shard {lay.dp_shard} x replicate {lay.dp_replicate})."
+        ),
         "",
         "## Files",
         "",
@@ -113,25 +115,29 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
         )],
         f"| **total** | **{_gib(g.total)}** |",
         "",
-        f"GPU capacity {_gib(plan.capacity_bytes)}, usable {_gib(plan.usable_bytes)} after a "
-        f"{plan.margin:.0%} margin: **{'fits' if plan.fits else 'does NOT fit'}**.",
+        (
+            f"GPU capacity {_gib(plan.capacity_bytes)}, usable {_gib(plan.usable_bytes)} after a "
+            f"{plan.margin:.0%} margin: **{'fits' if plan.fits else 'does NOT fit'}**."
+        ),
     ]
     if host.total:
         lines += ["", f"Host memory per node for offload: {_gib(host.total)} of {_gib(plan.host_capacity_bytes)}."]
     if notes:
         lines += ["", "## Differences from the plan", "", *[f"- {n}" for n in notes]]
     if strategy.engine == "fsdp2":
-        lines += ["", f"FSDP2 wraps each `{layer_class(model)}`; reshard after forward: "
-                  f"{strategy.reshard_after_forward}."]  # fmt: skip
+        wrap = f"FSDP2 wraps each `{layer_class(model)}`; reshard after forward: {strategy.reshard_after_forward}."
+        lines += ["", wrap]
     if strategy.engine == "deepspeed":
         lines += [
             "",
             "## Hugging Face Trainer with `ds_config_hf.json`",
             "",
-            "Pass the file to `TrainingArguments(deepspeed=\"ds_config_hf.json\", ...)` or "
-            "`--deepspeed ds_config_hf.json` on the command line of a Trainer script, and launch it "
-            "with `deepspeed`, `torchrun` or `accelerate launch`. Trainer fills every `\"auto\"` from its "
-            "arguments, so set them to the planned values:",
+            (
+                "Pass the file to `TrainingArguments(deepspeed=\"ds_config_hf.json\", ...)` or "
+                "`--deepspeed ds_config_hf.json` on the command line of a Trainer script, and launch it "
+                "with `deepspeed`, `torchrun` or `accelerate launch`. Trainer fills every `\"auto\"` from "
+                "its arguments, so set them to the planned values:"
+            ),
             "",
             "```bash",
             f"deepspeed {_nodes(hw)}--num_gpus {hw.gpus_per_node} train_sft.py --deepspeed ds_config_hf.json \\",
@@ -141,7 +147,10 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
             + (" --gradient_checkpointing" if train.checkpointing != "none" else ""),
             "```",
             "",
-            "Activation checkpointing is the model's setting (`--gradient_checkpointing`), not DeepSpeed's. "
-            "The planned micro-batch and accumulation only hold if the Trainer arguments match them.",
+            (
+                "Activation checkpointing is the model's setting (`--gradient_checkpointing`), not "
+                "DeepSpeed's. The planned micro-batch and accumulation only hold if the Trainer "
+                "arguments match them."
+            ),
         ]  # fmt: skip
     return "\n".join(lines).rstrip() + "\n"

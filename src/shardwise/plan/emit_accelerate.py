@@ -59,6 +59,10 @@ def accelerate_config(
         "downcast_bf16": False,
     }
     if strategy.engine == "deepspeed":
+        # accelerate refuses mixed_precision from the config file beside a deepspeed_config_file
+        # (DeepSpeedPlugin: "will be ignored"); the JSON's "auto" precision is filled from
+        # `accelerate launch --mixed_precision` (launch_accelerate.sh) or HF Trainer's --bf16.
+        del cfg["mixed_precision"]
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = {
             # With a config file accelerate refuses the per-key deepspeed_* settings: all in the JSON.

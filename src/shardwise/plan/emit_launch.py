@@ -8,6 +8,7 @@ environment, so the same file serves every node of a multi-node job.
 
 from __future__ import annotations
 
+from shardwise.plan.emit_accelerate import MIXED_PRECISION
 from shardwise.specs import HardwareSpec, Strategy, TrainSpec
 
 TRAINER = "shardwise.train.cli"
@@ -64,6 +65,8 @@ exec deepspeed "${{args[@]}}" --no_local_rank --module {TRAINER} "$HERE/shardwis
 
 
 def accelerate_script(hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> str:
+    # DeepSpeed: precision must come from the command line, not accelerate.yaml (see emit_accelerate).
+    mp = f" --mixed_precision {MIXED_PRECISION[train.precision]}" if strategy.engine == "deepspeed" else ""
     return _header("accelerate launch: run once on every node with its MACHINE_RANK.", hw, train, strategy) + f"""#
 # No arguments: shardwise's trainer on shardwise.yaml. With arguments: your own script under
 # accelerate.yaml, e.g. ./launch_accelerate.sh train_sft.py --bf16 ... (an HF Trainer script
@@ -79,7 +82,7 @@ if [ "$#" -eq 0 ]; then
 fi
 exec accelerate launch --config_file "$HERE/accelerate.yaml" \\
   --num_machines "$NUM_MACHINES" --num_processes "$NUM_PROCESSES" --machine_rank "$MACHINE_RANK" \\
-  --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" "$@"
+  --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT"{mp} "$@"
 """
 
 

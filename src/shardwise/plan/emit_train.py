@@ -56,12 +56,12 @@ def shardwise_config(
         "data": {"kind": "sft", "sft": {"max_length": train.seq_len}},
         "strategy": strategy_section,
         "optimizer": {"name": "adamw", "lr": h.lr, "betas": list(h.betas), "eps": h.eps,
-                      "weight_decay": h.weight_decay, "max_grad_norm": h.max_grad_norm},  # fmt: skip
+                      "weight_decay": h.weight_decay, "max_grad_norm": h.max_grad_norm},
         # DeepSpeed's WarmupDecayLR (linear warmup), as in ds_config.json: both files train alike.
         "schedule": {"kind": "warmup_decay", "warmup_steps": h.warmup_steps},
         "precision": precision,
         "run": {"steps": h.steps, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
-                "nproc": hw.gpus_per_node, "device": "cuda"},  # fmt: skip
+                "nproc": hw.gpus_per_node, "device": "cuda"},
         "checkpointing": {"activation": activation, "output_dir": f"runs/{model.name}-{strategy.name}"},
         "hardware": {"gpu": hw.gpu.name, "check_memory": True},
     }

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from shardwise import catalog
 from shardwise.errors import ShardwiseError
-from shardwise.plan.memory import DEFAULT_MARGIN, MemoryPlan, plan_memory
+from shardwise.plan.evaluate import Evaluation, evaluate
+from shardwise.plan.memory import DEFAULT_MARGIN
 from shardwise.specs import STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
 
 
@@ -21,17 +22,18 @@ def resolve_model(model: str | None = None, model_config: str | Path | None = No
 
 
 def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", gpus=8,
-                gpus_per_node=None, interconnect=None, gpu_memory_gb=None,
+                gpus_per_node=None, interconnect=None, gpu_memory_gb=None, host_memory_gb=None,
                 **train_fields) -> tuple[ModelSpec, HardwareSpec, TrainSpec]:
     m = resolve_model(model, model_config, params)
+    extra = {"host_memory_bytes": host_memory_gb * 1e9} if host_memory_gb else {}
     hw = catalog.build_hardware(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node,
-                                interconnect=interconnect, memory_gb=gpu_memory_gb)
+                                interconnect=interconnect, memory_gb=gpu_memory_gb, **extra)
     return m, hw, TrainSpec(**train_fields)
 
 
 def plan_strategies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
                     names: list[str] | None = None, *, tp: int = 1, pp: int = 1,
-                    accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> list[MemoryPlan]:
+                    accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> list[Evaluation]:
     """Plan each named strategy (default: all) with the given TP/PP degrees."""
     names = list(names) if names else list(STRATEGY_NAMES)
     if tp * pp > hw.world_size:
@@ -39,5 +41,5 @@ def plan_strategies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
     plans = []
     for name in names:
         s = Strategy.from_name(name, tp=tp, pp=pp)
-        plans.append(plan_memory(model, hw, train, s, accounting=accounting, margin=margin))
+        plans.append(evaluate(model, hw, train, s, accounting=accounting, margin=margin))
     return plans

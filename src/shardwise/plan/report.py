@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardwise.plan.evaluate import Evaluation
 from shardwise.plan.memory import MemoryPlan
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.model import ModelSpec
@@ -10,9 +11,10 @@ from shardwise.specs.train import TrainSpec
 GIB = 2**30
 
 
-def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[MemoryPlan],
-              accounting: str = "engine") -> dict:
-    return {
+def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[Evaluation],
+              accounting: str = "engine", recommended=None) -> dict:
+    plans = [e.memory for e in evals]
+    doc = {
         "model": {"name": model.name, "params": model.params, "active_params": model.active_params},
         "hardware": {
             "gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes, "gpus": hw.world_size,
@@ -34,10 +36,41 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[
                 "usable_bytes": p.usable_bytes,
                 "memory": p.gpu.as_dict(),
                 "host_memory": p.host.as_dict(),
+                "comm": e.comm.as_dict(),
+                "comm_ideal": e.ideal.as_dict(),
+                "time": e.time.as_dict(),
             }
-            for p in plans
+            for p, e in zip(plans, evals)
         ],
     }
+    if recommended is not None:
+        b = recommended.best
+        doc["recommended"] = b.strategy.name
+        doc["recommended_setting"] = {
+            "strategy": b.strategy.name, "tp": b.memory.layout.tp, "pp": b.memory.layout.pp,
+            "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
+            "checkpointing": b.train.checkpointing,
+            "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
+        }
+        doc["runner_up"] = recommended.runner_up.strategy.name if recommended.runner_up else None
+        doc["reason"] = recommended.reason
+    return doc
+
+
+def time_table(evals: list[Evaluation]):
+    from rich.table import Table
+
+    t = Table(title="Communication and time per optimizer step", title_justify="left",
+              caption="comm: GB per GPU (ring volume; paper = ZeRO paper's ideal); exposed = not hidden by compute")
+    for c in ("strategy", "comm paper", "comm engine", "compute s", "exposed s", "offload s", "step s",
+              "tokens/s/GPU", "MFU"):
+        t.add_column(c, justify="left" if c == "strategy" else "right")
+    for e in evals:
+        tm = e.time
+        t.add_row(e.strategy.name, f"{e.ideal.total / 1e9:.1f}", f"{e.comm.total / 1e9:.1f}", f"{tm.compute_s:.2f}",
+                  f"{tm.exposed_comm_s:.2f}", f"{tm.offload_s:.2f}", f"{tm.step_s:.2f}",
+                  f"{tm.tokens_per_s_per_gpu:,.0f}", f"{tm.mfu:.0%}")
+    return t
 
 
 def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[MemoryPlan]):
@@ -50,7 +83,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
     )
     t = Table(title=title, caption="GiB per GPU; total = peak of the step (activations and "
               "gradients do not peak together); host = CPU RAM per node", title_justify="left")
-    cols = ["strategy", "params", "grads", "master", "optim", "step", "activ", "logits",
+    cols = ["strategy", "params", "grads", "master", "optim", "step", "activ", "recomp", "logits",
             "buffers", "overhead", "total", "host", "fits"]
     for c in cols:
         t.add_column(c, justify="left" if c == "strategy" else "right")
@@ -60,7 +93,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
         t.add_row(
             p.strategy.name + (f" tp{p.layout.tp}" if p.layout.tp > 1 else "") + (f" pp{p.layout.pp}" if p.layout.pp > 1 else ""),
             *(f"{v / GIB:.2f}" for v in (g.params, g.grads, g.master_params, g.optimizer_states,
-                                          g.step_buffers, g.activations, g.logits, g.engine_buffers,
+                                          g.step_buffers, g.activations, g.recompute, g.logits, g.engine_buffers,
                                           g.runtime_overhead)),
             f"[bold]{g.total / GIB:.2f}[/]",
             f"{p.host.total / GIB:.1f}" if p.host.total else "-",

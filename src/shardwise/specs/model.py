@@ -153,6 +153,22 @@ class ModelSpec(Spec):
         """Largest module's direct parameters (DeepSpeed's `largest_layer_params`)."""
         return max(t.numel for t in self.tensors)
 
+    @cached_property
+    def hf_order(self) -> tuple[int, ...]:
+        """Every parameter tensor's size in `model.parameters()` order of the HF model (embed,
+        per layer: q, k, v, o [weight then bias], mlp, 2 norms; final norm; lm_head). DeepSpeed
+        ZeRO-1/2 flattens in this order and splits the flat buffer into N partitions."""
+        by = {t.name: t for t in self.tensors}
+        per_layer: list[int] = []
+        mlp = ("router", "experts") if self.is_moe else ("gate_proj", "up_proj", "down_proj")
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", *mlp, "input_layernorm", "post_attention_layernorm"):
+            t = by[name]
+            per_layer += [t.weight] + ([t.bias] if t.bias else [])
+        out = [by["embed_tokens"].weight] + per_layer * self.num_layers + [by["norm"].weight]
+        if "lm_head" in by:
+            out.append(by["lm_head"].weight)
+        return tuple(out)
+
     def tensor_sizes(self) -> list[tuple[int, int]]:
         """(numel, how many) for every individual parameter tensor."""
         out = []
