@@ -20,7 +20,7 @@ from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "p2p", "all_to_all")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class CommBreakdown:
     all_reduce: float = 0.0
     all_gather: float = 0.0
     reduce_scatter: float = 0.0
+    reduce: float = 0.0  # reduce-to-owner (DeepSpeed ZeRO-1/2 without multi-rank bucket all-reduce)
     broadcast: float = 0.0
     p2p: float = 0.0
     all_to_all: float = 0.0
@@ -40,7 +41,8 @@ class CommBreakdown:
 
     @property
     def total(self) -> float:
-        return 2 * self.all_reduce + self.all_gather + self.reduce_scatter + self.broadcast + self.p2p + self.all_to_all
+        return (2 * self.all_reduce + self.all_gather + self.reduce_scatter + self.reduce + self.broadcast
+                + self.p2p + self.all_to_all)
 
     def as_dict(self) -> dict[str, float]:
         d = {k: getattr(self, k) for k in KINDS}
@@ -109,7 +111,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         calls = int(reductions * (psi // s.ds.reduce_bucket_size + 1) + psi // s.ds.allgather_bucket_size + 1)
         if s.ds.use_multi_rank_bucket_allreduce:
             return CommBreakdown(all_reduce=grad, all_gather=ag, pcie=pcie, calls=calls, **_on(link, 2 * grad + ag))
-        return CommBreakdown(reduce_scatter=grad, all_gather=ag, pcie=pcie, calls=calls, **_on(link, grad + ag))
+        return CommBreakdown(reduce=grad, all_gather=ag, pcie=pcie, calls=calls, **_on(link, grad + ag))
     if s.engine == "deepspeed":  # stage 3
         ds = s.ds
         persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
@@ -117,7 +119,9 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         # Params are released after forward and re-gathered in backward unless the whole model
         # fits under the live/reuse limits (partitioned_param_coordinator.py).
         regather = gathered > min(ds.max_live_parameters, ds.max_reuse_distance)
-        ag = c * gathered * k * (2 if regather else 1)
+        # Persistent params are not gathered per micro-batch, but their updated partitions are
+        # all-gathered once after the step (measured: 2-rank gloo count, GA 1 and 2).
+        ag = c * gathered * k * (2 if regather else 1) + c * persist
         rs = c * psi * k  # every micro-batch (stage3.py reduce_ipg_grads)
         pcie = 0.0
         if s.offload_optimizer:
