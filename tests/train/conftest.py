@@ -22,8 +22,13 @@ TIMEOUT_S = 240
 def run_ranks(script: Path, args: list[str], nproc: int, timeout_s: float = TIMEOUT_S) -> None:
     from shardwise.train.launch import spawn
 
-    rc = spawn([str(script), *args], nproc, timeout_s=timeout_s, threads_per_rank=1,
-               extra_env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    rc = spawn(
+        [str(script), *args],
+        nproc,
+        timeout_s=timeout_s,
+        threads_per_rank=1,
+        extra_env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
+    )
     if rc == 124:
         pytest.fail(f"{script.name} {args} timed out after {timeout_s}s on {nproc} ranks")
     assert rc == 0, f"{script.name} {args} failed on {nproc} ranks (rc {rc}); see captured stderr"

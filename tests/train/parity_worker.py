@@ -21,23 +21,32 @@ GLOBAL_BATCH = 4  # sequences per optimizer step, fixed across world sizes and a
 STEPS = 8
 
 
-def parity_config(strategy: str, world: int, grad_accum: int, model: str = "tiny-llama",
-                  repeat: bool = False) -> TrainConfig:
+def parity_config(
+    strategy: str, world: int, grad_accum: int, model: str = "tiny-llama", repeat: bool = False
+) -> TrainConfig:
     """`repeat`: every step sees the same global batch (a learnable task: the loss must fall)."""
     micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
     assert rest == 0, "global batch must split evenly"
     samples = GLOBAL_BATCH if repeat else GLOBAL_BATCH * STEPS
-    return TrainConfig.model_validate({
-        "model": {"name": model, "attention": "eager"},
-        "data": {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}},
-        "strategy": {"name": strategy},
-        # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
-        "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
-        "schedule": {"kind": "cosine", "warmup_steps": 2},
-        "precision": "fp32",
-        "run": {"steps": STEPS, "micro_batch": micro, "grad_accum": grad_accum, "seed": 3, "device": "cpu"},
-        "logging": {"progress": False, "tensorboard": False},
-    })
+    return TrainConfig.model_validate(
+        {
+            "model": {"name": model, "attention": "eager"},
+            "data": {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}},
+            "strategy": {"name": strategy},
+            # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
+            "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
+            "schedule": {"kind": "cosine", "warmup_steps": 2},
+            "precision": "fp32",
+            "run": {
+                "steps": STEPS,
+                "micro_batch": micro,
+                "grad_accum": grad_accum,
+                "seed": 3,
+                "device": "cpu",
+            },
+            "logging": {"progress": False, "tensorboard": False},
+        }
+    )
 
 
 def main() -> None:
@@ -53,10 +62,9 @@ def main() -> None:
         cfg = parity_config(strategy, env.world_size, int(ga), model, repeat="repeat" in flags)
         res = train(cfg, env, export_weights=True)
         if env.is_main:
+            record = {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records]}
             torch.save(
-                {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records],
-                 "weights": res.final_weights},  # fmt: skip
-                out / f"{run.replace(':', '-')}-w{env.world_size}.pt",
+                record | {"weights": res.final_weights}, out / f"{run.replace(':', '-')}-w{env.world_size}.pt"
             )
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -41,14 +41,23 @@ def test_unknown_strategy_suggests_the_closest(tmp_path):
 
 def test_unknown_field_is_refused_with_suggestion(tmp_path):
     p = write(tmp_path, "optimizer:\n  learning_rate: 0.1\n")
-    with pytest.raises(ShardwiseError, match=r"cfg.yaml:2: unknown field 'optimizer.learning_rate'. Valid choices: .*\blr\b"):
+    with pytest.raises(
+        ShardwiseError, match=r"cfg.yaml:2: unknown field 'optimizer.learning_rate'. Valid choices: .*\blr\b"
+    ):
         load_config(p)
 
 
 def test_set_overrides_are_typed_and_validated(tmp_path):
     p = write(tmp_path, "strategy:\n  name: fsdp\n")
-    cfg = load_config(p, ["strategy.name=zero3", "optimizer.lr=3e-4", "run.steps=7", "logging.tensorboard=false"])
-    assert (cfg.strategy.name, cfg.optimizer.lr, cfg.run.steps, cfg.logging.tensorboard) == ("zero3", 3e-4, 7, False)
+    cfg = load_config(
+        p, ["strategy.name=zero3", "optimizer.lr=3e-4", "run.steps=7", "logging.tensorboard=false"]
+    )
+    assert (cfg.strategy.name, cfg.optimizer.lr, cfg.run.steps, cfg.logging.tensorboard) == (
+        "zero3",
+        3e-4,
+        7,
+        False,
+    )
     with pytest.raises(ShardwiseError, match="run.steps"):
         load_config(p, ["run.steps=-1"])
     with pytest.raises(ShardwiseError, match="KEY=VALUE"):
@@ -56,8 +65,9 @@ def test_set_overrides_are_typed_and_validated(tmp_path):
 
 
 def test_strategy_the_world_size_cannot_support():
-    cfg = TrainConfig.model_validate({"strategy": {"name": "fsdp-hybrid", "shard_group": 4},
-                                      "data": {"kind": "synthetic"}})  # fmt: skip
+    cfg = TrainConfig.model_validate(
+        {"strategy": {"name": "fsdp-hybrid", "shard_group": 4}, "data": {"kind": "synthetic"}}
+    )
     with pytest.raises(ShardwiseError, match=r"fsdp-hybrid.*cannot run on 2 rank"):
         preflight(cfg, world_size=2, device="cpu")
 
@@ -71,12 +81,16 @@ def test_missing_data_file():
 def test_model_path_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     cfg = TrainConfig.model_validate({"model": {"path": str(tmp_path)}, "data": {"kind": "synthetic"}})
-    with pytest.raises(ShardwiseError, match=r"model.path .* has no weights .*model.safetensors.*random_init"):
+    with pytest.raises(
+        ShardwiseError, match=r"model.path .* has no weights .*model.safetensors.*random_init"
+    ):
         preflight(cfg, world_size=1, device="cpu")
 
 
 def test_remote_code_refused_unless_asked(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {"AutoModel": "x.Y"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "auto_map": {"AutoModel": "x.Y"}})
+    )
     (tmp_path / "model.safetensors").write_bytes(b"")
     cfg = TrainConfig.model_validate({"model": {"path": str(tmp_path)}, "data": {"kind": "synthetic"}})
     with pytest.raises(ShardwiseError, match="trust_remote_code"):
@@ -84,9 +98,17 @@ def test_remote_code_refused_unless_asked(tmp_path):
 
 
 def test_memory_check_refuses_with_numbers_and_nearest_fit():
-    cfg = TrainConfig.model_validate({"model": {"name": "llama-2-7b"}, "strategy": {"name": "ddp"},
-                                      "data": {"sft": {"max_length": 4096}}, "run": {"micro_batch": 8}})  # fmt: skip
-    with pytest.raises(ShardwiseError, match=r"predicted not to fit.*GiB per GPU.*Nearest that fits: --set .*--force"):
+    cfg = TrainConfig.model_validate(
+        {
+            "model": {"name": "llama-2-7b"},
+            "strategy": {"name": "ddp"},
+            "data": {"sft": {"max_length": 4096}},
+            "run": {"micro_batch": 8},
+        }
+    )
+    with pytest.raises(
+        ShardwiseError, match=r"predicted not to fit.*GiB per GPU.*Nearest that fits: --set .*--force"
+    ):
         preflight(cfg, world_size=8, device="cuda")
     assert preflight(cfg, world_size=8, device="cuda", force=True).fits is False
     assert preflight(cfg, world_size=8, device="cpu") is not None  # CPU runs: check off by default
@@ -95,14 +117,23 @@ def test_memory_check_refuses_with_numbers_and_nearest_fit():
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_shipped_examples_validate(path):
     cfg = load_config(path)
-    preflight(cfg, world_size=cfg.run.nproc, device=cfg.run.device if cfg.run.device != "auto" else "cpu",
-              force=True)  # fmt: skip
+    preflight(
+        cfg,
+        world_size=cfg.run.nproc,
+        device=cfg.run.device if cfg.run.device != "auto" else "cpu",
+        force=True,
+    )
 
 
 def test_cli_bad_config_fails_before_any_rank(tmp_path):
     """The CLI prints one error and exits 2; no rank is spawned (it would print 'train')."""
     p = write(tmp_path, "strategy:\n  name: zero9\nrun:\n  nproc: 2\n")
-    r = subprocess.run([sys.executable, "-m", "shardwise.train.cli", str(p)], capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "shardwise.train.cli", str(p)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "zero9" in r.stderr and "Traceback" not in r.stderr

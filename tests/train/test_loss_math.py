@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.train.config import SyntheticData
+from shardwise.train.config import ModelSection, SyntheticData
 from shardwise.train.data import SyntheticSource, stack
 from shardwise.train.engines.base import count_target_tokens, model_inputs, token_loss_sum
-from shardwise.train.config import ModelSection
 from shardwise.train.model import build_model
 
 
@@ -34,6 +33,6 @@ def test_global_token_normalisation_matches_full_batch():
     # Two ranks: each scales by world / global count, the backend averages (÷ world).
     ours = _grads(model, halves, [2 / n, 2 / n]) / 2
     per_rank_mean = _grads(model, halves, [1 / counts[0], 1 / counts[1]]) / 2
-    rel = lambda g: float((g - reference).norm() / reference.norm())  # noqa: E731
+    rel = lambda g: float((g - reference).norm() / reference.norm())
     assert rel(ours) < 1e-6
     assert rel(per_rank_mean) > 1e-3  # what a per-micro-batch/per-rank mean would train on

@@ -52,11 +52,20 @@ def test_loss_and_weights_match_single_process(strategy, grad_accum, reference, 
     loss_diff = rel_loss_diff(run["losses"], reference["losses"])
     w = rel_weight_diff(run["weights"], reference["weights"])
     worst = max(w, key=w.get)
-    elementwise = max(float((run["weights"][k] - v).abs().max() / v.abs().max()) for k, v in reference["weights"].items())
+    elementwise = max(
+        float((run["weights"][k] - v).abs().max() / v.abs().max()) for k, v in reference["weights"].items()
+    )
     # Recorded for the report (docs/training.md quotes these).
-    (shared_dir / f"parity-{strategy}-ga{grad_accum}.json").write_text(json.dumps(
-        {"loss_rel": loss_diff, "weight_rel_fro": w[worst], "worst_tensor": worst,
-         "weight_rel_elementwise_max": elementwise}))  # fmt: skip
+    (shared_dir / f"parity-{strategy}-ga{grad_accum}.json").write_text(
+        json.dumps(
+            {
+                "loss_rel": loss_diff,
+                "weight_rel_fro": w[worst],
+                "worst_tensor": worst,
+                "weight_rel_elementwise_max": elementwise,
+            }
+        )
+    )
     assert loss_diff <= RTOL, f"{strategy} ga{grad_accum}: loss curve off by {loss_diff:.2e} relative"
     assert w[worst] <= RTOL, f"{strategy} ga{grad_accum}: {worst} off by {w[worst]:.2e} relative"
     # The run did train: weights moved well beyond the tolerance (no vacuous pass).
@@ -69,6 +78,7 @@ def test_reference_actually_trains(reference):
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from parity_worker import parity_config
+
     from shardwise.train.model import build_model
 
     init = build_model(parity_config("ddp", 1, 1).model, seed=3).state_dict()

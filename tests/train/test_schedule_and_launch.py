@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -16,11 +17,11 @@ PEAK, TOTAL, WARM = 1e-3, 100, 10
 def test_warmup_is_linear_and_reaches_peak(kind):
     lrs = [lr_at(s, peak=PEAK, total=TOTAL, kind=kind, warmup=WARM) for s in range(WARM)]
     assert lrs[0] == pytest.approx(PEAK / WARM) and lrs[-1] == pytest.approx(PEAK)
-    assert all(b - a == pytest.approx(PEAK / WARM) for a, b in zip(lrs, lrs[1:]))
+    assert all(b - a == pytest.approx(PEAK / WARM) for a, b in itertools.pairwise(lrs))
 
 
 def test_decay_shapes():
-    at = lambda kind, s, **kw: lr_at(s, peak=PEAK, total=TOTAL, kind=kind, warmup=WARM, **kw)  # noqa: E731
+    at = lambda kind, s, **kw: lr_at(s, peak=PEAK, total=TOTAL, kind=kind, warmup=WARM, **kw)
     mid = WARM + (TOTAL - WARM) // 2
     assert at("cosine", mid) == pytest.approx(PEAK / 2)  # cos(pi/2) = 0: half way
     assert at("linear", mid) == pytest.approx(PEAK / 2)
@@ -29,7 +30,7 @@ def test_decay_shapes():
     # WarmupDecayLR: linear to zero at the last step.
     assert at("warmup_decay", TOTAL) == 0.0
     cos = [at("cosine", s) for s in range(WARM, TOTAL)]
-    assert all(b <= a for a, b in zip(cos, cos[1:])) and not math.isnan(sum(cos))
+    assert all(b <= a for a, b in itertools.pairwise(cos)) and not math.isnan(sum(cos))
 
 
 def test_detect_launchers():

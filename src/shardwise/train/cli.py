@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from shardwise.errors import ShardwiseError
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                  help="Train with DeepSpeed ZeRO 0-3, FSDP2 or DDP from one YAML config.")  # fmt: skip
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Train with DeepSpeed ZeRO 0-3, FSDP2 or DDP from one YAML config.",
+)
 
 
 def _fail(err: Exception) -> None:
@@ -30,8 +33,10 @@ def _fail(err: Exception) -> None:
 @app.command("train")
 def train_cmd(
     config: Annotated[Path, typer.Argument(help="YAML config (see examples/demo.yaml).")],
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override: section.field=value (repeatable).")] = None,  # noqa: UP045,E501
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Local ranks to start (default: run.nproc).")] = None,  # noqa: UP045,E501
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override: section.field=value (repeatable).")
+    ] = None,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="Local ranks to start (default: run.nproc).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Run even if the planner predicts OOM.")] = False,
 ) -> None:
     """Train a causal LM on SFT data; the strategy changes memory and speed, never the result."""

@@ -201,7 +201,9 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-def validate(raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None) -> TrainConfig:
+def validate(
+    raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None
+) -> TrainConfig:
     try:
         return TrainConfig.model_validate({**raw, "source": source})
     except ValidationError as exc:

@@ -74,7 +74,7 @@ def iter_steps(
     """Yield this rank's `grad_accum` micro-batches for each optimizer step, forever."""
     while True:
         rows = [dataset[next(indices)] for _ in range(micro_batch * grad_accum)]
-        yield [collate(rows[m * micro_batch:(m + 1) * micro_batch]) for m in range(grad_accum)]
+        yield [collate(rows[m * micro_batch : (m + 1) * micro_batch]) for m in range(grad_accum)]
 
 
 def build_source(cfg: TrainConfig, env: DistEnv, vocab_size: int) -> Iterator[list[Batch]]:

@@ -20,12 +20,22 @@ def detect_env(environ: dict[str, str] | None = None) -> dict[str, int | str] | 
     """
     e = os.environ if environ is None else environ
     if "RANK" in e and "WORLD_SIZE" in e:
-        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in e else "deepspeed" if "DEEPSPEED_RANK" in e else "env"
-        return {"launcher": launcher, "rank": int(e["RANK"]), "world_size": int(e["WORLD_SIZE"]),
-                "local_rank": int(e.get("LOCAL_RANK", 0))}  # fmt: skip
+        launcher = (
+            "torchrun" if "TORCHELASTIC_RUN_ID" in e else "deepspeed" if "DEEPSPEED_RANK" in e else "env"
+        )
+        return {
+            "launcher": launcher,
+            "rank": int(e["RANK"]),
+            "world_size": int(e["WORLD_SIZE"]),
+            "local_rank": int(e.get("LOCAL_RANK", 0)),
+        }
     if "SLURM_PROCID" in e and int(e.get("SLURM_NTASKS", "1")) > 1:
-        return {"launcher": "srun", "rank": int(e["SLURM_PROCID"]), "world_size": int(e["SLURM_NTASKS"]),
-                "local_rank": int(e.get("SLURM_LOCALID", 0))}  # fmt: skip
+        return {
+            "launcher": "srun",
+            "rank": int(e["SLURM_PROCID"]),
+            "world_size": int(e["SLURM_NTASKS"]),
+            "local_rank": int(e.get("SLURM_LOCALID", 0)),
+        }
     return None
 
 
@@ -48,20 +58,31 @@ def init_distributed(device: str):
         if found["world_size"] > 1:
             raise ShardwiseError("MASTER_PORT is not set: multi-rank launches must export MASTER_ADDR/PORT")
         os.environ["MASTER_PORT"] = str(free_port())
-    env = DistEnv(rank=int(found["rank"]), world_size=int(found["world_size"]),
-                  local_rank=int(found["local_rank"]), device=device)  # fmt: skip
+    env = DistEnv(
+        rank=int(found["rank"]),
+        world_size=int(found["world_size"]),
+        local_rank=int(found["local_rank"]),
+        device=device,
+    )
     if device == "cuda":
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo", rank=env.rank, world_size=env.world_size,
+            backend="nccl" if device == "cuda" else "gloo",
+            rank=env.rank,
+            world_size=env.world_size,
             device_id=env.torch_device if device == "cuda" else None,
-        )  # fmt: skip
+        )
     return env
 
 
-def spawn(argv: Sequence[str], nproc: int, timeout_s: float | None = None, extra_env: dict | None = None,
-          threads_per_rank: int | None = None) -> int:  # fmt: skip
+def spawn(
+    argv: Sequence[str],
+    nproc: int,
+    timeout_s: float | None = None,
+    extra_env: dict | None = None,
+    threads_per_rank: int | None = None,
+) -> int:
     """Run `python argv...` as `nproc` local ranks (torchrun's env contract); return the worst rc.
 
     If one rank fails the others are terminated, so a crash never leaves a hung collective.
@@ -70,8 +91,16 @@ def spawn(argv: Sequence[str], nproc: int, timeout_s: float | None = None, extra
     procs = []
     for rank in range(nproc):
         env = dict(os.environ)
-        env.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+        env.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
         if threads_per_rank:
             env["OMP_NUM_THREADS"] = str(threads_per_rank)
         env.update(extra_env or {})

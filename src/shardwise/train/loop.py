@@ -36,6 +36,7 @@ class StepRecord:
     target_tokens: int
     tokens: int  # input tokens of the global batch (throughput counts these)
     step_time_s: float
+    cpu_time_s: float = 0.0  # this rank's process CPU time: robust to other load on the machine
 
 
 @dataclass
@@ -104,13 +105,29 @@ def train(
     result = TrainResult(num_params=num_params)
     if metrics is not None:
         metrics.start(cfg, env, num_params)
+    # The previous step's loss sum rides on this step's token-count all-reduce: one collective
+    # per step on top of the engine's own (the count must be global before the first forward).
+    pending: tuple[StepRecord, float] | None = None
+
+    def finish(rec_loss: tuple[StepRecord, float] | None, total_loss: float) -> None:
+        if rec_loss is None:
+            return
+        rec = rec_loss[0]
+        rec.loss = total_loss / rec.target_tokens
+        result.records.append(rec)
+        if metrics is not None:
+            metrics.log_step(rec)
+
     try:
         for step in range(cfg.run.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             micro = next(steps)
             local_targets = sum(count_target_tokens(b) for b in micro)
             local_tokens = sum(b["input_ids"].numel() for b in micro)
-            global_targets, global_tokens = (int(v) for v in _all_reduce_sum([local_targets, local_tokens]))
+            prev_loss = pending[1] if pending else 0.0
+            targets, tokens, prev_total = _all_reduce_sum([local_targets, local_tokens, prev_loss])
+            finish(pending, prev_total)
+            global_targets, global_tokens = int(targets), int(tokens)
             if global_targets == 0:
                 raise RuntimeError(f"step {step}: the global batch has no target tokens")
             loss_scale = env.world_size / global_targets
@@ -121,14 +138,20 @@ def train(
                     sums.append(engine.forward_backward(batch, loss_scale))
             grad_norm = engine.step()
             engine.zero_grad()
-            (total_loss,) = _all_reduce_sum([float(torch.stack(sums).double().sum())])
             rec = StepRecord(
-                step=step + 1, loss=total_loss / global_targets, grad_norm=grad_norm, lr=lr_at(step),
-                target_tokens=global_targets, tokens=global_tokens, step_time_s=time.perf_counter() - t0,
-            )  # fmt: skip
-            result.records.append(rec)
-            if metrics is not None:
-                metrics.log_step(rec)
+                step=step + 1,
+                loss=float("nan"),  # set once the loss sums of all ranks are in (next reduce)
+                grad_norm=grad_norm,
+                lr=lr_at(step),
+                target_tokens=global_targets,
+                tokens=global_tokens,
+                step_time_s=time.perf_counter() - t0,
+                cpu_time_s=time.process_time() - c0,
+            )
+            pending = (rec, float(torch.stack(sums).double().sum()))
+        if pending is not None:
+            (last_total,) = _all_reduce_sum([pending[1]])
+            finish(pending, last_total)
         if export_weights:
             result.final_weights = engine.consolidated_state_dict()
     finally:

@@ -19,8 +19,13 @@ from shardwise.train.engines.base import DistEnv
 
 
 class Metrics:
-    def __init__(self, cfg: TrainConfig, planned_bytes: float | None = None, flops_per_token: float | None = None,
-                 peak_flops: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        planned_bytes: float | None = None,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+    ):
         self.cfg, self.planned_bytes = cfg, planned_bytes
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.records: list[Any] = []
@@ -34,7 +39,7 @@ class Metrics:
             return
         self.dir = Path(cfg.checkpointing.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "metrics.jsonl", "w")
+        self.jsonl = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 (open for the whole run)
         self.tb = self.wandb = self.progress = None
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -44,15 +49,21 @@ class Metrics:
             try:
                 import wandb
 
-                self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.name,
-                                        config=cfg.model_dump(mode="json"))  # fmt: skip
+                self.wandb = wandb.init(
+                    project=cfg.logging.wandb_project, name=cfg.name, config=cfg.model_dump(mode="json")
+                )
             except ImportError:
                 print("logging.wandb: wandb is not installed; logging to JSONL/TensorBoard only")
         if cfg.logging.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"))  # fmt: skip
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
             self.task = self.progress.add_task("train", total=cfg.run.steps, info="")
             self.progress.start()
         self.t0 = time.perf_counter()
@@ -84,8 +95,10 @@ class Metrics:
             self.wandb.log(row, step=rec.step)
         if self.progress:
             mfu = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
-            info = (f"loss {rec.loss:.4f} lr {rec.lr:.2e} gnorm {rec.grad_norm:.3f} {tps:,.0f} tok/s{mfu} "
-                    f"mem {row['memory_bytes'] / 2**30:.2f} GiB")  # fmt: skip
+            info = (
+                f"loss {rec.loss:.4f} lr {rec.lr:.2e} gnorm {rec.grad_norm:.3f} {tps:,.0f} tok/s{mfu} "
+                f"mem {row['memory_bytes'] / 2**30:.2f} GiB"
+            )
             self.progress.update(self.task, completed=rec.step, info=info)
 
     def close(self) -> dict[str, Any]:
@@ -98,12 +111,17 @@ class Metrics:
         tokens = self.records[-1].tokens if self.records else 0
         mem, mem_kind = self.memory_bytes()
         self.summary = {
-            "steps": len(self.records), "first_loss": self.records[0].loss if self.records else None,
-            "final_loss": self.records[-1].loss if self.records else None, "median_step_s": step_s,
-            "tokens_per_s": tokens / step_s if step_s else None, "measured_memory_bytes": mem,
-            "measured_memory_kind": mem_kind, "planned_gpu_bytes": self.planned_bytes,
-            "wall_s": time.perf_counter() - self.t0, "params": self.num_params,
-        }  # fmt: skip
+            "steps": len(self.records),
+            "first_loss": self.records[0].loss if self.records else None,
+            "final_loss": self.records[-1].loss if self.records else None,
+            "median_step_s": step_s,
+            "tokens_per_s": tokens / step_s if step_s else None,
+            "measured_memory_bytes": mem,
+            "measured_memory_kind": mem_kind,
+            "planned_gpu_bytes": self.planned_bytes,
+            "wall_s": time.perf_counter() - self.t0,
+            "params": self.num_params,
+        }
         if self.flops_per_token and self.summary["tokens_per_s"]:
             self.summary["tflops"] = self.summary["tokens_per_s"] * self.flops_per_token / 1e12
         (self.dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
@@ -125,7 +143,15 @@ def print_summary(s: dict[str, Any]) -> None:
     t.add_row("steps", str(s["steps"]))
     t.add_row("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     t.add_row("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms")
-    t.add_row("throughput", f"{s['tokens_per_s']:,.0f} tokens/s" + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else ""))
-    planned = f"{s['planned_gpu_bytes'] / gib:.2f} GiB planned per GPU" if s["planned_gpu_bytes"] else "no plan"
-    t.add_row("peak memory", f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']}) vs {planned}")
+    t.add_row(
+        "throughput",
+        f"{s['tokens_per_s']:,.0f} tokens/s" + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else ""),
+    )
+    planned = (
+        f"{s['planned_gpu_bytes'] / gib:.2f} GiB planned per GPU" if s["planned_gpu_bytes"] else "no plan"
+    )
+    t.add_row(
+        "peak memory",
+        f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']}) vs {planned}",
+    )
     Console().print(t)

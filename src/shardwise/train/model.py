@@ -11,8 +11,12 @@ from pathlib import Path
 from shardwise.errors import ShardwiseError
 from shardwise.train.config import ModelSection
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")  # fmt: skip
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
@@ -24,7 +28,9 @@ def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
         return
     p = Path(cfg.path)
     if not p.is_dir():
-        raise ShardwiseError(f"{source}: model.path {cfg.path!r} is not a directory (expected a local HF model dir)")
+        raise ShardwiseError(
+            f"{source}: model.path {cfg.path!r} is not a directory (expected a local HF model dir)"
+        )
     if not (p / "config.json").is_file():
         raise ShardwiseError(f"{source}: model.path {cfg.path!r} has no config.json")
     if not cfg.random_init and not any((p / f).is_file() for f in WEIGHT_FILES):

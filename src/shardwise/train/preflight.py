@@ -23,21 +23,31 @@ def seq_len(cfg: TrainConfig) -> int:
 
 
 def train_spec(cfg: TrainConfig, **overrides) -> TrainSpec:
-    fields = dict(seq_len=seq_len(cfg), micro_batch=cfg.run.micro_batch, grad_accum=cfg.run.grad_accum,
-                  precision=cfg.precision, checkpointing=cfg.checkpointing.activation,
-                  attention=cfg.model.attention)  # fmt: skip
+    fields = {
+        "seq_len": seq_len(cfg),
+        "micro_batch": cfg.run.micro_batch,
+        "grad_accum": cfg.run.grad_accum,
+        "precision": cfg.precision,
+        "checkpointing": cfg.checkpointing.activation,
+        "attention": cfg.model.attention,
+    }
     return TrainSpec(**(fields | overrides))
 
 
 def strategy(cfg: TrainConfig, world_size: int) -> Strategy:
-    s = Strategy.from_name(cfg.strategy.name, **({"shard_group": cfg.strategy.shard_group}
-                                                 if cfg.strategy.shard_group else {}))  # fmt: skip
+    s = Strategy.from_name(
+        cfg.strategy.name, **({"shard_group": cfg.strategy.shard_group} if cfg.strategy.shard_group else {})
+    )
     try:
         ParallelLayout.for_strategy(s, world_size, world_size)
     except ShardwiseError as e:
-        raise ShardwiseError(f"{cfg.source}: strategy.name {s.name!r} cannot run on {world_size} rank(s): {e}") from None
+        raise ShardwiseError(
+            f"{cfg.source}: strategy.name {s.name!r} cannot run on {world_size} rank(s): {e}"
+        ) from None
     if s.fsdp_sharding == "hybrid" and (world_size // (s.shard_group or world_size)) < 1:
-        raise ShardwiseError(f"{cfg.source}: strategy 'fsdp-hybrid' needs a shard group dividing {world_size} ranks")
+        raise ShardwiseError(
+            f"{cfg.source}: strategy 'fsdp-hybrid' needs a shard group dividing {world_size} ranks"
+        )
     return s
 
 
@@ -77,11 +87,12 @@ def check_memory(cfg: TrainConfig, world_size: int, device: str, force: bool = F
     gib = 2**30
     hint = nearest_fit(cfg, spec, hw, s)
     raise ShardwiseError(
-        f"{cfg.source}: predicted not to fit: strategy {s.name!r}, micro_batch {cfg.run.micro_batch}, seq_len "
-        f"{seq_len(cfg)}, activation checkpointing {cfg.checkpointing.activation!r} needs "
-        f"{plan.gpu.total / gib:.1f} GiB per GPU (model states {plan.gpu.model_states / gib:.1f}, activations "
-        f"{(plan.gpu.activations + plan.gpu.logits) / gib:.1f}) of {plan.usable_bytes / gib:.1f} GiB usable on "
-        f"{cfg.hardware.gpu}. Nearest that fits: {hint}. Use --force to run anyway."
+        f"{cfg.source}: predicted not to fit: strategy {s.name!r}, micro_batch {cfg.run.micro_batch}, "
+        f"seq_len {seq_len(cfg)}, activation checkpointing {cfg.checkpointing.activation!r} needs "
+        f"{plan.gpu.total / gib:.1f} GiB per GPU (model states {plan.gpu.model_states / gib:.1f}, "
+        f"activations {(plan.gpu.activations + plan.gpu.logits) / gib:.1f}) of "
+        f"{plan.usable_bytes / gib:.1f} GiB usable on {cfg.hardware.gpu}. "
+        f"Nearest that fits: {hint}. Use --force to run anyway."
     )
 
 
@@ -91,23 +102,35 @@ def nearest_fit(cfg: TrainConfig, spec, hw, s: Strategy) -> str:
     from shardwise.plan.memory import plan_memory
 
     mb, ga = cfg.run.micro_batch, cfg.run.grad_accum
-    options: list[tuple[str, Strategy, dict]] = [("--set checkpointing.activation=full", s, {"checkpointing": "full"})]
+    options: list[tuple[str, Strategy, dict]] = [
+        ("--set checkpointing.activation=full", s, {"checkpointing": "full"})
+    ]
     m = mb
     while m > 1:
         m //= 2
         k = mb // m
         for ck in ("none", "full"):
-            options.append((f"--set run.micro_batch={m} --set run.grad_accum={ga * k}"
-                            + (" --set checkpointing.activation=full" if ck == "full" else ""), s,
-                            {"micro_batch": m, "grad_accum": ga * k, "checkpointing": ck}))  # fmt: skip
+            options.append(
+                (
+                    f"--set run.micro_batch={m} --set run.grad_accum={ga * k}"
+                    + (" --set checkpointing.activation=full" if ck == "full" else ""),
+                    s,
+                    {"micro_batch": m, "grad_accum": ga * k, "checkpointing": ck},
+                )
+            )
     for name in STRATEGY_NAMES:
         if name in (s.name, "fsdp-hybrid"):
             continue
         other = Strategy.from_name(name)
         for ck in ("none", "full"):
-            options.append((f"--set strategy.name={name}" + (" --set checkpointing.activation=full"
-                                                              if ck == "full" else ""), other,
-                            {"checkpointing": ck}))  # fmt: skip
+            options.append(
+                (
+                    f"--set strategy.name={name}"
+                    + (" --set checkpointing.activation=full" if ck == "full" else ""),
+                    other,
+                    {"checkpointing": ck},
+                )
+            )
     for text, strat, over in options:
         try:
             p = plan_memory(spec, hw, train_spec(cfg, **over), strat)
@@ -115,7 +138,9 @@ def nearest_fit(cfg: TrainConfig, spec, hw, s: Strategy) -> str:
             continue
         if p.fits:
             return f"{text} ({p.gpu.total / 2**30:.1f} GiB)"
-    return "none of checkpointing, smaller micro-batches or other strategies (use more GPUs or a smaller model)"
+    return (
+        "none of checkpointing, smaller micro-batches or other strategies (use more GPUs or a smaller model)"
+    )
 
 
 def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = False) -> MemoryCheck | None:

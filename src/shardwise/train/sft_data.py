@@ -29,8 +29,13 @@ def build_sft(cfg: TrainConfig, env: DistEnv) -> tuple[Any, Any, Any]:
     dc = data_config(cfg)
     ds = build_dataset(dc, tok, split="train")
     # Additive 4-D mask in the compute dtype: documents packed in a row never see each other.
-    collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8,
-                          mask_dtype=getattr(torch, COMPUTE_DTYPES[cfg.precision]))  # fmt: skip
-    sampler = ResumableDistributedSampler(ds, num_replicas=env.world_size, rank=env.rank, seed=dc.seed,
-                                          shuffle=True, drop_last=True)  # fmt: skip
+    collate = SFTCollator(
+        tok.pad_token_id,
+        mask="additive",
+        pad_to_multiple_of=8,
+        mask_dtype=getattr(torch, COMPUTE_DTYPES[cfg.precision]),
+    )
+    sampler = ResumableDistributedSampler(
+        ds, num_replicas=env.world_size, rank=env.rank, seed=dc.seed, shuffle=True, drop_last=True
+    )
     return ds, collate, sampler

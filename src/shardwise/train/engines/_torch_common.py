@@ -20,7 +20,12 @@ def build_adamw(cfg: TrainConfig, model: torch.nn.Module, env: DistEnv) -> torch
     fused = o.fused if o.fused is not None else env.device == "cuda"
     kw: dict[str, Any] = {"fused": True} if fused else {}
     return torch.optim.AdamW(
-        decay_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kw
+        decay_groups(model, o.weight_decay),
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        **kw,
     )
 
 

@@ -42,7 +42,9 @@ def ds_config(cfg: TrainConfig, strategy: Strategy, env: DistEnv) -> dict[str, A
     }
     if strategy.zero_stage == 3:
         zero |= {
-            "stage3_prefetch_bucket_size": min(bucket, k.prefetch_bucket_size) if bucket else k.prefetch_bucket_size,
+            "stage3_prefetch_bucket_size": min(bucket, k.prefetch_bucket_size)
+            if bucket
+            else k.prefetch_bucket_size,
             "stage3_max_live_parameters": k.max_live_parameters,
             "stage3_max_reuse_distance": k.max_reuse_distance,
             "stage3_param_persistence_threshold": k.param_persistence_threshold,
@@ -58,7 +60,7 @@ def ds_config(cfg: TrainConfig, strategy: Strategy, env: DistEnv) -> dict[str, A
     adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if torch_adam:
         adam["torch_adam"] = True
-        if (o.fused if o.fused is not None else not on_cpu):
+        if o.fused if o.fused is not None else not on_cpu:
             adam["fused"] = True
     return {
         "train_micro_batch_size_per_gpu": cfg.run.micro_batch,
@@ -105,7 +107,9 @@ class DeepSpeedEngine:
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         if self.ds.is_gradient_accumulation_boundary() != self._boundary:
-            raise RuntimeError("DeepSpeed's micro-step counter disagrees with the loop's accumulation boundary")
+            raise RuntimeError(
+                "DeepSpeed's micro-step counter disagrees with the loop's accumulation boundary"
+            )
         labels = batch["labels"].to(self.ds.device)
         logits = self.ds(**model_inputs(batch, self.ds.device)).logits
         loss_sum = token_loss_sum(logits, labels)

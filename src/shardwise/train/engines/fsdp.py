@@ -42,14 +42,18 @@ class FSDP2Engine:
         dev = env.torch_device.type
         if strategy.fsdp_sharding == "hybrid":
             group = strategy.shard_group or env.world_size
-            mesh = init_device_mesh(dev, (env.world_size // group, group), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                dev, (env.world_size // group, group), mesh_dim_names=("replicate", "shard")
+            )
         else:
             mesh = init_device_mesh(dev, (env.world_size,), mesh_dim_names=("shard",))
         kw: dict[str, Any] = {"mesh": mesh}
         if cfg.precision != "fp32":
             # Compute in low precision, reduce gradients in fp32: a bf16 reduce-scatter over many
             # ranks loses digits the fp32 master update then keeps.
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision], reduce_dtype=torch.float32)
+            kw["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=DTYPES[cfg.precision], reduce_dtype=torch.float32
+            )
         if strategy.offload_params or strategy.offload_optimizer:
             kw["offload_policy"] = CPUOffloadPolicy()
         if not kw.get("offload_policy"):
