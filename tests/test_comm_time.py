@@ -1,0 +1,172 @@
+"""Communication volumes, step time, the recommender and `shardwise explain`: expectations
+derived here by hand from the ZeRO paper and the engines' documented behaviour."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from shardwise import catalog
+from shardwise.cli import app
+from shardwise.plan.comm import ideal_comm, plan_comm
+from shardwise.plan.evaluate import evaluate
+from shardwise.plan.recommend import recommend
+from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
+
+M7 = catalog.get_model("llama-2-7b")
+PSI = M7.params
+HW8 = catalog.build_hardware(gpus=8)
+
+
+@pytest.mark.parametrize("name, factor", [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 3), ("fsdp", 3)])
+def test_paper_volumes(name, factor):
+    # ZeRO paper §7: 2Ψ for DDP / ZeRO-1 / ZeRO-2, 3Ψ for ZeRO-3 (fp16 elements: 2 bytes)
+    assert ideal_comm(PSI, Strategy.from_name(name)).total == pytest.approx(factor * 2 * PSI)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_engine_volumes_bf16_with_accumulation(k):
+    train = TrainSpec(grad_accum=k)
+    comm = {n: plan_comm(M7, HW8, train, Strategy.from_name(n)) for n in ("ddp", "zero1", "zero2", "fsdp", "fsdp-grad-op")}
+    # DDP: fp32 gradients (autocast keeps fp32 params) all-reduced once per step (no_sync)
+    assert comm["ddp"].all_reduce == pytest.approx(4 * PSI)
+    # DeepSpeed ZeRO-1: bf16 bucket all-reduce once per step; ZeRO-2 once per micro-batch;
+    # both all-gather the updated bf16 params once
+    assert comm["zero1"].all_reduce == pytest.approx(2 * PSI)
+    assert comm["zero2"].all_reduce == pytest.approx(2 * PSI * k)
+    assert comm["zero1"].all_gather == comm["zero2"].all_gather == pytest.approx(2 * PSI)
+    # FSDP2: bf16 all-gather of everything in forward and of the layers (not the root group)
+    # again in backward, every micro-batch; fp32 reduce-scatter once (sync disabled before)
+    layers = M7.params_per_layer * M7.num_layers
+    assert comm["fsdp"].all_gather == pytest.approx(2 * PSI * k + 2 * layers * k)
+    assert comm["fsdp"].reduce_scatter == pytest.approx(4 * PSI)
+    assert comm["fsdp-grad-op"].all_gather == pytest.approx(2 * PSI * k)
+
+
+def test_zero1_zero2_reduce_to_owner_is_the_paper_volume():
+    from shardwise.specs import DeepSpeedKnobs
+
+    s = Strategy.from_name("zero2", ds=DeepSpeedKnobs(use_multi_rank_bucket_allreduce=False))
+    c = plan_comm(M7, HW8, TrainSpec(), s)
+    assert c.total == pytest.approx(ideal_comm(PSI, s).total)  # 2Ψ in bf16
+    default = plan_comm(M7, HW8, TrainSpec(), Strategy.from_name("zero2"))
+    assert default.total == pytest.approx(1.5 * c.total)  # all-reduce (2Ψ) + all-gather (Ψ)
+
+
+def test_zero3_regathers_large_models_every_micro_batch():
+    c = plan_comm(M7, HW8, TrainSpec(grad_accum=2), Strategy.from_name("zero3"))
+    # Ψ > stage3_max_live_parameters (1e9): params are released after forward and gathered
+    # again in backward; persistent tensors (norms, < 1e5 elements) once after the step
+    norms = (2 * M7.num_layers + 1) * M7.hidden_size
+    assert c.all_gather == pytest.approx(2 * ((PSI - norms) * 2 * 2 + norms))
+    assert c.reduce_scatter == pytest.approx(2 * PSI * 2)
+
+
+def test_hybrid_splits_link_levels():
+    hw = catalog.build_hardware(gpus=16, gpus_per_node=8, inter="eth-100")
+    c = plan_comm(M7, hw, TrainSpec(), Strategy.from_name("fsdp-hybrid"))
+    full = plan_comm(M7, hw, TrainSpec(), Strategy.from_name("fsdp"))
+    # all-gathers and reduce-scatters stay inside the node; across nodes only the 1/8 shard of
+    # fp32 gradients is all-reduced (ring volume 2 × 4Ψ/8)
+    assert c.inter == pytest.approx(2 * 4 * PSI / 8)
+    assert c.intra == pytest.approx(c.all_gather + c.reduce_scatter)
+    assert full.inter == pytest.approx(full.total) and full.intra == 0
+    t_h = evaluate(M7, hw, TrainSpec(), Strategy.from_name("fsdp-hybrid")).time
+    t_f = evaluate(M7, hw, TrainSpec(), Strategy.from_name("fsdp")).time
+    assert t_h.step_s < t_f.step_s
+
+
+def test_tensor_parallel_all_reduces():
+    c = plan_comm(M7, HW8, TrainSpec(seq_len=2048, micro_batch=1), Strategy.from_name("zero1", tp=2))
+    # Megatron: 2 all-reduces of b·s·h (bf16) forward and 2 backward per layer
+    tp_bytes = 4 * 2 * 2048 * M7.hidden_size * M7.num_layers
+    assert c.all_reduce - 2 * (M7.params / 2) == pytest.approx(tp_bytes, rel=1e-6)
+
+
+def test_pipeline_bubble():
+    train = TrainSpec(grad_accum=4)
+    e = evaluate(M7, HW8, train, Strategy.from_name("zero1", pp=4))
+    frac = (4 - 1) / (4 + 4 - 1)
+    assert e.time.bubble_s / (e.time.compute_s + e.time.bubble_s) == pytest.approx(frac)
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_time_invariants(name):
+    e = evaluate(M7, HW8, TrainSpec(), Strategy.from_name(name))
+    t = e.time
+    assert 0 <= t.exposed_comm_s <= t.comm_s + 1e-12
+    assert t.step_s >= t.compute_s
+    assert 0 < t.mfu < 0.6  # never above the achievable fraction of peak
+    slow = catalog.build_hardware(gpus=8, interconnect="pcie")
+    assert evaluate(M7, slow, TrainSpec(), Strategy.from_name(name)).time.step_s >= t.step_s
+
+
+def test_mfu_uses_6psi():
+    e = evaluate(M7, HW8, TrainSpec(seq_len=2048), Strategy.from_name("fsdp"))
+    # model FLOPs per token: 6Ψ (minus the embedding lookup) + 6·L·h·s causal attention
+    flops = 6 * (PSI - M7.vocab_size * M7.hidden_size) + 6 * M7.num_layers * M7.hidden_size * 2048
+    assert e.time.mfu == pytest.approx(flops * e.time.tokens_per_s_per_gpu / 312e12)
+
+
+def test_recommender_fits_and_explains():
+    r = recommend(M7, HW8, TrainSpec())
+    assert r.best.fits and r.best.strategy.name not in ("ddp", "zero0")
+    assert "tokens/s per GPU" in r.reason and "Runner-up" in r.reason
+    fitting = sorted(e.time.tokens_per_s_per_gpu for e in [r.best] + ([r.runner_up] if r.runner_up else []))
+    assert r.best.time.tokens_per_s_per_gpu >= 0.97 * fitting[-1]
+
+
+def test_recommender_needs_offload_for_70b_on_8x80():
+    r = recommend(catalog.get_model("llama-2-70b"), HW8, TrainSpec())
+    assert "offload" in r.best.strategy.name
+    assert "Do not fit" in r.reason and "zero3" in r.reason
+
+
+runner = CliRunner()
+
+
+def test_plan_json_has_comm_time_and_recommendation():
+    import json
+
+    res = runner.invoke(app, ["plan", "--json"])
+    doc = json.loads(res.output)
+    assert doc["recommended"] in STRATEGY_NAMES and doc["reason"]
+    for s in doc["strategies"]:
+        assert {"compute_s", "comm_s", "exposed_comm_s", "offload_s", "step_s", "tokens_per_s_per_gpu", "mfu"} <= set(s["time"])
+        assert s["comm"]["total"] >= 0 and "all_gather" in s["comm"]
+
+
+def _explain(*args):
+    res = runner.invoke(app, ["explain", *args])
+    assert res.exit_code == 0, res.output
+    return " ".join(res.output.split())
+
+
+def test_explain_default_numbers():
+    out = _explain()
+    # 2Ψ and 3Ψ in bf16 for Llama-2-7B: 2·2·6.738e9 = 27.0 GB, 3·2·6.738e9 = 40.4 GB
+    assert "2Ψ = 27.0 GB" in out and "3Ψ = 40.4 GB" in out
+    # model states per GPU: ZeRO-2 2Ψ + 14Ψ/8 = 25.3 GB (+ DeepSpeed's straddling grads, < 1%),
+    # ZeRO-3 16Ψ/8 = 13.5 GB
+    import re
+
+    row = {m[0]: float(m[1]) for m in re.findall(r"\| (\w+) \| ([\d.]+) \|", out)}
+    assert row["zero2"] == pytest.approx((2 * PSI + 14 * PSI / 8) / 1e9, rel=0.01)
+    assert row["zero3"] == pytest.approx(16 * PSI / 8 / 1e9, abs=0.05)
+    # the seed's scenarios: bf16 weights 13.5 GB, fp32 master 27.0 GB, Adam moments 53.9 GB
+    assert "13.5 GB in bf16" in out and "27.0 GB and Adam moments 53.9 GB" in out
+    # 13B with ZeRO-2 on 8 GPUs: 2Ψ + 14Ψ/8 = 2·13.016 + 14·13.016/8 = 48.8 GB of model states
+    assert "2Ψ + 14Ψ/8 = 48.8 GB" in out
+    # 70B: 16Ψ/8 = 16·68.98/8 = 138 GB per GPU even with ZeRO-3
+    assert "16Ψ/8 = 138 GB" in out
+
+
+def test_explain_70b_on_ethernet():
+    out = _explain("--model", "llama-2-70b", "--gpus", "8", "--gpu", "a100-80g", "--interconnect", "eth-10")
+    # 2Ψ = 2·2·68.98e9 = 275.9 GB; 3Ψ = 413.9 GB per GPU per step over 10 GbE
+    assert "2Ψ = 275.9 GB" in out and "3Ψ = 413.9 GB" in out
+    assert "eth-10" in out
+    # nothing fits without offload: every row says "no"
+    for name in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
+        assert f"| {name} |" in out
+    assert "| yes |" not in out
