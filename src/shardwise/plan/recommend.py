@@ -113,24 +113,20 @@ def explain_choice(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner:
     return " ".join(lines)
 
 
+def _scaled_links(hw: HardwareSpec, factor: float) -> HardwareSpec:
+    return hw.model_copy(update={
+        link: getattr(hw, link).model_copy(update={"bus_bytes_per_s": getattr(hw, link).bus_bytes_per_s * factor})
+        for link in ("intra", "inter")
+    })
+
+
 def _what_flips(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner: Evaluation) -> str:
-    """Scale the interconnect bandwidth until the runner-up overtakes, if it ever does."""
-    for factor in (2, 4, 8, 16):
-        faster = hw.model_copy(update={
-            "intra": hw.intra.model_copy(update={"bus_bytes_per_s": hw.intra.bus_bytes_per_s * factor}),
-            "inter": hw.inter.model_copy(update={"bus_bytes_per_s": hw.inter.bus_bytes_per_s * factor}),
-        })
-        b = evaluate(model, faster, best.train, best.strategy).time.tokens_per_s_per_gpu
-        r = evaluate(model, faster, runner.train, runner.strategy).time.tokens_per_s_per_gpu
+    """Scale the interconnect bandwidth (up first, then down) until the runner-up overtakes."""
+    for factor in (2, 4, 8, 16, 0.5, 0.25, 0.1):
+        scaled = _scaled_links(hw, factor)
+        b = evaluate(model, scaled, best.train, best.strategy).time.tokens_per_s_per_gpu
+        r = evaluate(model, scaled, runner.train, runner.strategy).time.tokens_per_s_per_gpu
         if r > b:
-            return f"With {factor}× the bandwidth, {runner.strategy.name} would win ({r:,.0f} vs {b:,.0f} tokens/s per GPU)."
-    for factor in (0.5, 0.25, 0.1):
-        slower = hw.model_copy(update={
-            "intra": hw.intra.model_copy(update={"bus_bytes_per_s": hw.intra.bus_bytes_per_s * factor}),
-            "inter": hw.inter.model_copy(update={"bus_bytes_per_s": hw.inter.bus_bytes_per_s * factor}),
-        })
-        b = evaluate(model, slower, best.train, best.strategy).time.tokens_per_s_per_gpu
-        r = evaluate(model, slower, runner.train, runner.strategy).time.tokens_per_s_per_gpu
-        if r > b:
-            return f"With {factor:g}× the bandwidth, {runner.strategy.name} would win ({r:,.0f} vs {b:,.0f} tokens/s per GPU)."
+            return (f"With {factor:g}× the bandwidth, {runner.strategy.name} would win "
+                    f"({r:,.0f} vs {b:,.0f} tokens/s per GPU).")
     return "No bandwidth between 0.1× and 16× flips the ranking."
