@@ -41,7 +41,7 @@ def measure(cases: list[str]) -> dict:
     unit = 4 * psi
     old = json.loads(OUT.read_text()) if OUT.exists() else {}
     out: dict = {
-        "what": "bytes each rank hands to torch.distributed collectives per optimizer step (mean of steps 2..3), "
+        "what": "bytes each rank hands to torch.distributed collectives per optimizer step (mean of the last steps_measured of steps_run steps), "
                 "counted by a TorchDispatchMode on c10d ops (src/shardwise/bench/comm.py); "
                 "all_reduce = tensor bytes, all_gather = full gathered output, reduce_scatter = full input, "
                 "reduce = tensor reduced to one rank, broadcast = tensor; volume = 2*all_reduce + the rest",
