@@ -11,6 +11,7 @@ Three accountings of model states:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 from shardwise.plan.activations import activation_bytes, logits_bytes, recompute_bytes
@@ -64,6 +65,7 @@ def _persistent_params(model: ModelSpec, threshold: int, tp: int) -> float:
     return sum(n * k for n, k in model.tensor_sizes() if n / tp < threshold) / tp
 
 
+@lru_cache(maxsize=4096)
 def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1) -> float:
     """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank: every tensor
     that overlaps the rank's 1/N slice of the flat buffer is held whole
