@@ -21,8 +21,9 @@ Barriers carry a dummy tensor and are ignored.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -42,10 +43,6 @@ def _tensors(x: Any) -> Iterable[torch.Tensor]:
 
 def _nbytes(x: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(x))
-
-
-def _dtypes(x: Any) -> set[str]:
-    return {str(t.dtype).removeprefix("torch.") for t in _tensors(x)}
 
 
 # op name (without overload) -> (kind, index of the argument whose bytes are counted)

@@ -61,8 +61,8 @@ def strategy_of(variant: str) -> str:
 
 def ds_knobs(variant: str) -> dict[str, Any]:
     """The DeepSpeed knobs of a variant, named as shardwise.specs.DeepSpeedKnobs fields."""
-    knobs: dict[str, Any] = dict(reduce_bucket_size=BUCKET, allgather_bucket_size=BUCKET,
-                                 use_multi_rank_bucket_allreduce=not variant.endswith("-nomrba"))
+    knobs: dict[str, Any] = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
+                             "use_multi_rank_bucket_allreduce": not variant.endswith("-nomrba")}
     if variant.startswith("zero3"):
         if variant.endswith("-allzero"):
             knobs.update(prefetch_bucket_size=0, max_live_parameters=0, max_reuse_distance=0,
@@ -192,7 +192,7 @@ def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
         for case in cases:
             try:
                 result = _run_case(rank, case)
-            except Exception as e:  # record and go on: one broken engine must not hide the others
+            except Exception as e:  # noqa: BLE001 - record and go on: one broken engine must not hide the others
                 result = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
             Path(out_dir, f"{case}.rank{rank}.json").write_text(json.dumps(result))
             gc.collect()
