@@ -22,9 +22,11 @@ STEPS = 8
 
 
 def parity_config(
-    strategy: str, world: int, grad_accum: int, model: str = "tiny-llama", repeat: bool = False
+    strategy: str, world: int, grad_accum: int, model: str = "tiny-llama", flags: tuple[str, ...] = ()
 ) -> TrainConfig:
-    """`repeat`: every step sees the same global batch (a learnable task: the loss must fall)."""
+    """Flags: `repeat` = every step sees the same global batch (learnable: the loss must fall);
+    `ckpt` = activation checkpointing; `bf16` = bf16-mixed; `sg1` = shard group of 1 (HSDP)."""
+    repeat = "repeat" in flags
     micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
     assert rest == 0, "global batch must split evenly"
     samples = GLOBAL_BATCH if repeat else GLOBAL_BATCH * STEPS
@@ -32,11 +34,12 @@ def parity_config(
         {
             "model": {"name": model, "attention": "eager"},
             "data": {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}},
-            "strategy": {"name": strategy},
+            "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None},
             # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
             "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
             "schedule": {"kind": "cosine", "warmup_steps": 2},
-            "precision": "fp32",
+            "precision": "bf16-mixed" if "bf16" in flags else "fp32",
+            "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
             "run": {
                 "steps": STEPS,
                 "micro_batch": micro,
@@ -59,7 +62,7 @@ def main() -> None:
     out = Path(args.out)
     for run in args.runs:
         model, strategy, ga, *flags = run.split(":")
-        cfg = parity_config(strategy, env.world_size, int(ga), model, repeat="repeat" in flags)
+        cfg = parity_config(strategy, env.world_size, int(ga), model, tuple(flags))
         res = train(cfg, env, export_weights=True)
         if env.is_main:
             record = {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
         text=True,
         timeout=240,
         check=False,
-        env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"},
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -52,3 +53,15 @@ def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
     weights = load_file(str(out / "model.safetensors"))
     assert "model.layers.1.mlp.down_proj.weight" in weights
     assert "summary" in r.stdout
+
+
+def test_single_process_deepspeed_without_launcher(tmp_path):
+    """`--nproc 1` trains in-process; DeepSpeed still finds RANK/LOCAL_RANK/WORLD_SIZE."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shardwise.train.cli", str(REPO / "examples/fsdp-synthetic-cpu.yaml"),
+           "--nproc", "1", "--set", "strategy.name=zero1", "--set", "run.steps=2",
+           "--set", f"checkpointing.output_dir={out}", "--set", "logging.progress=false"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2

@@ -36,7 +36,9 @@ def train_cmd(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Override: section.field=value (repeatable).")
     ] = None,
-    nproc: Annotated[int | None, typer.Option("--nproc", help="Local ranks to start (default: run.nproc).")] = None,
+    nproc: Annotated[
+        int | None, typer.Option("--nproc", help="Local ranks to start (default: run.nproc).")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Run even if the planner predicts OOM.")] = False,
 ) -> None:
     """Train a causal LM on SFT data; the strategy changes memory and speed, never the result."""

@@ -53,6 +53,13 @@ def init_distributed(device: str):
     from shardwise.train.engines.base import DistEnv
 
     found = detect_env() or {"rank": 0, "world_size": 1, "local_rank": 0}
+    # DeepSpeed reads these from the environment even for a single in-process rank.
+    for key, value in (
+        ("RANK", found["rank"]),
+        ("WORLD_SIZE", found["world_size"]),
+        ("LOCAL_RANK", found["local_rank"]),
+    ):
+        os.environ.setdefault(key, str(value))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         if found["world_size"] > 1:

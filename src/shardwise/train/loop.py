@@ -63,11 +63,34 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def _all_reduce_sum(values: list[float], dtype=torch.float64) -> list[float]:
-    t = torch.tensor(values, dtype=dtype)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
+class _MetaReduce:
+    """Sums of a few host-side numbers over ranks, asynchronously, on a dedicated gloo group.
+
+    Target counts and loss sums live on the CPU: a gloo group sums them without a device sync
+    (on CUDA an NCCL reduce of a host value would need a copy and a stream sync) and without
+    queueing behind the engine's gradient collectives. Started before `engine.step()`, the
+    reduce overlaps the optimizer step.
+    """
+
+    def __init__(self) -> None:
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        self.group = dist.new_group(backend="gloo") if multi else None
+
+    def start(self, values: list[float]) -> tuple[torch.Tensor, Any]:
+        t = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(t, group=self.group, async_op=True) if self.group is not None else None
+        return t, work
+
+    @staticmethod
+    def wait(pending: tuple[torch.Tensor, Any]) -> list[float]:
+        t, work = pending
+        if work is not None:
+            work.wait()
+        return t.tolist()
+
+    def close(self) -> None:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
 
 
 def strategy_of(cfg: TrainConfig) -> Strategy:
@@ -105,42 +128,47 @@ def train(
     result = TrainResult(num_params=num_params)
     if metrics is not None:
         metrics.start(cfg, env, num_params)
-    # The previous step's loss sum rides on this step's token-count all-reduce: one collective
-    # per step on top of the engine's own (the count must be global before the first forward).
-    pending: tuple[StepRecord, float] | None = None
+    # One host-side reduce per step carries the NEXT step's target/token counts (they must be
+    # global before its first forward) and THIS step's loss sum (for the logged loss).
+    meta = _MetaReduce()
+    prev: StepRecord | None = None
 
-    def finish(rec_loss: tuple[StepRecord, float] | None, total_loss: float) -> None:
-        if rec_loss is None:
+    def finish(rec: StepRecord | None, total_loss: float) -> None:
+        if rec is None:
             return
-        rec = rec_loss[0]
         rec.loss = total_loss / rec.target_tokens
         result.records.append(rec)
         if metrics is not None:
             metrics.log_step(rec)
 
+    def counts(micro: list[dict[str, torch.Tensor]]) -> list[float]:
+        return [sum(count_target_tokens(b) for b in micro), sum(b["input_ids"].numel() for b in micro)]
+
     try:
+        micro = next(steps)
+        reduce = meta.start([*counts(micro), 0.0])
         for step in range(cfg.run.steps):
             t0, c0 = time.perf_counter(), time.process_time()
-            micro = next(steps)
-            local_targets = sum(count_target_tokens(b) for b in micro)
-            local_tokens = sum(b["input_ids"].numel() for b in micro)
-            prev_loss = pending[1] if pending else 0.0
-            targets, tokens, prev_total = _all_reduce_sum([local_targets, local_tokens, prev_loss])
-            finish(pending, prev_total)
+            targets, tokens, prev_total = meta.wait(reduce)
+            finish(prev, prev_total)
             global_targets, global_tokens = int(targets), int(tokens)
             if global_targets == 0:
-                raise RuntimeError(f"step {step}: the global batch has no target tokens")
+                raise RuntimeError(f"step {step + 1}: the global batch has no target tokens")
             loss_scale = env.world_size / global_targets
             engine.set_lr(lr_at(step))
             sums = []  # kept on device: one host sync per step, not per micro-batch
             for i, batch in enumerate(micro):
                 with engine.sync_grads(i == len(micro) - 1):
                     sums.append(engine.forward_backward(batch, loss_scale))
+            loss_sum = float(torch.stack(sums).double().sum())
+            last = step + 1 == cfg.run.steps
+            micro = [] if last else next(steps)
+            reduce = meta.start([*(counts(micro) if micro else [0, 0]), loss_sum])
             grad_norm = engine.step()
             engine.zero_grad()
-            rec = StepRecord(
+            prev = StepRecord(
                 step=step + 1,
-                loss=float("nan"),  # set once the loss sums of all ranks are in (next reduce)
+                loss=float("nan"),  # set when the loss sums of all ranks are in (next wait)
                 grad_norm=grad_norm,
                 lr=lr_at(step),
                 target_tokens=global_targets,
@@ -148,13 +176,11 @@ def train(
                 step_time_s=time.perf_counter() - t0,
                 cpu_time_s=time.process_time() - c0,
             )
-            pending = (rec, float(torch.stack(sums).double().sum()))
-        if pending is not None:
-            (last_total,) = _all_reduce_sum([pending[1]])
-            finish(pending, last_total)
+        finish(prev, meta.wait(reduce)[2])
         if export_weights:
             result.final_weights = engine.consolidated_state_dict()
     finally:
+        meta.close()
         engine.close()
         if metrics is not None:
             metrics.close()

@@ -93,11 +93,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     fp32 upcast of the logits: bf16 log-softmax over a large vocabulary loses ~3 digits.
     """
     vocab = logits.size(-1)
+    # Shift the labels, not the logits: slicing [B, S, V] logits would copy them (and their
+    # gradient) once more; the padded last position is ignored, so the sum is the same.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        logits[:, :-1, :].float().reshape(-1, vocab),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
