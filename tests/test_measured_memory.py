@@ -149,7 +149,8 @@ def test_census_ranks_agree_and_nothing_leaks(measured_states: dict) -> None:
 LAYERS = 4
 ACT_CASES = [
     (shape, prec, attn, ckpt)
-    for shape in saved.SHAPES for prec in ("fp32", "bf16") for attn in ("sdpa", "eager") for ckpt in ("none", "full")
+    for shape in saved.SHAPES for prec in ("fp32", "bf16", "bf16-autocast") for attn in ("sdpa", "eager")
+    for ckpt in ("none", "full")
 ]
 
 
@@ -162,7 +163,16 @@ def _act_plan(shape: str, prec: str, attn: str, ckpt: str):
     model = ModelSpec.from_hf_dict(cfg, name=shape)
     train = TrainSpec(precision="fp32" if prec == "fp32" else "bf16-mixed", seq_len=saved.SEQ,
                       micro_batch=saved.BATCH, attention=attn, checkpointing=ckpt)
-    return plan_memory(model, build_hardware(gpu="a100-80g", gpus=2), train, Strategy.from_name("ddp"))
+    # "bf16" = a bf16 module (DeepSpeed bf16, FSDP2 param_dtype); "bf16-autocast" = an fp32
+    # module under torch.autocast, which is how the DDP engine runs mixed precision.
+    strategy = "ddp" if prec == "bf16-autocast" else "fsdp"
+    return plan_memory(model, build_hardware(gpu="a100-80g", gpus=2), train, Strategy.from_name(strategy))
+
+
+def _planned_saved(g, prec: str) -> float:
+    """Under autocast the linears also save the cached bf16 weight casts; the planner books
+    them with the activations (memory.autocast_cache)."""
+    return g.activations
 
 
 def _sbh(shape: str) -> int:
@@ -174,8 +184,9 @@ def test_activations_match_planner(shape: str, prec: str, attn: str, ckpt: str) 
     """plan.activations = saved-for-backward bytes at the end of forward (no labels)."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     model = saved.build_model(shape, LAYERS, prec, attn, ckpt)  # non-reentrant, as shardwise trains
-    measured = saved.saved_activation_bytes(model, saved.make_batch(saved.SHAPES[shape]["vocab_size"]))
-    planned = _act_plan(shape, prec, attn, ckpt).gpu.activations
+    measured = saved.saved_activation_bytes(model, saved.make_batch(saved.SHAPES[shape]["vocab_size"]),
+                                            precision=prec)  # autocast only for "bf16-autocast"
+    planned = _planned_saved(_act_plan(shape, prec, attn, ckpt).gpu, prec)
     err = (planned - measured) / measured
     sbh = _sbh(shape)
     assert abs(err) <= TOL_ACTS, (
@@ -191,9 +202,9 @@ def test_checkpointed_peak_matches_planner(shape: str, prec: str, attn: str) -> 
     bytes over forward + backward (reentrant checkpointing, whose recompute we can see)."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     model = saved.build_model(shape, LAYERS, prec, attn, "full", reentrant=True)
-    measured = saved.peak_saved_bytes(model, saved.make_batch(saved.SHAPES[shape]["vocab_size"]))
+    measured = saved.peak_saved_bytes(model, saved.make_batch(saved.SHAPES[shape]["vocab_size"]), precision=prec)
     g = _act_plan(shape, prec, attn, "full").gpu
-    planned = g.activations + g.recompute
+    planned = _planned_saved(g, prec) + g.recompute
     err = (planned - measured) / measured
     sbh = _sbh(shape)
     assert abs(err) <= TOL_ACTS, (

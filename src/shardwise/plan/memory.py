@@ -161,14 +161,32 @@ def _engine(model, train: TrainSpec, s: Strategy, layout, psi, n, per_node) -> t
     if s.engine == "fsdp2":
         return _fsdp2(model, train, s, layout, psi, n, per_node, c, os_, layer, mixed)
     # DDP: the module stays fp32 under autocast (fp32 params, grads, optimizer); autocast caches
-    # a c-byte copy of every weight it casts for the whole forward (torch/amp autocast cache);
-    # with gradient_as_bucket_view the reducer's buckets *are* the grads, else one more copy.
+    # a c-byte copy of every linear weight it casts for the whole forward (torch/amp autocast
+    # cache; the input embedding is a lookup, not cast); with gradient_as_bucket_view the
+    # reducer's buckets *are* the grads, else one more copy.
+    # (the autocast weight casts are saved by the linears for backward: see `autocast_cache`,
+    # booked with the activations)
     w = 2 if train.precision == "bf16-pure" else 4
     return MemoryBreakdown(
         params=w * psi, grads=w * psi, optimizer_states=os_ * psi,
         step_buffers=_foreach_temp(train, psi),
-        engine_buffers=(c * psi if mixed else 0) + (0 if s.gradient_as_bucket_view else w * psi),
+        engine_buffers=0 if s.gradient_as_bucket_view else w * psi,
     ), HostBreakdown()
+
+
+def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -> tuple[float, float]:
+    """torch.autocast casts each linear weight to the compute dtype once per forward and the
+    linear saves the cast for backward (the input embedding is a lookup, never cast).
+    Checkpointed layers run their forward without grad, so nothing is cached for them: only
+    lm_head's cast stays, and backward re-casts one layer at a time while lm_head's cast is
+    already freed. Returns (bytes saved by forward, change during recompute); measured exactly
+    on tiny Llama/Qwen2 (benchmarks/results/measured_activations.json, bf16-autocast)."""
+    c = train.compute_bytes
+    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
+    if train.checkpointing == "full":
+        return c * lm_head, c * (model.params_per_layer / layout.tp - lm_head)
+    return c * (layers + lm_head), 0.0
 
 
 def _foreach_temp(train: TrainSpec, n_params: float) -> float:
@@ -304,8 +322,13 @@ def plan_memory(
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
-    acts = activation_bytes(model, train, layout.tp, layout.pp)
-    recompute = recompute_bytes(model, train, layout.tp)
+    autocast = strategy.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed")
+    acts = activation_bytes(model, train, layout.tp, layout.pp, autocast)
+    recompute = recompute_bytes(model, train, layout.tp, autocast)
+    if autocast:
+        cached, recast = autocast_cache(model, train, layout)
+        acts += cached
+        recompute = max(0.0, recompute + recast)
     logits = logits_bytes(model, train, layout.tp)
     held = train.grad_accum > 1
     draft = MemoryBreakdown(
