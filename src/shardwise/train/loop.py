@@ -1,10 +1,12 @@
 """The one training loop. It never asks which engine it drives.
 
 Per optimizer step:
-1. take this rank's `grad_accum` micro-batches; all-reduce their target-token count, so
-   every rank knows the step's GLOBAL count before any forward pass;
+1. the step's GLOBAL target-token count (all micro-batches, all ranks) is known before any
+   forward pass: it was all-reduced, asynchronously, during the previous step;
 2. for each micro-batch: `sync_grads(last)` + `forward_backward(batch, world / global_count)`;
-3. `step()` (clip + update, returns the global grad norm), `zero_grad()`;
+3. fetch the next step's micro-batches and start one host-side all-reduce of [their counts,
+   this step's loss sum]; then `step()` (clip + update, returns the global grad norm) and
+   `zero_grad()` overlap it;
 4. the logged loss is the all-reduced loss sum over the global count: the exact mean over
    the step's targets, equal to what one process computes on the whole global batch.
 """
