@@ -117,12 +117,14 @@ def test_memory_check_refuses_with_numbers_and_nearest_fit():
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_shipped_examples_validate(path):
     cfg = load_config(path)
-    preflight(
+    check = preflight(
         cfg,
         world_size=cfg.run.nproc,
         device=cfg.run.device if cfg.run.device != "auto" else "cpu",
         force=True,
     )
+    assert check is not None and check.planned_bytes > 0  # the planner sized it
+    assert check.fits or cfg.run.device == "cpu", f"{path.name} is predicted not to fit its own GPU"
 
 
 def test_cli_bad_config_fails_before_any_rank(tmp_path):
