@@ -112,7 +112,14 @@ def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp):
         chosen = next((e for e in evals if e.strategy.name == strategy.name), None)
         plan = chosen.memory if chosen else None
     elif rec is not None:
-        strategy, train, plan = rec.best.strategy, rec.best.train, rec.best.memory
+        best = rec.best
+        if best.memory.layout.tp > 1 or best.memory.layout.pp > 1:
+            # shardwise's trainer and the emitted launchers are data-parallel only: emit the best
+            # configuration without TP/PP (the table still shows the TP/PP winner)
+            from shardwise.plan.recommend import recommend
+
+            best = recommend(m, hw, train, tps=(1,), pps=(1,)).best
+        strategy, train, plan = best.strategy, best.train, best.memory
     else:
         raise ShardwiseError("--emit: nothing fits, so there is no recommended strategy; name one with --emit-strategy")
     return emit_configs(m, hw, train, strategy, Path(out_dir), plan=plan)
