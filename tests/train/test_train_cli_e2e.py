@@ -53,6 +53,15 @@ def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
     weights = load_file(str(out / "model.safetensors"))
     assert "model.layers.1.mlp.down_proj.weight" in weights
     assert "summary" in r.stdout
+    # the directory is a Hugging Face model: from_pretrained loads exactly these weights
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    state = model.state_dict()
+    for name, tensor in weights.items():
+        assert torch.equal(state[name], tensor), name
+    assert AutoTokenizer.from_pretrained(out).eos_token is not None
 
 
 def test_single_process_deepspeed_without_launcher(tmp_path):

@@ -88,11 +88,9 @@ def _worker(cfg, device: str, planned_bytes: float | None) -> None:
     try:
         result = train(cfg, env, metrics=metrics, export_weights=cfg.checkpointing.save_final)
         if env.is_main and result.final_weights is not None:
-            from safetensors.torch import save_file
+            from shardwise.train.export import export_hf
 
-            out = Path(cfg.checkpointing.output_dir) / "model.safetensors"
-            # Tied weights appear under two names; safetensors refuses shared storage.
-            save_file({k: v.contiguous().clone() for k, v in result.final_weights.items()}, str(out))
+            export_hf(cfg, result.final_weights, Path(cfg.checkpointing.output_dir))
     finally:
         import torch.distributed as dist
 
