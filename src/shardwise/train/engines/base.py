@@ -108,14 +108,22 @@ def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """The keyword arguments of the HF forward. A 2-D all-ones mask is dropped (causal is implied,
-    and dropping it keeps the fast SDPA path); a 4-D packing mask is passed through."""
+    and dropping it keeps the fast SDPA path); a 4-D packing mask is passed through. Positions
+    that are 0..S-1 in every row are dropped too: HF then computes RoPE once for [1, S] instead
+    of per row ([B, S]); packed rows (positions restarting per document) keep theirs."""
     out = {"input_ids": batch["input_ids"].to(device, non_blocking=True)}
-    if "position_ids" in batch:
-        out["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+    pos = batch.get("position_ids")
+    if pos is not None and not _default_positions(pos):
+        out["position_ids"] = pos.to(device, non_blocking=True)
     mask = batch.get("attention_mask")
     if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
         out["attention_mask"] = mask.to(device, non_blocking=True)
     return out
+
+
+def _default_positions(pos: torch.Tensor) -> bool:
+    arange = torch.arange(pos.size(-1), dtype=pos.dtype, device=pos.device)
+    return bool((pos == arange).all())
 
 
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
