@@ -1,4 +1,5 @@
-"""What the DDP and FSDP2 engines share: AdamW construction, autocast, fp16 loss scaling."""
+"""What the DDP and FSDP2 engines share: AdamW construction, autocast, fp16 loss scaling, and
+the optimizer side of the Engine protocol (both own a plain torch optimizer)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,48 @@ def grad_scaler(cfg: TrainConfig, env: DistEnv) -> torch.amp.GradScaler | None:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
+
+
+class TorchOptimizerEngine:
+    """step/zero_grad/lr/state for engines that own `self.module`, `self.optimizer` and
+    `self.scaler` (fp16 only). Subclasses provide sync_grads, forward_backward, the
+    consolidated state dict and close; `_global_norm` turns the clipped norm into one number."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    cfg: TrainConfig
+
+    def _global_norm(self, norm: torch.Tensor) -> float:
+        return float(norm)
+
+    def step(self) -> float:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.cfg.optimizer.max_grad_norm or float("inf")
+        norm = self._global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        # FSDP2: sharded (DTensor) state, what torch.distributed.checkpoint saves without gathering.
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

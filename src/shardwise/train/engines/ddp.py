@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.specs import Strategy
 from shardwise.train.config import TrainConfig
-from shardwise.train.engines._torch_common import autocast, build_adamw, grad_scaler, set_lr
+from shardwise.train.engines._torch_common import TorchOptimizerEngine, autocast, build_adamw, grad_scaler
 from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
 
 
-class DDPEngine:
+class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy: Strategy, env: DistEnv):
@@ -42,36 +41,6 @@ class DDPEngine:
         loss = loss_sum * loss_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()
-
-    def step(self) -> float:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.cfg.optimizer.max_grad_norm or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        return float(norm)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         if not self.env.is_main:

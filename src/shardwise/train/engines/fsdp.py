@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from shardwise.errors import ShardwiseError
 from shardwise.specs import Strategy
 from shardwise.train.config import TrainConfig
-from shardwise.train.engines._torch_common import DTYPES, build_adamw, grad_scaler, set_lr
+from shardwise.train.engines._torch_common import DTYPES, TorchOptimizerEngine, build_adamw, grad_scaler
 from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
 
 
@@ -34,7 +34,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-class FSDP2Engine:
+class FSDP2Engine(TorchOptimizerEngine):
     name = "fsdp2"
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy: Strategy, env: DistEnv):
@@ -81,39 +81,9 @@ class FSDP2Engine:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()
 
-    def step(self) -> float:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.cfg.optimizer.max_grad_norm or float("inf")
+    def _global_norm(self, norm: torch.Tensor) -> float:
         # clip_grad_norm_ on DTensors all-reduces the partial norms: a global norm.
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        return float(norm)
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def set_lr(self, lr: float) -> None:
-        set_lr(self.optimizer, lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        # Sharded (DTensor) state: what torch.distributed.checkpoint saves without gathering.
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         out = {}
