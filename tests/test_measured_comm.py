@@ -21,8 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shardwise.bench import comm_worker as w
-from shardwise.bench.comm import CommCounter
+from shardwise.bench import comm_worker as w  # noqa: E402 (after importorskip)
+from shardwise.bench.comm import CommCounter  # noqa: E402
 
 TOL = 0.05
 SMALL = 1e-3  # of Ψ·4 bytes

@@ -68,10 +68,11 @@ def measured_states() -> dict:
 
 
 def _plan(strategy: str):
+    from transformers import LlamaConfig
+
     from shardwise.catalog import build_hardware
     from shardwise.plan.memory import plan_memory
     from shardwise.specs import DeepSpeedKnobs, ModelSpec, Strategy, TrainSpec
-    from transformers import LlamaConfig
 
     model = ModelSpec.from_hf_dict(LlamaConfig(**worker.TINY_LLAMA).to_dict(), name="tiny")
     hw = build_hardware(gpu="a100-80g", gpus=worker.WORLD)

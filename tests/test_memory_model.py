@@ -9,8 +9,8 @@ import re
 import pytest
 
 from shardwise import catalog
-from shardwise.plan.memory import model_states, paper_model_states, plan_memory
-from shardwise.specs import STRATEGY_NAMES, ParallelLayout, Strategy, TrainSpec
+from shardwise.plan.memory import paper_model_states, plan_memory
+from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
 
 GB = 1e9
 

@@ -70,7 +70,7 @@ def test_invalid_json_names_line(tmp_path):
 def test_unsupported_model_type(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ShardwiseError, match="gpt2.*supported: llama"):
+    with pytest.raises(ShardwiseError, match=r"gpt2.*supported: llama"):
         ModelSpec.from_hf_config(path)
 
 

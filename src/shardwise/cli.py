@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -27,13 +26,13 @@ def _fail(err: Exception) -> None:
 @app.command()
 def plan(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model name."),
-    model_config: Optional[Path] = typer.Option(None, "--model-config", help="Local HF config.json (overrides --model)."),
-    params: Optional[float] = typer.Option(None, "--params", help="Parameter count, e.g. 7e9 (Llama shape; overrides --model)."),
+    model_config: Path | None = typer.Option(None, "--model-config", help="Local HF config.json (overrides --model)."),
+    params: float | None = typer.Option(None, "--params", help="Parameter count, e.g. 7e9 (Llama shape; overrides --model)."),
     gpu: str = typer.Option("a100-80g", "--gpu", help="GPU preset."),
     gpus: int = typer.Option(8, "--gpus", help="Total GPUs."),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="Default: min(gpus, 8)."),
-    interconnect: Optional[str] = typer.Option(None, "--interconnect", help="Slowest link data-parallel traffic crosses."),
-    gpu_memory_gb: Optional[float] = typer.Option(None, "--gpu-memory-gb", help="Override GPU memory (GB)."),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="Default: min(gpus, 8)."),
+    interconnect: str | None = typer.Option(None, "--interconnect", help="Slowest link data-parallel traffic crosses."),
+    gpu_memory_gb: float | None = typer.Option(None, "--gpu-memory-gb", help="Override GPU memory (GB)."),
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(1, "--micro-batch"),
     grad_accum: int = typer.Option(1, "--grad-accum"),
@@ -43,15 +42,15 @@ def plan(
     attention: str = typer.Option("sdpa", "--attention", help="eager | sdpa | flash"),
     lora_rank: int = typer.Option(0, "--lora-rank", help="0 = full fine-tuning."),
     cross_entropy: str = typer.Option("standard", "--cross-entropy", help="standard | chunked | fused"),
-    strategy: Optional[list[str]] = typer.Option(None, "--strategy", "-s", help="Repeatable; default: all."),
+    strategy: list[str] | None = typer.Option(None, "--strategy", "-s", help="Repeatable; default: all."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel degree."),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float = typer.Option(0.05, "--margin", help="Fraction of GPU memory kept free."),
-    host_memory_gb: Optional[float] = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
+    host_memory_gb: float | None = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    emit: Optional[Path] = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
-    emit_strategy: Optional[str] = typer.Option(None, "--emit-strategy", help="Strategy to emit (default: the recommended one)."),
+    emit: Path | None = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
+    emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Strategy to emit (default: the recommended one)."),
 ) -> None:
     """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
     from pydantic import ValidationError
@@ -128,12 +127,12 @@ def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp):
 @app.command()
 def explain(
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model name."),
-    model_config: Optional[Path] = typer.Option(None, "--model-config", help="Local HF config.json."),
-    params: Optional[float] = typer.Option(None, "--params", help="Parameter count (Llama shape)."),
+    model_config: Path | None = typer.Option(None, "--model-config", help="Local HF config.json."),
+    params: float | None = typer.Option(None, "--params", help="Parameter count (Llama shape)."),
     gpu: str = typer.Option("a100-80g", "--gpu"),
     gpus: int = typer.Option(8, "--gpus"),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node"),
-    interconnect: Optional[str] = typer.Option(None, "--interconnect"),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node"),
+    interconnect: str | None = typer.Option(None, "--interconnect"),
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(1, "--micro-batch"),
     checkpointing: str = typer.Option("none", "--checkpointing"),

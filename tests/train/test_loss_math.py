@@ -33,6 +33,7 @@ def test_global_token_normalisation_matches_full_batch():
     # Two ranks: each scales by world / global count, the backend averages (÷ world).
     ours = _grads(model, halves, [2 / n, 2 / n]) / 2
     per_rank_mean = _grads(model, halves, [1 / counts[0], 1 / counts[1]]) / 2
-    rel = lambda g: float((g - reference).norm() / reference.norm())
+    def rel(g):
+        return float((g - reference).norm() / reference.norm())
     assert rel(ours) < 1e-6
     assert rel(per_rank_mean) > 1e-3  # what a per-micro-batch/per-rank mean would train on

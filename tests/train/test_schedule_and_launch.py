@@ -21,7 +21,8 @@ def test_warmup_is_linear_and_reaches_peak(kind):
 
 
 def test_decay_shapes():
-    at = lambda kind, s, **kw: lr_at(s, peak=PEAK, total=TOTAL, kind=kind, warmup=WARM, **kw)
+    def at(kind, s, **kw):
+        return lr_at(s, peak=PEAK, total=TOTAL, kind=kind, warmup=WARM, **kw)
     mid = WARM + (TOTAL - WARM) // 2
     assert at("cosine", mid) == pytest.approx(PEAK / 2)  # cos(pi/2) = 0: half way
     assert at("linear", mid) == pytest.approx(PEAK / 2)

@@ -58,7 +58,7 @@ def test_set_overrides_are_typed_and_validated(tmp_path):
         7,
         False,
     )
-    with pytest.raises(ShardwiseError, match="run.steps"):
+    with pytest.raises(ShardwiseError, match=r"run\.steps"):
         load_config(p, ["run.steps=-1"])
     with pytest.raises(ShardwiseError, match="KEY=VALUE"):
         apply_override({}, "run.steps")

@@ -86,9 +86,9 @@ class _Held:
     """What the pack hook hands autograd: when autograd drops a saved tensor, this object dies
     and the storage's hold count goes down (so live saved bytes can be followed in backward)."""
 
-    __slots__ = ("t", "key", "book")
+    __slots__ = ("book", "key", "t")
 
-    def __init__(self, t: torch.Tensor, key: tuple[int, int], book: "_SavedBook") -> None:
+    def __init__(self, t: torch.Tensor, key: tuple[int, int], book: _SavedBook) -> None:
         self.t, self.key, self.book = t, key, book
         book.acquire(key)
 

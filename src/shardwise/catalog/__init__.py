@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -14,12 +14,12 @@ from shardwise.specs.model import ModelSpec
 _HERE = Path(__file__).parent
 
 
-@lru_cache(maxsize=None)
+@cache
 def _models() -> dict[str, dict]:
     return yaml.safe_load((_HERE / "models.yaml").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hardware() -> dict[str, dict]:
     return yaml.safe_load((_HERE / "hardware.yaml").read_text())
 
@@ -36,7 +36,7 @@ def interconnect_names() -> list[str]:
     return list(_hardware()["interconnects"])
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_model(name: str) -> ModelSpec:
     key = name.strip().lower()
     if key not in _models():
@@ -44,7 +44,7 @@ def get_model(name: str) -> ModelSpec:
     return ModelSpec(name=key, **_models()[key])
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_gpu(name: str) -> GPUSpec:
     key = name.strip().lower()
     gpus = _hardware()["gpus"]
@@ -61,7 +61,7 @@ def get_gpu(name: str) -> GPUSpec:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_link(name: str) -> LinkSpec:
     key = name.strip().lower()
     links = _hardware()["interconnects"]

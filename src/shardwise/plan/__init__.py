@@ -9,6 +9,10 @@ from shardwise.plan.flops import flops_per_token, model_flops_per_token
 from shardwise.plan.memory import MemoryPlan, plan_memory
 
 __all__ = [
-    "HostBreakdown", "MemoryBreakdown", "MemoryPlan", "plan_memory", "flops_per_token",
+    "HostBreakdown",
+    "MemoryBreakdown",
+    "MemoryPlan",
+    "flops_per_token",
     "model_flops_per_token",
+    "plan_memory",
 ]

@@ -50,7 +50,7 @@ class CommBreakdown:
                  total=self.total)
         return d
 
-    def __add__(self, other: "CommBreakdown") -> "CommBreakdown":
+    def __add__(self, other: CommBreakdown) -> CommBreakdown:
         return CommBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 

@@ -40,7 +40,7 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 "comm_ideal": e.ideal.as_dict(),
                 "time": e.time.as_dict(),
             }
-            for p, e in zip(plans, evals)
+            for p, e in zip(plans, evals, strict=False)
         ],
     }
     if recommended is not None:

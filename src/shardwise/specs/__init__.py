@@ -7,6 +7,14 @@ from shardwise.specs.strategy import STRATEGY_NAMES, DeepSpeedKnobs, Strategy
 from shardwise.specs.train import TrainSpec
 
 __all__ = [
-    "GPUSpec", "HardwareSpec", "LinkSpec", "ParallelLayout", "ModelSpec", "ParamTensor",
-    "STRATEGY_NAMES", "DeepSpeedKnobs", "Strategy", "TrainSpec",
+    "STRATEGY_NAMES",
+    "DeepSpeedKnobs",
+    "GPUSpec",
+    "HardwareSpec",
+    "LinkSpec",
+    "ModelSpec",
+    "ParallelLayout",
+    "ParamTensor",
+    "Strategy",
+    "TrainSpec",
 ]

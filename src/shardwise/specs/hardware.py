@@ -42,7 +42,7 @@ class HardwareSpec(Spec):
     host_adam_params_per_s: float = Field(1.0e9, gt=0)  # DeepSpeed CPU Adam throughput per node
 
     @model_validator(mode="after")
-    def _check(self) -> "HardwareSpec":
+    def _check(self) -> HardwareSpec:
         if self.gpus_per_node > 64:
             raise ShardwiseError(f"gpus_per_node {self.gpus_per_node} is implausible (expected 1..64)")
         return self

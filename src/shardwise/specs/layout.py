@@ -20,7 +20,7 @@ class ParallelLayout(Spec):
     pp: int = Field(1, gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "ParallelLayout":
+    def _check(self) -> ParallelLayout:
         prod = self.dp_replicate * self.dp_shard * self.tp * self.pp
         if prod != self.world_size:
             raise ShardwiseError(
@@ -34,7 +34,7 @@ class ParallelLayout(Spec):
         return self.dp_replicate * self.dp_shard
 
     @classmethod
-    def for_strategy(cls, strategy, world_size: int, gpus_per_node: int) -> "ParallelLayout":
+    def for_strategy(cls, strategy, world_size: int, gpus_per_node: int) -> ParallelLayout:
         """Derive the layout a strategy implies on `world_size` GPUs with its TP/PP degrees."""
         tp, pp = strategy.tp, strategy.pp
         if world_size % (tp * pp):

@@ -58,7 +58,7 @@ class ModelSpec(Spec):
     max_position_embeddings: int = 4096
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelSpec":
+    def _check(self) -> ModelSpec:
         hd = self.head_dim or self.hidden_size // self.num_heads
         if not self.head_dim and self.hidden_size % self.num_heads:
             raise ShardwiseError(
@@ -180,7 +180,7 @@ class ModelSpec(Spec):
 
     # --- constructors ----------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, path: str | Path, name: str | None = None) -> "ModelSpec":
+    def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
         """Read a local Hugging Face `config.json` (no code is loaded, no hub is asked)."""
         path = Path(path)
         if path.is_dir():
@@ -196,7 +196,7 @@ class ModelSpec(Spec):
         return cls.from_hf_dict(cfg, name=name or path.parent.name, source=str(path))
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict, name: str = "custom", source: str = "config") -> "ModelSpec":
+    def from_hf_dict(cls, cfg: dict, name: str = "custom", source: str = "config") -> ModelSpec:
         model_type = cfg.get("model_type", "llama")
         families = {"llama": "llama", "mistral": "mistral", "mixtral": "mixtral", "qwen2": "qwen2"}
         if model_type not in families:
@@ -252,7 +252,7 @@ class ModelSpec(Spec):
         return d
 
     @classmethod
-    def from_params(cls, params: float) -> "ModelSpec":
+    def from_params(cls, params: float) -> ModelSpec:
         """A Llama-shaped model of about `params` parameters (documented default shape).
 
         Shape rule (docs/planner.md): hidden h a multiple of 128, head_dim 128 (MHA),

@@ -64,7 +64,7 @@ class Strategy(Spec):
     gradient_as_bucket_view: bool = True  # DDP: shardwise sets it, so no second gradient copy
 
     @classmethod
-    def from_name(cls, name: str, **overrides) -> "Strategy":
+    def from_name(cls, name: str, **overrides) -> Strategy:
         key = name.strip().lower()
         if key not in _TABLE:
             raise ShardwiseError(f"unknown strategy {name!r}. {did_you_mean(name, STRATEGY_NAMES)}")

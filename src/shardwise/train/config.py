@@ -163,13 +163,13 @@ def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[t
     out = {} if out is None else out
     if isinstance(node, yaml.MappingNode):
         for k, v in node.value:
-            p = path + (k.value,)
+            p = (*path, k.value)
             out[p] = k.start_mark.line + 1
             _lines(v, p, out)
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            out[path + (i,)] = v.start_mark.line + 1
-            _lines(v, path + (i,), out)
+            out[(*path, i)] = v.start_mark.line + 1
+            _lines(v, (*path, i), out)
     return out
 
 

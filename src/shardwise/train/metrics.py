@@ -39,7 +39,7 @@ class Metrics:
             return
         self.dir = Path(cfg.checkpointing.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 (open for the whole run)
+        self.jsonl = open(self.dir / "metrics.jsonl", "w")
         self.tb = self.wandb = self.progress = None
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
