@@ -26,12 +26,10 @@ from __future__ import annotations
 import gc
 import json
 import os
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.worker import BATCH, BUCKET, SEQ, TINY_LLAMA, WORLD, _batch, _build_model, free_port
+from shardwise.bench.worker import BATCH, BUCKET, SEQ, TINY_LLAMA, WORLD, _batch, _build_model, spawn_ranks
 
 STEPS = 4
 MEASURED_STEPS = 2  # the last two; see the module docstring for what the first two hold
@@ -204,30 +202,9 @@ def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
 def measure_comm(cases: list[str] | tuple[str, ...] = ALL_CASES,
                  timeout_s: float = 300.0) -> dict[str, list[dict[str, Any]]]:
     """Run each case on 2 CPU processes; return {case: per-rank results by rank}."""
-    import torch.multiprocessing as mp
-
     for c in cases:
         parse_case(c)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
-                      OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(list(cases), out_dir), nprocs=WORLD, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{list(cases)}: workers did not finish within {timeout_s:.0f}s")
-        finally:
-            for p in ctx.processes:  # only the processes this call started
-                if p.is_alive():
-                    p.kill()
-        out: dict[str, list[dict[str, Any]]] = {}
-        for c in cases:
-            files = [Path(out_dir, f"{c}.rank{r}.json") for r in range(WORLD)]
-            if all(f.exists() for f in files):
-                out[c] = [json.loads(f.read_text()) for f in files]
-        return out
+    return spawn_ranks(_rank_main, list(cases), timeout_s)
 
 
 def param_sizes() -> dict[str, int]:

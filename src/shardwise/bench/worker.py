@@ -174,30 +174,45 @@ def _rank_main(rank: int, strategies: list[str], out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def measure_model_states(strategies: list[str] | tuple[str, ...],
-                         timeout_s: float = 300.0) -> dict[str, list[dict[str, Any]]]:
-    """Run each strategy on 2 CPU processes; return {strategy: per-rank results by rank}."""
+def spawn_ranks(rank_main, names: list[str], timeout_s: float) -> dict[str, list[dict[str, Any]]]:
+    """Run `rank_main(rank, names, out_dir)` in WORLD spawned CPU processes (gloo, 1 thread
+    each); each rank writes `<name>.rank<r>.json`. Returns {name: per-rank results} for the
+    names every rank finished; kills its own processes on timeout."""
     import torch.multiprocessing as mp
 
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"unknown strategies {unknown}; measured: {', '.join(STRATEGIES)}")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
                       OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(list(strategies), out_dir), nprocs=WORLD, join=False,
+        ctx = mp.start_processes(rank_main, args=(names, out_dir), nprocs=WORLD, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{list(strategies)}: workers did not finish within {timeout_s:.0f}s")
+                    raise TimeoutError(f"{names}: workers did not finish within {timeout_s:.0f}s")
         finally:
             for p in ctx.processes:  # only the processes this call started
                 if p.is_alive():
                     p.kill()
-        return {s: [json.loads(Path(out_dir, f"{s}.rank{r}.json").read_text()) for r in range(WORLD)]
-                for s in strategies}
+        out: dict[str, list[dict[str, Any]]] = {}
+        for name in names:
+            files = [Path(out_dir, f"{name}.rank{r}.json") for r in range(WORLD)]
+            if all(f.exists() for f in files):
+                out[name] = [json.loads(f.read_text()) for f in files]
+        return out
+
+
+def measure_model_states(strategies: list[str] | tuple[str, ...],
+                         timeout_s: float = 300.0) -> dict[str, list[dict[str, Any]]]:
+    """Run each strategy on 2 CPU processes; return {strategy: per-rank results by rank}."""
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; measured: {', '.join(STRATEGIES)}")
+    out = spawn_ranks(_rank_main, list(strategies), timeout_s)
+    missing = [s for s in strategies if s not in out]
+    if missing:
+        raise RuntimeError(f"workers wrote no result for {missing}")
+    return out
 
 
 def model_params() -> int:
