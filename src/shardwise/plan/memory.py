@@ -10,7 +10,7 @@ Three accountings of model states:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -216,9 +216,11 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
         # ZeRO-1 under accumulation keeps full grads until the boundary; ZeRO-2 reduces each
         # micro-batch into the partition (REFERENCE.md "More measured here").
         grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * partition_holding(model, n, layout.tp, layout.pp)
+        # the reduce buckets are set up at the first backward hook and released after it
+        # (stage_1_and_2.py setup_buckets; measured ~0 after backward)
         mem = MemoryBreakdown(
             params=w * psi, grads=grads, master_params=4 * psi / n, optimizer_states=os_ * psi / n,
-            step_buffers=4 * psi / n, engine_buffers=buckets,
+            step_buffers=4 * psi / n, grad_buffers=buckets,
         )
         if s.offload_optimizer:
             # fp32 master, fp32 grad partition and Adam live in pinned host memory; the GPU keeps
@@ -227,7 +229,7 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
                 grads=4 * psi / n * per_node, master_params=4 * psi / n * per_node,
                 optimizer_states=os_ * psi / n * per_node,
             )
-            mem = MemoryBreakdown(params=w * psi, engine_buffers=buckets + w * model.largest_module / layout.tp)
+            mem = MemoryBreakdown(params=w * psi, grad_buffers=buckets + w * model.largest_module / layout.tp)
         return mem, host
     # Stage 3: params partitioned except small persistent ones; the working set is the layer in
     # flight plus the prefetch bucket (bounded by max_live_parameters); grads reduce through
@@ -270,11 +272,21 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
         unsharded = c * (2 * layer + root)
     else:  # grad-op: every layer stays unsharded from its forward to its backward
         unsharded = c * psi
-    rs = (c + reduce) * max(layer, root) + (c * psi if train.grad_accum > 1 else 0)
-    # ^ with accumulation, sync is disabled on non-final micro-batches and unsharded grads are held
+    # During backward, while the activations are still alive: a layer's unsharded grads and
+    # their reduce_dtype copy for reduce-scatter, and lm_head's unsharded grad (its group, the
+    # root, reduce-scatters only at the very end). With accumulation, sync is off on the other
+    # micro-batches and every unsharded grad is held between them.
+    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    rs = (c + reduce) * layer + c * lm_head
+    held = c * psi if train.grad_accum > 1 else 0.0
+    # The root's own reduce-scatter (embeddings, lm_head: often the largest group) runs at the
+    # end of backward, when the activations are gone: a step-time transient, like the
+    # optimizer's temporaries (it finishes before the step starts).
+    root_rs = (c + reduce) * root
     mem = MemoryBreakdown(
         params=w * psi / n, grads=w * psi / n, optimizer_states=os_ * psi / n,
-        step_buffers=_foreach_temp(train, psi / n), engine_buffers=unsharded + rs,
+        step_buffers=max(_foreach_temp(train, psi / n), root_rs), engine_buffers=unsharded + held,
+        grad_buffers=rs,
     )
     host = HostBreakdown()
     if s.offload_params:  # CPUOffloadPolicy: sharded params, grads and optimizer step on the CPU
@@ -282,7 +294,7 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
             params=w * psi / n * per_node, grads=w * psi / n * per_node,
             optimizer_states=os_ * psi / n * per_node,
         )
-        mem = MemoryBreakdown(engine_buffers=unsharded + rs)
+        mem = MemoryBreakdown(engine_buffers=unsharded + held, grad_buffers=rs)
     return mem, host
 
 
@@ -330,20 +342,9 @@ def plan_memory(
         acts += cached
         recompute = max(0.0, recompute + recast)
     logits = logits_bytes(model, train, layout.tp)
-    held = train.grad_accum > 1
-    draft = MemoryBreakdown(
-        params=states.params, grads=states.grads, master_params=states.master_params,
-        optimizer_states=states.optimizer_states, step_buffers=states.step_buffers,
-        activations=acts, recompute=recompute, logits=logits, engine_buffers=states.engine_buffers,
-        grads_held=held,
-    )
-    live = draft.total
-    gpu = MemoryBreakdown(
-        params=states.params, grads=states.grads, master_params=states.master_params,
-        optimizer_states=states.optimizer_states, step_buffers=states.step_buffers,
-        activations=acts, recompute=recompute, logits=logits, engine_buffers=states.engine_buffers,
-        runtime_overhead=runtime_overhead(layout, live), grads_held=held,
-    )
+    draft = replace(states, activations=acts, recompute=recompute, logits=logits,
+                    grads_held=train.grad_accum > 1)
+    gpu = replace(draft, runtime_overhead=runtime_overhead(layout, draft.total))
     return MemoryPlan(
         strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,
         margin=margin, host_capacity_bytes=hw.host_memory_bytes,

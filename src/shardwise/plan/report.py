@@ -84,7 +84,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
     t = Table(title=title, caption="GiB per GPU; total = peak of the step (activations and "
               "gradients do not peak together); host = CPU RAM per node", title_justify="left")
     cols = ["strategy", "params", "grads", "master", "optim", "step", "activ", "recomp", "logits",
-            "buffers", "overhead", "total", "host", "fits"]
+            "buffers", "grad buf", "overhead", "total", "host", "fits"]
     for c in cols:
         t.add_column(c, justify="left" if c == "strategy" else "right")
     for p in plans:
@@ -93,7 +93,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
         t.add_row(
             p.strategy.name + (f" tp{p.layout.tp}" if p.layout.tp > 1 else "") + (f" pp{p.layout.pp}" if p.layout.pp > 1 else ""),
             *(f"{v / GIB:.2f}" for v in (g.params, g.grads, g.master_params, g.optimizer_states,
-                                          g.step_buffers, g.activations, g.recompute, g.logits, g.engine_buffers,
+                                          g.step_buffers, g.activations, g.recompute, g.logits, g.engine_buffers, g.grad_buffers,
                                           g.runtime_overhead)),
             f"[bold]{g.total / GIB:.2f}[/]",
             f"{p.host.total / GIB:.1f}" if p.host.total else "-",
