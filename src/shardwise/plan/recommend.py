@@ -34,10 +34,11 @@ def _complexity(e: Evaluation) -> tuple:
 
 def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=None,
           micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
-          tps=None, pps=(1,), margin: float = 0.05) -> list[Evaluation]:
+          tps=None, pps=None, margin: float = 0.05) -> list[Evaluation]:
     """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
     where it divides, so that candidates train the same thing."""
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
+    pps = pps or tuple(p for p in (1, 2, 4) if p <= model.num_layers and hw.world_size % p == 0)
     out = []
     for name, mb, ck, tp, pp in itertools.product(strategies or STRATEGY_NAMES, micro_batches,
                                                   checkpointing, tps, pps):
