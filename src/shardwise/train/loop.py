@@ -38,7 +38,7 @@ class StepRecord:
     target_tokens: int
     tokens: int  # input tokens of the global batch (throughput counts these)
     step_time_s: float
-    cpu_time_s: float = 0.0  # this rank's process CPU time: robust to other load on the machine
+    cpu_time_s: float = 0.0  # CPU time of this rank's training thread: robust to other load and to waits
 
 
 @dataclass
@@ -150,7 +150,7 @@ def train(
         micro = next(steps)
         reduce = meta.start([*counts(micro), 0.0])
         for step in range(cfg.run.steps):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = time.perf_counter(), time.thread_time()
             targets, tokens, prev_total = meta.wait(reduce)
             finish(prev, prev_total)
             global_targets, global_tokens = int(targets), int(tokens)
@@ -176,7 +176,7 @@ def train(
                 target_tokens=global_targets,
                 tokens=global_tokens,
                 step_time_s=time.perf_counter() - t0,
-                cpu_time_s=time.process_time() - c0,
+                cpu_time_s=time.thread_time() - c0,
             )
         finish(prev, meta.wait(reduce)[2])
         if export_weights:

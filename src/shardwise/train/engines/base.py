@@ -138,6 +138,8 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
             continue
         seen.add(id(p))
         (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
+    if weight_decay == 0:  # one group: the split changes nothing, and each group costs a loop
+        return [{"params": decay + no_decay, "weight_decay": 0.0}]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
