@@ -12,7 +12,7 @@ from shardwise.plan.memory import plan_memory
 from shardwise.specs import Strategy, TrainSpec
 
 pytest.importorskip("torch")
-from shardwise.bench.fsdp_trace import trace_fsdp  # noqa: E402 (after importorskip)
+from shardwise.bench.fsdp_trace import trace_fsdp
 
 TOL = 0.10
 

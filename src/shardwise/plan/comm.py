@@ -83,7 +83,7 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     k = train.grad_accum
     c = train.compute_bytes
     out = _dp_comm(model, train, strategy, layout, hw, psi, k, c)
-    out = out + _tp_pp_comm(model, train, layout, hw, k, c)
+    out = out + _tp_pp_comm(model, train, layout, k, c)
     return out
 
 
@@ -152,7 +152,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
                          **_on(link, ag_fwd + ag_bwd + rs))
 
 
-def _tp_pp_comm(model, train, layout, hw, k, c) -> CommBreakdown:
+def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
     """Megatron TP: 2 all-reduces of b·s·h in forward and 2 in backward per layer (+2 with full
     recompute); PP: activations forward and their grads backward across each stage boundary."""
     out = CommBreakdown()

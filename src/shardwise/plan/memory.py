@@ -160,12 +160,10 @@ def _engine(model, train: TrainSpec, s: Strategy, layout, psi, n, per_node) -> t
         return _deepspeed(model, train, s, layout, psi, n, per_node, c, os_, layer)
     if s.engine == "fsdp2":
         return _fsdp2(model, train, s, layout, psi, n, per_node, c, os_, layer, mixed)
-    # DDP: the module stays fp32 under autocast (fp32 params, grads, optimizer); autocast caches
-    # a c-byte copy of every linear weight it casts for the whole forward (torch/amp autocast
-    # cache; the input embedding is a lookup, not cast); with gradient_as_bucket_view the
-    # reducer's buckets *are* the grads, else one more copy.
-    # (the autocast weight casts are saved by the linears for backward: see `autocast_cache`,
-    # booked with the activations)
+    # DDP: the module stays fp32 under autocast (fp32 params, grads, optimizer; autocast's
+    # cached weight casts are saved for backward, so `autocast_cache` books them with the
+    # activations); with gradient_as_bucket_view the reducer's buckets *are* the grads, else
+    # one more copy.
     w = 2 if train.precision == "bf16-pure" else 4
     return MemoryBreakdown(
         params=w * psi, grads=w * psi, optimizer_states=os_ * psi,

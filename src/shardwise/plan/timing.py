@@ -79,7 +79,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         blocking += comm.calls * hw.intra.latency_s
     comm_s += blocking
     exposed += blocking
-    offload = _offload_time(model, hw, train, strategy, layout, comm)
+    offload = _offload_time(model, hw, strategy, layout, comm)
     bubble = 0.0
     if layout.pp > 1:  # 1F1B bubble (p−1)/(m+p−1) of the pipeline's time
         frac = (layout.pp - 1) / (train.grad_accum + layout.pp - 1)
@@ -113,7 +113,7 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     return max(0.0, reduce - hide * window) + reduce * 0.05 + ag_after_step
 
 
-def _offload_time(model, hw, train, s: Strategy, layout, comm: CommBreakdown) -> float:
+def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown) -> float:
     """PCIe transfers (grads down, params up; full offload streams params every pass) plus the
     CPU optimizer over this node's partitions (DeepSpeed CPU Adam throughput per node)."""
     if not (s.offload_optimizer or s.offload_params):
