@@ -170,3 +170,18 @@ def test_explain_70b_on_ethernet():
     for name in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
         assert f"| {name} |" in out
     assert "| yes |" not in out
+
+
+def test_deepspeed_reduce_dtype_knob():
+    from shardwise.specs import DeepSpeedKnobs
+
+    # DeepSpeed reduces in the parameter dtype by default (bf16: 2 bytes); shardwise's trainer
+    # asks for fp32 (communication_data_type), which doubles the gradient bytes, not the
+    # parameter all-gather
+    base = plan_comm(M7, HW8, TrainSpec(grad_accum=2), Strategy.from_name("zero2"))
+    fp32 = plan_comm(M7, HW8, TrainSpec(grad_accum=2),
+                     Strategy.from_name("zero2", ds=DeepSpeedKnobs(communication_data_type="fp32")))
+    assert base.all_reduce == pytest.approx(2 * PSI * 2) and fp32.all_reduce == pytest.approx(4 * PSI * 2)
+    assert fp32.all_gather == base.all_gather == pytest.approx(2 * PSI)
+    z3 = plan_comm(M7, HW8, TrainSpec(), Strategy.from_name("zero3", ds=DeepSpeedKnobs(communication_data_type="fp32")))
+    assert z3.reduce_scatter == pytest.approx(4 * PSI)

@@ -96,7 +96,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         # DDP reduces fp32 grads once per step (no_sync on the other micro-batches; autocast keeps
         # fp32 grads); DeepSpeed stage 0 all-reduces at the accumulation boundary, in the
         # module's dtype.
-        g = (2 if train.precision == "bf16-pure" else 4) if s.engine == "ddp" else c
+        g = (2 if train.precision == "bf16-pure" else 4) if s.engine == "ddp" else s.ds.reduce_bytes(c)
         ar = g * psi
         return CommBreakdown(all_reduce=ar, calls=max(1, int(ar // 25e6)), **_on(link, 2 * ar))
     if s.engine == "deepspeed" and s.zero_stage in (1, 2):
@@ -105,7 +105,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         # it each partition is reduced to its owner (reduce-scatter volume). Then the updated
         # 16-bit params are all-gathered once (stage_1_and_2.py: all_gather_dp_groups).
         reductions = 1 if s.zero_stage == 1 else k
-        grad = c * psi * reductions
+        grad = s.ds.reduce_bytes(c) * psi * reductions
         ag = c * psi
         pcie = (4 * psi / n + c * psi / n) if s.offload_optimizer else 0.0
         calls = int(reductions * (psi // s.ds.reduce_bucket_size + 1) + psi // s.ds.allgather_bucket_size + 1)
@@ -122,7 +122,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         # Persistent params are not gathered per micro-batch, but their updated partitions are
         # all-gathered once after the step (measured: 2-rank gloo count, GA 1 and 2).
         ag = c * gathered * k * (2 if regather else 1) + c * persist
-        rs = c * psi * k  # every micro-batch (stage3.py reduce_ipg_grads)
+        rs = s.ds.reduce_bytes(c) * psi * k  # every micro-batch (stage3.py reduce_ipg_grads)
         pcie = 0.0
         if s.offload_optimizer:
             pcie += k * 4 * psi / n + c * psi / n

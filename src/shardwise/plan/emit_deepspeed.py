@@ -62,32 +62,7 @@ def deepspeed_config(
     def pick(concrete: Any) -> Any:
         return auto if hf_auto else concrete
 
-    stage = strategy.zero_stage or 0
-    k = strategy.ds
-    zero: dict[str, Any] = {
-        "stage": stage,
-        "reduce_bucket_size": k.reduce_bucket_size,
-        "allgather_bucket_size": k.allgather_bucket_size,
-        "overlap_comm": k.overlap(stage),
-        "contiguous_gradients": k.contiguous_gradients,
-        "reduce_scatter": k.reduce_scatter,
-        "use_multi_rank_bucket_allreduce": k.use_multi_rank_bucket_allreduce,
-    }
-    if stage == 3:
-        zero |= {
-            "stage3_prefetch_bucket_size": k.prefetch_bucket_size,
-            "stage3_max_live_parameters": k.max_live_parameters,
-            "stage3_max_reuse_distance": k.max_reuse_distance,
-            "stage3_param_persistence_threshold": k.param_persistence_threshold,
-            # Lets `save_model()` write one consolidated 16-bit checkpoint (costs memory at save only).
-            "stage3_gather_16bit_weights_on_model_save": True,
-        }
-    # Pinned host buffers: the PCIe copies the plan's offload timing assumes are pinned.
-    if strategy.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if strategy.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-
+    zero = zero_section(strategy)
     h = hyper
     total = max(h.steps, 1)
     cfg: dict[str, Any] = {
@@ -114,10 +89,50 @@ def deepspeed_config(
         },
         "zero_optimization": zero,
         **_precision(train, hf_auto),
+        **comm_dtype(strategy),
         "steps_per_print": 100,
         "wall_clock_breakdown": False,
     }
     return cfg
+
+
+def zero_section(strategy: Strategy, *, bucket: int | None = None, pin_memory: bool = True,
+                 gather_16bit_on_save: bool = True) -> dict[str, Any]:
+    """The `zero_optimization` block for a strategy: shared by the emitted configs and the
+    trainer's DeepSpeed engine so that both run what the plan assumed. `bucket` overrides the
+    bucket sizes (the trainer's small CPU buckets)."""
+    stage = strategy.zero_stage or 0
+    k = strategy.ds
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "reduce_bucket_size": bucket or k.reduce_bucket_size,
+        "allgather_bucket_size": bucket or k.allgather_bucket_size,
+        "overlap_comm": k.overlap(stage),
+        "contiguous_gradients": k.contiguous_gradients,
+        "reduce_scatter": k.reduce_scatter,
+        "use_multi_rank_bucket_allreduce": k.use_multi_rank_bucket_allreduce,
+    }
+    if stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": min(bucket, k.prefetch_bucket_size) if bucket else k.prefetch_bucket_size,
+            "stage3_max_live_parameters": k.max_live_parameters,
+            "stage3_max_reuse_distance": k.max_reuse_distance,
+            "stage3_param_persistence_threshold": k.param_persistence_threshold,
+            # Lets `save_model()` write one consolidated 16-bit checkpoint (costs memory at save only).
+            "stage3_gather_16bit_weights_on_model_save": gather_16bit_on_save,
+        }
+    # Pinned host buffers: the PCIe copies the plan's offload timing assumes are pinned.
+    if strategy.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if strategy.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    return zero
+
+
+def comm_dtype(strategy: Strategy) -> dict[str, Any]:
+    """`communication_data_type` when the plan assumed one other than DeepSpeed's default."""
+    dtype = strategy.ds.communication_data_type
+    return {} if dtype == "auto" else {"communication_data_type": dtype}
 
 
 def _precision(train: TrainSpec, hf_auto: bool) -> dict[str, Any]:

@@ -44,9 +44,16 @@ class DeepSpeedKnobs(Spec):
     max_live_parameters: int = Field(1_000_000_000, ge=0)
     max_reuse_distance: int = Field(1_000_000_000, ge=0)
     param_persistence_threshold: int = Field(100_000, ge=0)
+    # Gradient reduction dtype: "auto" = DeepSpeed's default, the parameter dtype (bf16 under
+    # bf16 mixed precision); shardwise's trainer sets "fp32" for loss parity (docs/training.md).
+    communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
     def overlap(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
+
+    def reduce_bytes(self, compute_bytes: int) -> int:
+        """Bytes per gradient element DeepSpeed reduces in."""
+        return {"auto": compute_bytes, "fp32": 4, "bf16": 2, "fp16": 2}[self.communication_data_type]
 
 
 class Strategy(Spec):

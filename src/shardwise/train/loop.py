@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.specs import Strategy
+from shardwise.specs import DeepSpeedKnobs, Strategy
 from shardwise.train.config import TrainConfig
 from shardwise.train.engines import build_engine
 from shardwise.train.engines.base import DistEnv, count_target_tokens
@@ -96,9 +96,13 @@ class _MetaReduce:
 
 
 def strategy_of(cfg: TrainConfig) -> Strategy:
+    """The planner's Strategy for this run, with the engine settings the trainer fixes: DeepSpeed
+    reduces gradients in fp32 (parity with FSDP2's reduce_dtype=fp32 and DDP's fp32 grads)."""
     kw: dict[str, Any] = {}
     if cfg.strategy.shard_group:
         kw["shard_group"] = cfg.strategy.shard_group
+    if Strategy.from_name(cfg.strategy.name).engine == "deepspeed":
+        kw["ds"] = DeepSpeedKnobs(communication_data_type="fp32")
     return Strategy.from_name(cfg.strategy.name, **kw)
 
 

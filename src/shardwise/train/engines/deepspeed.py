@@ -6,8 +6,9 @@ Settings made explicit because DeepSpeed's defaults would break parity with DDP/
 - `backward(loss, scale_wrt_gas=False)`: DeepSpeed would divide by gradient_accumulation_steps;
   the loop's per-token `loss_scale` already normalises across micro-batches.
 - `prescale_gradients: false`, `gradient_predivide_factor: 1.0`: plain average over ranks.
-- `communication_data_type: fp32` under bf16: a bf16 all-reduce/reduce-scatter rounds each
-  partial sum to 8 bits of mantissa (DeepSpeed reduces in the parameter dtype by default).
+- `communication_data_type: fp32` (the trainer's strategy knob, `loop.strategy_of`): a bf16
+  all-reduce/reduce-scatter rounds each partial sum to 8 bits of mantissa (DeepSpeed reduces in
+  the parameter dtype by default); the planner counts the fp32 bytes it costs.
 - fp16 `loss_scale: 0` (dynamic) with `initial_scale_power: 16`, as torch's GradScaler.
 - bucket sizes from the plan/config; on CPU ~1e6 elements (5e8 defaults allocate GBs there).
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from shardwise.plan.emit_deepspeed import comm_dtype, zero_section
 from shardwise.specs import Strategy
 from shardwise.train.config import TrainConfig
 from shardwise.train.engines.base import DistEnv, decay_groups, model_inputs, token_loss_sum
@@ -28,32 +30,10 @@ CPU_BUCKET_ELEMENTS = 1_000_000
 
 def ds_config(cfg: TrainConfig, strategy: Strategy, env: DistEnv) -> dict[str, Any]:
     """The DeepSpeed JSON config the trainer uses (also used by the overhead benchmark)."""
-    o, k = cfg.optimizer, strategy.ds
+    o = cfg.optimizer
     on_cpu = env.device == "cpu"
     bucket = cfg.strategy.bucket_elements or (CPU_BUCKET_ELEMENTS if on_cpu else None)
-    zero: dict[str, Any] = {
-        "stage": strategy.zero_stage,
-        "reduce_bucket_size": bucket or k.reduce_bucket_size,
-        "allgather_bucket_size": bucket or k.allgather_bucket_size,
-        "overlap_comm": k.overlap(strategy.zero_stage or 0),
-        "contiguous_gradients": k.contiguous_gradients,
-        "reduce_scatter": k.reduce_scatter,
-        "use_multi_rank_bucket_allreduce": k.use_multi_rank_bucket_allreduce,
-    }
-    if strategy.zero_stage == 3:
-        zero |= {
-            "stage3_prefetch_bucket_size": min(bucket, k.prefetch_bucket_size)
-            if bucket
-            else k.prefetch_bucket_size,
-            "stage3_max_live_parameters": k.max_live_parameters,
-            "stage3_max_reuse_distance": k.max_reuse_distance,
-            "stage3_param_persistence_threshold": k.param_persistence_threshold,
-            "stage3_gather_16bit_weights_on_model_save": False,
-        }
-    if strategy.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not on_cpu}
-    if strategy.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": not on_cpu}
+    zero = zero_section(strategy, bucket=bucket, pin_memory=not on_cpu, gather_16bit_on_save=False)
     # torch AdamW on CPU (no C++ op to build) and for parity; DeepSpeedCPUAdam when offloading
     # from a GPU (its SIMD step is what makes offload usable).
     torch_adam = on_cpu or not strategy.offload_optimizer
@@ -75,7 +55,7 @@ def ds_config(cfg: TrainConfig, strategy: Strategy, env: DistEnv) -> dict[str, A
         "zero_force_ds_cpu_optimizer": not torch_adam,
         "bf16": {"enabled": cfg.precision == "bf16-mixed"},
         "fp16": {"enabled": cfg.precision == "fp16-mixed", "loss_scale": 0, "initial_scale_power": 16},
-        **({"communication_data_type": "fp32"} if cfg.precision != "fp32" else {}),
+        **comm_dtype(strategy),
         "steps_per_print": 2**31 - 1,  # the trainer logs; DeepSpeed's own prints are noise
         "wall_clock_breakdown": False,
     }
