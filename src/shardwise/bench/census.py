@@ -195,19 +195,14 @@ def take_census(
     c = _Claims(exclude)
     named = list(module.named_parameters())
 
-    for name, p in named:
-        for suffix, t in _param_parts(p):
-            c.claim("params", name + suffix, t)
-    for attr in _DS_PARAM_ATTRS:
-        for path, t in iter_tensors(getattr(optimizer, attr, None), f"optimizer.{attr}"):
-            c.claim("params", path, t)
-
-    for name, p in named:
-        for suffix, t in _grad_parts(p):
-            c.claim("grads", name + suffix, t)
-    for attr in _DS_GRAD_ATTRS:
-        for path, t in iter_tensors(getattr(optimizer, attr, None), f"optimizer.{attr}"):
-            c.claim("grads", path, t)
+    # params, then grads: what the module's parameters hold, then the DeepSpeed partitions
+    for part, parts_of, attrs in (("params", _param_parts, _DS_PARAM_ATTRS), ("grads", _grad_parts, _DS_GRAD_ATTRS)):
+        for name, p in named:
+            for suffix, t in parts_of(p):
+                c.claim(part, name + suffix, t)
+        for attr in attrs:
+            for path, t in iter_tensors(getattr(optimizer, attr, None), f"optimizer.{attr}"):
+                c.claim(part, path, t)
 
     for attr in _DS_MASTER_ATTRS:
         for path, t in iter_tensors(getattr(optimizer, attr, None), f"optimizer.{attr}"):

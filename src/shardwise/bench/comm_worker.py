@@ -29,7 +29,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.worker import BATCH, BUCKET, SEQ, TINY_LLAMA, WORLD, _batch, _build_model, spawn_ranks
+from shardwise.bench.worker import (
+    BATCH,
+    BUCKET,
+    SEQ,
+    TINY_LLAMA,
+    WORLD,
+    _batch,
+    _build_model,
+    deepspeed_run_config,
+    spawn_ranks,
+)
 
 STEPS = 4
 MEASURED_STEPS = 2  # the last two; see the module docstring for what the first two hold
@@ -73,31 +83,7 @@ def ds_knobs(variant: str) -> dict[str, Any]:
 
 def ds_config(variant: str, ga: int) -> dict[str, Any]:
     """The DeepSpeed config a variant runs with (recorded with the results)."""
-    stage = int(strategy_of(variant)[4])
-    k = ds_knobs(variant)
-    zero: dict[str, Any] = {
-        "stage": stage,
-        "reduce_bucket_size": k["reduce_bucket_size"],
-        "allgather_bucket_size": k["allgather_bucket_size"],
-        "use_multi_rank_bucket_allreduce": k["use_multi_rank_bucket_allreduce"],
-    }
-    if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=k["prefetch_bucket_size"],
-                    stage3_max_live_parameters=k["max_live_parameters"],
-                    stage3_max_reuse_distance=k["max_reuse_distance"],
-                    stage3_param_persistence_threshold=k["param_persistence_threshold"])
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": ga,
-        "train_batch_size": BATCH * ga * WORLD,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
-        "zero_optimization": zero,
-        "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    return deepspeed_run_config(strategy_of(variant), ds_knobs(variant), ga)
 
 
 def _run_case(rank: int, case: str) -> dict[str, Any]:

@@ -37,26 +37,35 @@ TINY_LLAMA: dict[str, Any] = dict(
 STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp")
 
 
-def ds_config(stage: int, persistence_threshold: int = 100_000) -> dict[str, Any]:
-    """The DeepSpeed config used for `stage` (recorded with the results)."""
-    zero: dict[str, Any] = {
-        "stage": stage,
-        "reduce_bucket_size": BUCKET,
-        "allgather_bucket_size": BUCKET,
-    }
-    if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=BUCKET, stage3_param_persistence_threshold=persistence_threshold)
+def deepspeed_run_config(strategy_name: str, knobs: dict[str, Any], ga: int = 1) -> dict[str, Any]:
+    """A measurement run's DeepSpeed config: fp32, torch AdamW, no clipping, and the
+    `zero_optimization` block built by the same function as the trainer's and `plan --emit`'s
+    (plan/emit_deepspeed.zero_section), from the planner's own knobs, so that what is measured
+    is what is planned and run."""
+    from shardwise.plan.emit_deepspeed import zero_section
+    from shardwise.specs import DeepSpeedKnobs, Strategy
+
+    strategy = Strategy.from_name(strategy_name, ds=DeepSpeedKnobs(**knobs))
     return {
         "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": BATCH * ga * WORLD,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
-        "zero_optimization": zero,
+        "zero_optimization": zero_section(strategy, gather_16bit_on_save=False),
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def ds_config(stage: int, persistence_threshold: int = 100_000) -> dict[str, Any]:
+    """The DeepSpeed config used for `stage` (recorded with the results)."""
+    knobs: dict[str, Any] = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
+    if stage == 3:
+        knobs.update(prefetch_bucket_size=BUCKET, param_persistence_threshold=persistence_threshold)
+    return deepspeed_run_config(f"zero{stage}", knobs)
 
 
 def free_port() -> int:
