@@ -11,7 +11,7 @@ for (docs/comm-measured.md has the source references and the 2-rank gloo counts)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from shardwise.plan.memory import _persistent_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
@@ -166,7 +166,3 @@ def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
         p2p = 2 * act / layout.tp * k * 2  # send + recv, forward activations and backward grads
         out = out + CommBreakdown(p2p=p2p, calls=4 * k, blocking=p2p)
     return out
-
-
-def comm_dict(c: CommBreakdown) -> dict:
-    return asdict(c) | {"total": c.total}

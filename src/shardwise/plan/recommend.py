@@ -40,12 +40,12 @@ def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=Non
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
     pps = pps or tuple(p for p in (1, 2, 4) if p <= model.num_layers and hw.world_size % p == 0)
     out = []
+    global_samples = base.micro_batch * base.grad_accum * hw.world_size  # of the pure-DP base
     for name, mb, ck, tp, pp in itertools.product(strategies or STRATEGY_NAMES, micro_batches,
                                                   checkpointing, tps, pps):
         try:
             s = Strategy.from_name(name, tp=tp, pp=pp)
             dp = hw.world_size // (tp * pp)
-            global_samples = base.micro_batch * base.grad_accum * (hw.world_size // (1 * 1))
             ga = global_samples // (mb * dp) if dp and global_samples % (mb * dp) == 0 else 0
             if ga < 1:
                 continue
