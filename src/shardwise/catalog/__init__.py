@@ -36,21 +36,23 @@ def interconnect_names() -> list[str]:
     return list(_hardware()["interconnects"])
 
 
+def _entry(table: dict[str, dict], name: str, kind: str) -> tuple[str, dict]:
+    """(normalised key, entry) of a catalog table, or the error listing the valid names."""
+    key = name.strip().lower()
+    if key not in table:
+        raise ShardwiseError(f"unknown {kind} {name!r}. {did_you_mean(key, list(table))}")
+    return key, table[key]
+
+
 @cache
 def get_model(name: str) -> ModelSpec:
-    key = name.strip().lower()
-    if key not in _models():
-        raise ShardwiseError(f"unknown model {name!r}. {did_you_mean(key, model_names())}")
-    return ModelSpec(name=key, **_models()[key])
+    key, m = _entry(_models(), name, "model")
+    return ModelSpec(name=key, **m)
 
 
 @cache
 def get_gpu(name: str) -> GPUSpec:
-    key = name.strip().lower()
-    gpus = _hardware()["gpus"]
-    if key not in gpus:
-        raise ShardwiseError(f"unknown GPU {name!r}. {did_you_mean(key, gpu_names())}")
-    g = gpus[key]
+    key, g = _entry(_hardware()["gpus"], name, "GPU")
     return GPUSpec(
         name=key,
         memory_bytes=g["memory_gb"] * GB,
@@ -63,11 +65,7 @@ def get_gpu(name: str) -> GPUSpec:
 
 @cache
 def get_link(name: str) -> LinkSpec:
-    key = name.strip().lower()
-    links = _hardware()["interconnects"]
-    if key not in links:
-        raise ShardwiseError(f"unknown interconnect {name!r}. {did_you_mean(key, interconnect_names())}")
-    link = links[key]
+    key, link = _entry(_hardware()["interconnects"], name, "interconnect")
     return LinkSpec(name=key, bus_bytes_per_s=link["bus_gbps"] * GB, latency_s=link["latency_us"] * 1e-6)
 
 
