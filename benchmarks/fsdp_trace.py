@@ -15,10 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from shardwise import catalog
 from shardwise.bench.fsdp_trace import trace_fsdp
 from shardwise.plan.memory import plan_memory
-from shardwise.specs import Strategy, TrainSpec
 
 OUT = Path(__file__).parent / "results" / "fsdp_trace.json"
 CASES = [  # model, world, seq, micro-batch, checkpointing, strategy
@@ -32,10 +30,9 @@ CASES = [  # model, world, seq, micro-batch, checkpointing, strategy
 
 
 def compare(model_name, world, seq, mb, ckpt, strategy) -> dict:
-    traced = trace_fsdp(model_name, world, seq, mb, ckpt, reshard_after_forward=strategy == "fsdp")
-    hw = catalog.build_hardware(gpu="h100-sxm", gpus=world)
-    train = TrainSpec(seq_len=seq, micro_batch=mb, checkpointing=ckpt)
-    g = plan_memory(catalog.get_model(model_name), hw, train, Strategy.from_name(strategy)).gpu
+    traced = trace_fsdp(model_name, world, seq, mb, ckpt, strategy)
+    run = traced["run"]  # the planner sees exactly the run the trace built (the run bridge)
+    g = plan_memory(run.model, run.hardware, run.train, run.strategy).gpu
     planned = g.total - g.runtime_overhead
     return {
         "model": model_name, "world": world, "seq_len": seq, "micro_batch": mb, "checkpointing": ckpt,

@@ -50,21 +50,18 @@ def measure(cases: list[str]) -> dict:
         "steps_run": w.STEPS, "steps_measured": w.MEASURED_STEPS,
         "model": {"model_type": "llama", **w.TINY_LLAMA},
         "param_numel": sizes,
-        "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": w.BUCKET * 4 / 2**20, "broadcast_buffers": True,
-                "grad_accum": "no_sync() on non-final micro-batches"},
-        "fsdp": "fully_shard(mesh=cpu(2)) per LlamaDecoderLayer with reshard_after_forward=True (fsdp) / False "
-                "(fsdp-grad-op), then the root with reshard_after_forward=False; torch.optim.AdamW; "
-                "set_requires_gradient_sync(False) on non-final micro-batches",
+        "engines": "shardwise's build_engine on bench_config (the run bridge), driven as the training "
+                   "loop drives it: sync_grads(last) + forward_backward per micro-batch, then step",
         "versions": _versions(),
         "cases": dict(old.get("cases", {})),
     }
     runs = w.measure_comm(cases, timeout_s=60 + 30 * len(cases))
     for case, ranks in runs.items():
         variant, ga = w.parse_case(case)
-        entry: dict = {"variant": variant, "strategy": w.strategy_of(variant), "grad_accum": ga}
+        entry: dict = {"variant": variant, "grad_accum": ga,
+                       "config": w.bench_config(variant, ga).model_dump(mode="json")}
         if variant.startswith("zero"):
             entry["deepspeed_config"] = w.ds_config(variant, ga)
-            entry["ds_knobs"] = w.ds_knobs(variant)
         entry["ranks"] = []
         for r in ranks:
             if "error" in r:

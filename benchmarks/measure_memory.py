@@ -39,11 +39,9 @@ def model_states() -> dict:
         "psi": psi, "P_bytes": unit, "world_size": worker.WORLD,
         "seq_len": worker.SEQ, "micro_batch": worker.BATCH,
         "model": {"model_type": "llama", **worker.TINY_LLAMA},
-        "deepspeed_config": {f"zero{s}": worker.ds_config(s) for s in (0, 1, 2, 3)}
-        | {"zero3-nopersist": worker.ds_config(3, 0)},
-        "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": worker.BUCKET * 4 / 2**20},
-        "fsdp": "fully_shard(mesh=cpu(2)) per LlamaDecoderLayer, then the root; reshard_after_forward=True; "
-                "torch.optim.AdamW",
+        # every run is the trainer's engine (build_engine) on this config, through the run bridge
+        "configs": {v: worker.bench_config(v).model_dump(mode="json") for v in worker.STRATEGIES},
+        "deepspeed_config": {v: worker.ds_config(v) for v in worker.STRATEGIES if v.startswith("zero")},
         "versions": _versions(),
         "strategies": {},
     }

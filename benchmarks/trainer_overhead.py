@@ -48,20 +48,19 @@ def bare_loop(cfg, env, steps) -> list[float]:
     """The tutorial loop on the same engine; HF's own loss (mean over the micro-batch)."""
     import torch
 
+    from shardwise.run import deepspeed_config, run_spec
     from shardwise.train.engines.base import decay_groups
-    from shardwise.train.loop import strategy_of
     from shardwise.train.model import build_model
 
-    model = build_model(cfg.model, cfg.run.seed)
-    s = strategy_of(cfg)
+    run = run_spec(cfg, env.world_size, env.device)
+    model = build_model(run)
+    s = run.strategy
     dev = env.torch_device
     if s.engine == "deepspeed":
         import deepspeed
 
-        from shardwise.train.engines.deepspeed import ds_config
-
         engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=decay_groups(model, 0.0), config=ds_config(cfg, s, env)
+            model=model, model_parameters=decay_groups(model, 0.0), config=deepspeed_config(run)
         )
 
         def one(b):
@@ -90,7 +89,7 @@ def bare_loop(cfg, env, steps) -> list[float]:
 
     from shardwise.train.data import build_source
 
-    data = build_source(cfg, env, model.config.vocab_size)
+    data = build_source(run, env, model.config.vocab_size)
     times = []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -107,13 +106,14 @@ def hf_trainer(cfg, env, steps) -> list[float]:
     """transformers.Trainer with the same DeepSpeed config (zero2), step times from a callback."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from shardwise.run import deepspeed_config, run_spec
     from shardwise.train.data import SyntheticSource
-    from shardwise.train.engines.deepspeed import ds_config
-    from shardwise.train.loop import strategy_of
     from shardwise.train.model import build_model
 
-    model = build_model(cfg.model, cfg.run.seed)
-    ds = ds_config(cfg, strategy_of(cfg), env)
+    run = run_spec(cfg, env.world_size, env.device)
+    model = build_model(run)
+    ds = deepspeed_config(run)
+    ds.pop("scheduler")  # Trainer builds its own
     ds["optimizer"]["params"]["lr"] = "auto"
     times: list[float] = []
 
@@ -155,6 +155,7 @@ def hf_trainer(cfg, env, steps) -> list[float]:
 def worker(args) -> None:
     import torch
 
+    from shardwise.run import run_spec
     from shardwise.train.launch import init_distributed
     from shardwise.train.loop import train
 
@@ -172,7 +173,7 @@ def worker(args) -> None:
             bare_t = bare_loop(cfg, env, args.steps)[warm:]
             wall["bare"].append(statistics.median(t for t, _ in bare_t))
             cpu["bare"].append(statistics.median(c for _, c in bare_t))
-            res = train(cfg, env).records[warm:]
+            res = train(run_spec(cfg, env.world_size, env.device), env).records[warm:]
             wall["shardwise"].append(statistics.median(r.step_time_s for r in res))
             cpu["shardwise"].append(statistics.median(r.cpu_time_s for r in res))
         row = {}

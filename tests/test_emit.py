@@ -21,13 +21,14 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before any deepspeed import: no CUDA here
 
 from shardwise.catalog import build_hardware, get_model
+from shardwise.emit import accelerate_config, emit_configs, emitted_run
 from shardwise.errors import ShardwiseError
-from shardwise.plan.emit import accelerate_config, deepspeed_config, emit_configs
-from shardwise.plan.emit_deepspeed import HYPER
+from shardwise.run import deepspeed_config, run_spec
 from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
-from shardwise.train.config import OptimizerSection, load_config
+from shardwise.train.config import TrainConfig, load_config
 
 TRAIN = TrainSpec(seq_len=2048, micro_batch=2, grad_accum=4, checkpointing="full")
+HYPER = TrainConfig()  # emitted configs carry the trainer's default optimizer values and steps
 
 
 def hardware(name: str):
@@ -52,19 +53,20 @@ def hf_fill(cfg: dict, world: int, hidden: int) -> dict:
     """Fill "auto" exactly as HF Trainer does, with TrainingArguments equal to the plan."""
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
 
+    o = HYPER.optimizer
     args = types.SimpleNamespace(
         world_size=world, per_device_train_batch_size=TRAIN.micro_batch,
-        gradient_accumulation_steps=TRAIN.grad_accum, max_grad_norm=HYPER.max_grad_norm,
-        learning_rate=HYPER.lr, adam_beta1=HYPER.betas[0], adam_beta2=HYPER.betas[1],
-        adam_epsilon=HYPER.eps, weight_decay=HYPER.weight_decay, save_on_each_node=False,
+        gradient_accumulation_steps=TRAIN.grad_accum, max_grad_norm=o.max_grad_norm,
+        learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+        adam_epsilon=o.eps, weight_decay=o.weight_decay, save_on_each_node=False,
         fp16=TRAIN.compute_dtype == "fp16", fp16_full_eval=False, bf16=TRAIN.compute_dtype == "bf16",
-        bf16_full_eval=False, get_warmup_steps=lambda n: HYPER.warmup_steps,
+        bf16_full_eval=False, get_warmup_steps=lambda n: HYPER.schedule.warmup_steps,
     )
     hf = HfTrainerDeepSpeedConfig(cfg)
     try:  # it registers itself globally (zero3 detection): never leak it into other tests
         hf.trainer_config_process(args)
         model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=hidden))
-        hf.trainer_config_finalize(args, model, HYPER.steps)  # raises on any mismatch
+        hf.trainer_config_finalize(args, model, HYPER.run.steps)  # raises on any mismatch
         return hf.config
     finally:
         unset_hf_deepspeed_config()
@@ -103,7 +105,7 @@ def test_emitted_files_load_in_their_tools(name, tmp_path, monkeypatch):
         c = ds_config_obj(concrete, hw.world_size, monkeypatch)
         assert c.zero_optimization_stage == strategy.zero_stage
         assert c.train_batch_size == TRAIN.micro_batch * TRAIN.grad_accum * hw.world_size
-        assert c.gradient_clipping == HYPER.max_grad_norm
+        assert c.gradient_clipping == HYPER.optimizer.max_grad_norm
         assert c.bfloat16_config.enabled and not c.float16_config.enabled
         off_opt, off_par = c.zero_config.offload_optimizer, c.zero_config.offload_param
         assert (off_opt is not None and off_opt.pin_memory) == strategy.offload_optimizer
@@ -146,7 +148,10 @@ def test_emitted_files_load_in_their_tools(name, tmp_path, monkeypatch):
     assert cfg.strategy.name == name and cfg.precision == "bf16-mixed"
     assert (cfg.run.micro_batch, cfg.run.grad_accum, cfg.run.nproc) == (2, 4, hw.gpus_per_node)
     assert cfg.checkpointing.activation == "full" and cfg.model.name == "llama-2-7b"
-    assert cfg.strategy.shard_group == (8 if name == "fsdp-hybrid" else None)
+    # the planned layout, read back through the bridge (hybrid: a node of 8 per shard group)
+    lay = run_spec(cfg, hw.world_size, "cuda", environ={}).layout
+    assert (lay.dp_shard, lay.dp_replicate) == ((8, 2) if name == "fsdp-hybrid" else
+                                                (1, 8) if not strategy.shards_optimizer else (8, 1))
 
     for script in names - {"shardwise.yaml", "accelerate.yaml", "README.md"} - {n for n in names if "json" in n}:
         r = subprocess.run(["bash", "-n", str(tmp_path / script)], capture_output=True, text=True, check=False)
@@ -170,7 +175,7 @@ def test_fsdp_wraps_the_family_decoder_layer(model_name, layer):
 def test_fp16_and_unsupported_plan_settings_are_mapped_and_noted(tmp_path):
     train = TrainSpec(precision="fp16-mixed", checkpointing="selective", attention="flash", optimizer="sgd")
     hw, s = build_hardware(gpus=8), Strategy.from_name("zero2")
-    ds = deepspeed_config(get_model("llama-2-7b"), hw, train, s)
+    ds = deepspeed_config(emitted_run(get_model("llama-2-7b"), hw, train, s)[0])
     assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"] and ds["fp16"]["loss_scale"] == 0
     emit_configs(get_model("llama-2-7b"), hw, train, s, tmp_path)
     cfg = load_config(tmp_path / "shardwise.yaml")
@@ -186,10 +191,4 @@ def test_emission_refuses_what_it_cannot_express(tmp_path):
     with pytest.raises(ShardwiseError, match="data parallelism only"):
         emit_configs(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("zero3", tp=2), tmp_path)
     with pytest.raises(ShardwiseError, match="not DeepSpeed"):
-        deepspeed_config(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("fsdp"))
-
-
-def test_emitted_hyperparameters_are_the_trainers_defaults():
-    o = OptimizerSection()
-    assert (HYPER.lr, HYPER.betas, HYPER.eps, HYPER.weight_decay, HYPER.max_grad_norm) == (
-        o.lr, o.betas, o.eps, o.weight_decay, o.max_grad_norm)  # fmt: skip
+        deepspeed_config(emitted_run(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("fsdp"))[0])

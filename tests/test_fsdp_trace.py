@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise import catalog
 from shardwise.plan.memory import plan_memory
-from shardwise.specs import Strategy, TrainSpec
 
 pytest.importorskip("torch")
 from shardwise.bench.fsdp_trace import trace_fsdp
@@ -25,9 +23,9 @@ TOL = 0.10
     ],
 )
 def test_planned_peak_matches_traced_fsdp2_step(model, world, seq, mb, ckpt, strategy):
-    traced = trace_fsdp(model, world, seq, mb, ckpt, reshard_after_forward=strategy == "fsdp")
-    g = plan_memory(catalog.get_model(model), catalog.build_hardware(gpu="h100-sxm", gpus=world),
-                    TrainSpec(seq_len=seq, micro_batch=mb, checkpointing=ckpt), Strategy.from_name(strategy)).gpu
+    traced = trace_fsdp(model, world, seq, mb, ckpt, strategy)
+    run = traced["run"]  # the planner sees exactly the run the trace built (the run bridge)
+    g = plan_memory(run.model, run.hardware, run.train, run.strategy).gpu
     planned = g.total - g.runtime_overhead
     err = planned / traced["total"] - 1
     assert abs(err) <= TOL, (

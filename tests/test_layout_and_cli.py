@@ -27,8 +27,19 @@ def test_layout_product_must_equal_world():
 def test_layout_for_strategy():
     lay = ParallelLayout.for_strategy(Strategy.from_name("fsdp-hybrid"), world_size=32, gpus_per_node=8)
     assert (lay.dp_shard, lay.dp_replicate) == (8, 4)
-    lay = ParallelLayout.for_strategy(Strategy.from_name("zero3", tp=2, pp=2), world_size=16, gpus_per_node=8)
+    lay = ParallelLayout.for_strategy(Strategy.from_name("fsdp", tp=2, pp=2), world_size=16, gpus_per_node=8)
     assert (lay.dp_shard, lay.tp, lay.pp) == (4, 2, 2)
+    lay = ParallelLayout.for_strategy(Strategy.from_name("zero1", tp=2, pp=2), world_size=16, gpus_per_node=8)
+    assert (lay.dp_shard, lay.tp, lay.pp) == (4, 2, 2)
+
+
+def test_pipeline_refuses_zero2_and_zero3():
+    # DeepSpeed's PipelineEngine asserts ZeRO stage < 2; FSDP2 and ZeRO-0/1 combine with PP.
+    for name in ("zero2", "zero3", "zero2+opt-offload", "zero3+full-offload"):
+        with pytest.raises(ShardwiseError, match=r"cannot run with pipeline parallelism \(pp 2\)"):
+            Strategy.from_name(name, pp=2)
+    for name in ("ddp", "zero0", "zero1", "fsdp", "fsdp-hybrid"):
+        assert Strategy.from_name(name, pp=2).pp == 2
     lay = ParallelLayout.for_strategy(Strategy.from_name("ddp"), world_size=4, gpus_per_node=4)
     assert (lay.dp_shard, lay.dp_replicate) == (1, 4)
 

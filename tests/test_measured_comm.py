@@ -92,18 +92,11 @@ def test_instrument_sees_the_whole_gradient_exactly_once_per_step(measured, psi4
 
 
 def _plan(variant: str, ga: int):
-    plan_comm = pytest.importorskip("shardwise.plan.comm").plan_comm
-    from transformers import LlamaConfig
+    """The planner on the very RunSpec the measured engines were built from (the run bridge)."""
+    from shardwise.plan.comm import plan_comm
 
-    from shardwise.catalog import build_hardware
-    from shardwise.specs import DeepSpeedKnobs, ModelSpec, Strategy, TrainSpec
-
-    model = ModelSpec.from_hf_dict(LlamaConfig(**w.TINY_LLAMA).to_dict(), name="tiny")
-    hw = build_hardware(gpu="a100-80g", gpus=w.WORLD)
-    train = TrainSpec(precision="fp32", seq_len=w.SEQ, micro_batch=w.BATCH, grad_accum=ga)
-    name = w.strategy_of(variant)
-    overrides = {"ds": DeepSpeedKnobs(**w.ds_knobs(variant))} if name.startswith("zero") else {}
-    return plan_comm(model, hw, train, Strategy.from_name(name, **overrides))
+    run = w.bench_run(variant, ga)
+    return plan_comm(run.model, run.hardware, run.train, run.strategy)
 
 
 @pytest.mark.distributed

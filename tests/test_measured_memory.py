@@ -67,28 +67,12 @@ def measured_states() -> dict:
     return worker.measure_model_states(ASSERTED + EXTRA, timeout_s=240)
 
 
-def _plan(strategy: str):
-    from transformers import LlamaConfig
-
-    from shardwise.catalog import build_hardware
+def _plan(variant: str):
+    """The planner on the very RunSpec the measured engines were built from (the run bridge)."""
     from shardwise.plan.memory import plan_memory
-    from shardwise.specs import DeepSpeedKnobs, ModelSpec, Strategy, TrainSpec
 
-    model = ModelSpec.from_hf_dict(LlamaConfig(**worker.TINY_LLAMA).to_dict(), name="tiny")
-    hw = build_hardware(gpu="a100-80g", gpus=worker.WORLD)
-    train = TrainSpec(precision="fp32", seq_len=worker.SEQ, micro_batch=worker.BATCH, optimizer="adamw")
-    if strategy.startswith("zero"):
-        conf = worker.ds_config(int(strategy[4]), 0 if strategy.endswith("nopersist") else 100_000)
-        z = conf["zero_optimization"]
-        knobs = DeepSpeedKnobs(
-            reduce_bucket_size=z["reduce_bucket_size"], allgather_bucket_size=z["allgather_bucket_size"],
-            prefetch_bucket_size=z.get("stage3_prefetch_bucket_size", 50_000_000),
-            param_persistence_threshold=z.get("stage3_param_persistence_threshold", 100_000),
-        )
-        strat = Strategy.from_name(strategy.removesuffix("-nopersist"), ds=knobs)
-    else:
-        strat = Strategy.from_name(strategy)
-    return plan_memory(model, hw, train, strat)
+    run = worker.bench_run(variant)
+    return plan_memory(run.model, run.hardware, run.train, run.strategy)
 
 
 def _table(strategy: str, ranks: list[dict], plan) -> str:

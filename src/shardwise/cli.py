@@ -103,7 +103,7 @@ def plan(
 
 
 def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp):
-    from shardwise.plan.emit import emit_configs
+    from shardwise.emit import emit_configs
     from shardwise.specs import Strategy
 
     if name:

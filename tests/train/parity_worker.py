@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.run import run_spec
 from shardwise.train.config import TrainConfig
 from shardwise.train.launch import init_distributed
 from shardwise.train.loop import train
@@ -63,7 +64,7 @@ def main() -> None:
     for run in args.runs:
         model, strategy, ga, *flags = run.split(":")
         cfg = parity_config(strategy, env.world_size, int(ga), model, tuple(flags))
-        res = train(cfg, env, export_weights=True)
+        res = train(run_spec(cfg, env.world_size, "cpu"), env, export_weights=True)
         if env.is_main:
             record = {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records]}
             torch.save(

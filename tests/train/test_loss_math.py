@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.train.config import ModelSection, SyntheticData
+from shardwise.data.labels import count_target_tokens
+from shardwise.run import run_spec
+from shardwise.train.config import SyntheticData, TrainConfig
 from shardwise.train.data import SyntheticSource, stack
-from shardwise.train.engines.base import count_target_tokens, model_inputs, token_loss_sum
+from shardwise.train.engines.base import model_inputs, token_loss_sum
 from shardwise.train.model import build_model
 
 
@@ -22,7 +24,8 @@ def _grads(model, batches, scales):
 
 def test_global_token_normalisation_matches_full_batch():
     torch.set_num_threads(1)
-    model = build_model(ModelSection(name="tiny-llama", attention="eager"), seed=0)
+    cfg = TrainConfig.model_validate({"model": {"name": "tiny-llama", "attention": "eager"}, "run": {"seed": 0}})
+    model = build_model(run_spec(cfg, 1, "cpu"))
     src = SyntheticSource(SyntheticData(samples=4, seq_len=32, seed=7), vocab_size=2048)
     full = stack([src[i] for i in range(4)])
     halves = [stack([src[0], src[1]]), stack([src[2], src[3]])]

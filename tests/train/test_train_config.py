@@ -110,20 +110,20 @@ def test_memory_check_refuses_with_numbers_and_nearest_fit():
         ShardwiseError, match=r"predicted not to fit.*GiB per GPU.*Nearest that fits: --set .*--force"
     ):
         preflight(cfg, world_size=8, device="cuda")
-    assert preflight(cfg, world_size=8, device="cuda", force=True).fits is False
-    assert preflight(cfg, world_size=8, device="cpu") is not None  # CPU runs: check off by default
+    assert preflight(cfg, world_size=8, device="cuda", force=True)[1].fits is False
+    assert preflight(cfg, world_size=8, device="cpu")[1].fits is False  # CPU runs: check off by default
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_shipped_examples_validate(path):
     cfg = load_config(path)
-    check = preflight(
+    _, check = preflight(
         cfg,
         world_size=cfg.run.nproc,
         device=cfg.run.device if cfg.run.device != "auto" else "cpu",
         force=True,
     )
-    assert check is not None and check.planned_bytes > 0  # the planner sized it
+    assert check.planned_bytes > 0  # the planner sized it
     assert check.fits or cfg.run.device == "cpu", f"{path.name} is predicted not to fit its own GPU"
 
 

@@ -1,24 +1,18 @@
-"""Two-process CPU/gloo count of the bytes each rank hands to collectives per optimizer step.
+"""Two-process CPU/gloo count of the bytes each rank hands to collectives per optimizer step,
+through the trainer's own engines.
 
-`measure_comm(cases)` spawns 2 processes; each builds the tiny LlamaForCausalLM of
-shardwise.bench.worker (fp32, untied, MHA; Ψ = 1,315,968), wraps it as the case says,
-runs 4 optimizer steps of GA micro-batches each under a `CommCounter`, and keeps the counts
-of steps 3 and 4 only, averaged per step. Steps 1-2 hold one-off traffic that is set-up, not
-steady state: DDP rebuilds its buckets at the start of step 2 (broadcasting int32 bucket
+`measure_comm(cases)` spawns 2 processes; each builds the bench run of shardwise.bench.worker
+(the catalog's tiny-llama-bench, fp32, untied, MHA; Ψ = 1,315,968) through the run bridge and
+`build_engine`, runs 4 optimizer steps of GA micro-batches each, as the training loop does
+(`sync_grads(last)` + `forward_backward`, then `step`), under a `CommCounter`, and keeps the
+counts of steps 3 and 4 only, averaged per step. Steps 1-2 hold one-off traffic that is set-up,
+not steady state: DDP rebuilds its buckets at the start of step 2 (broadcasting int32 bucket
 indices from rank 0), ZeRO-3 records its trace in step 1 and checks it in step 2. Their bytes
 are kept as `warmup_bytes` for inspection.
 
-A case is "<variant>@ga<N>", variant one of VARIANTS:
-  ddp                 torch DDP, gradient_as_bucket_view, no_sync on non-final micro-batches
-  zero0..zero3        DeepSpeed defaults except buckets (BUCKET elements, as the memory worker)
-  zero1-nomrba,       use_multi_rank_bucket_allreduce = false (reduce to the owner rank)
-  zero2-nomrba
-  zero3-allzero       stage3_max_live_parameters = max_reuse_distance = param_persistence_threshold
-                      = prefetch_bucket_size = 0 (every tensor partitioned, re-gathered in backward)
-  fsdp, fsdp-grad-op  FSDP2 fully_shard per decoder layer (reshard_after_forward True / False),
-                      then the root with reshard_after_forward=False (as shardwise's trainer);
-                      set_requires_gradient_sync(False) on non-final micro-batches
-DeepSpeed runs its own accumulation: engine.backward + engine.step every micro-batch.
+A case is "<variant>@ga<N>", variant one of VARIANTS (shardwise.bench.worker.VARIANTS: a
+strategy name, plus -nomrba / -allzero for DeepSpeed knobs). DeepSpeed runs its own
+accumulation inside the engine (step() after every micro-batch updates only at the boundary).
 """
 
 from __future__ import annotations
@@ -35,10 +29,13 @@ from shardwise.bench.worker import (
     SEQ,
     TINY_LLAMA,
     WORLD,
-    _batch,
-    _build_model,
-    deepspeed_run_config,
+    bench_config,
+    bench_run,
+    ds_config,
+    micro_step,
+    optimizer_step,
     spawn_ranks,
+    start_engine,
 )
 
 STEPS = 4
@@ -62,90 +59,21 @@ def parse_case(case: str) -> tuple[str, int]:
 ALL_CASES: tuple[str, ...] = tuple(case_name(v, g) for v in VARIANTS for g in GAS)
 
 
-def strategy_of(variant: str) -> str:
-    """shardwise strategy name a variant runs (the -nomrba/-allzero suffixes are DeepSpeed knobs)."""
-    return variant.removesuffix("-nomrba").removesuffix("-allzero")
-
-
-def ds_knobs(variant: str) -> dict[str, Any]:
-    """The DeepSpeed knobs of a variant, named as shardwise.specs.DeepSpeedKnobs fields."""
-    knobs: dict[str, Any] = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
-                             "use_multi_rank_bucket_allreduce": not variant.endswith("-nomrba")}
-    if variant.startswith("zero3"):
-        if variant.endswith("-allzero"):
-            knobs.update(prefetch_bucket_size=0, max_live_parameters=0, max_reuse_distance=0,
-                         param_persistence_threshold=0)
-        else:  # DeepSpeed's defaults, except the prefetch bucket (capped like the others)
-            knobs.update(prefetch_bucket_size=BUCKET, max_live_parameters=1_000_000_000,
-                         max_reuse_distance=1_000_000_000, param_persistence_threshold=100_000)
-    return knobs
-
-
-def ds_config(variant: str, ga: int) -> dict[str, Any]:
-    """The DeepSpeed config a variant runs with (recorded with the results)."""
-    return deepspeed_run_config(strategy_of(variant), ds_knobs(variant), ga)
-
-
 def _run_case(rank: int, case: str) -> dict[str, Any]:
-    import contextlib
-
-    import torch
-
     from shardwise.bench.comm import CommCounter
 
     variant, ga = parse_case(case)
-    cfg, model = _build_model()
-    ids, labels = _batch(cfg.vocab_size, rank)
-    engine: Any = None
-    if variant.startswith("zero"):
-        import deepspeed
-
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(variant, ga))
-
-        def micro(last: bool) -> None:
-            engine.backward(engine(input_ids=ids, labels=labels).loss)
-            engine.step()  # DeepSpeed steps the optimizer only at its accumulation boundary
-    else:
-        if variant == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            wrapped = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET * 4 / 2**20)
-
-            def no_sync(last: bool) -> Any:
-                return contextlib.nullcontext() if last else wrapped.no_sync()
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (WORLD,))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=variant == "fsdp")
-            fully_shard(model, mesh=mesh, reshard_after_forward=False)
-            wrapped = model
-
-            def no_sync(last: bool) -> Any:
-                wrapped.set_requires_gradient_sync(last)
-                return contextlib.nullcontext()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-
-        def micro(last: bool) -> None:
-            with no_sync(last):
-                (wrapped(input_ids=ids, labels=labels).loss / ga).backward()
-            if last:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
+    engine, batch = start_engine(variant, rank, ga)
     counter = CommCounter(keep_log=True)
     per_step: list[dict[str, Any]] = []
     with counter:
         for _step in range(STEPS):
             counter.reset(keep_log=True)
             for m in range(ga):
-                micro(last=m == ga - 1)
+                micro_step(engine, batch, last=m == ga - 1)
+            optimizer_step(engine)
             per_step.append(counter.counts.as_dict() | {"log": counter.counts.log})
-    if hasattr(engine, "destroy"):
-        engine.destroy()  # drop DeepSpeed's hooks so the next case starts clean
+    engine.close()  # drop DeepSpeed's hooks so the next case starts clean
     measured = per_step[STEPS - MEASURED_STEPS:]
     kinds = sorted({k for s in measured for k in s["bytes"]})
     return {
@@ -204,5 +132,5 @@ def param_sizes() -> dict[str, int]:
 
 
 __all__ = ["ALL_CASES", "BATCH", "BUCKET", "GAS", "MEASURED_STEPS", "SEQ", "STEPS", "TINY_LLAMA", "VARIANTS",
-           "WORLD", "case_name", "ds_config", "ds_knobs", "measure_comm", "param_sizes", "parse_case",
-           "strategy_of"]
+           "WORLD", "bench_config", "bench_run", "case_name", "ds_config", "measure_comm", "param_sizes",
+           "parse_case"]

@@ -5,9 +5,13 @@ activations, temporaries, all-gather/reduce-scatter buffers and optimizer state;
 what `plan_memory` predicts minus the runtime overhead (CUDA context, NCCL, fragmentation),
 which a fake tensor cannot have.
 
-Notes: the device mesh is created outside FakeTensorMode; AdamW runs with foreach=False
-(foreach/fused inflate fake peaks); one step warms up (creating the optimizer state) before
-the tracker is entered, the next is measured.
+The run goes through the trainer's own path: a TrainConfig, the run bridge (`run_spec`), the
+mesh from its ParallelLayout (`build_mesh`, created outside FakeTensorMode), `build_model` and
+`build_engine` (FSDP2Engine: `fully_shard` per layer + root, MixedPrecisionPolicy bf16/fp32),
+and `engine.forward_backward`. The optimizer step is `engine.optimizer.step()`: the engine's
+`step()` reads the clipped norm as a Python float, which a fake tensor cannot give. AdamW is
+the for-loop one (CPU tensors; foreach/fused inflate fake peaks); one step warms up (creating
+the optimizer state) before the tracker is entered, the next is measured.
 """
 
 from __future__ import annotations
@@ -16,51 +20,60 @@ import time
 from typing import Any
 
 
+def trace_config(model_name: str, seq_len: int, micro_batch: int, checkpointing: str = "none",
+                 strategy: str = "fsdp"):
+    """The TrainConfig of a traced step (bf16-mixed AdamW, the trainer's defaults otherwise)."""
+    from shardwise.train.config import TrainConfig
+
+    return TrainConfig.model_validate({
+        "model": {"name": model_name, "attention": "sdpa"},
+        "data": {"kind": "synthetic", "synthetic": {"seq_len": seq_len}},
+        "strategy": {"name": strategy},
+        "precision": "bf16-mixed",
+        "checkpointing": {"activation": checkpointing},
+        "run": {"micro_batch": micro_batch, "device": "cpu"},
+        "hardware": {"gpu": "h100-sxm"},
+    })
+
+
 def trace_fsdp(model_name: str, world: int, seq_len: int, micro_batch: int,
-               checkpointing: str = "none", reshard_after_forward: bool = True) -> dict[str, Any]:
-    """Peak bytes per rank by FSDPMemTracker category for one bf16-mixed AdamW step."""
+               checkpointing: str = "none", strategy: str = "fsdp") -> dict[str, Any]:
+    """Peak bytes per rank by FSDPMemTracker category for one bf16-mixed AdamW step, and the
+    RunSpec it ran (so a caller plans exactly that run)."""
     import torch
     import torch.distributed as dist
-    import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardwise import catalog
+    from shardwise.run import run_spec
+    from shardwise.train.engines import build_engine
+    from shardwise.train.engines.base import DistEnv
+    from shardwise.train.model import build_model
+    from shardwise.train.parallel import build_mesh
 
     t0 = time.perf_counter()
+    run = run_spec(trace_config(model_name, seq_len, micro_batch, checkpointing, strategy), world, "cpu",
+                   environ={"LOCAL_WORLD_SIZE": str(min(world, 8))})
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        spec = catalog.get_model(model_name)
-        cfg = transformers.AutoConfig.for_model(**spec.to_hf_dict())
-        cfg._attn_implementation = "sdpa"
+        mesh = build_mesh(run.layout, "cpu")
+        env = DistEnv(rank=0, world_size=world, device="cpu")
         with FakeTensorMode():
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-            if checkpointing == "full":
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model = build_model(run)
             model.train()
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+            engine = build_engine(model, run, env, mesh=mesh)
 
             def one_step():
-                ids = torch.randint(0, spec.vocab_size, (micro_batch, seq_len))
-                logits = model(input_ids=ids).logits
-                loss = torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, spec.vocab_size), ids.reshape(-1))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+                ids = torch.randint(0, run.model.vocab_size, (micro_batch, seq_len))
+                engine.forward_backward({"input_ids": ids, "labels": ids}, loss_scale=1.0)
+                engine.optimizer.step()
+                engine.zero_grad()
 
             one_step()  # warm-up outside the tracker: optimizer state creation is not a step's peak
-            tracker = FSDPMemTracker(model, opt)
+            tracker = FSDPMemTracker(engine.module, engine.optimizer)
             with tracker:
                 one_step()
             snap = tracker.get_tracker_snapshot("peak")
@@ -68,4 +81,4 @@ def trace_fsdp(model_name: str, world: int, seq_len: int, micro_batch: int,
         dist.destroy_process_group()
     (dev_stats,) = snap.values()
     parts = {(k.value if hasattr(k, "value") else str(k)): int(v) for k, v in dev_stats.items()}
-    return {"parts": parts, "total": parts.pop("Total"), "seconds": time.perf_counter() - t0}
+    return {"parts": parts, "total": parts.pop("Total"), "seconds": time.perf_counter() - t0, "run": run}

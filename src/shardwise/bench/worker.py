@@ -1,13 +1,15 @@
-"""Two-process CPU/gloo measurement of per-rank model-state bytes for DDP, ZeRO-0..3 and FSDP2.
+"""Two-process CPU/gloo measurement of per-rank model-state bytes for DDP, ZeRO-0..3 and FSDP2,
+through the trainer's own engines.
 
-`measure_model_states(strategy)` spawns 2 processes; each builds the same tiny random
-LlamaForCausalLM (fp32), wraps it, runs one full optimizer step, then forward+backward of
-step 2, drops loss/activations and takes a census (`after_backward`), then steps again
-and takes a second census (`after_step`). Results come back per rank as plain dicts.
+`measure_model_states(variants)` spawns 2 processes; each describes the run as a TrainConfig
+(`bench_run`: the bench model of the catalog, fp32, AdamW, no clipping), passes it through the
+run bridge (`shardwise.run.run_spec`) and `build_engine`, exactly as `shardwise train` does, runs
+one full optimizer step, then forward+backward of step 2, drops loss/activations and takes a
+census (`after_backward`), then steps again and takes a second census (`after_step`). So a
+change to an engine (FSDP2 mixed precision, DeepSpeed's config) is what gets measured.
 
-DeepSpeed on CPU: DS_ACCELERATOR=cpu (set before deepspeed is imported), gloo, and
-`torch_adam: true` so DeepSpeed builds no CPU-Adam extension. Buckets are set to
-BUCKET elements because DeepSpeed's 5e8 defaults would allocate GBs per rank.
+A variant is a strategy name, optionally with DeepSpeed knobs that differ (VARIANTS).
+Buckets are BUCKET elements (DeepSpeed's 5e8 defaults would allocate GBs per rank on CPU).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -24,135 +25,117 @@ from typing import Any
 WORLD = 2
 SEQ, BATCH = 64, 2
 BUCKET = 500_000  # elements; above the largest tensor (embedding 2048×128 = 262,144)
+BENCH_MODEL = "tiny-llama-bench"  # catalog: Ψ = 1,315,968 fp32 params (untied, MHA)
 
-# The measured model: Ψ = 1,315,968 fp32 params (untied, MHA). ZeRO-3's default
-# persistence threshold (1e5 elements) keeps every decoder-layer tensor (≤ 44,032) whole,
-# so only embed_tokens and lm_head are partitioned there; "zero3-nopersist" sets it to 0.
-TINY_LLAMA: dict[str, Any] = dict(
-    hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-    intermediate_size=344, vocab_size=2048, tie_word_embeddings=False,
-    max_position_embeddings=256, attention_bias=False,
-)
-
+# ZeRO-3's default persistence threshold (1e5 elements) keeps every decoder-layer tensor
+# (≤ 44,032) whole, so only embed_tokens and lm_head are partitioned there; "zero3-nopersist"
+# sets it to 0. "-nomrba": use_multi_rank_bucket_allreduce=false (reduce to the owner rank);
+# "-allzero": every stage-3 live/reuse/persistence/prefetch knob at 0.
+_ALL_ZERO = {"prefetch_bucket_size": 0, "max_live_parameters": 0, "max_reuse_distance": 0,
+             "param_persistence_threshold": 0}
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp": ("ddp", {}), "zero0": ("zero0", {}), "zero1": ("zero1", {}), "zero2": ("zero2", {}),
+    "zero3": ("zero3", {}), "fsdp": ("fsdp", {}), "fsdp-grad-op": ("fsdp-grad-op", {}),
+    "zero1-nomrba": ("zero1", {"use_multi_rank_bucket_allreduce": False}),
+    "zero2-nomrba": ("zero2", {"use_multi_rank_bucket_allreduce": False}),
+    "zero3-nopersist": ("zero3", {"param_persistence_threshold": 0}),
+    "zero3-allzero": ("zero3", _ALL_ZERO),
+}
 STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp")
 
 
-def deepspeed_run_config(strategy_name: str, knobs: dict[str, Any], ga: int = 1) -> dict[str, Any]:
-    """A measurement run's DeepSpeed config: fp32, torch AdamW, no clipping, and the
-    `zero_optimization` block built by the same function as the trainer's and `plan --emit`'s
-    (plan/emit_deepspeed.zero_section), from the planner's own knobs, so that what is measured
-    is what is planned and run."""
-    from shardwise.plan.emit_deepspeed import zero_section
-    from shardwise.specs import DeepSpeedKnobs, Strategy
+def tiny_llama() -> dict[str, Any]:
+    """The bench model as transformers config keywords (from the catalog, like the trainer)."""
+    from shardwise.catalog import get_model
 
-    strategy = Strategy.from_name(strategy_name, ds=DeepSpeedKnobs(**knobs))
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": ga,
-        "train_batch_size": BATCH * ga * WORLD,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
-        "zero_optimization": zero_section(strategy, gather_16bit_on_save=False),
-        "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    d = dict(get_model(BENCH_MODEL).to_hf_dict())
+    d.pop("model_type")
+    return d
 
 
-def ds_config(stage: int, persistence_threshold: int = 100_000) -> dict[str, Any]:
-    """The DeepSpeed config used for `stage` (recorded with the results)."""
-    knobs: dict[str, Any] = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
-    if stage == 3:
-        knobs.update(prefetch_bucket_size=BUCKET, param_persistence_threshold=persistence_threshold)
-    return deepspeed_run_config(f"zero{stage}", knobs)
+TINY_LLAMA: dict[str, Any] = tiny_llama()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def bench_config(variant: str, ga: int = 1):
+    """The TrainConfig of a measurement run (also recorded with the results)."""
+    from shardwise.train.config import TrainConfig
+
+    strategy, knobs = VARIANTS[variant]
+    ds = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET, "prefetch_bucket_size": BUCKET} | knobs
+    return TrainConfig.model_validate({
+        "name": f"bench-{variant}-ga{ga}",
+        "model": {"name": BENCH_MODEL, "attention": "sdpa"},
+        "data": {"kind": "synthetic", "synthetic": {"samples": BATCH * ga * WORLD, "seq_len": SEQ}},
+        # DeepSpeed's default reduce dtype (the param dtype: fp32 here) and DDP buckets as small
+        # as DeepSpeed's, so every engine reduces in several buckets
+        "strategy": {"name": strategy, "deepspeed": ds | {"communication_data_type": "auto"},
+                     "ddp": {"bucket_cap_mb": BUCKET * 4 / 2**20}},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "max_grad_norm": 0.0},
+        "precision": "fp32",
+        "run": {"micro_batch": BATCH, "grad_accum": ga, "device": "cpu", "seed": 0, "nproc": WORLD},
+        "logging": {"progress": False, "tensorboard": False},
+    })
 
 
-def _build_model():
+def bench_run(variant: str, ga: int = 1):
+    """The RunSpec a measurement runs: its TrainConfig through the run bridge."""
+    from shardwise.run import run_spec
+
+    return run_spec(bench_config(variant, ga), WORLD, "cpu", environ={})
+
+
+def ds_config(variant: str, ga: int = 1) -> dict[str, Any]:
+    """The DeepSpeed JSON a ZeRO variant's engine receives (recorded with the results)."""
+    from shardwise.run import deepspeed_config
+
+    return deepspeed_config(bench_run(variant, ga))
+
+
+def start_engine(variant: str, rank: int, ga: int = 1):
+    """(engine, micro-batch) for a variant on this rank: the trainer's build path."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**TINY_LLAMA)
-    cfg._attn_implementation = "sdpa"
-    return cfg, LlamaForCausalLM(cfg).float()
+    from shardwise.train.engines import build_engine
+    from shardwise.train.engines.base import DistEnv
+    from shardwise.train.model import build_model
 
-
-def _batch(vocab: int, rank: int):
-    import torch
-
+    run = bench_run(variant, ga)
+    model = build_model(run)
     g = torch.Generator().manual_seed(1000 + rank)
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
-    return ids, ids.clone()
+    ids = torch.randint(0, run.model.vocab_size, (BATCH, SEQ), generator=g)
+    env = DistEnv(rank=rank, world_size=WORLD, local_rank=rank, device="cpu")
+    return build_engine(model, run, env), {"input_ids": ids, "labels": ids.clone()}
 
 
-def _run_one(rank: int, strategy: str) -> dict[str, Any]:
+def micro_step(engine, batch, last: bool) -> None:
+    """One micro-batch as the training loop runs it (sync only on the step's last one)."""
+    with engine.sync_grads(last):
+        engine.forward_backward(batch, loss_scale=1.0 / batch["labels"].numel())
+
+
+def optimizer_step(engine) -> None:
+    engine.step()
+    engine.zero_grad()
+
+
+def _run_one(rank: int, variant: str) -> dict[str, Any]:
     import torch
 
     from shardwise.bench.census import take_census
 
-    # Tensors alive before this strategy starts (e.g. what an earlier ZeRO-3 engine in this
+    # Tensors alive before this variant starts (e.g. what an earlier ZeRO-3 engine in this
     # process left behind) are excluded; holding them here keeps their addresses from reuse.
     gc.collect()
     baseline = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    cfg, model = _build_model()
-    ids, labels = _batch(cfg.vocab_size, rank)
-    engine: Any = None
-    if strategy.startswith("zero"):
-        import deepspeed
-
-        stage = int(strategy[4])
-        conf = ds_config(stage, 0 if strategy.endswith("nopersist") else 100_000)
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                       config=conf)
-        module = wrapped = engine.module
-
-        def fwd_bwd() -> None:
-            loss = engine(input_ids=ids, labels=labels).loss
-            engine.backward(loss)
-
-        def step() -> None:
-            engine.step()
-    else:
-        if strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            # gradient_as_bucket_view: grads are views into DDP's buckets, as shardwise runs DDP
-            module = model
-            wrapped = engine = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET * 4 / 2**20)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (WORLD,))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            module = wrapped = model
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.0)
-
-        def fwd_bwd() -> None:
-            loss = wrapped(input_ids=ids, labels=labels).loss
-            loss.backward()
-
-        def step() -> None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)  # DeepSpeed's engine.step() also drops grads
-
-    fwd_bwd()
-    step()
-    fwd_bwd()  # step 2: loss and activations die with fwd_bwd's frame
-    after_backward = take_census(module, optimizer, engine, exclude=(ids, labels, *baseline))
-    step()
-    after_step = take_census(module, optimizer, engine, exclude=(ids, labels, *baseline))
-    if hasattr(engine, "destroy"):
-        engine.destroy()  # DeepSpeed: drop hooks so the next strategy starts clean
+    engine, batch = start_engine(variant, rank)
+    exclude = (*batch.values(), *baseline)
+    micro_step(engine, batch, last=True)
+    optimizer_step(engine)
+    micro_step(engine, batch, last=True)  # step 2: loss and activations die with the call
+    after_backward = take_census(engine.module, engine.optimizer, engine, exclude=exclude)
+    optimizer_step(engine)
+    after_step = take_census(engine.module, engine.optimizer, engine, exclude=exclude)
+    engine.close()  # DeepSpeed: drop hooks so the next variant starts clean
     return {
         "rank": rank,
         "after_backward": after_backward.bytes,
@@ -188,6 +171,8 @@ def spawn_ranks(rank_main, names: list[str], timeout_s: float) -> dict[str, list
     each); each rank writes `<name>.rank<r>.json`. Returns {name: per-rank results} for the
     names every rank finished; kills its own processes on timeout."""
     import torch.multiprocessing as mp
+
+    from shardwise.train.launch import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
                       OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

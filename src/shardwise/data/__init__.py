@@ -19,7 +19,7 @@ _LAZY = {
     "SFTDataset": "shardwise.data.dataset",
     "DataStats": "shardwise.data.dataset",
     "SFTCollator": "shardwise.data.collate",
-    "count_target_tokens": "shardwise.data.collate",
+    "count_target_tokens": "shardwise.data.labels",
     "ResumableDistributedSampler": "shardwise.data.sampler",
     "DEFAULT_CHAT_TEMPLATE": "shardwise.data.template",
 }

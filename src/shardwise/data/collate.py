@@ -15,7 +15,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-IGNORE = -100
+from shardwise.data.labels import IGNORE_INDEX
+
 MaskKind = Literal["additive", "bool", "varlen"]
 
 
@@ -44,7 +45,7 @@ class SFTCollator:
             width = -(-width // self.multiple) * self.multiple
         b = len(items)
         ids = np.full((b, width), self.pad, dtype=np.int64)
-        labels = np.full((b, width), IGNORE, dtype=np.int64)
+        labels = np.full((b, width), IGNORE_INDEX, dtype=np.int64)
         pos = np.zeros((b, width), dtype=np.int64)
         seg = np.zeros((b, width), dtype=np.int64)  # document number per token; padding = its own
         for r, it in enumerate(items):
@@ -74,12 +75,3 @@ class SFTCollator:
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                 "position_ids": torch.from_numpy(pos), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
                 "max_length_q": max(lens), "max_length_k": max(lens)}  # fmt: skip
-
-
-def count_target_tokens(batch: dict[str, Any]) -> int:
-    """Tokens that contribute to the loss after the model's shift: labels[:, 1:] != -100.
-
-    The trainer sums these over all micro-batches of a step and all ranks (all-reduce) and
-    divides the *summed* per-token loss by that global count (docs/data.md).
-    """
-    return int((batch["labels"][:, 1:] != IGNORE).sum())

@@ -10,12 +10,12 @@ import numpy as np
 
 from shardwise.data.config import DataConfig
 from shardwise.data.formats import Example, LoadReport, iter_examples, resolve_files
+from shardwise.data.labels import IGNORE_INDEX
 from shardwise.data.packing import efficiency, pack
 from shardwise.data.tokenize import Encoder, EncodeStats
 from shardwise.errors import ShardwiseError
 
 log = logging.getLogger(__name__)
-IGNORE = -100
 
 
 @dataclass
@@ -74,8 +74,8 @@ class SFTDataset:
         ids, labels, lens = [], [], []
         for d in self.rows[i]:
             tok, tgt = self.document(d)
-            lab = np.where(tgt, tok, IGNORE).astype(np.int64)
-            lab[0] = IGNORE  # the previous document's last token must not predict this one
+            lab = np.where(tgt, tok, IGNORE_INDEX).astype(np.int64)
+            lab[0] = IGNORE_INDEX  # the previous document's last token must not predict this one
             ids.append(tok.astype(np.int64)), labels.append(lab), lens.append(len(tok))
         return {"input_ids": np.concatenate(ids), "labels": np.concatenate(labels), "seq_lens": lens}
 

@@ -58,8 +58,8 @@ def ideal_comm(psi: float, strategy: Strategy, bytes_per_elem: float = 2) -> Com
     """ZeRO paper §7: DDP, ZeRO-1, ZeRO-2 move 2Ψ per step (reduce-scatter + all-gather), ZeRO-3
     and full-shard FSDP 3Ψ (all-gather in forward and backward + reduce-scatter)."""
     b = bytes_per_elem * psi
-    full_shard = strategy.zero_stage == 3 or strategy.fsdp_sharding in ("full", "hybrid")
-    if strategy.engine == "ddp" or strategy.zero_stage == 0:
+    full_shard = strategy.facts.zero_equivalent == 3
+    if not strategy.shards_optimizer:  # DDP, ZeRO-0: all-reduce
         return CommBreakdown(all_reduce=b)
     return CommBreakdown(all_gather=2 * b if full_shard else b, reduce_scatter=b)
 
@@ -92,13 +92,14 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     if layout.dp == 1:
         return CommBreakdown()
     link = _dp_link(hw, layout, layout.dp)
-    if s.engine == "ddp" or s.zero_stage == 0:
+    if not s.shards_optimizer:
         # DDP reduces fp32 grads once per step (no_sync on the other micro-batches; autocast keeps
         # fp32 grads); DeepSpeed stage 0 all-reduces at the accumulation boundary, in the
         # module's dtype.
         g = (2 if train.precision == "bf16-pure" else 4) if s.engine == "ddp" else s.ds.reduce_bytes(c)
         ar = g * psi
-        return CommBreakdown(all_reduce=ar, calls=max(1, int(ar // 25e6)), **_on(link, 2 * ar))
+        bucket = s.ddp.bucket_cap_mb * 2**20 if s.engine == "ddp" else s.ds.reduce_bucket_size * c
+        return CommBreakdown(all_reduce=ar, calls=max(1, int(ar // bucket)), **_on(link, 2 * ar))
     if s.engine == "deepspeed" and s.zero_stage in (1, 2):
         # Gradient reduction: ZeRO-1 once per step (holds full grads), ZeRO-2 every micro-batch.
         # With use_multi_rank_bucket_allreduce (default) each bucket is all-reduced whole; without
@@ -134,7 +135,8 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     # for resharded units (not the root: it is not resharded after forward); reduce-scatter
     # in reduce_dtype once per step (sync disabled on non-final micro-batches).
     p = c
-    reduce = 4 if train.precision in ("bf16-mixed", "fp16-mixed", "fp32") else 2
+    mixed = train.precision in ("bf16-mixed", "fp16-mixed")
+    reduce = s.fsdp.reduce_bytes(c) if mixed else (2 if train.precision == "bf16-pure" else 4)
     layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
     ag_fwd = p * psi * k
     ag_bwd = p * layers * k if s.reshard_after_forward else 0.0

@@ -113,7 +113,7 @@ def model_states(
 
 def paper_model_states(psi: float, n: int, s: Strategy) -> MemoryBreakdown:
     """ZeRO paper §5: 2Ψ fp16 params + 2Ψ fp16 grads + KΨ (K = 12: fp32 params 4, Adam 8)."""
-    stage = s.zero_stage if s.zero_stage is not None else {"full": 3, "hybrid": 3, "grad-op": 2}.get(s.fsdp_sharding, 0)
+    stage = s.facts.zero_equivalent
     opt_on_gpu = 0 if s.offload_optimizer else 1
     return MemoryBreakdown(
         params=2 * psi / (n if stage >= 3 else 1) * (0 if s.offload_params else 1),
@@ -168,7 +168,7 @@ def _engine(model, train: TrainSpec, s: Strategy, layout, psi, n, per_node) -> t
     return MemoryBreakdown(
         params=w * psi, grads=w * psi, optimizer_states=os_ * psi,
         step_buffers=_foreach_temp(train, psi),
-        engine_buffers=0 if s.gradient_as_bucket_view else w * psi,
+        engine_buffers=0 if s.ddp.gradient_as_bucket_view else w * psi,
     ), HostBreakdown()
 
 
@@ -265,7 +265,7 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
     final norm, lm_head) is not resharded after forward (root `reshard_after_forward` = False)."""
     w = 2 if train.precision == "bf16-pure" else 4
     root = psi - model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
-    reduce = 4 if mixed or w == 4 else w
+    reduce = s.fsdp.reduce_bytes(c) if mixed else w
     if s.reshard_after_forward:
         unsharded = c * (2 * layer + root)
     else:  # grad-op: every layer stays unsharded from its forward to its backward
@@ -310,7 +310,7 @@ def _lora(model, train, s: Strategy, layout, psi, n):
     adapters = sum(train.lora_rank * sum(dims[t]) for t in train.lora_targets if t in dims)
     adapters = adapters * -(-model.num_layers // layout.pp) / layout.tp
     base_shard = n if s.shards_params else 1
-    opt_shard = 1 if s.engine == "ddp" or s.zero_stage == 0 else n
+    opt_shard = n if s.shards_optimizer else 1
     return MemoryBreakdown(
         params=c * psi / base_shard + 4 * adapters, grads=4 * adapters / opt_shard,
         optimizer_states=_optimizer_bytes(train) * adapters / opt_shard,

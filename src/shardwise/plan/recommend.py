@@ -8,14 +8,10 @@ from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import Evaluation, evaluate
-from shardwise.specs import STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
+from shardwise.specs import STRATEGIES, STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
+from shardwise.specs.hardware import GIB
 
 NEAR_TIE = 0.03  # within 3% tokens/s, the simpler strategy wins
-# Simpler first: fewer moving parts, fewer engine knobs, easier checkpoints.
-SIMPLICITY = {name: i for i, name in enumerate(
-    ["ddp", "zero0", "zero1", "zero2", "fsdp-grad-op", "fsdp", "zero3", "fsdp-hybrid",
-     "zero1+opt-offload", "zero2+opt-offload", "zero3+opt-offload", "fsdp+offload", "zero3+full-offload"])}
-GIB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +25,7 @@ class Recommendation:
 
 def _complexity(e: Evaluation) -> tuple:
     lay = e.memory.layout
-    return (lay.tp * lay.pp, SIMPLICITY[e.strategy.name], e.train.checkpointing != "none")
+    return (lay.tp * lay.pp, e.strategy.facts.simplicity, e.train.checkpointing != "none")
 
 
 def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=None,
@@ -105,7 +101,7 @@ def explain_choice(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner:
                      f"{(m.usable_bytes - m.gpu.total) / GIB:.1f} GiB of head room.")
     non_fit = {e.strategy.name for e in evals} - {e.strategy.name for e in evals if e.fits}
     if non_fit:
-        lines.append(f"Do not fit in any swept setting: {', '.join(sorted(non_fit, key=SIMPLICITY.get))}.")
+        lines.append(f"Do not fit in any swept setting: {', '.join(sorted(non_fit, key=lambda n: STRATEGIES[n].simplicity))}.")
     if runner:
         r = runner.time
         lines.append(f"Runner-up: {_describe(runner)} at {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "

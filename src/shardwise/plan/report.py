@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from shardwise.plan.evaluate import Evaluation
 from shardwise.plan.memory import MemoryPlan
-from shardwise.specs.hardware import HardwareSpec
+from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
-
-GIB = 2**30
 
 
 def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[Evaluation],

@@ -102,14 +102,14 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     hide = OVERLAP_EFFICIENCY
     if s.shards_params:
         ag_share = comm.all_gather / total
-        fwd_comm = comm_s * ag_share / (2 if s.reshard_after_forward or s.zero_stage == 3 else 1)
+        fwd_comm = comm_s * ag_share / (2 if s.facts.zero_equivalent == 3 else 1)
         bwd_comm = comm_s - fwd_comm
         units = 32  # first unit of each pass cannot be prefetched
         return max(0.0, fwd_comm - hide * fwd) + max(0.0, bwd_comm - hide * bwd) + comm_s / units
     ag_after_step = comm_s * (comm.all_gather / total)
     reduce = comm_s - ag_after_step
     # with accumulation DDP/ZeRO-1 only reduce in the last micro-batch's backward
-    window = bwd / train.grad_accum if (s.engine == "ddp" or s.zero_stage in (0, 1)) else bwd
+    window = bwd / train.grad_accum if not s.shards_grads else bwd
     return max(0.0, reduce - hide * window) + reduce * 0.05 + ag_after_step
 
 

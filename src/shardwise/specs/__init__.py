@@ -3,12 +3,23 @@
 from shardwise.specs.hardware import GPUSpec, HardwareSpec, LinkSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec, ParamTensor
-from shardwise.specs.strategy import STRATEGY_NAMES, DeepSpeedKnobs, Strategy
+from shardwise.specs.strategy import (
+    STRATEGIES,
+    STRATEGY_NAMES,
+    DDPKnobs,
+    DeepSpeedKnobs,
+    FSDPKnobs,
+    Strategy,
+    StrategyFacts,
+)
 from shardwise.specs.train import TrainSpec
 
 __all__ = [
+    "STRATEGIES",
     "STRATEGY_NAMES",
+    "DDPKnobs",
     "DeepSpeedKnobs",
+    "FSDPKnobs",
     "GPUSpec",
     "HardwareSpec",
     "LinkSpec",
@@ -16,5 +27,6 @@ __all__ = [
     "ParallelLayout",
     "ParamTensor",
     "Strategy",
+    "StrategyFacts",
     "TrainSpec",
 ]

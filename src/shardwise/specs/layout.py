@@ -47,7 +47,7 @@ class ParallelLayout(Spec):
                 f"tp {tp} must divide the {gpus_per_node} GPUs of a node (tensor parallelism stays on NVLink)"
             )
         dp = world_size // (tp * pp)
-        if strategy.engine == "ddp" or strategy.zero_stage == 0:
+        if not strategy.shards_optimizer:  # DDP, ZeRO-0: every model state replicated
             return cls(world_size=world_size, dp_replicate=dp, tp=tp, pp=pp)
         if strategy.fsdp_sharding == "hybrid":
             group = strategy.shard_group or max(1, gpus_per_node // tp)

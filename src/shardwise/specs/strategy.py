@@ -1,52 +1,99 @@
-"""Strategy: which engine, how it shards, what it offloads, and the knobs that change memory."""
+"""Strategy: which engine, how it shards, what it offloads, and every engine knob that changes
+memory or traffic. One table holds the facts of each named strategy; the planner, the layout,
+the trainer and the emitters read its columns instead of re-deriving them from the engine name.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.base import Spec
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
+FsdpSharding = Literal["full", "grad-op", "hybrid"]
 
-# name -> (engine, zero stage, fsdp sharding, offload optimizer, offload params)
-_TABLE: dict[str, tuple[Engine, int | None, str | None, bool, bool]] = {
-    "ddp": ("ddp", None, None, False, False),
-    "zero0": ("deepspeed", 0, None, False, False),
-    "zero1": ("deepspeed", 1, None, False, False),
-    "zero2": ("deepspeed", 2, None, False, False),
-    "zero3": ("deepspeed", 3, None, False, False),
-    "fsdp": ("fsdp2", None, "full", False, False),
-    "fsdp-grad-op": ("fsdp2", None, "grad-op", False, False),
-    "fsdp-hybrid": ("fsdp2", None, "hybrid", False, False),
-    "zero1+opt-offload": ("deepspeed", 1, None, True, False),
-    "zero2+opt-offload": ("deepspeed", 2, None, True, False),
-    "zero3+opt-offload": ("deepspeed", 3, None, True, False),
-    "zero3+full-offload": ("deepspeed", 3, None, True, True),
-    "fsdp+offload": ("fsdp2", None, "full", True, True),  # CPUOffloadPolicy moves params+grads+optim
+
+@dataclass(frozen=True, slots=True)
+class StrategyFacts:
+    """One row of the strategy table.
+
+    shards_*: whether that model state is split over the data-parallel shard group (else every
+    rank holds all of it). zero_equivalent: the ZeRO stage with the same sharding (FSDP grad-op
+    keeps params unsharded between forward and backward: 2; full/hybrid: 3). simplicity: rank
+    for the recommender's near-tie rule (fewer moving parts, fewer knobs, easier checkpoints
+    first). combines_with_pp: DeepSpeed's PipelineEngine refuses ZeRO-2/3
+    (deepspeed/runtime/pipe/engine.py asserts `zero_optimization_stage() < 2`); DDP, ZeRO-0/1
+    and FSDP2 (torchtitan) run under pipeline stages. trainer: `shardwise train` runs it.
+    """
+
+    engine: Engine
+    zero_stage: int | None
+    fsdp_sharding: FsdpSharding | None
+    offload_optimizer: bool
+    offload_params: bool
+    shards_optimizer: bool
+    shards_grads: bool
+    shards_params: bool
+    zero_equivalent: int
+    simplicity: int
+    combines_with_pp: bool
+    trainer: bool = True
+
+
+def _row(engine: Engine, stage: int | None, fsdp: FsdpSharding | None, off_opt: bool, off_par: bool,
+         simplicity: int) -> StrategyFacts:
+    zero = stage if stage is not None else {"full": 3, "hybrid": 3, "grad-op": 2}[fsdp] if fsdp else 0
+    return StrategyFacts(
+        engine=engine, zero_stage=stage, fsdp_sharding=fsdp, offload_optimizer=off_opt, offload_params=off_par,
+        shards_optimizer=zero >= 1, shards_grads=zero >= 2, shards_params=zero >= 3 or fsdp is not None,
+        zero_equivalent=zero, simplicity=simplicity, combines_with_pp=zero <= 1 or engine == "fsdp2",
+    )
+
+
+# name -> facts; `simplicity` is the recommender's near-tie order (simpler first).
+STRATEGIES: dict[str, StrategyFacts] = {
+    "ddp": _row("ddp", None, None, False, False, 0),
+    "zero0": _row("deepspeed", 0, None, False, False, 1),
+    "zero1": _row("deepspeed", 1, None, False, False, 2),
+    "zero2": _row("deepspeed", 2, None, False, False, 3),
+    "zero3": _row("deepspeed", 3, None, False, False, 6),
+    "fsdp": _row("fsdp2", None, "full", False, False, 5),
+    "fsdp-grad-op": _row("fsdp2", None, "grad-op", False, False, 4),
+    "fsdp-hybrid": _row("fsdp2", None, "hybrid", False, False, 7),
+    "zero1+opt-offload": _row("deepspeed", 1, None, True, False, 8),
+    "zero2+opt-offload": _row("deepspeed", 2, None, True, False, 9),
+    "zero3+opt-offload": _row("deepspeed", 3, None, True, False, 10),
+    "zero3+full-offload": _row("deepspeed", 3, None, True, True, 12),
+    # CPUOffloadPolicy moves params, grads and the optimizer step to the host
+    "fsdp+offload": _row("fsdp2", None, "full", True, True, 11),
 }
-STRATEGY_NAMES: tuple[str, ...] = tuple(_TABLE)
+STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 
 
 class DeepSpeedKnobs(Spec):
-    """DeepSpeed ZeRO config keys that change memory or traffic (defaults = DeepSpeed 0.19's,
-    `deepspeed/runtime/zero/config.py`)."""
+    """DeepSpeed ZeRO config keys that change memory or traffic. Defaults are DeepSpeed's own
+    (`deepspeed/runtime/zero/config.py` DeepSpeedZeroConfig; tests/test_run_bridge.py checks
+    them against the installed DeepSpeed)."""
 
-    reduce_bucket_size: int = Field(500_000_000, gt=0)
-    allgather_bucket_size: int = Field(500_000_000, gt=0)
-    overlap_comm: bool | None = None  # None = DeepSpeed's default: True for stage 3 only
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    use_multi_rank_bucket_allreduce: bool = True
-    prefetch_bucket_size: int = Field(50_000_000, ge=0)
-    max_live_parameters: int = Field(1_000_000_000, ge=0)
-    max_reuse_distance: int = Field(1_000_000_000, ge=0)
-    param_persistence_threshold: int = Field(100_000, ge=0)
-    # Gradient reduction dtype: "auto" = DeepSpeed's default, the parameter dtype (bf16 under
-    # bf16 mixed precision); shardwise's trainer sets "fp32" for loss parity (docs/training.md).
-    communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    reduce_bucket_size: int = Field(500_000_000, gt=0, description="gradient reduce bucket (elements)")
+    allgather_bucket_size: int = Field(500_000_000, gt=0, description="ZeRO-1/2 param all-gather bucket")
+    overlap_comm: bool | None = Field(None, description="None = DeepSpeed's default: on for stage 3 only")
+    contiguous_gradients: bool = Field(True, description="copy grads into one contiguous buffer")
+    reduce_scatter: bool = Field(True, description="ZeRO-1/2: reduce-scatter instead of all-reduce")
+    use_multi_rank_bucket_allreduce: bool = Field(True, description="ZeRO-1/2: all-reduce buckets "
+                                                  "(false: reduce to the owning rank)")
+    prefetch_bucket_size: int = Field(50_000_000, ge=0, description="ZeRO-3 prefetch (elements)")
+    max_live_parameters: int = Field(1_000_000_000, ge=0, description="ZeRO-3 gathered params cap")
+    max_reuse_distance: int = Field(1_000_000_000, ge=0, description="ZeRO-3: keep params reused within")
+    param_persistence_threshold: int = Field(100_000, ge=0, description="ZeRO-3: smaller params stay whole")
+    # "auto" = DeepSpeed's default, the parameter dtype (bf16 under bf16 mixed precision);
+    # shardwise's trainer defaults to "fp32" for loss parity (docs/training.md).
+    communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="gradient reduction dtype")
 
     def overlap(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
@@ -56,35 +103,93 @@ class DeepSpeedKnobs(Spec):
         return {"auto": compute_bytes, "fp32": 4, "bf16": 2, "fp16": 2}[self.communication_data_type]
 
 
+class FSDPKnobs(Spec):
+    """FSDP2 settings that change memory or traffic (`fully_shard` / `MixedPrecisionPolicy`)."""
+
+    # torch's default reduce_dtype is the param dtype; fp32 keeps the reduce-scatter of bf16
+    # grads from rounding every partial sum (shardwise's default, the planner counts 4 bytes).
+    reduce_dtype: Literal["fp32", "param"] = Field("fp32", description="gradient reduce-scatter dtype")
+
+    def reduce_bytes(self, param_bytes: int) -> int:
+        return 4 if self.reduce_dtype == "fp32" else param_bytes
+
+
+class DDPKnobs(Spec):
+    """torch DDP settings that change memory or traffic."""
+
+    bucket_cap_mb: float = Field(25.0, gt=0, description="all-reduce bucket size (MiB; torch's default 25)")
+    gradient_as_bucket_view: bool = Field(True, description="grads alias the buckets (no second copy)")
+
+
 class Strategy(Spec):
+    """A named strategy (a row of STRATEGIES) with its TP/PP degrees and engine knobs."""
 
     name: str
-    engine: Engine
-    zero_stage: int | None = None
-    fsdp_sharding: Literal["full", "grad-op", "hybrid"] | None = None
-    offload_optimizer: bool = False
-    offload_params: bool = False
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
     shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: GPUs per shard group (default: a node)")
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
-    gradient_as_bucket_view: bool = True  # DDP: shardwise sets it, so no second gradient copy
+    fsdp: FSDPKnobs = FSDPKnobs()
+    ddp: DDPKnobs = DDPKnobs()
+
+    @model_validator(mode="after")
+    def _check(self) -> Strategy:
+        if self.name not in STRATEGIES:
+            raise ShardwiseError(f"unknown strategy {self.name!r}. {did_you_mean(self.name, STRATEGY_NAMES)}")
+        if self.pp > 1 and not self.facts.combines_with_pp:
+            raise ShardwiseError(
+                f"strategy {self.name!r} cannot run with pipeline parallelism (pp {self.pp}): DeepSpeed's "
+                "pipeline engine supports ZeRO stage 0 and 1 only")
+        if self.shard_group is not None and self.fsdp_sharding != "hybrid":
+            raise ShardwiseError(f"shard_group {self.shard_group} applies to fsdp-hybrid only, not {self.name!r}")
+        return self
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> Strategy:
-        key = name.strip().lower()
-        if key not in _TABLE:
-            raise ShardwiseError(f"unknown strategy {name!r}. {did_you_mean(name, STRATEGY_NAMES)}")
-        engine, stage, fsdp, off_opt, off_par = _TABLE[key]
-        return cls(
-            name=key, engine=engine, zero_stage=stage, fsdp_sharding=fsdp,
-            offload_optimizer=off_opt, offload_params=off_par, **overrides,
-        )
+        return cls(name=name.strip().lower(), **overrides)
+
+    @property
+    def facts(self) -> StrategyFacts:
+        return STRATEGIES[self.name]
+
+    @property
+    def engine(self) -> Engine:
+        return self.facts.engine
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self.facts.zero_stage
+
+    @property
+    def fsdp_sharding(self) -> FsdpSharding | None:
+        return self.facts.fsdp_sharding
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.facts.offload_optimizer
+
+    @property
+    def offload_params(self) -> bool:
+        return self.facts.offload_params
 
     @property
     def shards_params(self) -> bool:
-        return self.zero_stage == 3 or self.fsdp_sharding is not None
+        return self.facts.shards_params
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.facts.shards_grads
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.facts.shards_optimizer
 
     @property
     def reshard_after_forward(self) -> bool:
+        """Decoder-layer units free their gathered params after forward (re-gathered in backward)."""
         return self.fsdp_sharding in ("full", "hybrid")
+
+    @property
+    def trainable(self) -> bool:
+        """`shardwise train` runs it: its data-parallel engines, without TP or PP."""
+        return self.facts.trainer and self.tp == 1 and self.pp == 1

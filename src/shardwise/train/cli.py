@@ -52,7 +52,7 @@ def train_cmd(
         launched = detect_env()
         world = int(launched["world_size"]) if launched else (nproc or cfg.run.nproc)
         device = cfg.resolved_device()
-        check = preflight(cfg, world, device, force=force)
+        run, check = preflight(cfg, world, device, force=force)
     except ShardwiseError as e:
         _fail(e)
         return
@@ -64,29 +64,26 @@ def train_cmd(
         threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else None
         rc = spawn(argv, world, extra_env=extra, threads_per_rank=threads)
         raise typer.Exit(rc)
-    _worker(cfg, device, check.planned_bytes if check else None)
+    _worker(run, check.planned_bytes)
 
 
-def _worker(cfg, device: str, planned_bytes: float | None) -> None:
+def _worker(run, planned_bytes: float | None) -> None:
     import torch
 
-    from shardwise.catalog import get_gpu
     from shardwise.plan.flops import model_flops_per_token
     from shardwise.train.launch import init_distributed
     from shardwise.train.loop import train
     from shardwise.train.metrics import Metrics
-    from shardwise.train.model import model_spec
-    from shardwise.train.preflight import seq_len
 
+    cfg, device = run.config, run.device
     if device == "cpu" and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     env = init_distributed(device)
-    spec = model_spec(cfg.model)
-    dtype = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}[cfg.precision]
-    peak = get_gpu(cfg.hardware.gpu).peak_flops(dtype) if device == "cuda" else None  # no CPU peak to compare
-    metrics = Metrics(cfg, planned_bytes, model_flops_per_token(spec, seq_len(cfg)), peak)
+    # MFU against the planned GPU's dense peak for the compute dtype; no CPU peak to compare
+    peak = run.hardware.gpu.peak_flops(run.train.compute_dtype) if device == "cuda" else None
+    metrics = Metrics(cfg, planned_bytes, model_flops_per_token(run.model, run.train.seq_len), peak)
     try:
-        result = train(cfg, env, metrics=metrics, export_weights=cfg.checkpointing.save_final)
+        result = train(run, env, metrics=metrics, export_weights=cfg.checkpointing.save_final)
         if env.is_main and result.final_weights is not None:
             from shardwise.train.export import export_hf
 

@@ -11,10 +11,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
+from shardwise.data.config import DataConfig
 from shardwise.errors import ShardwiseError, did_you_mean
-from shardwise.specs.strategy import STRATEGY_NAMES
+from shardwise.specs.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 
@@ -44,21 +53,48 @@ class SyntheticData(_Section):
     seed: int = Field(1234, description="seed of the token and mask generator")
 
 
+class SFTSection(DataConfig):
+    """`data.sft`: the data pipeline's DataConfig, with the trainer's defaults for two fields."""
+
+    train_files: list[str] = Field(default_factory=list, description="JSON/JSONL/Parquet paths or globs "
+                                   "(none: the bundled sample data)")
+    seed: int | None = Field(None, description="shuffle seed (default: run.seed)")
+
+
 class DataSection(_Section):
     kind: Literal["sft", "synthetic"] = Field("sft", description="SFT files or seeded random tokens")
     tokenizer: str | None = Field(None, description="local tokenizer dir (default: the bundled one)")
-    sft: dict[str, Any] = Field(
-        default_factory=dict, description="shardwise.data.DataConfig fields (train_files, max_length, ...)"
-    )
+    sft: SFTSection = SFTSection()
     synthetic: SyntheticData = SyntheticData()
+
+
+def _overrides(knobs: type[BaseModel], name: str) -> type[BaseModel]:
+    """A config section with the fields of a planner knob class, each optional: None = the
+    trainer's default for the device (shardwise.run.trainer_knobs). The fields, their types,
+    bounds and descriptions are the planner's, so the two cannot drift."""
+    fields: dict[str, Any] = {
+        k: (f.annotation | None, Field(None, description=f.description, json_schema_extra=None,
+                                       **{m: getattr(c, m) for c in f.metadata for m in ("gt", "ge")
+                                          if getattr(c, m, None) is not None}))
+        for k, f in knobs.model_fields.items()
+    }
+    return create_model(name, __base__=_Section, **fields)
+
+
+DeepSpeedSection = _overrides(DeepSpeedKnobs, "DeepSpeedSection")
+FSDPSection = _overrides(FSDPKnobs, "FSDPSection")
+DDPSection = _overrides(DDPKnobs, "DDPSection")
 
 
 class StrategySection(_Section):
     name: str = Field("fsdp", description=f"one of {', '.join(STRATEGY_NAMES)}")
-    shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: ranks per shard group")
-    bucket_elements: int | None = Field(
-        None, gt=0, description="DeepSpeed reduce/allgather bucket elements (default: plan's; 1e6 on CPU)"
-    )
+    shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: ranks per shard group (default: a node)")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
+                                        description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
+    fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]
+                              description="FSDP2 knobs (shardwise.specs.FSDPKnobs)")
+    ddp: DDPSection = Field(default_factory=DDPSection,  # type: ignore[valid-type]
+                            description="DDP knobs (shardwise.specs.DDPKnobs)")
 
     @field_validator("name")
     @classmethod
@@ -110,6 +146,8 @@ class LoggingSection(_Section):
 
 class HardwareSection(_Section):
     gpu: str = Field("a100-80g", description="catalog GPU the memory check plans for")
+    gpus_per_node: int | None = Field(
+        None, gt=0, description="ranks per node (default: the launcher's LOCAL_WORLD_SIZE, else all ranks)")
     check_memory: bool | None = Field(None, description="planner OOM check; None = on for CUDA, off for CPU")
 
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
-from shardwise.train.config import SyntheticData, TrainConfig
-from shardwise.train.engines.base import IGNORE_INDEX, DistEnv
+from shardwise.data.labels import IGNORE_INDEX
+from shardwise.run import RunSpec
+from shardwise.train.config import SyntheticData
+from shardwise.train.engines.base import DistEnv
 
 Batch = dict[str, torch.Tensor]
 
@@ -77,8 +79,9 @@ def iter_steps(
         yield [collate(rows[m * micro_batch : (m + 1) * micro_batch]) for m in range(grad_accum)]
 
 
-def build_source(cfg: TrainConfig, env: DistEnv, vocab_size: int) -> Iterator[list[Batch]]:
+def build_source(run: RunSpec, env: DistEnv, vocab_size: int) -> Iterator[list[Batch]]:
     """The configured data as a step iterator (synthetic, or the SFT pipeline's rows)."""
+    cfg = run.config
     r = cfg.run
     per_rank = r.micro_batch * r.grad_accum
     if cfg.data.kind == "synthetic":
@@ -86,5 +89,5 @@ def build_source(cfg: TrainConfig, env: DistEnv, vocab_size: int) -> Iterator[li
         return iter_steps(ds, contiguous_indices(len(ds), env, per_rank), r.micro_batch, r.grad_accum)
     from shardwise.train.sft_data import build_sft  # the data pipeline (tokenizer, files)
 
-    ds, collate, sampler = build_sft(cfg, env)
+    ds, collate, sampler = build_sft(run, env)
     return iter_steps(ds, sampler_indices(sampler), r.micro_batch, r.grad_accum, collate)

@@ -34,9 +34,9 @@ def _hf_config(cfg: TrainConfig) -> dict:
         return json.loads((Path(cfg.model.path) / "config.json").read_text())
     from transformers import AutoConfig
 
-    from shardwise.train.model import model_spec
+    from shardwise.run import model_spec
 
-    spec = model_spec(cfg.model)
+    spec = model_spec(cfg)
     return AutoConfig.for_model(**spec.to_hf_dict()).to_dict() | {"torch_dtype": "float32"}
 
 

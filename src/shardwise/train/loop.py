@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.specs import DeepSpeedKnobs, Strategy
-from shardwise.train.config import TrainConfig
+from shardwise.data.labels import count_target_tokens
+from shardwise.run import RunSpec
 from shardwise.train.engines import build_engine
-from shardwise.train.engines.base import DistEnv, count_target_tokens
+from shardwise.train.engines.base import DistEnv
 from shardwise.train.model import build_model
 from shardwise.train.schedule import build_schedule
 
@@ -95,41 +95,28 @@ class _MetaReduce:
             dist.destroy_process_group(self.group)
 
 
-def strategy_of(cfg: TrainConfig) -> Strategy:
-    """The planner's Strategy for this run, with the engine settings the trainer fixes: DeepSpeed
-    reduces gradients in fp32 (parity with FSDP2's reduce_dtype=fp32 and DDP's fp32 grads)."""
-    kw: dict[str, Any] = {}
-    if cfg.strategy.shard_group:
-        kw["shard_group"] = cfg.strategy.shard_group
-    if Strategy.from_name(cfg.strategy.name).engine == "deepspeed":
-        kw["ds"] = DeepSpeedKnobs(communication_data_type="fp32")
-    return Strategy.from_name(cfg.strategy.name, **kw)
-
-
 def train(
-    cfg: TrainConfig,
+    run: RunSpec,
     env: DistEnv,
     steps: Iterator[list[dict[str, torch.Tensor]]] | None = None,
     metrics: Any = None,
     export_weights: bool = False,
 ) -> TrainResult:
-    """Run `cfg.run.steps` optimizer steps on an initialised process group.
+    """Run `run.config.run.steps` optimizer steps on an initialised process group.
 
     `steps` overrides the configured data (tests feed exact batches); `metrics` receives
     every StepRecord (rank 0 writes it). With `export_weights`, rank 0 gets the final
     consolidated weights (a collective: every rank must ask).
     """
+    cfg = run.config
     seed_everything(cfg.run.seed)
-    model = build_model(cfg.model, cfg.run.seed)
-    if cfg.checkpointing.activation == "full":
-        # Non-reentrant: works under FSDP2 and ZeRO-3 hooks and with frozen inputs.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = build_model(run)
     num_params = sum(p.numel() for p in model.parameters())
-    engine = build_engine(model, cfg, strategy_of(cfg), env)
+    engine = build_engine(model, run, env)
     if steps is None:
         from shardwise.train.data import build_source
 
-        steps = build_source(cfg, env, model.config.vocab_size)
+        steps = build_source(run, env, model.config.vocab_size)
     lr_at = build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.run.steps)
     result = TrainResult(num_params=num_params)
     if metrics is not None:

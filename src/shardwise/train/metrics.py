@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
 from shardwise.train.engines.base import DistEnv
 
@@ -97,7 +98,7 @@ class Metrics:
             mfu = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
             info = (
                 f"loss {rec.loss:.4f} lr {rec.lr:.2e} gnorm {rec.grad_norm:.3f} {tps:,.0f} tok/s{mfu} "
-                f"mem {row['memory_bytes'] / 2**30:.2f} GiB"
+                f"mem {row['memory_bytes'] / GIB:.2f} GiB"
             )
             self.progress.update(self.task, completed=rec.step, info=info)
 
@@ -139,7 +140,7 @@ def print_summary(s: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title="shardwise train: summary", show_header=False)
-    gib = 2**30
+    gib = GIB
     t.add_row("steps", str(s["steps"]))
     t.add_row("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     t.add_row("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardwise.errors import ShardwiseError
+from shardwise.run import RunSpec
 from shardwise.train.config import ModelSection
 
 WEIGHT_FILES = (
@@ -48,26 +49,18 @@ def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
         )
 
 
-def model_spec(cfg: ModelSection):
-    """The planner's ModelSpec of the configured model (for the memory check and MFU)."""
-    from shardwise.specs import ModelSpec
-
-    if cfg.path is None:
-        from shardwise.catalog import get_model
-
-        return get_model(cfg.name or "")
-    return ModelSpec.from_hf_config(cfg.path)
-
-
-def build_model(cfg: ModelSection, seed: int):
-    """fp32 master weights on CPU; engines move, cast and shard them."""
+def build_model(run: RunSpec):
+    """The run's model: fp32 master weights on CPU (engines move, cast and shard them), seeded
+    by run.seed on every rank, with the planned activation checkpointing. A catalog model is
+    built from the run's ModelSpec: what was planned is what is built."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.manual_seed(seed)  # the init is part of the result: seeded identically on every rank
+    cfg = run.config.model
+    torch.manual_seed(run.config.run.seed)  # the init is part of the result: equal on every rank
     kw = {"attn_implementation": cfg.attention, "trust_remote_code": cfg.trust_remote_code}
     if cfg.path is None:
-        d = dict(model_spec(cfg).to_hf_dict())
+        d = dict(run.model.to_hf_dict())
         hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
     elif cfg.random_init:
@@ -76,4 +69,7 @@ def build_model(cfg: ModelSection, seed: int):
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, **kw)
     model.config.use_cache = False  # no KV cache in training
+    if run.train.checkpointing == "full":
+        # Non-reentrant: works under FSDP2 and ZeRO-3 hooks and with frozen inputs.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -11,44 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.errors import ShardwiseError
-from shardwise.specs import STRATEGY_NAMES, ParallelLayout, Strategy, TrainSpec
+from shardwise.run import RunSpec, run_spec, train_spec
+from shardwise.specs import STRATEGY_NAMES, Strategy
+from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
-from shardwise.train.model import check_model_source, model_spec
-
-
-def seq_len(cfg: TrainConfig) -> int:
-    if cfg.data.kind == "synthetic":
-        return cfg.data.synthetic.seq_len
-    return int(cfg.data.sft.get("max_length", 2048))
-
-
-def train_spec(cfg: TrainConfig, **overrides) -> TrainSpec:
-    fields = {
-        "seq_len": seq_len(cfg),
-        "micro_batch": cfg.run.micro_batch,
-        "grad_accum": cfg.run.grad_accum,
-        "precision": cfg.precision,
-        "checkpointing": cfg.checkpointing.activation,
-        "attention": cfg.model.attention,
-    }
-    return TrainSpec(**(fields | overrides))
-
-
-def strategy(cfg: TrainConfig, world_size: int) -> Strategy:
-    s = Strategy.from_name(
-        cfg.strategy.name, **({"shard_group": cfg.strategy.shard_group} if cfg.strategy.shard_group else {})
-    )
-    try:
-        ParallelLayout.for_strategy(s, world_size, world_size)
-    except ShardwiseError as e:
-        raise ShardwiseError(
-            f"{cfg.source}: strategy.name {s.name!r} cannot run on {world_size} rank(s): {e}"
-        ) from None
-    if s.fsdp_sharding == "hybrid" and (world_size // (s.shard_group or world_size)) < 1:
-        raise ShardwiseError(
-            f"{cfg.source}: strategy 'fsdp-hybrid' needs a shard group dividing {world_size} ranks"
-        )
-    return s
+from shardwise.train.model import check_model_source
 
 
 def check_data(cfg: TrainConfig) -> None:
@@ -71,36 +38,35 @@ class MemoryCheck:
     gpu: str
 
 
-def check_memory(cfg: TrainConfig, world_size: int, device: str, force: bool = False) -> MemoryCheck | None:
-    """The planner's verdict for this run; refuses a non-fitting plan with the nearest one that fits."""
-    from shardwise.catalog import build_hardware
+def check_memory(run: RunSpec, force: bool = False) -> MemoryCheck:
+    """The planner's verdict for this run (the same specs the engines build); refuses a
+    non-fitting plan with the nearest one that fits."""
     from shardwise.plan.memory import plan_memory
 
-    enabled = cfg.hardware.check_memory if cfg.hardware.check_memory is not None else device == "cuda"
-    spec = model_spec(cfg.model)
-    hw = build_hardware(gpu=cfg.hardware.gpu, gpus=world_size, gpus_per_node=world_size)
-    s = strategy(cfg, world_size)
-    plan = plan_memory(spec, hw, train_spec(cfg), s)
+    cfg = run.config
+    enabled = cfg.hardware.check_memory if cfg.hardware.check_memory is not None else run.device == "cuda"
+    plan = plan_memory(run.model, run.hardware, run.train, run.strategy)
     result = MemoryCheck(plan.gpu.total, plan.capacity_bytes, plan.fits, cfg.hardware.gpu)
     if plan.fits or not enabled or force:
         return result
-    gib = 2**30
-    hint = nearest_fit(cfg, spec, hw, s)
+    hint = nearest_fit(run)
     raise ShardwiseError(
-        f"{cfg.source}: predicted not to fit: strategy {s.name!r}, micro_batch {cfg.run.micro_batch}, "
-        f"seq_len {seq_len(cfg)}, activation checkpointing {cfg.checkpointing.activation!r} needs "
-        f"{plan.gpu.total / gib:.1f} GiB per GPU (model states {plan.gpu.model_states / gib:.1f}, "
-        f"activations {(plan.gpu.activations + plan.gpu.logits) / gib:.1f}) of "
-        f"{plan.usable_bytes / gib:.1f} GiB usable on {cfg.hardware.gpu}. "
+        f"{cfg.source}: predicted not to fit: strategy {run.strategy.name!r}, micro_batch {cfg.run.micro_batch}, "
+        f"seq_len {run.train.seq_len}, activation checkpointing {cfg.checkpointing.activation!r} needs "
+        f"{plan.gpu.total / GIB:.1f} GiB per GPU (model states {plan.gpu.model_states / GIB:.1f}, "
+        f"activations {(plan.gpu.activations + plan.gpu.logits) / GIB:.1f}) of "
+        f"{plan.usable_bytes / GIB:.1f} GiB usable on {cfg.hardware.gpu}. "
         f"Nearest that fits: {hint}. Use --force to run anyway."
     )
 
 
-def nearest_fit(cfg: TrainConfig, spec, hw, s: Strategy) -> str:
+def nearest_fit(run: RunSpec) -> str:
     """Fewest changes first: checkpointing, then smaller micro-batches (same global batch via
-    accumulation), then other strategies (least offload first, the table's order)."""
+    accumulation), then other strategies (least offload first, the table's order) with the
+    same engine knobs."""
     from shardwise.plan.memory import plan_memory
 
+    cfg, s = run.config, run.strategy
     mb, ga = cfg.run.micro_batch, cfg.run.grad_accum
     options: list[tuple[str, Strategy, dict]] = [
         ("--set checkpointing.activation=full", s, {"checkpointing": "full"})
@@ -121,7 +87,7 @@ def nearest_fit(cfg: TrainConfig, spec, hw, s: Strategy) -> str:
     for name in STRATEGY_NAMES:
         if name in (s.name, "fsdp-hybrid"):
             continue
-        other = Strategy.from_name(name)
+        other = Strategy.from_name(name, ds=s.ds, fsdp=s.fsdp, ddp=s.ddp)
         for ck in ("none", "full"):
             options.append(
                 (
@@ -133,19 +99,20 @@ def nearest_fit(cfg: TrainConfig, spec, hw, s: Strategy) -> str:
             )
     for text, strat, over in options:
         try:
-            p = plan_memory(spec, hw, train_spec(cfg, **over), strat)
+            p = plan_memory(run.model, run.hardware, train_spec(cfg, **over), strat)
         except ShardwiseError:
             continue
         if p.fits:
-            return f"{text} ({p.gpu.total / 2**30:.1f} GiB)"
+            return f"{text} ({p.gpu.total / GIB:.1f} GiB)"
     return (
         "none of checkpointing, smaller micro-batches or other strategies (use more GPUs or a smaller model)"
     )
 
 
-def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = False) -> MemoryCheck | None:
-    """All user-facing checks; raises ShardwiseError naming the file/field/value."""
+def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = False) -> tuple[RunSpec, MemoryCheck]:
+    """All user-facing checks; raises ShardwiseError naming the file/field/value. Returns the
+    run's specs (what every rank builds) and the planner's memory verdict."""
     check_model_source(cfg.model, cfg.source)
     check_data(cfg)
-    strategy(cfg, world_size)
-    return check_memory(cfg, world_size, device, force)
+    run = run_spec(cfg, world_size, device)
+    return run, check_memory(run, force)

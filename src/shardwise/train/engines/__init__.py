@@ -3,20 +3,25 @@ on the engine kind; the loop, data, logging and checkpointing never do."""
 
 from __future__ import annotations
 
-from shardwise.specs import Strategy
-from shardwise.train.config import TrainConfig
+from typing import Any
+
+from shardwise.run import RunSpec
 from shardwise.train.engines.base import DistEnv, Engine
 
 
-def build_engine(model, cfg: TrainConfig, strategy: Strategy, env: DistEnv) -> Engine:
-    if strategy.engine == "deepspeed":
+def build_engine(model, run: RunSpec, env: DistEnv, *, mesh: Any = None) -> Engine:
+    """Wrap `model` (fp32, on CPU) as `run` says. `mesh`: a device mesh built beforehand by
+    `shardwise.train.parallel.build_mesh(run.layout, ...)` (FSDP2 builds it itself otherwise)."""
+    if env.world_size != run.world_size:
+        raise ValueError(f"the run was planned for {run.world_size} ranks but {env.world_size} joined")
+    if run.strategy.engine == "deepspeed":
         from shardwise.train.engines.deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(model, cfg, strategy, env)
-    if strategy.engine == "fsdp2":
+        return DeepSpeedEngine(model, run, env)
+    if run.strategy.engine == "fsdp2":
         from shardwise.train.engines.fsdp import FSDP2Engine
 
-        return FSDP2Engine(model, cfg, strategy, env)
+        return FSDP2Engine(model, run, env, mesh=mesh)
     from shardwise.train.engines.ddp import DDPEngine
 
-    return DDPEngine(model, cfg, strategy, env)
+    return DDPEngine(model, run, env)

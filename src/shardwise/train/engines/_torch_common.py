@@ -8,16 +8,21 @@ from typing import Any
 
 import torch
 
-from shardwise.train.config import TrainConfig
+from shardwise.run import RunSpec
 from shardwise.train.engines.base import DistEnv, decay_groups
 
-DTYPES = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+# TrainSpec.compute_dtype -> torch dtype: the one place precision names become torch dtypes.
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_adamw(cfg: TrainConfig, model: torch.nn.Module, env: DistEnv) -> torch.optim.AdamW:
+def compute_dtype(run: RunSpec) -> torch.dtype:
+    return TORCH_DTYPES[run.train.compute_dtype]
+
+
+def build_adamw(run: RunSpec, model: torch.nn.Module, env: DistEnv) -> torch.optim.AdamW:
     """AdamW with every default that matters stated: weight decay (torch's default is 0.01),
     betas, eps. Fused where the device has it (CUDA), else the for-loop/foreach reference."""
-    o = cfg.optimizer
+    o = run.config.optimizer
     fused = o.fused if o.fused is not None else env.device == "cuda"
     kw: dict[str, Any] = {"fused": True} if fused else {}
     return torch.optim.AdamW(
@@ -30,16 +35,16 @@ def build_adamw(cfg: TrainConfig, model: torch.nn.Module, env: DistEnv) -> torch
     )
 
 
-def autocast(cfg: TrainConfig, env: DistEnv):
+def autocast(run: RunSpec, env: DistEnv):
     """Mixed precision for the replicated engine: autocast keeps fp32 weights and grads."""
-    if cfg.precision == "fp32":
+    if run.train.compute_dtype == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(env.torch_device.type, dtype=DTYPES[cfg.precision])
+    return torch.autocast(env.torch_device.type, dtype=compute_dtype(run))
 
 
-def grad_scaler(cfg: TrainConfig, env: DistEnv) -> torch.amp.GradScaler | None:
+def grad_scaler(run: RunSpec, env: DistEnv) -> torch.amp.GradScaler | None:
     """fp16 needs dynamic loss scaling (bf16 and fp32 do not: same exponent range as fp32)."""
-    if cfg.precision != "fp16-mixed":
+    if run.train.compute_dtype != "fp16":
         return None
     return torch.amp.GradScaler(env.torch_device.type)
 
@@ -50,14 +55,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 class TorchOptimizerEngine:
-    """step/zero_grad/lr/state for engines that own `self.module`, `self.optimizer` and
+    """step/zero_grad/lr for engines that own `self.module`, `self.optimizer` and
     `self.scaler` (fp16 only). Subclasses provide sync_grads, forward_backward, the
     consolidated state dict and close; `_global_norm` turns the clipped norm into one number."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
-    cfg: TrainConfig
+    run: RunSpec
 
     def _global_norm(self, norm: torch.Tensor) -> float:
         return float(norm)
@@ -66,7 +71,7 @@ class TorchOptimizerEngine:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.cfg.optimizer.max_grad_norm or float("inf")
+        max_norm = self.run.config.optimizer.max_grad_norm or float("inf")
         norm = self._global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -84,11 +89,3 @@ class TorchOptimizerEngine:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        # FSDP2: sharded (DTensor) state, what torch.distributed.checkpoint saves without gathering.
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])

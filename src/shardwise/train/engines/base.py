@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from shardwise.data.labels import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,6 @@ class Engine(Protocol):
         """Every parameter group gets `lr` (the loop's schedule owns the value, not the engine)."""
         ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model + optimizer state for resumable checkpoints (engine-native layout)."""
-        ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full, unsharded model weights on CPU on rank 0 (None elsewhere). Collective."""
         ...
@@ -99,11 +93,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-
-
-def count_target_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Targets of a micro-batch under the shift above (the data pipeline defines the same count)."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -7,8 +7,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.specs import Strategy
-from shardwise.train.config import TrainConfig
+from shardwise.run import RunSpec
 from shardwise.train.engines._torch_common import TorchOptimizerEngine, autocast, build_adamw, grad_scaler
 from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
 
@@ -16,17 +15,21 @@ from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
 class DDPEngine(TorchOptimizerEngine):
     name = "ddp"
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy: Strategy, env: DistEnv):
-        self.cfg, self.env = cfg, env
+    def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv):
+        self.run, self.env = run, env
         self.module = model.to(env.torch_device)
+        knobs = run.strategy.ddp
+        # The default process group: the trainer's layouts are pure data parallelism, every rank
+        # a replica (run.layout.dp_replicate == world size).
         # gradient_as_bucket_view: grads alias the reduce buckets (no second gradient copy).
         self.ddp = DistributedDataParallel(
             self.module,
             device_ids=[env.local_rank] if env.device == "cuda" else None,
-            gradient_as_bucket_view=strategy.gradient_as_bucket_view,
+            bucket_cap_mb=knobs.bucket_cap_mb,
+            gradient_as_bucket_view=knobs.gradient_as_bucket_view,
         )
-        self.optimizer = build_adamw(cfg, self.module, env)
-        self.scaler = grad_scaler(cfg, env)
+        self.optimizer = build_adamw(run, self.module, env)
+        self.scaler = grad_scaler(run, env)
         self._sync = True
 
     def sync_grads(self, enabled: bool):
@@ -35,7 +38,7 @@ class DDPEngine(TorchOptimizerEngine):
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         labels = batch["labels"].to(self.env.torch_device)
-        with autocast(self.cfg, self.env):
+        with autocast(self.run, self.env):
             logits = self.ddp(**model_inputs(batch, self.env.torch_device)).logits
         loss_sum = token_loss_sum(logits, labels)
         loss = loss_sum * loss_scale

@@ -1,78 +1,37 @@
 """DeepSpeed ZeRO stages 0-3 via `deepspeed.initialize`, with optimizer/parameter offload.
 
-Settings made explicit because DeepSpeed's defaults would break parity with DDP/FSDP2:
-- `gradient_clipping` = optimizer.max_grad_norm (DeepSpeed's default 0.0 means *no* clipping).
-- AdamW `weight_decay` passed explicitly, in the same no-decay groups as the other engines.
+The JSON config is `shardwise.run.deepspeed_config(run)`: the same builder `plan --emit` and
+the benches use (its docstring lists the settings made explicit for parity). Two settings
+are the engine's own:
 - `backward(loss, scale_wrt_gas=False)`: DeepSpeed would divide by gradient_accumulation_steps;
-  the loop's per-token `loss_scale` already normalises across micro-batches.
-- `prescale_gradients: false`, `gradient_predivide_factor: 1.0`: plain average over ranks.
-- `communication_data_type: fp32` (the trainer's strategy knob, `loop.strategy_of`): a bf16
-  all-reduce/reduce-scatter rounds each partial sum to 8 bits of mantissa (DeepSpeed reduces in
-  the parameter dtype by default); the planner counts the fp32 bytes it costs.
-- fp16 `loss_scale: 0` (dynamic) with `initial_scale_power: 16`, as torch's GradScaler.
-- bucket sizes from the plan/config; on CPU ~1e6 elements (5e8 defaults allocate GBs there).
+  the loop's per-token `loss_scale` already normalises across micro-batches;
+- `step()` after every micro-batch: DeepSpeed counts micro-steps and updates only at the
+  accumulation boundary.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
-from shardwise.plan.emit_deepspeed import comm_dtype, zero_section
-from shardwise.specs import Strategy
-from shardwise.train.config import TrainConfig
+from shardwise.run import RunSpec, deepspeed_config
 from shardwise.train.engines.base import DistEnv, decay_groups, model_inputs, token_loss_sum
-
-CPU_BUCKET_ELEMENTS = 1_000_000
-
-
-def ds_config(cfg: TrainConfig, strategy: Strategy, env: DistEnv) -> dict[str, Any]:
-    """The DeepSpeed JSON config the trainer uses (also used by the overhead benchmark)."""
-    o = cfg.optimizer
-    on_cpu = env.device == "cpu"
-    bucket = cfg.strategy.bucket_elements or (CPU_BUCKET_ELEMENTS if on_cpu else None)
-    zero = zero_section(strategy, bucket=bucket, pin_memory=not on_cpu, gather_16bit_on_save=False)
-    # torch AdamW on CPU (no C++ op to build) and for parity; DeepSpeedCPUAdam when offloading
-    # from a GPU (its SIMD step is what makes offload usable).
-    torch_adam = on_cpu or not strategy.offload_optimizer
-    adam: dict[str, Any] = {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-    if torch_adam:
-        adam["torch_adam"] = True
-        if o.fused if o.fused is not None else not on_cpu:
-            adam["fused"] = True
-    return {
-        "train_micro_batch_size_per_gpu": cfg.run.micro_batch,
-        "gradient_accumulation_steps": cfg.run.grad_accum,
-        "train_batch_size": cfg.run.micro_batch * cfg.run.grad_accum * env.world_size,
-        "gradient_clipping": o.max_grad_norm,
-        "prescale_gradients": False,
-        "gradient_predivide_factor": 1.0,
-        "optimizer": {"type": "AdamW", "params": adam},
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": not torch_adam,
-        "bf16": {"enabled": cfg.precision == "bf16-mixed"},
-        "fp16": {"enabled": cfg.precision == "fp16-mixed", "loss_scale": 0, "initial_scale_power": 16},
-        **comm_dtype(strategy),
-        "steps_per_print": 2**31 - 1,  # the trainer logs; DeepSpeed's own prints are noise
-        "wall_clock_breakdown": False,
-    }
 
 
 class DeepSpeedEngine:
     name = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy: Strategy, env: DistEnv):
+    def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv):
         if env.device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the first deepspeed import
         import deepspeed
 
-        self.cfg, self.env, self.stage = cfg, env, strategy.zero_stage or 0
-        self.config = ds_config(cfg, strategy, env)
+        self.run, self.env, self.stage = run, env, run.strategy.zero_stage or 0
+        self.config = deepspeed_config(run)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=decay_groups(model, cfg.optimizer.weight_decay), config=self.config
+            model=model, model_parameters=decay_groups(model, run.config.optimizer.weight_decay),
+            config=self.config,
         )
         self.module = self.ds.module
         self._boundary = True
@@ -100,7 +59,7 @@ class DeepSpeedEngine:
 
     def step(self) -> float:
         norm = None
-        if self.stage == 0 and self.cfg.precision == "fp32":
+        if self.stage == 0 and self.run.train.compute_dtype == "fp32":
             # The plain fp32 path clips without recording the norm: measure it (grads are
             # already averaged over ranks at this point).
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -121,13 +80,6 @@ class DeepSpeedEngine:
     def set_lr(self, lr: float) -> None:
         for g in self.ds.optimizer.param_groups:
             g["lr"] = lr
-
-    def state_dict(self) -> dict[str, Any]:
-        # DeepSpeed checkpoints are directories (engine.save_checkpoint); expose the handle.
-        return {"deepspeed_engine": self.ds}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("DeepSpeed resumes via engine.load_checkpoint(dir)")
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         import deepspeed

@@ -4,8 +4,9 @@
 - grad-op: reshard_after_forward=False (params stay gathered between forward and backward,
   like ZeRO-2's memory for params during the step; gradients still reduce-scattered).
 - hybrid: a 2-D (replicate, shard) mesh: shard inside a group, replicate across groups.
-Gradients are reduce-scattered with averaging over the data-parallel ranks (FSDP2 default),
-which is what the loop's `loss_scale` assumes.
+The mesh comes from the run's ParallelLayout (shardwise.train.parallel), the knobs from its
+Strategy: what the preflight planned. Gradients are reduce-scattered with averaging over the
+data-parallel ranks (FSDP2 default), which is what the loop's `loss_scale` assumes.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ import contextlib
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ShardwiseError
-from shardwise.specs import Strategy
-from shardwise.train.config import TrainConfig
-from shardwise.train.engines._torch_common import DTYPES, TorchOptimizerEngine, build_adamw, grad_scaler
+from shardwise.run import RunSpec
+from shardwise.train.engines._torch_common import (
+    TorchOptimizerEngine,
+    build_adamw,
+    compute_dtype,
+    grad_scaler,
+)
 from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
+from shardwise.train.parallel import build_mesh, data_parallel_mesh
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -34,38 +39,38 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.device) -> torch.nn.Module:
+    """`fully_shard` every decoder layer, then the root, as `run.strategy` says (also used on
+    fake tensors by the full-size trace, shardwise.bench.fsdp_trace)."""
+    s = run.strategy
+    kw: dict[str, Any] = {"mesh": data_parallel_mesh(mesh)}
+    if run.train.compute_dtype != "fp32":
+        # Compute in low precision; reduce in the knob's dtype (default fp32: a bf16
+        # reduce-scatter over many ranks loses digits the fp32 master update then keeps).
+        param = compute_dtype(run)
+        reduce = torch.float32 if s.fsdp.reduce_dtype == "fp32" else param
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    if s.offload_params or s.offload_optimizer:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    elif next(model.parameters()).device != device:
+        model = model.to(device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=s.reshard_after_forward, **kw)
+    # The root keeps embeddings, final norm and lm_head (tied weights stay in one unit);
+    # it is needed right after forward anyway, so it never reshards in between.
+    fully_shard(model, reshard_after_forward=False, **kw)
+    return model
+
+
 class FSDP2Engine(TorchOptimizerEngine):
     name = "fsdp2"
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy: Strategy, env: DistEnv):
-        self.cfg, self.env = cfg, env
-        dev = env.torch_device.type
-        if strategy.fsdp_sharding == "hybrid":
-            group = strategy.shard_group or env.world_size
-            mesh = init_device_mesh(
-                dev, (env.world_size // group, group), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            mesh = init_device_mesh(dev, (env.world_size,), mesh_dim_names=("shard",))
-        kw: dict[str, Any] = {"mesh": mesh}
-        if cfg.precision != "fp32":
-            # Compute in low precision, reduce gradients in fp32: a bf16 reduce-scatter over many
-            # ranks loses digits the fp32 master update then keeps.
-            kw["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=DTYPES[cfg.precision], reduce_dtype=torch.float32
-            )
-        if strategy.offload_params or strategy.offload_optimizer:
-            kw["offload_policy"] = CPUOffloadPolicy()
-        if not kw.get("offload_policy"):
-            model = model.to(env.torch_device)
-        for layer in decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=strategy.reshard_after_forward, **kw)
-        # The root keeps embeddings, final norm and lm_head (tied weights stay in one unit);
-        # it is needed right after forward anyway, so it never reshards in between.
-        fully_shard(model, reshard_after_forward=False, **kw)
-        self.module = model
-        self.optimizer = build_adamw(cfg, model, env)
-        self.scaler = grad_scaler(cfg, env)
+    def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv, mesh: Any = None):
+        self.run, self.env = run, env
+        self.mesh = mesh if mesh is not None else build_mesh(run.layout, env.torch_device.type)
+        self.module = shard_model(model, run, self.mesh, env.torch_device)
+        self.optimizer = build_adamw(run, self.module, env)
+        self.scaler = grad_scaler(run, env)
 
     def sync_grads(self, enabled: bool):
         # FSDP2 accumulates unsharded grads locally while sync is off; the last micro-batch

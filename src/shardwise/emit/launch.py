@@ -8,7 +8,7 @@ environment, so the same file serves every node of a multi-node job.
 
 from __future__ import annotations
 
-from shardwise.plan.emit_accelerate import MIXED_PRECISION
+from shardwise.emit.accelerate import MIXED_PRECISION
 from shardwise.specs import HardwareSpec, Strategy, TrainSpec
 
 TRAINER = "shardwise.train.cli"
@@ -65,7 +65,7 @@ exec deepspeed "${{args[@]}}" --no_local_rank --module {TRAINER} "$HERE/shardwis
 
 
 def accelerate_script(hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> str:
-    # DeepSpeed: precision must come from the command line, not accelerate.yaml (see emit_accelerate).
+    # DeepSpeed: precision must come from the command line, not accelerate.yaml (see emit/accelerate.py).
     mp = f" --mixed_precision {MIXED_PRECISION[train.precision]}" if strategy.engine == "deepspeed" else ""
     return _header("accelerate launch: run once on every node with its MACHINE_RANK.", hw, train, strategy) + f"""#
 # No arguments: shardwise's trainer on shardwise.yaml. With arguments: your own script under

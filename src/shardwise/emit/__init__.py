@@ -1,8 +1,10 @@
 """`shardwise plan --emit DIR`: ready-to-run configs for one planned strategy.
 
-Writes ds_config.json + ds_config_hf.json (DeepSpeed strategies), shardwise.yaml (the
-trainer's own config), accelerate.yaml, launch scripts and a README with the plan's memory
-numbers. Torch-free: building the dicts is pure, only `emit_configs` touches the disk.
+Writes shardwise.yaml (the trainer's own config, made by the run bridge's inverse
+`shardwise.run.to_config`), ds_config.json + ds_config_hf.json (DeepSpeed strategies: the
+builder the trainer's engine uses, `shardwise.run.deepspeed_config`, on that same run),
+accelerate.yaml, launch scripts and a README with the plan's memory numbers. Torch-free:
+building the dicts is pure, only `emit_configs` touches the disk.
 """
 
 from __future__ import annotations
@@ -12,23 +14,37 @@ from pathlib import Path
 
 import yaml
 
-from shardwise.plan.emit_accelerate import DS_HF_FILE, accelerate_config, layer_class
-from shardwise.plan.emit_deepspeed import HYPER, check_emittable, deepspeed_config
-from shardwise.plan.emit_launch import launch_scripts
-from shardwise.plan.emit_train import shardwise_config
+from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable, layer_class
+from shardwise.emit.launch import launch_scripts
 from shardwise.plan.memory import MemoryPlan, plan_memory
+from shardwise.run import RunSpec, config_dict, deepspeed_config, run_spec, to_config
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
+from shardwise.train.config import TrainConfig
 
-__all__ = ["accelerate_config", "deepspeed_config", "emit_configs", "shardwise_config"]
+__all__ = ["accelerate_config", "deepspeed_config", "emit_configs", "emitted_run"]
+
+
+def emitted_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, *,
+                base: TrainConfig | None = None) -> tuple[RunSpec, list[str]]:
+    """The run the emitted files describe: the trainer config for the plan (the bridge's
+    inverse), read back through the bridge, so every file is built from the run that will train."""
+    check_emittable(strategy)
+    cfg, notes = to_config(model, hw, train, strategy, base=base, device="cuda")
+    run = run_spec(cfg, hw.world_size, "cuda", environ={})
+    # A catalog model round-trips by name; a user's config.json is written as a placeholder
+    # path, so the emitted run keeps the planned ModelSpec.
+    if cfg.model.path is not None and base is None:
+        run = RunSpec(**{**run.__dict__, "model": model})
+    return run, notes
 
 
 def emit_configs(
     model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, out_dir: Path,
-    *, plan: MemoryPlan | None = None,
+    *, plan: MemoryPlan | None = None, base: TrainConfig | None = None,
 ) -> list[Path]:
     """Write every config and script for `strategy` into `out_dir` (created); return the paths."""
-    check_emittable(strategy)
+    run, notes = emitted_run(model, hw, train, strategy, base=base)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     root = out_dir.resolve()
@@ -43,10 +59,10 @@ def emit_configs(
         written.append(path)
 
     if strategy.engine == "deepspeed":
-        write("ds_config.json", json.dumps(deepspeed_config(model, hw, train, strategy), indent=2) + "\n")
-        write(DS_HF_FILE, json.dumps(deepspeed_config(model, hw, train, strategy, hf_auto=True), indent=2) + "\n")
+        write("ds_config.json", json.dumps(deepspeed_config(run), indent=2) + "\n")
+        write(DS_HF_FILE, json.dumps(deepspeed_config(run, hf_auto=True), indent=2) + "\n")
 
-    sw, notes = shardwise_config(model, hw, train, strategy)
+    sw = config_dict(run.config)
     header = "".join(f"# NOTE: {n}\n" for n in notes)
     write("shardwise.yaml", f"# shardwise train config for {strategy.name} (emitted by `shardwise plan --emit`)\n"
           f"# Run: shardwise train shardwise.yaml   (or a launch_*.sh script beside it)\n{header}"
@@ -60,7 +76,7 @@ def emit_configs(
         write(name, text, executable=True)
 
     names = [p.name for p in written] + ["README.md"]
-    write("README.md", readme(model, hw, train, strategy, plan, names, notes))
+    write("README.md", readme(model, hw, train, strategy, plan, names, notes, run))
     return written
 
 
@@ -86,7 +102,7 @@ _FILES = {
 
 
 def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, plan: MemoryPlan,
-           names: list[str], notes: list[str]) -> str:  # fmt: skip
+           names: list[str], notes: list[str], run: RunSpec) -> str:  # fmt: skip
     g, host, lay = plan.gpu, plan.host, plan.layout
     lines = [
         f"# {strategy.name}: {model.name} on {hw.nodes} x {hw.gpus_per_node} {hw.gpu.name}",
@@ -143,7 +159,7 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
             "```bash",
             f"deepspeed {_nodes(hw)}--num_gpus {hw.gpus_per_node} train_sft.py --deepspeed ds_config_hf.json \\",
             f"  --per_device_train_batch_size {train.micro_batch} --gradient_accumulation_steps {train.grad_accum} \\",
-            f"  --learning_rate {HYPER.lr} --max_grad_norm {HYPER.max_grad_norm} "
+            f"  --learning_rate {run.config.optimizer.lr} --max_grad_norm {run.config.optimizer.max_grad_norm} "
             + {"bf16": "--bf16", "fp16": "--fp16", "fp32": ""}[train.compute_dtype]
             + (" --gradient_checkpointing" if train.checkpointing != "none" else ""),
             "```",

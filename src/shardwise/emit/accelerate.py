@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.errors import ShardwiseError
-from shardwise.plan.emit_deepspeed import data_parallel
 from shardwise.specs import HardwareSpec, ModelSpec, ParallelLayout, Strategy, TrainSpec
 
 DS_HF_FILE = "ds_config_hf.json"
@@ -28,6 +27,15 @@ LAYER_CLASS = {
 MIXED_PRECISION = {"bf16-mixed": "bf16", "bf16-pure": "bf16", "fp16-mixed": "fp16", "fp32": "no"}
 
 
+def check_emittable(strategy: Strategy) -> None:
+    """Emission covers data parallelism only: none of the emitted launchers does TP/PP."""
+    if not strategy.trainable:
+        raise ShardwiseError(
+            f"config emission supports data parallelism only (tp 1, pp 1); {strategy.name} has "
+            f"tp {strategy.tp}, pp {strategy.pp}"
+        )
+
+
 def layer_class(model: ModelSpec) -> str:
     try:
         return LAYER_CLASS[model.family]
@@ -39,7 +47,8 @@ def accelerate_config(
     model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, *, ds_config_file: str = DS_HF_FILE,
 ) -> dict[str, Any]:
     """The accelerate config dict; `ds_config_file` is where DEEPSPEED reads its JSON from."""
-    world = data_parallel(hw, strategy)
+    check_emittable(strategy)
+    world = hw.world_size
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,

@@ -1,0 +1,223 @@
+"""The one bridge between the trainer's YAML (`TrainConfig`) and the planner's specs.
+
+`run_spec(cfg, world_size, device)` → `RunSpec` (ModelSpec, HardwareSpec, TrainSpec, Strategy
+with every engine knob, ParallelLayout): what preflight plans, what the engines build, what
+metrics divide by, and what `plan --emit` and the benches use. `to_config(...)` is its inverse:
+the emitted `shardwise.yaml` is made by it, and `run_spec(to_config(specs))` gives the specs back.
+
+Torch-free: the trainer's preflight and `shardwise plan` import it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.errors import ShardwiseError
+from shardwise.specs import (
+    DDPKnobs,
+    DeepSpeedKnobs,
+    FSDPKnobs,
+    HardwareSpec,
+    ModelSpec,
+    ParallelLayout,
+    Strategy,
+    TrainSpec,
+)
+from shardwise.train.config import TrainConfig, validate
+
+# DeepSpeed's 5e8-element default buckets allocate GBs per rank on CPU and slow tiny runs
+# 3-5× (docs/reference.md "DeepSpeed's default knobs"); on CPU the trainer uses 1e6.
+CPU_BUCKET_ELEMENTS = 1_000_000
+
+
+def trainer_knobs(device: str) -> tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs]:
+    """The knobs a config gets when it leaves a field unset (None).
+
+    DeepSpeed reduces gradients in fp32 (its default is the param dtype): parity with FSDP2's
+    reduce_dtype=fp32 and DDP's fp32 grads; the planner counts the 4 bytes it costs.
+    """
+    ds: dict[str, Any] = {"communication_data_type": "fp32"}
+    if device == "cpu":
+        ds |= {"reduce_bucket_size": CPU_BUCKET_ELEMENTS, "allgather_bucket_size": CPU_BUCKET_ELEMENTS,
+               "prefetch_bucket_size": CPU_BUCKET_ELEMENTS}
+    return DeepSpeedKnobs(**ds), FSDPKnobs(), DDPKnobs()
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run, described once: the validated config and the planner's view of it."""
+
+    config: TrainConfig
+    device: str  # "cpu" | "cuda"
+    model: ModelSpec
+    hardware: HardwareSpec
+    train: TrainSpec
+    strategy: Strategy
+    layout: ParallelLayout
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+
+def seq_len(cfg: TrainConfig) -> int:
+    return cfg.data.synthetic.seq_len if cfg.data.kind == "synthetic" else cfg.data.sft.max_length
+
+
+def model_spec(cfg: TrainConfig) -> ModelSpec:
+    """The planner's ModelSpec of the configured model: catalog name or the local config.json."""
+    if cfg.model.path is None:
+        from shardwise.catalog import get_model
+
+        return get_model(cfg.model.name or "")
+    return ModelSpec.from_hf_config(cfg.model.path)
+
+
+def train_spec(cfg: TrainConfig, **overrides: Any) -> TrainSpec:
+    fields = {
+        "seq_len": seq_len(cfg),
+        "micro_batch": cfg.run.micro_batch,
+        "grad_accum": cfg.run.grad_accum,
+        "precision": cfg.precision,
+        "optimizer": cfg.optimizer.name,
+        "checkpointing": cfg.checkpointing.activation,
+        "attention": cfg.model.attention,
+    }
+    return TrainSpec(**(fields | overrides))
+
+
+def strategy(cfg: TrainConfig, device: str) -> Strategy:
+    """Strategy with every knob: the config's values, the trainer's defaults where unset."""
+    s = cfg.strategy
+    defaults = trainer_knobs(device)
+    sections = (s.deepspeed, s.fsdp, s.ddp)
+    ds, fsdp, ddp = (
+        d.model_copy(update={k: v for k, v in sec.model_dump().items() if v is not None})
+        for d, sec in zip(defaults, sections, strict=True)
+    )
+    kw: dict[str, Any] = {"ds": ds, "fsdp": fsdp, "ddp": ddp}
+    if s.shard_group is not None:
+        kw["shard_group"] = s.shard_group
+    try:
+        return Strategy.from_name(s.name, **kw)
+    except ShardwiseError as e:
+        raise ShardwiseError(f"{cfg.source}: strategy: {e}") from None
+
+
+def gpus_per_node(cfg: TrainConfig, world_size: int, environ: dict[str, str] | None = None) -> int:
+    """Ranks per node: the config's, else the launcher's LOCAL_WORLD_SIZE (torchrun, deepspeed),
+    SLURM_NTASKS_PER_NODE (srun), else every rank on one node (`--nproc` spawns locally)."""
+    if cfg.hardware.gpus_per_node is not None:
+        return cfg.hardware.gpus_per_node
+    e = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = e.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), world_size)
+    return world_size
+
+
+def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[str, str] | None = None) -> RunSpec:
+    """The run `cfg` describes on `world_size` ranks of `device`; refuses impossible layouts
+    with the config file in the message."""
+    from shardwise.catalog import build_hardware
+
+    per_node = gpus_per_node(cfg, world_size, environ)
+    model = model_spec(cfg)
+    strat = strategy(cfg, device)
+    try:
+        hw = build_hardware(gpu=cfg.hardware.gpu, gpus=world_size, gpus_per_node=per_node)
+        layout = ParallelLayout.for_strategy(strat, world_size, per_node)
+        layout.check_model(model)
+    except ShardwiseError as e:
+        raise ShardwiseError(
+            f"{cfg.source}: strategy.name {strat.name!r} cannot run on {world_size} rank(s): {e}") from None
+    return RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg),
+                   strategy=strat, layout=layout)
+
+
+# --- the inverse: specs -> TrainConfig -----------------------------------------------------
+
+
+def _knob_overrides(knobs: Any, default: Any) -> dict[str, Any]:
+    """Only what differs from the trainer's default: the config stays in its normal form."""
+    return {k: v for k, v in knobs.model_dump().items() if v != getattr(default, k)}
+
+
+def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, *,
+              base: TrainConfig | None = None, device: str = "cuda") -> tuple[TrainConfig, list[str]]:
+    """The TrainConfig that runs these specs, and notes on what the trainer cannot run as planned.
+
+    Sections the specs do not describe (optimizer values, schedule, data files, logging, output)
+    come from `base` (default: TrainConfig's defaults). Where the plan used a setting the trainer
+    does not offer (bf16-pure, selective checkpointing, flash attention, SGD/8-bit Adam, LoRA),
+    the nearest accepted value is written and the difference is returned as a note: a silently
+    different run would make the plan's numbers lie.
+    """
+    from shardwise import catalog
+
+    if not strategy.trainable:
+        raise ShardwiseError(
+            f"the trainer runs data parallelism only (tp 1, pp 1); {strategy.name} has tp {strategy.tp}, "
+            f"pp {strategy.pp}")
+    notes: list[str] = []
+    precision = train.precision
+    if precision == "bf16-pure":
+        notes.append("planned bf16-pure; the trainer runs bf16-mixed (fp32 master weights: more memory)")
+        precision = "bf16-mixed"
+    activation = {"none": "none", "full": "full", "selective": "full"}[train.checkpointing]
+    if train.checkpointing == "selective":
+        notes.append("planned selective checkpointing; the trainer offers full (less memory, more recompute)")
+    attention = "sdpa" if train.attention == "flash" else train.attention
+    if train.attention == "flash":
+        notes.append("planned flash attention; the trainer uses sdpa (same O(seq) memory with its flash kernel)")
+    if train.optimizer != "adamw":
+        notes.append(f"planned optimizer {train.optimizer!r}; the trainer (and the DeepSpeed JSON) use AdamW")
+    if train.lora_rank:
+        notes.append(f"planned LoRA rank {train.lora_rank}; these configs describe full fine-tuning")
+
+    b = base or TrainConfig(name=f"{model.name}-{strategy.name}")
+    raw = b.model_dump(exclude={"source"})
+    if base is None:
+        if model.name in catalog.model_names():
+            # a catalog name builds that architecture with random weights; real SFT wants `path`
+            raw["model"] |= {"name": model.name, "path": None}
+        else:
+            raw["model"] |= {"name": None, "path": f"/path/to/{model.name}"}
+        raw["run"] |= {"nproc": hw.gpus_per_node, "device": device}
+        raw["checkpointing"]["output_dir"] = f"runs/{model.name}-{strategy.name}"
+        raw["hardware"]["check_memory"] = True
+        # DeepSpeed's WarmupDecayLR (linear warmup) is what ds_config.json carries too
+        raw["schedule"]["kind"] = "warmup_decay"
+    raw["model"]["attention"] = attention
+    if raw["data"]["kind"] == "synthetic":
+        raw["data"]["synthetic"]["seq_len"] = train.seq_len
+    else:
+        raw["data"]["sft"]["max_length"] = train.seq_len
+    knobs = trainer_knobs(device)
+    raw["strategy"] = {
+        "name": strategy.name,
+        "shard_group": strategy.shard_group,
+        "deepspeed": _knob_overrides(strategy.ds, knobs[0]),
+        "fsdp": _knob_overrides(strategy.fsdp, knobs[1]),
+        "ddp": _knob_overrides(strategy.ddp, knobs[2]),
+    }
+    raw["precision"] = precision
+    raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
+    raw["checkpointing"]["activation"] = activation
+    raw["hardware"] |= {"gpu": hw.gpu.name, "gpus_per_node": hw.gpus_per_node if hw.nodes > 1 else
+                        raw["hardware"]["gpus_per_node"]}
+    return validate(raw, source=b.source), notes
+
+
+def config_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """`cfg` as the YAML mapping `load_config` reads back to an equal TrainConfig: every field,
+    except unset engine knobs (None = the trainer's default) and data.sft fields at their default."""
+    raw = cfg.model_dump(mode="json", exclude={"source"})
+    raw["strategy"] = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
+                       for k, v in raw["strategy"].items()}
+    raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None)}
+    raw["data"]["sft"] = cfg.data.sft.model_dump(mode="json", exclude_defaults=True)
+    return raw

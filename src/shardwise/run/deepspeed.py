@@ -1,0 +1,124 @@
+"""The one DeepSpeed config builder: the trainer's engine, `plan --emit` and the benches all
+pass a RunSpec through it, so the JSON DeepSpeed receives is the JSON that was planned.
+
+Pure (no torch, no deepspeed import). Settings made explicit because DeepSpeed's defaults
+would break parity with DDP/FSDP2 or differ from the plan:
+- `gradient_clipping` = optimizer.max_grad_norm (DeepSpeed's default 0.0 means *no* clipping);
+- AdamW `weight_decay` explicit (torch's AdamW default is 0.01);
+- `prescale_gradients: false`, `gradient_predivide_factor: 1.0`: a plain average over ranks;
+- `communication_data_type` when the strategy's knob is not DeepSpeed's default;
+- fp16 dynamic loss scaling from 2^16, as torch's GradScaler;
+- the ZeRO knobs of the strategy, under DeepSpeed's own key names.
+The learning rate: shardwise's loop sets it on every step (`Engine.set_lr`), so the scheduler
+block only matters to scripts of your own that use this JSON; it approximates the configured
+schedule with DeepSpeed's nearest one (docs/emit.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.errors import ShardwiseError
+from shardwise.run.bridge import RunSpec
+from shardwise.specs import Strategy
+
+# The trainer logs every step itself; DeepSpeed's periodic prints would only repeat it.
+STEPS_PER_PRINT = 2**31 - 1
+
+
+def zero_section(strategy: Strategy, *, pin_memory: bool = True) -> dict[str, Any]:
+    """The `zero_optimization` block: every knob the plan assumed, under DeepSpeed's key names."""
+    stage = strategy.zero_stage or 0
+    k = strategy.ds
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "reduce_bucket_size": k.reduce_bucket_size,
+        "allgather_bucket_size": k.allgather_bucket_size,
+        "overlap_comm": k.overlap(stage),
+        "contiguous_gradients": k.contiguous_gradients,
+        "reduce_scatter": k.reduce_scatter,
+        "use_multi_rank_bucket_allreduce": k.use_multi_rank_bucket_allreduce,
+    }
+    if stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": k.prefetch_bucket_size,
+            "stage3_max_live_parameters": k.max_live_parameters,
+            "stage3_max_reuse_distance": k.max_reuse_distance,
+            "stage3_param_persistence_threshold": k.param_persistence_threshold,
+            # lets `save_16bit_model()` write one consolidated checkpoint (memory at save only)
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
+    # pinned host buffers: the PCIe copies the plan's offload timing assumes are pinned
+    if strategy.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if strategy.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    return zero
+
+
+def _scheduler(run: RunSpec, pick) -> dict[str, Any]:
+    """DeepSpeed's nearest scheduler to the configured one (linear warmup in all of them)."""
+    cfg = run.config
+    sched, lr, total = cfg.schedule, cfg.optimizer.lr, max(1, cfg.run.steps)
+    # deepspeed >= 0.19.6 rejects warmup_num_steps <= 0 (HF clamps to 1 the same way)
+    warmup = max(1, sched.warmup_steps)
+    common = {"warmup_num_steps": pick(warmup), "warmup_type": "linear"}
+    if sched.kind == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": pick(total), "warmup_min_ratio": 0.0,
+            "cos_min_ratio": sched.min_lr_ratio, **common}}
+    if sched.kind == "constant":
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": pick(0.0), "warmup_max_lr": pick(lr), **common}}
+    # warmup_decay and linear: linear decay to 0 at the last step (DeepSpeed has no floor here)
+    return {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": pick(0.0), "warmup_max_lr": pick(lr), "total_num_steps": pick(total), **common}}
+
+
+def uses_torch_adam(run: RunSpec) -> bool:
+    """torch's AdamW unless offloading from a GPU, where DeepSpeedCPUAdam's SIMD step is what
+    makes offload usable (on CPU torch's avoids building the C++ op)."""
+    return run.device == "cpu" or not run.strategy.offload_optimizer
+
+
+def deepspeed_config(run: RunSpec, *, hf_auto: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of `run`; `hf_auto` puts "auto" where Hugging Face Trainer fills the
+    value from TrainingArguments (batch, optimizer, scheduler, precision, clipping). The ZeRO
+    knobs stay concrete in both: HF's "auto" reduce_bucket_size (hidden²) is not what was planned."""
+    s = run.strategy
+    if s.engine != "deepspeed":
+        raise ShardwiseError(f"strategy {s.name!r} runs on {s.engine}, not DeepSpeed: no DeepSpeed config")
+
+    def pick(concrete: Any) -> Any:
+        return "auto" if hf_auto else concrete
+
+    cfg, train = run.config, run.train
+    o = cfg.optimizer
+    adam: dict[str, Any] = {"lr": pick(o.lr), "betas": pick(list(o.betas)), "eps": pick(o.eps),
+                            "weight_decay": pick(o.weight_decay)}
+    torch_adam = uses_torch_adam(run)
+    if torch_adam:
+        adam["torch_adam"] = True
+        if o.fused if o.fused is not None else run.device == "cuda":
+            adam["fused"] = True
+    dtype = train.compute_dtype
+    comm = s.ds.communication_data_type
+    return {
+        "train_micro_batch_size_per_gpu": pick(train.micro_batch),
+        "gradient_accumulation_steps": pick(train.grad_accum),
+        # DeepSpeed asserts train = micro × accumulation × data-parallel ranks
+        "train_batch_size": pick(train.micro_batch * train.grad_accum * run.layout.dp),
+        "gradient_clipping": pick(o.max_grad_norm),
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "optimizer": {"type": "AdamW", "params": adam},
+        "scheduler": _scheduler(run, pick),
+        "zero_optimization": zero_section(s, pin_memory=run.device == "cuda"),
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": not torch_adam,
+        "bf16": {"enabled": pick(dtype == "bf16")},
+        "fp16": {"enabled": pick(dtype == "fp16"), "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        **({} if comm == "auto" else {"communication_data_type": comm}),
+        "steps_per_print": STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,221 @@
+"""One run description from YAML to engine (shardwise.run).
+
+- TrainConfig -> specs -> emitted shardwise.yaml -> TrainConfig is the identity, for every
+  strategy and a grid of knobs; specs -> emitted config -> specs too.
+- The DeepSpeed JSON the engine hands to `deepspeed.initialize` equals the emitted ds_config.json.
+- The knob defaults are DeepSpeed's own (DeepSpeedZeroConfig of the installed version).
+- The preflight plan and the running engine (2 gloo ranks) agree on every memory-relevant
+  setting: bucket sizes, shard group, precision, reduce dtype, resharding, checkpointing.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from shardwise.catalog import build_hardware, get_model
+from shardwise.emit import emit_configs
+from shardwise.run import run_spec, to_config
+from shardwise.specs import STRATEGY_NAMES, DeepSpeedKnobs, Strategy, TrainSpec
+from shardwise.train.config import TrainConfig, load_config
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
+
+# Knob grid: None = the trainer's default; the others differ from every default.
+DS_GRID = [{}, {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 3_000_000},
+           {"use_multi_rank_bucket_allreduce": False, "communication_data_type": "bf16", "overlap_comm": False},
+           {"param_persistence_threshold": 0, "max_live_parameters": 10_000_000, "max_reuse_distance": 0,
+            "prefetch_bucket_size": 7_000_000, "contiguous_gradients": False}]
+FSDP_GRID = [{}, {"reduce_dtype": "param"}]
+DDP_GRID = [{}, {"bucket_cap_mb": 100.0, "gradient_as_bucket_view": False}]
+TRAIN_GRID = [
+    {"precision": "bf16-mixed", "run": {"micro_batch": 2, "grad_accum": 4}, "checkpointing": {"activation": "full"}},
+    {"precision": "fp16-mixed", "run": {"micro_batch": 1, "grad_accum": 1}, "model": {"attention": "eager"}},
+]
+
+
+def _config(name: str, knobs: dict, train: dict, nodes: int = 1) -> TrainConfig:
+    engine = Strategy.from_name(name).engine
+    section = {"deepspeed": "deepspeed", "fsdp2": "fsdp", "ddp": "ddp"}[engine]
+    raw = {
+        "name": f"rt-{name}",
+        "model": {"name": "llama-2-7b", "attention": "sdpa"} | train.get("model", {}),
+        "data": {"sft": {"max_length": 4096, "packing": False}},
+        "strategy": {"name": name, section: knobs} | ({"shard_group": 4} if name == "fsdp-hybrid" else {}),
+        "optimizer": {"lr": 3e-5, "weight_decay": 0.1, "max_grad_norm": 0.5},
+        "schedule": {"kind": "cosine", "warmup_steps": 20, "min_lr_ratio": 0.1},
+        "precision": train["precision"],
+        "run": {"steps": 500, "nproc": 8, "device": "cuda"} | train["run"],
+        "checkpointing": {"output_dir": "runs/rt"} | train.get("checkpointing", {}),
+        "hardware": {"gpu": "h100-sxm", "check_memory": True} | ({"gpus_per_node": 8} if nodes > 1 else {}),
+    }
+    return TrainConfig.model_validate(raw)
+
+
+def _cases():
+    for name in STRATEGY_NAMES:
+        engine = Strategy.from_name(name).engine
+        grid = {"deepspeed": DS_GRID, "fsdp2": FSDP_GRID, "ddp": DDP_GRID}[engine]
+        for knobs, train in itertools.product(grid, TRAIN_GRID):
+            yield pytest.param(name, knobs, train, id=f"{name}-{len(knobs)}k-{train['precision']}")
+
+
+@pytest.mark.parametrize(("name", "knobs", "train"), list(_cases()))
+def test_config_specs_emitted_yaml_config_is_identity(name, knobs, train, tmp_path):
+    nodes = 2 if name == "fsdp-hybrid" else 1
+    cfg = _config(name, knobs, train, nodes)
+    run = run_spec(cfg, 8 * nodes, "cuda", environ={})
+    emit_configs(run.model, run.hardware, run.train, run.strategy, tmp_path, base=cfg)
+    back = load_config(tmp_path / "shardwise.yaml")
+    assert back.model_dump() == cfg.model_dump()
+    # and the specs it describes are the same specs
+    again = run_spec(back, 8 * nodes, "cuda", environ={})
+    assert (again.strategy, again.train, again.layout, again.hardware) == (
+        run.strategy, run.train, run.layout, run.hardware)
+    if run.strategy.engine == "deepspeed":
+        assert json.loads((tmp_path / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"] == (
+            run.strategy.ds.reduce_bucket_size)
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_specs_emitted_config_specs_is_identity(name, tmp_path):
+    """From the planner's side (`plan --emit`, no config to start from)."""
+    nodes = 2 if name == "fsdp-hybrid" else 1
+    hw = build_hardware(gpu="a100-80g", gpus=8 * nodes, gpus_per_node=8)
+    train = TrainSpec(seq_len=4096, micro_batch=2, grad_accum=8, checkpointing="full")
+    s = Strategy.from_name(name, ds=DeepSpeedKnobs(reduce_bucket_size=123_456_789, communication_data_type="fp32"))
+    emit_configs(get_model("llama-2-7b"), hw, train, s, tmp_path)
+    run = run_spec(load_config(tmp_path / "shardwise.yaml"), hw.world_size, "cuda", environ={})
+    assert run.strategy == s and run.train == train and run.hardware == hw
+    assert run.model == get_model("llama-2-7b")
+
+
+@pytest.mark.parametrize("name", [n for n in STRATEGY_NAMES if Strategy.from_name(n).engine == "deepspeed"])
+def test_engine_receives_the_emitted_deepspeed_json(name, tmp_path, monkeypatch):
+    """Capture what DeepSpeedEngine hands to `deepspeed.initialize` for a run, and compare it
+    with the ds_config.json `plan --emit` writes for the same run."""
+    import deepspeed
+    import torch
+
+    from shardwise.train.engines.base import DistEnv
+    from shardwise.train.engines.deepspeed import DeepSpeedEngine
+
+    cfg = _config(name, DS_GRID[1], TRAIN_GRID[0])
+    run = run_spec(cfg, 8, "cuda", environ={})
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def fake_initialize(**kw):
+        seen.update(kw)
+        raise Captured
+
+    monkeypatch.setattr(deepspeed, "initialize", fake_initialize)
+    with pytest.raises(Captured):
+        DeepSpeedEngine(torch.nn.Linear(2, 2), run, DistEnv(device="cuda", world_size=8))
+    emit_configs(run.model, run.hardware, run.train, run.strategy, tmp_path, base=cfg)
+    assert seen["config"] == json.loads((tmp_path / "ds_config.json").read_text())
+
+
+def test_knob_defaults_are_the_installed_deepspeeds():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    ours = DeepSpeedKnobs()
+    for stage in (0, 1, 2, 3):
+        theirs = DeepSpeedZeroConfig(stage=stage)
+        assert ours.overlap(stage) == theirs.overlap_comm, stage
+    theirs = DeepSpeedZeroConfig()
+    for field in ("reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter",
+                  "use_multi_rank_bucket_allreduce", "prefetch_bucket_size", "max_live_parameters",
+                  "max_reuse_distance", "param_persistence_threshold"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
+def test_unset_knobs_take_the_trainers_device_defaults():
+    cfg = TrainConfig.model_validate({"strategy": {"name": "zero2", "deepspeed": {"allgather_bucket_size": 7}}})
+    cpu, gpu = run_spec(cfg, 2, "cpu", environ={}).strategy.ds, run_spec(cfg, 2, "cuda", environ={}).strategy.ds
+    # CPU: small buckets (DeepSpeed's 5e8 allocate GBs per rank there); GPU: DeepSpeed's own.
+    assert (cpu.reduce_bucket_size, gpu.reduce_bucket_size) == (1_000_000, DeepSpeedKnobs().reduce_bucket_size)
+    assert cpu.allgather_bucket_size == gpu.allgather_bucket_size == 7  # set: kept on both
+    assert cpu.communication_data_type == gpu.communication_data_type == "fp32"
+
+
+def test_preflight_plans_the_configured_buckets():
+    """The bug that motivated the bridge: llama-2-7b zero2 with 5e7-element buckets was planned
+    with 5e8 (0.93 GiB of gradient buffers instead of 0.09)."""
+    from shardwise.train.preflight import preflight
+
+    cfg = TrainConfig.model_validate({"model": {"name": "llama-2-7b"}, "strategy": {"name": "zero2", "deepspeed": {
+        "reduce_bucket_size": 50_000_000}}, "hardware": {"check_memory": False}})
+    run, _ = preflight(cfg, 8, "cuda")
+    from shardwise.plan.memory import plan_memory
+
+    g = plan_memory(run.model, run.hardware, run.train, run.strategy).gpu
+    # bf16 buckets, doubled by overlap_comm only when it is on (DeepSpeed: stage 3 by default)
+    assert g.grad_buffers == 50_000_000 * 2
+
+
+def test_hybrid_shard_group_defaults_to_a_node():
+    cfg = TrainConfig.model_validate({"strategy": {"name": "fsdp-hybrid"}})
+    assert run_spec(cfg, 16, "cuda", environ={"LOCAL_WORLD_SIZE": "8"}).layout.dp_shard == 8
+    assert run_spec(cfg, 4, "cpu", environ={}).layout.dp_shard == 4  # --nproc: one node
+
+
+def test_to_config_refuses_tp_and_notes_what_the_trainer_cannot_run():
+    hw = build_hardware(gpus=8)
+    from shardwise.errors import ShardwiseError
+
+    with pytest.raises(ShardwiseError, match="data parallelism only"):
+        to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name("fsdp", tp=2))
+    cfg, notes = to_config(get_model("llama-2-7b"), hw, TrainSpec(precision="bf16-pure", lora_rank=8),
+                           Strategy.from_name("zero3"))
+    assert cfg.precision == "bf16-mixed" and len(notes) == 2
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_plan_is_the_pure_cost_model():
+    """No module in plan/ imports the trainer, the emitters or the bridge."""
+    for path in (SRC / "plan").glob("*.py"):
+        bad = {m for m in _imports(path) if m.startswith(("shardwise.train", "shardwise.emit", "shardwise.run"))}
+        assert not bad, f"{path.name} imports {bad}"
+
+
+# ---------------------------------------------------------------- plan vs running engine (2 ranks)
+SETTINGS_CASES = ["ddp", "ddp:bf16:ckpt", "zero0:bf16", "zero1", "zero2:bf16", "zero3", "zero3:bf16:ckpt",
+                  "fsdp", "fsdp:bf16:ckpt", "fsdp-grad-op:bf16", "fsdp-hybrid:sg1:bf16"]
+
+
+@pytest.fixture(scope="module")
+def settings():
+    from shardwise.bench.settings import measure_settings
+
+    return measure_settings(SETTINGS_CASES, timeout_s=420)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", SETTINGS_CASES)
+def test_running_engine_uses_what_preflight_planned(case, settings):
+    assert case in settings, f"no result for {case}"
+    for rank in settings[case]:
+        assert "error" not in rank, rank
+        planned, running = rank["planned"], rank["running"]
+        assert planned.keys() == running.keys()
+        diff = {k: (planned[k], running[k]) for k in planned if planned[k] != running[k]}
+        assert not diff, f"{case}: planned vs running {diff}"
