@@ -219,3 +219,29 @@ def test_running_engine_uses_what_preflight_planned(case, settings):
         assert planned.keys() == running.keys()
         diff = {k: (planned[k], running[k]) for k in planned if planned[k] != running[k]}
         assert not diff, f"{case}: planned vs running {diff}"
+
+
+def test_plan_flags_set_the_engine_knobs_and_emit_carries_them(tmp_path):
+    """Any measured configuration can be planned: the --ds-*/--fsdp-*/--ddp-* flags reach the
+    plan (bucket bytes follow them) and the emitted files run exactly those knobs."""
+    from typer.testing import CliRunner
+
+    from shardwise.cli import app
+
+    def grad_buffers(*flags: str) -> float:
+        r = CliRunner().invoke(app, ["plan", "-s", "zero2", "--gpus", "8", "--json", *flags])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)["strategies"][0]["memory"]["grad_buffers"]
+
+    # llama-2-7b bf16 zero2: one reduce bucket of 2-byte elements (overlap_comm off at stage 2)
+    assert grad_buffers() == 500_000_000 * 2
+    assert grad_buffers("--ds-bucket", "50000000") == 50_000_000 * 2
+    assert grad_buffers("--ds-bucket", "50000000", "--ds-overlap-comm") == 50_000_000 * 2 * 2
+    out = tmp_path / "emit"
+    r = CliRunner().invoke(app, ["plan", "-s", "zero3", "--gpus", "8", "--emit", str(out), "--emit-strategy", "zero3",
+                                 "--ds-persistence-threshold", "0", "--ds-prefetch", "12345", "--ds-comm-dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    zero = json.loads((out / "ds_config.json").read_text())["zero_optimization"]
+    assert (zero["stage3_param_persistence_threshold"], zero["stage3_prefetch_bucket_size"]) == (0, 12345)
+    ds = run_spec(load_config(out / "shardwise.yaml"), 8, "cuda", environ={}).strategy.ds
+    assert (ds.param_persistence_threshold, ds.prefetch_bucket_size, ds.communication_data_type) == (0, 12345, "fp32")

@@ -51,10 +51,20 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     emit: Path | None = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
     emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Strategy to emit (default: the recommended one)."),
+    ds_bucket: int | None = typer.Option(None, "--ds-bucket", help="DeepSpeed reduce + all-gather bucket (elements; default 5e8)."),
+    ds_reduce_bucket: int | None = typer.Option(None, "--ds-reduce-bucket", help="DeepSpeed reduce_bucket_size only (elements)."),
+    ds_prefetch: int | None = typer.Option(None, "--ds-prefetch", help="ZeRO-3 stage3_prefetch_bucket_size (elements)."),
+    ds_persistence_threshold: int | None = typer.Option(None, "--ds-persistence-threshold", help="ZeRO-3 stage3_param_persistence_threshold (elements)."),
+    ds_max_live: int | None = typer.Option(None, "--ds-max-live", help="ZeRO-3 stage3_max_live_parameters."),
+    ds_max_reuse: int | None = typer.Option(None, "--ds-max-reuse", help="ZeRO-3 stage3_max_reuse_distance."),
+    ds_overlap_comm: bool | None = typer.Option(None, "--ds-overlap-comm/--no-ds-overlap-comm", help="Default: on for ZeRO-3 only."),
+    ds_multi_rank_allreduce: bool | None = typer.Option(None, "--ds-multi-rank-allreduce/--no-ds-multi-rank-allreduce", help="ZeRO-1/2 use_multi_rank_bucket_allreduce (default on)."),
+    ds_comm_dtype: str | None = typer.Option(None, "--ds-comm-dtype", help="DeepSpeed communication_data_type: auto | fp32 | bf16 | fp16."),
+    fsdp_reduce_dtype: str | None = typer.Option(None, "--fsdp-reduce-dtype", help="FSDP2 gradient reduce dtype: fp32 (default) | param."),
+    ddp_bucket_mb: float | None = typer.Option(None, "--ddp-bucket-mb", help="DDP bucket_cap_mb (default 25)."),
+    shard_group: int | None = typer.Option(None, "--shard-group", help="fsdp-hybrid: GPUs per shard group (default: a node)."),
 ) -> None:
     """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
-    from pydantic import ValidationError
-
     from shardwise.plan.planner import build_specs, plan_strategies
     from shardwise.plan.recommend import recommend
     from shardwise.plan.report import plan_json, plan_table, time_table
@@ -69,15 +79,23 @@ def plan(
         )
         if accounting not in ("engine", "paper", "deepspeed"):
             raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
-        evals = plan_strategies(m, hw, train, strategy, tp=tp, pp=pp, accounting=accounting, margin=margin)
+        knobs = _knobs(
+            ds={"reduce_bucket_size": ds_reduce_bucket or ds_bucket, "allgather_bucket_size": ds_bucket,
+                "prefetch_bucket_size": ds_prefetch, "param_persistence_threshold": ds_persistence_threshold,
+                "max_live_parameters": ds_max_live, "max_reuse_distance": ds_max_reuse,
+                "overlap_comm": ds_overlap_comm, "use_multi_rank_bucket_allreduce": ds_multi_rank_allreduce,
+                "communication_data_type": ds_comm_dtype},
+            fsdp={"reduce_dtype": fsdp_reduce_dtype}, ddp={"bucket_cap_mb": ddp_bucket_mb}, shard_group=shard_group)
+        evals = plan_strategies(m, hw, train, strategy, tp=tp, pp=pp, accounting=accounting, margin=margin,
+                                knobs=knobs)
         try:
-            rec = recommend(m, hw, train, strategies=strategy or None, margin=margin)
+            rec = recommend(m, hw, train, strategies=strategy or None, margin=margin, knobs=knobs)
         except ShardwiseError as no_fit:
             rec, rec_error = None, str(no_fit)
         emitted = []
         if emit is not None:
-            emitted = _emit(m, hw, train, evals, rec, emit, emit_strategy, tp, pp)
-    except (ShardwiseError, ValidationError) as e:
+            emitted = _emit(m, hw, train, evals, rec, emit, emit_strategy, tp, pp, knobs)
+    except ShardwiseError as e:
         _fail(e)
     if as_json:
         doc = plan_json(m, hw, train, evals, accounting, rec)
@@ -102,12 +120,24 @@ def plan(
         console.print(f"wrote {path}", highlight=False)
 
 
-def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp):
+def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):
+    """The engine knobs the --ds-*/--fsdp-*/--ddp-* flags set (unset flags: the engines' defaults)."""
+    from shardwise.specs import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
+    from shardwise.specs.strategy import StrategyKnobs
+
+    def given(d: dict) -> dict:
+        return {k: v for k, v in d.items() if v is not None}
+
+    return StrategyKnobs(ds=DeepSpeedKnobs(**given(ds)), fsdp=FSDPKnobs(**given(fsdp)), ddp=DDPKnobs(**given(ddp)),
+                         shard_group=shard_group)
+
+
+def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp, knobs):
     from shardwise.emit import emit_configs
     from shardwise.specs import Strategy
 
     if name:
-        strategy = Strategy.from_name(name, tp=tp, pp=pp)
+        strategy = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
         chosen = next((e for e in evals if e.strategy.name == strategy.name), None)
         plan = chosen.memory if chosen else None
     elif rec is not None:
@@ -117,7 +147,7 @@ def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp):
             # configuration without TP/PP (the table still shows the TP/PP winner)
             from shardwise.plan.recommend import recommend
 
-            best = recommend(m, hw, train, tps=(1,), pps=(1,)).best
+            best = recommend(m, hw, train, tps=(1,), pps=(1,), knobs=knobs).best
         strategy, train, plan = best.strategy, best.train, best.memory
     else:
         raise ShardwiseError("--emit: nothing fits, so there is no recommended strategy; name one with --emit-strategy")
@@ -138,7 +168,6 @@ def explain(
     checkpointing: str = typer.Option("none", "--checkpointing"),
 ) -> None:
     """ZeRO-1/2/3 vs FSDP for your model and hardware: what each shards, memory, traffic, crossovers."""
-    from pydantic import ValidationError
     from rich.console import Console
     from rich.markdown import Markdown
 
@@ -150,7 +179,7 @@ def explain(
                                    gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
                                    micro_batch=micro_batch, checkpointing=checkpointing)
         text = explain_text(m, hw, train)
-    except (ShardwiseError, ValidationError) as e:
+    except ShardwiseError as e:
         _fail(e)
     if sys.stdout.isatty():
         Console().print(Markdown(text))

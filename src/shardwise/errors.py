@@ -21,20 +21,46 @@ def did_you_mean(value: str, choices: list[str] | tuple[str, ...]) -> str:
     return f"Valid choices: {', '.join(sorted(choices))}.{hint}"
 
 
-def user_error(err: Exception, where: str) -> ShardwiseError:
-    """Turn a pydantic ValidationError into a ShardwiseError naming each field, the value given
-    and what was expected; a ShardwiseError raised inside a validator comes back unchanged."""
+def user_error(err: Exception, where: str, *, model: type | None = None, lines: dict[tuple, int] | None = None,
+               prefix: tuple[str, ...] = (), header: str | None = None) -> ShardwiseError:
+    """The one converter from a pydantic ValidationError to a ShardwiseError: one line per
+    error naming `where` (with the YAML line when `lines` maps the key path), the dotted field
+    (under `prefix`), the value given and what was expected; an unknown field lists the valid
+    ones of `model`'s section, closest first. A ShardwiseError raised inside a validator
+    already says all that and comes back unchanged."""
     errors = getattr(err, "errors", None)
     if errors is None:
         return ShardwiseError(f"{where}: {err}")
-    lines = []
+    out = []
     for e in errors():
         inner = (e.get("ctx") or {}).get("error")
         if isinstance(inner, ShardwiseError):
             return inner
-        field = ".".join(str(p) for p in e.get("loc", ())) or "(root)"
-        msg = e.get("msg", "invalid")
+        loc = tuple(p for p in e.get("loc", ()) if not (isinstance(p, str) and p.startswith("function-")))
+        at = where
+        for n in range(len(loc), 0, -1):
+            if lines and loc[:n] in lines:
+                at = f"{where}:{lines[loc[:n]]}"
+                break
+        dotted = ".".join(str(p) for p in (*prefix, *loc)) or "(top level)"
         if e.get("type") == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"{field}: {msg} (got {e.get('input')!r})")
-    return ShardwiseError(f"{where}: " + "; ".join(lines))
+            section = _section(model, loc[:-1])
+            allowed = [f for f in getattr(section, "model_fields", {}) if f != "source"]
+            out.append(f"{at}: unknown field {dotted!r}. {did_you_mean(str(loc[-1]), allowed)}")
+            continue
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        out.append(f"{at}: field {dotted!r} = {e.get('input')!r}: {msg}")
+    if header:
+        return ShardwiseError(f"{header}:\n  " + "\n  ".join(out))
+    return ShardwiseError("; ".join(out))
+
+
+def _section(model: type | None, loc: tuple) -> type | None:
+    """The pydantic model class at `loc` under `model` (None past a non-model field)."""
+    for p in loc:
+        field = getattr(model, "model_fields", {}).get(str(p))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and hasattr(ann, "model_fields")):
+            return None
+        model = ann
+    return model

@@ -1,5 +1,5 @@
 """Full-size FSDP2 memory without GPUs: trace one training step of a catalog model on a fake
-process group with fake tensors, under torch's FSDPMemTracker (REFERENCE.md: "Full-size trace
+process group with fake tensors, under torch's FSDPMemTracker (docs/reference.md "Full-size trace
 without GPUs"). The tracker attributes every live byte to sharded/unsharded params, grads,
 activations, temporaries, all-gather/reduce-scatter buffers and optimizer state; its peak is
 what `plan_memory` predicts minus the runtime overhead (CUDA context, NCCL, fragmentation),

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardwise.data.formats import ALL_FIELDS
-from shardwise.errors import ShardwiseError, did_you_mean
+from shardwise.errors import did_you_mean, user_error
 
 Truncation = Literal["keep_start", "cut_prompt", "drop", "raise"]
 
@@ -52,6 +52,4 @@ def load_data_config(raw: Mapping[str, Any], *, source: str = "<data config>") -
     try:
         return DataConfig.model_validate(dict(raw))
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "data"
-        raise ShardwiseError(f"{source}: field 'data.{loc}': {first['msg']} (got {first.get('input')!r}).") from exc
+        raise user_error(exc, source, model=DataConfig, prefix=("data",)) from None

@@ -24,7 +24,7 @@ from shardwise.specs.train import TrainSpec
 
 Accounting = Literal["engine", "paper", "deepspeed"]
 
-CUDA_CONTEXT = 0.75 * GIB  # REFERENCE.md: 0.3–1 GB per process
+CUDA_CONTEXT = 0.75 * GIB  # docs/reference.md "Runtime overheads": 0.3–1 GB per process
 NCCL_PER_GROUP = 0.5 * GIB  # NVIDIA/nccl #864: ~0.5 GB per communicator
 FRAGMENTATION = 0.05  # caching-allocator slack on top of live bytes (expandable_segments assumed)
 DEFAULT_MARGIN = 0.05  # head room kept free when deciding "fits"
@@ -195,7 +195,7 @@ def _foreach_temp(train: TrainSpec, n_params: float) -> float:
 
 def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer):
     """DeepSpeed keeps the module in the compute dtype (w bytes) and an fp32 master partition,
-    even for an fp32 model (measured: REFERENCE.md); grads are partitioned in the compute dtype
+    even for an fp32 model (measured: docs/reference.md "What the engines allocate"); grads are partitioned in the compute dtype
     and copied to an fp32 partition inside step() (stage_1_and_2.py `single_partition_of_fp32_groups`)."""
     w = c
     stage = s.zero_stage
@@ -212,7 +212,7 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
         ), host
     if stage in (1, 2):
         # ZeRO-1 under accumulation keeps full grads until the boundary; ZeRO-2 reduces each
-        # micro-batch into the partition (REFERENCE.md "More measured here").
+        # micro-batch into the partition (docs/reference.md "What the engines allocate").
         grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * partition_holding(model, n, layout.tp, layout.pp)
         # the reduce buckets are set up at the first backward hook and released after it
         # (stage_1_and_2.py setup_buckets; measured ~0 after backward)

@@ -10,6 +10,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import Evaluation, evaluate
 from shardwise.plan.memory import DEFAULT_MARGIN
 from shardwise.specs import STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
+from shardwise.specs.strategy import StrategyKnobs
 
 
 def resolve_model(model: str | None = None, model_config: str | Path | None = None,
@@ -33,13 +34,14 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
 
 def plan_strategies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
                     names: list[str] | None = None, *, tp: int = 1, pp: int = 1,
-                    accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> list[Evaluation]:
+                    accounting: str = "engine", margin: float = DEFAULT_MARGIN,
+                    knobs: StrategyKnobs | None = None) -> list[Evaluation]:
     """Plan each named strategy (default: all) with the given TP/PP degrees."""
     names = list(names) if names else list(STRATEGY_NAMES)
     if tp * pp > hw.world_size:
         raise ShardwiseError(f"tp {tp} × pp {pp} = {tp * pp} exceeds the {hw.world_size} GPUs")
     plans = []
     for name in names:
-        s = Strategy.from_name(name, tp=tp, pp=pp)
+        s = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
         plans.append(evaluate(model, hw, train, s, accounting=accounting, margin=margin))
     return plans

@@ -10,6 +10,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import Evaluation, evaluate
 from shardwise.specs import STRATEGIES, STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
+from shardwise.specs.strategy import StrategyKnobs
 
 NEAR_TIE = 0.03  # within 3% tokens/s, the simpler strategy wins
 
@@ -30,7 +31,7 @@ def _complexity(e: Evaluation) -> tuple:
 
 def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=None,
           micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
-          tps=None, pps=None, margin: float = 0.05) -> list[Evaluation]:
+          tps=None, pps=None, margin: float = 0.05, knobs: StrategyKnobs | None = None) -> list[Evaluation]:
     """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
     where it divides, so that candidates train the same thing."""
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
@@ -40,7 +41,7 @@ def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=Non
     for name, mb, ck, tp, pp in itertools.product(strategies or STRATEGY_NAMES, micro_batches,
                                                   checkpointing, tps, pps):
         try:
-            s = Strategy.from_name(name, tp=tp, pp=pp)
+            s = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
             dp = hw.world_size // (tp * pp)
             ga = global_samples // (mb * dp) if dp and global_samples % (mb * dp) == 0 else 0
             if ga < 1:

@@ -28,7 +28,7 @@ from shardwise.specs import (
 from shardwise.train.config import TrainConfig, validate
 
 # DeepSpeed's 5e8-element default buckets allocate GBs per rank on CPU and slow tiny runs
-# 3-5× (docs/reference.md "DeepSpeed's default knobs"); on CPU the trainer uses 1e6.
+# 3-5× (docs/reference.md "DeepSpeed defaults and their memory effect"); on CPU the trainer uses 1e6.
 CPU_BUCKET_ELEMENTS = 1_000_000
 
 

@@ -3,7 +3,8 @@ pass a RunSpec through it, so the JSON DeepSpeed receives is the JSON that was p
 
 Pure (no torch, no deepspeed import). Settings made explicit because DeepSpeed's defaults
 would break parity with DDP/FSDP2 or differ from the plan:
-- `gradient_clipping` = optimizer.max_grad_norm (DeepSpeed's default 0.0 means *no* clipping);
+- `gradient_clipping` = optimizer.max_grad_norm (DeepSpeed's default is 1.0 in 0.19, 0.0 = off in
+  earlier releases: never left to the version);
 - AdamW `weight_decay` explicit (torch's AdamW default is 0.01);
 - `prescale_gradients: false`, `gradient_predivide_factor: 1.0`: a plain average over ranks;
 - `communication_data_type` when the strategy's knob is not DeepSpeed's default;

@@ -14,4 +14,4 @@ class Spec(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise user_error(e, type(self).__name__) from None
+            raise user_error(e, type(self).__name__, model=type(self)) from None

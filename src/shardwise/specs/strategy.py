@@ -121,6 +121,16 @@ class DDPKnobs(Spec):
     gradient_as_bucket_view: bool = Field(True, description="grads alias the buckets (no second copy)")
 
 
+class StrategyKnobs(Spec):
+    """The engine knobs of a plan, apart from the strategy name: what `shardwise plan --ds-*`
+    flags set and what a sweep applies to every candidate."""
+
+    shard_group: int | None = Field(None, gt=0)
+    ds: DeepSpeedKnobs = DeepSpeedKnobs()
+    fsdp: FSDPKnobs = FSDPKnobs()
+    ddp: DDPKnobs = DDPKnobs()
+
+
 class Strategy(Spec):
     """A named strategy (a row of STRATEGIES) with its TP/PP degrees and engine knobs."""
 
@@ -147,6 +157,14 @@ class Strategy(Spec):
     @classmethod
     def from_name(cls, name: str, **overrides) -> Strategy:
         return cls(name=name.strip().lower(), **overrides)
+
+    @classmethod
+    def with_knobs(cls, name: str, knobs: StrategyKnobs | None = None, **overrides) -> Strategy:
+        """`name` with the engine knobs of `knobs` (the shard group only where it applies)."""
+        k = knobs or StrategyKnobs()
+        facts = STRATEGIES.get(name.strip().lower())  # an unknown name fails in from_name, with choices
+        extra = {"shard_group": k.shard_group} if facts and facts.fsdp_sharding == "hybrid" and k.shard_group else {}
+        return cls.from_name(name, ds=k.ds, fsdp=k.fsdp, ddp=k.ddp, **extra, **overrides)
 
     @property
     def facts(self) -> StrategyFacts:

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from shardwise.data.config import DataConfig
-from shardwise.errors import ShardwiseError, did_you_mean
+from shardwise.errors import ShardwiseError, did_you_mean, user_error
 from shardwise.specs.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
@@ -211,42 +211,13 @@ def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[t
     return out
 
 
-def _describe(err: dict, source: str, lines: dict[tuple, int]) -> str:
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-    where = source
-    for n in range(len(loc), 0, -1):
-        if loc[:n] in lines:
-            where = f"{source}:{lines[loc[:n]]}"
-            break
-    dotted = ".".join(str(p) for p in loc) or "(top level)"
-    if err["type"] == "extra_forbidden":
-        parent = _model_at(loc[:-1])
-        allowed = list(parent.model_fields) if parent else []
-        allowed = [a for a in allowed if a != "source"]
-        return f"{where}: unknown field {dotted!r}. {did_you_mean(str(loc[-1]), allowed)}"
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{where}: field {dotted!r} = {err.get('input')!r}: {msg}"
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = TrainConfig
-    for p in loc:
-        field = model.model_fields.get(str(p))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
-
-
 def validate(
     raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None
 ) -> TrainConfig:
     try:
         return TrainConfig.model_validate({**raw, "source": source})
     except ValidationError as exc:
-        errs = [_describe(e, source, lines or {}) for e in exc.errors()]
-        raise ShardwiseError("invalid config:\n  " + "\n  ".join(errs)) from None
+        raise user_error(exc, source, model=TrainConfig, lines=lines, header="invalid config") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
