@@ -51,12 +51,12 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     emit: Path | None = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
     emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Strategy to emit (default: the recommended one)."),
-    ds_bucket: int | None = typer.Option(None, "--ds-bucket", help="DeepSpeed reduce + all-gather bucket (elements; default 5e8)."),
-    ds_reduce_bucket: int | None = typer.Option(None, "--ds-reduce-bucket", help="DeepSpeed reduce_bucket_size only (elements)."),
-    ds_prefetch: int | None = typer.Option(None, "--ds-prefetch", help="ZeRO-3 stage3_prefetch_bucket_size (elements)."),
-    ds_persistence_threshold: int | None = typer.Option(None, "--ds-persistence-threshold", help="ZeRO-3 stage3_param_persistence_threshold (elements)."),
-    ds_max_live: int | None = typer.Option(None, "--ds-max-live", help="ZeRO-3 stage3_max_live_parameters."),
-    ds_max_reuse: int | None = typer.Option(None, "--ds-max-reuse", help="ZeRO-3 stage3_max_reuse_distance."),
+    ds_bucket: float | None = typer.Option(None, "--ds-bucket", help="DeepSpeed reduce + all-gather bucket (elements; default 5e8)."),
+    ds_reduce_bucket: float | None = typer.Option(None, "--ds-reduce-bucket", help="DeepSpeed reduce_bucket_size only (elements)."),
+    ds_prefetch: float | None = typer.Option(None, "--ds-prefetch", help="ZeRO-3 stage3_prefetch_bucket_size (elements)."),
+    ds_persistence_threshold: float | None = typer.Option(None, "--ds-persistence-threshold", help="ZeRO-3 stage3_param_persistence_threshold (elements)."),
+    ds_max_live: float | None = typer.Option(None, "--ds-max-live", help="ZeRO-3 stage3_max_live_parameters."),
+    ds_max_reuse: float | None = typer.Option(None, "--ds-max-reuse", help="ZeRO-3 stage3_max_reuse_distance."),
     ds_overlap_comm: bool | None = typer.Option(None, "--ds-overlap-comm/--no-ds-overlap-comm", help="Default: on for ZeRO-3 only."),
     ds_multi_rank_allreduce: bool | None = typer.Option(None, "--ds-multi-rank-allreduce/--no-ds-multi-rank-allreduce", help="ZeRO-1/2 use_multi_rank_bucket_allreduce (default on)."),
     ds_comm_dtype: str | None = typer.Option(None, "--ds-comm-dtype", help="DeepSpeed communication_data_type: auto | fp32 | bf16 | fp16."),
@@ -126,7 +126,15 @@ def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):
     from shardwise.specs.strategy import StrategyKnobs
 
     def given(d: dict) -> dict:
-        return {k: v for k, v in d.items() if v is not None}
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, float) and k != "bucket_cap_mb":  # element counts, given as 5e7 or 50000000
+                if v != int(v):
+                    raise ShardwiseError(f"DeepSpeed {k} = {v}: expected a whole number of elements (e.g. 5e7)")
+                v = int(v)
+            if v is not None:
+                out[k] = v
+        return out
 
     return StrategyKnobs(ds=DeepSpeedKnobs(**given(ds)), fsdp=FSDPKnobs(**given(fsdp)), ddp=DDPKnobs(**given(ddp)),
                          shard_group=shard_group)
