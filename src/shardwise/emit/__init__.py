@@ -10,6 +10,7 @@ building the dicts is pure, only `emit_configs` touches the disk.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -35,7 +36,7 @@ def emitted_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: 
     # A catalog model round-trips by name; a user's config.json is written as a placeholder
     # path, so the emitted run keeps the planned ModelSpec.
     if cfg.model.path is not None and base is None:
-        run = RunSpec(**{**run.__dict__, "model": model})
+        run = replace(run, model=model)
     return run, notes
 
 
