@@ -7,6 +7,19 @@ field, the value given and what was expected. ``assert`` is for programmer error
 
 from __future__ import annotations
 
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """What `shardwise train` (launcher and every rank) exits with; documented in docs/training.md."""
+
+    OK = 0
+    FAILED = 1  # an unexpected error (traceback printed) or a rank that died
+    USER_ERROR = 2  # bad config, data, model or a planned OOM: nothing ran
+    NONFINITE = 3  # NaN/Inf loss or grad norm beyond run.nonfinite_patience: nothing exported
+    HUNG = 4  # a rank made no progress within run.timeout_s (the watchdog names it)
+    INTERRUPTED = 75  # SIGTERM/SIGUSR1/SIGINT: a checkpoint was saved; `--resume latest` continues (EX_TEMPFAIL)
+
 
 class ShardwiseError(ValueError):
     """A user error: the message says what was wrong and what would be accepted."""

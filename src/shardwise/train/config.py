@@ -128,12 +128,25 @@ class RunSection(_Section):
     seed: int = 0
     nproc: int = Field(1, gt=0, description="local ranks to launch (ignored under torchrun/deepspeed/srun)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    timeout_s: float = Field(600.0, gt=0, description="process-group init and collective timeout; a rank that "
+                             "makes no progress for this long fails the job with a message naming it")
+    nonfinite_patience: int = Field(0, ge=0, description="consecutive steps with a NaN/Inf loss or grad norm "
+                                    "tolerated before the run stops (fp16 overflow steps the scaler skips "
+                                    "do not count)")
 
 
 class CheckpointingSection(_Section):
     activation: Literal["none", "full"] = Field("none", description="activation checkpointing per layer")
-    output_dir: str = Field("runs/shardwise", description="metrics, TensorBoard and exports go here")
+    output_dir: str = Field("runs/shardwise", description="metrics, TensorBoard, checkpoints and exports go here")
     save_final: bool = Field(False, description="write consolidated weights (safetensors) at the end")
+    save_every_steps: int | None = Field(None, gt=0, description="sharded checkpoint every N optimizer steps")
+    save_every_minutes: float | None = Field(None, gt=0, description="sharded checkpoint every N minutes of "
+                                             "training (checked at step boundaries)")
+    keep_last: int = Field(2, ge=1, description="published checkpoints kept; older ones are deleted")
+    save_on_interrupt: bool = Field(True, description="SIGTERM/SIGUSR1: checkpoint at the next step boundary, "
+                                    "then exit with code 75")
+    resume: str | None = Field(None, description="'latest' (newest complete checkpoint under output_dir) or a "
+                               "checkpoint directory; same as `shardwise train --resume`")
 
 
 class LoggingSection(_Section):
