@@ -45,12 +45,13 @@ def stack(rows: Sequence[Batch]) -> Batch:
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def contiguous_indices(n: int, env: DistEnv, per_rank: int) -> Iterator[int]:
-    """Rank r's indices: the r-th slice of each global batch, in file order, epochs wrapping."""
+def contiguous_indices(n: int, env: DistEnv, per_rank: int, consumed: int = 0) -> Iterator[int]:
+    """Rank r's indices: the r-th slice of each global batch, in file order, epochs wrapping.
+    `consumed` global samples (a resumed run's position) are skipped without reading them."""
     global_batch = per_rank * env.world_size
     if n < global_batch:
         raise ValueError(f"dataset has {n} samples, fewer than one global batch of {global_batch}")
-    base = 0
+    base = (consumed // global_batch % (n // global_batch)) * global_batch
     while True:
         if base + global_batch > n:  # drop the tail that cannot fill a global batch
             base = 0
@@ -79,15 +80,22 @@ def iter_steps(
         yield [collate(rows[m * micro_batch : (m + 1) * micro_batch]) for m in range(grad_accum)]
 
 
-def build_source(run: RunSpec, env: DistEnv, vocab_size: int) -> Iterator[list[Batch]]:
-    """The configured data as a step iterator (synthetic, or the SFT pipeline's rows)."""
+def build_source(run: RunSpec, env: DistEnv, vocab_size: int, consumed: int = 0) -> Iterator[list[Batch]]:
+    """The configured data as a step iterator (synthetic, or the SFT pipeline's rows), starting
+    after `consumed` global samples: a resumed run continues the sample order exactly, on any
+    world size that keeps the global batch (the position is global, not per rank)."""
     cfg = run.config
     r = cfg.run
     per_rank = r.micro_batch * r.grad_accum
     if cfg.data.kind == "synthetic":
         ds = SyntheticSource(cfg.data.synthetic, vocab_size)
-        return iter_steps(ds, contiguous_indices(len(ds), env, per_rank), r.micro_batch, r.grad_accum)
+        return iter_steps(ds, contiguous_indices(len(ds), env, per_rank, consumed), r.micro_batch, r.grad_accum)
     from shardwise.train.sft_data import build_sft  # the data pipeline (tokenizer, files)
 
     ds, collate, sampler = build_sft(run, env)
+    if consumed:
+        # The sampler strides an epoch's order by rank, so each step's global batch is one
+        # contiguous run of it whatever the world size: rank r's position is consumed / world.
+        mine = consumed // env.world_size
+        sampler.load_state_dict({"epoch": mine // sampler.num_samples, "position": mine % sampler.num_samples})
     return iter_steps(ds, sampler_indices(sampler), r.micro_batch, r.grad_accum, collate)

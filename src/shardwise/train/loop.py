@@ -13,9 +13,12 @@ Per optimizer step:
 
 from __future__ import annotations
 
+import math
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,10 +49,26 @@ class TrainResult:
     records: list[StepRecord] = field(default_factory=list)
     final_weights: dict[str, torch.Tensor] | None = None  # rank 0, when asked
     num_params: int = 0
+    status: str = "completed"  # or "interrupted" (a checkpoint was saved: resume continues)
+    start_step: int = 0  # > 0 when resumed
+    checkpoint: Path | None = None  # the last checkpoint this run published
 
     @property
     def losses(self) -> list[float]:
         return [r.loss for r in self.records]
+
+
+class Interrupted(Exception):
+    """A stop was requested (signal); the run saved `checkpoint` (None if saving is off)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpointing.save_on_interrupt off)"
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: {where}")
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stayed NaN/Inf beyond `run.nonfinite_patience` steps."""
 
 
 def seed_everything(seed: int) -> None:
@@ -95,60 +114,129 @@ class _MetaReduce:
             dist.destroy_process_group(self.group)
 
 
+class _Guard:
+    """Non-finite losses and gradient norms: every rank sees the same (all-reduced) values and
+    so takes the same decision. fp16's scaler skips overflowing steps itself: an infinite grad
+    norm there is a skipped step, not a diverged run."""
+
+    def __init__(self, patience: int, fp16: bool):
+        self.patience, self.fp16, self.bad = patience, fp16, 0
+
+    def check(self, rec: StepRecord) -> bool:
+        """True when the step is finite (safe to checkpoint); raises past the patience."""
+        finite = math.isfinite(rec.loss) and (self.fp16 or math.isfinite(rec.grad_norm))
+        self.bad = 0 if finite else self.bad + 1
+        if self.bad > self.patience:
+            raise NonFiniteError(
+                f"step {rec.step}: loss {rec.loss}, grad norm {rec.grad_norm}: non-finite for {self.bad} "
+                f"consecutive step(s) (run.nonfinite_patience={self.patience}); lower optimizer.lr or check "
+                "the data. Nothing was exported."
+            )
+        return finite
+
+
 def train(
     run: RunSpec,
     env: DistEnv,
     steps: Iterator[list[dict[str, torch.Tensor]]] | None = None,
     metrics: Any = None,
     export_weights: bool = False,
+    resume: Path | None = None,
+    stop: Any = None,
+    watchdog: Any = None,
 ) -> TrainResult:
     """Run `run.config.run.steps` optimizer steps on an initialised process group.
 
     `steps` overrides the configured data (tests feed exact batches); `metrics` receives
     every StepRecord (rank 0 writes it). With `export_weights`, rank 0 gets the final
-    consolidated weights (a collective: every rank must ask).
+    consolidated weights (a collective: every rank must ask). `resume`: a verified checkpoint
+    directory to continue from. `stop`: a StopRequest (shardwise.train.signals) whose request
+    on any rank ends the run at the next step boundary with a checkpoint (raises Interrupted).
+    `watchdog` is told each phase (shardwise.train.watchdog). The caller closes `metrics`
+    (with the run's final status, after any export).
     """
+    from shardwise.train import checkpoint as ckpt
+
     cfg = run.config
+    cp = cfg.checkpointing
     seed_everything(cfg.run.seed)
     model = build_model(run)
     num_params = sum(p.numel() for p in model.parameters())
     engine = build_engine(model, run, env)
+    global_batch = cfg.run.micro_batch * cfg.run.grad_accum * env.world_size
+    phase = watchdog.phase if watchdog is not None else (lambda name, step: None)
+    start, train_time = 0, 0.0
+    if resume is not None:
+        phase("checkpoint load", 0)
+        state = ckpt.load_checkpoint(engine, resume)
+        start, train_time = state.step, state.train_time_s
+        if start > cfg.run.steps:
+            raise ValueError(f"{resume} is at step {start}, past run.steps={cfg.run.steps}")
     if steps is None:
         from shardwise.train.data import build_source
 
-        steps = build_source(run, env, model.config.vocab_size)
+        steps = build_source(run, env, model.config.vocab_size, consumed=start * global_batch)
     lr_at = build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.run.steps)
-    result = TrainResult(num_params=num_params)
+    result = TrainResult(num_params=num_params, start_step=start)
     if metrics is not None:
-        metrics.start(cfg, env, num_params)
+        metrics.start(cfg, env, num_params, start_step=start)
+    periodic = cp.save_every_steps is not None or cp.save_every_minutes is not None
+    guard = _Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16")
+    last_save = time.monotonic()
     # One host-side reduce per step carries the NEXT step's target/token counts (they must be
-    # global before its first forward) and THIS step's loss sum (for the logged loss).
+    # global before its first forward), THIS step's loss sum (for the logged loss), and two
+    # votes: a stop request and "a timed checkpoint is due" (each rank's clock differs; any
+    # rank's vote makes every rank save, so they always save together).
     meta = _MetaReduce()
     prev: StepRecord | None = None
 
-    def finish(rec: StepRecord | None, total_loss: float) -> None:
+    def finish(rec: StepRecord | None, total_loss: float) -> bool:
         if rec is None:
-            return
+            return True
         rec.loss = total_loss / rec.target_tokens
         result.records.append(rec)
         if metrics is not None:
             metrics.log_step(rec)
+        return guard.check(rec)
+
+    def save(step: int) -> Path:
+        nonlocal last_save
+        phase("checkpoint save", step)
+        state = ckpt.TrainerState(step=step, samples_consumed=step * global_batch, global_batch=global_batch,
+                                  train_time_s=train_time)  # fmt: skip
+        path = ckpt.save_checkpoint(engine, state, cp.output_dir, config=cfg.model_dump(mode="json"),
+                                    strategy=run.strategy.name, keep_last=cp.keep_last)  # fmt: skip
+        result.checkpoint, last_save = path, time.monotonic()
+        return path
 
     def counts(micro: list[dict[str, torch.Tensor]]) -> list[float]:
         return [sum(count_target_tokens(b) for b in micro), sum(b["input_ids"].numel() for b in micro)]
 
+    def votes() -> list[float]:
+        timed = cp.save_every_minutes is not None and time.monotonic() - last_save >= cp.save_every_minutes * 60
+        return [float(stop is not None and stop.requested), float(timed)]
+
     try:
-        micro = next(steps)
-        reduce = meta.start([*counts(micro), 0.0])
-        for step in range(cfg.run.steps):
+        micro = next(steps) if start < cfg.run.steps else []
+        reduce = meta.start([*counts(micro), 0.0, 0.0, 0.0]) if micro else None
+        for step in range(start, cfg.run.steps):
             t0, c0 = time.perf_counter(), time.thread_time()
-            targets, tokens, prev_total = meta.wait(reduce)
-            finish(prev, prev_total)
+            phase("all_reduce(step counts)", step)
+            targets, tokens, prev_total, stop_vote, time_vote = meta.wait(reduce)
+            finite = finish(prev, prev_total)
+            if step > start:  # a boundary: `step` optimizer steps are done and applied
+                if finite and ((cp.save_every_steps and step % cp.save_every_steps == 0) or time_vote
+                               or (stop_vote and cp.save_on_interrupt)):  # fmt: skip
+                    save(step)
+                if stop_vote:
+                    signum = stop.signum if stop is not None and stop.signum else signal.SIGTERM
+                    raise Interrupted(signum, step, result.checkpoint)
             global_targets, global_tokens = int(targets), int(tokens)
             if global_targets == 0:
                 raise RuntimeError(f"step {step + 1}: the global batch has no target tokens")
             loss_scale = env.world_size / global_targets
             engine.set_lr(lr_at(step))
+            phase("forward_backward", step + 1)
             sums = []  # kept on device: one host sync per step, not per micro-batch
             for i, batch in enumerate(micro):
                 with engine.sync_grads(i == len(micro) - 1):
@@ -156,7 +244,8 @@ def train(
             loss_sum = float(torch.stack(sums).double().sum())
             last = step + 1 == cfg.run.steps
             micro = [] if last else next(steps)
-            reduce = meta.start([*(counts(micro) if micro else [0, 0]), loss_sum])
+            reduce = meta.start([*(counts(micro) if micro else [0, 0]), loss_sum, *votes()])
+            phase("optimizer step", step + 1)
             grad_norm = engine.step()
             engine.zero_grad()
             prev = StepRecord(
@@ -169,12 +258,19 @@ def train(
                 step_time_s=time.perf_counter() - t0,
                 cpu_time_s=time.thread_time() - c0,
             )
-        finish(prev, meta.wait(reduce)[2])
+            train_time += prev.step_time_s
+        if reduce is not None:
+            phase("all_reduce(step counts)", cfg.run.steps)
+            finite = finish(prev, meta.wait(reduce)[2])
+            if periodic and finite and prev is not None:
+                save(cfg.run.steps)
         if export_weights:
+            phase("export gather", cfg.run.steps)
             result.final_weights = engine.consolidated_state_dict()
+    except Interrupted:
+        result.status = "interrupted"
+        raise
     finally:
         meta.close()
         engine.close()
-        if metrics is not None:
-            metrics.close()
     return result

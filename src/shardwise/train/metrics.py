@@ -33,14 +33,27 @@ class Metrics:
         self.summary: dict[str, Any] = {}
         self._on = False
 
-    def start(self, cfg: TrainConfig, env: DistEnv, num_params: int) -> None:
-        self.env, self.num_params = env, num_params
+    def start(self, cfg: TrainConfig, env: DistEnv, num_params: int, start_step: int = 0) -> None:
+        """Open the logs; a run resumed at `start_step` keeps the earlier run's lines up to that
+        step and drops any it logged after its last checkpoint (they are trained again)."""
+        self.env, self.num_params, self.start_step = env, num_params, start_step
         self._on = env.is_main
         if not self._on:
             return
         self.dir = Path(cfg.checkpointing.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "metrics.jsonl", "w")
+        path = self.dir / "metrics.jsonl"
+        kept = []
+        if start_step and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= start_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by the crash
+        self.jsonl = open(path, "w")
+        self.jsonl.writelines(line + "\n" for line in kept)
+        self.jsonl.flush()
         self.tb = self.wandb = self.progress = None
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -102,9 +115,12 @@ class Metrics:
             )
             self.progress.update(self.task, completed=rec.step, info=info)
 
-    def close(self) -> dict[str, Any]:
-        if not self._on:
+    def close(self, status: str = "completed", reason: str | None = None, **extra: Any) -> dict[str, Any]:
+        """Write `summary.json` (atomically) with the run's final `status`: completed,
+        interrupted (a checkpoint to resume from) or failed (with the reason)."""
+        if not getattr(self, "_on", False):
             return {}
+        self._on = False
         if self.progress:
             self.progress.stop()
         times = [r.step_time_s for r in self.records[1:]] or [r.step_time_s for r in self.records]
@@ -112,6 +128,9 @@ class Metrics:
         tokens = self.records[-1].tokens if self.records else 0
         mem, mem_kind = self.memory_bytes()
         self.summary = {
+            "status": status,
+            "reason": reason,
+            "start_step": self.start_step,
             "steps": len(self.records),
             "first_loss": self.records[0].loss if self.records else None,
             "final_loss": self.records[-1].loss if self.records else None,
@@ -125,7 +144,10 @@ class Metrics:
         }
         if self.flops_per_token and self.summary["tokens_per_s"]:
             self.summary["tflops"] = self.summary["tokens_per_s"] * self.flops_per_token / 1e12
-        (self.dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        self.summary.update(extra)
+        tmp = self.dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(self.summary, indent=2))
+        tmp.replace(self.dir / "summary.json")
         self.jsonl.close()
         if self.tb:
             self.tb.close()
@@ -141,7 +163,11 @@ def print_summary(s: dict[str, Any]) -> None:
 
     t = Table(title="shardwise train: summary", show_header=False)
     gib = GIB
-    t.add_row("steps", str(s["steps"]))
+    t.add_row("status", s["status"] + (f" ({s['reason']})" if s.get("reason") else ""))
+    t.add_row("steps", str(s["steps"]) + (f" (resumed after step {s['start_step']})" if s.get("start_step") else ""))
+    if not s["steps"]:
+        Console().print(t)
+        return
     t.add_row("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")
     t.add_row("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms")
     t.add_row(

@@ -89,3 +89,43 @@ class TorchOptimizerEngine:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
+
+    # --- checkpoints: the optimizer's own tensors are the canonical state ---------------
+
+    def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def _init_optimizer_state(self) -> None:
+        """AdamW creates its state at the first step; a checkpoint loads into it, so create it
+        now exactly as `torch.optim.AdamW._init_group` would (zeros, step 0)."""
+        for group in self.optimizer.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                st = self.optimizer.state[p]
+                if st:
+                    continue
+                st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                              else torch.tensor(0.0, dtype=torch.float32))
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        self._init_optimizer_state()
+        tensors: dict[str, torch.Tensor] = {}
+        step = 0
+        for name, p in self._named_params():
+            st = self.optimizer.state[p]
+            tensors[f"model.{name}"] = p.detach()
+            tensors[f"optim.exp_avg.{name}"] = st["exp_avg"]
+            tensors[f"optim.exp_avg_sq.{name}"] = st["exp_avg_sq"]
+            step = int(st["step"])
+        return tensors, {"optimizer_step": step, "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_checkpoint_state(self, read: Any, extra: dict[str, Any]) -> None:
+        tensors, _ = self.checkpoint_state()
+        read(tensors)  # in place: DCP copies each key's slice into this rank's tensors
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                self.optimizer.state[p]["step"].fill_(float(extra["optimizer_step"]))
+        if self.scaler and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])

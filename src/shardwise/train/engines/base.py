@@ -75,6 +75,18 @@ class Engine(Protocol):
         """Full, unsharded model weights on CPU on rank 0 (None elsewhere). Collective."""
         ...
 
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The canonical training state (shardwise.train.checkpoint): tensors named
+        `model.<fqn>`, `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>` (fp32 master values,
+        DTensors where the engine shards them; a rank may hold a subset), plus JSON-safe
+        extras (`optimizer_step`, `scaler`). Collective."""
+        ...
+
+    def load_checkpoint_state(self, read: Any, extra: dict[str, Any]) -> None:
+        """Fill the engine from a checkpoint: `read(tensors)` loads canonical keys into the
+        given tensors in place (any world size or engine wrote them). Collective."""
+        ...
+
     def close(self) -> None:
         """Release engine resources (hooks, buffers) so another engine can start in-process."""
         ...

@@ -12,6 +12,7 @@ are the engine's own:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -93,6 +94,140 @@ class DeepSpeedEngine:
             elif self.env.is_main:
                 out[name] = p.detach().cpu().clone()
         return out if self.env.is_main else None
+
+    # --- checkpoints: DeepSpeed's flat partitions mapped onto the canonical names -------------
+    # deepspeed.utils' tensor-fragment API assembles (get) or scatters (set) one parameter's fp32
+    # master value or Adam moment from/into ZeRO's flat partitions, for stages 1-3 and the bf16
+    # optimizer. Stage 0 in fp32 has no partitions: the module's params are the master weights.
+
+    _MOMENTS = ("exp_avg", "exp_avg_sq")
+    _LOAD_CHUNK_ELEMENTS = 1 << 28  # full tensors materialised per rank at a time while loading
+
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.ds.optimizer
+        return getattr(opt, "optimizer", opt)
+
+    def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @staticmethod
+    def _partitioned(p: torch.nn.Parameter) -> bool:
+        return hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None
+
+    def _full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+    def _optimizer_step(self) -> int:
+        for st in self._base_optimizer().state.values():
+            if "step" in st:
+                return int(st["step"])
+        return 0
+
+    def _ensure_optimizer_state(self) -> None:
+        """AdamW's state exists only after a step, and ZeRO-1/2 link each parameter to its
+        slice of that state once, after the first step of its *first* param group — before
+        the other groups have any state (DeepSpeed 0.19 steps groups one at a time), so with a
+        weight-decay split the no-decay group is never linked. Create any missing state as
+        `torch.optim.AdamW` would (zeros, step 0) and link every group again."""
+        base = self._base_optimizer()
+        opt = self.ds.optimizer
+        on_device = any(g.get("fused") or g.get("capturable") for g in base.param_groups)
+        # ZeRO-3 empties the groups between steps and hands AdamW one flat partition at a time.
+        flat = getattr(opt, "fp32_partitioned_groups_flat", None)
+        for hp in flat if flat is not None else [hp for g in base.param_groups for hp in g["params"]]:
+            if hp is not None:
+                st = base.state[hp]
+                if "exp_avg" in st:
+                    continue
+                st["step"] = (torch.zeros((), dtype=torch.float32, device=hp.device) if on_device
+                              else torch.tensor(0.0, dtype=torch.float32))
+                st["exp_avg"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(hp, memory_format=torch.preserve_format)
+        if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
+
+    def _loss_scaler(self) -> Any:
+        return getattr(self.ds.optimizer, "loss_scaler", None)
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        self._ensure_optimizer_state()
+        base = self._base_optimizer()
+        tensors: dict[str, torch.Tensor] = {}
+        for i, (name, p) in enumerate(self._named_params()):
+            if self._partitioned(p):  # collective: every rank assembles, one keeps
+                values = [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in self._MOMENTS]
+            else:
+                st = base.state.get(p, {})
+                values = [p.detach().float()] + [st.get(k, torch.zeros_like(p, dtype=torch.float32))
+                                                 for k in self._MOMENTS]
+            if i % self.env.world_size == self.env.rank:
+                for key, v in zip(("model", *(f"optim.{k}" for k in self._MOMENTS)), values):
+                    tensors[f"{key}.{name}"] = v.detach().to("cpu", torch.float32).clone()
+        scaler = self._loss_scaler()
+        extra = {
+            "optimizer_step": self._optimizer_step(),
+            "scaler": {k: getattr(scaler, k) for k in ("cur_scale", "cur_iter", "last_overflow_iter")
+                       if isinstance(getattr(scaler, k, None), (int, float))} if scaler is not None else None,
+        }
+        return tensors, extra
+
+    def load_checkpoint_state(self, read: Any, extra: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        self._ensure_optimizer_state()
+        base = self._base_optimizer()
+        params = self._named_params()
+        chunk: list[tuple[str, torch.nn.Parameter]] = []
+        size = 0
+        for j, (name, p) in enumerate(params):
+            chunk.append((name, p))
+            size += self._full_shape(p).numel() * 3
+            if size < self._LOAD_CHUNK_ELEMENTS and j + 1 < len(params):
+                continue
+            keys = [(f"{k}.{n}", q) for n, q in chunk for k in ("model", *(f"optim.{m}" for m in self._MOMENTS))]
+            tensors = {k: torch.empty(self._full_shape(q), dtype=torch.float32) for k, q in keys}
+            read(tensors)
+            for n, q in chunk:
+                value = tensors[f"model.{n}"].to(q.device)
+                moments = {m: tensors[f"optim.{m}.{n}"].to(q.device) for m in self._MOMENTS}
+                if self._partitioned(q):
+                    safe_set_full_fp32_param(q, value)
+                    for m, t in moments.items():
+                        safe_set_full_optimizer_state(q, t, m)
+                else:
+                    with torch.no_grad():
+                        q.copy_(value)
+                    st = base.state[q]
+                    for m, t in moments.items():
+                        st[m] = t.clone()
+                    st.setdefault("step", torch.tensor(0.0))
+            chunk, size = [], 0
+        step = float(extra["optimizer_step"])
+        for st in base.state.values():
+            if "step" in st:
+                if torch.is_tensor(st["step"]):
+                    st["step"].fill_(step)
+                else:
+                    st["step"] = int(step)
+        self._refresh_low_precision()
+        scaler = self._loss_scaler()
+        for k, v in (extra.get("scaler") or {}).items():
+            if scaler is not None and hasattr(scaler, k):
+                setattr(scaler, k, v)
+
+    def _refresh_low_precision(self) -> None:
+        """Copy the loaded fp32 masters into the weights forward uses (DeepSpeed does the same
+        after each step): stages 1/2 and the bf16 optimizer have `update_lp_params`; stage 3
+        copies each flat fp32 partition into its compute partition."""
+        opt = self.ds.optimizer
+        if hasattr(opt, "update_lp_params"):
+            opt.update_lp_params()
+        elif hasattr(opt, "fp32_partitioned_groups_flat"):
+            for i in range(len(opt.fp32_partitioned_groups_flat)):
+                opt._reassign_or_swap_out_partitioned_parameters(i)
 
     def close(self) -> None:
         self.ds.destroy()

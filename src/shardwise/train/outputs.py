@@ -1,0 +1,133 @@
+"""The output directory: checked before any compute, owned by one run at a time, and only
+ever holding complete files.
+
+- `check_output_dir`: not a file, writable, enough free space for one checkpoint (and the
+  export) — found in a second at launch, not after hours at the first save.
+- `OutputLock`: an exclusive `flock` on `<output_dir>/.shardwise.lock`, held by the launching
+  process for the whole run (the kernel drops it when the process dies, so a crashed run
+  never leaves a stale lock). A second run into the same directory is refused with the
+  holder's pid and host. flock is local to a machine: on a shared filesystem two nodes can
+  both take it, so multi-node jobs take it on global rank 0 only.
+- `atomic_dir`: exports are written to `.tmp-<name>` beside the target and renamed when
+  complete, so a killed export leaves no directory that looks finished.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from shardwise.errors import ShardwiseError
+from shardwise.specs.hardware import GIB
+
+LOCK_NAME = ".shardwise.lock"
+TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_bytes(params: int) -> int:
+    """One canonical checkpoint: fp32 master weights and AdamW's two fp32 moments."""
+    return 12 * params
+
+
+def check_output_dir(output_dir: str | Path, need_bytes: int, where: str = "checkpointing.output_dir") -> Path:
+    """Create `output_dir` if needed and refuse one that is a file, not writable, or on a
+    filesystem with less than `need_bytes` free."""
+    d = Path(output_dir)
+    if d.exists() and not d.is_dir():
+        raise ShardwiseError(f"{where}: {str(d)!r} is a file, not a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f"{TMP_PREFIX}write-probe-{os.getpid()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise ShardwiseError(f"{where}: {str(d)!r} is not writable ({e.strerror or e})") from None
+    free = shutil.disk_usage(d).free
+    if free < need_bytes:
+        raise ShardwiseError(
+            f"{where}: {str(d)!r} has {free / GIB:.2f} GiB free; this run needs {need_bytes / GIB:.2f} GiB "
+            "(one checkpoint: fp32 weights + AdamW moments = 12 bytes per parameter, plus the export). "
+            "Free space or choose another directory."
+        )
+    return d
+
+
+class OutputLock:
+    """Exclusive ownership of an output directory for the life of this process (see module doc)."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ShardwiseError(
+                f"checkpointing.output_dir: {str(self.path.parent)!r} is in use by another run ({holder}); "
+                "two runs would overwrite each other's checkpoints and exports. Wait for it, or set another "
+                "--set checkpointing.output_dir=..."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())  # fmt: skip
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def clean_stale_outputs(output_dir: str | Path) -> list[str]:
+    """Remove temp files and directories left by killed exports or saves; return their names."""
+    d = Path(output_dir)
+    removed = []
+    for p in sorted(d.glob(TMP_PREFIX + "*")) if d.is_dir() else ():
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p.name)
+    return removed
+
+
+@contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a temp dir beside `target`; on success it replaces `target` in one rename
+    (an existing `target` is moved aside first and removed after); on error it is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if target.exists():
+        old = target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
+        os.rename(target, old)
+    os.rename(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
