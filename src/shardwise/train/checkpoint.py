@@ -70,7 +70,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Only the classes DCP's `.metadata` is made of (checked against torch 2.13's writer)."""
 
     _MODULES = ("torch.distributed.checkpoint.metadata",)
-    _NAMES = {
+    _NAMES: frozenset[tuple[str, str]] = frozenset({
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
@@ -79,7 +79,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("pathlib", "WindowsPath"),
         ("pathlib", "PureWindowsPath"),
         ("collections", "OrderedDict"),
-    }
+    })
 
     def find_class(self, module: str, name: str) -> Any:
         if module in self._MODULES or (module, name) in self._NAMES:

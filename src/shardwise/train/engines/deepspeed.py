@@ -112,7 +112,9 @@ class DeepSpeedEngine:
 
     @staticmethod
     def _partitioned(p: torch.nn.Parameter) -> bool:
-        return hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None
+        # Every param of a partitioned optimizer carries `_hp_mapping`; it is None on the ranks
+        # that own no slice of it, which must still join the collective that assembles it.
+        return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
     def _full_shape(self, p: torch.nn.Parameter) -> torch.Size:
         return p.ds_shape if hasattr(p, "ds_shape") else p.shape
@@ -164,7 +166,7 @@ class DeepSpeedEngine:
                 values = [p.detach().float()] + [st.get(k, torch.zeros_like(p, dtype=torch.float32))
                                                  for k in self._MOMENTS]
             if i % self.env.world_size == self.env.rank:
-                for key, v in zip(("model", *(f"optim.{k}" for k in self._MOMENTS)), values):
+                for key, v in zip(("model", *(f"optim.{k}" for k in self._MOMENTS)), values, strict=True):
                     tensors[f"{key}.{name}"] = v.detach().to("cpu", torch.float32).clone()
         scaler = self._loss_scaler()
         extra = {

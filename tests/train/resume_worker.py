@@ -1,0 +1,65 @@
+"""One rank of the resume runs (tests/train/test_resume.py), launched through `spawn`.
+
+`--runs` lists `strategy:mode[:from_dir]` items, trained in turn in one launch:
+- `full`: STEPS steps, a checkpoint every SAVE_EVERY steps (all kept);
+- `resume`: continue to STEPS from the checkpoint `<out>/<from_dir>/checkpoints/step-SAVE_EVERY`.
+Rank 0 writes `<out>/<strategy>-<mode>[-<from>]-w<world>.pt`: losses, grad norms and the
+consolidated final weights. The config is the parity runs' (fp32, global batch 4 whatever the
+world size), so a checkpoint of one world size resumes on another with the same samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from shardwise.run import run_spec
+from shardwise.train.checkpoint import checkpoints_dir, resolve_resume, step_dir_name
+from shardwise.train.config import TrainConfig
+from shardwise.train.launch import init_distributed
+from shardwise.train.loop import train
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_worker import parity_config
+
+STEPS = 8
+SAVE_EVERY = 3
+
+
+def resume_config(strategy: str, world: int, out: Path) -> TrainConfig:
+    raw = parity_config(strategy, world, 1).model_dump()
+    raw["run"]["steps"] = STEPS
+    raw["checkpointing"].update(output_dir=str(out), save_every_steps=SAVE_EVERY, keep_last=10)
+    return TrainConfig.model_validate(raw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", nargs="+", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    out = Path(args.out)
+    for item in args.runs:
+        strategy, mode, *src = item.split(":")
+        run_dir = out / f"{strategy}-{mode}{'-' + src[0] if src else ''}-w{env.world_size}"
+        resume = None
+        if mode == "resume":
+            ckpt = checkpoints_dir(out / src[0]) / step_dir_name(SAVE_EVERY)
+            resume = resolve_resume(str(ckpt), out)
+        cfg = resume_config(strategy, env.world_size, run_dir)
+        res = train(run_spec(cfg, env.world_size, "cpu"), env, export_weights=True, resume=resume)
+        if env.is_main:
+            record = {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records],
+                      "start_step": res.start_step, "weights": res.final_weights}  # fmt: skip
+            torch.save(record, out / f"{run_dir.name}.pt")
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
