@@ -34,6 +34,7 @@ import pickle
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,7 +126,9 @@ def read_tensors(path: Path, keys: list[str] | None = None) -> dict[str, torch.T
     shapes = tensor_shapes(path)
     wanted = shapes if keys is None else {k: shapes[k] for k in keys}
     out = {k: torch.empty(s, dtype=d) for k, (s, d) in wanted.items()}
-    dcp.load(out, storage_reader=SafeReader(str(path)), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(out, storage_reader=SafeReader(str(path)), no_dist=True)
     return out
 
 
