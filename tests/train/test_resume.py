@@ -98,3 +98,30 @@ def test_manifest_lists_every_file_with_its_hash(runs):
         data = (d / name).read_bytes()
         assert len(data) == entry["bytes"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
     assert manifest["config"]["strategy"]["name"] == "zero3"
+
+
+@pytest.mark.parametrize("source", ["fsdp-full-w2", "zero3-full-w2"])
+def test_export_from_a_two_rank_checkpoint_on_one_process(runs, source, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from shardwise.train.export_cli import app
+
+    out = tmp_path / "hf"
+    res = CliRunner().invoke(app, [str(runs / source), str(out)])  # a run dir: its latest (step 8)
+    assert res.exit_code == 0, res.output
+    final = load(runs, source)["weights"]  # the engine's consolidated weights after step 8
+    exported = load_file(str(out / "model.safetensors"))
+    assert exported.keys() <= final.keys() and len(exported) >= len(final) - 1  # a tied lm_head is stored once
+    for k, v in exported.items():
+        assert torch.equal(v, final[k]), k
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    reference = AutoModelForCausalLM.from_config(model.config).eval()
+    reference.load_state_dict(final, strict=False)
+    reference.tie_weights()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    again = CliRunner().invoke(app, [str(runs / source), str(out)])
+    assert again.exit_code == 2 and "--overwrite" in again.output

@@ -1,0 +1,52 @@
+"""`shardwise export CHECKPOINT OUT`: a Hugging Face model directory from any checkpoint.
+
+CHECKPOINT is a `step-N` directory or a run's output dir (its newest complete checkpoint).
+One process, no process group: the checkpoint's world size and engine do not matter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from shardwise.errors import ExitCode, ShardwiseError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  help="Export a shardwise checkpoint as a Hugging Face model directory.")  # fmt: skip
+
+
+@app.command("export")
+def export_cmd(
+    checkpoint: Annotated[Path, typer.Argument(help="checkpoints/step-N, or a run's output dir (its latest).")],
+    out: Annotated[Path, typer.Argument(help="Directory to write (safetensors, config.json, tokenizer).")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it already has files.")] = False,
+) -> None:
+    """Write the checkpoint's fp32 weights, model config and tokenizer, loadable by
+    `AutoModelForCausalLM.from_pretrained(OUT)`. Written beside OUT and renamed when complete."""
+    from rich.console import Console
+
+    from shardwise.train.checkpoint import resolve_resume
+    from shardwise.train.export import export_checkpoint
+
+    try:
+        if out.exists() and not out.is_dir():
+            raise ShardwiseError(f"OUT {str(out)!r} is a file, not a directory")
+        if out.is_dir() and any(out.iterdir()) and not overwrite:
+            raise ShardwiseError(f"OUT {str(out)!r} already has files; pass --overwrite to replace it")
+        path = resolve_resume(str(checkpoint), checkpoint)
+        assert path is not None  # an explicit path resolves or raises
+        written = export_checkpoint(path, out)
+    except (ShardwiseError, OSError) as e:
+        Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(ExitCode.USER_ERROR) from None
+    Console().print(f"exported {path} -> {written}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
