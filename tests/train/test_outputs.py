@@ -1,0 +1,100 @@
+"""The output directory is checked before compute, owned by one run, and only ever holds
+complete files (issue: runs that survive, item 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.errors import ExitCode, ShardwiseError
+from shardwise.train.outputs import OutputLock, atomic_dir, check_output_dir
+
+REPO = Path(__file__).parent.parent.parent
+CONFIG = REPO / "examples" / "fsdp-synthetic-cpu.yaml"
+
+
+def train(out: Path, *sets: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "shardwise.train.cli", str(CONFIG), "--nproc", "1"]
+    for s in (f"checkpointing.output_dir={out}", "run.steps=2", "logging.progress=false",
+              "logging.tensorboard=false", *sets):  # fmt: skip
+        argv += ["--set", s]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "out"
+    f.write_text("not a directory")
+    with pytest.raises(ShardwiseError, match=r"checkpointing.output_dir: .*out' is a file"):
+        check_output_dir(f, 0)
+    res = train(f)
+    assert res.returncode == ExitCode.USER_ERROR and "is a file" in res.stderr
+    assert f.read_text() == "not a directory"  # nothing lost
+
+
+def test_unwritable_output_dir_is_refused():
+    # /proc refuses new directories even to root (a chmod would not stop root)
+    with pytest.raises(ShardwiseError, match="is not writable"):
+        check_output_dir("/proc/shardwise-test/out", 0)
+
+
+def test_too_little_free_space_is_refused_with_the_numbers(tmp_path):
+    with pytest.raises(ShardwiseError, match=r"GiB free; this run needs .* GiB"):
+        check_output_dir(tmp_path, 1 << 62)
+    check_output_dir(tmp_path, 1)  # room for one byte
+
+
+def test_two_runs_cannot_share_an_output_dir(tmp_path):
+    with OutputLock(tmp_path):
+        res = train(tmp_path)
+        assert res.returncode == ExitCode.USER_ERROR
+        assert "in use by another run" in res.stderr and f'"pid": {os.getpid()}' in res.stderr
+        with pytest.raises(ShardwiseError, match="in use by another run"):
+            OutputLock(tmp_path).acquire()
+    OutputLock(tmp_path).acquire().release()  # released with its holder
+
+
+def test_stale_temp_files_are_removed_and_named_and_summary_has_a_status(tmp_path):
+    stale = tmp_path / ".tmp-model-4242"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1024)  # an export killed half-way
+    half = tmp_path / "checkpoints" / ".tmp-step-00000004"
+    half.mkdir(parents=True)
+    (half / "__0_0.distcp").write_bytes(b"\0" * 64)  # a save killed half-way
+    res = train(tmp_path, "checkpointing.save_final=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "removed unfinished files of an earlier run: .tmp-model-4242, .tmp-step-00000004" in res.stdout
+    assert not stale.exists() and not half.exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["export"] == str(tmp_path / "model")
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_atomic_dir_leaves_nothing_on_failure_and_replaces_on_success(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "old").write_text("previous export")
+    with pytest.raises(RuntimeError), atomic_dir(target) as tmp:
+        (tmp / "half").write_text("x")
+        raise RuntimeError("killed mid-export")
+    assert (target / "old").read_text() == "previous export" and not list(tmp_path.glob(".tmp-*"))
+    with atomic_dir(target) as tmp:
+        (tmp / "new").write_text("complete")
+    assert sorted(p.name for p in target.iterdir()) == ["new"] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    res = train(tmp_path, "checkpointing.save_every_steps=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "step-00000002" / "manifest.json").is_file()
+    res = train(tmp_path, "model.name=tiny-llama", "checkpointing.resume=latest", "run.steps=4")
+    assert res.returncode == ExitCode.USER_ERROR
+    assert "'tiny-llama' cannot resume" in res.stderr and "'tiny-qwen'" in res.stderr
+    res = train(tmp_path, "checkpointing.resume=latest", "run.steps=1")
+    assert res.returncode == ExitCode.USER_ERROR and "already at step 2" in res.stderr
