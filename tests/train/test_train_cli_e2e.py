@@ -50,18 +50,18 @@ def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
     assert any((out / "tensorboard").iterdir())
     from safetensors.torch import load_file
 
-    weights = load_file(str(out / "model.safetensors"))
+    weights = load_file(str(out / "model" / "model.safetensors"))
     assert "model.layers.1.mlp.down_proj.weight" in weights
     assert "summary" in r.stdout
     # the directory is a Hugging Face model: from_pretrained loads exactly these weights
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
     state = model.state_dict()
     for name, tensor in weights.items():
         assert torch.equal(state[name], tensor), name
-    assert AutoTokenizer.from_pretrained(out).eos_token is not None
+    assert AutoTokenizer.from_pretrained(out / "model").eos_token is not None
 
 
 def test_single_process_deepspeed_without_launcher(tmp_path):
