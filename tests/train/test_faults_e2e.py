@@ -117,11 +117,13 @@ def test_sigkill_of_a_random_rank_then_resume_latest(tmp_path, uninterrupted):
     assert_same(weights(tmp_path), uninterrupted)
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path, uninterrupted):
+@pytest.mark.parametrize("target", ["launcher", "rank 1"])
+def test_sigterm_checkpoints_every_rank_and_exits_75(tmp_path, uninterrupted, target):
+    """SIGTERM to the launcher (scancel, Kubernetes) or to one rank only: the job stops as one."""
     p = start(tmp_path)
     wait_for_step(tmp_path, 6, p)
     pids = rank_pids(tmp_path)
-    p.send_signal(signal.SIGTERM)
+    os.kill(p.pid if target == "launcher" else pids[1], signal.SIGTERM)
     rc, log = finish(p)
     assert rc == ExitCode.INTERRUPTED, log[-3000:]
     assert not _alive(p.pid) and not any(_alive(pid) for pid in pids.values())

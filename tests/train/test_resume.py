@@ -41,6 +41,8 @@ def runs(shared_dir):
             run_ranks(WORKER, ["--out", str(out), "--runs", *two], 2, timeout_s=600)
             one = ["zero3:resume:fsdp-full-w2", "ddp:resume:zero3-full-w2", "fsdp:resume:ddp-full-w2"]
             run_ranks(WORKER, ["--out", str(out), "--runs", *one], 1, timeout_s=300)
+            # 2 -> 4 ranks (4 gloo processes on 2 cores: slower, still a few seconds of steps)
+            run_ranks(WORKER, ["--out", str(out), "--runs", "fsdp:resume:zero2-full-w2"], 4, timeout_s=300)
             (out / "DONE").touch()
     return out
 
@@ -74,6 +76,7 @@ def test_resume_is_bit_exact(runs, strategy):
         ("zero3-resume-fsdp-full-w2-w1", "fsdp-full-w2"),  # fsdp 2 ranks -> zero3 1 rank
         ("ddp-resume-zero3-full-w2-w1", "zero3-full-w2"),  # zero3 2 ranks -> ddp 1 rank
         ("fsdp-resume-ddp-full-w2-w1", "ddp-full-w2"),  # ddp 2 ranks -> fsdp 1 rank
+        ("fsdp-resume-zero2-full-w2-w4", "zero2-full-w2"),  # zero2 2 ranks -> fsdp 4 ranks
     ],
 )
 def test_resume_across_strategies_and_world_sizes(runs, resumed, source):
