@@ -128,6 +128,12 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     watchdog = Watchdog(_run_dir(cfg), int(found["rank"]), int(found["world_size"]), cfg.run.timeout_s).start()
     watchdog.phase("init_process_group", 0)
     env = init_distributed(device, timeout_s=cfg.run.timeout_s)
+    if env.world_size > 1:  # under torchrun/srun each rank resolved `latest` itself: rank 0's choice wins
+        import torch.distributed as dist
+
+        choice = [str(resume_dir) if resume_dir else None]
+        dist.broadcast_object_list(choice, src=0)
+        resume_dir = Path(choice[0]) if choice[0] else None
     # MFU against the planned GPU's dense peak for the compute dtype; no CPU peak to compare
     peak = run.hardware.gpu.peak_flops(run.train.compute_dtype) if device == "cuda" else None
     metrics = Metrics(cfg, planned_bytes, model_flops_per_token(run.model, run.train.seq_len), peak)
