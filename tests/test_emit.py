@@ -29,6 +29,9 @@ from shardwise.train.config import TrainConfig, load_config
 
 TRAIN = TrainSpec(seq_len=2048, micro_batch=2, grad_accum=4, checkpointing="full")
 HYPER = TrainConfig()  # emitted configs carry the trainer's default optimizer values and steps
+# What a user does before training an emitted shardwise.yaml: fill its two placeholders (here:
+# the catalog architecture from random weights, on some data file).
+FILLED = ["model.path=", "data.sft.train_files=[train.jsonl]"]
 
 
 def hardware(name: str):
@@ -143,8 +146,10 @@ def test_emitted_files_load_in_their_tools(name, tmp_path, monkeypatch):
         else:
             assert acc.distributed_type.value == "MULTI_GPU" and args.multi_gpu
 
-    # shardwise's own trainer config.
-    cfg = load_config(tmp_path / "shardwise.yaml")
+    # shardwise's own trainer config: refused until its placeholders are filled, then the plan's.
+    with pytest.raises(ShardwiseError, match=r"shardwise.yaml:\d+: field 'model.path'(.|\n)*'data.sft.train_files'"):
+        load_config(tmp_path / "shardwise.yaml")
+    cfg = load_config(tmp_path / "shardwise.yaml", FILLED)
     assert cfg.strategy.name == name and cfg.precision == "bf16-mixed"
     assert (cfg.run.micro_batch, cfg.run.grad_accum, cfg.run.nproc) == (2, 4, hw.gpus_per_node)
     assert cfg.checkpointing.activation == "full" and cfg.model.name == "llama-2-7b"
@@ -178,7 +183,7 @@ def test_fp16_and_unsupported_plan_settings_are_mapped_and_noted(tmp_path):
     ds = deepspeed_config(emitted_run(get_model("llama-2-7b"), hw, train, s)[0])
     assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"] and ds["fp16"]["loss_scale"] == 0
     emit_configs(get_model("llama-2-7b"), hw, train, s, tmp_path)
-    cfg = load_config(tmp_path / "shardwise.yaml")
+    cfg = load_config(tmp_path / "shardwise.yaml", FILLED)
     assert (cfg.precision, cfg.checkpointing.activation, cfg.model.attention) == ("fp16-mixed", "full", "sdpa")
     text = (tmp_path / "shardwise.yaml").read_text()
     assert "selective" in text and "'sgd'" in text and "flash" in text  # the NOTE header lines

@@ -92,7 +92,9 @@ def test_specs_emitted_config_specs_is_identity(name, tmp_path):
     train = TrainSpec(seq_len=4096, micro_batch=2, grad_accum=8, checkpointing="full")
     s = Strategy.from_name(name, ds=DeepSpeedKnobs(reduce_bucket_size=123_456_789, communication_data_type="fp32"))
     emit_configs(get_model("llama-2-7b"), hw, train, s, tmp_path)
-    run = run_spec(load_config(tmp_path / "shardwise.yaml"), hw.world_size, "cuda", environ={})
+    # placeholders filled the way a user would (catalog model, some data file)
+    filled = ["model.path=", "data.sft.train_files=[train.jsonl]"]
+    run = run_spec(load_config(tmp_path / "shardwise.yaml", filled), hw.world_size, "cuda", environ={})
     assert run.strategy == s and run.train == train and run.hardware == hw
     assert run.model == get_model("llama-2-7b")
 
@@ -243,5 +245,6 @@ def test_plan_flags_set_the_engine_knobs_and_emit_carries_them(tmp_path):
     assert r.exit_code == 0, r.output
     zero = json.loads((out / "ds_config.json").read_text())["zero_optimization"]
     assert (zero["stage3_param_persistence_threshold"], zero["stage3_prefetch_bucket_size"]) == (0, 12345)
-    ds = run_spec(load_config(out / "shardwise.yaml"), 8, "cuda", environ={}).strategy.ds
+    filled = ["model.path=", "data.sft.train_files=[train.jsonl]"]  # its placeholders, as a user fills them
+    ds = run_spec(load_config(out / "shardwise.yaml", filled), 8, "cuda", environ={}).strategy.ds
     assert (ds.param_persistence_threshold, ds.prefetch_bucket_size, ds.communication_data_type) == (0, 12345, "fp32")

@@ -18,8 +18,10 @@ DEFAULT_MODEL = "llama-2-7b"
 
 def _fail(err: Exception) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[red]error:[/] {err}", highlight=False)
+    # escaped: a path like "[run]/x" is not markup; soft-wrapped: paths stay copyable
+    Console(stderr=True).print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -209,6 +211,7 @@ def _passthrough(module: str, name: str, help_text: str):
 
 _passthrough("shardwise.data.cli", "data", "SFT data tools: `shardwise data inspect FILE`.")
 _passthrough("shardwise.train.cli", "train", "Train with DeepSpeed, FSDP2 or DDP from a YAML config.")
+_passthrough("shardwise.train.export_cli", "export", "Export a checkpoint as a Hugging Face model directory.")
 
 
 def main() -> None:

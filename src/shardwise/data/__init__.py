@@ -22,21 +22,43 @@ _LAZY = {
     "count_target_tokens": "shardwise.data.labels",
     "ResumableDistributedSampler": "shardwise.data.sampler",
     "DEFAULT_CHAT_TEMPLATE": "shardwise.data.template",
+    "ensure_cache": "shardwise.data.cache",
+    "find_cache": "shardwise.data.cache",
+    "load_dataset": "shardwise.data.cache",
 }
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "DataConfig", "DataStats", "ResumableDistributedSampler", "SFTCollator",
-           "SFTDataset", "build_dataset", "count_target_tokens", "default_tokenizer_path", "load_data_config",
-           "load_tokenizer", "sample_data_path"]
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "TOKENIZER_FILES", "DataConfig", "DataStats", "ResumableDistributedSampler",
+           "SFTCollator", "SFTDataset", "build_dataset", "count_target_tokens", "default_tokenizer_path",
+           "ensure_cache", "find_cache", "load_data_config", "load_dataset", "load_tokenizer", "sample_data_path",
+           "tokenizer_files"]
+
+# The files a Hugging Face tokenizer is saved as (save_pretrained, and the legacy slow formats).
+# A model directory also holds config.json and weights: only these names are the tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "merges.txt", "vocab.txt")  # fmt: skip
 
 
 def default_tokenizer_path() -> Path:
-    """The bundled offline tokenizer (byte-level BPE, 2048 tokens, chat template)."""
+    """The bundled offline tokenizer (byte-level BPE, 1172 tokens, chat template); it fits the
+    2048-row embeddings of the tiny catalog models."""
     return _ASSETS / "tokenizer"
 
 
 def sample_data_path() -> Path:
     """The bundled sample SFT dataset (chat, multi-turn and alpaca records, JSONL)."""
     return _ASSETS / "data" / "sft_sample.jsonl"
+
+
+def tokenizer_files(path: str | Path) -> list[Path]:
+    """The tokenizer's files in `path` (sorted; none when it holds no tokenizer): what the data
+    cache key hashes and what an exported model directory must carry."""
+    path = Path(path)
+    files = [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+    extra = path / "additional_chat_templates"  # where save_pretrained puts named chat templates
+    if extra.is_dir():
+        files += [f for f in extra.iterdir() if f.is_file()]
+    return sorted(files)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Any:

@@ -58,6 +58,16 @@ class SFTDataset:
         stats.rows = len(self.rows)
         stats.packing_efficiency = efficiency(lengths, self.rows, max_length)
 
+    @classmethod
+    def from_arrays(cls, tokens: np.ndarray, target: np.ndarray, offsets: np.ndarray, where: list[str],
+                    rows: list[list[int]], max_length: int, stats: DataStats) -> SFTDataset:  # fmt: skip
+        """The dataset as stored in the data cache (shardwise.data.cache): the same flat arrays and
+        the same packing, so a loaded dataset yields exactly the rows of the one that was built."""
+        ds = cls.__new__(cls)
+        ds.tokens, ds.target, ds.offsets = tokens, target, offsets
+        ds.where, ds.rows, ds.max_length, ds.stats = where, rows, max_length, stats
+        return ds
+
     def __len__(self) -> int:
         return len(self.rows)
 

@@ -10,6 +10,7 @@ Every record keeps a "file:line" (or "file:row N") location for later errors.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,11 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "model": "assistant"}  # fmt: skip
 SUFFIXES = (".json", ".jsonl", ".parquet")
+# Deepest container nesting a record may have. SFT records are 3 deep (record -> messages ->
+# turn); the limit stops pathological input (a line nested 100k levels deep makes `json`
+# raise RecursionError, and anything just under Python's recursion limit would crash the
+# first recursive walk of a later stage) with an error naming file and line instead.
+MAX_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -117,10 +123,35 @@ def detect_format(rec: dict[str, Any], cols: dict[str, str], where: str) -> str:
                          f"(got fields {sorted(rec)}); set data.format or data.fields.")
 
 
+def too_deep(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `obj` nests dicts/lists more than `limit` levels deep. Iterative on purpose: a
+    recursive walk is exactly what a deeply nested record would crash."""
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        children = o.values() if isinstance(o, dict) else o
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def check_depth(rec: Any, where: str) -> None:
+    """Refuse a record nested deeper than MAX_DEPTH, naming its top-level field when it has one."""
+    if not isinstance(rec, (dict, list)) or not too_deep(rec):
+        return
+    field = next((k for k, v in rec.items() if isinstance(v, (dict, list)) and too_deep(v, MAX_DEPTH - 1)),
+                 None) if isinstance(rec, dict) else None  # fmt: skip
+    what = f"field '{field}': " if field is not None else ""
+    raise ShardwiseError(f"{where}: {what}nested more than {MAX_DEPTH} levels deep (expected an SFT record: "
+                         "strings, and lists of turns with role and content).")
+
+
 def to_example(rec: Any, fmt: str, fields: dict[str, str], where: str) -> Example:
     """Validate one raw record into an :class:`Example`; raises ShardwiseError naming the field."""
     if not isinstance(rec, dict):
         raise ShardwiseError(f"{where}: expected a JSON object per record, got {type(rec).__name__}.")
+    check_depth(rec, where)
     cols = {f: fields.get(f, f) for f in ALL_FIELDS}
     if fmt == "auto":
         fmt = detect_format(rec, cols, where)
@@ -184,7 +215,32 @@ def _parse_stdlib(path: Path, on_error: OnError, report: LoadReport) -> list[tup
             if on_error == "raise":
                 raise err from exc
             report.skip(err)
+        except RecursionError:  # the stdlib parser recurses per level: a line 100k levels deep
+            err = _too_deep_error(f"{path}:{lineno}")
+            if on_error == "raise":
+                raise err from None
+            report.skip(err)
     return out
+
+
+def _too_deep_error(where: str) -> ShardwiseError:
+    return ShardwiseError(f"{where}: JSON nested too deeply to parse (more than {MAX_DEPTH} levels are "
+                          "refused; expected an SFT record: strings, and lists of turns with role and content).")
+
+
+def _deep_line(text: str, limit: int = MAX_DEPTH) -> int:
+    """1-based line where the bracket nesting of `text` first exceeds `limit` (strings skipped);
+    only runs on the error path, after the parser gave up without a position."""
+    depth = 0
+    for m in re.finditer(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > limit:
+                return text.count("\n", 0, m.start()) + 1
+        elif c in "]}":
+            depth -= 1
+    return 1
 
 
 def _parse_array(path: Path, text: str) -> list[tuple[Any, int]]:
@@ -194,6 +250,8 @@ def _parse_array(path: Path, text: str) -> list[tuple[Any, int]]:
         json.loads(text)  # cheap full check first: the error position is exact
     except json.JSONDecodeError as exc:
         raise ShardwiseError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg} at column {exc.colno}.") from exc
+    except RecursionError:
+        raise _too_deep_error(f"{path}:{_deep_line(text)}") from None
     out, pos = [], text.index("[") + 1
     line, counted = 1, 0  # newlines counted incrementally: linear in the file size
     while True:

@@ -10,6 +10,7 @@ building the dicts is pure, only `emit_configs` touches the disk.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,11 +18,12 @@ import yaml
 
 from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable, layer_class
 from shardwise.emit.launch import launch_scripts
+from shardwise.errors import ShardwiseError
 from shardwise.plan.memory import MemoryPlan, plan_memory
 from shardwise.run import RunSpec, config_dict, deepspeed_config, run_spec, to_config
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
-from shardwise.train.config import TrainConfig
+from shardwise.train.config import PLACEHOLDER, TrainConfig
 
 __all__ = ["accelerate_config", "deepspeed_config", "emit_configs", "emitted_run"]
 
@@ -47,27 +49,33 @@ def emit_configs(
     """Write every config and script for `strategy` into `out_dir` (created); return the paths."""
     run, notes = emitted_run(model, hw, train, strategy, base=base)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    writable_dir(out_dir)
     root = out_dir.resolve()
     plan = plan or plan_memory(model, hw, train, strategy)
     written: list[Path] = []
 
     def write(name: str, text: str, executable: bool = False) -> None:
         path = out_dir / name
-        path.write_text(text)
-        if executable:
-            path.chmod(0o755)
+        try:
+            path.write_text(text)
+            if executable:
+                path.chmod(0o755)
+        except OSError as e:
+            raise ShardwiseError(f"--emit {str(out_dir)!r}: cannot write {name} ({e.strerror}); expected a "
+                                 "writable directory.") from None  # fmt: skip
         written.append(path)
 
     if strategy.engine == "deepspeed":
         write("ds_config.json", json.dumps(deepspeed_config(run), indent=2) + "\n")
         write(DS_HF_FILE, json.dumps(deepspeed_config(run, hf_auto=True), indent=2) + "\n")
 
-    sw = config_dict(run.config)
     header = "".join(f"# NOTE: {n}\n" for n in notes)
+    holes = placeholders(model) if base is None else {}
     write("shardwise.yaml", f"# shardwise train config for {strategy.name} (emitted by `shardwise plan --emit`)\n"
-          f"# Run: shardwise train shardwise.yaml   (or a launch_*.sh script beside it)\n{header}"
-          + yaml.safe_dump(sw, sort_keys=False))  # fmt: skip
+          + ("# Replace the <FILL IN ...> values first (model weights, training files): until then\n"
+             "# `shardwise train` refuses this file, naming them.\n" if holes else "")
+          + f"# Run: shardwise train shardwise.yaml   (or a launch_*.sh script beside it)\n{header}"
+          + trainer_yaml(run.config, holes))  # fmt: skip
 
     # An absolute path: accelerate resolves deepspeed_config_file against the launch directory.
     acc = accelerate_config(model, hw, train, strategy, ds_config_file=str(root / DS_HF_FILE))
@@ -77,8 +85,61 @@ def emit_configs(
         write(name, text, executable=True)
 
     names = [p.name for p in written] + ["README.md"]
-    write("README.md", readme(model, hw, train, strategy, plan, names, notes, run))
+    write("README.md", readme(model, hw, train, strategy, plan, names, notes, run, holes))
     return written
+
+
+def writable_dir(out_dir: Path) -> None:
+    """Refuse an --emit target that cannot hold the files, before any is written: an existing
+    file, a directory that cannot be created, or one this user cannot write into."""
+    where = f"--emit {str(out_dir)!r}"
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ShardwiseError(f"{where}: is an existing file; expected a directory (existing or to be created).")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ShardwiseError(f"{where}: cannot create the directory ({e.strerror}); expected a writable "
+                             "directory path.") from None  # fmt: skip
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ShardwiseError(f"{where}: the directory is not writable; expected a writable directory.")
+
+
+# (field in its section, placeholder value, the comment written above it in shardwise.yaml)
+Placeholder = tuple[str, object, str]
+
+
+def placeholders(model: ModelSpec) -> dict[str, Placeholder]:
+    """What `plan --emit` cannot know: the real weights and the training data. Written as
+    `<FILL IN ...>` values, which `load_config` refuses by field name: an emitted config used
+    unchanged would otherwise train the catalog architecture from random weights on the
+    bundled sample data, and look like it worked."""
+    return {
+        "model": ("path", f"{PLACEHOLDER}: local Hugging Face directory with the {model.name} weights>",
+                  f"REQUIRED: the local HF directory of {model.name} (config.json, weights, tokenizer).\n"
+                  "Without `path` the trainer builds `name` from RANDOM weights: delete this line only for that."),
+        "sft": ("train_files", [f"{PLACEHOLDER}: your JSON/JSONL/Parquet training files (paths or globs)>"],
+                "REQUIRED: your SFT data (alpaca, chat, sharegpt or text records; docs/data.md)."),
+    }  # fmt: skip
+
+
+def trainer_yaml(cfg: TrainConfig, holes: dict[str, Placeholder]) -> str:
+    """`cfg` as YAML (the bridge's config_dict) with the placeholders set and commented."""
+    sw = config_dict(cfg)
+    sections = {"model": sw["model"], "sft": sw["data"]["sft"]}
+    for section, (key, value, _) in holes.items():
+        body = sections[section]
+        rest = {k: v for k, v in body.items() if k != key}
+        body.clear()
+        first = {k: rest.pop(k) for k in ("name",) if k in rest}  # model: path right after name
+        body.update({**first, key: value, **rest})
+    lines = yaml.safe_dump(sw, sort_keys=False, width=10_000).splitlines()
+    for _, (key, _, comment) in holes.items():
+        # the key's line: the value is on it, or on the next line (a list's first item)
+        i = next(i for i, line in enumerate(lines)
+                 if line.lstrip().startswith(f"{key}:") and any(PLACEHOLDER in x for x in lines[i : i + 2]))
+        indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+        lines[i:i] = [f"{indent}# {c}" for c in comment.split("\n")]
+    return "\n".join(lines) + "\n"
 
 
 def _nodes(hw: HardwareSpec) -> str:
@@ -103,11 +164,15 @@ _FILES = {
 
 
 def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, plan: MemoryPlan,
-           names: list[str], notes: list[str], run: RunSpec) -> str:  # fmt: skip
+           names: list[str], notes: list[str], run: RunSpec,
+           holes: dict[str, Placeholder] | None = None) -> str:  # fmt: skip
     g, host, lay = plan.gpu, plan.host, plan.layout
+    fill = [f"`{'data.sft' if s == 'sft' else s}.{key}`" for s, (key, _, _) in (holes or {}).items()]
     lines = [
         f"# {strategy.name}: {model.name} on {hw.nodes} x {hw.gpus_per_node} {hw.gpu.name}",
         "",
+        *([f"**Before training**: set {' and '.join(fill)} in `shardwise.yaml` (they hold `<FILL IN ...>` "
+           "placeholders, which `shardwise train` refuses), or pass them with `--set`.", ""] if fill else []),
         (
             f"Emitted by `shardwise plan --emit`. Training setup: sequence {train.seq_len}, micro-batch "
             f"{train.micro_batch}, gradient accumulation {train.grad_accum} (global batch "

@@ -27,7 +27,9 @@ app = typer.Typer(
 def _fail(err: Exception) -> None:
     from rich.console import Console
 
-    Console(stderr=True).print(f"[red]error:[/] {err}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -54,7 +56,7 @@ def train_cmd(
     """
     from shardwise.train.config import load_config
     from shardwise.train.launch import detect_env, spawn
-    from shardwise.train.preflight import check_outputs, preflight
+    from shardwise.train.preflight import preflight, resolve_checkpoint
 
     overrides = list(set_ or []) + ([f"checkpointing.resume={resume}"] if resume else [])
     launched = detect_env()
@@ -67,7 +69,7 @@ def train_cmd(
         rank = int(launched["rank"]) if launched else 0
         owner = rank == 0 and not by_us  # takes the output dir's lock, cleans, verifies hashes
         run, check = preflight(cfg, world, device, force=force)
-        resume_dir = check_outputs(cfg, run, verify_hashes=owner)
+        resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
         if owner:
             lock = _own_output_dir(cfg)
     except ShardwiseError as e:

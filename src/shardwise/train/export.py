@@ -67,12 +67,17 @@ def _hf_config(cfg: TrainConfig) -> dict:
 
 
 def _copy_tokenizer(cfg: TrainConfig, out: Path) -> None:
-    """The tokenizer the model was trained with, so the directory is self-contained."""
+    """The tokenizer the model was trained with (data.tokenizer, else the model directory's own,
+    else the bundled one: shardwise.train.sft_data.resolved_tokenizer_path), so the directory
+    is self-contained. Only tokenizer files: a model directory's config.json is not copied over
+    the exported one."""
     if cfg.data.kind != "sft":
         return
-    from shardwise.data import default_tokenizer_path
+    from shardwise.data import tokenizer_files
+    from shardwise.train.sft_data import resolved_tokenizer_path
 
-    src = Path(cfg.data.tokenizer) if cfg.data.tokenizer else Path(default_tokenizer_path())
-    for f in src.iterdir():
-        if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model"):
-            shutil.copy2(f, out / f.name)
+    src = Path(resolved_tokenizer_path(cfg))
+    for f in tokenizer_files(src):
+        dest = out / f.relative_to(src)  # keeps additional_chat_templates/ a directory
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dest)

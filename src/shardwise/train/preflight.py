@@ -1,12 +1,15 @@
 """Checks that run once, before any rank starts: model source, data files, tokenizer, the
 strategy against the world size, and the planner's memory check (refuse what will not fit).
 
-Everything here is torch-free and fast, so a bad config fails in a second with one message
-instead of N ranks each printing a traceback.
+The checks are ordered cheap first (torch is imported only to ask about CUDA for a CUDA run),
+so a bad config fails in a second with one message instead of N ranks each printing a
+traceback; the one expensive step, tokenising the data once into the cache every rank loads,
+comes last.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,16 +21,77 @@ from shardwise.train.config import TrainConfig
 from shardwise.train.model import check_model_source
 
 
+def check_launch(world_size: int, device: str, source: str = "<config>") -> None:
+    """The world size and device the launch resolved to. `--nproc 0` or a negative count would
+    otherwise reach the layout arithmetic (or spawn nothing and report success)."""
+    if world_size < 1:
+        raise ShardwiseError(f"{source}: world size {world_size}: expected at least 1 rank (--nproc N or "
+                             "run.nproc with N >= 1; under a launcher, its WORLD_SIZE).")  # fmt: skip
+    if device not in ("cpu", "cuda"):
+        raise ShardwiseError(f"{source}: run.device resolved to {device!r}: expected 'cpu' or 'cuda'.")
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (0 without CUDA); the one place preflight asks torch."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_device(cfg: TrainConfig, device: str, world_size: int) -> None:
+    """`run.device: cuda` on a machine without CUDA (or with fewer GPUs than local ranks) fails
+    here once, instead of as one traceback per rank from `torch.cuda.set_device`."""
+    if device != "cuda":
+        return
+    n = cuda_device_count()
+    if n == 0:
+        if cfg.run.device != "cuda":
+            # "auto" resolves to cuda only where CUDA exists: this caller plans a GPU run from
+            # a CPU host (tests, benches), it does not launch one here.
+            return
+        raise ShardwiseError(
+            f"{cfg.source}: run.device is 'cuda' but this machine has no usable CUDA device "
+            "(torch.cuda.is_available() is False); set run.device: cpu or auto (e.g. --set run.device=cpu).")
+    local = _local_ranks(world_size)
+    if local > n:
+        raise ShardwiseError(
+            f"{cfg.source}: {local} ranks on this node need {local} CUDA devices, {n} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --nproc {n} or fewer.")
+
+
+def _local_ranks(world_size: int) -> int:
+    """Ranks this node runs: the launcher's LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE, else all
+    of them (`--nproc` spawns locally)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), world_size)
+    return world_size
+
+
 def check_data(cfg: TrainConfig) -> None:
-    if cfg.data.tokenizer is not None and not Path(cfg.data.tokenizer).is_dir():
-        raise ShardwiseError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer!r} is not a directory")
+    """The cheap part of the data check, before the planner runs: the tokenizer directory (a
+    model directory's own tokenizer, or a clear refusal) and that every data file exists."""
     if cfg.data.kind == "synthetic":
         return
     from shardwise.data.formats import resolve_files
-    from shardwise.train.sft_data import data_config
+    from shardwise.train.sft_data import data_config, resolved_tokenizer_path
 
+    resolved_tokenizer_path(cfg)
     dc = data_config(cfg)
     resolve_files(dc.train_files, where=f"{cfg.source}: data.sft.train_files")
+
+
+def prepare_data(run: RunSpec) -> Path | None:
+    """The expensive part, last, once: the tokenizer against the model's vocabulary, then the
+    files parsed, validated, templated, tokenised and packed into the data cache every rank
+    (and a resume) loads. Under torchrun/srun every rank calls this; one builds, the rest wait
+    on the cache's file lock. None for synthetic data."""
+    if run.config.data.kind == "synthetic":
+        return None
+    from shardwise.train.sft_data import prepare_sft
+
+    return prepare_sft(run)
 
 
 @dataclass(frozen=True)
@@ -112,7 +176,66 @@ def nearest_fit(run: RunSpec) -> str:
 def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = False) -> tuple[RunSpec, MemoryCheck]:
     """All user-facing checks; raises ShardwiseError naming the file/field/value. Returns the
     run's specs (what every rank builds) and the planner's memory verdict."""
+    check_launch(world_size, device, cfg.source)
+    check_device(cfg, device, world_size)
     check_model_source(cfg.model, cfg.source)
     check_data(cfg)
     run = run_spec(cfg, world_size, device)
-    return run, check_memory(run, force)
+    memory = check_memory(run, force)
+    check_output_space(run)
+    prepare_data(run)
+    return run, memory
+
+
+def check_output_space(run: RunSpec) -> None:
+    """The output dir is a directory (created if missing), writable, and has room for one
+    checkpoint and the export: found in a second, before the data cache is built in it and
+    hours before the first save."""
+    from shardwise.train.outputs import check_output_dir, checkpoint_bytes
+
+    cfg = run.config
+    cp = cfg.checkpointing
+    saves = cp.save_every_steps is not None or cp.save_every_minutes is not None or cp.save_on_interrupt
+    need = (checkpoint_bytes(run.model.params) if saves else 0) + (4 * run.model.params if cp.save_final else 0)
+    check_output_dir(cp.output_dir, need, where=f"{cfg.source}: checkpointing.output_dir")
+
+
+def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = True) -> Path | None:
+    """The checkpoint to resume from: `checkpointing.resume` resolved and its manifest verified
+    (sizes, and sha256 when `verify_hashes`) before any rank starts. None: start fresh."""
+    from shardwise.train.checkpoint import resolve_resume
+
+    cp = cfg.checkpointing
+    resume = resolve_resume(cp.resume, cp.output_dir, verify_hashes=verify_hashes)
+    if cp.resume == "latest" and resume is None:
+        print(f"shardwise: --resume latest: no checkpoint under {cp.output_dir}/checkpoints yet; starting at step 0")
+    if resume is not None:
+        check_resumable(cfg, run, resume)
+    return resume
+
+
+def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
+    """Refuse a checkpoint of another model (its tensors would not fit this one) and say what a
+    changed global batch means; engine, world size and precision may change freely."""
+    import json
+
+    from shardwise.train.checkpoint import MANIFEST
+
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    saved = manifest.get("config", {})
+    old_model = {k: saved.get("model", {}).get(k) for k in ("name", "path")}
+    new_model = {"name": cfg.model.name, "path": cfg.model.path}
+    if (old_model["path"] or old_model["name"]) != (new_model["path"] or new_model["name"]):
+        raise ShardwiseError(
+            f"{cfg.source}: model {new_model['path'] or new_model['name']!r} cannot resume {checkpoint}, which "
+            f"holds {old_model['path'] or old_model['name']!r}; use the checkpoint's model or another output_dir"
+        )
+    if manifest["step"] > cfg.run.steps:
+        raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
+                             f"{manifest['step']}; raise run.steps to train on")
+    r = saved.get("run", {})
+    old_batch = r.get("micro_batch", 0) * r.get("grad_accum", 0) * manifest.get("world_size", 0)
+    new_batch = cfg.run.micro_batch * cfg.run.grad_accum * run.world_size
+    if old_batch != new_batch:
+        print(f"shardwise: resuming {checkpoint} with a global batch of {new_batch} sequences (it was trained with "
+              f"{old_batch}): the data continues from the same sample, the curve is not the uninterrupted one")

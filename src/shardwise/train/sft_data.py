@@ -1,12 +1,17 @@
-"""The SFT pipeline (shardwise.data) wired to the trainer's config: dataset, collator, sampler."""
+"""The SFT pipeline (shardwise.data) wired to the trainer's config: tokenizer, dataset, collator,
+sampler, and the data cache that lets preflight tokenise once for every rank and every resume."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
 from shardwise.train.config import TrainConfig
-from shardwise.train.engines.base import DistEnv
+
+if TYPE_CHECKING:
+    from shardwise.train.engines.base import DistEnv
 
 
 def data_config(cfg: TrainConfig):
@@ -22,14 +27,87 @@ def data_config(cfg: TrainConfig):
     return DataConfig.model_validate(raw)
 
 
+def resolved_tokenizer_path(cfg: TrainConfig) -> str:
+    """The tokenizer directory this run trains with: `data.tokenizer`; else, with `model.path`,
+    the model directory's own tokenizer; else (a catalog model, random init) the bundled one.
+
+    A model directory without tokenizer files is refused rather than paired with the bundled
+    toy tokenizer: its ids would mean nothing to the pretrained embeddings. The export calls
+    this too, so the exported directory carries the tokenizer the model trained with.
+    """
+    from shardwise.data import TOKENIZER_FILES, default_tokenizer_path, tokenizer_files
+
+    expected = ", ".join(TOKENIZER_FILES[:3])
+    if cfg.data.tokenizer is not None:
+        p = Path(cfg.data.tokenizer).expanduser()
+        if not p.is_dir():
+            raise ShardwiseError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer!r} is not a directory "
+                                 f"(expected a local tokenizer directory with {expected}).")  # fmt: skip
+        if not tokenizer_files(p):
+            raise ShardwiseError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer!r} has no tokenizer files "
+                                 f"(expected {expected}, ...).")  # fmt: skip
+        return str(p)
+    if cfg.model.path is not None:
+        p = Path(cfg.model.path).expanduser()
+        if tokenizer_files(p):
+            return str(p)
+        raise ShardwiseError(
+            f"{cfg.source}: model.path {cfg.model.path!r} has no tokenizer files (expected {expected}, ...) and "
+            "data.tokenizer is not set; set data.tokenizer to the tokenizer directory this model was trained "
+            "with (the bundled toy tokenizer's ids would mean nothing to its embeddings).")
+    return str(default_tokenizer_path())
+
+
+def data_cache_dir(cfg: TrainConfig) -> Path:
+    """Where the tokenised dataset is cached: beside the run's outputs, so a resume finds it."""
+    return Path(cfg.checkpointing.output_dir) / ".shardwise" / "data-cache"
+
+
+def check_vocab(cfg: TrainConfig, tokenizer: Any, vocab_size: int, tokenizer_dir: str) -> None:
+    """Every id the tokenizer can produce (added tokens included) must index the embedding;
+    otherwise the first out-of-range id is a CUDA device-side assert, or silent garbage."""
+    n = len(tokenizer)
+    if n > vocab_size:
+        model = f"model.path {cfg.model.path!r}" if cfg.model.path else f"model.name {cfg.model.name!r}"
+        raise ShardwiseError(
+            f"{cfg.source}: the tokenizer {tokenizer_dir!r} has {n} tokens (len(tokenizer), added tokens "
+            f"included) but {model} has vocab_size {vocab_size}: ids >= {vocab_size} have no embedding. "
+            "Set data.tokenizer to the model's own tokenizer, or use a model whose vocabulary covers it.")
+
+
+def prepare_sft(run: RunSpec) -> Path:
+    """Preflight's data step: load the tokenizer, check it against the model, and parse,
+    validate, template, tokenise and pack the training files once into the data cache
+    (errors name file and line). Returns the cache directory every rank then loads."""
+    from shardwise.data import ensure_cache, load_tokenizer
+
+    cfg = run.config
+    tok_dir = resolved_tokenizer_path(cfg)
+    tok = load_tokenizer(tok_dir)
+    check_vocab(cfg, tok, run.model.vocab_size, tok_dir)  # config.json's or the catalog's
+    return ensure_cache(data_config(cfg), tok, tok_dir, data_cache_dir(cfg), split="train")
+
+
 def build_sft(run: RunSpec, env: DistEnv) -> tuple[Any, Any, Any]:
-    from shardwise.data import ResumableDistributedSampler, SFTCollator, build_dataset, load_tokenizer
+    """Dataset, collator and sampler of this rank. The dataset comes from the data cache that
+    preflight wrote (the same rows as building it here, without tokenising again); without
+    one (a caller that skipped preflight) it is built in memory."""
+    from shardwise.data import (
+        ResumableDistributedSampler,
+        SFTCollator,
+        build_dataset,
+        find_cache,
+        load_dataset,
+        load_tokenizer,
+    )
     from shardwise.train.engines._torch_common import compute_dtype
 
     cfg = run.config
-    tok = load_tokenizer(cfg.data.tokenizer)
+    tok_dir = resolved_tokenizer_path(cfg)
+    tok = load_tokenizer(tok_dir)
     dc = data_config(cfg)
-    ds = build_dataset(dc, tok, split="train")
+    cached = find_cache(dc, tok_dir, data_cache_dir(cfg), split="train")
+    ds = load_dataset(cached) if cached is not None else build_dataset(dc, tok, split="train")
     # Additive 4-D mask in the compute dtype: documents packed in a row never see each other.
     collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8, mask_dtype=compute_dtype(run))
     sampler = ResumableDistributedSampler(
