@@ -36,6 +36,44 @@ def resume_config(strategy: str, world: int, out: Path) -> TrainConfig:
     return TrainConfig.model_validate(raw)
 
 
+def eval_then_save(strategy: str, env, out: Path) -> None:
+    """One step, then an evaluation forward (no backward), then a save and a load into a fresh
+    engine: the loaded engine must give the saved engine's loss exactly."""
+    from shardwise.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+    from shardwise.train.data import build_source
+    from shardwise.train.engines import build_engine
+    from shardwise.train.model import build_model
+
+    run_dir = out / f"{strategy}-evalsave-w{env.world_size}"
+    run = run_spec(resume_config(strategy, env.world_size, run_dir), env.world_size, "cpu")
+    batch = next(build_source(run, env, 256))
+
+    def engine():
+        torch.manual_seed(123 + len(str(run_dir)))  # any init: the load must overwrite it
+        return build_engine(build_model(run), run, env)
+
+    def eval_loss(e) -> float:
+        with torch.no_grad():
+            return float(sum(e.module(input_ids=b["input_ids"]).logits.sum()
+                             for b in batch))
+
+    a = engine()
+    for b in batch:
+        a.forward_backward(b, 1e-3)
+    a.step()
+    a.zero_grad()
+    before = eval_loss(a)  # the forward that leaves FSDP2's root unsharded
+    path = save_checkpoint(a, TrainerState(step=1, samples_consumed=0, global_batch=4), run_dir,
+                           config={}, strategy=strategy, keep_last=1)  # fmt: skip
+    a.close()
+    b_engine = engine()
+    load_checkpoint(b_engine, path)
+    after = eval_loss(b_engine)
+    b_engine.close()
+    if env.is_main:
+        torch.save({"before": before, "after": after}, out / f"{run_dir.name}.pt")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -46,6 +84,9 @@ def main() -> None:
     out = Path(args.out)
     for item in args.runs:
         strategy, mode, *src = item.split(":")
+        if mode == "evalsave":
+            eval_then_save(strategy, env, out)
+            continue
         run_dir = out / f"{strategy}-{mode}{'-' + src[0] if src else ''}-w{env.world_size}"
         resume = None
         if mode == "resume":

@@ -37,7 +37,7 @@ def runs(shared_dir):
             out.mkdir(exist_ok=True)
             two = [f"{s}:full" for s in EXACT]
             two += [f"{s}:resume:{s}-full-w2" for s in EXACT]
-            two += ["fsdp:resume:zero2-full-w2", "zero3:resume:fsdp-full-w2"]
+            two += ["fsdp:resume:zero2-full-w2", "zero3:resume:fsdp-full-w2", "fsdp:evalsave", "zero3:evalsave"]
             run_ranks(WORKER, ["--out", str(out), "--runs", *two], 2, timeout_s=600)
             one = ["zero3:resume:fsdp-full-w2", "ddp:resume:zero3-full-w2", "fsdp:resume:ddp-full-w2"]
             run_ranks(WORKER, ["--out", str(out), "--runs", *one], 1, timeout_s=300)
@@ -128,3 +128,11 @@ def test_export_from_a_two_rank_checkpoint_on_one_process(runs, source, tmp_path
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
     again = CliRunner().invoke(app, [str(runs / source), str(out)])
     assert again.exit_code == 2 and "--overwrite" in again.output
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_save_after_an_evaluation_forward(runs, strategy):
+    """A forward without backward leaves FSDP2's root unsharded; the save must still see the
+    optimizer's sharded parameters, and the loaded engine computes the same outputs."""
+    r = load(runs, f"{strategy}-evalsave-w2")
+    assert r["before"] == r["after"]

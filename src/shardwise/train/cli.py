@@ -26,7 +26,6 @@ app = typer.Typer(
 
 def _fail(err: Exception) -> None:
     from rich.console import Console
-
     from rich.markup import escape
 
     Console(stderr=True).print(f"[red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)

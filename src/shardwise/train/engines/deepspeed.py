@@ -119,6 +119,17 @@ class DeepSpeedEngine:
     def _full_shape(self, p: torch.nn.Parameter) -> torch.Size:
         return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
+    def _owners(self, sizes: list[int]) -> list[int]:
+        """Which rank writes each parameter: largest first to the least-loaded rank, so a big
+        (tied) embedding does not pile onto rank 0 as a round-robin by position would. Every
+        rank computes the same answer from the same sizes."""
+        load = [0] * self.env.world_size
+        owner = [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+            r = min(range(len(load)), key=lambda k: (load[k], k))
+            owner[i], load[r] = r, load[r] + sizes[i]
+        return owner
+
     def _optimizer_step(self) -> int:
         for st in self._base_optimizer().state.values():
             if "step" in st:
@@ -158,16 +169,19 @@ class DeepSpeedEngine:
         self._ensure_optimizer_state()
         base = self._base_optimizer()
         tensors: dict[str, torch.Tensor] = {}
-        for i, (name, p) in enumerate(self._named_params()):
+        params = self._named_params()
+        owner = self._owners([self._full_shape(p).numel() for _, p in params])
+        for i, (name, p) in enumerate(params):
             if self._partitioned(p):  # collective: every rank assembles, one keeps
                 values = [safe_get_full_fp32_param(p)] + [safe_get_full_optimizer_state(p, k) for k in self._MOMENTS]
             else:
                 st = base.state.get(p, {})
                 values = [p.detach().float()] + [st.get(k, torch.zeros_like(p, dtype=torch.float32))
                                                  for k in self._MOMENTS]
-            if i % self.env.world_size == self.env.rank:
+            if owner[i] == self.env.rank:
+                # DCP writes synchronously: no copy beyond the one off the device (none on CPU)
                 for key, v in zip(("model", *(f"optim.{k}" for k in self._MOMENTS)), values, strict=True):
-                    tensors[f"{key}.{name}"] = v.detach().to("cpu", torch.float32).clone()
+                    tensors[f"{key}.{name}"] = v.detach().to("cpu", torch.float32)
         scaler = self._loss_scaler()
         extra = {
             "optimizer_step": self._optimizer_step(),

@@ -15,7 +15,7 @@ import contextlib
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ShardwiseError
@@ -89,6 +89,14 @@ class FSDP2Engine(TorchOptimizerEngine):
     def _global_norm(self, norm: torch.Tensor) -> float:
         # clip_grad_norm_ on DTensors all-reduces the partial norms: a global norm.
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        # A forward without backward (an evaluation) leaves the root unsharded: its parameters
+        # are then not the sharded ones the optimizer holds state for. Reshard first.
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return super().checkpoint_state()
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         out = {}
