@@ -8,7 +8,7 @@ One format for every engine: a `torch.distributed.checkpoint` (DCP) directory ho
 
 Each engine maps its own layout onto these names (`Engine.checkpoint_state`): FSDP2 hands
 over its DTensor shards, DDP its replicated tensors (DCP writes one copy), DeepSpeed ZeRO
-the full tensors assembled from its flat partitions (each rank keeps every world-th one, so
+the full tensors assembled from its flat partitions (each rank keeps a size-balanced share, so
 the writes spread over ranks). DCP reshards on load, so a checkpoint written by 2 FSDP2
 ranks loads into 1 ZeRO-3 rank and the other way round. Everything that is not a tensor
 (step, data position, optimizer step count, loss scaler, RNG streams) is JSON beside it.
