@@ -29,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from checkpoint_io_worker import GUARD_EXIT, mem_available  # the worker's module top is stdlib-only
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 WORKER = HERE / "checkpoint_io_worker.py"
@@ -36,7 +39,6 @@ WORLD = 2
 DEFAULT_INTERVAL_S = 30 * 60  # checkpointing.save_every_minutes' default (shardwise.train.config)
 EVERY_STEPS = 100
 GiB = 1 << 30
-GUARD_EXIT = 86  # checkpoint_io_worker.GUARD_EXIT
 
 # (model, seq, micro_batch, steps before the first save, save/load repetitions, launch timeout s)
 MODELS = {
@@ -61,14 +63,6 @@ BIG_STRATEGIES = ["fsdp", "zero3", "ddp", "zero2"]  # zero2 last: run if the tim
 BYTES_PER_PARAM = {"fsdp": 14, "ddp": 20, "zero2": 21, "zero3": 26}
 RANK_OVERHEAD = GiB // 2  # interpreter, torch, deepspeed, transformers (partly shared between ranks)
 MARGIN = 1 * GiB
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def mem_total() -> int:
