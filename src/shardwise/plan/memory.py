@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
-from shardwise.plan.activations import activation_bytes, logits_bytes, recompute_bytes
+from shardwise.plan.activations import activation_bytes, recompute_bytes
+from shardwise.plan.loss import logits_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.layout import ParallelLayout
