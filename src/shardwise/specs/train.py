@@ -13,6 +13,11 @@ Optimizer = Literal["adamw", "sgd", "adam8bit"]
 Checkpointing = Literal["none", "full", "selective"]
 Attention = Literal["eager", "sdpa", "flash"]
 CrossEntropy = Literal["standard", "chunked", "fused"]
+# How the optimizer step runs: torch AdamW fused (one kernel, no temporaries; the trainer's
+# choice on CUDA), foreach (torch's CUDA default without `fused`: one fp32 temporary the size
+# of the parameters), for-loop (the CPU default: one tensor at a time), or DeepSpeed's own
+# (FusedAdam / CPU Adam, chosen by the engine).
+OptimizerImpl = Literal["fused", "foreach", "forloop"]
 
 
 class TrainSpec(Spec):
@@ -28,6 +33,9 @@ class TrainSpec(Spec):
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     cross_entropy: CrossEntropy = "standard"
     ce_chunk: int = Field(1024, gt=0, description="tokens per chunk for chunked cross-entropy")
+    optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")
+    sequence_parallel: bool = Field(True, description="under TP, norms/residuals sharded over the TP ranks "
+                                    "(Megatron-LM, torchtitan); no effect at tp 1")
 
     @property
     def compute_dtype(self) -> str:
