@@ -83,7 +83,8 @@ def test_json_schema():
     for s in doc["strategies"]:
         assert {"name", "engine", "tp", "pp", "dp", "fits", "memory", "host_memory"} <= set(s)
         parts = {"params", "grads", "master_params", "optimizer_states", "step_buffers", "activations", "recompute",
-                 "logits", "engine_buffers", "grad_buffers", "runtime_overhead", "total"}
+                 "logits", "engine_buffers", "gathered_params", "held_grads", "grad_buffers", "cuda_context",
+                 "nccl", "allocator_slack", "runtime_overhead", "allocated", "reserved", "total"}
         assert parts == set(s["memory"])
         assert s["memory"]["total"] <= sum(v for k, v in s["memory"].items() if k != "total")
         assert "total" in s["host_memory"]

@@ -7,15 +7,28 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass(frozen=True, slots=True)
 class MemoryBreakdown:
-    """Bytes per GPU at the step's peak, by part.
+    """Bytes per GPU, by part, and the step's peak as the max over its phases.
 
-    params/grads/master_params/optimizer_states are the model states held across the step
-    (what a per-rank tensor census sees after backward). step_buffers exist only inside the
-    optimizer step (DeepSpeed's fp32 gradient partition, foreach temporaries, FSDP2's root
-    reduce-scatter at the end of backward). engine_buffers are the engine's own, resident
-    through forward and backward (ZeRO-3 live/prefetched params and its reduce bucket, FSDP2
-    unsharded params); grad_buffers exist only during backward (DeepSpeed ZeRO-1/2 reduce
-    buckets, FSDP2 unsharded layer grads and their reduce-scatter copy, lm_head's grad).
+    Model states (what a per-rank tensor census sees after backward): params, grads,
+    master_params, optimizer_states. Transient parts, by the phase they live in:
+
+    - engine_buffers: resident in every phase (DeepSpeed ZeRO-3's reduce bucket, DDP's
+      bucket copy without `gradient_as_bucket_view`).
+    - gathered_params: forward and backward only (FSDP2's unsharded layers and root, the
+      parameters ZeRO-3 keeps gathered from forward to backward).
+    - held_grads: forward and backward, gradients carried between the micro-batches of one
+      step outside `grads` (FSDP2's unsharded grads in reduce_dtype while sync is off).
+    - activations (saved for backward, peak at the end of forward), logits (the loss's peak),
+      recompute (one layer re-materialised in backward), grad_buffers (backward only: reduce
+      buckets, a layer's unsharded grads and their reduce copy, lm_head's unsharded grad).
+    - step_buffers: end of backward and the optimizer step only (DeepSpeed's fp32 gradient
+      partition, the optimizer's temporaries by implementation, FSDP2's root reduce-scatter).
+
+    grads_persist: the gradient storage is live in every phase (DDP's buckets, which the
+    grads alias; ZeRO-3's flat gradient partition; accumulation into sharded grads).
+
+    Outside the allocator's live bytes: cuda_context and nccl (not PyTorch allocations) and
+    allocator_slack (reserved − allocated, the caching allocator's cached-but-free blocks).
     """
 
     params: float = 0.0
@@ -24,35 +37,65 @@ class MemoryBreakdown:
     optimizer_states: float = 0.0
     step_buffers: float = 0.0
     activations: float = 0.0
-    recompute: float = 0.0  # checkpointing: one layer re-materialised during backward
+    recompute: float = 0.0
     logits: float = 0.0
     engine_buffers: float = 0.0
+    gathered_params: float = 0.0
+    held_grads: float = 0.0
     grad_buffers: float = 0.0
-    runtime_overhead: float = 0.0
-    grads_held: bool = False  # grads survive into the next forward (accumulation): they coexist
+    cuda_context: float = 0.0
+    nccl: float = 0.0
+    allocator_slack: float = 0.0
+    grads_persist: bool = False
 
     @property
     def model_states(self) -> float:
         return self.params + self.grads + self.master_params + self.optimizer_states
 
     @property
-    def total(self) -> float:
-        """The step's peak, not the sum of the parts: activations peak at the end of forward and
-        stay while the loss backward peaks (logits) and then while the last layers' gradient
-        buffers exist (the logits are freed by then: max, not sum); gradients peak at the end of
-        backward when the activations are gone, step buffers inside the optimizer step.
-        Gradients of the previous micro-batch are held during forward only under accumulation
-        (step k's grads are freed before step k+1). Traced against FSDPMemTracker at 7-13B:
-        benchmarks/results/fsdp_trace.json."""
+    def phases(self) -> dict[str, float]:
+        """Allocated bytes at the peak of each phase (terms that never coexist are not summed).
+
+        forward: the end of forward through the loss and the backward of the last layers. The
+        loss's peak (logits) is over before backward reaches the layers, where a recomputed
+        layer and the gradient buffers live: max(logits, recompute + grad_buffers).
+        step: the end of backward and the optimizer step, when activations, gathered params
+        and backward buffers are gone and the gradients are complete.
+        Traced against FSDPMemTracker (benchmarks/results/fsdp_trace.json) and measured on one
+        H200 (docs/accuracy.md)."""
         always = self.params + self.master_params + self.optimizer_states + self.engine_buffers
-        forward = (self.activations + self.recompute + max(self.logits, self.grad_buffers)
-                   + (self.grads if self.grads_held else 0.0))
-        backward = self.grads + self.step_buffers
-        return always + max(forward, backward) + self.runtime_overhead
+        forward = (always + self.gathered_params + self.held_grads + (self.grads if self.grads_persist else 0.0)
+                   + self.activations + max(self.logits, self.recompute + self.grad_buffers))
+        step = always + self.grads + self.step_buffers
+        return {"forward": forward, "step": step}
+
+    @property
+    def allocated(self) -> float:
+        """Predicted peak of torch.cuda.max_memory_allocated."""
+        return max(self.phases.values())
+
+    @property
+    def reserved(self) -> float:
+        """Predicted peak of torch.cuda.max_memory_reserved: allocated + allocator slack."""
+        return self.allocated + self.allocator_slack
+
+    @property
+    def runtime_overhead(self) -> float:
+        """Everything between allocated bytes and the device's used memory."""
+        return self.cuda_context + self.nccl + self.allocator_slack
+
+    @property
+    def total(self) -> float:
+        """Device memory at the peak (what nvidia-smi shows): reserved + CUDA context + NCCL.
+        `fits` compares this with the GPU's memory."""
+        return self.reserved + self.cuda_context + self.nccl
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
-        d.pop("grads_held")
+        d.pop("grads_persist")
+        d["runtime_overhead"] = self.runtime_overhead
+        d["allocated"] = self.allocated
+        d["reserved"] = self.reserved
         d["total"] = self.total
         return d
 

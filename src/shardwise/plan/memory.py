@@ -27,8 +27,12 @@ Accounting = Literal["engine", "paper", "deepspeed"]
 
 CUDA_CONTEXT = 0.75 * GIB  # docs/reference.md "Runtime overheads": 0.3–1 GB per process
 NCCL_PER_GROUP = 0.5 * GIB  # NVIDIA/nccl #864: ~0.5 GB per communicator
-FRAGMENTATION = 0.05  # caching-allocator slack on top of live bytes (expandable_segments assumed)
+# Caching-allocator slack (reserved − allocated) beyond the phase overlap: a fraction of the
+# larger phase's transient bytes, fitted (median) to one H200 with the default allocator
+# (docs/accuracy.md "Reserved memory").
+ALLOCATOR_SLACK = 0.10
 DEFAULT_MARGIN = 0.05  # head room kept free when deciding "fits"
+SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default (zero/config.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,13 +167,15 @@ def _engine(model, train: TrainSpec, s: Strategy, layout, psi, n, per_node) -> t
         return _fsdp2(model, train, s, layout, psi, n, per_node, c, os_, layer, mixed)
     # DDP: the module stays fp32 under autocast (fp32 params, grads, optimizer; autocast's
     # cached weight casts are saved for backward, so `autocast_cache` books them with the
-    # activations); with gradient_as_bucket_view the reducer's buckets *are* the grads, else
-    # one more copy.
+    # activations). With gradient_as_bucket_view the reducer's buckets *are* the grads and stay
+    # allocated across steps (zero_grad only drops the views: census after_step, 1.00 P);
+    # without it the buckets are one more resident copy and the grads come and go.
     w = 2 if train.precision == "bf16-pure" else 4
+    view = s.ddp.gradient_as_bucket_view
     return MemoryBreakdown(
         params=w * psi, grads=w * psi, optimizer_states=os_ * psi,
-        step_buffers=_foreach_temp(train, psi),
-        engine_buffers=0 if s.ddp.gradient_as_bucket_view else w * psi,
+        step_buffers=optimizer_temp(train, psi, model.largest_module / layout.tp),
+        engine_buffers=0 if view else w * psi, grads_persist=view or train.grad_accum > 1,
     ), HostBreakdown()
 
 
@@ -188,16 +194,52 @@ def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -
     return c * (layers + lm_head), 0.0
 
 
-def _foreach_temp(train: TrainSpec, n_params: float) -> float:
-    """torch's foreach AdamW (the CUDA default) allocates fp32 temporaries the size of the
-    parameters it updates (`exp_avg_sq_sqrt` in torch/optim/adam.py _multi_tensor_adam)."""
-    return 4 * n_params if train.optimizer != "sgd" else 0
+def optimizer_temp(train: TrainSpec, n_params: float, largest: float) -> float:
+    """Temporaries of one optimizer step over `n_params` elements whose largest tensor has
+    `largest` (torch/optim/adam.py): fused AdamW (`_fused_adamw_`, one kernel) and
+    bitsandbytes' 8-bit Adam allocate none; foreach AdamW allocates `exp_avg_sq_sqrt` for
+    every parameter at once (state dtype); the for-loop version two per tensor while it
+    runs (`exp_avg_sq.sqrt()` and its division). SGD with momentum updates in place.
+    Measured: llama-2-7b FSDP2 on one H200 with fused AdamW peaks 25 GiB below a foreach
+    step's 4Ψ (docs/accuracy.md)."""
+    if train.optimizer != "adamw" or train.optimizer_impl == "fused":
+        return 0.0
+    state = 2 if train.precision == "bf16-pure" else 4
+    if train.optimizer_impl == "foreach":
+        return state * n_params
+    return 2 * state * min(largest, n_params)
+
+
+def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayout) -> float:
+    """Elements ZeRO-3 keeps gathered at the end of forward (partitioned_param_coordinator.py
+    `__params_to_release`): after a module's forward its params are released unless the trace
+    reuses them within `stage3_max_reuse_distance` elements of traversal. A decoder layer
+    reappears in backward after the rest of the forward (later layers, final norm, lm_head)
+    and the backward of those — with full checkpointing each later layer is also re-run — so
+    a suffix of the layers stays gathered, plus lm_head and the prefetch bucket. A model whose
+    gathered params are all within the distance is never released (no re-gather: comm.py).
+    Measured on one H200: 0.92 GiB for qwen2.5-0.5b (whole model), ~1.0 GiB for the 8-layer
+    7B-width model at 1e9 (docs/accuracy.md)."""
+    layer = model.params_per_layer / layout.tp
+    layers = -(-model.num_layers // layout.pp)
+    tail = (model.params - model.params_per_layer * model.num_layers) / layout.tp  # embed, norm, lm_head
+    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    gathered = layer * layers + tail - _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+    passes = 3 if train.checkpointing == "full" else 2  # forward, (recompute,) backward of each later layer
+    kept_layers = 0
+    for after in range(layers):  # `after` = layers that follow this one in forward
+        if passes * after * layer + 2 * lm_head >= ds.max_reuse_distance:
+            break
+        kept_layers += 1
+    live = kept_layers * layer + lm_head + min(ds.prefetch_bucket_size, layer)
+    return max(0.0, min(gathered, live))
 
 
 def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer):
     """DeepSpeed keeps the module in the compute dtype (w bytes) and an fp32 master partition,
     even for an fp32 model (measured: docs/reference.md "What the engines allocate"); grads are partitioned in the compute dtype
-    and copied to an fp32 partition inside step() (stage_1_and_2.py `single_partition_of_fp32_groups`)."""
+    and copied to an fp32 partition inside step() (stage_1_and_2.py `single_partition_of_fp32_groups`).
+    The optimizer runs on flat partitions, so a for-loop step's temporaries are partition-sized."""
     w = c
     stage = s.zero_stage
     ds = s.ds
@@ -207,9 +249,10 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
         # Stage 0: bf16/fp16 → FP16_Optimizer-style full fp32 master + grads copy at step;
         # fp32 → the plain torch optimizer, no master (engine._do_optimizer_sanity_check).
         master = 4 * psi if w != 4 else 0
+        temp = optimizer_temp(train, psi, psi if w != 4 else model.largest_module / layout.tp)
         return MemoryBreakdown(
             params=w * psi, grads=w * psi, master_params=master, optimizer_states=os_ * psi,
-            step_buffers=4 * psi if w != 4 else _foreach_temp(train, psi),
+            step_buffers=(4 * psi if w != 4 else 0) + temp, grads_persist=train.grad_accum > 1,
         ), host
     if stage in (1, 2):
         # ZeRO-1 under accumulation keeps full grads until the boundary; ZeRO-2 reduces each
@@ -219,7 +262,8 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
         # (stage_1_and_2.py setup_buckets; measured ~0 after backward)
         mem = MemoryBreakdown(
             params=w * psi, grads=grads, master_params=4 * psi / n, optimizer_states=os_ * psi / n,
-            step_buffers=4 * psi / n, grad_buffers=buckets,
+            step_buffers=4 * psi / n + optimizer_temp(train, psi / n, psi / n), grad_buffers=buckets,
+            grads_persist=train.grad_accum > 1,
         )
         if s.offload_optimizer:
             # fp32 master, fp32 grad partition and Adam live in pinned host memory; the GPU keeps
@@ -230,27 +274,29 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
             )
             mem = MemoryBreakdown(params=w * psi, grad_buffers=buckets + w * model.largest_module / layout.tp)
         return mem, host
-    # Stage 3: params partitioned except small persistent ones; the working set is the layer in
-    # flight plus the prefetch bucket (bounded by max_live_parameters); grads reduce through
-    # the ipg bucket.
-    # Persistent params are held whole *and* keep their 1/N `ds_tensor` partition (measured:
-    # benchmarks/results/measured_model_states.json, zero3 vs zero3-nopersist).
+    # Stage 3: params partitioned except small persistent ones, which are held whole *and* keep
+    # their 1/N `ds_tensor` partition (measured: benchmarks/results/measured_model_states.json,
+    # zero3 vs zero3-nopersist). The gradient partition is one flat buffer allocated at init
+    # (stage3.py `grad_partitions_flat_buffer`): it persists across steps. One reduce bucket
+    # stays allocated across steps (measured: 1× reduce_bucket_size elements, also with its
+    # default overlap_comm=True). The optimizer steps per sub-group of `sub_group_size` (1e9)
+    # with an fp32 copy of that sub-group's gradients.
     persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
-    live = min(ds.max_live_parameters, layer + min(ds.prefetch_bucket_size, layer))
     params = w * (persist + psi / n)
-    # Stage 3 keeps one reduce bucket allocated across steps (measured: 1× reduce_bucket_size
-    # elements, also with its default overlap_comm=True).
-    buckets = ds.reduce_bucket_size * w
+    sub_group = min(psi / n, SUB_GROUP_SIZE)
     mem = MemoryBreakdown(
         params=params, grads=w * psi / n, master_params=4 * psi / n, optimizer_states=os_ * psi / n,
-        step_buffers=4 * psi / n, engine_buffers=w * live + buckets,
+        step_buffers=4 * sub_group + optimizer_temp(train, sub_group, sub_group),
+        engine_buffers=ds.reduce_bucket_size * w, gathered_params=w * zero3_gathered(model, train, ds, layout),
+        grads_persist=True,
     )
     if s.offload_optimizer:
         host = HostBreakdown(
             grads=4 * psi / n * per_node, master_params=4 * psi / n * per_node,
             optimizer_states=os_ * psi / n * per_node,
         )
-        mem = MemoryBreakdown(params=0 if s.offload_params else params, engine_buffers=w * live + buckets)
+        mem = MemoryBreakdown(params=0 if s.offload_params else params, engine_buffers=mem.engine_buffers,
+                              gathered_params=mem.gathered_params)
         if s.offload_params:
             host = HostBreakdown(params=w * psi / n * per_node, **{
                 k: getattr(host, k) for k in ("grads", "master_params", "optimizer_states")})
@@ -259,33 +305,36 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
 
 def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, mixed):
     """FSDP2 (`fully_shard` per decoder layer + root): sharded fp32 params and grads (mixed
-    precision casts to `param_dtype` when it all-gathers), optimizer on the shards. Buffers:
-    the unsharded c-byte params of the layer in flight and the prefetched one, and the layer's
-    unsharded grads plus their `reduce_dtype` (fp32) copy for reduce-scatter
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). The root group (embeddings,
-    final norm, lm_head) is not resharded after forward (root `reshard_after_forward` = False)."""
+    precision casts to `param_dtype` when it all-gathers), optimizer on the shards. Gathered:
+    the unsharded c-byte params of the layer in flight and the prefetched one, and the root
+    group (embeddings, final norm, lm_head), which is not resharded after forward (root
+    `reshard_after_forward` = False); grad-op keeps every layer unsharded from forward to
+    backward. Backward buffers: a layer's unsharded grads plus their `reduce_dtype` copy for
+    reduce-scatter, and lm_head's unsharded grad (the root reduce-scatters at the very end)
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
     w = 2 if train.precision == "bf16-pure" else 4
     root = psi - model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
     reduce = s.fsdp.reduce_bytes(c) if mixed else w
-    if s.reshard_after_forward:
-        unsharded = c * (2 * layer + root)
-    else:  # grad-op: every layer stays unsharded from its forward to its backward
-        unsharded = c * psi
-    # During backward, while the activations are still alive: a layer's unsharded grads and
-    # their reduce_dtype copy for reduce-scatter, and lm_head's unsharded grad (its group, the
-    # root, reduce-scatters only at the very end). With accumulation, sync is off on the other
-    # micro-batches and every unsharded grad is held between them.
+    gathered = c * (2 * layer + root) if s.reshard_after_forward else c * psi
     lm_head = model.vocab_size * model.hidden_size / layout.tp
     rs = (c + reduce) * layer + c * lm_head
-    held = c * psi if train.grad_accum > 1 else 0.0
+    # Accumulation. The trainer turns gradient sync off on non-final micro-batches: FSDP2 then
+    # keeps every unsharded grad, upcast to reduce_dtype (`to_accumulated_grad_if_needed`,
+    # _fsdp_param.py), until the last micro-batch reduce-scatters the sum. Stock FSDP2
+    # (`reduce_every_micro_batch`) reduce-scatters every micro-batch into the sharded grads,
+    # which then live through the following micro-batches.
+    accumulating = train.grad_accum > 1
+    unsharded_held = accumulating and not s.fsdp.reduce_every_micro_batch
+    held = reduce * psi if unsharded_held else 0.0
     # The root's own reduce-scatter (embeddings, lm_head: often the largest group) runs at the
-    # end of backward, when the activations are gone: a step-time transient, like the
+    # end of backward, when the activations are gone: a step-phase transient, like the
     # optimizer's temporaries (it finishes before the step starts).
     root_rs = (c + reduce) * root
     mem = MemoryBreakdown(
         params=w * psi / n, grads=w * psi / n, optimizer_states=os_ * psi / n,
-        step_buffers=max(_foreach_temp(train, psi / n), root_rs), engine_buffers=unsharded + held,
-        grad_buffers=rs,
+        step_buffers=max(optimizer_temp(train, psi / n, model.largest_module / layout.tp / n), root_rs),
+        gathered_params=gathered, held_grads=held, grad_buffers=rs,
+        grads_persist=accumulating and not unsharded_held,
     )
     host = HostBreakdown()
     if s.offload_params:  # CPUOffloadPolicy: sharded params, grads and optimizer step on the CPU
@@ -293,7 +342,7 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
             params=w * psi / n * per_node, grads=w * psi / n * per_node,
             optimizer_states=os_ * psi / n * per_node,
         )
-        mem = MemoryBreakdown(engine_buffers=unsharded + held, grad_buffers=rs)
+        mem = MemoryBreakdown(gathered_params=gathered, held_grads=held, grad_buffers=rs)
     return mem, host
 
 
@@ -315,14 +364,25 @@ def _lora(model, train, s: Strategy, layout, psi, n):
     return MemoryBreakdown(
         params=c * psi / base_shard + 4 * adapters, grads=4 * adapters / opt_shard,
         optimizer_states=_optimizer_bytes(train) * adapters / opt_shard,
-        engine_buffers=c * (model.params_per_layer / layout.tp) * 2 if s.shards_params else 0,
+        gathered_params=c * (model.params_per_layer / layout.tp) * 2 if s.shards_params else 0,
     ), HostBreakdown()
 
 
-def runtime_overhead(layout: ParallelLayout, live_bytes: float) -> float:
-    """CUDA context + one NCCL communicator per process group this rank is in + fragmentation."""
+def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown) -> dict[str, float]:
+    """Memory outside the allocator's live bytes: the CUDA context, one NCCL communicator per
+    process group this rank is in, and the caching allocator's slack (reserved − allocated).
+
+    The slack: the blocks that forward frees (activations, logits: many sizes) are rarely the
+    shapes the end of backward and the step ask for (gradient shards, reduce copies), so the
+    default allocator reserves new segments for both phases' transients (min(forward, step)
+    on top of the larger one), plus `ALLOCATOR_SLACK` of the larger for splitting/rounding.
+    On one H200 this puts nvidia-smi's peak within the residuals in docs/accuracy.md."""
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp))
-    return CUDA_CONTEXT + NCCL_PER_GROUP * groups + FRAGMENTATION * live_bytes
+    resident = (gpu.params + gpu.master_params + gpu.optimizer_states + gpu.engine_buffers
+                + (gpu.grads if gpu.grads_persist else 0.0))
+    fwd, step = (max(0.0, v - resident) for v in gpu.phases.values())
+    return {"cuda_context": CUDA_CONTEXT, "nccl": NCCL_PER_GROUP * groups,
+            "allocator_slack": min(fwd, step) + ALLOCATOR_SLACK * max(fwd, step)}
 
 
 def plan_memory(
@@ -341,9 +401,8 @@ def plan_memory(
         acts += cached
         recompute = max(0.0, recompute + recast)
     logits = logits_bytes(model, train, layout.tp)
-    draft = replace(states, activations=acts, recompute=recompute, logits=logits,
-                    grads_held=train.grad_accum > 1)
-    gpu = replace(draft, runtime_overhead=runtime_overhead(layout, draft.total))
+    draft = replace(states, activations=acts, recompute=recompute, logits=logits)
+    gpu = replace(draft, **runtime_overhead(layout, draft))
     return MemoryPlan(
         strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,
         margin=margin, host_capacity_bytes=hw.host_memory_bytes,

@@ -75,8 +75,20 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
     return ModelSpec.from_hf_config(cfg.model.path)
 
 
-def train_spec(cfg: TrainConfig, **overrides: Any) -> TrainSpec:
+def optimizer_impl(cfg: TrainConfig, device: str) -> str:
+    """The AdamW kernel the engines build (train/engines/_torch_common.py `build_adamw`, and
+    DeepSpeed's `torch_adam` + `fused`): fused where asked (default: on CUDA), else torch's
+    choice for the device — foreach on CUDA, the for-loop on CPU. Optimizer offload steps on
+    the host (DeepSpeedCPUAdam): nothing on the GPU."""
+    fused = cfg.optimizer.fused if cfg.optimizer.fused is not None else device == "cuda"
+    if fused:
+        return "fused"
+    return "foreach" if device == "cuda" else "forloop"
+
+
+def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> TrainSpec:
     fields = {
+        "optimizer_impl": optimizer_impl(cfg, device),
         "seq_len": seq_len(cfg),
         "micro_batch": cfg.run.micro_batch,
         "grad_accum": cfg.run.grad_accum,
@@ -134,7 +146,7 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
     except ShardwiseError as e:
         raise ShardwiseError(
             f"{cfg.source}: strategy.name {strat.name!r} cannot run on {world_size} rank(s): {e}") from None
-    return RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg),
+    return RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg, device),
                    strategy=strat, layout=layout)
 
 
@@ -205,6 +217,10 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         "ddp": _knob_overrides(strategy.ddp, knobs[2]),
     }
     raw["precision"] = precision
+    if train.optimizer_impl != ("fused" if device == "cuda" else "forloop"):
+        raw["optimizer"]["fused"] = train.optimizer_impl == "fused"
+        if train.optimizer_impl == "forloop" and device == "cuda":
+            notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
     raw["checkpointing"]["activation"] = activation
     raw["hardware"] |= {"gpu": hw.gpu.name, "gpus_per_node": hw.gpus_per_node if hw.nodes > 1 else

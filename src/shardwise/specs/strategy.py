@@ -109,6 +109,11 @@ class FSDPKnobs(Spec):
     # torch's default reduce_dtype is the param dtype; fp32 keeps the reduce-scatter of bf16
     # grads from rounding every partial sum (shardwise's default, the planner counts 4 bytes).
     reduce_dtype: Literal["fp32", "param"] = Field("fp32", description="gradient reduce-scatter dtype")
+    # torch's default (`set_requires_gradient_sync` left on) reduce-scatters every micro-batch
+    # into the sharded grads; shardwise's trainer turns sync off on all but the last
+    # micro-batch: one reduce-scatter per step, unsharded reduce_dtype grads held in between.
+    reduce_every_micro_batch: bool = Field(False, description="with accumulation: reduce-scatter every "
+                                           "micro-batch (torch's default) instead of once per step")
 
     def reduce_bytes(self, param_bytes: int) -> int:
         return 4 if self.reduce_dtype == "fp32" else param_bytes

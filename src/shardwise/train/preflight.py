@@ -163,7 +163,7 @@ def nearest_fit(run: RunSpec) -> str:
             )
     for text, strat, over in options:
         try:
-            p = plan_memory(run.model, run.hardware, train_spec(cfg, **over), strat)
+            p = plan_memory(run.model, run.hardware, train_spec(cfg, run.device, **over), strat)
         except ShardwiseError:
             continue
         if p.fits:

@@ -74,8 +74,9 @@ class FSDP2Engine(TorchOptimizerEngine):
 
     def sync_grads(self, enabled: bool):
         # FSDP2 accumulates unsharded grads locally while sync is off; the last micro-batch
-        # reduce-scatters the sum once.
-        self.module.set_requires_gradient_sync(enabled)
+        # reduce-scatters the sum once. `reduce_every_micro_batch` keeps torch's default
+        # instead: a reduce-scatter per micro-batch into the sharded grads.
+        self.module.set_requires_gradient_sync(enabled or self.run.strategy.fsdp.reduce_every_micro_batch)
         return contextlib.nullcontext()
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
