@@ -1,30 +1,57 @@
-"""Step time: compute at an achievable fraction of peak, collectives by ring bus-bandwidth
-formulas with latency, what each engine overlaps, offload transfers, CPU optimizer, pipeline
-bubble. Pure functions; FLOPs from plan/flops.py (the trainer's MFU uses the same function)."""
+"""Step time, priced op by op: GEMMs by a roofline at the GPU's sustained efficiency, attention
+kernels, memory-bound work (norms, elementwise, the loss over the vocabulary, the optimizer
+step, the engines' copies) by HBM bandwidth, the host's launch and hook costs per engine,
+collectives per link level with latency, what each engine overlaps, offload transfers and
+the CPU optimizer, the pipeline bubble. Pure functions; FLOPs for MFU from plan/flops.py (the
+trainer's MFU uses the same function).
+
+The constants below and the GPUs' `*_efficiency` values are fitted, not assumed:
+`benchmarks/h200_cases.py` fits them to the trainer measured on one H200 and
+`benchmarks/accuracy.py` checks published multi-GPU runs; docs/accuracy.md has the fit and
+the residuals. A hardware profile measured on the user's GPUs replaces the GPU's values.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from shardwise.plan.comm import CommBreakdown
-from shardwise.plan.flops import flops_per_token, model_flops_per_token
+from shardwise.plan.flops import model_flops_per_token
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
-# Fraction of dense peak a well-tuned LLM step sustains on its matmuls (bf16 Llama training
-# reports 50–60% MFU on A100/H100: Megatron-LM, torchtitan); fp32 non-tensor-core lower.
-ACHIEVABLE = {"bf16": 0.55, "fp16": 0.55, "fp32": 0.45}
+# Eager HF elementwise code (norms, RoPE, activations, the loss) against the idealised per-op
+# byte count below: extra casts and copies, and kernels slower than the streaming ones
+# (optimizer, copies) that `hbm_efficiency` describes. One multiplier, fitted (docs/accuracy.md).
+ELEMENTWISE_FACTOR = 1.8
+# GPU idle per kernel launch in eager PyTorch (the CPU launches the next kernel while a short
+# one runs; small widths leave gaps): added to the GPU time.
+LAUNCH_S = 10e-6
+KERNELS_PER_LAYER = 130  # HF decoder layer, forward + backward (norms alone are ~8 ops each)
+# Python hook cost per unit per pass: FSDP2's pre/post forward/backward hooks per
+# fully_shard unit; DeepSpeed ZeRO-3's fetch/release per submodule (every Linear and norm).
+FSDP2_HOOK_S = 400e-6
+ZERO3_HOOK_S = 850e-6
+DEEPSPEED_STEP_S = 40e-3  # engine.step / backward bookkeeping per optimizer step (4 cases inform it)
+ZERO12_HOOK_S = 100e-6  # ZeRO-1/2: the gradient hook DeepSpeed registers on every parameter
+MODULES_PER_LAYER = 13  # ZeRO-3 hooks: q, k, v, o, gate, up, down, 2 norms, rotary, attn, mlp, layer
 # How much of backward compute can hide bucketed reduction / prefetched gathers (streams
 # contend for SMs and HBM; NCCL kernels take ~10–20% of SMs).
 OVERLAP_EFFICIENCY = 0.8
+OPTIMIZER_BYTES = {"fused": 28, "foreach": 80, "forloop": 80}  # fp32 AdamW, per parameter
+# FSDP2 fills and drains its all-gather/reduce-scatter buffers on side streams, concurrent with
+# compute; this share of those copies still lands on the step (HBM contention).
+FSDP2_COPY_EXPOSED = 0.0
+CLIP_BYTES = 12  # global-norm clipping: read the grads for the norm, scale them in place
 
 
 @dataclass(frozen=True, slots=True)
 class TimeBreakdown:
-    compute_s: float
+    compute_s: float  # GPU work of the step without communication (the parts below)
     comm_s: float
     exposed_comm_s: float
     offload_s: float
@@ -32,6 +59,11 @@ class TimeBreakdown:
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float
+    gemm_s: float = 0.0
+    attention_s: float = 0.0
+    memory_bound_s: float = 0.0  # norms, activations, residuals, RoPE, loss, engine copies
+    optimizer_s: float = 0.0
+    host_s: float = 0.0  # what the host adds to the GPU's work: launch gaps, hooks, bookkeeping
 
     @property
     def exposed_fraction(self) -> float:
@@ -39,6 +71,195 @@ class TimeBreakdown:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self) | {"exposed_comm_fraction": self.exposed_fraction}
+
+
+# ----------------------------------------------------------------------------- compute
+
+
+def _gemm(tokens: float, k: float, n: float, flops_s: float, bytes_s: float, c: int) -> float:
+    """One [tokens × k] · [k × n] GEMM: a soft roofline of its math at the sustained rate and
+    its operands' traffic (the 2-norm of the two times: equal to the larger far from the ridge,
+    √2 of it at the ridge, where narrow GEMMs such as GQA's k/v projections or a 896-wide
+    model's sit)."""
+    return math.hypot(2 * tokens * k * n / flops_s, c * (tokens * k + k * n + tokens * n) / bytes_s)
+
+
+def _layer_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float, float]]:
+    """(k, n, share of tokens) of one decoder layer's linears (Llama-block widths; the total is
+    rescaled to the layer's exact parameter count in `_compute`)."""
+    h, q, kv = model.hidden_size, model.q_dim / tp, model.kv_dim / tp
+    out = [(h, q, 1.0), (h, kv, 1.0), (h, kv, 1.0), (q, h, 1.0)]
+    i = model.intermediate_size / tp
+    if model.is_moe:
+        e, k = model.num_experts, model.experts_per_token
+        out.append((h, e, 1.0))  # router
+        out += [(h, i, k / e), (h, i, k / e), (i, h, k / e)] * e  # each expert sees k/E of the tokens
+    else:
+        out += [(h, i, 1.0), (h, i, 1.0), (i, h, 1.0)]
+    return out
+
+
+def _elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: int) -> float:
+    """Memory-bound bytes per token of one layer's forward outside GEMMs and attention: two
+    RMSNorms with their fp32 upcast (HF `LlamaRMSNorm`: cast, pow, mean, rsqrt, mul, cast back,
+    weight), two residual adds, RoPE on q and k, SiLU and the gate product, the attention
+    output's reshape. Residual stream in fp32 under autocast. Backward moves about twice the
+    forward's bytes."""
+    c = train.compute_bytes
+    r = 4 if autocast else c
+    h, q, kv, i = model.hidden_size, model.q_dim / tp, model.kv_dim / tp, model.intermediate_size / tp
+    if model.is_moe:
+        i *= model.experts_per_token
+    norms = 2 * h * (r + 28 + 3 * c)
+    residual = 2 * 3 * r * h
+    if autocast:  # each linear fed by a norm casts its fp32 input: q, k, v, gate, up
+        residual += 5 * (4 + c) * h
+    rope = 11 * c * (q + kv)
+    act = 5 * c * i
+    reshape = 2 * c * q
+    return norms + residual + rope + act + reshape
+
+
+def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
+    """Memory-bound bytes per token of the loss over the vocabulary (after lm_head's GEMM).
+    standard/chunked (HF `ForCausalLMLoss`, torch cross_entropy per chunk): the fp32 upcast,
+    log-softmax (two reads, one write), NLL's gradient, log-softmax backward, the cast back;
+    fused linear + cross-entropy computes the softmax in place on small row blocks."""
+    v, c = model.vocab_size / tp, train.compute_bytes
+    if train.cross_entropy == "fused":
+        return (8 + 2 * c) * v
+    upcast = 2 * (c + 4) if c < 4 else 0  # .float() and its backward cast
+    return (28 + upcast) * v
+
+
+def _optimizer_bytes(train: TrainSpec, strategy: Strategy) -> float:
+    """Bytes per parameter (of this GPU's shard) that the optimizer step moves."""
+    b = OPTIMIZER_BYTES[train.optimizer_impl] * (0.5 if train.precision == "bf16-pure" else 1)
+    if train.optimizer == "sgd":
+        b *= 0.5
+    b += CLIP_BYTES
+    if strategy.engine == "deepspeed":  # grads to the fp32 partition, master back to 16-bit
+        b += 2 * (train.compute_bytes + 4)
+    return b
+
+
+def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout,
+                       psi: float) -> float:
+    """Bytes per optimizer step the engine copies around its collectives (also at world size
+    1: the all-gather and reduce-scatter buffers are filled and drained by copy kernels).
+    FSDP2: copy-in (cast to param dtype) and copy-out of every gather, chunk_cat of the grads
+    into the reduce dtype (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py);
+    ZeRO: gathers into new buffers, grads through the reduce bucket into the partition;
+    DDP under autocast: the weights cast per forward and the fp32 grad accumulation."""
+    c, k, n = train.compute_bytes, train.grad_accum, max(layout.dp_shard, 1)
+    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
+    if s.engine == "fsdp2":
+        reduce = s.fsdp.reduce_bytes(c) if train.precision in ("bf16-mixed", "fp16-mixed") else c
+        gathered = psi + (layers if s.reshard_after_forward else 0.0)
+        reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
+        accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
+        return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
+    if s.engine == "deepspeed":
+        if s.zero_stage == 3:
+            passes = 3 if train.checkpointing == "full" else 2
+            return k * psi * (passes * (c + c / n) + 2 * c + 2 * c / n)
+        reductions = k if s.zero_stage == 2 else 1
+        return psi * (reductions * (2 * c + 2 * c / n) + c + c / n)
+    autocast = train.precision in ("bf16-mixed", "fp16-mixed")
+    passes = 2 if train.checkpointing == "full" else 1
+    cast = k * psi * (passes * (4 + c) + (c + 8)) if autocast else 0.0
+    bucket = 0.0 if s.ddp.gradient_as_bucket_view else 2 * 4 * psi
+    return cast + bucket
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeTime:
+    gemm_s: float
+    attention_s: float
+    memory_bound_s: float
+    optimizer_s: float
+    launch_s: float  # GPU idle between short kernels
+    hooks_s: float  # the engine's Python hooks: the CPU runs ahead of the GPU through them
+    serial_s: float  # host work the GPU always waits for (DeepSpeed's step bookkeeping)
+
+    @property
+    def gpu_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.memory_bound_s + self.optimizer_s
+
+    @property
+    def wall_s(self) -> float:
+        """A step is GPU-bound or hook-bound, whichever is longer, plus the serial host work."""
+        return max(self.gpu_s + self.launch_s, self.hooks_s) + self.serial_s
+
+
+def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strategy,
+                 layout: ParallelLayout, psi: float) -> ComputeTime:
+    """GPU time of one optimizer step on one GPU (its TP shard and PP stage), without
+    communication, and the host time the GPU waits for (launch gaps, hooks)."""
+    gpu = hw.gpu
+    c = train.compute_bytes
+    flops_s = gpu.peak_flops(train.compute_dtype) * gpu.gemm_efficiency
+    bytes_s = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
+    tp, pp, k = layout.tp, layout.pp, train.grad_accum
+    tokens = train.micro_batch * train.seq_len
+    layers = -(-model.num_layers // pp)
+    recompute = {"full": 1.0, "selective": 0.5, "none": 0.0}[train.checkpointing]
+
+    # GEMMs: forward, input-gradient and weight-gradient (+ the recomputed forward)
+    shapes = _layer_gemms(model, tp)
+    layer_t = sum(_gemm(tokens * share, kk, nn, flops_s, bytes_s, c) for kk, nn, share in shapes)
+    approx = sum(kk * nn * share for kk, nn, share in shapes)
+    exact = _matmul_params_per_layer(model) / tp
+    layer_t *= exact / approx if approx else 1.0
+    head_t = _gemm(tokens, model.hidden_size, model.vocab_size / tp, flops_s, bytes_s, c)
+    gemm = k * ((3 + recompute) * layer_t * layers + 3 * head_t / pp)
+
+    # attention kernels (causal, flash/SDPA): model FLOPs 6·s·d_q per token per layer
+    attn_flops = 6 * train.seq_len * model.q_dim / tp * tokens * layers
+    attn_eff = gpu.attention_efficiency
+    attention = k * attn_flops * (1 + recompute / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
+    mem = 0.0
+    if train.attention == "eager":  # scores materialised: softmax in fp32, its backward, casts
+        scores = model.num_heads / tp * tokens * train.seq_len * layers
+        mem += k * scores * (3 * c + 24) * (1 + recompute / 3)
+
+    autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed")
+    per_token = _elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * ELEMENTWISE_FACTOR
+    mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * ELEMENTWISE_FACTOR / pp)
+    copies = _engine_copy_bytes(model, train, s, layout, psi)
+    mem += copies * (FSDP2_COPY_EXPOSED if s.engine == "fsdp2" else 1.0)
+    memory_bound = mem / bytes_s
+
+    shard = psi / (layout.dp_shard if s.shards_optimizer else 1)
+    optimizer = 0.0 if s.offload_optimizer else shard * _optimizer_bytes(train, s) / bytes_s
+
+    # host: launch gaps, and the engines' Python hooks (they wait on their collectives' streams)
+    kernels = k * layers * KERNELS_PER_LAYER * (1 + recompute / 3) + k * 40
+    if train.optimizer_impl == "forloop":
+        kernels += 10 * len(model.hf_order) / pp
+    launch = kernels * LAUNCH_S
+    passes = 2 + recompute
+    hooks = serial = 0.0
+    if s.engine == "fsdp2":  # each unit's hooks wait on its all-gather / reduce-scatter streams
+        serial = k * (layers + 1) * passes * 2 * FSDP2_HOOK_S
+    elif s.engine == "deepspeed":
+        serial = DEEPSPEED_STEP_S
+        if s.zero_stage in (1, 2):
+            serial += k * len(model.hf_order) / pp * ZERO12_HOOK_S  # grad hooks copy on the main stream
+        if s.zero_stage == 3:
+            hooks = k * (layers * MODULES_PER_LAYER + 3) * passes * ZERO3_HOOK_S
+    return ComputeTime(gemm, attention, memory_bound, optimizer, launch, hooks, serial)
+
+
+def _matmul_params_per_layer(model: ModelSpec) -> float:
+    """Parameters of one decoder layer that a token multiplies through (MoE: its top-k
+    experts, the router, shared experts), i.e. FLOPs/(2 tokens); norms excluded."""
+    matmul = model.active_params - model.embedding_params  # lm_head is priced apart
+    norms = 2 * model.hidden_size * model.num_layers + model.hidden_size
+    return max(0.0, (matmul - norms) / model.num_layers)
+
+
+# ----------------------------------------------------------------------------- communication
 
 
 def ring_time(volume: float, n: int, bus_bytes_per_s: float, latency_s: float, calls: int) -> float:
@@ -50,44 +271,67 @@ def ring_time(volume: float, n: int, bus_bytes_per_s: float, latency_s: float, c
 
 
 def comm_time(comm: CommBreakdown, hw: HardwareSpec, layout: ParallelLayout) -> float:
-    n_intra = min(layout.world_size, hw.gpus_per_node)
-    t = ring_time(comm.intra, n_intra, hw.intra.bus_bytes_per_s, hw.intra.latency_s, comm.calls)
+    """Data-parallel collectives. Inside a node they run at the NVLink/PCIe bus bandwidth. A
+    group that spans nodes runs one ring per NIC in parallel, so its bus bandwidth is the
+    node's aggregate NIC bandwidth (capped by the link inside the node); latency grows with
+    the ranks per node and the nodes. Hybrid groups' cross-node all-reduce (one rank per
+    node, every GPU in its own group at once) share the node's NICs."""
+    dp = layout.dp
+    per_node_dp = max(1, min(dp, hw.gpus_per_node // layout.tp))
+    t = ring_time(comm.intra, per_node_dp, hw.intra.bus_bytes_per_s, hw.intra.latency_s, comm.calls)
     if comm.inter:
-        t += ring_time(comm.inter, max(2, hw.nodes), hw.inter.bus_bytes_per_s, hw.inter.latency_s, comm.calls)
+        nodes = max(2, -(-dp // per_node_dp))
+        if layout.dp_replicate > 1 and layout.dp_shard > 1:  # HSDP: one group per local rank
+            bw = min(hw.intra.bus_bytes_per_s, hw.inter_node_bytes_per_s / hw.gpus_per_node)
+            t += ring_time(comm.inter, nodes, bw, hw.inter.latency_s, comm.calls)
+        else:
+            bw = min(hw.intra.bus_bytes_per_s, hw.inter_node_bytes_per_s)
+            n = dp
+            t += (comm.inter * (n - 1) / n / bw
+                  + ((per_node_dp - 1) * hw.intra.latency_s + (nodes - 1) * hw.inter.latency_s) * max(comm.calls, 1))
     return t
 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
+    from shardwise.plan.memory import stage_params
+
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica per step
-    dtype = train.compute_dtype
-    peak = hw.gpu.peak_flops(dtype)
-    share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
-    flops = flops_per_token(model, train.seq_len, train.checkpointing) * tokens / share
-    compute = flops / (peak * ACHIEVABLE[dtype])
-    # backward is 2/3 of the model FLOPs, plus the recomputed forward with checkpointing
+    psi = stage_params(model, layout.tp, layout.pp)
+    ct = compute_time(model, hw, train, strategy, layout, psi)
+    compute = ct.gpu_s
+    # forward is about a third of the GEMM/elementwise work (a quarter with full recompute)
     fwd = compute * (1 / 4 if train.checkpointing == "full" else 1 / 3)
     bwd = compute - fwd
     comm_s = comm_time(comm, hw, layout)
     exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm))
-    # TP all-reduces (inside the node) and PP sends sit on the critical path
+    # TP all-reduces stay inside the node (TP ranks are packed on NVLink); PP sends cross
+    # nodes when the stages do. Both sit on the critical path.
     blocking = 0.0
     if comm.blocking:
-        blocking = comm.blocking * (layout.tp - 1) / max(layout.tp, 1) / hw.intra.bus_bytes_per_s
-        if layout.pp > 1 and hw.nodes > 1:
-            blocking = max(blocking, comm.blocking / hw.inter.bus_bytes_per_s)
+        tp_bytes = comm.blocking - comm.p2p
+        if layout.tp > 1:
+            blocking += tp_bytes * (layout.tp - 1) / layout.tp / hw.intra.bus_bytes_per_s
+        if comm.p2p:
+            stages_span_nodes = layout.tp * layout.pp > hw.gpus_per_node and hw.nodes > 1
+            link = hw.inter if stages_span_nodes else hw.intra
+            blocking += comm.p2p / link.bus_bytes_per_s
         blocking += comm.calls * hw.intra.latency_s
     comm_s += blocking
     exposed += blocking
-    offload = _offload_time(model, hw, strategy, layout, comm)
+    offload = _offload_time(model, hw, strategy, layout, comm, train)
     bubble = 0.0
+    work = ct.wall_s
     if layout.pp > 1:  # 1F1B bubble (p−1)/(m+p−1) of the pipeline's time
         frac = (layout.pp - 1) / (train.grad_accum + layout.pp - 1)
-        bubble = compute * frac / (1 - frac)
-    step = compute + exposed + offload + bubble
+        bubble = work * frac / (1 - frac)
+    step = work + exposed + offload + bubble
+    share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
     tps = tokens / share / step
-    mfu = model_flops_per_token(model, train.seq_len) * tps / peak
-    return TimeBreakdown(compute, comm_s, exposed, offload, bubble, step, tps, mfu)
+    mfu = model_flops_per_token(model, train.seq_len) * tps / hw.gpu.peak_flops(train.compute_dtype)
+    return TimeBreakdown(compute, comm_s, exposed, offload, bubble, step, tps, mfu,
+                         ct.gemm_s, ct.attention_s, ct.memory_bound_s, ct.optimizer_s,
+                         work - compute)
 
 
 def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: float,
@@ -113,13 +357,14 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     return max(0.0, reduce - hide * window) + reduce * 0.05 + ag_after_step
 
 
-def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown) -> float:
+def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: TrainSpec) -> float:
     """PCIe transfers (grads down, params up; full offload streams params every pass) plus the
-    CPU optimizer over this node's partitions (DeepSpeed CPU Adam throughput per node)."""
+    optimizer step on the host over this node's partitions: DeepSpeed's CPU Adam for ZeRO
+    offload, torch's AdamW on CPU tensors for FSDP2's CPUOffloadPolicy."""
     if not (s.offload_optimizer or s.offload_params):
         return 0.0
     per_node = min(layout.world_size, hw.gpus_per_node)
     pcie = comm.pcie / hw.pcie_bytes_per_s
     params_on_node = model.params / layout.tp / layout.pp / max(layout.dp_shard, 1) * per_node
-    cpu_adam = params_on_node / hw.host_adam_params_per_s
-    return pcie + cpu_adam
+    rate = hw.host_adam_params_per_s if s.engine == "deepspeed" else hw.host_torch_adam_params_per_s
+    return pcie + params_on_node / rate

@@ -18,6 +18,12 @@ class GPUSpec(Spec):
     fp16_flops: float = Field(ge=0)
     fp32_flops: float = Field(gt=0)
     hbm_bytes_per_s: float = Field(gt=0)
+    # What real kernels sustain, as fractions of the datasheet figures above (timing.py). The
+    # catalog's values are fitted to measurements (docs/accuracy.md); `shardwise calibrate`
+    # measures them on the user's GPU.
+    gemm_efficiency: float = Field(0.75, gt=0, le=1, description="large bf16 GEMMs / dense peak")
+    attention_efficiency: float = Field(0.45, gt=0, le=1, description="flash/SDPA fwd+bwd / dense peak")
+    hbm_efficiency: float = Field(0.55, gt=0, le=1, description="elementwise/reduction kernels / HBM bandwidth")
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak for the compute dtype; V100 has no bf16, so bf16 falls back to fp32 rate."""
@@ -27,8 +33,10 @@ class GPUSpec(Spec):
 
 class LinkSpec(Spec):
     name: str
-    bus_bytes_per_s: float = Field(gt=0)  # achievable ring bus bandwidth per GPU, one direction
+    # achievable bus bandwidth, one direction: per GPU inside a node, per NIC between nodes
+    bus_bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
+    nic_per_gpu: bool = True  # between nodes: one NIC per GPU (HGX/DGX rails), else one per node
 
 
 class HardwareSpec(Spec):
@@ -39,7 +47,9 @@ class HardwareSpec(Spec):
     inter: LinkSpec  # between nodes (unused when nodes == 1)
     pcie_bytes_per_s: float = Field(25 * GB, gt=0)  # GPU<->host, PCIe 4.0 x16 achievable
     host_memory_bytes: float = Field(2048 * GB, gt=0)  # per node (DGX A100-80G / H100: 2 TB)
-    host_adam_params_per_s: float = Field(1.0e9, gt=0)  # DeepSpeed CPU Adam throughput per node
+    host_adam_params_per_s: float = Field(2.25e9, gt=0)  # DeepSpeed CPU Adam throughput per node
+    host_torch_adam_params_per_s: float = Field(1.5e9, gt=0)  # torch AdamW on CPU tensors (FSDP2 offload)
+    nics_per_node: int | None = Field(None, gt=0, description="None: one per GPU where the inter link says so, else 1")
 
     @model_validator(mode="after")
     def _check(self) -> HardwareSpec:
@@ -50,3 +60,9 @@ class HardwareSpec(Spec):
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def inter_node_bytes_per_s(self) -> float:
+        """A node's aggregate NIC bandwidth: what a ring (one per NIC) spanning nodes sustains."""
+        nics = self.nics_per_node or (self.gpus_per_node if self.inter.nic_per_gpu else 1)
+        return self.inter.bus_bytes_per_s * nics
