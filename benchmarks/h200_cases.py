@@ -101,14 +101,16 @@ FIT = {
 }
 
 
-def fit() -> dict:
-    """Least squares on log(predicted/measured tokens/s) over the cases, within FIT's bounds."""
+def fit(cases: list[dict] | None = None, held_out: list[dict] = ()) -> dict:
+    """Least squares on log(predicted/measured tokens/s) over the cases, within FIT's bounds;
+    `held_out` cases are predicted with the fitted constants but not fitted to."""
     import numpy as np
     from scipy.optimize import least_squares
 
     import shardwise.plan.timing as timing
 
-    cases = load_cases()
+    cases = cases if cases is not None else load_cases()
+    saved = {n: getattr(timing, n.split(".")[1]) for n in FIT if n.startswith("timing.")}
     lo = np.array([b[0] for b in FIT.values()])
     hi = np.array([b[1] for b in FIT.values()])
 
@@ -124,10 +126,10 @@ def fit() -> dict:
                 top[attr] = float(v)
         return hw.model_copy(update={"gpu": hw.gpu.model_copy(update=gpu), **top})
 
-    def residuals(u):
+    def residuals(u, which=None):
         x = lo + (hi - lo) * u
         out = []
-        for c in cases:
+        for c in which if which is not None else cases:
             model, hw, train, strategy = specs(c)
             e = evaluate(model, apply(x, hw), train, strategy)
             out.append(math.log(e.time.tokens_per_s_per_gpu / c["measured"]["tokens_per_s"]))
@@ -136,15 +138,35 @@ def fit() -> dict:
     res = least_squares(residuals, np.full(len(lo), 0.5), bounds=(0, 1))
     best = {name: float(v) for name, v in zip(FIT, lo + (hi - lo) * res.x, strict=True)}
     best["residuals"] = {c["name"]: round(math.exp(r) - 1, 4) for c, r in zip(cases, residuals(res.x), strict=True)}
+    if held_out:
+        best["held_out"] = {c["name"]: round(math.exp(r) - 1, 4)
+                            for c, r in zip(held_out, residuals(res.x, list(held_out)), strict=True)}
+    for n, v in saved.items():  # leave the module as it was
+        setattr(timing, n.split(".")[1], v)
     return best
+
+
+def leave_one_out() -> dict[str, float]:
+    """Each case predicted by constants fitted to the other ten: the out-of-sample error."""
+    cases = load_cases()
+    out = {}
+    for i, c in enumerate(cases):
+        out.update(fit(cases[:i] + cases[i + 1:], held_out=[c])["held_out"])
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="refit the time model's constants and print them")
+    ap.add_argument("--loo", action="store_true", help="leave-one-out: each case predicted by a fit to the others")
     args = ap.parse_args()
     if args.fit:
         print(json.dumps(fit(), indent=2))
+        return 0
+    if args.loo:
+        loo = leave_one_out()
+        (OUT.parent / "h200_cases_loo.json").write_text(json.dumps(loo, indent=2) + "\n")
+        print(json.dumps(loo, indent=2))
         return 0
     rows = [compare(c) for c in load_cases()]
     OUT.parent.mkdir(parents=True, exist_ok=True)

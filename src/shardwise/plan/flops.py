@@ -18,9 +18,19 @@ def flops_per_token(model: ModelSpec, seq_len: int, checkpointing: str = "none")
     base = model_flops_per_token(model, seq_len)
     if checkpointing == "full":
         return base * 8 / 6
-    if checkpointing == "selective":  # recompute attention core only (Korthikanti et al. §4)
-        return base + 2 * model.num_layers * model.q_dim * seq_len
+    if checkpointing == "selective":  # torchtitan's per-op policy: every second matmul replayed
+        return base + 2 * model.num_layers * selective_recompute_params(model)
     return base
+
+
+def selective_recompute_params(model: ModelSpec) -> float:
+    """Weights per layer whose forward matmul torchtitan's per-op selective checkpointing
+    replays in backward: it saves the outputs of mm/SDPA except every second mm of a layer
+    (torchtitan/distributed/activation_checkpoint.py `_get_custom_policy`). In a Llama block's
+    order q(1) k(2) v(3) o(4) gate(5) up(6) down(7), the even ones — k, o, up — are replayed
+    (MoE: the expert matmuls count as gate/up/down of the active experts)."""
+    h, i = model.hidden_size, model.intermediate_size * (model.experts_per_token if model.is_moe else 1)
+    return h * model.kv_dim + model.q_dim * h + h * i
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:

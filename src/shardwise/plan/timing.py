@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardwise.plan.comm import CommBreakdown
-from shardwise.plan.flops import model_flops_per_token
+from shardwise.plan.flops import model_flops_per_token, selective_recompute_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -203,7 +203,9 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     tp, pp, k = layout.tp, layout.pp, train.grad_accum
     tokens = train.micro_batch * train.seq_len
     layers = -(-model.num_layers // pp)
-    recompute = {"full": 1.0, "selective": 0.5, "none": 0.0}[train.checkpointing]
+    # replayed in backward: full checkpointing replays the whole forward; torchtitan's per-op
+    # selective policy keeps SDPA's output and every other matmul's, replaying the rest
+    recompute = {"full": 1.0, "selective": 1.0, "none": 0.0}[train.checkpointing]
 
     # GEMMs: forward, input-gradient and weight-gradient (+ the recomputed forward)
     shapes = _layer_gemms(model, tp)
@@ -212,16 +214,20 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     exact = _matmul_params_per_layer(model) / tp
     layer_t *= exact / approx if approx else 1.0
     head_t = _gemm(tokens, model.hidden_size, model.vocab_size / tp, flops_s, bytes_s, c)
-    gemm = k * ((3 + recompute) * layer_t * layers + 3 * head_t / pp)
+    replay_mm = recompute
+    if train.checkpointing == "selective":
+        replay_mm = selective_recompute_params(model) / tp / exact if exact else 0.0
+    gemm = k * ((3 + replay_mm) * layer_t * layers + 3 * head_t / pp)
 
     # attention kernels (causal, flash/SDPA): model FLOPs 6·s·d_q per token per layer
     attn_flops = 6 * train.seq_len * model.q_dim / tp * tokens * layers
     attn_eff = gpu.attention_efficiency
-    attention = k * attn_flops * (1 + recompute / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
+    replay_attn = 1.0 if train.checkpointing == "full" else 0.0
+    attention = k * attn_flops * (1 + replay_attn / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
     mem = 0.0
     if train.attention == "eager":  # scores materialised: softmax in fp32, its backward, casts
         scores = model.num_heads / tp * tokens * train.seq_len * layers
-        mem += k * scores * (3 * c + 24) * (1 + recompute / 3)
+        mem += k * scores * (3 * c + 24) * (1 + replay_attn / 3)
 
     autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed")
     per_token = _elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * ELEMENTWISE_FACTOR
