@@ -26,7 +26,8 @@ def parity_config(
     strategy: str, world: int, grad_accum: int, model: str = "tiny-llama", flags: tuple[str, ...] = ()
 ) -> TrainConfig:
     """Flags: `repeat` = every step sees the same global batch (learnable: the loss must fall);
-    `ckpt` = activation checkpointing; `bf16` = bf16-mixed; `sg1` = shard group of 1 (HSDP)."""
+    `ckpt` = activation checkpointing; `bf16` = bf16-mixed; `sg1` = shard group of 1 (HSDP);
+    `stock` = FSDP2 reduce-scatters every micro-batch (torch's default) instead of once."""
     repeat = "repeat" in flags
     micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
     assert rest == 0, "global batch must split evenly"
@@ -35,7 +36,8 @@ def parity_config(
         {
             "model": {"name": model, "attention": "eager"},
             "data": {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}},
-            "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None},
+            "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None,
+                         "fsdp": {"reduce_every_micro_batch": True} if "stock" in flags else {}},
             # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
             "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
             "schedule": {"kind": "cosine", "warmup_steps": 2},

@@ -22,7 +22,7 @@ RTOL = 1e-5
 ALL_RUNS = [f"tiny-llama:{s}:{ga}" for s in STRATEGIES for ga in GRAD_ACCUM]
 QWEN_RUNS = ["tiny-qwen:zero3:1:repeat", "tiny-qwen:fsdp:1:repeat"]
 # Beyond the 7×2 matrix: HSDP on a 2-D mesh, activation checkpointing, bf16-mixed.
-EXACT_EXTRA = ["fsdp-hybrid:1:sg1", "fsdp-hybrid:2", "zero3:2:ckpt", "fsdp:1:ckpt", "ddp:2:ckpt"]
+EXACT_EXTRA = ["fsdp-hybrid:1:sg1", "fsdp-hybrid:2", "zero3:2:ckpt", "fsdp:1:ckpt", "ddp:2:ckpt", "fsdp:2:stock"]
 BF16 = ["ddp", "zero2", "fsdp"]
 EXTRA_RUNS = [f"tiny-llama:{r}" for r in EXACT_EXTRA] + ["tiny-llama:ddp:1:repeat"]
 EXTRA_RUNS += [f"tiny-llama:{s}:1:repeat:bf16" for s in BF16]
@@ -123,8 +123,9 @@ def test_qwen_zero3_equals_fsdp(two_rank_runs):
 
 @pytest.mark.parametrize("run", EXACT_EXTRA)
 def test_hybrid_and_activation_checkpointing_match(run, reference, two_rank_runs):
-    """HSDP (2-D mesh, pure replication or one shard group) and activation checkpointing
-    change memory only: same curve and weights as the 1-process reference."""
+    """HSDP (2-D mesh, pure replication or one shard group), activation checkpointing and
+    FSDP2's per-micro-batch reduction change memory/traffic only: same curve and weights as the
+    1-process reference."""
     res = torch.load(two_rank_runs / f"tiny-llama-{run.replace(':', '-')}-w2.pt")
     assert rel_loss_diff(res["losses"], reference["losses"]) <= RTOL
     w = rel_weight_diff(res["weights"], reference["weights"])
