@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Literal
 
 from shardwise.plan.activations import activation_bytes, recompute_bytes
+from shardwise.plan.lora import adapter_params
 from shardwise.plan.loss import logits_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.specs.hardware import GIB, HardwareSpec
@@ -348,17 +349,9 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
 
 def _lora(model, train, s: Strategy, layout, psi, n):
     """LoRA: frozen base weights in the compute dtype (sharded only by ZeRO-3/FSDP), trainable
-    adapters r·(d_in + d_out) per targeted matrix with fp32 grads, master and Adam."""
+    adapters r·(d_in + d_out) per targeted matrix (plan/lora.py) with fp32 grads, master and Adam."""
     c = train.compute_bytes
-    dims = {
-        "q_proj": (model.hidden_size, model.q_dim), "k_proj": (model.hidden_size, model.kv_dim),
-        "v_proj": (model.hidden_size, model.kv_dim), "o_proj": (model.q_dim, model.hidden_size),
-        "gate_proj": (model.hidden_size, model.intermediate_size),
-        "up_proj": (model.hidden_size, model.intermediate_size),
-        "down_proj": (model.intermediate_size, model.hidden_size),
-    }
-    adapters = sum(train.lora_rank * sum(dims[t]) for t in train.lora_targets if t in dims)
-    adapters = adapters * -(-model.num_layers // layout.pp) / layout.tp
+    adapters = adapter_params(model, train, layout.tp, layout.pp)
     base_shard = n if s.shards_params else 1
     opt_shard = n if s.shards_optimizer else 1
     return MemoryBreakdown(

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from shardwise.plan.comm import CommBreakdown
 from shardwise.plan.flops import model_flops_per_token, selective_recompute_params
+from shardwise.plan.lora import adapter_params, target_dims
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -217,7 +218,15 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     replay_mm = recompute
     if train.checkpointing == "selective":
         replay_mm = selective_recompute_params(model) / tp / exact if exact else 0.0
-    gemm = k * ((3 + replay_mm) * layer_t * layers + 3 * head_t / pp)
+    # LoRA: the base is frozen, so no weight-gradient GEMMs (forward + input-gradient only);
+    # the adapters' own GEMMs are r-wide, bandwidth-bound on the activations they read
+    passes = 2 if train.lora_rank else 3
+    gemm = k * ((passes + replay_mm) * layer_t * layers + passes * head_t / pp)
+    if train.lora_rank:
+        for d_in, d_out in _lora_dims(model, train, tp):
+            gemm += k * layers * (3 + replay_mm) * (
+                _gemm(tokens, d_in, train.lora_rank, flops_s, bytes_s, c)
+                + _gemm(tokens, train.lora_rank, d_out, flops_s, bytes_s, c))
 
     # attention kernels (causal, flash/SDPA): model FLOPs 6·s·d_q per token per layer
     attn_flops = 6 * train.seq_len * model.q_dim / tp * tokens * layers
@@ -233,10 +242,13 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     per_token = _elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * ELEMENTWISE_FACTOR
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * ELEMENTWISE_FACTOR / pp)
     copies = _engine_copy_bytes(model, train, s, layout, psi)
+    if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
+        copies *= 0.5
     mem += copies * (FSDP2_COPY_EXPOSED if s.engine == "fsdp2" else 1.0)
     memory_bound = mem / bytes_s
 
-    shard = psi / (layout.dp_shard if s.shards_optimizer else 1)
+    trainable = adapter_params(model, train, tp, pp) if train.lora_rank else psi
+    shard = trainable / (layout.dp_shard if s.shards_optimizer else 1)
     optimizer = 0.0 if s.offload_optimizer else shard * _optimizer_bytes(train, s) / bytes_s
 
     # host: launch gaps, and the engines' Python hooks (they wait on their collectives' streams)
@@ -255,6 +267,11 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         if s.zero_stage == 3:
             hooks = k * (layers * MODULES_PER_LAYER + 3) * passes * ZERO3_HOOK_S
     return ComputeTime(gemm, attention, memory_bound, optimizer, launch, hooks, serial)
+
+
+def _lora_dims(model: ModelSpec, train: TrainSpec, tp: int) -> list[tuple[float, float]]:
+    dims = target_dims(model)
+    return [(dims[t][0] / tp, dims[t][1] / tp) for t in train.lora_targets if t in dims]
 
 
 def _matmul_params_per_layer(model: ModelSpec) -> float:
