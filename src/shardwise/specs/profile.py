@@ -1,0 +1,90 @@
+"""A hardware profile: what the user's own GPUs, links and host sustain, measured there (the
+bench issue's `shardwise calibrate` writes it), replacing the catalog's figures in a plan.
+
+Every field is optional; what a profile leaves out keeps the catalog's value. JSON, read with
+errors that name the file, the line or the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from shardwise.errors import ShardwiseError, user_error
+from shardwise.specs.hardware import HardwareSpec
+
+PROFILE_VERSION = 1
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GPUProfile(_Part):
+    bf16_flops: float | None = Field(None, gt=0, description="dense peak the GEMM efficiency is relative to")
+    fp16_flops: float | None = Field(None, gt=0)
+    fp32_flops: float | None = Field(None, gt=0)
+    hbm_bytes_per_s: float | None = Field(None, gt=0)
+    gemm_efficiency: float | None = Field(None, gt=0, le=1)
+    attention_efficiency: float | None = Field(None, gt=0, le=1)
+    hbm_efficiency: float | None = Field(None, gt=0, le=1)
+    memory_bytes: float | None = Field(None, gt=0)
+
+
+class LinkProfile(_Part):
+    bus_bytes_per_s: float | None = Field(None, gt=0, description="nccl-tests bus bandwidth, large messages")
+    latency_s: float | None = Field(None, ge=0, description="per hop, small messages")
+
+
+class HardwareProfile(_Part):
+    version: Literal[1] = PROFILE_VERSION
+    gpu_name: str = Field(description="the device measured (torch.cuda.get_device_name)")
+    measured_at: str | None = None
+    gpu: GPUProfile = GPUProfile()
+    intra: LinkProfile = LinkProfile()
+    inter: LinkProfile = LinkProfile()
+    pcie_bytes_per_s: float | None = Field(None, gt=0)
+    host_adam_params_per_s: float | None = Field(None, gt=0)
+    host_torch_adam_params_per_s: float | None = Field(None, gt=0)
+
+    def apply(self, hw: HardwareSpec) -> HardwareSpec:
+        """`hw` with every measured figure of this profile in place of the catalog's."""
+        def given(part: BaseModel) -> dict:
+            return {k: v for k, v in part.model_dump().items() if v is not None}
+
+        top = {k: v for k in ("pcie_bytes_per_s", "host_adam_params_per_s", "host_torch_adam_params_per_s")
+               if (v := getattr(self, k)) is not None}
+        return hw.model_copy(update={
+            "gpu": hw.gpu.model_copy(update=given(self.gpu)),
+            "intra": hw.intra.model_copy(update=given(self.intra)),
+            "inter": hw.inter.model_copy(update=given(self.inter)),
+            **top,
+        })
+
+
+def default_profile_path() -> Path:
+    """Where `shardwise calibrate` writes and the planner looks: the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "shardwise" / "hardware-profile.json"
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ShardwiseError(f"{path}: hardware profile not found (run `shardwise calibrate` to measure one)") from None
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise ShardwiseError(f"{path}: not a JSON hardware profile ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ShardwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(raw, dict):
+        raise ShardwiseError(f"{path}: expected a JSON object (a hardware profile), got {type(raw).__name__}")
+    try:
+        return HardwareProfile.model_validate(raw)
+    except ValidationError as e:
+        raise user_error(e, str(path), model=HardwareProfile, header=f"{path}: invalid hardware profile") from None

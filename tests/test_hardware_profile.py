@@ -1,0 +1,59 @@
+"""A measured hardware profile replaces the catalog's figures, and the plan moves the way the
+measurement says (slower GEMMs → longer step; faster network → less exposed communication)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise import catalog
+from shardwise.errors import ShardwiseError
+from shardwise.plan.evaluate import evaluate
+from shardwise.specs import Strategy, TrainSpec
+from shardwise.specs.profile import HardwareProfile, default_profile_path, load_profile
+
+M = catalog.get_model("llama-2-7b")
+
+
+def _write(tmp_path, doc) -> str:
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps(doc))
+    return str(p)
+
+
+def test_measured_gemm_rate_slows_the_plan(tmp_path):
+    hw = catalog.build_hardware(gpu="h100-sxm", gpus=8)
+    base = evaluate(M, hw, TrainSpec(), Strategy.from_name("fsdp")).time
+    prof = load_profile(_write(tmp_path, {"gpu_name": "NVIDIA H100 80GB HBM3",
+                                          "gpu": {"gemm_efficiency": hw.gpu.gemm_efficiency / 2}}))
+    slow = evaluate(M, prof.apply(hw), TrainSpec(), Strategy.from_name("fsdp")).time
+    assert slow.gemm_s == pytest.approx(2 * base.gemm_s, rel=0.05)  # compute-bound GEMMs at half the rate
+    assert slow.step_s > base.step_s and slow.tokens_per_s_per_gpu < base.tokens_per_s_per_gpu
+
+
+def test_measured_network_changes_exposed_communication(tmp_path):
+    hw = catalog.build_hardware(gpu="a100-80g", gpus=16, gpus_per_node=8, inter="eth-10")
+    base = evaluate(M, hw, TrainSpec(), Strategy.from_name("zero3")).time
+    fast = HardwareProfile(gpu_name="A100", inter={"bus_bytes_per_s": 25e9}).apply(hw)
+    assert fast.inter.bus_bytes_per_s == 25e9 and fast.gpu == hw.gpu  # only what was measured changes
+    t = evaluate(M, fast, TrainSpec(), Strategy.from_name("zero3")).time
+    assert t.comm_s < base.comm_s and t.step_s < base.step_s
+
+
+def test_bad_profiles_name_the_file_and_field(tmp_path):
+    with pytest.raises(ShardwiseError, match=r"gpu\.gemm_efficiency"):
+        load_profile(_write(tmp_path, {"gpu_name": "x", "gpu": {"gemm_efficiency": 1.7}}))
+    with pytest.raises(ShardwiseError, match="unknown field"):
+        load_profile(_write(tmp_path, {"gpu_name": "x", "gpu": {"gemm_eff": 0.5}}))
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"gpu_name": "x",\n "gpu": }')
+    with pytest.raises(ShardwiseError, match=r"broken\.json:2"):
+        load_profile(bad)
+    with pytest.raises(ShardwiseError, match="shardwise calibrate"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_default_path_is_under_the_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_profile_path() == tmp_path / "shardwise" / "hardware-profile.json"
