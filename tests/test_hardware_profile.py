@@ -57,3 +57,15 @@ def test_bad_profiles_name_the_file_and_field(tmp_path):
 def test_default_path_is_under_the_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_profile_path() == tmp_path / "shardwise" / "hardware-profile.json"
+
+
+def test_trainer_config_applies_the_profile(tmp_path):
+    from shardwise.run import run_spec
+    from shardwise.train.config import validate
+
+    path = _write(tmp_path, {"gpu_name": "NVIDIA H200", "gpu": {"hbm_efficiency": 0.5, "memory_bytes": 100e9}})
+    cfg = validate({"model": {"name": "tiny-llama"}, "hardware": {"gpu": "h200", "profile": path}})
+    run = run_spec(cfg, 1, "cpu")
+    assert run.hardware.gpu.hbm_efficiency == 0.5 and run.hardware.gpu.memory_bytes == 100e9
+    plain = run_spec(validate({"model": {"name": "tiny-llama"}, "hardware": {"gpu": "h200"}}), 1, "cpu")
+    assert plain.hardware.gpu.hbm_efficiency == catalog.get_gpu("h200").hbm_efficiency

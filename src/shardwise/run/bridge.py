@@ -141,6 +141,10 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
     strat = strategy(cfg, device)
     try:
         hw = build_hardware(gpu=cfg.hardware.gpu, gpus=world_size, gpus_per_node=per_node)
+        if cfg.hardware.profile:
+            from shardwise.specs.profile import load_profile
+
+            hw = load_profile(cfg.hardware.profile).apply(hw)  # relative to the cwd, like the data paths
         layout = ParallelLayout.for_strategy(strat, world_size, per_node)
         layout.check_model(model)
     except ShardwiseError as e:

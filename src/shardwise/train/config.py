@@ -162,6 +162,8 @@ class HardwareSection(_Section):
     gpus_per_node: int | None = Field(
         None, gt=0, description="ranks per node (default: the launcher's LOCAL_WORLD_SIZE, else all ranks)")
     check_memory: bool | None = Field(None, description="planner OOM check; None = on for CUDA, off for CPU")
+    profile: str | None = Field(None, description="hardware profile JSON measured on these GPUs "
+                                "(`shardwise calibrate`); replaces the catalog's rates in the plan")
 
 
 class TrainConfig(_Section):
