@@ -7,17 +7,24 @@ from shardwise.specs.train import TrainSpec
 
 
 def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
-    """Peak memory of logits and loss, per token: the lm_head output (c·V, held by the caller)
-    and, during log-softmax's backward, its saved fp32 output, the incoming gradient from the
-    NLL loss and the outgoing one (4·V each). (In forward, HF's fp32 upcast, log-softmax's
-    output and the logits make the smaller c + 8.) Traced: FSDPMemTracker on Llama-3.1-8B,
-    seq 4096 (benchmarks/results/fsdp_trace.json). Chunked/fused cross-entropy materialises
-    one chunk of tokens at a time."""
+    """Peak memory of logits and loss, by implementation (`train.cross_entropy`):
+
+    - standard (HF `ForCausalLMLoss`): the lm_head output (c·V per token, held by the caller)
+      and, during log-softmax's backward, its saved fp32 output, the incoming gradient from
+      the NLL loss and the outgoing one (4·V each): (c + 12)·V per token. (In forward, HF's fp32
+      upcast, log-softmax's output and the logits make the smaller c + 8.) Traced:
+      FSDPMemTracker on Llama-3.1-8B, seq 4096 (benchmarks/results/fsdp_trace.json).
+    - inplace (flash-attn's cross-entropy kernel, llm-foundry MPT's default `fused_crossentropy`):
+      the c-byte logits are kept and overwritten by their gradient; fp32 per-row statistics only.
+    - chunked / fused (linear + cross-entropy): one chunk of tokens at a time materialises the
+      (c + 12)·V working set (fused kernels, e.g. Liger's, work in small row blocks)."""
     v = model.vocab_size / tp  # vocab-parallel lm_head
-    per_token = (train.compute_bytes + 12) * v
     tokens = train.micro_batch * train.seq_len
+    if train.cross_entropy == "inplace":
+        return tokens * (train.compute_bytes * v + 8)
+    per_token = (train.compute_bytes + 12) * v
     if train.cross_entropy == "chunked":
         tokens = min(tokens, train.ce_chunk)
     elif train.cross_entropy == "fused":
-        tokens = min(tokens, 256)  # fused linear-CE kernels (Liger) work in small row blocks
+        tokens = min(tokens, 256)
     return tokens * per_token

@@ -125,10 +125,13 @@ def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> flo
     """Memory-bound bytes per token of the loss over the vocabulary (after lm_head's GEMM).
     standard/chunked (HF `ForCausalLMLoss`, torch cross_entropy per chunk): the fp32 upcast,
     log-softmax (two reads, one write), NLL's gradient, log-softmax backward, the cast back;
-    fused linear + cross-entropy computes the softmax in place on small row blocks."""
+    fused linear + cross-entropy computes the softmax in place on small row blocks; the in-place
+    kernel (flash-attn) reads the 16-bit logits and overwrites them with their gradient."""
     v, c = model.vocab_size / tp, train.compute_bytes
     if train.cross_entropy == "fused":
         return (8 + 2 * c) * v
+    if train.cross_entropy == "inplace":  # read the logits twice (max/sum, then loss), write the gradient
+        return 3 * c * v
     upcast = 2 * (c + 4) if c < 4 else 0  # .float() and its backward cast
     return (28 + upcast) * v
 

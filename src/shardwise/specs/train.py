@@ -12,7 +12,7 @@ Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 Optimizer = Literal["adamw", "sgd", "adam8bit"]
 Checkpointing = Literal["none", "full", "selective"]
 Attention = Literal["eager", "sdpa", "flash"]
-CrossEntropy = Literal["standard", "chunked", "fused"]
+CrossEntropy = Literal["standard", "chunked", "fused", "inplace"]
 # How the optimizer step runs: torch AdamW fused (one kernel, no temporaries; the trainer's
 # choice on CUDA), foreach (torch's CUDA default without `fused`: one fp32 temporary the size
 # of the parameters), for-loop (the CPU default: one tensor at a time), or DeepSpeed's own

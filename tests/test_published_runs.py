@@ -1,0 +1,113 @@
+"""Published training runs (benchmarks/published/*.yaml): well-formed, traceable, and every
+expressible run evaluates. Accuracy bands are not asserted here (the time model is being
+calibrated against these numbers; benchmarks/accuracy.py reports them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "benchmarks" / "published"
+
+
+def _load_accuracy():
+    spec = importlib.util.spec_from_file_location("published_accuracy", ROOT / "benchmarks" / "accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+accuracy = _load_accuracy()
+RUNS = accuracy.load_runs(PUBLISHED)
+FILES = sorted(PUBLISHED.glob("*.yaml"))
+
+
+def test_there_are_sources_and_runs():
+    assert len(FILES) >= 5
+    compared = [r for r in RUNS if not r.get("skip")]
+    assert len(compared) >= 25
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_source_block(path):
+    doc = yaml.safe_load(path.read_text())
+    assert set(doc) == {"source", "runs"}
+    src = doc["source"]
+    for k in accuracy.SOURCE_KEYS:
+        assert k in src, f"{path.name}: source lacks {k}"
+    assert src["id"] == path.stem, "one file per source, named by its id"
+    assert src["url"].startswith("https://")
+    assert str(src["retrieved"]) == "2026-12-01"
+    if "repo" in src:
+        assert len(src["commit"]) == 40 and src.get("path")
+    for extra in src.get("also", []):
+        assert extra["url"].startswith("https://")
+    names = [r["name"] for r in doc["runs"]]
+    assert len(names) == len(set(names)), f"{path.name}: duplicate run names"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"{r['_source']['id']}:{r['name']}")
+def test_run_schema(run):
+    assert accuracy.schema_errors(run) == []
+    pub = run["published"]
+    assert isinstance(pub["trained"], bool)
+    assert run["quote"].strip()
+    if run.get("skip"):
+        return
+    for k in ("gpus", "seq_len", "micro_batch"):
+        assert isinstance(run[k], int) and run[k] > 0
+    assert run.get("tp", 1) * run.get("pp", 1) <= run["gpus"]
+    if "global_batch" in run:
+        dp = run["gpus"] // (run.get("tp", 1) * run.get("pp", 1))
+        assert run["global_batch"] == dp * run["micro_batch"] * run.get("grad_accum", 1)
+    for k in ("tokens_per_s_per_gpu", "mfu", "hfu", "tflops_per_gpu", "peak_memory_gib"):
+        if k in pub:
+            assert isinstance(pub[k], (int, float)) and pub[k] > 0 and math.isfinite(pub[k])
+    for k in ("mfu", "hfu"):
+        if k in pub:
+            assert pub[k] < 1, "utilisation is a fraction"
+    if pub["trained"] is False:
+        assert "tokens_per_s_per_gpu" not in pub
+    for k in pub.get("derived", {}):
+        assert k in pub, f"derived {k} has no value"
+    if isinstance(run["model"], dict):
+        for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "vocab_size", "tie_word_embeddings"):
+            assert k in run["model"]
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"{r['_source']['id']}:{r['name']}")
+def test_compare_runs(run):
+    out = accuracy.compare(run)
+    assert out["name"] == run["name"]
+    if run.get("skip"):
+        assert out["skipped"] == run["skip"]
+        return
+    assert "error" not in out, out.get("error")
+    assert out["predicted_tokens_per_s_per_gpu"] > 0
+    assert 0 < out["predicted_mfu"] < 1
+    assert 0 < out["predicted_allocated_gib"] <= out["predicted_reserved_gib"] <= out["predicted_total_gib"]
+    if "peak_memory_gib" in run["published"]:
+        assert math.isfinite(out["memory_rel_err"])
+    if "tokens_per_s_per_gpu" in run["published"]:
+        assert math.isfinite(out["tokens_rel_err"])
+    assert out["false_oom"] == ((not out["fits"]) and run["published"]["trained"])
+
+
+def test_report_is_consistent(tmp_path):
+    report = accuracy.run_all(PUBLISHED)
+    s = report["summary"]
+    assert s["runs"] == len(RUNS)
+    assert s["compared"] + s["skipped"] + s["errors"] == s["runs"]
+    assert s["errors"] == 0
+    md = accuracy.to_markdown(report)
+    for sid, block in report["by_source"].items():
+        assert block["url"] in md and sid in md
+    assert accuracy.main(["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "accuracy_published.json").exists()
+    assert (tmp_path / "accuracy_published.md").read_text() == md
