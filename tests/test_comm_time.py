@@ -87,7 +87,9 @@ def test_pipeline_bubble():
     train = TrainSpec(grad_accum=4)
     e = evaluate(M7, HW8, train, Strategy.from_name("zero1", pp=4))
     frac = (4 - 1) / (4 + 4 - 1)
-    assert e.time.bubble_s / (e.time.compute_s + e.time.bubble_s) == pytest.approx(frac)
+    t = e.time
+    # the bubble is that fraction of the pipeline's time (the step without exposed comm and offload)
+    assert t.bubble_s / (t.step_s - t.exposed_comm_s - t.offload_s) == pytest.approx(frac)
 
 
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
@@ -97,7 +99,7 @@ def test_time_invariants(name):
     assert 0 <= t.exposed_comm_s <= t.comm_s + 1e-12
     assert t.step_s >= t.compute_s
     assert 0 < t.mfu < 0.6  # never above the achievable fraction of peak
-    slow = catalog.build_hardware(gpus=8, interconnect="pcie")
+    slow = catalog.build_hardware(gpus=8, gpus_per_node=8, interconnect="pcie")
     assert evaluate(M7, slow, TrainSpec(), Strategy.from_name(name)).time.step_s >= t.step_s
 
 
@@ -162,7 +164,8 @@ def test_explain_default_numbers():
 
 
 def test_explain_70b_on_ethernet():
-    out = _explain("--model", "llama-2-70b", "--gpus", "8", "--gpu", "a100-80g", "--interconnect", "eth-10")
+    out = _explain("--model", "llama-2-70b", "--gpus", "8", "--gpus-per-node", "1", "--gpu", "a100-80g",
+                   "--interconnect", "eth-10")
     # 2Ψ = 2·2·68.98e9 = 275.9 GB; 3Ψ = 413.9 GB per GPU per step over 10 GbE
     assert "2Ψ = 275.9 GB" in out and "3Ψ = 413.9 GB" in out
     assert "eth-10" in out
@@ -185,3 +188,82 @@ def test_deepspeed_reduce_dtype_knob():
     assert fp32.all_gather == base.all_gather == pytest.approx(2 * PSI)
     z3 = plan_comm(M7, HW8, TrainSpec(), Strategy.from_name("zero3", ds=DeepSpeedKnobs(communication_data_type="fp32")))
     assert z3.reduce_scatter == pytest.approx(4 * PSI)
+
+
+# --- LoRA: only adapter gradients are reduced ----------------------------------------------
+# Adapters by hand for Llama-2-7B (h = 4096, MHA: q/k/v/o all 4096 × 4096, I = 11008, 32 layers):
+# rank r on a d_in → d_out linear adds r·(d_in + d_out) parameters (A: r × d_in, B: d_out × r).
+H, L, INTER = 4096, 32, 11008
+ADAPTERS_ATTN16 = L * 4 * 16 * (H + H)  # r = 16 on q, k, v, o: 16,777,216
+NORMS = (2 * L + 1) * H  # RMSNorm weights: the only tensors under ZeRO-3's 1e5 persistence threshold
+
+
+def test_adapter_count_from_the_shape():
+    from shardwise.plan.lora import adapter_params
+
+    assert ADAPTERS_ATTN16 == 16_777_216
+    assert adapter_params(M7, TrainSpec(lora_rank=16)) == ADAPTERS_ATTN16
+    mlp = TrainSpec(lora_rank=8, lora_targets=("gate_proj", "up_proj", "down_proj"))
+    assert adapter_params(M7, mlp) == L * 8 * 3 * (H + INTER)
+    assert adapter_params(M7, TrainSpec(lora_rank=16), tp=2, pp=2) == ADAPTERS_ATTN16 / 4
+    assert adapter_params(M7, TrainSpec()) == 0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_lora_reduces_only_adapter_gradients(k):
+    a = ADAPTERS_ATTN16
+    train = TrainSpec(lora_rank=16, grad_accum=k)
+    c = {n: plan_comm(M7, HW8, train, Strategy.from_name(n)) for n in ("ddp", "zero0", "zero1", "zero2")}
+    # DDP: PEFT keeps adapters in fp32; only they require grad, all-reduced once per step
+    assert c["ddp"].all_reduce == pytest.approx(4 * a) and c["ddp"].total == pytest.approx(8 * a)
+    # DeepSpeed stage 0: once per step in the module dtype (bf16)
+    assert c["zero0"].all_reduce == pytest.approx(2 * a)
+    # ZeRO-1: bf16 adapter grads once per step, ZeRO-2 every micro-batch; then only the
+    # updated adapters are all-gathered (the frozen base is in no optimizer group)
+    assert c["zero1"].all_reduce == pytest.approx(2 * a)
+    assert c["zero2"].all_reduce == pytest.approx(2 * a * k)
+    assert c["zero1"].all_gather == c["zero2"].all_gather == pytest.approx(2 * a)
+    full = plan_comm(M7, HW8, TrainSpec(grad_accum=k), Strategy.from_name("ddp"))
+    assert c["ddp"].total / full.total == pytest.approx(a / PSI)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_lora_zero3_gathers_the_frozen_base_and_reduces_adapters(k):
+    a = ADAPTERS_ATTN16
+    c = plan_comm(M7, HW8, TrainSpec(lora_rank=16, grad_accum=k), Strategy.from_name("zero3"))
+    # frozen base (Ψ > 1e9 live limit): gathered in forward and again in backward every micro-batch
+    # (bf16); norms and the r = 16 adapters (16 × 4096 = 65,536 elements each, under 1e5) are
+    # persistent: gathered once, after the step
+    assert c.all_gather == pytest.approx(2 * (PSI - NORMS) * 2 * k + 2 * (NORMS + a))
+    assert c.reduce_scatter == pytest.approx(2 * a * k)  # adapter grads only, every micro-batch
+    # rank 64: 64 × 4096 = 262,144 elements per adapter matrix, above the threshold: gathered
+    # with their layer like the base weights
+    a64 = L * 4 * 64 * (H + H)
+    c64 = plan_comm(M7, HW8, TrainSpec(lora_rank=64, grad_accum=k), Strategy.from_name("zero3"))
+    assert c64.all_gather == pytest.approx(2 * (PSI - NORMS + a64) * 2 * k + 2 * NORMS)
+    assert c64.reduce_scatter == pytest.approx(2 * a64 * k)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_lora_fsdp_gathers_base_and_adapters_reduce_scatters_adapters(k):
+    a = ADAPTERS_ATTN16
+    layers = M7.params_per_layer * L
+    train = TrainSpec(lora_rank=16, grad_accum=k)
+    c = plan_comm(M7, HW8, train, Strategy.from_name("fsdp"))
+    # every unit (base + its adapters) gathered in bf16 in forward, the layers again in backward
+    assert c.all_gather == pytest.approx(2 * (PSI + a) * k + 2 * (layers + a) * k)
+    assert c.reduce_scatter == pytest.approx(4 * a)  # fp32 reduce_dtype, once per step, adapters only
+    go = plan_comm(M7, HW8, train, Strategy.from_name("fsdp-grad-op"))
+    assert go.all_gather == pytest.approx(2 * (PSI + a) * k) and go.reduce_scatter == pytest.approx(4 * a)
+    hw = catalog.build_hardware(gpus=16, gpus_per_node=8)
+    hy = plan_comm(M7, hw, train, Strategy.from_name("fsdp-hybrid"))
+    assert hy.inter == pytest.approx(2 * 4 * a / 8)  # the 1/8 adapter-grad shard all-reduced across nodes
+
+
+def test_lora_plan_json_comm_is_smaller():
+    import json
+
+    full = json.loads(runner.invoke(app, ["plan", "--json", "-s", "ddp"]).output)["strategies"][0]["comm"]
+    lora = json.loads(runner.invoke(app, ["plan", "--json", "-s", "ddp", "--lora-rank", "16"]).output)
+    assert lora["strategies"][0]["comm"]["all_reduce"] == pytest.approx(4 * ADAPTERS_ATTN16)
+    assert lora["strategies"][0]["comm"]["total"] < full["total"] / 100

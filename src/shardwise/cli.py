@@ -33,7 +33,8 @@ def plan(
     gpu: str = typer.Option("a100-80g", "--gpu", help="GPU preset."),
     gpus: int = typer.Option(8, "--gpus", help="Total GPUs."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="Default: min(gpus, 8)."),
-    interconnect: str | None = typer.Option(None, "--interconnect", help="Slowest link data-parallel traffic crosses."),
+    interconnect: str | None = typer.Option(None, "--interconnect", help="Link inside a node (nvlink, pcie) or between "
+                                            "nodes (ib-*, roce-*, eth-*); needs --gpus-per-node."),
     gpu_memory_gb: float | None = typer.Option(None, "--gpu-memory-gb", help="Override GPU memory (GB)."),
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(1, "--micro-batch"),
@@ -45,14 +46,18 @@ def plan(
     lora_rank: int = typer.Option(0, "--lora-rank", help="0 = full fine-tuning."),
     cross_entropy: str = typer.Option("standard", "--cross-entropy", help="standard | chunked | fused"),
     strategy: list[str] | None = typer.Option(None, "--strategy", "-s", help="Repeatable; default: all."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree."),
-    pp: int = typer.Option(1, "--pp", help="Pipeline-parallel degree."),
+    tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree of the table (default 1); given, the "
+                                  "recommender keeps to it too (default: it sweeps 1, 2, 4, 8)."),
+    pp: int | None = typer.Option(None, "--pp", help="Pipeline-parallel degree of the table (default 1); given, "
+                                  "the recommender keeps to it too (default: it sweeps 1, 2, 4)."),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float = typer.Option(0.05, "--margin", help="Fraction of GPU memory kept free."),
     host_memory_gb: float | None = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     emit: Path | None = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
-    emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Strategy to emit (default: the recommended one)."),
+    emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Emit this strategy's row of the table "
+                                             "(your --micro-batch, --grad-accum, --checkpointing) instead of the "
+                                             "recommended configuration."),
     ds_bucket: float | None = typer.Option(None, "--ds-bucket", help="DeepSpeed reduce + all-gather bucket (elements; default 5e8)."),
     ds_reduce_bucket: float | None = typer.Option(None, "--ds-reduce-bucket", help="DeepSpeed reduce_bucket_size only (elements)."),
     ds_prefetch: float | None = typer.Option(None, "--ds-prefetch", help="ZeRO-3 stage3_prefetch_bucket_size (elements)."),
@@ -67,10 +72,12 @@ def plan(
     shard_group: int | None = typer.Option(None, "--shard-group", help="fsdp-hybrid: GPUs per shard group (default: a node)."),
 ) -> None:
     """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
-    from shardwise.plan.planner import build_specs, plan_strategies
-    from shardwise.plan.recommend import recommend
+    from shardwise.plan.planner import build_specs, check_margin, plan_layouts
+    from shardwise.plan.recommend import NothingFits, recommend
     from shardwise.plan.report import plan_json, plan_table, time_table
 
+    rec = rec_error = None
+    alternatives: tuple = ()
     try:
         m, hw, train = build_specs(
             model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
@@ -79,6 +86,7 @@ def plan(
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
             lora_rank=lora_rank, cross_entropy=cross_entropy, host_memory_gb=host_memory_gb,
         )
+        check_margin(margin)
         if accounting not in ("engine", "paper", "deepspeed"):
             raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
         knobs = _knobs(
@@ -88,44 +96,84 @@ def plan(
                 "overlap_comm": ds_overlap_comm, "use_multi_rank_bucket_allreduce": ds_multi_rank_allreduce,
                 "communication_data_type": ds_comm_dtype},
             fsdp={"reduce_dtype": fsdp_reduce_dtype}, ddp={"bucket_cap_mb": ddp_bucket_mb}, shard_group=shard_group)
-        evals = plan_strategies(m, hw, train, strategy, tp=tp, pp=pp, accounting=accounting, margin=margin,
-                                knobs=knobs)
+        evals, skipped = plan_layouts(m, hw, train, strategy, tp=1 if tp is None else tp,
+                                      pp=1 if pp is None else pp, accounting=accounting, margin=margin, knobs=knobs)
+        # -s, --tp and --pp restrict the recommender as they restrict the table
         try:
-            rec = recommend(m, hw, train, strategies=strategy or None, margin=margin, knobs=knobs)
-        except ShardwiseError as no_fit:
-            rec, rec_error = None, str(no_fit)
-        emitted = []
+            rec = recommend(m, hw, train, strategies=strategy or None, tps=(tp,) if tp else None,
+                            pps=(pp,) if pp else None, margin=margin, knobs=knobs)
+            alternatives = rec.alternatives
+        except NothingFits as no_fit:
+            rec_error, alternatives = str(no_fit), no_fit.alternatives
+        emitted, notes = None, []
         if emit is not None:
-            emitted = _emit(m, hw, train, evals, rec, emit, emit_strategy, tp, pp, knobs)
+            emitted, notes = _emit(m, hw, train, rec, rec_error, emit, emit_strategy, tp, pp, knobs, margin,
+                                   accounting)
     except ShardwiseError as e:
         _fail(e)
     if as_json:
-        doc = plan_json(m, hw, train, evals, accounting, rec)
+        doc = plan_json(m, hw, train, evals, accounting, rec, skipped=skipped)
         if rec is None:
-            doc["recommended"], doc["reason"] = None, rec_error
+            doc["recommended"], doc["recommended_setting"], doc["runner_up"] = None, None, None
+            doc["reason"] = rec_error
+            doc["plan_only_alternatives"] = [a.as_dict() for a in alternatives]
         if emitted:
-            doc["emitted"] = [str(p) for p in emitted]
+            chosen, paths = emitted
+            doc["emitted"] = [str(p) for p in paths]
+            doc["emitted_setting"] = _setting(chosen) | {"notes": notes}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     if console.width < 150:  # the table has 14 columns; wrap nothing, let the terminal scroll
         console = Console(width=150)
     console.print(plan_table(m, hw, train, [e.memory for e in evals]))
     console.print(time_table(evals))
-    if rec is not None:
-        console.print(f"[bold green]Recommended:[/] {rec.reason}", highlight=False)
+    if skipped:
+        console.print(f"Not in the table (cannot run with tp {tp or 1}, pp {pp or 1} here):", highlight=False)
+        for name, why in skipped.items():
+            console.print(f"  - {escape(why if repr(name) in why or why.startswith(name) else f'{name}: {why}')}",
+                          highlight=False)
+    if rec is None:
+        console.print(f"[bold red]Nothing fits:[/] {escape(rec_error)}", highlight=False)
+    elif rec.runnable:
+        console.print(f"[bold green]Recommended:[/] {escape(rec.reason)}", highlight=False)
     else:
-        console.print(f"[bold red]Nothing fits:[/] {rec_error}", highlight=False)
-    for path in emitted:
-        console.print(f"wrote {path}", highlight=False)
+        console.print(f"[bold yellow]Recommended (plan-only: run it with {escape(rec.tool)}):[/] {escape(rec.reason)}",
+                      highlight=False)
+    if rec is not None and alternatives:
+        console.print("[bold]Plan-only alternatives[/] (faster, but shardwise train and --emit cannot run them):",
+                      highlight=False)
+        for a in alternatives:
+            console.print(f"  - {escape(a.why)}", highlight=False)
+    if emitted:
+        from shardwise.plan.recommend import describe
+
+        chosen, paths = emitted
+        console.print(f"Emitted {escape(describe(chosen))} to {escape(str(emit))}:", highlight=False)
+        for n in notes:
+            console.print(f"  note: {escape(n)}", highlight=False)
+        for path in paths:
+            console.print(f"wrote {escape(str(path))}", highlight=False)
+
+
+def _setting(e) -> dict:
+    lay = e.memory.layout
+    return {"strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, "micro_batch": e.train.micro_batch,
+            "grad_accum": e.train.grad_accum, "checkpointing": e.train.checkpointing,
+            "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "memory_total": e.memory.gpu.total}
 
 
 def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):
     """The engine knobs the --ds-*/--fsdp-*/--ddp-* flags set (unset flags: the engines' defaults)."""
+    from shardwise.catalog import check_count
     from shardwise.specs import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
     from shardwise.specs.strategy import StrategyKnobs
+
+    if shard_group is not None:
+        check_count("--shard-group", shard_group, hint=" (GPUs per fsdp-hybrid shard group)")
 
     def given(d: dict) -> dict:
         out = {}
@@ -142,26 +190,69 @@ def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):
                          shard_group=shard_group)
 
 
-def _emit(m, hw, train, evals, rec, out_dir, name, tp, pp, knobs):
-    from shardwise.emit import emit_configs
+def _emit(m, hw, train, rec, rec_error, out_dir, name, tp, pp, knobs, margin, accounting):
+    """Write exactly the configuration the plan shows, or refuse and say why: the recommended
+    one (strategy, micro-batch, accumulation, checkpointing), or with --emit-strategy that
+    strategy's row of the table. Returns ((evaluation, paths), notes)."""
+    from shardwise.emit import emit_configs, emitted_run
+    from shardwise.plan.evaluate import evaluate
+    from shardwise.plan.recommend import describe, tool_for
     from shardwise.specs import Strategy
 
     if name:
-        strategy = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
-        chosen = next((e for e in evals if e.strategy.name == strategy.name), None)
-        plan = chosen.memory if chosen else None
-    elif rec is not None:
-        best = rec.best
-        if best.memory.layout.tp > 1 or best.memory.layout.pp > 1:
-            # shardwise's trainer and the emitted launchers are data-parallel only: emit the best
-            # configuration without TP/PP (the table still shows the TP/PP winner)
-            from shardwise.plan.recommend import recommend
-
-            best = recommend(m, hw, train, tps=(1,), pps=(1,), knobs=knobs).best
-        strategy, train, plan = best.strategy, best.train, best.memory
+        flags = f"--emit-strategy {name}" + (f" --tp {tp}" if tp and tp > 1 else "") + (
+            f" --pp {pp}" if pp and pp > 1 else "")
+        try:
+            strategy = Strategy.with_knobs(name, knobs, tp=tp or 1, pp=pp or 1)
+            chosen = evaluate(m, hw, train, strategy, accounting=accounting, margin=margin)
+        except ShardwiseError as e:
+            raise ShardwiseError(f"{flags}: {e}") from None
+        what = f"{flags}: {describe(chosen)}"
+        drop = "drop --tp/--pp"
+    elif rec is None:
+        raise ShardwiseError(f"--emit: nothing to write, no configuration shardwise can train fits: {rec_error}")
     else:
-        raise ShardwiseError("--emit: nothing fits, so there is no recommended strategy; name one with --emit-strategy")
-    return emit_configs(m, hw, train, strategy, Path(out_dir), plan=plan)
+        chosen = rec.best
+        what = f"--emit: the recommended {describe(chosen)}"
+        drop = "drop --tp/--pp for a recommendation it can run"
+    s = chosen.strategy
+    if not s.trainable:
+        raise ShardwiseError(
+            f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism only (tp 1, pp 1), "
+            f"this has tp {s.tp}, pp {s.pp}. Run it with {tool_for(s, chosen.train)}, or {drop}.")
+    if not chosen.fits:
+        raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin)}")
+    notes = emitted_run(m, hw, chosen.train, s)[1]
+    paths = emit_configs(m, hw, chosen.train, s, Path(out_dir), plan=chosen.memory)
+    return (chosen, paths), notes
+
+
+def _shortfall(e) -> str:
+    """Why an evaluation does not fit, in numbers."""
+    from shardwise.specs.hardware import GIB
+
+    mem = e.memory
+    parts = []
+    if mem.gpu.total > mem.usable_bytes:
+        parts.append(f"{mem.gpu.total / GIB:.1f} GiB per GPU against {mem.usable_bytes / GIB:.1f} GiB usable "
+                     f"({mem.capacity_bytes / GIB:.1f} GiB less the {mem.margin:.0%} margin)")
+    if mem.host.total > mem.host_capacity_bytes:
+        parts.append(f"{mem.host.total / GIB:.0f} GiB of host memory per node against {mem.host_capacity_bytes / GIB:.0f}")
+    return " and ".join(parts)
+
+
+def _fitting_hint(m, hw, train, strategy, knobs, margin) -> str:
+    """The fastest setting of the same strategy and layout that fits, as flags to pass."""
+    from shardwise.plan.recommend import sweep
+
+    found = [e for e in sweep(m, hw, train, strategies=[strategy.name], tps=(strategy.tp,), pps=(strategy.pp,),
+                              checkpointing=("none", "full"), margin=margin, knobs=knobs) if e.fits]
+    if not found:
+        return f". No micro-batch (1-8) or checkpointing makes {strategy.name} fit here."
+    b = max(found, key=lambda e: e.time.tokens_per_s_per_gpu)
+    return (f". It fits with --micro-batch {b.train.micro_batch} --grad-accum {b.train.grad_accum} "
+            f"--checkpointing {b.train.checkpointing} ({b.memory.gpu.total / 2**30:.1f} GiB, "
+            f"{b.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU).")
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from pathlib import Path
 
@@ -55,18 +56,46 @@ def get_gpu(name: str) -> GPUSpec:
     key, g = _entry(_hardware()["gpus"], name, "GPU")
     return GPUSpec(
         name=key,
-        memory_bytes=g["memory_gb"] * GB,
+        memory_bytes=g["memory_mib"] * 2**20 if "memory_mib" in g else g["memory_gb"] * GB,
         bf16_flops=g["bf16_tflops"] * 1e12,
         fp16_flops=g["fp16_tflops"] * 1e12,
         fp32_flops=g["fp32_tflops"] * 1e12,
         hbm_bytes_per_s=g["hbm_gbps"] * GB,
+        # fitted kernel efficiencies where the catalog has them (else GPUSpec's defaults)
+        **{f"{k}_efficiency": g[f"{k}_eff"] for k in ("gemm", "attention", "hbm") if f"{k}_eff" in g},
     )
 
 
 @cache
 def get_link(name: str) -> LinkSpec:
     key, link = _entry(_hardware()["interconnects"], name, "interconnect")
-    return LinkSpec(name=key, bus_bytes_per_s=link["bus_gbps"] * GB, latency_s=link["latency_us"] * 1e-6)
+    return LinkSpec(name=key, bus_bytes_per_s=link["bus_gbps"] * GB, latency_s=link["latency_us"] * 1e-6,
+                    nic_per_gpu=link.get("nic_per_gpu", True))
+
+
+MAX_GPUS = 131_072  # --gpus above this is refused (the largest clusters today are ~100k GPUs)
+MAX_GPUS_PER_NODE = 64  # HardwareSpec's limit
+
+
+def check_number(flag: str, value, *, low: float = 0.0, high: float | None = None, unit: str = "",
+                 hint: str = "") -> float:
+    """`value` of command-line `flag` if it is a finite number in (low, high]; else the
+    ShardwiseError naming the flag, the value and the expected range."""
+    rng = f"> {low:g}" + (f" and at most {high:g}" if high is not None else "")
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > low
+    if not ok or (high is not None and value > high):
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise ShardwiseError(f"{flag} {shown}: expected a finite number{unit} {rng}{hint}")
+    return value
+
+
+def check_count(flag: str, value, *, high: int | None = None, hint: str = "") -> int:
+    """`value` of `flag` if it is a whole number in 1..high; else the ShardwiseError naming the flag."""
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    if not ok or value < 1 or (high is not None and value > high):
+        rng = f"1..{high:,}" if high is not None else "at least 1"
+        raise ShardwiseError(f"{flag} {value!r}: expected a whole number {rng}{hint}")
+    return int(value)
 
 
 def build_hardware(
@@ -79,19 +108,38 @@ def build_hardware(
     memory_gb: float | None = None,
     **overrides,
 ) -> HardwareSpec:
-    """A HardwareSpec from preset names and overrides.
+    """A HardwareSpec from preset names and overrides (every number checked first, naming
+    the command-line flag it comes from).
 
-    `interconnect` names the slowest link the data-parallel traffic crosses. An intra-node
-    link (nvlink, pcie) replaces the link inside the node; a network (ib-*, roce-*, eth-*)
-    replaces the link between nodes and, unless --gpus-per-node says otherwise, means one
-    GPU per node (e.g. 8 single-GPU machines on 10 GbE).
+    `interconnect` names the slowest link the data-parallel traffic crosses: an intra-node
+    link (nvlink, pcie) replaces the link inside the node, a network (ib-*, roce-*, eth-*) the
+    link between nodes. Which one it is depends on how many GPUs share a node, so a network
+    needs `gpus_per_node`, and so does an intra-node link on more than 8 GPUs (more than one
+    node); only an intra-node link on up to 8 GPUs is unambiguous (one node, the default
+    `gpus_per_node` = gpus). `intra`/`inter` (default nvlink / ib-200) name the links directly.
     """
-    if gpus < 1:
-        raise ShardwiseError(f"--gpus must be at least 1, got {gpus}")
-    network = interconnect is not None and _hardware()["interconnects"].get(interconnect.strip().lower(), {}).get("scope") == "inter"
-    per_node = gpus_per_node or (1 if network else min(gpus, 8))
+    gpus = check_count("--gpus", gpus, high=MAX_GPUS,
+                       hint=f" (GPUs in total; {MAX_GPUS:,} is the largest plan shardwise makes)")
+    if gpus_per_node is not None:
+        gpus_per_node = check_count("--gpus-per-node", gpus_per_node, high=MAX_GPUS_PER_NODE)
+    if memory_gb is not None:
+        check_number("--gpu-memory-gb", memory_gb, high=100_000, unit=" of GB")
+    if "host_memory_bytes" in overrides:
+        check_number("--host-memory-gb", overrides["host_memory_bytes"] / GB, high=1e6, unit=" of GB")
+    scope = None
+    if interconnect is not None:
+        key, link = _entry(_hardware()["interconnects"], interconnect, "interconnect")
+        interconnect, scope = key, link.get("scope", "intra")
+        if gpus_per_node is None and (scope == "inter" or gpus > 8):
+            what = "between nodes" if scope == "inter" else "inside a node"
+            raise ShardwiseError(
+                f"--interconnect {key} needs --gpus-per-node: it is a link {what}, and how many of the "
+                f"{gpus} GPUs share a node decides which traffic crosses it (e.g. --gpus-per-node "
+                f"{min(gpus, 8)} for nodes of {min(gpus, 8)} GPUs, --gpus-per-node 1 for single-GPU machines)")
+    per_node = gpus_per_node or min(gpus, 8)
     if gpus % per_node:
-        raise ShardwiseError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}")
+        raise ShardwiseError(f"--gpus {gpus} is not a multiple of --gpus-per-node {per_node}: expected whole "
+                             f"nodes (e.g. --gpus {per_node * (gpus // per_node + 1)})")
     nodes = gpus // per_node
     g = get_gpu(gpu)
     if memory_gb is not None:
@@ -99,7 +147,7 @@ def build_hardware(
     intra_link = get_link(intra or "nvlink")
     inter_link = get_link(inter or "ib-200")
     if interconnect:
-        if network:
+        if scope == "inter":
             inter_link = get_link(interconnect)
         else:
             intra_link = get_link(interconnect)

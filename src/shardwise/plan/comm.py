@@ -7,12 +7,17 @@ traffic volume 2·AR + AG + RS + the rest, so that DDP = 2Ψ and ZeRO-3 = 3Ψ el
 
 Two levels: `ideal_comm` is the ZeRO paper's; `plan_comm` is what the installed engines ask
 for (docs/comm-measured.md has the source references and the 2-rank gloo counts).
+
+LoRA (`train.lora_rank > 0`): only the adapters (plan/lora.py) have gradients, so only they
+are reduced (and all-gathered after the ZeRO-1/2 step); ZeRO-3 and FSDP still gather the frozen
+base weights in forward and backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from shardwise.plan.lora import adapter_params, adapter_tensors
 from shardwise.plan.memory import _persistent_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
@@ -88,65 +93,88 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 
 
 def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
+    """Data-parallel traffic. `psi` is the replica's parameters (what ZeRO-3/FSDP gather); with
+    LoRA (train.lora_rank > 0) only the adapters are trainable: the engines reduce only their
+    gradients (DDP and DeepSpeed bucket only parameters that require grad, FSDP2 reduce-scatters
+    only the gradients that exist) and ZeRO-1/2 all-gather only the updated adapters, while
+    ZeRO-3/FSDP still gather the frozen base weights in forward and backward."""
     n = layout.dp_shard
     if layout.dp == 1:
         return CommBreakdown()
     link = _dp_link(hw, layout, layout.dp)
+    lora = train.lora_rank > 0
+    adapters = adapter_params(model, train, layout.tp, layout.pp)
+    trained = adapters if lora else psi  # parameters whose gradients are reduced
     if not s.shards_optimizer:
         # DDP reduces fp32 grads once per step (no_sync on the other micro-batches; autocast keeps
-        # fp32 grads); DeepSpeed stage 0 all-reduces at the accumulation boundary, in the
-        # module's dtype.
-        g = (2 if train.precision == "bf16-pure" else 4) if s.engine == "ddp" else s.ds.reduce_bytes(c)
-        ar = g * psi
+        # fp32 grads; PEFT keeps adapters in fp32); DeepSpeed stage 0 all-reduces at the
+        # accumulation boundary, in the module's dtype.
+        if s.engine == "ddp":
+            g = 4 if lora else (2 if train.precision == "bf16-pure" else 4)
+        else:
+            g = s.ds.reduce_bytes(c)
+        ar = g * trained
         bucket = s.ddp.bucket_cap_mb * 2**20 if s.engine == "ddp" else s.ds.reduce_bucket_size * c
         return CommBreakdown(all_reduce=ar, calls=max(1, int(ar // bucket)), **_on(link, 2 * ar))
     if s.engine == "deepspeed" and s.zero_stage in (1, 2):
         # Gradient reduction: ZeRO-1 once per step (holds full grads), ZeRO-2 every micro-batch.
         # With use_multi_rank_bucket_allreduce (default) each bucket is all-reduced whole; without
         # it each partition is reduced to its owner (reduce-scatter volume). Then the updated
-        # 16-bit params are all-gathered once (stage_1_and_2.py: all_gather_dp_groups).
+        # 16-bit params are all-gathered once (stage_1_and_2.py: all_gather_dp_groups). Frozen
+        # parameters are in no optimizer group: neither reduced nor gathered.
         reductions = 1 if s.zero_stage == 1 else k
-        grad = s.ds.reduce_bytes(c) * psi * reductions
-        ag = c * psi
-        pcie = (4 * psi / n + c * psi / n) if s.offload_optimizer else 0.0
-        calls = int(reductions * (psi // s.ds.reduce_bucket_size + 1) + psi // s.ds.allgather_bucket_size + 1)
+        grad = s.ds.reduce_bytes(c) * trained * reductions
+        ag = c * trained
+        pcie = (4 * trained / n + c * trained / n) if s.offload_optimizer else 0.0
+        calls = int(reductions * (trained // s.ds.reduce_bucket_size + 1) + trained // s.ds.allgather_bucket_size + 1)
         if s.ds.use_multi_rank_bucket_allreduce:
             return CommBreakdown(all_reduce=grad, all_gather=ag, pcie=pcie, calls=calls, **_on(link, 2 * grad + ag))
         return CommBreakdown(reduce=grad, all_gather=ag, pcie=pcie, calls=calls, **_on(link, grad + ag))
     if s.engine == "deepspeed":  # stage 3
         ds = s.ds
+        # Every parameter of the module is partitioned, adapters included; tensors under the
+        # persistence threshold stay whole (LoRA's r × d matrices usually are).
         persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
-        gathered = psi - persist
+        if lora:
+            layers = -(-model.num_layers // layout.pp)
+            persist += sum(m * per * layers for m, per in adapter_tensors(model, train, layout.tp)
+                           if m < ds.param_persistence_threshold)
+        gathered = psi + adapters - persist
         # Params are released after forward and re-gathered in backward unless the whole model
         # fits under the live/reuse limits (partitioned_param_coordinator.py).
         regather = gathered > min(ds.max_live_parameters, ds.max_reuse_distance)
-        # Persistent params are not gathered per micro-batch, but their updated partitions are
-        # all-gathered once after the step (measured: 2-rank gloo count, GA 1 and 2).
+        # Persistent params are not gathered per micro-batch, but every persistent partition
+        # (frozen ones too: stage3.py _post_step gathers `persistent_parameters`) is all-gathered
+        # once after the step (measured: 2-rank gloo count, GA 1 and 2).
         ag = c * gathered * k * (2 if regather else 1) + c * persist
-        rs = s.ds.reduce_bytes(c) * psi * k  # every micro-batch (stage3.py reduce_ipg_grads)
+        rs = s.ds.reduce_bytes(c) * trained * k  # every micro-batch (stage3.py reduce_ipg_grads)
         pcie = 0.0
         if s.offload_optimizer:
-            pcie += k * 4 * psi / n + c * psi / n
+            pcie += k * 4 * trained / n + c * trained / n
         if s.offload_params:
-            pcie += c * psi / n * k * (2 if regather else 1)
-        calls = int(k * (model.num_layers * (2 if regather else 1) + psi // ds.reduce_bucket_size + 1))
+            pcie += c * gathered / n * k * (2 if regather else 1)
+        calls = int(k * (model.num_layers * (2 if regather else 1) + trained // ds.reduce_bucket_size + 1))
         return CommBreakdown(all_gather=ag, reduce_scatter=rs, pcie=pcie, calls=calls, **_on(link, ag + rs))
     # FSDP2: all-gather every unit in forward each micro-batch (param dtype), again in backward
     # for resharded units (not the root: it is not resharded after forward); reduce-scatter
-    # in reduce_dtype once per step (sync disabled on non-final micro-batches).
+    # in reduce_dtype once per step (sync disabled on non-final micro-batches). LoRA adapters
+    # live in the decoder-layer units and are gathered with them.
     p = c
     mixed = train.precision in ("bf16-mixed", "fp16-mixed")
-    reduce = s.fsdp.reduce_bytes(c) if mixed else (2 if train.precision == "bf16-pure" else 4)
-    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
-    ag_fwd = p * psi * k
+    reduce = s.fsdp.reduce_bytes(c) if (mixed or lora) else (2 if train.precision == "bf16-pure" else 4)
+    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp + adapters
+    ag_fwd = p * (psi + adapters) * k
     ag_bwd = p * layers * k if s.reshard_after_forward else 0.0
-    rs = reduce * psi
+    # shardwise's trainer reduce-scatters once per step; torch's default (sync left on) every micro-batch
+    reductions = k if s.fsdp.reduce_every_micro_batch else 1
+    rs = reduce * trained * reductions
     units = model.num_layers // layout.pp + 1
-    calls = k * units * (2 if s.reshard_after_forward else 1) + units
-    pcie = (4 * psi / n * k * (2 if s.reshard_after_forward else 1) + 4 * psi / n) if s.offload_params else 0.0
+    calls = k * units * (2 if s.reshard_after_forward else 1) + units * reductions
+    w = c if lora else 4  # bytes of a stored parameter shard (LoRA: the frozen base in the compute dtype)
+    pcie = (w * psi / n * k * (2 if s.reshard_after_forward else 1) + 4 * trained / n) if s.offload_params else 0.0
     if s.fsdp_sharding == "hybrid":
         # shard within a node, all-reduce the 1/g shard across the replicas (once per step)
-        ar = reduce * psi / n if layout.dp_replicate > 1 else 0.0
+        ar = reduce * trained / n if layout.dp_replicate > 1 else 0.0
         return CommBreakdown(all_gather=ag_fwd + ag_bwd, reduce_scatter=rs, all_reduce=ar, pcie=pcie,
                              calls=calls + 1, intra=ag_fwd + ag_bwd + rs,
                              inter=2 * ar if layout.dp_replicate > 1 else 0.0)

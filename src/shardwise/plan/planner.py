@@ -1,16 +1,39 @@
 """Build specs from user-facing names and plan a set of strategies (pure, no I/O but reading
-a user's config.json)."""
+a user's config.json). Every number a user gives is checked here or in
+`catalog.build_hardware` before any planning, with the flag named in the message."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 from shardwise import catalog
+from shardwise.catalog import check_count, check_number
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import Evaluation, evaluate
 from shardwise.plan.memory import DEFAULT_MARGIN
 from shardwise.specs import STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.strategy import StrategyKnobs
+
+# --params above this is refused: 10 trillion parameters, ~5× the largest models trained so far
+# (and --params' default shape stops at hidden 65536, ~2.6e13).
+MAX_PARAMS = 1e13
+# TrainSpec fields given as command-line counts (checked with the flag's name).
+_COUNT_FLAGS = {"seq_len": "--seq-len", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum"}
+
+
+def check_margin(margin: float) -> float:
+    """`--margin`: the fraction of GPU memory kept free, 0 ≤ margin < 1."""
+    if not (isinstance(margin, int | float) and math.isfinite(margin) and 0 <= margin < 1):
+        raise ShardwiseError(f"--margin {margin!r}: expected a fraction of GPU memory kept free, "
+                             "at least 0 and below 1 (e.g. 0.05)")  # fmt: skip
+    return margin
+
+
+def check_params(params: float) -> float:
+    return check_number("--params", params, high=MAX_PARAMS, unit=" of parameters",
+                        hint=" (10 trillion is the largest plausible model; e.g. 7e9)")
 
 
 def resolve_model(model: str | None = None, model_config: str | Path | None = None,
@@ -18,17 +41,35 @@ def resolve_model(model: str | None = None, model_config: str | Path | None = No
     if model_config is not None:
         return ModelSpec.from_hf_config(model_config)
     if params is not None:
-        return ModelSpec.from_params(params)
+        return ModelSpec.from_params(check_params(params))
     return catalog.get_model(model or "llama-2-7b")
 
 
 def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", gpus=8,
                 gpus_per_node=None, interconnect=None, gpu_memory_gb=None, host_memory_gb=None,
                 **train_fields) -> tuple[ModelSpec, HardwareSpec, TrainSpec]:
-    m = resolve_model(model, model_config, params)
-    extra = {"host_memory_bytes": host_memory_gb * 1e9} if host_memory_gb else {}
+    """The specs of `shardwise plan`/`explain` flags. Checks first, in flag order, so a bad
+    number is refused before anything is built or planned."""
+    if params is not None and model_config is None:
+        check_params(params)
+    if interconnect is not None and gpus_per_node is None:
+        catalog.get_link(interconnect)  # an unknown name first: the valid ones, closest first
+        raise ShardwiseError(
+            f"--interconnect {interconnect} needs --gpus-per-node: whether the link joins GPUs inside a node "
+            f"or the nodes depends on how many of the {gpus} GPUs share one (e.g. --gpus-per-node "
+            f"{min(gpus, 8) if isinstance(gpus, int) and gpus > 0 else 8} for nodes of that many GPUs, "
+            "--gpus-per-node 1 for single-GPU machines)")
+    for field, flag in _COUNT_FLAGS.items():
+        if field in train_fields:
+            check_count(flag, train_fields[field])
+    if train_fields.get("lora_rank", 0) < 0:
+        raise ShardwiseError(f"--lora-rank {train_fields['lora_rank']}: expected 0 (full fine-tuning) or a rank ≥ 1")
+    extra: dict[str, Any] = {}
+    if host_memory_gb is not None:
+        extra["host_memory_bytes"] = check_number("--host-memory-gb", host_memory_gb, high=1e6, unit=" of GB") * 1e9
     hw = catalog.build_hardware(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node,
                                 interconnect=interconnect, memory_gb=gpu_memory_gb, **extra)
+    m = resolve_model(model, model_config, params)
     return m, hw, TrainSpec(**train_fields)
 
 
@@ -36,12 +77,33 @@ def plan_strategies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
                     names: list[str] | None = None, *, tp: int = 1, pp: int = 1,
                     accounting: str = "engine", margin: float = DEFAULT_MARGIN,
                     knobs: StrategyKnobs | None = None) -> list[Evaluation]:
-    """Plan each named strategy (default: all) with the given TP/PP degrees."""
-    names = list(names) if names else list(STRATEGY_NAMES)
+    """Plan each named strategy (default: all that can be laid out, `plan_layouts`)."""
+    return plan_layouts(model, hw, train, names, tp=tp, pp=pp, accounting=accounting, margin=margin,
+                        knobs=knobs)[0]
+
+
+def plan_layouts(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
+                 names: list[str] | None = None, *, tp: int = 1, pp: int = 1,
+                 accounting: str = "engine", margin: float = DEFAULT_MARGIN,
+                 knobs: StrategyKnobs | None = None) -> tuple[list[Evaluation], dict[str, str]]:
+    """Plan each named strategy with the given TP/PP degrees, and the strategies left out with
+    the reason. A named strategy that cannot run so is refused; of the default list (all 13),
+    those that cannot (ZeRO-2/3 under pipeline parallelism, an fsdp-hybrid shard group that
+    does not divide the data-parallel degree) are left out, unless none can: then the first
+    reason is the error."""
+    check_margin(margin)
+    tp, pp = check_count("--tp", tp), check_count("--pp", pp)
     if tp * pp > hw.world_size:
         raise ShardwiseError(f"tp {tp} × pp {pp} = {tp * pp} exceeds the {hw.world_size} GPUs")
-    plans = []
-    for name in names:
-        s = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
-        plans.append(evaluate(model, hw, train, s, accounting=accounting, margin=margin))
-    return plans
+    plans, skipped = [], {}
+    for name in list(names) if names else STRATEGY_NAMES:
+        try:
+            s = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
+            plans.append(evaluate(model, hw, train, s, accounting=accounting, margin=margin))
+        except ShardwiseError as e:
+            if names:
+                raise
+            skipped[name] = str(e)
+    if not plans:
+        raise ShardwiseError(next(iter(skipped.values())))
+    return plans, skipped

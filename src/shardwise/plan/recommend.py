@@ -1,18 +1,92 @@
 """The recommender: sweep strategies × micro-batch × checkpointing × TP/PP, drop what does not
-fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain in numbers."""
+fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain in numbers.
+
+Only configurations that `shardwise train` and `plan --emit` run exactly are ranked
+(`runnable`: a data-parallel strategy at tp 1, pp 1, with no or full activation
+checkpointing). The others are plan-only: when one would be faster (or is the only thing that
+fits) it is named as an `Alternative`, with the tool that runs it and the numbers. A user who
+pins `--tp`/`--pp` above 1 gets the best of those layouts, marked plan-only.
+"""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import Evaluation, evaluate
+from shardwise.plan.planner import check_margin
 from shardwise.specs import STRATEGIES, STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
 from shardwise.specs.strategy import StrategyKnobs
 
 NEAR_TIE = 0.03  # within 3% tokens/s, the simpler strategy wins
+TRAINER = "shardwise train"
+# What runs each plan-only configuration (docs/planner.md "The recommender").
+MEGATRON = "Megatron-LM"
+MEGATRON_DS = "Megatron-DeepSpeed"
+TORCHTITAN = "torchtitan"
+DS_PIPE = "DeepSpeed's pipeline engine (deepspeed.pipe)"
+TRAINER_CHECKPOINTING = ("none", "full")  # what `shardwise train` offers (checkpointing.activation)
+
+
+def trainer_gaps(strategy: Strategy, train: TrainSpec) -> list[str]:
+    """What `shardwise train` (and `plan --emit`) lacks to run this configuration exactly; empty
+    when it runs it. The sweep's own choices only: settings the user gave (precision, optimizer,
+    LoRA, ...) are theirs, and --emit notes how it writes them."""
+    gaps = []
+    if not strategy.facts.trainer:
+        gaps.append(f"the {strategy.name} engine")
+    if strategy.tp > 1:
+        gaps.append(f"tensor parallelism (tp {strategy.tp})")
+    if strategy.pp > 1:
+        gaps.append(f"pipeline parallelism (pp {strategy.pp})")
+    if train.checkpointing not in TRAINER_CHECKPOINTING:
+        gaps.append(f"{train.checkpointing} activation checkpointing")
+    return gaps
+
+
+def runnable(e: Evaluation) -> bool:
+    return not trainer_gaps(e.strategy, e.train)
+
+
+def tool_for(strategy: Strategy, train: TrainSpec) -> str:
+    """The tool that runs a configuration: shardwise's trainer, or for plan-only ones
+    torchtitan (FSDP2 with TP/PP/selective checkpointing), DeepSpeed's pipeline engine
+    (ZeRO-0/1 with PP alone), Megatron-DeepSpeed (DeepSpeed ZeRO with Megatron's TP, or
+    selective recompute), Megatron-LM (its DDP with TP/PP or selective recompute)."""
+    if not trainer_gaps(strategy, train):
+        return TRAINER
+    if strategy.engine == "fsdp2":
+        return TORCHTITAN
+    if strategy.engine == "deepspeed":
+        if strategy.tp == 1 and strategy.pp > 1 and train.checkpointing in TRAINER_CHECKPOINTING:
+            return DS_PIPE
+        return MEGATRON_DS
+    return MEGATRON
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """A plan-only configuration worth knowing: faster than the recommendation, or the only
+    kind that fits. `why` says it in numbers (tokens/s and memory)."""
+
+    evaluation: Evaluation
+    tool: str
+    gaps: tuple[str, ...]
+    speedup: float | None  # tokens/s relative to the recommendation (None: nothing runnable fits)
+    why: str
+
+    def as_dict(self) -> dict:
+        e = self.evaluation
+        lay = e.memory.layout
+        return {
+            "strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+            "micro_batch": e.train.micro_batch, "grad_accum": e.train.grad_accum,
+            "checkpointing": e.train.checkpointing, "tool": self.tool, "needs": list(self.gaps),
+            "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "memory_total": e.memory.gpu.total,
+            "usable_bytes": e.memory.usable_bytes, "speedup": self.speedup, "why": self.why,
+        }  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +96,37 @@ class Recommendation:
     candidates: int
     fitting: int
     reason: str
+    # plan-only configurations (other tools) that would be faster, best first, one per tool
+    alternatives: tuple[Alternative, ...] = field(default=())
+
+    @property
+    def runnable(self) -> bool:
+        """`shardwise train` and `plan --emit` run `best` as shown (False only when the user
+        pinned a TP/PP layout they cannot run)."""
+        return runnable(self.best)
+
+    @property
+    def tool(self) -> str:
+        return tool_for(self.best.strategy, self.best.train)
+
+    def setting(self) -> dict:
+        """The recommended configuration, as `--json` prints it (`recommended_setting`)."""
+        b = self.best
+        return {
+            "strategy": b.strategy.name, "tp": b.memory.layout.tp, "pp": b.memory.layout.pp,
+            "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
+            "checkpointing": b.train.checkpointing, "runnable": self.runnable, "tool": self.tool,
+            "needs": trainer_gaps(b.strategy, b.train),
+            "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
+        }  # fmt: skip
+
+
+class NothingFits(ShardwiseError):
+    """No configuration the recommender may rank fits; `alternatives` are plan-only ones that do."""
+
+    def __init__(self, message: str, alternatives: tuple[Alternative, ...] = ()):
+        super().__init__(message)
+        self.alternatives = alternatives
 
 
 def _complexity(e: Evaluation) -> tuple:
@@ -34,6 +139,7 @@ def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=Non
           tps=None, pps=None, margin: float = 0.05, knobs: StrategyKnobs | None = None) -> list[Evaluation]:
     """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
     where it divides, so that candidates train the same thing."""
+    check_margin(margin)
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
     pps = pps or tuple(p for p in (1, 2, 4) if p <= model.num_layers and hw.world_size % p == 0)
     out = []
@@ -53,28 +159,85 @@ def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=Non
     return out
 
 
-def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Recommendation:
-    evals = sweep(model, hw, base, **kw)
-    fitting = [e for e in evals if e.fits]
-    if not fitting:
-        smallest = min(evals, key=lambda e: e.memory.gpu.total) if evals else None
-        need = ""
-        if smallest:
-            m = smallest.memory
-            need = (f"; the smallest, {_describe(smallest)}, needs {m.gpu.total / GIB:.1f} GiB per GPU "
-                    f"(usable {m.usable_bytes / GIB:.1f}) and {m.host.total / GIB:.0f} GiB of host memory per node "
-                    f"(have {m.host_capacity_bytes / GIB:.0f})")
-        raise ShardwiseError(
-            f"no configuration of {model.name} fits {hw.world_size}× {hw.gpu.name} "
-            f"({hw.gpu.memory_bytes / 1e9:.0f} GB){need}: add GPUs, use LoRA, or a larger GPU"
-        )
-    fitting.sort(key=lambda e: -e.time.tokens_per_s_per_gpu)
-    top = fitting[0].time.tokens_per_s_per_gpu
+def _rank(fitting: list[Evaluation]) -> Evaluation:
+    """Fastest, or among those within NEAR_TIE of it the simplest."""
+    top = max(e.time.tokens_per_s_per_gpu for e in fitting)
     near = [e for e in fitting if e.time.tokens_per_s_per_gpu >= top * (1 - NEAR_TIE)]
-    best = min(near, key=_complexity)
-    others = [e for e in fitting if e.strategy.name != best.strategy.name]
-    runner = max(others, key=lambda e: e.time.tokens_per_s_per_gpu) if others else None
-    return Recommendation(best, runner, len(evals), len(fitting), explain_choice(model, hw, best, runner, evals))
+    return min(near, key=lambda e: (_complexity(e), -e.time.tokens_per_s_per_gpu))
+
+
+def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Recommendation:
+    """The best runnable configuration of the sweep (`sweep`'s keywords: `strategies`, `tps`,
+    `pps`, ... restrict it), the runner-up, and the plan-only alternatives that beat it.
+
+    When the sweep holds no runnable candidate at all (the caller pinned tp or pp above 1), the
+    best of the pinned layouts is recommended and marked plan-only (`Recommendation.runnable`).
+    Raises `NothingFits` (with the plan-only configurations that do fit) when nothing eligible fits.
+    """
+    evals = sweep(model, hw, base, **kw)
+    ours = [e for e in evals if runnable(e)]
+    eligible, others = (ours, [e for e in evals if not runnable(e)]) if ours else (evals, [])
+    fitting = [e for e in eligible if e.fits]
+    if not fitting:
+        alts = _alternatives(None, others)
+        raise NothingFits(_nothing_fits(model, hw, eligible, plan_only=not ours) + _alt_clause(alts), alts)
+    best = _rank(fitting)
+    rivals = [e for e in fitting if e.strategy.name != best.strategy.name]
+    runner = max(rivals, key=lambda e: e.time.tokens_per_s_per_gpu) if rivals else None
+    alts = _alternatives(best, others)
+    reason = explain_choice(model, hw, best, runner, eligible)
+    if not ours:
+        reason += (f" Plan-only: shardwise train and --emit run data parallelism only (tp 1, pp 1, no or full "
+                   f"checkpointing); {_describe(best)} needs {' and '.join(trainer_gaps(best.strategy, best.train))}: "
+                   f"run it with {tool_for(best.strategy, best.train)}.")
+    return Recommendation(best, runner, len(eligible), len(fitting), reason, alts)
+
+
+def _nothing_fits(model: ModelSpec, hw: HardwareSpec, evals: list[Evaluation], plan_only: bool) -> str:
+    smallest = min(evals, key=lambda e: e.memory.gpu.total) if evals else None
+    need = ""
+    if smallest:
+        m = smallest.memory
+        need = (f"; the smallest, {_describe(smallest)}, needs {m.gpu.total / GIB:.1f} GiB per GPU "
+                f"(usable {m.usable_bytes / GIB:.1f}) and {m.host.total / GIB:.0f} GiB of host memory per node "
+                f"(have {m.host_capacity_bytes / GIB:.0f})")
+    what = "" if plan_only else " that shardwise can train"
+    return (f"no configuration of {model.name}{what} fits {hw.world_size}× {hw.gpu.name} "
+            f"({hw.gpu.memory_bytes / 1e9:.0f} GB){need}: add GPUs, use LoRA, or a larger GPU")
+
+
+def _alt_clause(alts: tuple[Alternative, ...]) -> str:
+    if not alts:
+        return ""
+    return "; plan-only configurations that fit: " + "; ".join(a.why for a in alts)
+
+
+def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Alternative, ...]:
+    """The fastest fitting plan-only configuration of each tool that beats `best` by more than
+    NEAR_TIE (all tools' fastest when `best` is None: nothing runnable fits), fastest first."""
+    by_tool: dict[str, list[Evaluation]] = {}
+    for e in others:
+        if e.fits:
+            by_tool.setdefault(tool_for(e.strategy, e.train), []).append(e)
+    out = []
+    for tool, group in by_tool.items():
+        e = _rank(group)
+        t = e.time.tokens_per_s_per_gpu
+        speedup = t / best.time.tokens_per_s_per_gpu if best else None
+        if speedup is not None and speedup <= 1 + NEAR_TIE:
+            continue
+        gaps = tuple(trainer_gaps(e.strategy, e.train))
+        m = e.memory
+        vs = ""
+        if best is not None and speedup is not None:
+            vs = (f" ({speedup - 1:+.0%} vs the recommended {best.time.tokens_per_s_per_gpu:,.0f}, which uses "
+                  f"{best.memory.gpu.total / GIB:.1f} GiB)")
+        why = (f"{_describe(e)} with {tool}: {t:,.0f} tokens/s per GPU{vs}, {m.gpu.total / GIB:.1f} of "
+               f"{m.usable_bytes / GIB:.1f} usable GiB per GPU; plan-only because shardwise train lacks "
+               f"{' and '.join(gaps)}")
+        out.append(Alternative(e, tool, gaps, speedup, why))
+    out.sort(key=lambda a: -a.evaluation.time.tokens_per_s_per_gpu)
+    return tuple(out)
 
 
 def _describe(e: Evaluation) -> str:
@@ -82,6 +245,11 @@ def _describe(e: Evaluation) -> str:
     extra = (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" pp{lay.pp}" if lay.pp > 1 else "")
     return (f"{e.strategy.name}{extra} (micro-batch {e.train.micro_batch} × accum {e.train.grad_accum}, "
             f"checkpointing {e.train.checkpointing})")
+
+
+def describe(e: Evaluation) -> str:
+    """`zero2 (micro-batch 2 × accum 4, checkpointing full)`: how the reason names a configuration."""
+    return _describe(e)
 
 
 def explain_choice(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner: Evaluation | None,

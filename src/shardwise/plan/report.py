@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardwise.plan.evaluate import Evaluation
 from shardwise.plan.memory import MemoryPlan
 from shardwise.specs.hardware import GIB, HardwareSpec
@@ -9,15 +11,38 @@ from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
 
+def links(hw: HardwareSpec) -> dict:
+    """The links the plan assumed: inside a node and between nodes (unused on one node)."""
+    return {
+        "intra": {"name": hw.intra.name, "bus_bytes_per_s": hw.intra.bus_bytes_per_s,
+                  "latency_s": hw.intra.latency_s, "used": hw.gpus_per_node > 1},
+        "inter": {"name": hw.inter.name, "bus_bytes_per_s": hw.inter.bus_bytes_per_s,  # per NIC
+                  "latency_s": hw.inter.latency_s, "used": hw.nodes > 1,
+                  "node_bytes_per_s": hw.inter_node_bytes_per_s},  # all of a node's NICs
+    }  # fmt: skip
+
+
+def links_line(hw: HardwareSpec) -> str:
+    """`links: intra-node nvlink 150 GB/s, inter-node ib-200 22 GB/s (unused: one node)`."""
+    def one(where: str, link, used: bool, extra: str = "") -> str:
+        return f"{where} {link.name} {link.bus_bytes_per_s / 1e9:g} GB/s{extra}" + ("" if used else " (unused)")
+
+    nics = round(hw.inter_node_bytes_per_s / hw.inter.bus_bytes_per_s)
+    per_nic = f" per NIC × {nics} per node" if nics > 1 else ""
+    return (f"{hw.nodes} node(s) × {hw.gpus_per_node} GPUs; links: "
+            f"{one('intra-node', hw.intra, hw.gpus_per_node > 1)}, "
+            f"{one('inter-node', hw.inter, hw.nodes > 1, per_nic)}")
+
+
 def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[Evaluation],
-              accounting: str = "engine", recommended=None) -> dict:
+              accounting: str = "engine", recommended=None, *, skipped: dict[str, str] | None = None) -> dict:
     plans = [e.memory for e in evals]
-    doc = {
+    doc: dict[str, Any] = {
         "model": {"name": model.name, "params": model.params, "active_params": model.active_params},
         "hardware": {
             "gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes, "gpus": hw.world_size,
             "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes, "intra": hw.intra.name,
-            "inter": hw.inter.name, "host_memory_bytes": hw.host_memory_bytes,
+            "inter": hw.inter.name, "links": links(hw), "host_memory_bytes": hw.host_memory_bytes,
         },
         "train": train.model_dump(mode="json"),
         "accounting": accounting,
@@ -40,18 +65,15 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
             }
             for p, e in zip(plans, evals, strict=False)
         ],
+        "skipped_strategies": dict(skipped or {}),
     }
     if recommended is not None:
         b = recommended.best
         doc["recommended"] = b.strategy.name
-        doc["recommended_setting"] = {
-            "strategy": b.strategy.name, "tp": b.memory.layout.tp, "pp": b.memory.layout.pp,
-            "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
-            "checkpointing": b.train.checkpointing,
-            "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
-        }
+        doc["recommended_setting"] = recommended.setting()
         doc["runner_up"] = recommended.runner_up.strategy.name if recommended.runner_up else None
         doc["reason"] = recommended.reason
+        doc["plan_only_alternatives"] = [a.as_dict() for a in recommended.alternatives]
     return doc
 
 
@@ -78,6 +100,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
         f"{model.name} ({model.params / 1e9:.2f}B params) on {hw.world_size}× {hw.gpu.name} "
         f"({hw.gpu.memory_bytes / 1e9:.0f} GB), seq {train.seq_len} × micro-batch {train.micro_batch}"
         f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
+        + (f", LoRA rank {train.lora_rank}" if train.lora_rank else "") + f"\n{links_line(hw)}"
     )
     t = Table(title=title, caption="GiB per GPU; total = peak of the step (activations and "
               "gradients do not peak together); host = CPU RAM per node", title_justify="left")
