@@ -69,3 +69,22 @@ def test_trainer_config_applies_the_profile(tmp_path):
     assert run.hardware.gpu.hbm_efficiency == 0.5 and run.hardware.gpu.memory_bytes == 100e9
     plain = run_spec(validate({"model": {"name": "tiny-llama"}, "hardware": {"gpu": "h200"}}), 1, "cpu")
     assert plain.hardware.gpu.hbm_efficiency == catalog.get_gpu("h200").hbm_efficiency
+
+
+def test_plan_cli_takes_a_profile_and_nics(tmp_path):
+    from typer.testing import CliRunner
+
+    from shardwise.cli import app
+
+    def tps(*flags: str) -> float:
+        res = CliRunner().invoke(app, ["plan", "--json", "--gpu", "h100-sxm", "--gpus", "16", "--gpus-per-node", "8",
+                                       "-s", "fsdp", *flags])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)["strategies"][0]["time"]["tokens_per_s_per_gpu"]
+
+    slow = _write(tmp_path, {"gpu_name": "H100", "gpu": {"gemm_efficiency": 0.3}})
+    assert tps("--profile", slow) < tps()
+    # one NIC per node instead of one per GPU: the cross-node rings slow down
+    assert tps("--nics-per-node", "1") < tps()
+    res = CliRunner().invoke(app, ["plan", "--profile", str(tmp_path / "nope.json")])
+    assert res.exit_code == 2 and "nope.json" in res.output

@@ -53,6 +53,8 @@ def plan(
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float = typer.Option(0.05, "--margin", help="Fraction of GPU memory kept free."),
     host_memory_gb: float | None = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
+    nics_per_node: int | None = typer.Option(None, "--nics-per-node", help="Network cards per node (default: one per GPU on InfiniBand, one per node on Ethernet)."),
+    profile: Path | None = typer.Option(None, "--profile", help="Hardware profile measured on your GPUs (JSON); replaces the catalog's rates."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     emit: Path | None = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
     emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Emit this strategy's row of the table "
@@ -85,6 +87,7 @@ def plan(
             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
             lora_rank=lora_rank, cross_entropy=cross_entropy, host_memory_gb=host_memory_gb,
+            nics_per_node=nics_per_node, profile=profile,
         )
         check_margin(margin)
         if accounting not in ("engine", "paper", "deepspeed"):

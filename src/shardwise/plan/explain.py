@@ -107,7 +107,7 @@ def scenario_numbers() -> dict:
     """The seed material's three scenarios, recomputed (bf16 mixed, AdamW, seq 2048, micro-batch 1)."""
     train = TrainSpec(checkpointing="full")
     m7, m13, m70 = (catalog.get_model(n) for n in ("llama-2-7b", "llama-2-13b", "llama-2-70b"))
-    h24 = catalog.build_hardware(gpu="rtx-4090", gpus=8, interconnect="pcie")
+    h24 = catalog.build_hardware(gpu="rtx-4090", gpus=8, gpus_per_node=8, interconnect="pcie")
     h80 = catalog.build_hardware(gpu="a100-80g", gpus=8)
     res = {
         "7b_states_gb": {"weights_bf16": 2 * m7.params / GB, "grads_bf16": 2 * m7.params / GB,

@@ -15,9 +15,9 @@ from functools import lru_cache
 from typing import Literal
 
 from shardwise.plan.activations import activation_bytes, recompute_bytes
+from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.lora import adapter_params
 from shardwise.plan.loss import logits_bytes
-from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec

@@ -47,6 +47,7 @@ def resolve_model(model: str | None = None, model_config: str | Path | None = No
 
 def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", gpus=8,
                 gpus_per_node=None, interconnect=None, gpu_memory_gb=None, host_memory_gb=None,
+                nics_per_node=None, profile=None,
                 **train_fields) -> tuple[ModelSpec, HardwareSpec, TrainSpec]:
     """The specs of `shardwise plan`/`explain` flags. Checks first, in flag order, so a bad
     number is refused before anything is built or planned."""
@@ -67,8 +68,14 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
     extra: dict[str, Any] = {}
     if host_memory_gb is not None:
         extra["host_memory_bytes"] = check_number("--host-memory-gb", host_memory_gb, high=1e6, unit=" of GB") * 1e9
+    if nics_per_node is not None:
+        extra["nics_per_node"] = check_count("--nics-per-node", nics_per_node, high=64)
     hw = catalog.build_hardware(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node,
                                 interconnect=interconnect, memory_gb=gpu_memory_gb, **extra)
+    if profile is not None:  # rates measured on the user's GPUs replace the catalog's
+        from shardwise.specs.profile import load_profile
+
+        hw = load_profile(profile).apply(hw)
     m = resolve_model(model, model_config, params)
     return m, hw, TrainSpec(**train_fields)
 

@@ -326,9 +326,10 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     psi = stage_params(model, layout.tp, layout.pp)
     ct = compute_time(model, hw, train, strategy, layout, psi)
     compute = ct.gpu_s
-    # forward is about a third of the GEMM/elementwise work (a quarter with full recompute)
-    fwd = compute * (1 / 4 if train.checkpointing == "full" else 1 / 3)
-    bwd = compute - fwd
+    work = ct.wall_s  # GPU-bound or hook-bound: the window collectives can hide in
+    # forward is about a third of the work (a quarter with full recompute)
+    fwd = work * (1 / 4 if train.checkpointing == "full" else 1 / 3)
+    bwd = work - fwd
     comm_s = comm_time(comm, hw, layout)
     exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm))
     # TP all-reduces stay inside the node (TP ranks are packed on NVLink); PP sends cross
@@ -347,7 +348,6 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     exposed += blocking
     offload = _offload_time(model, hw, strategy, layout, comm, train)
     bubble = 0.0
-    work = ct.wall_s
     if layout.pp > 1:  # 1F1B bubble (p−1)/(m+p−1) of the pipeline's time
         frac = (layout.pp - 1) / (train.grad_accum + layout.pp - 1)
         bubble = work * frac / (1 - frac)
@@ -384,6 +384,8 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
 
 
 def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: TrainSpec) -> float:
+    from shardwise.plan.memory import stage_params
+
     """PCIe transfers (grads down, params up; full offload streams params every pass) plus the
     optimizer step on the host over this node's partitions: DeepSpeed's CPU Adam for ZeRO
     offload, torch's AdamW on CPU tensors for FSDP2's CPUOffloadPolicy."""
@@ -391,6 +393,8 @@ def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: Tr
         return 0.0
     per_node = min(layout.world_size, hw.gpus_per_node)
     pcie = comm.pcie / hw.pcie_bytes_per_s
-    params_on_node = model.params / layout.tp / layout.pp / max(layout.dp_shard, 1) * per_node
+    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else stage_params(
+        model, layout.tp, layout.pp)
+    params_on_node = trainable / max(layout.dp_shard, 1) * per_node
     rate = hw.host_adam_params_per_s if s.engine == "deepspeed" else hw.host_torch_adam_params_per_s
     return pcie + params_on_node / rate
