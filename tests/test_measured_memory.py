@@ -6,8 +6,11 @@ census (shardwise.bench.census) counts params, grads, fp32 master and optimizer 
 bytes. The planner's per-GPU figure is compared with the largest rank.
 
 Activations: saved-for-backward bytes (storage-deduped, parameters excluded) of one forward
-without labels, for tiny Llama and tiny Qwen2 shapes; with full checkpointing also the peak
-over forward + backward (the recomputed layer) against plan.activations + plan.recompute. "bf16" here = the model's weights cast to bf16, as DeepSpeed's bf16 mode and
+without labels, for tiny Llama and tiny Qwen2 shapes (every precision, attention and
+checkpointing) and a tiny config of every further family (shardwise.bench.saved.SHAPES: bf16
+and fp32, SDPA — eager for Gemma2, which has no SDPA path — checkpointing none and full;
+dense families also under autocast); with full checkpointing also the peak over forward +
+backward (the recomputed layer) against plan.activations + plan.recompute. "bf16" here = the model's weights cast to bf16, as DeepSpeed's bf16 mode and
 FSDP2 param_dtype=bf16 run the forward (planner precision "bf16-mixed"); see
 shardwise/bench/saved.py for why torch.autocast is recorded but not asserted.
 """
@@ -134,8 +137,19 @@ def test_census_ranks_agree_and_nothing_leaks(measured_states: dict) -> None:
 LAYERS = 4
 ACT_CASES = [
     (shape, prec, attn, ckpt)
-    for shape in saved.SHAPES for prec in ("fp32", "bf16", "bf16-autocast") for attn in ("sdpa", "eager")
+    for shape in saved.LLAMA_BLOCK_SHAPES for prec in ("fp32", "bf16", "bf16-autocast") for attn in ("sdpa", "eager")
     for ckpt in ("none", "full")
+]
+FAMILY_SHAPES = [s for s in saved.SHAPES if s not in saved.LLAMA_BLOCK_SHAPES]
+_MOE = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"}
+ACT_CASES += [
+    (shape, prec, saved.attentions(shape)[0], ckpt)
+    for shape in FAMILY_SHAPES for prec in ("bf16", "fp32", "bf16-autocast") for ckpt in ("none", "full")
+    # fp32: without checkpointing only (the kept layer inputs are the bf16 case's, doubled).
+    # Autocast (DDP) with routed experts: memory.autocast_cache still books the fused expert
+    # weights as cast (autocast leaves them fp32), so MoE families are asserted in bf16/fp32.
+    if not (prec == "fp32" and ckpt == "full")
+    and not (prec == "bf16-autocast" and saved.SHAPES[shape]["model_type"] in _MOE)
 ]
 
 
@@ -180,7 +194,24 @@ def test_activations_match_planner(shape: str, prec: str, attn: str, ckpt: str) 
     )
 
 
-@pytest.mark.parametrize("shape,prec,attn", [c[:3] for c in ACT_CASES if c[3] == "full"])
+@pytest.mark.parametrize("shape", list(saved.SHAPES))
+def test_selective_checkpointing_matches_planner(shape: str) -> None:
+    """checkpointing "selective" = torchtitan's per-op policy (saved.torchtitan_sac_context on
+    every decoder layer): the layer inputs plus the cached outputs of every other mm and of
+    SDPA. Those outputs are cached by the checkpoint, not packed through saved-tensor hooks,
+    so the measurement is the bytes of op outputs still alive after forward. (Gemma2 runs
+    eager: its causal masks, kept for the replay, are the ~7% the plan leaves out.)"""
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    attn = saved.attentions(shape)[0]
+    model = saved.build_model(shape, LAYERS, "bf16", attn, "selective")
+    measured = saved.live_forward_bytes(model, saved.make_batch(saved.SHAPES[shape]["vocab_size"]), precision="bf16")
+    planned = _act_plan(shape, "bf16", attn, "selective").gpu.activations
+    err = (planned - measured) / measured
+    assert abs(err) <= TOL_ACTS, f"{shape} selective: planned {planned:.0f} B vs measured {measured} B, {err:+.1%}"
+
+
+@pytest.mark.parametrize("shape,prec,attn", [c[:3] for c in ACT_CASES if c[3] == "full"
+                                             and (c[0] in saved.LLAMA_BLOCK_SHAPES or c[1] == "bf16")])
 def test_checkpointed_peak_matches_planner(shape: str, prec: str, attn: str) -> None:
     """With full checkpointing the saved bytes peak in backward, while the last layer is
     recomputed: plan.activations + plan.recompute against the measured peak of live saved

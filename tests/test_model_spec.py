@@ -31,8 +31,13 @@ def test_param_count_matches_transformers(name):
     # the per-module inventory is the same model: largest module and per-layer sizes
     per_module = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     assert spec.largest_module == max(per_module)
-    layer0 = model.model.layers[0]
-    assert spec.params_per_layer == sum(p.numel() for p in layer0.parameters())
+    # params_per_layer is the largest decoder layer (dense and MoE layers differ in deepseek_v3)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert list(spec.layer_sizes) == layers
+    assert spec.params_per_layer == max(layers)
+    assert spec.root_params == counted - sum(layers)
+    # DeepSpeed ZeRO-1/2 flattens the parameters in this order
+    assert list(spec.hf_order) == [p.numel() for p in model.parameters()]
 
 
 def test_published_sizes_sanity():
@@ -42,6 +47,22 @@ def test_published_sizes_sanity():
     assert abs(catalog.get_model("mixtral-8x7b").params - 46.7e9) < 0.1e9
     assert abs(catalog.get_model("mixtral-8x7b").active_params - 12.9e9) < 0.1e9
     assert abs(catalog.get_model("qwen2.5-0.5b").params - 0.494e9) < 0.001e9
+    # Further families: total (and activated) sizes from each model card.
+    def near(name: str, total: float, active: float | None = None, tol: float = 0.01) -> None:
+        m = catalog.get_model(name)
+        assert abs(m.params - total) / total < tol, (name, m.params)
+        if active is not None:
+            assert abs(m.active_params - active) / active < 0.03, (name, m.active_params)
+
+    near("qwen3-8b", 8.19e9)  # "8.2B"
+    near("qwen3-30b-a3b", 30.5e9, 3.3e9)  # "30.5B total, 3.3B activated"
+    near("qwen1.5-moe-a2.7b", 14.3e9, 2.7e9)  # "14.3B total, 2.7B activated"
+    near("gemma-7b", 8.54e9)
+    near("gemma-2-9b", 9.24e9)
+    near("gemma-3-12b", 12.19e9 - 0.42e9)  # 12.2B with the 0.42B SigLIP vision tower, text only here
+    near("phi-3-mini", 3.82e9)
+    near("olmo-2-7b", 7.30e9)
+    near("deepseek-v3", 671e9, 37e9)  # "671B total, 37B activated" (without the 14B MTP module)
 
 
 def test_hf_config_roundtrip(tmp_path):
@@ -69,9 +90,11 @@ def test_invalid_json_names_line(tmp_path):
 
 def test_unsupported_model_type(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ShardwiseError, match=r"gpt2.*supported: llama"):
+    path.write_text(json.dumps({"model_type": "not-a-model", "hidden_size": 64}))
+    with pytest.raises(ShardwiseError) as e:
         ModelSpec.from_hf_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and "'not-a-model'" in msg and "llama" in msg and "transformers" in msg, msg
 
 
 def test_params_default_shape_is_llama2_7b():

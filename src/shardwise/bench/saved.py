@@ -42,8 +42,69 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=344, vocab_size=2048, tie_word_embeddings=True,
                        max_position_embeddings=512),
+    # Further families (activations.py derives each block; tests assert bf16 sdpa, gemma2 eager).
+    # Qwen3: RMSNorm over head_dim on q and k.
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, intermediate_size=344, vocab_size=2048, tie_word_embeddings=True,
+                       max_position_embeddings=512),
+    # Qwen3-MoE: 8 experts, top-2, fused 3-D experts; layer 0 dense (mlp_only_layers).
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=32, intermediate_size=344, moe_intermediate_size=96, num_experts=8,
+                           num_experts_per_tok=2, mlp_only_layers=[0], vocab_size=2048,
+                           max_position_embeddings=512),
+    # Qwen2-MoE: routed experts + a sigmoid-gated shared expert, q/k/v bias.
+    "tiny-qwen2-moe": dict(model_type="qwen2_moe", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=344, moe_intermediate_size=96, shared_expert_intermediate_size=192,
+                           num_experts=8, num_experts_per_tok=2, vocab_size=2048, max_position_embeddings=512),
+    # Gemma: GeGLU (gelu tanh), MQA, head_dim·heads (192) != hidden, scaled embeddings, tied.
+    "tiny-gemma": dict(model_type="gemma", hidden_size=128, num_attention_heads=4, num_key_value_heads=1,
+                       head_dim=48, intermediate_size=344, vocab_size=2048, max_position_embeddings=512,
+                       pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    # Gemma2: sandwich norms, attention logit softcapping (transformers runs it eager: no sdpa),
+    # no final logit softcapping here (that is the loss side).
+    "tiny-gemma2": dict(model_type="gemma2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, intermediate_size=344, vocab_size=2048, max_position_embeddings=512,
+                        final_logit_softcapping=None, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    # Gemma3 (text): sandwich norms + q/k norms over head_dim; window 4096 > SEQ (no mask).
+    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, intermediate_size=344, vocab_size=2048, max_position_embeddings=512,
+                        pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    # Phi-3: fused qkv_proj and gate_up_proj.
+    "tiny-phi3": dict(model_type="phi3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=344, vocab_size=2048, max_position_embeddings=512,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    # OLMo 2: post-norms only, q/k norms over the full projection width.
+    "tiny-olmo2": dict(model_type="olmo2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=344, vocab_size=2048, max_position_embeddings=512,
+                       pad_token_id=0, eos_token_id=1),
+    # DeepSeek-V3: MLA (q and kv low-rank paths with their norms), 8 routed experts top-2 in 2
+    # groups, a shared expert, layer 0 dense (first_k_dense_replace). qk_nope + qk_rope = v_head_dim:
+    # CPU SDPA has no fused kernel for unequal q/v head dims (it would fall back to the math path,
+    # which saves the attention matrix); on CUDA the memory-efficient kernel takes them.
+    "tiny-deepseek-v3": dict(model_type="deepseek_v3", hidden_size=128, num_attention_heads=4,
+                             num_key_value_heads=4, intermediate_size=344, moe_intermediate_size=96,
+                             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                             n_group=2, topk_group=1, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16,
+                             qk_rope_head_dim=16, v_head_dim=32, vocab_size=2048, max_position_embeddings=512),
+    # Mixtral: routed experts only (fused 3-D, grouped_mm), top-2 renormalised in place.
+    "tiny-mixtral": dict(model_type="mixtral", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=96, num_local_experts=8, num_experts_per_tok=2, vocab_size=2048,
+                         max_position_embeddings=512),
+    # Granite: no analytic family; planned from the meta-device inventory with the Llama-block formula.
+    "tiny-granite": dict(model_type="granite", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=344, vocab_size=2048, max_position_embeddings=512,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=2),
 }
 PRECISIONS = ("fp32", "bf16", "bf16-autocast")
+# The shapes of the original Llama-block derivation (measured over every precision, attention and
+# checkpointing); the others are the further families (tests/test_measured_memory.py).
+LLAMA_BLOCK_SHAPES = ("tiny-llama", "tiny-qwen2")
+
+
+def attentions(shape: str) -> tuple[str, ...]:
+    """The attention implementations transformers runs for `shape`: Gemma2 has no SDPA path
+    (Gemma2PreTrainedModel._supports_sdpa = False)."""
+    return ("eager",) if SHAPES[shape]["model_type"] == "gemma2" else ("sdpa", "eager")
 
 
 def _model_keys(model: torch.nn.Module, extra: Iterable[torch.Tensor]) -> set[int]:
@@ -168,6 +229,38 @@ def live_forward_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], p
     return total
 
 
+def torchtitan_sac_context() -> Callable[[], Any]:
+    """A `context_fn` for torch.utils.checkpoint: torchtitan's per-op selective activation
+    checkpointing policy (torchtitan/models/llama3/infra/parallelize.py `_save_list`,
+    `_custom_policy`): save the outputs of mm, SDPA (flash / memory-efficient), reduce_scatter
+    and max, except every second mm, with a fresh mm counter per checkpointed call; recompute
+    everything else. CPU's SDPA kernel (`_scaled_dot_product_flash_attention_for_cpu`) stands in
+    for the CUDA ones."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, aten.max.default}
+
+    def context_fn():
+        meta: dict[str, int] = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+            if func == aten.mm.default:
+                meta[key] += 1
+            to_save = func in save and not (func == aten.mm.default and meta[key] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
 def build_model(shape: str, layers: int, precision: str, attention: str, checkpointing: str,
                 reentrant: bool = False) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,12 +268,24 @@ def build_model(shape: str, layers: int, precision: str, attention: str, checkpo
     d = dict(SHAPES[shape])
     cfg = AutoConfig.for_model(d.pop("model_type"), num_hidden_layers=layers, **d)
     cfg._attn_implementation = attention
+    cfg.use_cache = False  # as the trainer runs (train/model.py): no KV cache holding k/v copies
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    elif checkpointing == "selective":  # per decoder layer, as torchtitan wraps its blocks
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint
+
+        from shardwise.specs.hf_meta import decoder_layers
+
+        for layer in decoder_layers(model):
+            layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False,
+                                                         context_fn=torchtitan_sac_context())
     return model.train()  # HF checkpoints only in training mode; no dropout in these configs
 
 
@@ -230,7 +335,7 @@ def measure_all() -> dict[str, Any]:
     cases = []
     for shape in SHAPES:
         for precision in PRECISIONS:
-            for attention in ("sdpa", "eager"):
+            for attention in attentions(shape):
                 for ckpt in ("none", "full"):
                     r = measure_case(shape, precision, attention, ckpt)
                     live = measure_case(shape, precision, attention, ckpt, method=live_forward_bytes)

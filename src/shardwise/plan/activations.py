@@ -1,69 +1,335 @@
-"""Activation and logit memory per GPU: bytes saved for backward, derived for the real HF block.
+"""Activation memory per GPU: bytes saved for backward, derived for the real HF decoder blocks.
 
 Korthikanti et al. 2022 (Table 2) give sbh(34 + 5as/h) for a GPT block with dropout and a
-4h GeLU MLP. The Llama/Qwen/Mistral block differs (RMSNorm, SwiGLU, RoPE, no dropout), so we
-derive each saved tensor of `transformers`' decoder layer instead (docs/planner.md has the
-walk-through) and check the sum by measuring saved-for-backward bytes
-(tests/test_measured_memory.py). c = bytes of the compute dtype, x = s·b tokens.
+4h GeLU MLP. The transformers blocks differ (RMSNorm, SwiGLU/GeGLU, RoPE, no dropout, q/k
+norms, sandwich or post norms, fused projections, MLA, routed experts), so we derive each
+saved tensor of `transformers`' decoder layer per family (docs/planner.md has the walk-through)
+and check the sums by measuring saved-for-backward bytes (tests/test_measured_memory.py,
+shardwise.bench.saved.SHAPES: a tiny config of every family). c = bytes of the compute dtype,
+x = s·b tokens; everything below is per token.
+
+Families read on the meta device (`family="hf"`) are planned with the Llama block (pre-norm
+RMSNorm, q/k/v/o, SwiGLU, routed experts as in Mixtral) at their config's widths: their
+inventory is exact, their activations are this approximation (checked on Granite).
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
+# Norms that keep the normalised tensor in fp32 for the weight's grad: Gemma's
+# `(x.float() * (1 + w.float())).type_as(x)` (gemma/modeling_gemma.py GemmaRMSNorm) and OLMo 2's
+# `(w * x).to(dtype)` (olmo2/modeling_olmo2.py Olmo2RMSNorm). Llama's `w * x.to(dtype)` keeps it in c.
+_FP32_NORM = ("gemma", "gemma2", "gemma3_text", "olmo2")
+_SANDWICH = ("gemma2", "gemma3_text")
 
-def rmsnorm_saved(c: int, h: int, consumers: int = 1, autocast: bool = False) -> float:
-    """Per token: HF LlamaRMSNorm upcasts to fp32 (saved by pow/mul: 4h), saves the normalised
-    tensor for the weight's grad (c·h) and its output is saved by the next linear (c·h), plus
-    the fp32 rsqrt(variance). Under torch.autocast (fp32 module, DDP) the residual stream is
-    fp32: the input (4h) and the normalised tensor (4h) are fp32, and each of the `consumers`
-    linears (q/k/v: 3, gate/up: 2) saves its own bf16 cast of the output (autocast caches
-    casts of weights, not of activations; measured: 67.75·sbh per tiny-Llama layer)."""
+
+def rmsnorm_saved(c: int, h: float, consumers: int = 1, autocast: bool = False, fp32_normed: bool = False,
+                  rows: float = 1) -> float:
+    """One RMSNorm over width h (`rows` normalised rows per token). HF upcasts to fp32 (saved by
+    pow/mul: 4h), keeps the fp32 rsqrt(variance) per row and the normalised tensor for the
+    weight's grad (c·h in Llama's layout, 4h when `fp32_normed`); its output is saved once by
+    the next linear(s) (c·h) when `consumers` > 0. Under torch.autocast (fp32 module, DDP) the
+    residual stream is fp32: input and normalised tensor are fp32 (8h) and each of the
+    `consumers` linears (q/k/v: 3, gate/up: 2) saves its own bf16 cast of the output
+    (autocast caches casts of weights, not of activations; measured: 67.75·sbh per tiny-Llama
+    layer)."""
     if autocast:
-        return 8 * h + c * h * consumers + 4
-    return (4 + 2 * c) * h + 4
+        return 8 * h + c * h * consumers + 4 * rows
+    return (4 + (4 if fp32_normed else c)) * h + 4 * rows + (c * h if consumers else 0)
 
 
-def _norms(model: ModelSpec, train: TrainSpec, autocast: bool) -> float:
-    """Both norms of a layer: input_layernorm feeds q/k/v, post_attention_layernorm gate/up."""
-    c, h = train.compute_bytes, model.hidden_size
-    return rmsnorm_saved(c, h, 3, autocast) + rmsnorm_saved(c, h, 2, autocast)
+def _norm(model: ModelSpec, train: TrainSpec, consumers: int, autocast: bool) -> float:
+    return rmsnorm_saved(train.compute_bytes, model.hidden_size, consumers, autocast,
+                         fp32_normed=model.family in _FP32_NORM)
+
+
+def seq_shards(train: TrainSpec, tp: int) -> int:
+    """How many ways the norm/residual tensors are split: tp under sequence parallelism
+    (Korthikanti et al. 2022 §4.2.2: sbh(34 + 5as/h)/t instead of sbh(10 + 24/t + 5as/(ht)))."""
+    return tp if tp > 1 and train.sequence_parallel else 1
+
+
+def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False, tp: int = 1) -> float:
+    """A layer's hidden-width norms and, for post-norm-only OLMo 2, the residual-stream inputs
+    its projections save instead; replicated under TP, split by sequence parallelism. Linears
+    reading a norm's output under autocast: q/k/v 3 (Phi-3's qkv_proj 1, MLA's q_a/kv_a 2),
+    gate/up 2 (Phi-3's gate_up_proj 1; MoE: router 1, shared expert gate/up 2, its gate 1)."""
+    c, h, f = train.compute_bytes, model.hidden_size, model.family
+    qkv = 1 if f == "phi3" else 2 if model.is_mla else 3
+    mlp = 1 if f == "phi3" else 2
+    if moe:  # the router's linear (DeepSeek's upcasts instead), the shared expert's gate/up and gate
+        shared = model.shared_expert_intermediate_size > 0
+        mlp = (f != "deepseek_v3") + 2 * shared + (f == "qwen2_moe" and shared)
+    if f in _SANDWICH:  # input, post_attention (no linear reads it), pre_feedforward, post_feedforward
+        out = (_norm(model, train, qkv, autocast) + _norm(model, train, 0, autocast)
+               + _norm(model, train, mlp, autocast) + _norm(model, train, 0, autocast))
+    elif f == "olmo2":  # post_attention, post_feedforward; q/k/v and gate/up read the residual itself
+        residual = c * h * (qkv + mlp) if autocast else 2 * c * h
+        out = 2 * _norm(model, train, 0, autocast) + residual
+    else:
+        out = _norm(model, train, qkv, autocast) + _norm(model, train, mlp, autocast)
+    return out / seq_shards(train, tp)
+
+
+def attention_kind(model: ModelSpec, train: TrainSpec) -> str:
+    """The attention the HF model runs: Gemma2 has no SDPA path in transformers
+    (Gemma2PreTrainedModel._supports_sdpa = False, for its logit softcapping): sdpa runs eager."""
+    if model.family == "gemma2" and train.attention == "sdpa":
+        return "eager"
+    return train.attention
+
+
+def _qk_norms(model: ModelSpec, train: TrainSpec, tp: int) -> float:
+    """Qwen3/Gemma3 RMSNorm over head_dim on q and k (heads split by TP); OLMo 2's over the full
+    q and kv widths (transformers gathers them under TP: replicated). Nothing else: RoPE's
+    products save only cos/sin, shared by every layer."""
+    c, f = train.compute_bytes, model.family
+    if f in ("qwen3", "qwen3_moe", "gemma3_text"):
+        q, kv = model.q_dim / tp, model.kv_dim / tp
+        rows = (model.num_heads + model.num_kv_heads) / tp
+        return rmsnorm_saved(c, q + kv, 0, fp32_normed=f in _FP32_NORM, rows=rows)
+    if f == "olmo2":
+        return rmsnorm_saved(c, model.q_dim, 0, fp32_normed=True) + rmsnorm_saved(c, model.kv_dim, 0, fp32_normed=True)
+    return 0.0
+
+
+def _mla_low_rank(model: ModelSpec, train: TrainSpec) -> float:
+    """DeepSeek MLA's compressed path (deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention):
+    q_a_layernorm and kv_a_layernorm (RMSNorm, their outputs read by q_b_proj / kv_b_proj).
+    Replicated under TP (the low-rank projections are not split)."""
+    c = train.compute_bytes
+    out = rmsnorm_saved(c, model.kv_lora_rank, 1)
+    if model.q_lora_rank:
+        out += rmsnorm_saved(c, model.q_lora_rank, 1)
+    return out
 
 
 def attention_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
-    """Per token, one layer's attention block (q/k/v/o projections and the core), TP-sharded."""
+    """Per token, one layer's attention block (projections, q/k norms, the core), TP-sharded,
+    without checkpointing."""
     c, s = train.compute_bytes, train.seq_len
-    q, kv, heads = model.q_dim / tp, model.kv_dim / tp, model.num_heads / tp
-    core = 0.0
-    if train.checkpointing != "selective":
+    heads = model.num_heads / tp
+    q, kv, o = model.q_dim / tp, model.kv_dim / tp, model.o_dim / tp
+    kind = attention_kind(model, train)
+    # What the core saves as its value: a view of the projection output it was sliced from
+    # keeps that whole storage: MLA's kv_b_proj output [k_nope | v] (heads·(qk_nope + v_head_dim)),
+    # Phi-3's qkv_proj output (q + 2·kv); elsewhere v itself.
+    v_store = kv
+    if model.is_mla:
+        v_store = heads * (model.qk_nope_head_dim + model.v_head_dim)
+    elif model.family == "phi3":
+        v_store = q + 2 * kv
+    if kind == "eager":
+        # q, k and v repeated to all heads (repeat_kv copies), softmax in fp32 saved (4·a·s
+        # per token) and its cast back to c (unless fp32) saved by the value matmul; Gemma2's
+        # logit softcapping saves tanh's output (c·a·s); no logsumexp.
+        v_rep = heads * model.v_head_dim if model.is_mla else q
+        core = c * (2 * q + v_rep) + 4 * heads * s + (c * heads * s if c != 4 else 0)
+        if model.family == "gemma2":
+            core += c * heads * s
+    else:
         # SDPA/flash save q, k, v (GQA native when unmasked), output, and fp32 logsumexp per head.
-        core = c * (q + 2 * kv) + c * q + 4 * heads
-        if train.attention == "eager":
-            # k, v repeated to all heads (repeat_kv copies), softmax in fp32 saved (4·a·s per token)
-            # and its cast back to c (unless fp32) saved by the value matmul; no logsumexp.
-            core = c * 3 * q + 4 * heads * s + (c * heads * s if c != 4 else 0)
+        k_store = q if model.is_mla else kv  # MLA expands k to every head
+        core = c * (q + k_store + v_store) + c * o + 4 * heads
     # o_proj saves its input. With SDPA/flash the kernel's output is already laid out
-    # [b, s, heads, d], so HF's transpose(1, 2).contiguous() is free and o_proj's input is the
-    # storage SDPA saved (measured: one copy). Eager's matmul output needs a real copy.
-    return core + (c * q if train.attention == "eager" or train.checkpointing == "selective" else 0)
+    # [b, s, heads, d] when q is a transposed view of its projection, so HF's
+    # transpose(1, 2).contiguous() is free and o_proj's input is the storage SDPA saved
+    # (measured: one copy). Phi-3 (q sliced from qkv_proj) and MLA (q concatenated from its
+    # nope/rope parts) hand SDPA a [b, heads, s, d] query: measured on CPU, o_proj then saves
+    # a copy. Eager's matmul output always needs one.
+    copy = kind == "eager" or model.family == "phi3" or model.is_mla
+    out = core + (c * o if copy else 0) + _qk_norms(model, train, tp)
+    if model.is_mla:
+        out += _mla_low_rank(model, train)
+    return out
 
 
-def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
-    """Per token: SwiGLU saves gate (for SiLU), silu(gate) and up (for the product) and the
-    product (for down_proj): 4·c·I. MoE: each token visits k experts, plus the router."""
-    c, i = train.compute_bytes, model.intermediate_size / tp
-    if not model.is_moe:
-        return 4 * c * i
-    k, e = model.experts_per_token, model.num_experts
-    return k * (4 * c * i + c * model.hidden_size) + 4 * 2 * e  # routed copies + fp32 router softmax
+def _router(model: ModelSpec, train: TrainSpec) -> float:
+    """The router of one MoE layer (its linear reads the norm output, booked with the norm).
+    Qwen2/3-MoE: softmax in fp32 (4E) and top-k indices (8k). Mixtral adds the in-place top-k
+    renormalisation (the fp32 top-k values and their sum). DeepSeek-V3: the fp32 upcast of the
+    input (4h), sigmoid scores (4E), group top-2 and group top-k indices, the bool expert
+    mask, top-k indices, and the normalisation (fp32 weights and their sum)."""
+    e, k = model.num_experts, model.experts_per_token
+    if model.family == "deepseek_v3":
+        return 4 * model.hidden_size + 4 * e + 16 * model.n_group + 8 * model.topk_group + e + 8 * k + 4 + 4 * k
+    if model.family in ("qwen2_moe", "qwen3_moe"):
+        return 4 * e + 8 * k
+    return 4 * e + 8 * k + 4 + 4 * k  # mixtral and meta-path MoE
 
 
-def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:
-    """Bytes saved per token by one decoder layer without checkpointing (TP without sequence
-    parallelism: norms and residuals are replicated, attention and MLP internals split).
-    Attention and MLP save the same under autocast: their linears already produce bf16."""
-    return _norms(model, train, autocast) + attention_saved(model, train, tp) + mlp_saved(model, train, tp)
+def moe_saved(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = False) -> float:
+    """One MoE layer's MLP with transformers 5.x fused experts (`grouped_mm`, integrations/moe.py
+    grouped_mm_experts_forward): per routed copy (k per token) the gathered input and the down
+    output (c·h each), the gate_up output, act(gate) and the product (4c·I'), the routing weight
+    (fp32, c for Qwen's cast) and three int64 permutation indices; plus the router and the
+    shared expert (Qwen2-MoE: SwiGLU, sigmoid gate and the gated product; DeepSeek: SwiGLU).
+    Under autocast the fused experts run in fp32 (autocast does not cast the grouped matmul's
+    3-D weights), so their tensors are 4-byte."""
+    c, h, k = train.compute_bytes, model.hidden_size, model.experts_per_token
+    weight = c if model.family in ("qwen2_moe", "qwen3_moe") else 4
+    ce = 4 if autocast else c
+    routed = k * (2 * ce * h + 4 * ce * model.expert_width / tp + weight + 24)
+    shared = model.shared_expert_intermediate_size / tp
+    out = _router(model, train) + routed + 4 * c * shared
+    if model.family == "qwen2_moe" and shared:
+        out += c * h + c  # shared_expert_gate: sigmoid output and the shared output it scales
+    return out
+
+
+def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int, moe: bool | None = None,
+              autocast: bool = False) -> float:
+    """Per token: SwiGLU/GeGLU save gate (for the activation), act(gate) and up (for the
+    product) and the product (for down_proj): 4·c·I (Phi-3's fused gate_up_proj saves its
+    whole output once: the same 4·c·I). `moe`: a routed-experts layer (default: the model's
+    layer kind if all layers agree, else MoE)."""
+    if moe is None:
+        moe = model.is_moe
+    if moe:
+        return moe_saved(model, train, tp, autocast)
+    return 4 * train.compute_bytes * model.intermediate_size / tp
+
+
+def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,
+                          moe: bool | None = None) -> float:
+    """Bytes saved per token by one decoder layer without checkpointing (TP splits attention and
+    MLP internals; norms and residuals are split only under sequence parallelism).
+    Attention and MLP save the same under autocast: their linears already produce bf16.
+    `moe` picks the layer kind where dense and MoE layers differ (default: MoE if any)."""
+    if moe is None:
+        moe = model.is_moe
+    return (_norms(model, train, autocast, moe, tp) + attention_saved(model, train, tp)
+            + mlp_saved(model, train, tp, moe, autocast))
+
+
+def final_norm_saved(model: ModelSpec, train: TrainSpec, autocast: bool = False, tp: int = 1) -> float:
+    """The final norm, its output read by lm_head."""
+    return _norm(model, train, 1, autocast) / seq_shards(train, tp)
+
+
+def mm_order(model: ModelSpec, moe: bool = False) -> list[tuple[str, float, bool, int]]:
+    """One decoder layer's matmuls that dispatch to `aten.mm`, in forward order, as (module,
+    output width per token, split by TP, output bytes; 0 = the compute dtype). Linears with a
+    bias run `aten.addmm` and routed experts `grouped_mm`: neither is in torchtitan's save list,
+    so they are replayed and not counted. Orders (HF modeling files):
+
+    - Llama/Mistral/Qwen3/Gemma/OLMo 2: q k v o gate up down (q/k/v with bias: o gate up down)
+    - Phi-3: qkv_proj o_proj gate_up_proj down_proj
+    - DeepSeek-V3 (MLA): q_a q_b (or q) kv_a kv_b o, then gate up down (dense) or the router
+      (fp32) and shared_experts gate up down (MoE)
+    - Mixtral/Qwen3-MoE: q k v o router; Qwen2-MoE: o (q/k/v biased) shared_expert gate up
+      down, router, shared_expert_gate
+    """
+    h, f = model.hidden_size, model.family
+    biased = {name: b > 0 for name, _, b in model._attention()} if f != "hf" else {}
+    out: list[tuple[str, float, bool, int]] = []
+
+    def mm(name: str, width: float, split: bool = True, nbytes: int = 0) -> None:
+        if not biased.get(name):
+            out.append((name, width, split, nbytes))
+
+    if model.is_mla:
+        if model.q_lora_rank:
+            mm("q_a_proj", model.q_lora_rank, False)
+            mm("q_b_proj", model.q_dim)
+        else:
+            mm("q_proj", model.q_dim)
+        mm("kv_a_proj_with_mqa", model.kv_lora_rank + model.qk_rope_head_dim, False)
+        mm("kv_b_proj", model.num_heads * (model.qk_nope_head_dim + model.v_head_dim))
+        mm("o_proj", h, False)
+    elif f == "phi3":
+        mm("qkv_proj", model.q_dim + 2 * model.kv_dim)
+        mm("o_proj", h, False)
+    else:
+        for name, width in (("q_proj", model.q_dim), ("k_proj", model.kv_dim), ("v_proj", model.kv_dim)):
+            mm(name, width)
+        mm("o_proj", h, False)
+    shared = model.shared_expert_intermediate_size
+    if moe:
+        if f == "qwen2_moe":
+            if shared:
+                mm("shared_expert.gate_proj", shared)
+                mm("shared_expert.up_proj", shared)
+                mm("shared_expert.down_proj", h, False)
+            mm("router", model.num_experts, False)
+            if shared:
+                mm("shared_expert_gate", 1, False)
+        elif f == "deepseek_v3":
+            mm("router", model.num_experts, False, 4)
+            mm("shared_experts.gate_proj", shared)
+            mm("shared_experts.up_proj", shared)
+            mm("shared_experts.down_proj", h, False)
+        else:
+            mm("router", model.num_experts, False)
+    elif f == "phi3":
+        mm("gate_up_proj", 2 * model.intermediate_size)
+        mm("down_proj", h, False)
+    elif not model.mlp_bias:
+        mm("gate_proj", model.intermediate_size)
+        mm("up_proj", model.intermediate_size)
+        mm("down_proj", h, False)
+    return out
+
+
+def selective_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,
+                              moe: bool | None = None) -> float:
+    """One decoder layer under torchtitan's per-op selective activation checkpointing
+    (torchtitan/models/llama3/infra/parallelize.py `_save_list` / `_custom_policy`, non-reentrant
+    `create_selective_checkpoint_contexts`, a fresh mm counter per layer call): the outputs of
+    mm, SDPA (flash / memory-efficient: output and logsumexp), reduce_scatter and max are saved,
+    except every second mm of the layer (the 1st, 3rd, ... of `mm_order` are kept); everything
+    else is replayed in backward. Plus the checkpoint's input (the layer input) and, under
+    sequence parallelism, the two reduce-scatter outputs. Eager attention is replayed."""
+    if moe is None:
+        moe = model.is_moe
+    c, h = train.compute_bytes, model.hidden_size
+    kept = sum(width / (tp if split else 1) * (nbytes or c)
+               for i, (_, width, split, nbytes) in enumerate(mm_order(model, moe)) if i % 2 == 0)
+    if attention_kind(model, train) != "eager":
+        kept += (c * model.o_dim + 4 * model.num_heads) / tp
+    if seq_shards(train, tp) > 1:
+        kept += 2 * c * h / tp
+    return kept + (4 if autocast else c) * h / seq_shards(train, tp)
+
+
+def selective_replayed_params(model: ModelSpec, moe: bool | None = None) -> float:
+    """Weights per decoder layer whose forward matmul torchtitan's per-op policy replays in
+    backward (for FLOPs: 2 per weight per token): every matmul weight of the layer — routed
+    experts as the k a token visits — except those of the kept mms (1st, 3rd, ... of
+    `mm_order`). Meta-path models use the Llama block at their widths."""
+    if moe is None:
+        moe = model.is_moe
+    if model.family == "hf":
+        h, i = model.hidden_size, model.expert_width if moe else model.intermediate_size
+        weights = {"q_proj": h * model.q_dim, "k_proj": h * model.kv_dim, "v_proj": h * model.kv_dim,
+                   "o_proj": model.q_dim * h}
+        if moe:
+            weights |= {"router": model.num_experts * h, "experts": model.experts_per_token * 3 * i * h}
+        else:
+            weights |= {"gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
+    else:
+        weights = {name: w for name, w, _ in model._layer(moe) if not name.endswith("norm")}
+        if moe:  # gate_up (weight) and down (bias slot) of the k experts a token visits
+            experts = next((w, b) for name, w, b in model._layer(moe) if name == "experts")
+            weights["experts"] = sum(experts) * model.experts_per_token / model.num_experts
+    kept = sum(weights.get(name, 0) for i, (name, *_) in enumerate(mm_order(model, moe)) if i % 2 == 0)
+    return sum(weights.values()) - kept
+
+
+@lru_cache(maxsize=1024)
+def _stages(model: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
+    """(dense, MoE) decoder layers of each pipeline stage: ceil(L/pp) consecutive layers each."""
+    n = -(-model.num_layers // pp)
+    kinds = model.moe_layers if model.inventory is None else (model.is_moe,) * model.num_layers
+    out = set()
+    for start in range(0, model.num_layers, n):
+        stage = kinds[start:start + n]
+        out.add((len(stage) - sum(stage), sum(stage)))
+    return tuple(sorted(out))
 
 
 def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
@@ -72,34 +338,39 @@ def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 
     `autocast`: an fp32 module under torch.autocast (DDP mixed precision) instead of a module
     in the compute dtype (DeepSpeed bf16/fp16, FSDP2 param_dtype)."""
     tokens = train.micro_batch * train.seq_len
-    layers = -(-model.num_layers // pp)  # worst pipeline stage
-    per_layer = layer_saved_per_token(model, train, tp, autocast)
+    stages = _stages(model, pp)
     c, h = train.compute_bytes, model.hidden_size
     if train.checkpointing == "full":
         # Only each layer's input is kept (Korthikanti et al. §4.1: 2sbh per layer in 16-bit;
         # the fp32 residual stream under autocast); the layer recomputed in backward is
         # `recompute_bytes`.
-        body = layers * (4 if autocast else c) * h
+        layer = {False: (4 if autocast else c) * h / seq_shards(train, tp)}
+        layer[True] = layer[False]
     else:
-        body = layers * per_layer
-    final_norm = rmsnorm_saved(c, h, 1, autocast)  # its output feeds lm_head
+        per_layer = selective_saved_per_token if train.checkpointing == "selective" else layer_saved_per_token
+        kinds = {moe for dense, moes in stages for moe, n in ((False, dense), (True, moes)) if n}
+        layer = {moe: per_layer(model, train, tp, autocast, moe=moe) for moe in kinds}
+    body = max(dense * layer.get(False, 0.0) + moe * layer.get(True, 0.0) for dense, moe in stages)  # worst stage
+    final_norm = final_norm_saved(model, train, autocast, tp)  # its output feeds lm_head
     # 1F1B keeps up to pp micro-batches in flight on the first stage (Megatron's 1F1B schedule).
     in_flight = pp if pp > 1 else 1
     return tokens * (body + final_norm) * in_flight
 
 
 def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:
-    """With checkpointing, backward recomputes one layer at a time: its full saved set is live
-    on top of the kept checkpoints (full) or its attention core is (selective)."""
+    """With checkpointing, backward recomputes one layer at a time (the largest): its saved set
+    is live on top of what forward kept. Full: everything but the kept layer input. Selective:
+    everything but the layer input and SDPA's output and logsumexp (cached, and what SDPA's
+    backward reads); cached matmul outputs the replayed layer also saves (v, gate) are counted
+    twice (an upper bound, not measured: the replay is not visible to saved-tensor hooks)."""
     tokens = train.micro_batch * train.seq_len
-    if train.checkpointing == "full":
-        # The recomputed layer's input is the kept checkpoint (same storage), and by the time
-        # backward reaches the last layer the final norm's saved tensors are already freed
-        # (measured: benchmarks/results/measured_activations.json, peak_with_recompute).
-        full = layer_saved_per_token(model, train.model_copy(update={"checkpointing": "none"}), tp, autocast)
-        kept = (4 if autocast else train.compute_bytes) * model.hidden_size
-        return tokens * max(0.0, full - kept - rmsnorm_saved(train.compute_bytes, model.hidden_size, 1, autocast))
-    if train.checkpointing == "selective":
-        full = attention_saved(model, train.model_copy(update={"checkpointing": "none"}), tp)
-        return tokens * (full - attention_saved(model, train, tp))
-    return 0.0
+    if train.checkpointing == "none":
+        return 0.0
+    # The recomputed layer's input is the kept checkpoint (same storage), and by the time
+    # backward reaches the last layer the final norm's saved tensors are already freed
+    # (measured: benchmarks/results/measured_activations.json, peak_with_recompute).
+    full = layer_saved_per_token(model, train, tp, autocast)
+    kept = (4 if autocast else train.compute_bytes) * model.hidden_size / seq_shards(train, tp)
+    if train.checkpointing == "selective" and attention_kind(model, train) != "eager":
+        kept += (train.compute_bytes * model.o_dim + 4 * model.num_heads) / tp
+    return tokens * max(0.0, full - kept - final_norm_saved(model, train, autocast, tp))

@@ -1,22 +1,74 @@
 """ModelSpec: the architecture numbers the planner needs, and the parameter count derived from them.
 
 The count must equal what `transformers` builds for the same config, to the parameter
-(tests/test_model_spec.py builds every catalog entry on the meta device and checks).
+(tests/test_model_spec.py and tests/test_families.py build each on the meta device and check).
+
+Two paths (docs/planner.md "Architectures"):
+
+* analytic families (no torch): llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, qwen2_moe,
+  gemma, gemma2, gemma3_text, phi3, olmo2, deepseek_v3. Each module's parameters are derived
+  from the config, mirroring `transformers/models/<family>/modeling_<family>.py`;
+* any other decoder-only `transformers` architecture: `shardwise.specs.hf_meta` builds the
+  model on the meta device and the spec carries the inventory it read (`family="hf"`).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
 from shardwise.specs.base import Spec
 
-Family = Literal["llama", "mistral", "mixtral", "qwen2"]
+Family = Literal[
+    "llama", "mistral", "mixtral", "qwen2",
+    "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3",
+    "hf",  # any other transformers architecture, read on the meta device (ModelSpec.inventory)
+]
+ANALYTIC_FAMILIES: tuple[str, ...] = (
+    "llama", "mistral", "mixtral", "qwen2",
+    "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3",
+)
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+# q/k norms: "head" = RMSNorm over head_dim after the projection (qwen3, gemma3), "full" = over
+# the whole q / kv projection width before the head split (olmo2).
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "full"}
+# Decoder-layer norms in registration order: pre-norm (Llama), sandwich (gemma2/3: pre and post
+# around attention and MLP), post-norm only (olmo2: after attention and after the MLP).
+LAYER_NORMS = {
+    "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                    "post_feedforward_layernorm"),
+    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
+# transformers' config defaults that change parameter counts when a config.json omits them.
+_HF_DEFAULTS: dict[str, dict] = {
+    "mistral": {"num_key_value_heads": 8},
+    "mixtral": {"num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2": {"num_key_value_heads": 32},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
+    "gemma": {"num_key_value_heads": 16, "head_dim": 256, "tie_word_embeddings": True},
+    "gemma2": {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True, "final_logit_softcapping": 30.0},
+    "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True},
+    "qwen2_moe": {"num_key_value_heads": 16, "qkv_bias": True, "num_experts": 60, "num_experts_per_tok": 4,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+    "deepseek_v3": {"n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                    "n_shared_experts": 1, "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 8,
+                    "topk_group": 4},
+}
+# Special-token ids transformers defaults to; emitted as None by to_hf_dict when outside the vocab
+# (phi3's pad 32000 would make nn.Embedding refuse a small vocab).
+_HF_TOKEN_IDS = {"phi3": {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000},
+                 "olmo2": {"pad_token_id": 1, "eos_token_id": 50279},
+                 "gemma": {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}}
 
 
 class ParamTensor(Spec):
@@ -24,7 +76,9 @@ class ParamTensor(Spec):
 
     Kept per module because DeepSpeed's estimators size "the largest layer" by a module's
     direct parameters, and per tensor (`weight`, `bias`) because ZeRO-3 keeps tensors under
-    `stage3_param_persistence_threshold` elements whole on every rank.
+    `stage3_param_persistence_threshold` elements whole on every rank. A fused-experts module
+    holds two 3-D tensors: gate_up in `weight`, down in `bias`; a module with more direct
+    parameters lists the rest in `extra`.
     """
 
     name: str
@@ -32,15 +86,33 @@ class ParamTensor(Spec):
     bias: int = 0
     count: int = 1
     layer: bool = True  # inside a decoder layer (an FSDP/ZeRO-3 unit) or in the root group
+    extra: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
-        return self.weight + self.bias
+        return self.weight + self.bias + sum(self.extra)
+
+
+class HFInventory(Spec):
+    """What `shardwise.specs.hf_meta` read from a model built on the meta device: the exact
+    per-module inventory, `model.parameters()` order and the numbers derived from them."""
+
+    model_type: str
+    layer_class: str  # the decoder layer's class name (the FSDP wrap unit)
+    tensors: tuple[ParamTensor, ...]
+    hf_order: tuple[int, ...]
+    layer_sizes: tuple[int, ...]  # parameters of each decoder layer, in order
+    largest_module: int
+    active_params: int
+    expert_params: int  # parameters under modules named "experts" (routed experts)
+    embedding_params: int
+    config_json: str  # the config.json it was built from (to_hf_dict)
 
 
 class ModelSpec(Spec):
-    """A decoder-only transformer (Llama family: RMSNorm, RoPE, SwiGLU, optional GQA/MoE)."""
-
+    """A decoder-only transformer: the Llama family and its relatives (q/k norms, sandwich and
+    post norms, fused projections, GeGLU, MoE with shared experts and dense layers, MLA), or
+    any transformers architecture read on the meta device (`family="hf"`, `inventory`)."""
 
     name: str = "custom"
     family: Family = "llama"
@@ -48,87 +120,250 @@ class ModelSpec(Spec):
     num_layers: int = Field(gt=0)
     num_heads: int = Field(gt=0)
     num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(0, ge=0, description="0 = hidden_size // num_heads")
-    intermediate_size: int = Field(gt=0)
+    head_dim: int = Field(0, ge=0, description="0 = hidden_size // num_heads; MLA: qk_nope + qk_rope")
+    intermediate_size: int = Field(gt=0, description="dense MLP width (dense layers of MoE models too)")
     vocab_size: int = Field(gt=0)
     tie_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has q/k/v biases; handled via family
+    attention_bias: bool = False  # q/k/v(/o) biases where the family has the switch (qwen2: always)
+    mlp_bias: bool = False  # llama's mlp_bias
     num_experts: int = Field(0, ge=0, description="0 = dense MLP")
     experts_per_token: int = Field(0, ge=0)
     max_position_embeddings: int = 4096
+    # MoE layout (qwen2_moe, qwen3_moe, deepseek_v3)
+    moe_intermediate_size: int = Field(0, ge=0, description="routed expert width; 0 = intermediate_size")
+    shared_expert_intermediate_size: int = Field(0, ge=0, description="shared expert MLP width (qwen2_moe; "
+                                                 "deepseek: n_shared_experts·moe_intermediate_size); 0 = none")
+    first_k_dense: int = Field(0, ge=0, description="deepseek first_k_dense_replace: leading dense layers")
+    decoder_sparse_step: int = Field(1, gt=0, description="qwen MoE: layer i is MoE when (i+1) % step == 0")
+    mlp_only_layers: tuple[int, ...] = Field((), description="qwen MoE: layers with a dense MLP")
+    n_group: int = Field(1, gt=0, description="deepseek router groups (forward only)")
+    topk_group: int = Field(1, gt=0, description="deepseek router groups kept (forward only)")
+    # Multi-head latent attention (deepseek_v3); kv_lora_rank 0 = not MLA
+    q_lora_rank: int = Field(0, ge=0, description="0 = a full-rank q_proj")
+    kv_lora_rank: int = Field(0, ge=0)
+    qk_nope_head_dim: int = Field(0, ge=0)
+    qk_rope_head_dim: int = Field(0, ge=0)
+    v_head_dim: int = Field(0, ge=0)
+    final_logit_softcapping: float = Field(0.0, ge=0, description="gemma2/3: logits = cap·tanh(logits/cap) "
+                                           "(one more c·V per token saved on the loss side); 0 = none")
+    inventory: HFInventory | None = None  # family "hf" only
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
-        hd = self.head_dim or self.hidden_size // self.num_heads
-        if not self.head_dim and self.hidden_size % self.num_heads:
-            raise ShardwiseError(
-                f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible by "
-                f"num_heads {self.num_heads}; give head_dim explicitly"
-            )
+        where = f"model {self.name!r}"
+        if self.family == "deepseek_v3":
+            if not (self.kv_lora_rank and self.qk_rope_head_dim and self.v_head_dim):
+                raise ShardwiseError(f"{where}: deepseek_v3 needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
+            hd = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.head_dim and self.head_dim != hd:
+                raise ShardwiseError(f"{where}: deepseek_v3 head_dim is qk_nope_head_dim + qk_rope_head_dim = {hd}, "
+                                     f"got {self.head_dim}")
+            if self.num_kv_heads != self.num_heads:
+                raise ShardwiseError(f"{where}: deepseek_v3 (MLA) expands k/v to every head: num_kv_heads must "
+                                     f"equal num_heads {self.num_heads}, got {self.num_kv_heads}")
+            if self.num_experts and self.num_experts % self.n_group:
+                raise ShardwiseError(f"{where}: num_experts {self.num_experts} must be a multiple of "
+                                     f"n_group {self.n_group}")
+        elif self.kv_lora_rank or self.q_lora_rank:
+            raise ShardwiseError(f"{where}: q_lora_rank/kv_lora_rank (MLA) belong to family deepseek_v3, "
+                                 f"not {self.family}")
+        else:
+            hd = self.head_dim or self.hidden_size // self.num_heads
+            if not self.head_dim and self.hidden_size % self.num_heads:
+                raise ShardwiseError(
+                    f"{where}: hidden_size {self.hidden_size} is not divisible by "
+                    f"num_heads {self.num_heads}; give head_dim explicitly"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ShardwiseError(
-                f"model {self.name!r}: num_heads {self.num_heads} must be a multiple of "
+                f"{where}: num_heads {self.num_heads} must be a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
             )
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ShardwiseError(
-                f"model {self.name!r}: experts_per_token must be in 1..{self.num_experts}, "
+                f"{where}: experts_per_token must be in 1..{self.num_experts}, "
                 f"got {self.experts_per_token}"
             )
+        if self.num_experts and self.family not in (*MOE_FAMILIES, "hf"):
+            raise ShardwiseError(f"{where}: family {self.family} has no experts (num_experts {self.num_experts}); "
+                                 f"MoE families: {', '.join(MOE_FAMILIES)}")
+        if self.shared_expert_intermediate_size and self.family not in ("qwen2_moe", "deepseek_v3"):
+            raise ShardwiseError(f"{where}: shared experts are a qwen2_moe / deepseek_v3 layout, not {self.family}")
+        if self.family == "deepseek_v3" and self.shared_expert_intermediate_size % self.expert_width:
+            raise ShardwiseError(f"{where}: deepseek shared_expert_intermediate_size must be a multiple "
+                                 f"(n_shared_experts) of moe_intermediate_size {self.expert_width}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ShardwiseError(f"{where}: mlp_only_layers {bad} outside 0..{self.num_layers - 1}")
+        if (self.family == "hf") != (self.inventory is not None):
+            raise ShardwiseError(f"{where}: family 'hf' and an inventory go together (read by "
+                                 "ModelSpec.from_hf_config on the meta device)")
         object.__setattr__(self, "head_dim", hd)
         return self
 
     # --- derived numbers -------------------------------------------------------------
-    @property
+    @cached_property
     def is_moe(self) -> bool:
-        return self.num_experts > 0
+        return self.num_experts > 0 and (self.inventory is not None or any(self.moe_layers))
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def expert_width(self) -> int:
+        """Intermediate width of one routed expert."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def q_dim(self) -> int:
+        """Query width: heads·head_dim (MLA: heads·(qk_nope + qk_rope), the q/k dot-product width)."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
+        """Key width: kv_heads·head_dim (MLA: k is expanded per head to heads·(qk_nope + qk_rope))."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Value width: kv_dim (MLA: heads·v_head_dim)."""
+        return self.num_heads * self.v_head_dim if self.is_mla else self.kv_dim
+
+    @property
+    def o_dim(self) -> int:
+        """Attention output width, o_proj's input: q_dim (MLA: heads·v_head_dim)."""
+        return self.num_heads * self.v_head_dim if self.is_mla else self.q_dim
+
+    @cached_property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per decoder layer: routed experts (True) or a dense MLP, as the HF decoder layer decides
+        (mixtral: all; qwen2_moe/qwen3_moe: mlp_only_layers, decoder_sparse_step; deepseek_v3:
+        first_k_dense_replace)."""
+        n, e = self.num_layers, self.num_experts
+        if self.family == "mixtral":
+            return (e > 0,) * n
+        if self.family in ("qwen2_moe", "qwen3_moe"):
+            only = set(self.mlp_only_layers)
+            return tuple(i not in only and e > 0 and (i + 1) % self.decoder_sparse_step == 0 for i in range(n))
+        if self.family == "deepseek_v3":
+            return tuple(i >= self.first_k_dense for i in range(n))
+        return (False,) * n
+
+    def _attention(self) -> list[tuple[str, int, int]]:
+        """(module, weight, bias) of one layer's attention, in registration order."""
+        h, q, kv, f = self.hidden_size, self.q_dim, self.kv_dim, self.family
+        if f == "deepseek_v3":  # deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention (MLA)
+            b = self.attention_bias
+            heads, ql, kvl, rope = self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
+            if ql:
+                out = [("q_a_proj", h * ql, ql if b else 0), ("q_a_layernorm", ql, 0), ("q_b_proj", ql * q, 0)]
+            else:
+                out = [("q_proj", h * q, 0)]
+            return [
+                *out,
+                ("kv_a_proj_with_mqa", h * (kvl + rope), (kvl + rope) if b else 0),
+                ("kv_a_layernorm", kvl, 0),
+                ("kv_b_proj", kvl * heads * (self.qk_nope_head_dim + self.v_head_dim), 0),
+                ("o_proj", self.o_dim * h, h if b else 0),
+            ]
+        if f == "phi3":  # phi3/modeling_phi3.py: o_proj is registered before the fused qkv_proj
+            return [("o_proj", q * h, 0), ("qkv_proj", h * (q + 2 * kv), 0)]
+        qkv_bias = f == "qwen2" or (self.attention_bias and f not in ("mistral", "mixtral"))
+        o_bias = self.attention_bias and f not in ("mistral", "mixtral", "qwen2", "qwen2_moe")
+        out = [
+            ("q_proj", h * q, q if qkv_bias else 0),
+            ("k_proj", h * kv, kv if qkv_bias else 0),
+            ("v_proj", h * kv, kv if qkv_bias else 0),
+            ("o_proj", q * h, h if o_bias else 0),
+        ]
+        norm = QK_NORM.get(f)
+        if norm == "head":
+            out += [("q_norm", self.head_dim, 0), ("k_norm", self.head_dim, 0)]
+        elif norm == "full":
+            out += [("q_norm", q, 0), ("k_norm", kv, 0)]
+        return out
+
+    def _dense_mlp(self) -> list[tuple[str, int, int]]:
+        h, i = self.hidden_size, self.intermediate_size
+        if self.family == "phi3":
+            return [("gate_up_proj", h * 2 * i, 0), ("down_proj", i * h, 0)]
+        b = self.mlp_bias
+        return [("gate_proj", h * i, i if b else 0), ("up_proj", h * i, i if b else 0), ("down_proj", i * h, h if b else 0)]
+
+    def _moe_mlp(self) -> list[tuple[str, int, int]]:
+        """transformers 5.x fuses experts into 3-D tensors: gate_up [E, 2I, h], down [E, h, I]
+        (one module; `bias` slot holds down_proj)."""
+        h, e, i = self.hidden_size, self.num_experts, self.expert_width
+        router, experts = ("router", e * h, 0), ("experts", e * 2 * i * h, e * i * h)
+        s = self.shared_expert_intermediate_size
+        if self.family == "qwen2_moe":  # gate, experts, shared_expert, shared_expert_gate
+            out = [router, experts]
+            if s:
+                out += [("shared_expert.gate_proj", h * s, 0), ("shared_expert.up_proj", h * s, 0),
+                        ("shared_expert.down_proj", s * h, 0), ("shared_expert_gate", h, 0)]
+            return out
+        if self.family == "qwen3_moe":
+            return [experts, router]
+        if self.family == "deepseek_v3":  # experts, gate, shared_experts
+            return [experts, router, ("shared_experts.gate_proj", h * s, 0), ("shared_experts.up_proj", h * s, 0),
+                    ("shared_experts.down_proj", s * h, 0)]
+        return [router, experts]  # mixtral
+
+    def _layer(self, moe: bool) -> list[tuple[str, int, int]]:
+        """One decoder layer's modules in `model.parameters()` order."""
+        norms = [(n, self.hidden_size, 0) for n in LAYER_NORMS.get(self.family, PRE_NORMS)]
+        return self._attention() + (self._moe_mlp() if moe else self._dense_mlp()) + norms
 
     @cached_property
     def tensors(self) -> tuple[ParamTensor, ...]:
-        """Every parameter tensor, per decoder layer (count = L) and in the root group."""
-        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
-        bias = self.family == "qwen2" or self.attention_bias
-        t = [
-            ParamTensor(name="q_proj", weight=h * self.q_dim, bias=self.q_dim if bias else 0, count=L),
-            ParamTensor(name="k_proj", weight=h * self.kv_dim, bias=self.kv_dim if bias else 0, count=L),
-            ParamTensor(name="v_proj", weight=h * self.kv_dim, bias=self.kv_dim if bias else 0, count=L),
-            ParamTensor(name="o_proj", weight=self.q_dim * h, count=L),
-            ParamTensor(name="input_layernorm", weight=h, count=L),
-            ParamTensor(name="post_attention_layernorm", weight=h, count=L),
-        ]
-        if self.is_moe:
-            # transformers 5.x fuses experts into 3-D tensors: gate_up [E, 2I, h], down [E, h, I]
-            e = self.num_experts
-            # (one module holding both 3-D tensors; `bias` slot reused for down_proj)
-            t += [
-                ParamTensor(name="router", weight=e * h, count=L),
-                ParamTensor(name="experts", weight=e * 2 * i * h, bias=e * i * h, count=L),
-            ]
-        else:
-            t += [
-                ParamTensor(name="gate_proj", weight=h * i, count=L),
-                ParamTensor(name="up_proj", weight=h * i, count=L),
-                ParamTensor(name="down_proj", weight=i * h, count=L),
-            ]
+        """Every module's direct parameters: decoder-layer modules (count = layers that have
+        them) and the root group (embeddings, final norm, untied lm_head), in HF order."""
+        if self.inventory is not None:
+            return self.inventory.tensors
+        kinds = Counter(self.moe_layers)
+        t: list[ParamTensor] = []
+        seen: dict[tuple[str, int, int], int] = {}
+        for moe in (False, True):
+            for mod in self._layer(moe) if kinds[moe] else ():
+                if mod in seen:  # attention and norms: shared by both kinds of layer
+                    t[seen[mod]] = t[seen[mod]].model_copy(update={"count": self.num_layers})
+                    continue
+                seen[mod] = len(t)
+                t.append(ParamTensor(name=mod[0], weight=mod[1], bias=mod[2], count=kinds[moe]))
         t += [
-            ParamTensor(name="embed_tokens", weight=self.vocab_size * h, layer=False),
-            ParamTensor(name="norm", weight=h, layer=False),
+            ParamTensor(name="embed_tokens", weight=self.vocab_size * self.hidden_size, layer=False),
+            ParamTensor(name="norm", weight=self.hidden_size, layer=False),
         ]
         if not self.tie_embeddings:
-            t.append(ParamTensor(name="lm_head", weight=self.vocab_size * h, layer=False))
+            t.append(ParamTensor(name="lm_head", weight=self.vocab_size * self.hidden_size, layer=False))
         return tuple(t)
 
     @cached_property
+    def layer_sizes(self) -> tuple[int, ...]:
+        """Parameters of each decoder layer, in order."""
+        if self.inventory is not None:
+            return self.inventory.layer_sizes
+        size = {moe: sum(w + b for _, w, b in self._layer(moe)) for moe in set(self.moe_layers)}
+        return tuple(size[moe] for moe in self.moe_layers)
+
+    @cached_property
     def params_per_layer(self) -> int:
-        return sum(t.numel for t in self.tensors if t.layer)
+        """Parameters of the largest decoder layer. A decoder layer is one FSDP / ZeRO-3 unit
+        (gathered whole), so the largest one sizes the unsharded buffers; where layers differ
+        (dense layers among MoE layers) the total is `layer_params`, not L·params_per_layer."""
+        return max(self.layer_sizes)
+
+    @cached_property
+    def layer_params(self) -> int:
+        """Parameters of all decoder layers together (exact where layers differ)."""
+        return sum(self.layer_sizes)
+
+    @cached_property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embeddings, final norm, lm_head (and, on the
+        meta path, anything else the model holds outside its layer list)."""
+        return self.params - self.layer_params
 
     @cached_property
     def params(self) -> int:
@@ -137,46 +372,69 @@ class ModelSpec(Spec):
 
     @cached_property
     def active_params(self) -> int:
-        """Parameters touched per token (MoE: top-k experts) — what FLOPs scale with."""
+        """Parameters touched per token (MoE: top-k routed experts; router and shared experts
+        always) — what FLOPs scale with."""
+        if self.inventory is not None:
+            return self.inventory.active_params
         if not self.is_moe:
             return self.params
-        per_expert = 3 * self.intermediate_size * self.hidden_size
-        idle = (self.num_experts - self.experts_per_token) * per_expert * self.num_layers
+        per_expert = 3 * self.expert_width * self.hidden_size
+        idle = (self.num_experts - self.experts_per_token) * per_expert * sum(self.moe_layers)
         return self.params - idle
 
     @cached_property
+    def expert_params(self) -> int:
+        """Routed experts' parameters over all layers (the fused 3-D gate_up and down tensors;
+        torch.autocast does not cast them, unlike nn.Linear weights)."""
+        if self.inventory is not None:
+            return self.inventory.expert_params
+        return 3 * self.num_experts * self.expert_width * self.hidden_size * sum(self.moe_layers)
+
+    @cached_property
     def embedding_params(self) -> int:
+        if self.inventory is not None:
+            return self.inventory.embedding_params
         return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
 
     @cached_property
     def largest_module(self) -> int:
         """Largest module's direct parameters (DeepSpeed's `largest_layer_params`)."""
+        if self.inventory is not None:
+            return self.inventory.largest_module
         return max(t.numel for t in self.tensors)
 
     @cached_property
     def hf_order(self) -> tuple[int, ...]:
         """Every parameter tensor's size in `model.parameters()` order of the HF model (embed,
-        per layer: q, k, v, o [weight then bias], mlp, 2 norms; final norm; lm_head). DeepSpeed
-        ZeRO-1/2 flattens in this order and splits the flat buffer into N partitions."""
-        by = {t.name: t for t in self.tensors}
-        per_layer: list[int] = []
-        mlp = ("router", "experts") if self.is_moe else ("gate_proj", "up_proj", "down_proj")
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", *mlp, "input_layernorm", "post_attention_layernorm"):
-            t = by[name]
-            per_layer += [t.weight] + ([t.bias] if t.bias else [])
-        out = [by["embed_tokens"].weight] + per_layer * self.num_layers + [by["norm"].weight]
-        if "lm_head" in by:
-            out.append(by["lm_head"].weight)
+        each decoder layer's modules in registration order [weight then bias], final norm,
+        lm_head). DeepSpeed ZeRO-1/2 flattens in this order and splits the flat buffer into N
+        partitions."""
+        if self.inventory is not None:
+            return self.inventory.hf_order
+        per_kind = {}
+        for moe in set(self.moe_layers):
+            sizes: list[int] = []
+            for _, w, b in self._layer(moe):
+                sizes += [w] + ([b] if b else [])
+            per_kind[moe] = sizes
+        out = [self.vocab_size * self.hidden_size]
+        for moe in self.moe_layers:
+            out += per_kind[moe]
+        out.append(self.hidden_size)
+        if not self.tie_embeddings:
+            out.append(self.vocab_size * self.hidden_size)
+        return tuple(out)
+
+    @cached_property
+    def _tensor_sizes(self) -> tuple[tuple[int, int], ...]:
+        out = []
+        for t in self.tensors:
+            out += [(n, t.count) for n in (t.weight, t.bias, *t.extra) if n]
         return tuple(out)
 
     def tensor_sizes(self) -> list[tuple[int, int]]:
         """(numel, how many) for every individual parameter tensor."""
-        out = []
-        for t in self.tensors:
-            out.append((t.weight, t.count))
-            if t.bias:
-                out.append((t.bias, t.count))
-        return out
+        return list(self._tensor_sizes)
 
     # --- constructors ----------------------------------------------------------------
     @classmethod
@@ -197,43 +455,96 @@ class ModelSpec(Spec):
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "custom", source: str = "config") -> ModelSpec:
+        """The spec of a config.json dict: analytic for the families above (torch-free), else
+        read on the meta device by `shardwise.specs.hf_meta` (needs torch + transformers)."""
         model_type = cfg.get("model_type", "llama")
-        families = {"llama": "llama", "mistral": "mistral", "mixtral": "mixtral", "qwen2": "qwen2"}
-        if model_type not in families:
-            raise ShardwiseError(
-                f"{source}: field 'model_type' is {model_type!r}; supported: {', '.join(families)}"
-            )
+        if not isinstance(model_type, str):
+            raise ShardwiseError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
+        if model_type not in ANALYTIC_FAMILIES:
+            from shardwise.specs.hf_meta import spec_from_meta
+
+            return spec_from_meta(cfg, name=name, source=source)
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
-        missing = [k for k in required if k not in cfg]
+        missing = [k for k in required if cfg.get(k) is None]
         if missing:
             raise ShardwiseError(
                 f"{source}: missing field(s) {', '.join(repr(k) for k in missing)} "
                 f"(a {model_type} config.json needs {', '.join(required)})"
             )
-        for k in required:
-            if not isinstance(cfg[k], int) or isinstance(cfg[k], bool):
-                raise ShardwiseError(f"{source}: field {k!r} must be an integer, got {cfg[k]!r}")
-        return cls(
+        d = {**_HF_DEFAULTS.get(model_type, {}), **cfg}
+        ints = [*required, "num_key_value_heads", "head_dim", "num_local_experts", "num_experts",
+                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "n_shared_experts", "first_k_dense_replace", "decoder_sparse_step", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                "max_position_embeddings"]
+        for k in ints:
+            if d.get(k) is not None and (not isinstance(d[k], int) or isinstance(d[k], bool)):
+                raise ShardwiseError(f"{source}: field {k!r} must be an integer, got {d[k]!r}")
+        heads = d["num_attention_heads"]
+        kw: dict = dict(
             name=name,
-            family=families[model_type],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim") or 0,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            num_experts=cfg.get("num_local_experts", 0) or 0,
-            experts_per_token=cfg.get("num_experts_per_tok", 0) or 0,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            family=model_type,
+            hidden_size=d["hidden_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or 0,
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            max_position_embeddings=d.get("max_position_embeddings") or 4096,
         )
+
+        def need(k: str) -> int:
+            if d.get(k) is None:
+                raise ShardwiseError(f"{source}: field {k!r} is null; a {model_type} config.json needs an integer")
+            return d[k]
+
+        if model_type == "llama":
+            kw["mlp_bias"] = bool(d.get("mlp_bias", False))
+        if model_type in ("gemma2", "gemma3_text"):
+            cap = d.get("final_logit_softcapping")
+            if cap is not None and (not isinstance(cap, int | float) or isinstance(cap, bool) or cap < 0):
+                raise ShardwiseError(f"{source}: field 'final_logit_softcapping' must be a number >= 0 or null, "
+                                     f"got {cap!r}")
+            kw["final_logit_softcapping"] = float(cap or 0)
+        if model_type == "mixtral":
+            kw.update(num_experts=d.get("num_local_experts", 0) or 0, experts_per_token=d.get("num_experts_per_tok", 0) or 0)
+        elif model_type in ("qwen2_moe", "qwen3_moe"):
+            only = d.get("mlp_only_layers") or []
+            if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+                raise ShardwiseError(f"{source}: field 'mlp_only_layers' must be a list of layer indices, got {only!r}")
+            kw.update(num_experts=d.get("num_experts", d.get("num_local_experts", 0)) or 0,
+                      experts_per_token=d.get("num_experts_per_tok", 0) or 0,
+                      moe_intermediate_size=need("moe_intermediate_size"),
+                      decoder_sparse_step=d.get("decoder_sparse_step", 1), mlp_only_layers=tuple(only))
+            if model_type == "qwen2_moe":
+                kw.update(attention_bias=bool(d.get("qkv_bias")),
+                          shared_expert_intermediate_size=need("shared_expert_intermediate_size"))
+        elif model_type == "deepseek_v3":
+            kw.update(num_kv_heads=heads, head_dim=0,
+                      num_experts=need("n_routed_experts"), experts_per_token=need("num_experts_per_tok"),
+                      moe_intermediate_size=need("moe_intermediate_size"),
+                      shared_expert_intermediate_size=need("n_shared_experts") * need("moe_intermediate_size"),
+                      first_k_dense=need("first_k_dense_replace"), n_group=need("n_group"), topk_group=need("topk_group"),
+                      q_lora_rank=d.get("q_lora_rank") or 0, kv_lora_rank=need("kv_lora_rank"),
+                      qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
+                      v_head_dim=need("v_head_dim"))
+        elif model_type == "phi3":
+            kw["attention_bias"] = False
+        try:
+            return cls(**kw)
+        except ShardwiseError as e:
+            raise ShardwiseError(f"{source}: {e}") from None
 
     def to_hf_dict(self) -> dict:
         """The transformers config this spec describes (for meta-device checks and random init)."""
-        d = {
-            "model_type": self.family,
+        if self.inventory is not None:
+            return json.loads(self.inventory.config_json)
+        f = self.family
+        d: dict[str, Any] = {
+            "model_type": f,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
@@ -244,11 +555,36 @@ class ModelSpec(Spec):
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         }
-        if self.family == "llama":
+        if f == "llama":
             d["attention_bias"] = self.attention_bias
-        if self.is_moe:
+            if self.mlp_bias:
+                d["mlp_bias"] = True
+        elif f in ("qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "olmo2"):
+            d["attention_bias"] = self.attention_bias
+        if f in ("gemma2", "gemma3_text"):
+            d["final_logit_softcapping"] = self.final_logit_softcapping or None
+        if f == "mixtral" and self.is_moe:
             d["num_local_experts"] = self.num_experts
             d["num_experts_per_tok"] = self.experts_per_token
+        elif f in ("qwen2_moe", "qwen3_moe"):
+            d.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token or 1,
+                     moe_intermediate_size=self.expert_width, decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
+            if f == "qwen2_moe":
+                d.update(qkv_bias=self.attention_bias,
+                         shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+        elif f == "deepseek_v3":
+            del d["head_dim"]  # DeepseekV3Config sets head_dim = qk_rope_head_dim itself
+            d.update(n_routed_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+                     moe_intermediate_size=self.expert_width,
+                     n_shared_experts=self.shared_expert_intermediate_size // self.expert_width,
+                     first_k_dense_replace=self.first_k_dense, n_group=self.n_group, topk_group=self.topk_group,
+                     q_lora_rank=self.q_lora_rank or None, kv_lora_rank=self.kv_lora_rank,
+                     qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                     v_head_dim=self.v_head_dim, attention_bias=self.attention_bias)
+        for k, v in _HF_TOKEN_IDS.get(f if f not in ("gemma2", "gemma3_text") else "gemma", {}).items():
+            if v >= self.vocab_size:
+                d[k] = None
         return d
 
     @classmethod
