@@ -132,10 +132,11 @@ def test_interconnect_assumed_is_printed():
     doc = plan_json(*SLOW_NET)
     links = doc["hardware"]["links"]
     assert links["inter"]["name"] == "eth-10" and links["inter"]["bus_bytes_per_s"] == pytest.approx(1e9)
-    assert links["inter"]["used"] and links["intra"]["name"] == "nvlink" and links["intra"]["used"]
+    # the default GPU (A100) brings its own NVLink generation
+    assert links["inter"]["used"] and links["intra"]["name"] == "nvlink3" and links["intra"]["used"]
     assert (doc["hardware"]["nodes"], doc["hardware"]["gpus_per_node"]) == (2, 8)
     out = flat(plan(*SLOW_NET).output)
-    assert "2 node(s) × 8 GPUs; links: intra-node nvlink 150 GB/s, inter-node eth-10 1 GB/s" in out
+    assert "2 node(s) × 8 GPUs; links: intra-node nvlink3 230 GB/s, inter-node eth-10 1 GB/s" in out
     # one node: the network link is named and marked unused
     one = plan_json("--gpus", "4", "--gpus-per-node", "4", "--interconnect", "pcie")["hardware"]["links"]
     assert one["intra"]["name"] == "pcie" and one["inter"]["used"] is False

@@ -116,7 +116,8 @@ def build_hardware(
     link between nodes. Which one it is depends on how many GPUs share a node, so a network
     needs `gpus_per_node`, and so does an intra-node link on more than 8 GPUs (more than one
     node); only an intra-node link on up to 8 GPUs is unambiguous (one node, the default
-    `gpus_per_node` = gpus). `intra`/`inter` (default nvlink / ib-200) name the links directly.
+    `gpus_per_node` = gpus). `intra`/`inter` (default: the GPU's NVLink generation / ib-200)
+    name the links directly.
     """
     gpus = check_count("--gpus", gpus, high=MAX_GPUS,
                        hint=f" (GPUs in total; {MAX_GPUS:,} is the largest plan shardwise makes)")
@@ -144,7 +145,8 @@ def build_hardware(
     g = get_gpu(gpu)
     if memory_gb is not None:
         g = g.model_copy(update={"memory_bytes": memory_gb * GB})
-    intra_link = get_link(intra or "nvlink")
+    # the GPU's own NVLink generation where the catalog names one (A100: NVLink 3, H100/H200: 4)
+    intra_link = get_link(intra or _hardware()["gpus"][g.name].get("nvlink", "nvlink"))
     inter_link = get_link(inter or "ib-200")
     if interconnect:
         if scope == "inter":

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from shardwise.plan.lora import adapter_params, adapter_tensors
-from shardwise.plan.memory import _persistent_params, stage_params
+from shardwise.plan.memory import _persistent_params, stage_layer_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -162,7 +162,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     p = c
     mixed = train.precision in ("bf16-mixed", "fp16-mixed")
     reduce = s.fsdp.reduce_bytes(c) if (mixed or lora) else (2 if train.precision == "bf16-pure" else 4)
-    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp + adapters
+    layers = stage_layer_params(model, layout.pp) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
     ag_bwd = p * layers * k if s.reshard_after_forward else 0.0
     # shardwise's trainer reduce-scatters once per step; torch's default (sync left on) every micro-batch

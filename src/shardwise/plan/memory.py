@@ -55,14 +55,22 @@ class MemoryPlan:
         return self.gpu.total <= self.usable_bytes and self.host.total <= self.host_capacity_bytes
 
 
+def stage_layer_params(model: ModelSpec, pp: int) -> int:
+    """Decoder-layer parameters of the fullest pipeline stage (⌈L/pp⌉ consecutive layers each;
+    layers differ where dense layers sit among MoE layers)."""
+    sizes = model.layer_sizes
+    per = -(-len(sizes) // pp)
+    return max(sum(sizes[i:i + per]) for i in range(0, len(sizes), per))
+
+
 def stage_params(model: ModelSpec, tp: int, pp: int) -> float:
     """Parameters held by one GPU's model replica: a pipeline stage's layers (worst stage: one
     with the embedding or the lm_head) split over TP ranks (norms are replicated; negligible)."""
-    root = model.params - model.params_per_layer * model.num_layers
+    root = model.root_params
     if pp > 1:
         embed = model.vocab_size * model.hidden_size
         root = max(embed, root - embed) if not model.tie_embeddings else embed
-    return (-(-model.num_layers // pp) * model.params_per_layer + root) / tp
+    return (stage_layer_params(model, pp) + root) / tp
 
 
 def _persistent_params(model: ModelSpec, threshold: int, tp: int) -> float:
@@ -189,9 +197,13 @@ def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -
     on tiny Llama/Qwen2 (benchmarks/results/measured_activations.json, bf16-autocast)."""
     c = train.compute_bytes
     lm_head = model.vocab_size * model.hidden_size / layout.tp
-    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
+    # routed experts are fused 3-D parameters, not nn.Linear: autocast does not cast them
+    n_moe = sum(model.moe_layers)
+    experts_per_layer = model.expert_params / n_moe if n_moe else 0.0
+    stage_experts = experts_per_layer * sum(model.moe_layers[:-(-model.num_layers // layout.pp)])
+    layers = (stage_layer_params(model, layout.pp) - stage_experts) / layout.tp
     if train.checkpointing == "full":
-        return c * lm_head, c * (model.params_per_layer / layout.tp - lm_head)
+        return c * lm_head, c * ((model.params_per_layer - experts_per_layer) / layout.tp - lm_head)
     return c * (layers + lm_head), 0.0
 
 
@@ -223,9 +235,10 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
     7B-width model at 1e9 (docs/accuracy.md)."""
     layer = model.params_per_layer / layout.tp
     layers = -(-model.num_layers // layout.pp)
-    tail = (model.params - model.params_per_layer * model.num_layers) / layout.tp  # embed, norm, lm_head
+    tail = model.root_params / layout.tp  # embed, norm, lm_head
     lm_head = model.vocab_size * model.hidden_size / layout.tp
-    gathered = layer * layers + tail - _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+    gathered = (stage_layer_params(model, layout.pp) / layout.tp + tail
+                - _persistent_params(model, ds.param_persistence_threshold, layout.tp))
     passes = 3 if train.checkpointing == "full" else 2  # forward, (recompute,) backward of each later layer
     kept_layers = 0
     for after in range(layers):  # `after` = layers that follow this one in forward
@@ -233,7 +246,8 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
             break
         kept_layers += 1
     live = kept_layers * layer + lm_head + min(ds.prefetch_bucket_size, layer)
-    return max(0.0, min(gathered, live))
+    # never less than the largest module, gathered whole while it computes
+    return max(0.0, min(gathered, max(live, model.largest_module / layout.tp + min(ds.prefetch_bucket_size, layer))))
 
 
 def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer):
@@ -289,7 +303,9 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
         params=params, grads=w * psi / n, master_params=4 * psi / n, optimizer_states=os_ * psi / n,
         step_buffers=4 * sub_group + optimizer_temp(train, sub_group, sub_group),
         engine_buffers=ds.reduce_bucket_size * w, gathered_params=w * zero3_gathered(model, train, ds, layout),
-        grads_persist=True,
+        # the module in backward produces its whole gradient before reduce-scatter: fused MoE
+        # experts are one module (DeepSeek-V3: 11.3B elements)
+        grad_buffers=w * model.largest_module / layout.tp, grads_persist=True,
     )
     if s.offload_optimizer:
         host = HostBreakdown(
@@ -314,7 +330,7 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
     reduce-scatter, and lm_head's unsharded grad (the root reduce-scatters at the very end)
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
     w = 2 if train.precision == "bf16-pure" else 4
-    root = psi - model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
+    root = psi - stage_layer_params(model, layout.pp) / layout.tp
     reduce = s.fsdp.reduce_bytes(c) if mixed else w
     gathered = c * (2 * layer + root) if s.reshard_after_forward else c * psi
     lm_head = model.vocab_size * model.hidden_size / layout.tp
@@ -361,7 +377,7 @@ def _lora(model, train, s: Strategy, layout, psi, n):
     ), HostBreakdown()
 
 
-def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown) -> dict[str, float]:
+def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: bool = False) -> dict[str, float]:
     """Memory outside the allocator's live bytes: the CUDA context, one NCCL communicator per
     process group this rank is in, and the caching allocator's slack (reserved − allocated).
 
@@ -374,8 +390,11 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown) -> dict[str, 
     resident = (gpu.params + gpu.master_params + gpu.optimizer_states + gpu.engine_buffers
                 + (gpu.grads if gpu.grads_persist else 0.0))
     fwd, step = (max(0.0, v - resident) for v in gpu.phases.values())
+    # expandable segments map freed pages back into one growing segment: the phases share
+    # memory and only rounding remains (not measured here: the fraction is the default's)
+    overlap = 0.0 if expandable else min(fwd, step)
     return {"cuda_context": CUDA_CONTEXT, "nccl": NCCL_PER_GROUP * groups,
-            "allocator_slack": min(fwd, step) + ALLOCATOR_SLACK * max(fwd, step)}
+            "allocator_slack": overlap + ALLOCATOR_SLACK * max(fwd, step)}
 
 
 def plan_memory(
@@ -395,7 +414,7 @@ def plan_memory(
         recompute = max(0.0, recompute + recast)
     logits = logits_bytes(model, train, layout.tp)
     draft = replace(states, activations=acts, recompute=recompute, logits=logits)
-    gpu = replace(draft, **runtime_overhead(layout, draft))
+    gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
     return MemoryPlan(
         strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,
         margin=margin, host_capacity_bytes=hw.host_memory_bytes,

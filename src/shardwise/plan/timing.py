@@ -156,7 +156,9 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     ZeRO: gathers into new buffers, grads through the reduce bucket into the partition;
     DDP under autocast: the weights cast per forward and the fp32 grad accumulation."""
     c, k, n = train.compute_bytes, train.grad_accum, max(layout.dp_shard, 1)
-    layers = model.params_per_layer * -(-model.num_layers // layout.pp) / layout.tp
+    from shardwise.plan.memory import stage_layer_params
+
+    layers = stage_layer_params(model, layout.pp) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.precision in ("bf16-mixed", "fp16-mixed") else c
         gathered = psi + (layers if s.reshard_after_forward else 0.0)

@@ -89,6 +89,9 @@ def optimizer_impl(cfg: TrainConfig, device: str) -> str:
 def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> TrainSpec:
     fields = {
         "optimizer_impl": optimizer_impl(cfg, device),
+        # the allocator setting the ranks inherit from this process's environment
+        "expandable_segments": any("expandable_segments:true" in os.environ.get(k, "").lower()
+                                   for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")),
         "seq_len": seq_len(cfg),
         "micro_batch": cfg.run.micro_batch,
         "grad_accum": cfg.run.grad_accum,
