@@ -29,7 +29,10 @@ from shardwise.specs.train import TrainSpec
 # byte count below: extra casts and copies, and kernels slower than the streaming ones
 # (optimizer, copies) that `hbm_efficiency` describes. One multiplier, fitted (docs/accuracy.md).
 ELEMENTWISE_FACTOR = 1.8
-# GPU idle per kernel launch in eager PyTorch (the CPU launches the next kernel while a short
+# The same work fused (torch.compile's generated kernels, Megatron-LM's fused LayerNorm, bias-GeLU,
+# softmax, RoPE): intermediates stay in registers. Fitted on the published compiled/Megatron runs.
+FUSED_ELEMENTWISE_FACTOR = 0.5
+FUSED_KERNEL_SHARE = 0.4  # launches left when elementwise chains are fused# GPU idle per kernel launch in eager PyTorch (the CPU launches the next kernel while a short
 # one runs; small widths leave gaps): added to the GPU time.
 LAUNCH_S = 10e-6
 KERNELS_PER_LAYER = 130  # HF decoder layer, forward + backward (norms alone are ~8 ops each)
@@ -244,8 +247,9 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         mem += k * scores * (3 * c + 24) * (1 + replay_attn / 3)
 
     autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed")
-    per_token = _elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * ELEMENTWISE_FACTOR
-    mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * ELEMENTWISE_FACTOR / pp)
+    factor = FUSED_ELEMENTWISE_FACTOR if train.fused_kernels else ELEMENTWISE_FACTOR
+    per_token = _elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
+    mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * factor / pp)
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
         copies *= 0.5
@@ -257,7 +261,8 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     optimizer = 0.0 if s.offload_optimizer else shard * _optimizer_bytes(train, s) / bytes_s
 
     # host: launch gaps, and the engines' Python hooks (they wait on their collectives' streams)
-    kernels = k * layers * KERNELS_PER_LAYER * (1 + recompute / 3) + k * 40
+    kernels = k * layers * KERNELS_PER_LAYER * (1 + recompute / 3) * (FUSED_KERNEL_SHARE if train.fused_kernels else 1)
+    kernels += k * 40
     if train.optimizer_impl == "forloop":
         kernels += 10 * len(model.hf_order) / pp
     launch = kernels * LAUNCH_S

@@ -34,6 +34,8 @@ class TrainSpec(Spec):
     cross_entropy: CrossEntropy = "standard"
     ce_chunk: int = Field(1024, gt=0, description="tokens per chunk for chunked cross-entropy")
     optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")
+    fused_kernels: bool = Field(False, description="elementwise work fused (torch.compile, Megatron-LM's fused "
+                                "kernels): priced as one read and write per fused region, fewer launches")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
                                       "the caching allocator grows/shrinks segments (less reserved slack)")
     sequence_parallel: bool = Field(True, description="under TP, norms/residuals sharded over the TP ranks "
