@@ -19,10 +19,14 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
     - chunked / fused (linear + cross-entropy): one chunk of tokens at a time materialises the
       (c + 12)·V working set (fused kernels, e.g. Liger's, work in small row blocks)."""
     v = model.vocab_size / tp  # vocab-parallel lm_head
+    c = train.compute_bytes
     tokens = train.micro_batch * train.seq_len
+    # Gemma 2/3 soft-cap the logits (cap · tanh(logits / cap)): tanh's output, in the compute
+    # dtype, is saved for backward on top (measured on a tiny gemma2: +c·V per token)
+    cap = c * v if model.final_logit_softcapping else 0.0
     if train.cross_entropy == "inplace":
-        return tokens * (train.compute_bytes * v + 8)
-    per_token = (train.compute_bytes + 12) * v
+        return tokens * (c * v + cap + 8)
+    per_token = (c + 12) * v + cap
     if train.cross_entropy == "chunked":
         tokens = min(tokens, train.ce_chunk)
     elif train.cross_entropy == "fused":

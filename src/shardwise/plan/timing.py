@@ -17,8 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardwise.plan.comm import CommBreakdown
-from shardwise.plan.flops import model_flops_per_token, selective_recompute_params
-from shardwise.plan.lora import adapter_params, target_dims
+from shardwise.plan.flops import attention_flops_per_token, model_flops_per_token, selective_recompute_params
+from shardwise.plan.lora import adapter_params, adapters
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -236,8 +236,8 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
                 _gemm(tokens, d_in, train.lora_rank, flops_s, bytes_s, c)
                 + _gemm(tokens, train.lora_rank, d_out, flops_s, bytes_s, c))
 
-    # attention kernels (causal, flash/SDPA): model FLOPs 6·s·d_q per token per layer
-    attn_flops = 6 * train.seq_len * model.q_dim / tp * tokens * layers
+    # attention kernels (causal, flash/SDPA): the model FLOPs of scores and values (flops.py)
+    attn_flops = attention_flops_per_token(model, train.seq_len) / model.num_layers / tp * tokens * layers
     attn_eff = gpu.attention_efficiency
     replay_attn = 1.0 if train.checkpointing == "full" else 0.0
     attention = k * attn_flops * (1 + replay_attn / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
@@ -280,8 +280,12 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
 
 
 def _lora_dims(model: ModelSpec, train: TrainSpec, tp: int) -> list[tuple[float, float]]:
-    dims = target_dims(model)
-    return [(dims[t][0] / tp, dims[t][1] / tp) for t in train.lora_targets if t in dims]
+    """(d_in, d_out) of each adapter GEMM pair of one layer, as PEFT places them (plan/lora.py);
+    an expert adapter counts once per expert (each sees its share of tokens: priced as one)."""
+    out = []
+    for a in adapters(model, train.lora_targets, model.is_moe):
+        out += [(a.d_in / tp, a.d_out / tp)] * a.rank
+    return out
 
 
 def _matmul_params_per_layer(model: ModelSpec) -> float:
