@@ -63,7 +63,31 @@ def model_states() -> dict:
 def activations() -> dict:
     from shardwise.bench import saved
 
-    return saved.measure_all()
+    # saved.loss_side_bytes builds every shape with sdpa, which transformers refuses where it has
+    # no SDPA path (Gemma2, MPT): run each shape with an attention it has (saved.attentions).
+    build = saved.build_model
+
+    def runnable(shape, layers, precision, attention, checkpointing, reentrant=False):
+        if attention not in saved.attentions(shape):
+            attention = saved.attentions(shape)[0]
+        return build(shape, layers, precision, attention, checkpointing, reentrant=reentrant)
+
+    saved.build_model = runnable
+    try:
+        out = saved.measure_all()
+    finally:
+        saved.build_model = build
+    eager_only = [name for name in saved.SHAPES if "sdpa" not in saved.attentions(name)]
+    out["loss_side"]["what"] += f" (eager for the shapes without sdpa: {', '.join(eager_only)})"
+    # Record each shape's real head width: an explicit head_dim (gemma's 48, qwen3's 32) is not
+    # hidden // heads, and MLA (deepseek_v3) has its own qk_nope/qk_rope/v head dims instead.
+    shapes = {}
+    for name, v in saved.SHAPES.items():
+        shapes[name] = dict(v)
+        if "head_dim" not in v and "qk_nope_head_dim" not in v:
+            shapes[name]["head_dim"] = v["hidden_size"] // v["num_attention_heads"]
+    out["shapes"] = shapes
+    return out
 
 
 def main(argv: list[str]) -> None:

@@ -57,6 +57,22 @@ CONFIGS = {
                                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, n_group=2, topk_group=1,
                                        attention_bias=True),
 }
+# GPT-style blocks, complete configs (their own names or transformers' aliases). mpt here is what
+# transformers builds: its defaults (no_bias, ALiBi, expansion_ratio 4) are the fields it honours.
+GPT_CONFIGS = {
+    "mpt": dict(model_type="mpt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256),
+    "mpt-own-names-untied": dict(model_type="mpt", d_model=64, n_layers=2, n_heads=8, vocab_size=256,
+                                 max_seq_len=128, tie_word_embeddings=False),
+    "gpt2": dict(model_type="gpt2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                 n_positions=128),
+    "gpt2-own-names-untied-n-inner-gelu": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=2, n_inner=96,
+                                               vocab_size=256, activation_function="gelu",
+                                               tie_word_embeddings=False),
+}
+
+
+def full_config(key: str) -> dict:
+    return dict(GPT_CONFIGS[key]) if key in GPT_CONFIGS else {**BASE, **CONFIGS[key]}
 
 
 def build_meta(cfg: dict):
@@ -68,18 +84,21 @@ def build_meta(cfg: dict):
 
 def measured(model, experts_per_token: int = 0, num_experts: int = 0) -> dict:
     """The numbers ModelSpec derives, read off a transformers model."""
+    from shardwise.specs.hf_meta import decoder_layers
+
     total = sum({id(p): p.numel() for p in model.parameters()}.values())
     experts = sum(p.numel() for n, p in model.named_parameters() if "experts" in n.split("."))
     idle = experts * (num_experts - experts_per_token) // num_experts if num_experts else 0
     emb_in, emb_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    positions = sum(m.weight.numel() for n, m in model.named_modules() if n.split(".")[-1] == "wpe")  # GPT-2
     return {
         "params": total,
         "hf_order": [p.numel() for p in model.parameters()],
         "largest_module": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-        "layer_sizes": [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers],
+        "layer_sizes": [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)],
         "active_params": total - idle,
         "expert_params": experts,
-        "embedding_params": emb_in.numel() + (0 if emb_out is emb_in else emb_out.numel()),
+        "embedding_params": emb_in.numel() + (0 if emb_out is emb_in else emb_out.numel()) + positions,
     }
 
 
@@ -93,9 +112,16 @@ def spec_numbers(spec: ModelSpec) -> dict:
 
 def attention_widths(model) -> dict:
     """q/k/v/o widths read from the first layer's attention modules."""
-    a = model.model.layers[0].self_attn
+    from shardwise.specs.hf_meta import decoder_layers
+
+    layer = decoder_layers(model)[0]
+    a = getattr(layer, "self_attn", None) or layer.attn
     if hasattr(a, "qkv_proj"):  # phi3: fused [q | k | v]
         return {"q+2kv": a.qkv_proj.out_features, "o": a.o_proj.in_features}
+    if hasattr(a, "Wqkv"):  # mpt: fused [q | k | v]
+        return {"q+2kv": a.Wqkv.out_features, "o": a.out_proj.in_features}
+    if hasattr(a, "c_attn"):  # gpt2: Conv1D weights are [in, out]
+        return {"q+2kv": a.c_attn.weight.shape[1], "o": a.c_proj.weight.shape[0]}
     if hasattr(a, "kv_b_proj"):  # MLA: k expanded per head to qk_head_dim; kv_b = [k_nope | v] per head
         q = (a.q_b_proj if a.q_b_proj is not None else a.q_proj).out_features
         return {"q": q, "kv": a.num_heads * a.qk_head_dim, "v": a.num_heads * a.v_head_dim, "o": a.o_proj.in_features}
@@ -103,9 +129,9 @@ def attention_widths(model) -> dict:
             "o": a.o_proj.in_features}
 
 
-@pytest.mark.parametrize("key", list(CONFIGS))
+@pytest.mark.parametrize("key", [*CONFIGS, *GPT_CONFIGS])
 def test_family_matches_transformers(key: str) -> None:
-    cfg = {**BASE, **CONFIGS[key]}
+    cfg = full_config(key)
     spec = ModelSpec.from_hf_dict(cfg, name=key)
     assert spec.family == cfg["model_type"]
     model = build_meta(cfg)
@@ -125,11 +151,11 @@ def test_family_matches_transformers(key: str) -> None:
         assert widths == {"q": spec.q_dim, "kv": spec.kv_dim, "v": spec.v_dim, "o": spec.o_dim}
 
 
-@pytest.mark.parametrize("key", list(CONFIGS))
+@pytest.mark.parametrize("key", [*CONFIGS, *GPT_CONFIGS])
 def test_to_hf_dict_builds_the_same_model(key: str) -> None:
     """to_hf_dict is what the trainer builds random-init models from: same counts, same order,
     and reading it back gives the same spec."""
-    spec = ModelSpec.from_hf_dict({**BASE, **CONFIGS[key]}, name=key)
+    spec = ModelSpec.from_hf_dict(full_config(key), name=key)
     d = spec.to_hf_dict()
     json.dumps(d)  # plain JSON (export writes it as config.json)
     rebuilt = build_meta(d)
@@ -138,11 +164,13 @@ def test_to_hf_dict_builds_the_same_model(key: str) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe",
-                                        "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3"])
+                                        "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3", "mpt",
+                                        "gpt2"])
 def test_transformers_defaults_for_omitted_fields(model_type: str) -> None:
     """A config.json with only the widths: the spec takes transformers' defaults for the rest
     (qwen3 head_dim 128, gemma head_dim 256 and tied embeddings, key/value heads, MoE/MLA
-    sizes...). 32 heads: every family's default number of key/value heads divides it."""
+    sizes, gpt2's 1024 positions and 4h MLP, mpt's ALiBi without biases...). 32 heads: every
+    family's default number of key/value heads divides it."""
     cfg = {"model_type": model_type, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 32,
            "intermediate_size": 96, "vocab_size": 256, "pad_token_id": 0, "eos_token_id": 0, "bos_token_id": 0}
     spec = ModelSpec.from_hf_dict(cfg)
@@ -265,3 +293,85 @@ def test_gemma2_final_logit_softcapping_follows_transformers() -> None:
         d = spec.to_hf_dict()
         rebuilt = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
         assert (rebuilt.final_logit_softcapping or 0.0) == want
+
+
+# ------------------------------------------------------------------ GPT-style blocks (mpt, gpt2)
+@pytest.mark.parametrize("bad,needle", [
+    ({"model_type": "mpt", "attn_config": {"attn_type": "multiquery_attention"}}, "attn_type"),
+    ({"model_type": "mpt", "ffn_config": {"ffn_type": "mptglu"}}, "ffn_type"),
+    ({"model_type": "mpt", "attn_config": {"qk_ln": True}}, "qk_ln"),
+    ({"model_type": "mpt", "expansion_ratio": "4"}, "expansion_ratio"),
+    ({"model_type": "mpt", "d_model": 32}, "d_model"),  # disagrees with its alias hidden_size 64
+    ({"model_type": "gpt2", "activation_function": "swiglu"}, "activation_function"),
+    ({"model_type": "gpt2", "add_cross_attention": True}, "add_cross_attention"),
+    ({"model_type": "gpt2", "num_attention_heads": 5}, "num_heads"),
+])
+def test_bad_gpt_fields_are_named(bad: dict, needle: str) -> None:
+    cfg = {k: v for k, v in BASE.items() if k not in ("num_key_value_heads", "intermediate_size")}
+    with pytest.raises(ShardwiseError) as e:
+        ModelSpec.from_hf_dict({**cfg, **bad}, source="m/config.json")
+    assert "m/config.json" in str(e.value) and needle in str(e.value)
+
+
+def test_mpt_fields_transformers_ignores_are_read_as_llm_foundry_builds_them() -> None:
+    """transformers' MptForCausalLM has no learned position embedding (it always adds ALiBi), no
+    biases and a 4h MLP whatever `learned_pos_emb`, `no_bias` and `expansion_ratio` say.
+    llm-foundry, whose configs these are, builds them: a `wpe` of max_seq_len rows when
+    learned_pos_emb and no ALiBi/RoPE, every linear and LayerNorm bias unless no_bias. The spec
+    follows llm-foundry; the difference to what transformers builds is exactly those tensors."""
+    h, L, P = 64, 2, 128
+    foundry = dict(model_type="mpt", d_model=h, n_heads=4, n_layers=L, vocab_size=256, max_seq_len=P,
+                   expansion_ratio=4, no_bias=False, learned_pos_emb=True, attn_config={"alibi": False})
+    spec = ModelSpec.from_hf_dict(foundry)
+    hf = build_meta(foundry)
+    names = [n for n, _ in hf.named_parameters()]
+    assert not any(n.endswith("bias") or "wpe" in n for n in names)  # transformers ignores the fields
+    # biases: Wqkv 3h, out_proj h, up_proj 4h, down_proj h, two LayerNorms 2h per layer; norm_f h
+    assert spec.params - measured(hf)["params"] == L * 11 * h + h + P * h
+    assert spec.position_embedding_params == P * h and spec.learned_pos_emb and spec.norm_bias
+    assert spec.hf_order[:2] == (256 * h, P * h)  # wte, wpe, then the layers (llm-foundry's order)
+    assert ModelSpec.from_hf_dict(spec.to_hf_dict()) == spec
+    # ALiBi or RoPE switch the learned positions off (llm-foundry's MPTConfig); so does the flag
+    for attn in ({"alibi": True}, {"alibi": False, "rope": True}):
+        assert not ModelSpec.from_hf_dict({**foundry, "attn_config": attn}).learned_pos_emb
+    assert not ModelSpec.from_hf_dict({**foundry, "learned_pos_emb": False}).learned_pos_emb
+    # transformers' defaults (no_bias true, alibi true): what MptForCausalLM builds
+    plain = ModelSpec.from_hf_dict({k: v for k, v in foundry.items() if k not in ("no_bias", "attn_config")})
+    assert not plain.learned_pos_emb and not plain.attention_bias
+
+
+def test_mpt_published_num_params_are_exact() -> None:
+    """llm-foundry's benchmark table prints each run's NumParams (its model with learned position
+    embeddings of max_seq_len rows and biases): every converted run's spec reproduces it."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(__file__).parents[1] / "benchmarks/published/llm-foundry-mpt-benchmarks.yaml"
+    runs = yaml.safe_load(path.read_text())["runs"]
+    checked = set()
+    for run in runs:
+        published = int(re.findall(r"\|\s*(\d+)\s*\|\s*$", run["quote"].strip())[0])
+        spec = ModelSpec.from_hf_dict(run["model"])
+        assert spec.family == "mpt" and spec.params == published, (run["name"], spec.params, published)
+        checked.add((spec.hidden_size, spec.max_position_embeddings))
+    assert len(checked) == 37  # six sizes, 512 to 65536 tokens
+
+
+def test_gpt2_spec_defaults_and_family_fields() -> None:
+    """A gpt2 spec written field by field (catalog style) takes the family's fixed parts (biases,
+    learned positions, MHA, 4h, gelu_new); GPT-style fields on other families are refused."""
+    cfg = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128)
+    direct = ModelSpec(name="custom", family="gpt2", hidden_size=64, num_layers=2, num_heads=4, vocab_size=256,
+                       max_position_embeddings=128, tie_embeddings=True)
+    assert direct == ModelSpec.from_hf_dict(cfg)
+    assert (direct.intermediate_size, direct.hidden_act, direct.num_kv_heads) == (256, "gelu_new", 4)
+    assert direct.params == measured(build_meta(cfg))["params"]
+    with pytest.raises(ShardwiseError, match="norm_bias"):
+        ModelSpec(family="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=96,
+                  vocab_size=256, norm_bias=True)
+    with pytest.raises(ShardwiseError, match="all or none"):
+        ModelSpec(family="mpt", hidden_size=64, num_layers=2, num_heads=4, vocab_size=256, attention_bias=True)
+    with pytest.raises(ShardwiseError, match="always has"):
+        ModelSpec(**{**direct.model_dump(), "learned_pos_emb": False})

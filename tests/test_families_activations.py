@@ -89,11 +89,109 @@ def test_mixed_layers_are_summed_per_kind() -> None:
     assert activation_bytes(m, train, pp=2) == pytest.approx(2 * 1024 * (worst + final))
 
 
+def _gpt(family: str = "mpt", **over) -> ModelSpec:
+    cfg = {"mpt": dict(model_type="mpt", d_model=4096, n_heads=32, n_layers=32, vocab_size=50368),
+           "gpt2": dict(model_type="gpt2", n_embd=4096, n_head=32, n_layer=32, vocab_size=51200,
+                        activation_function="gelu")}[family]
+    return ModelSpec.from_hf_dict({**cfg, **over})
+
+
+@pytest.mark.parametrize("family", ["mpt", "gpt2"])
+def test_gpt_block_is_korthikanti_without_dropout(family: str) -> None:
+    """Korthikanti et al. 2022 (Table 2) count 34·sbh + 5·as²b per GPT layer in 16-bit: LayerNorm
+    inputs 4, QKV input 2, Q and K 4, V 2, attention output 2, fc1 input 2, GeLU input 8, fc2
+    input 8, and three dropout masks (2 of them sbh-wide) plus the s² scores, softmax and its
+    mask. With the fused kernel (sdpa/flash) and no dropout the planner derives exactly
+    32·sbh, plus LayerNorm's fp32 mean/rstd (2 × 8 bytes) and the fp32 logsumexp (4·a) per
+    token — no s² term."""
+    m = _gpt(family)
+    h, a, s = m.hidden_size, m.num_heads, 2048
+    train = TrainSpec(seq_len=s, attention="flash")
+    assert layer_saved_per_token(m, train) == 32 * h + 16 + 4 * a
+    assert layer_saved_per_token(m, train.model_copy(update={"attention": "sdpa"})) == 32 * h + 16 + 4 * a
+    # eager: q, k, v copies (6h) and the output copy (2h) replace the kernel's q/k/v + output
+    # (8h) and logsumexp; MPT saves the fp32 softmax and its bf16 cast (6·a·s), GPT-2 the bf16 softmax
+    eager = layer_saved_per_token(m, train.model_copy(update={"attention": "eager"}))
+    assert eager - (32 * h + 16 + 4 * a) == (6 if family == "mpt" else 2) * a * s - 4 * a
+    # full checkpointing keeps the layer input; sequence parallelism splits the LayerNorms
+    full = train.model_copy(update={"checkpointing": "full"})
+    assert activation_bytes(m, full) == s * (m.num_layers * 2 * h + final_norm_saved(m, full))
+    assert final_norm_saved(m, train) == 2 * h + 8 + 2 * h
+    sp = train.model_copy(update={"sequence_parallel": True})
+    assert activation_bytes(m, sp, tp=8) == pytest.approx(activation_bytes(m, sp) / 8)
+
+
+def test_gpt_block_against_the_llama_mapping() -> None:
+    """The published MPT/GPT runs were mapped to a Llama shape (SwiGLU, I = 8h/3, RMSNorm): the
+    GPT block saves 32·sbh where that mapping saved ~45·sbh (RMSNorm's fp32 upcasts, SwiGLU's
+    four I-wide tensors)."""
+    m = _gpt("mpt")
+    h = m.hidden_size
+    llama = ModelSpec.from_hf_dict({"model_type": "llama", "hidden_size": h, "num_hidden_layers": 32,
+                                    "num_attention_heads": 32, "intermediate_size": round(8 * h / 3),
+                                    "vocab_size": 50368})
+    train = TrainSpec(seq_len=2048)
+    ratio = layer_saved_per_token(llama, train) / layer_saved_per_token(m, train)
+    assert 1.35 < ratio < 1.45
+
+
+def test_gpt_selective_and_activation_variants() -> None:
+    """torchtitan's selective policy keeps every other aten.mm: MPT without biases runs
+    Wqkv, out_proj, up_proj, down_proj as mm (Wqkv and up_proj kept); with llm-foundry's biases,
+    and GPT-2 always, every linear runs addmm (nothing kept, every matmul replayed). The
+    activation's saved tensors follow `GPT_ACT_SAVED` (gelu_new: 5 I-wide tensors)."""
+    from shardwise.plan.activations import GPT_ACT_SAVED, mlp_saved, selective_replayed_params
+    from shardwise.specs.model import GPT_ACTIVATIONS
+
+    m = _gpt("mpt")
+    h, i, c = m.hidden_size, m.intermediate_size, 2
+    assert [n for n, *_ in mm_order(m)] == ["attn.Wqkv", "attn.out_proj", "ffn.up_proj", "ffn.down_proj"]
+    train = TrainSpec(seq_len=2048, checkpointing="selective")
+    assert selective_saved_per_token(m, train) == c * (3 * h + i) + c * h + 4 * m.num_heads + c * h
+    assert selective_replayed_params(m) == h * h + i * h
+    for biased in (_gpt("mpt", no_bias=False), _gpt("gpt2")):
+        assert mm_order(biased) == []
+        assert selective_replayed_params(biased) == 12 * h * h
+        assert selective_saved_per_token(biased, train) == c * h + 4 * m.num_heads + c * h
+    assert set(GPT_ACT_SAVED) == set(GPT_ACTIVATIONS)
+    new = _gpt("gpt2", activation_function="gelu_new")
+    assert mlp_saved(new, train, 1) == 5 * c * i and mlp_saved(_gpt("gpt2"), train, 1) == 2 * c * i
+
+
 torch = pytest.importorskip("torch")
 
 
+@pytest.mark.parametrize("shape,act,prec,attn", [
+    ("tiny-mpt", "gelu", "bf16", "eager"), ("tiny-mpt", "gelu", "fp32", "eager"),
+    ("tiny-gpt2", "gelu", "bf16", "sdpa"), ("tiny-gpt2", "gelu", "bf16", "eager"),
+    ("tiny-gpt2", "gelu", "fp32", "eager"), ("tiny-gpt2", "gelu_new", "bf16", "sdpa"),
+])
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_gpt_block_per_layer_matches_measurement(shape: str, act: str, prec: str, attn: str, ckpt: str,
+                                                 monkeypatch) -> None:
+    """One decoder layer's saved-for-backward bytes (difference of 4- and 2-layer models, so the
+    embeddings, final norm and masks cancel) against `layer_saved_per_token`: within 0.25%
+    (CPU keeps LayerNorm's mean/rstd in bf16, 8 bytes per token under the plan's fp32), and
+    exactly the layer input with full checkpointing. HF's MPT runs eager only."""
+    from shardwise.bench import saved
+
+    torch.set_num_threads(1)
+    cfg = dict(saved.SHAPES[shape])
+    if act != cfg.get("activation_function", act):
+        cfg["activation_function"] = act
+        monkeypatch.setitem(saved.SHAPES, shape, cfg)
+    measured = saved.measure_case(shape, prec, attn, ckpt)["per_layer"]
+    spec = ModelSpec.from_hf_dict({**cfg, "num_hidden_layers": 4})
+    train = TrainSpec(precision="fp32" if prec == "fp32" else "bf16-mixed", seq_len=saved.SEQ,
+                      micro_batch=saved.BATCH, attention=attn, checkpointing=ckpt)
+    per_token = layer_saved_per_token(spec, train) if ckpt == "none" else train.compute_bytes * spec.hidden_size
+    planned = per_token * saved.SEQ * saved.BATCH
+    assert abs(planned / measured - 1) <= 0.0025, (planned, measured)
+
+
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe",
-                                   "tiny-gemma", "tiny-phi3", "tiny-olmo2", "tiny-deepseek-v3", "tiny-mixtral"])
+                                   "tiny-gemma", "tiny-phi3", "tiny-olmo2", "tiny-deepseek-v3", "tiny-mixtral",
+                                   "tiny-mpt", "tiny-gpt2"])
 def test_mm_order_is_what_the_layer_dispatches(shape: str) -> None:
     """The aten.mm calls of the last decoder layer (a MoE layer where there are any), in order,
     have the output widths `mm_order` lists: biased linears (addmm) and fused experts
@@ -101,10 +199,11 @@ def test_mm_order_is_what_the_layer_dispatches(shape: str) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardwise.bench import saved
+    from shardwise.specs.hf_meta import decoder_layers
 
     torch.set_num_threads(1)
-    model = saved.build_model(shape, 2, "fp32", "sdpa", "none")
-    layer = model.model.layers[-1]
+    model = saved.build_model(shape, 2, "fp32", saved.attentions(shape)[0], "none")
+    layer = decoder_layers(model)[-1]
     seen: list[int] = []
     inside = [False]
     layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
@@ -121,3 +220,28 @@ def test_mm_order_is_what_the_layer_dispatches(shape: str) -> None:
         model(**saved.make_batch(saved.SHAPES[shape]["vocab_size"], seq=16, batch=1))
     spec = ModelSpec.from_hf_dict({**saved.SHAPES[shape], "num_hidden_layers": 2})
     assert seen == [int(width) for _, width, _, _ in mm_order(spec, moe=spec.moe_layers[-1])]
+
+
+def test_gpt_activation_table_is_what_autograd_saves() -> None:
+    """`GPT_ACT_SAVED`: I-wide tensors saved by transformers' ACT2FN activation and the linear
+    after it (fc2 saves its input), counted by storage through saved-tensor hooks."""
+    from transformers.activations import ACT2FN
+
+    from shardwise.bench.census import storage_key
+    from shardwise.plan.activations import GPT_ACT_SAVED
+
+    fc2 = torch.nn.Linear(64, 8).to(torch.bfloat16)
+    skip = {storage_key(p)[0] for p in fc2.parameters()}
+    for name, want in GPT_ACT_SAVED.items():
+        x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True) * 1.0  # a non-leaf input
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen):
+            k = storage_key(t)
+            if k and k[0] not in skip:
+                seen[k[0]] = max(seen.get(k[0], 0), k[1])
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fc2(ACT2FN[name](x))
+        assert sum(seen.values()) == want * x.numel() * 2, name

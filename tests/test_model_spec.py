@@ -32,7 +32,9 @@ def test_param_count_matches_transformers(name):
     per_module = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
     assert spec.largest_module == max(per_module)
     # params_per_layer is the largest decoder layer (dense and MoE layers differ in deepseek_v3)
-    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    from shardwise.specs.hf_meta import decoder_layers
+
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
     assert list(spec.layer_sizes) == layers
     assert spec.params_per_layer == max(layers)
     assert spec.root_params == counted - sum(layers)
@@ -63,6 +65,7 @@ def test_published_sizes_sanity():
     near("phi-3-mini", 3.82e9)
     near("olmo-2-7b", 7.30e9)
     near("deepseek-v3", 671e9, 37e9)  # "671B total, 37B activated" (without the 14B MTP module)
+    near("mpt-7b", 6.7e9)  # "6.7B parameters"
 
 
 def test_hf_config_roundtrip(tmp_path):

@@ -536,3 +536,103 @@ def test_deep_record_through_the_cli_is_one_error_before_any_rank(tmp_path):
         "data": {"sft": {"train_files": [str(data)], "max_length": 64}},
         "checkpointing": {"output_dir": str(tmp_path / "out")}}))  # fmt: skip
     assert_user_error(cli([str(cfg)]), "deep.jsonl:2: JSON nested too deeply")
+
+
+# ------------------------------------------------------------------ attention kernels transformers lacks
+
+
+def _arch_dir(tmp_path: Path, name: str, cfg: dict) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=512, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
+            bos_token_id=2)
+# gemma2 keeps its logit softcappings (transformers' defaults: attention 50, final 30)
+GEMMA2 = dict(model_type="gemma2", **TINY)
+# MPT: analytic family, planned with a fused (llm-foundry) attention core under sdpa
+MPT = dict(model_type="mpt", d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=256, vocab_size=512)
+# VaultGemma: no analytic family (read on the meta device), `_supports_sdpa = False`
+VAULTGEMMA = dict(model_type="vaultgemma", **TINY)
+
+
+def arch_config(tmp_path: Path, path: Path, **over) -> TrainConfig:
+    raw = {"model": {"path": str(path), "random_init": True, "name": None}, "precision": "fp32",
+           "data": {"kind": "synthetic", "synthetic": {"samples": 8, "seq_len": 16}},
+           "run": {"steps": 1, "micro_batch": 1, "device": "cpu"},
+           "checkpointing": {"output_dir": str(tmp_path / "out")},
+           "logging": {"tensorboard": False, "progress": False}}  # fmt: skip
+    for key, value in over.items():
+        section, field = key.split("__")
+        raw.setdefault(section, {})[field] = value
+    return TrainConfig.model_validate(raw)
+
+
+def _forward_backward(model, vocab: int) -> None:
+    import torch
+
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_gemma2_under_sdpa_is_built_eager_as_planned_with_a_note(tmp_path, capsys):
+    """transformers refuses attn_implementation="sdpa" for Gemma2 (no SDPA path for its
+    softcapping); the planner already plans eager for it, so the trainer builds eager and says so."""
+    from shardwise.plan.activations import attention_kind
+    from shardwise.train.model import build_model
+
+    cfg = arch_config(tmp_path, _arch_dir(tmp_path, "gemma2", GEMMA2))
+    assert cfg.model.attention == "sdpa"  # the default
+    run, _ = preflight(cfg, world_size=1, device="cpu")
+    note = capsys.readouterr().out
+    assert "model.attention is 'sdpa'" in note and "'eager'" in note and "model.attention: eager" in note
+    assert attention_kind(run.model, run.train) == "eager"  # what the memory check planned
+    model = build_model(run)
+    assert model.config._attn_implementation == "eager"
+    _forward_backward(model, GEMMA2["vocab_size"])
+    # asked for eager: built eager, nothing to say
+    run, _ = preflight(arch_config(tmp_path, Path(cfg.model.path), model__attention="eager"), 1, "cpu")
+    assert "model.attention" not in capsys.readouterr().out
+    assert build_model(run).config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(("name", "arch"), [("mpt", MPT), ("vaultgemma", VAULTGEMMA)])
+def test_sdpa_the_architecture_lacks_is_refused_naming_the_field(tmp_path, name, arch):
+    """Where the plan assumed SDPA but transformers has none (MPT's plan is llm-foundry's fused
+    kernel; a meta-path architecture without `_supports_sdpa`), running eager would break the
+    memory check: refused before any rank starts, naming model.attention; eager then builds."""
+    from shardwise.train.model import build_model
+
+    path = _arch_dir(tmp_path, name, arch)
+    with pytest.raises(ShardwiseError, match=r"model\.attention is 'sdpa'.*no SDPA path.*set model\.attention: eager"):
+        preflight(arch_config(tmp_path, path), world_size=1, device="cpu")
+    run, _ = preflight(arch_config(tmp_path, path, model__attention="eager"), world_size=1, device="cpu")
+    model = build_model(run)
+    assert model.config._attn_implementation == "eager"
+    _forward_backward(model, arch["vocab_size"])
+
+
+def test_no_sdpa_table_matches_transformers():
+    """train.model.NO_SDPA (the analytic families preflight refuses or maps under sdpa) is what
+    the installed transformers' causal-LM classes say."""
+    from shardwise.specs.model import ANALYTIC_FAMILIES
+    from shardwise.train.model import NO_SDPA, causal_lm_class
+
+    lacking = {f for f in ANALYTIC_FAMILIES if not causal_lm_class(f)._supports_sdpa}
+    assert lacking == set(NO_SDPA)
+
+
+def test_gemma2_trains_through_the_cli(tmp_path):
+    path = _arch_dir(tmp_path, "gemma2", GEMMA2)
+    p = tmp_path / "gemma2.yaml"
+    p.write_text(yaml.safe_dump(arch_config(tmp_path, path).model_dump(mode="json", exclude={"source"})))
+    r = cli([str(p)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "model.attention is 'sdpa'" in r.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"] == "completed", summary

@@ -42,7 +42,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(model_type="qwen2", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=344, vocab_size=2048, tie_word_embeddings=True,
                        max_position_embeddings=512),
-    # Further families (activations.py derives each block; tests assert bf16 sdpa, gemma2 eager).
+    # Further families (activations.py derives each block; tests assert bf16 sdpa, gemma2 and mpt eager).
     # Qwen3: RMSNorm over head_dim on q and k.
     "tiny-qwen3": dict(model_type="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, intermediate_size=344, vocab_size=2048, tie_word_embeddings=True,
@@ -90,6 +90,14 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny-mixtral": dict(model_type="mixtral", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=96, num_local_experts=8, num_experts_per_tok=2, vocab_size=2048,
                          max_position_embeddings=512),
+    # MPT (transformers' MptForCausalLM): GPT-style block, LayerNorm without bias, fused Wqkv, ALiBi,
+    # a 4h exact-GeLU MLP, no linear biases, tied embeddings; eager attention only (no SDPA path).
+    "tiny-mpt": dict(model_type="mpt", hidden_size=128, num_attention_heads=4, expansion_ratio=4, max_seq_len=512,
+                     vocab_size=2048),
+    # GPT-2: LayerNorm and linear biases (Conv1D runs addmm), fused c_attn, learned position
+    # embeddings, tied lm_head; exact GeLU (Megatron's) and no dropout, as the trainer runs.
+    "tiny-gpt2": dict(model_type="gpt2", hidden_size=128, num_attention_heads=4, n_positions=512, vocab_size=2048,
+                      activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     # Granite: no analytic family; planned from the meta-device inventory with the Llama-block formula.
     "tiny-granite": dict(model_type="granite", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=344, vocab_size=2048, max_position_embeddings=512,
@@ -102,9 +110,10 @@ LLAMA_BLOCK_SHAPES = ("tiny-llama", "tiny-qwen2")
 
 
 def attentions(shape: str) -> tuple[str, ...]:
-    """The attention implementations transformers runs for `shape`: Gemma2 has no SDPA path
-    (Gemma2PreTrainedModel._supports_sdpa = False)."""
-    return ("eager",) if SHAPES[shape]["model_type"] == "gemma2" else ("sdpa", "eager")
+    """The attention implementations transformers runs for `shape`: Gemma2 and MPT have no SDPA
+    path (`_supports_sdpa` False; MptAttention is eager code, and `attn_implementation="sdpa"`
+    raises for it)."""
+    return ("eager",) if SHAPES[shape]["model_type"] in ("gemma2", "mpt") else ("sdpa", "eager")
 
 
 def _model_keys(model: torch.nn.Module, extra: Iterable[torch.Tensor]) -> set[int]:

@@ -14,12 +14,25 @@ from shardwise.specs import HardwareSpec, ModelSpec, ParallelLayout, Strategy, T
 
 DS_HF_FILE = "ds_config_hf.json"
 
-# The decoder block class FSDP wraps one unit per (transformers' names, by model family).
+# The decoder block class FSDP wraps one unit per (transformers' names, by model family; the
+# class each family's `<Family>ForCausalLM` builds its `model.layers` from). Family "hf" (read on
+# the meta device) carries its own: `ModelSpec.inventory.layer_class`.
 LAYER_CLASS = {
     "llama": "LlamaDecoderLayer",
     "qwen2": "Qwen2DecoderLayer",
     "mistral": "MistralDecoderLayer",
     "mixtral": "MixtralDecoderLayer",
+    "qwen3": "Qwen3DecoderLayer",
+    "qwen3_moe": "Qwen3MoeDecoderLayer",
+    "qwen2_moe": "Qwen2MoeDecoderLayer",
+    "gemma": "GemmaDecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "gemma3_text": "Gemma3DecoderLayer",  # Gemma3ForCausalLM (text-only) shares the multimodal model's layer
+    "phi3": "Phi3DecoderLayer",
+    "olmo2": "Olmo2DecoderLayer",
+    "deepseek_v3": "DeepseekV3DecoderLayer",
+    "mpt": "MptBlock",
+    "gpt2": "GPT2Block",
 }
 
 # accelerate's mixed_precision: bf16-pure has no accelerate mode of its own (it is the
@@ -40,6 +53,10 @@ def check_emittable(strategy: Strategy) -> None:
 
 
 def layer_class(model: ModelSpec) -> str:
+    """The decoder-layer class name accelerate's TRANSFORMER_BASED_WRAP wraps (one FSDP unit
+    per layer, as the planner prices them)."""
+    if model.inventory is not None:
+        return model.inventory.layer_class
     try:
         return LAYER_CLASS[model.family]
     except KeyError:

@@ -11,6 +11,13 @@ x = s·b tokens; everything below is per token.
 Families read on the meta device (`family="hf"`) are planned with the Llama block (pre-norm
 RMSNorm, q/k/v/o, SwiGLU, routed experts as in Mixtral) at their config's widths: their
 inventory is exact, their activations are this approximation (checked on Granite).
+
+GPT-style blocks (mpt, gpt2: the block of Korthikanti et al. without dropout) are derived the
+same way from transformers' MptBlock / GPT2Block: LayerNorm saves its input and the per-row
+mean and rstd (`layernorm_saved`), the fused QKV projection's output is what the attention core
+keeps of q, k and v, the MLP saves fc1's output for the activation and the activation's output
+for fc2 (`GPT_ACT_SAVED`). Dropout is not modelled (the trainer and llm-foundry's MPT runs use
+none).
 """
 
 from __future__ import annotations
@@ -25,6 +32,15 @@ from shardwise.specs.train import TrainSpec
 # `(w * x).to(dtype)` (olmo2/modeling_olmo2.py Olmo2RMSNorm). Llama's `w * x.to(dtype)` keeps it in c.
 _FP32_NORM = ("gemma", "gemma2", "gemma3_text", "olmo2")
 _SANDWICH = ("gemma2", "gemma3_text")
+# GPT-style MLP: I-wide tensors saved by the activation and by fc2 (its input, the activation's
+# output) per token, measured on transformers' ACT2FN modules (fp32 and bf16 alike): exact GeLU
+# and the C tanh GeLU save their input (fc1's output) and fc2 their output (2); ReLU, tanh and
+# sigmoid save their output, which is fc2's input (1); the Python compositions save their
+# intermediates (gelu_new: input, tanh, 0.5·x and 1 + tanh, then the output: 5). Keys:
+# specs.model.GPT_ACTIVATIONS (tests/test_families_activations.py measures each).
+GPT_ACT_SAVED = {"gelu": 2, "gelu_pytorch_tanh": 2, "gelu_new": 5, "gelu_fast": 8, "gelu_python": 4,
+                 "gelu_accurate": 5, "gelu_10": 3, "quick_gelu": 3, "relu": 1, "silu": 2, "mish": 2, "tanh": 1,
+                 "sigmoid": 1}
 
 
 def rmsnorm_saved(c: int, h: float, consumers: int = 1, autocast: bool = False, fp32_normed: bool = False,
@@ -42,7 +58,20 @@ def rmsnorm_saved(c: int, h: float, consumers: int = 1, autocast: bool = False, 
     return (4 + (4 if fp32_normed else c)) * h + 4 * rows + (c * h if consumers else 0)
 
 
+def layernorm_saved(c: int, h: float, consumers: int = 1, autocast: bool = False) -> float:
+    """One torch LayerNorm over width h (`native_layer_norm`, weight and bias or not): its input
+    (c·h; the fp32 residual stream under autocast, where layer_norm runs in fp32) and the fp32
+    mean and rstd per row (8: CUDA keeps them in fp32; CPU keeps them in the input dtype, 4
+    bytes fewer in bf16, measured); its output is saved once by the next linear (c·h; under
+    autocast the bf16 cast each of the `consumers` linears makes of the fp32 output)."""
+    if autocast:
+        return 4 * h + 8 + c * h * consumers
+    return c * h + 8 + (c * h if consumers else 0)
+
+
 def _norm(model: ModelSpec, train: TrainSpec, consumers: int, autocast: bool) -> float:
+    if model.is_gpt:
+        return layernorm_saved(train.compute_bytes, model.hidden_size, min(consumers, 1), autocast)
     return rmsnorm_saved(train.compute_bytes, model.hidden_size, consumers, autocast,
                          fp32_normed=model.family in _FP32_NORM)
 
@@ -59,6 +88,8 @@ def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False
     reading a norm's output under autocast: q/k/v 3 (Phi-3's qkv_proj 1, MLA's q_a/kv_a 2),
     gate/up 2 (Phi-3's gate_up_proj 1; MoE: router 1, shared expert gate/up 2, its gate 1)."""
     c, h, f = train.compute_bytes, model.hidden_size, model.family
+    if model.is_gpt:  # norm 1 read by the fused qkv projection, norm 2 by fc1
+        return 2 * _norm(model, train, 1, autocast) / seq_shards(train, tp)
     qkv = 1 if f == "phi3" else 2 if model.is_mla else 3
     mlp = 1 if f == "phi3" else 2
     if moe:  # the router's linear (DeepSeek's upcasts instead), the shared expert's gate/up and gate
@@ -77,7 +108,11 @@ def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False
 
 def attention_kind(model: ModelSpec, train: TrainSpec) -> str:
     """The attention the HF model runs: Gemma2 has no SDPA path in transformers
-    (Gemma2PreTrainedModel._supports_sdpa = False, for its logit softcapping): sdpa runs eager."""
+    (Gemma2PreTrainedModel._supports_sdpa = False, for its logit softcapping): sdpa runs eager.
+    MPT has none either (transformers' MptAttention is eager only and `from_config(...,
+    attn_implementation="sdpa")` raises), but its published runs are llm-foundry's flash/triton
+    kernels: for mpt, sdpa/flash plan that fused core (`attention_saved`) and eager plans what
+    transformers' MptForCausalLM runs."""
     if model.family == "gemma2" and train.attention == "sdpa":
         return "eager"
     return train.attention
@@ -108,9 +143,17 @@ def _mla_low_rank(model: ModelSpec, train: TrainSpec) -> float:
     return out
 
 
-def attention_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
+def attention_saved(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = False) -> float:
     """Per token, one layer's attention block (projections, q/k norms, the core), TP-sharded,
-    without checkpointing."""
+    without checkpointing. `autocast` matters only for GPT-2's eager softmax.
+
+    GPT-style blocks (mpt, gpt2) keep the Llama derivation with the fused projection: under
+    sdpa/flash the kernel saves q, k and v — transposed views of the one QKV output, so that
+    storage, c·(q + 2·kv) — its output (which the output projection reads without a copy: q is
+    a transposed view, so the kernel lays its output out [b, s, heads, d]) and the fp32
+    logsumexp: measured on GPT-2's SDPA path. MPT's flash variant (llm-foundry's attn_impl
+    flash/triton; transformers' MPT has no SDPA path) is this same fused core in place of the
+    eager one measured on transformers' MptAttention: no s² scores."""
     c, s = train.compute_bytes, train.seq_len
     heads = model.num_heads / tp
     q, kv, o = model.q_dim / tp, model.kv_dim / tp, model.o_dim / tp
@@ -127,10 +170,16 @@ def attention_saved(model: ModelSpec, train: TrainSpec, tp: int) -> float:
         # q, k and v repeated to all heads (repeat_kv copies), softmax in fp32 saved (4·a·s
         # per token) and its cast back to c (unless fp32) saved by the value matmul; Gemma2's
         # logit softcapping saves tanh's output (c·a·s); no logsumexp.
+        # GPT-style: q, k, v are views of the fused projection's output, and the 4-D matmuls copy
+        # each (3·c·h); MPT upcasts the scores (`softmax(scores.float())`, and its fp32 ALiBi
+        # bias makes them fp32 anyway) like Llama; GPT-2 takes the softmax in the compute dtype
+        # (c·a·s), in fp32 plus the cast under autocast (softmax is on autocast's fp32 list).
         v_rep = heads * model.v_head_dim if model.is_mla else q
         core = c * (2 * q + v_rep) + 4 * heads * s + (c * heads * s if c != 4 else 0)
         if model.family == "gemma2":
             core += c * heads * s
+        if model.family == "gpt2" and not autocast:
+            core = c * (2 * q + v_rep) + c * heads * s
     else:
         # SDPA/flash save q, k, v (GQA native when unmasked), output, and fp32 logsumexp per head.
         k_store = q if model.is_mla else kv  # MLA expands k to every head
@@ -185,12 +234,15 @@ def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int, moe: bool | None = No
               autocast: bool = False) -> float:
     """Per token: SwiGLU/GeGLU save gate (for the activation), act(gate) and up (for the
     product) and the product (for down_proj): 4·c·I (Phi-3's fused gate_up_proj saves its
-    whole output once: the same 4·c·I). `moe`: a routed-experts layer (default: the model's
-    layer kind if all layers agree, else MoE)."""
+    whole output once: the same 4·c·I). A GPT-style MLP (fc1, activation, fc2) saves
+    `GPT_ACT_SAVED[hidden_act]`·c·I: 2·c·I for GeLU (fc1's output, GeLU's output). `moe`: a
+    routed-experts layer (default: the model's layer kind if all layers agree, else MoE)."""
     if moe is None:
         moe = model.is_moe
     if moe:
         return moe_saved(model, train, tp, autocast)
+    if model.is_gpt:  # fc1's output and/or the activation's intermediates, fc2's input (GPT_ACT_SAVED)
+        return GPT_ACT_SAVED[model.hidden_act] * train.compute_bytes * model.intermediate_size / tp
     return 4 * train.compute_bytes * model.intermediate_size / tp
 
 
@@ -202,7 +254,7 @@ def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autoc
     `moe` picks the layer kind where dense and MoE layers differ (default: MoE if any)."""
     if moe is None:
         moe = model.is_moe
-    return (_norms(model, train, autocast, moe, tp) + attention_saved(model, train, tp)
+    return (_norms(model, train, autocast, moe, tp) + attention_saved(model, train, tp, autocast)
             + mlp_saved(model, train, tp, moe, autocast))
 
 
@@ -223,8 +275,17 @@ def mm_order(model: ModelSpec, moe: bool = False) -> list[tuple[str, float, bool
       (fp32) and shared_experts gate up down (MoE)
     - Mixtral/Qwen3-MoE: q k v o router; Qwen2-MoE: o (q/k/v biased) shared_expert gate up
       down, router, shared_expert_gate
+    - MPT: Wqkv out_proj up_proj down_proj (without biases; with llm-foundry's biases none);
+      GPT-2: none (every Conv1D runs addmm). The eager attention's 4-D matmuls run bmm.
     """
     h, f = model.hidden_size, model.family
+    if model.is_gpt:
+        if model.attention_bias:  # all linears biased (mpt: no_bias false; gpt2 always)
+            return []
+        i = model.intermediate_size
+        return [(name, width, split, 0) for (name, *_), width, split in
+                zip(model._attention() + model._dense_mlp(), (model.q_dim + 2 * model.kv_dim, h, i, h),
+                    (True, False, True, False), strict=True)]
     biased = {name: b > 0 for name, _, b in model._attention()} if f != "hf" else {}
     out: list[tuple[str, float, bool, int]] = []
 
@@ -303,6 +364,7 @@ def selective_replayed_params(model: ModelSpec, moe: bool | None = None) -> floa
     `mm_order`). Meta-path models use the Llama block at their widths."""
     if moe is None:
         moe = model.is_moe
+    weights: dict[str, float]
     if model.family == "hf":
         h, i = model.hidden_size, model.expert_width if moe else model.intermediate_size
         weights = {"q_proj": h * model.q_dim, "k_proj": h * model.kv_dim, "v_proj": h * model.kv_dim,
@@ -311,6 +373,8 @@ def selective_replayed_params(model: ModelSpec, moe: bool | None = None) -> floa
             weights |= {"router": model.num_experts * h, "experts": model.experts_per_token * 3 * i * h}
         else:
             weights |= {"gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
+    elif model.is_gpt:
+        weights = {name: w for name, w, _ in model._attention() + model._dense_mlp()}
     else:
         weights = {name: w for name, w, _ in model._layer(moe) if not name.endswith("norm")}
         if moe:  # gate_up (weight) and down (bias slot) of the k experts a token visits

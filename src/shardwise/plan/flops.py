@@ -2,39 +2,67 @@
 
 from __future__ import annotations
 
+from shardwise.plan.activations import selective_replayed_params
 from shardwise.specs.model import ModelSpec
 
 
-def flops_per_token(model: ModelSpec, seq_len: int, checkpointing: str = "none") -> float:
-    """Model FLOPs per trained token (forward + backward).
+def flops_per_token(model: ModelSpec, seq_len: int, checkpointing: str = "none", attention: str = "sdpa") -> float:
+    """Hardware FLOPs per trained token (forward + backward + what checkpointing replays).
 
-    6·Ψ_active for the matmuls (2 forward, 4 backward per parameter; PaLM appendix B), plus
-    attention scores and values: 12·L·d_q·s naive, halved here because causal attention
-    only computes the lower triangle (flash/SDPA skip masked blocks) → 6·L·d_q·s.
-    Embedding lookups are not matmuls, so the input embedding is excluded from Ψ_active
-    (the tied/untied lm_head stays in). Full recompute adds one forward: 8/6 of the total
-    (hardware FLOPs; MFU by convention reports model FLOPs, see `model_flops_per_token`).
+    `model_flops_per_token` plus the replayed forward: full checkpointing replays the whole
+    forward (one more of the three passes: 8/6 of the total); selective (torchtitan's per-op
+    policy, its default `early_stop=False`: the whole layer is re-run) replays the matmuls it
+    does not save, 2 FLOPs per replayed weight per token, summed over the decoder layers
+    (dense and MoE layers differ). It keeps SDPA's output, so flash/SDPA attention is not
+    replayed; eager attention's score and value matmuls (bmm, not in the save list) are: one
+    more attention forward. Eager computes the full s×s square, twice the causal count used
+    here in every pass. MFU by convention counts model FLOPs only.
     """
     base = model_flops_per_token(model, seq_len)
     if checkpointing == "full":
         return base * 8 / 6
-    if checkpointing == "selective":  # torchtitan's per-op policy: every second matmul replayed
-        return base + 2 * model.num_layers * selective_recompute_params(model)
+    if checkpointing == "selective":
+        replay = 2 * model.num_layers * selective_recompute_params(model)
+        if attention == "eager":
+            replay += attention_flops_per_token(model, seq_len) / 3
+        return base + replay
     return base
 
 
+def _layer_kinds(model: ModelSpec) -> tuple[bool, ...]:
+    """Per decoder layer: routed experts or not (meta-path models: all layers alike)."""
+    return model.moe_layers if model.inventory is None else (model.is_moe,) * model.num_layers
+
+
 def selective_recompute_params(model: ModelSpec) -> float:
-    """Weights per layer whose forward matmul torchtitan's per-op selective checkpointing
-    replays in backward: it saves the outputs of mm/SDPA except every second mm of a layer
-    (torchtitan/distributed/activation_checkpoint.py `_get_custom_policy`). In a Llama block's
-    order q(1) k(2) v(3) o(4) gate(5) up(6) down(7), the even ones — k, o, up — are replayed
-    (MoE: the expert matmuls count as gate/up/down of the active experts)."""
-    h, i = model.hidden_size, model.intermediate_size * (model.experts_per_token if model.is_moe else 1)
-    return h * model.kv_dim + model.q_dim * h + h * i
+    """Weights per decoder layer, averaged over the layers, whose forward matmul torchtitan's
+    per-op selective checkpointing replays in backward (`activations.selective_replayed_params`
+    of each layer's kind: every matmul weight but those of the kept mms, the 1st, 3rd, ... of
+    `activations.mm_order`; routed experts as the k a token visits). L times this is the
+    model's total; 2 FLOPs per weight per token."""
+    kinds = _layer_kinds(model)
+    per_kind = {moe: selective_replayed_params(model, moe) for moe in set(kinds)}
+    return sum(per_kind[moe] for moe in kinds) / len(kinds)
+
+
+def attention_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Attention scores and values per token, forward + backward, causal: QKᵀ contracts the
+    q/k head width (q_dim) and PV produces the value width (o_dim; MLA: heads·v_head_dim), 2
+    FLOPs per multiply-add over s keys, three passes, halved for the causal triangle:
+    3·L·s·(q_dim + o_dim) (= 6·L·s·q_dim where v and q heads are as wide)."""
+    return 3 * model.num_layers * seq_len * (model.q_dim + model.o_dim)
 
 
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
-    """FLOPs per token that MFU counts (no recomputation)."""
+    """Model FLOPs per trained token that MFU counts (no recomputation).
+
+    6·Ψ_matmul (2 forward, 4 backward per weight; PaLM appendix B) over the weights a token
+    multiplies through (MoE: router, shared experts and its top-k routed experts), plus the
+    causal attention term `attention_flops_per_token`. The input embedding and a learned position
+    table (gpt2, mpt without ALiBi) are lookups, not matmuls, so they are excluded (a tied lm_head
+    stays in).
+    """
     embed = model.vocab_size * model.hidden_size  # lookup, not a matmul
-    matmul_params = model.active_params - (embed if not model.tie_embeddings else 0)
-    return 6 * matmul_params + 6 * model.num_layers * model.q_dim * seq_len
+    lookups = (embed if not model.tie_embeddings else 0) + model.position_embedding_params  # learned positions
+    matmul_params = model.active_params - lookups
+    return 6 * matmul_params + attention_flops_per_token(model, seq_len)

@@ -6,8 +6,11 @@ The count must equal what `transformers` builds for the same config, to the para
 Two paths (docs/planner.md "Architectures"):
 
 * analytic families (no torch): llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, qwen2_moe,
-  gemma, gemma2, gemma3_text, phi3, olmo2, deepseek_v3. Each module's parameters are derived
-  from the config, mirroring `transformers/models/<family>/modeling_<family>.py`;
+  gemma, gemma2, gemma3_text, phi3, olmo2, deepseek_v3, and the GPT-style blocks mpt and gpt2
+  (LayerNorm, fused QKV, a non-gated GeLU MLP, optional biases and learned position
+  embeddings). Each module's parameters are derived from the config, mirroring
+  `transformers/models/<family>/modeling_<family>.py` (MPT: llm-foundry's reading of the
+  config fields transformers ignores, see `ModelSpec.from_hf_dict`);
 * any other decoder-only `transformers` architecture: `shardwise.specs.hf_meta` builds the
   model on the meta device and the spec carries the inventory it read (`family="hf"`).
 """
@@ -28,12 +31,27 @@ from shardwise.specs.base import Spec
 Family = Literal[
     "llama", "mistral", "mixtral", "qwen2",
     "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3",
+    "mpt", "gpt2",
     "hf",  # any other transformers architecture, read on the meta device (ModelSpec.inventory)
 ]
 ANALYTIC_FAMILIES: tuple[str, ...] = (
     "llama", "mistral", "mixtral", "qwen2",
     "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3",
+    "mpt", "gpt2",
 )
+# GPT-style blocks: pre-LayerNorm, one fused QKV projection, multi-head attention, a non-gated
+# fc1 (h -> I) / activation / fc2 (I -> h) MLP, optional biases and learned position embeddings.
+GPT_FAMILIES = ("mpt", "gpt2")
+# Module names per GPT-style family (transformers' names): layer (norm 1, fused qkv, attention
+# output, norm 2, fc1, fc2) and root (token embedding, position embedding, final norm).
+_GPT_NAMES = {
+    "gpt2": (("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"), ("wte", "wpe", "ln_f")),
+    "mpt": (("norm_1", "attn.Wqkv", "attn.out_proj", "norm_2", "ffn.up_proj", "ffn.down_proj"), ("wte", "wpe", "norm_f")),
+}
+# MLP activations a GPT-style block may use (transformers' ACT2FN names); what each saves for
+# backward is `plan.activations.GPT_ACT_SAVED`. MPT's is fixed: nn.GELU(approximate="none").
+GPT_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python", "gelu_accurate", "gelu_10",
+                   "quick_gelu", "relu", "silu", "mish", "tanh", "sigmoid")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 # q/k norms: "head" = RMSNorm over head_dim after the projection (qwen3, gemma3), "full" = over
 # the whole q / kv projection width before the head split (olmo2).
@@ -126,6 +144,12 @@ class ModelSpec(Spec):
     tie_embeddings: bool = False
     attention_bias: bool = False  # q/k/v(/o) biases where the family has the switch (qwen2: always)
     mlp_bias: bool = False  # llama's mlp_bias
+    norm_bias: bool = Field(False, description="LayerNorm bias (GPT-style families: gpt2 always, mpt unless no_bias)")
+    learned_pos_emb: bool = Field(False, description="a learned absolute position table of max_position_embeddings "
+                                  "rows (gpt2: n_positions; mpt: llm-foundry's learned_pos_emb without ALiBi, which "
+                                  "transformers' MptForCausalLM never builds)")
+    hidden_act: str = Field("", description="GPT-style MLP activation (transformers ACT2FN name; mpt: gelu); "
+                            "'' for the other families, whose activation the family fixes")
     num_experts: int = Field(0, ge=0, description="0 = dense MLP")
     experts_per_token: int = Field(0, ge=0)
     max_position_embeddings: int = 4096
@@ -148,9 +172,31 @@ class ModelSpec(Spec):
                                            "(one more c·V per token saved on the loss side); 0 = none")
     inventory: HFInventory | None = None  # family "hf" only
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gpt_defaults(cls, data: Any) -> Any:
+        """GPT-style families' fixed parts, filled where a spec (catalog entry, constructor) omits
+        them: gpt2 has every bias, learned positions, MHA and `gelu_new` (GPT2Config's default);
+        mpt has MHA and exact GeLU."""
+        if not isinstance(data, dict) or data.get("family") not in GPT_FAMILIES:
+            return data
+        d = dict(data)
+        if d.get("num_heads") is not None:
+            d.setdefault("num_kv_heads", d["num_heads"])
+        if d.get("hidden_size") is not None:
+            d.setdefault("intermediate_size", 4 * d["hidden_size"])
+        if d["family"] == "gpt2":
+            for k in ("attention_bias", "mlp_bias", "norm_bias", "learned_pos_emb"):
+                d.setdefault(k, True)
+            d.setdefault("hidden_act", "gelu_new")
+        else:
+            d.setdefault("hidden_act", "gelu")
+        return d
+
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         where = f"model {self.name!r}"
+        self._check_gpt(where)
         if self.family == "deepseek_v3":
             if not (self.kv_lora_rank and self.qk_rope_head_dim and self.v_head_dim):
                 raise ShardwiseError(f"{where}: deepseek_v3 needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
@@ -200,6 +246,47 @@ class ModelSpec(Spec):
                                  "ModelSpec.from_hf_config on the meta device)")
         object.__setattr__(self, "head_dim", hd)
         return self
+
+    def _check_gpt(self, where: str) -> None:
+        """GPT-style fields belong to the GPT-style families; those families' fixed parts."""
+        f = self.family
+        if f not in GPT_FAMILIES:
+            bad = [k for k in ("norm_bias", "learned_pos_emb", "hidden_act") if getattr(self, k)]
+            if bad:
+                raise ShardwiseError(f"{where}: {', '.join(bad)} belong to the GPT-style families "
+                                     f"({', '.join(GPT_FAMILIES)}), not {f}")
+            return
+        if self.num_kv_heads != self.num_heads:
+            raise ShardwiseError(f"{where}: {f} is multi-head attention: num_kv_heads must equal num_heads "
+                                 f"{self.num_heads}, got {self.num_kv_heads}")
+        if self.head_dim not in (0, self.hidden_size // self.num_heads) or self.hidden_size % self.num_heads:
+            raise ShardwiseError(f"{where}: {f} head_dim is hidden_size / num_heads: hidden_size {self.hidden_size} "
+                                 f"must be a multiple of num_heads {self.num_heads} (head_dim {self.head_dim})")
+        if self.hidden_act not in GPT_ACTIVATIONS:
+            raise ShardwiseError(f"{where}: hidden_act {self.hidden_act!r} is not one the planner derives "
+                                 f"({', '.join(GPT_ACTIVATIONS)})")
+        if f == "gpt2":
+            fixed = {k: getattr(self, k) for k in ("attention_bias", "mlp_bias", "norm_bias", "learned_pos_emb")}
+            if not all(fixed.values()):
+                raise ShardwiseError(f"{where}: gpt2 always has linear and LayerNorm biases and learned position "
+                                     f"embeddings (transformers' GPT2 Conv1D/LayerNorm/wpe); got {fixed}")
+        else:
+            if not self.attention_bias == self.mlp_bias == self.norm_bias:
+                raise ShardwiseError(f"{where}: mpt biases are all or none (no_bias): attention_bias "
+                                     f"{self.attention_bias}, mlp_bias {self.mlp_bias}, norm_bias {self.norm_bias}")
+            if self.hidden_act != "gelu":
+                raise ShardwiseError(f"{where}: mpt's MLP activation is exact GeLU (hidden_act 'gelu'), "
+                                     f"got {self.hidden_act!r}")
+
+    @property
+    def is_gpt(self) -> bool:
+        """A GPT-style block (mpt, gpt2): LayerNorm, fused QKV, non-gated MLP."""
+        return self.family in GPT_FAMILIES
+
+    @property
+    def position_embedding_params(self) -> int:
+        """The learned absolute position table (a lookup, not a matmul); 0 without one."""
+        return self.max_position_embeddings * self.hidden_size if self.learned_pos_emb else 0
 
     # --- derived numbers -------------------------------------------------------------
     @cached_property
@@ -253,6 +340,10 @@ class ModelSpec(Spec):
     def _attention(self) -> list[tuple[str, int, int]]:
         """(module, weight, bias) of one layer's attention, in registration order."""
         h, q, kv, f = self.hidden_size, self.q_dim, self.kv_dim, self.family
+        if f in GPT_FAMILIES:  # one fused qkv projection [q | k | v] and the output projection
+            names = _GPT_NAMES[f][0]
+            b = self.attention_bias
+            return [(names[1], h * (q + 2 * kv), (q + 2 * kv) if b else 0), (names[2], q * h, h if b else 0)]
         if f == "deepseek_v3":  # deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention (MLA)
             b = self.attention_bias
             heads, ql, kvl, rope = self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
@@ -288,6 +379,9 @@ class ModelSpec(Spec):
         h, i = self.hidden_size, self.intermediate_size
         if self.family == "phi3":
             return [("gate_up_proj", h * 2 * i, 0), ("down_proj", i * h, 0)]
+        if self.family in GPT_FAMILIES:  # fc1 (h -> I), activation, fc2 (I -> h)
+            names, b = _GPT_NAMES[self.family][0], self.mlp_bias
+            return [(names[4], h * i, i if b else 0), (names[5], i * h, h if b else 0)]
         b = self.mlp_bias
         return [("gate_proj", h * i, i if b else 0), ("up_proj", h * i, i if b else 0), ("down_proj", i * h, h if b else 0)]
 
@@ -312,6 +406,10 @@ class ModelSpec(Spec):
 
     def _layer(self, moe: bool) -> list[tuple[str, int, int]]:
         """One decoder layer's modules in `model.parameters()` order."""
+        if self.family in GPT_FAMILIES:  # norm 1, attention, norm 2, MLP
+            names, h = _GPT_NAMES[self.family][0], self.hidden_size
+            nb = h if self.norm_bias else 0
+            return [(names[0], h, nb), *self._attention(), (names[3], h, nb), *self._dense_mlp()]
         norms = [(n, self.hidden_size, 0) for n in LAYER_NORMS.get(self.family, PRE_NORMS)]
         return self._attention() + (self._moe_mlp() if moe else self._dense_mlp()) + norms
 
@@ -331,13 +429,24 @@ class ModelSpec(Spec):
                     continue
                 seen[mod] = len(t)
                 t.append(ParamTensor(name=mod[0], weight=mod[1], bias=mod[2], count=kinds[moe]))
-        t += [
-            ParamTensor(name="embed_tokens", weight=self.vocab_size * self.hidden_size, layer=False),
-            ParamTensor(name="norm", weight=self.hidden_size, layer=False),
-        ]
-        if not self.tie_embeddings:
-            t.append(ParamTensor(name="lm_head", weight=self.vocab_size * self.hidden_size, layer=False))
+        t += [ParamTensor(name=n, weight=w, bias=b, layer=False) for n, w, b in self._root()]
         return tuple(t)
+
+    def _root(self) -> list[tuple[str, int, int]]:
+        """(module, weight, bias) outside the decoder layers, in `model.parameters()` order:
+        token embedding, learned position embedding (GPT-style), final norm, untied lm_head."""
+        h, v = self.hidden_size, self.vocab_size
+        if self.family in GPT_FAMILIES:
+            wte, wpe, norm = _GPT_NAMES[self.family][1]
+            out = [(wte, v * h, 0)]
+            if self.learned_pos_emb:
+                out.append((wpe, self.position_embedding_params, 0))
+            out.append((norm, h, h if self.norm_bias else 0))
+        else:
+            out = [("embed_tokens", v * h, 0), ("norm", h, 0)]
+        if not self.tie_embeddings:
+            out.append(("lm_head", v * h, 0))
+        return out
 
     @cached_property
     def layer_sizes(self) -> tuple[int, ...]:
@@ -392,9 +501,11 @@ class ModelSpec(Spec):
 
     @cached_property
     def embedding_params(self) -> int:
+        """Token embedding, untied lm_head and a learned position table (lookups and the output
+        projection: the parameters outside the decoder layers' matmuls)."""
         if self.inventory is not None:
             return self.inventory.embedding_params
-        return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.position_embedding_params
 
     @cached_property
     def largest_module(self) -> int:
@@ -417,12 +528,12 @@ class ModelSpec(Spec):
             for _, w, b in self._layer(moe):
                 sizes += [w] + ([b] if b else [])
             per_kind[moe] = sizes
-        out = [self.vocab_size * self.hidden_size]
+        root = [[w] + ([b] if b else []) for _, w, b in self._root()]
+        n_embed = 2 if self.is_gpt and self.learned_pos_emb else 1  # wte (and wpe) come before the layers
+        out = [n for sizes in root[:n_embed] for n in sizes]
         for moe in self.moe_layers:
             out += per_kind[moe]
-        out.append(self.hidden_size)
-        if not self.tie_embeddings:
-            out.append(self.vocab_size * self.hidden_size)
+        out += [n for sizes in root[n_embed:] for n in sizes]
         return tuple(out)
 
     @cached_property
@@ -464,6 +575,8 @@ class ModelSpec(Spec):
             from shardwise.specs.hf_meta import spec_from_meta
 
             return spec_from_meta(cfg, name=name, source=source)
+        if model_type in GPT_FAMILIES:
+            return cls._from_gpt_dict(cfg, model_type, name, source)
         required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
         missing = [k for k in required if cfg.get(k) is None]
         if missing:
@@ -538,10 +651,124 @@ class ModelSpec(Spec):
         except ShardwiseError as e:
             raise ShardwiseError(f"{source}: {e}") from None
 
+    @classmethod
+    def _from_gpt_dict(cls, cfg: dict, model_type: str, name: str, source: str) -> ModelSpec:
+        """A GPT-style config.json (mpt, gpt2). Widths under their own names or transformers'
+        aliases (d_model/n_embd = hidden_size, n_heads/n_head = num_attention_heads,
+        n_layers/n_layer = num_hidden_layers, max_seq_len/n_positions = max_position_embeddings).
+
+        gpt2 (GPT2Config, gpt2/modeling_gpt2.py): Conv1D and LayerNorm biases everywhere, wpe of
+        n_positions rows, MLP n_inner (default 4h), `activation_function` (default gelu_new),
+        tied lm_head unless tie_word_embeddings is false. Dropout is not modelled (0 assumed).
+
+        mpt: fields read as MptConfig documents them and llm-foundry (which wrote these configs)
+        builds them: `no_bias` drops every linear and LayerNorm bias, `expansion_ratio`·d_model is
+        the MLP width, and a learned position table of max_seq_len rows exists when
+        `learned_pos_emb` and neither `attn_config.alibi` nor `attn_config.rope` (llm-foundry's
+        MPTConfig turns learned_pos_emb off under ALiBi/RoPE). transformers' MptForCausalLM
+        (mpt/modeling_mpt.py) ignores those three fields: it always builds ALiBi, no biases and a
+        4h MLP, so with transformers' defaults (no_bias true, alibi true, expansion_ratio 4: the
+        Hub checkpoints) both agree to the parameter; llm-foundry's own defaults (no_bias false,
+        alibi false, learned_pos_emb true: its training yamls) describe a model transformers
+        cannot build (its published NumParams are matched instead). Grouped/multi-query
+        attention, qk_ln, RoPE with learned positions and non-`mptmlp` FFNs are refused."""
+        names = {
+            "mpt": {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+                    "max_position_embeddings": "max_seq_len"},
+            "gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
+                     "max_position_embeddings": "n_positions"},
+        }[model_type]
+        d = dict(cfg)
+        for alias, own in names.items():
+            if d.get(alias) is None:
+                d.pop(alias, None)
+                continue
+            value = d.pop(alias)
+            if d.get(own) is None:
+                d[own] = value
+            elif d[own] != value:
+                raise ShardwiseError(f"{source}: field {own!r} ({d[own]!r}) and its alias {alias!r} ({value!r}) "
+                                     "disagree; give one of them")
+        required = [names["hidden_size"], names["num_attention_heads"], names["num_hidden_layers"], "vocab_size"]
+        missing = [k for k in required if d.get(k) is None]
+        if missing:
+            raise ShardwiseError(f"{source}: missing field(s) {', '.join(repr(k) for k in missing)} "
+                                 f"(a {model_type} config.json needs {', '.join(required)})")
+        pos = names["max_position_embeddings"]
+        d.setdefault(pos, 2048 if model_type == "mpt" else 1024)
+        ints = [*required, pos] + (["n_inner"] if model_type == "gpt2" else [])
+        for k in ints:
+            if d.get(k) is not None and (not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] <= 0):
+                raise ShardwiseError(f"{source}: field {k!r} must be a positive integer, got {d[k]!r}")
+        h = d[names["hidden_size"]]
+        kw: dict = dict(name=name, family=model_type, hidden_size=h, num_layers=d[names["num_hidden_layers"]],
+                        num_heads=d[names["num_attention_heads"]], num_kv_heads=d[names["num_attention_heads"]],
+                        vocab_size=d["vocab_size"], max_position_embeddings=d[pos],
+                        tie_embeddings=bool(d.get("tie_word_embeddings", True)))
+        if model_type == "gpt2":
+            if d.get("add_cross_attention"):
+                raise ShardwiseError(f"{source}: field 'add_cross_attention' is true: cross-attention layers "
+                                     "belong to an encoder-decoder, not a decoder-only model")
+            act = d.get("activation_function", "gelu_new")
+            if act not in GPT_ACTIVATIONS:
+                raise ShardwiseError(f"{source}: field 'activation_function' is {act!r}, not one whose saved "
+                                     f"tensors the planner derives ({', '.join(GPT_ACTIVATIONS)})")
+            kw.update(intermediate_size=d.get("n_inner") or 4 * h, hidden_act=act, attention_bias=True,
+                      mlp_bias=True, norm_bias=True, learned_pos_emb=True)
+        else:
+            attn = d.get("attn_config") or {}
+            ffn = d.get("ffn_config") or {}
+            if not isinstance(attn, dict) or not isinstance(ffn, dict):
+                raise ShardwiseError(f"{source}: fields 'attn_config' and 'ffn_config' must be objects")
+            if attn.get("attn_type", "multihead_attention") != "multihead_attention":
+                raise ShardwiseError(f"{source}: field 'attn_config.attn_type' is {attn['attn_type']!r}: the mpt "
+                                     "family is multi-head attention (transformers' MptAttention builds no other)")
+            if attn.get("qk_ln") or attn.get("qk_gn"):
+                raise ShardwiseError(f"{source}: field 'attn_config.qk_ln' is not modelled for mpt")
+            if ffn.get("ffn_type", "mptmlp") != "mptmlp":
+                raise ShardwiseError(f"{source}: field 'ffn_config.ffn_type' is {ffn['ffn_type']!r}: the mpt family "
+                                     "is the non-gated GeLU MLP ('mptmlp')")
+            ratio = d.get("expansion_ratio", 4)
+            if not isinstance(ratio, int | float) or isinstance(ratio, bool) or ratio <= 0:
+                raise ShardwiseError(f"{source}: field 'expansion_ratio' must be a positive number, got {ratio!r}")
+            bias = not d.get("no_bias", True)
+            learned = bool(d.get("learned_pos_emb", True)) and not attn.get("alibi", True) and not attn.get("rope")
+            kw.update(intermediate_size=int(h * ratio), hidden_act="gelu", attention_bias=bias, mlp_bias=bias,
+                      norm_bias=bias, learned_pos_emb=learned)
+        try:
+            return cls(**kw)
+        except ShardwiseError as e:
+            raise ShardwiseError(f"{source}: {e}") from None
+
+    def _to_gpt_dict(self) -> dict:
+        h, i = self.hidden_size, self.intermediate_size
+        if self.family == "gpt2":
+            d: dict[str, Any] = {
+                "model_type": "gpt2", "n_embd": h, "n_layer": self.num_layers, "n_head": self.num_heads,
+                "n_inner": i, "n_positions": self.max_position_embeddings, "vocab_size": self.vocab_size,
+                "activation_function": self.hidden_act, "tie_word_embeddings": self.tie_embeddings,
+                # dropout is not modelled: the spec describes the model without it
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            }
+            if 50256 >= self.vocab_size:  # GPT2Config's bos/eos default, outside a small vocab
+                d.update(bos_token_id=None, eos_token_id=None)
+            return d
+        return {
+            "model_type": "mpt", "d_model": h, "n_heads": self.num_heads, "n_layers": self.num_layers,
+            "expansion_ratio": i // h if i % h == 0 else i / h, "max_seq_len": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "no_bias": not self.attention_bias,
+            "learned_pos_emb": self.learned_pos_emb, "attn_config": {"alibi": not self.learned_pos_emb},
+            "tie_word_embeddings": self.tie_embeddings,
+        }
+
     def to_hf_dict(self) -> dict:
-        """The transformers config this spec describes (for meta-device checks and random init)."""
+        """The transformers config this spec describes (for meta-device checks and random init).
+        An mpt spec with biases or learned positions (llm-foundry's) is written as such;
+        transformers' MptForCausalLM builds it without them (see `_from_gpt_dict`)."""
         if self.inventory is not None:
             return json.loads(self.inventory.config_json)
+        if self.is_gpt:
+            return self._to_gpt_dict()
         f = self.family
         d: dict[str, Any] = {
             "model_type": f,

@@ -49,6 +49,61 @@ def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
         )
 
 
+# Analytic families whose transformers causal-LM class has no SDPA path (`_supports_sdpa` False
+# in transformers 5.24; tests/train/test_inputs_checked.py checks every family against the
+# installed transformers): gemma2 (attention logit softcapping), mpt (eager-only MptAttention).
+NO_SDPA = ("gemma2", "mpt")
+
+
+def attention_implementation(run: RunSpec) -> str:
+    """The `attn_implementation` the model is built with: the planner's `attention_kind`, i.e.
+    `model.attention`, except where transformers has no SDPA path and the planner already plans
+    the eager attention that runs instead (Gemma2). What is planned is what is built; preflight
+    says so once (`attention_note`)."""
+    from shardwise.plan.activations import attention_kind
+
+    return attention_kind(run.model, run.train)
+
+
+def attention_note(run: RunSpec) -> str | None:
+    """Preflight's check of the attention kernel, before any rank builds the model.
+
+    - The planner plans eager for the family under `sdpa` (Gemma2): it runs eager; the note says so.
+    - transformers has no SDPA path but the plan assumed one (MPT, whose plan is llm-foundry's
+      fused kernel; meta-path architectures whose class lacks `_supports_sdpa`): refused naming
+      `model.attention`, since eager's s×s scores would break the memory check.
+    None: the configured kernel runs as planned."""
+    cfg = run.config
+    impl = attention_implementation(run)
+    if impl != cfg.model.attention:
+        return (f"{cfg.source}: model.attention is {cfg.model.attention!r}, but transformers has no SDPA path for "
+                f"{run.model.family} ({run.model.name}); building it with {impl!r} attention, as the memory plan "
+                f"assumes (set model.attention: {impl} to make this explicit)")
+    if impl != "sdpa":
+        return None
+    if run.model.inventory is not None:
+        cls = causal_lm_class(run.model.inventory.model_type)
+        refused = cls is not None and not getattr(cls, "_supports_sdpa", True)
+        what = f"{cls.__name__} (model_type {run.model.inventory.model_type!r})" if refused else ""
+    else:
+        refused, what = run.model.family in NO_SDPA, f"model_type {run.model.family!r}"
+    if refused:
+        raise ShardwiseError(
+            f"{cfg.source}: model.attention is 'sdpa', but transformers has no SDPA path for {what}; set "
+            "model.attention: eager (--set model.attention=eager), which plans and builds the eager attention")
+    return None
+
+
+def causal_lm_class(model_type: str):
+    """transformers' AutoModelForCausalLM class for `model_type` (None where it has none: a
+    checkpoint's own code decides)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if isinstance(name, str) else None
+
+
 def build_model(run: RunSpec):
     """The run's model: fp32 master weights on CPU (engines move, cast and shard them), seeded
     by run.seed on every rank, with the planned activation checkpointing. A catalog model is
@@ -58,7 +113,7 @@ def build_model(run: RunSpec):
 
     cfg = run.config.model
     torch.manual_seed(run.config.run.seed)  # the init is part of the result: equal on every rank
-    kw = {"attn_implementation": cfg.attention, "trust_remote_code": cfg.trust_remote_code}
+    kw = {"attn_implementation": attention_implementation(run), "trust_remote_code": cfg.trust_remote_code}
     if cfg.path is None:
         d = dict(run.model.to_hf_dict())
         hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)

@@ -18,7 +18,7 @@ from shardwise.run import RunSpec, run_spec, train_spec
 from shardwise.specs import STRATEGY_NAMES, Strategy
 from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
-from shardwise.train.model import check_model_source
+from shardwise.train.model import attention_note, check_model_source
 
 
 def check_launch(world_size: int, device: str, source: str = "<config>") -> None:
@@ -181,6 +181,9 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_model_source(cfg.model, cfg.source)
     check_data(cfg)
     run = run_spec(cfg, world_size, device)
+    note = attention_note(run)  # refuses an SDPA request the architecture cannot run
+    if note:
+        print(f"shardwise: {note}")
     memory = check_memory(run, force)
     check_output_space(run)
     prepare_data(run)
