@@ -218,6 +218,10 @@ def compare(run: dict) -> dict:
     for k in ("mfu", "hfu", "tflops_per_gpu"):
         if k in pub:
             out[f"published_{k}"] = pub[k]
+    if run.get("fits_unknown"):  # a setting the planner cannot express decides the memory
+        out["fits_unknown"] = run["fits_unknown"]
+        out["false_oom"] = out["missed_oom"] = False
+        return out
     out["false_oom"] = (not ev.fits) and pub.get("trained") is True
     out["missed_oom"] = ev.fits and pub.get("trained") is False
     return out
@@ -259,6 +263,7 @@ def summarize(results: list[dict]) -> dict:
         "trained_published": sum(r["trained"] is not None for r in done),
         "oom_published": sum(r["trained"] is False for r in done),
         "false_oom": [r["name"] for r in done if r["false_oom"]],
+        "fits_unknown": [r["name"] for r in done if r.get("fits_unknown")],
         "missed_oom": [r["name"] for r in done if r["missed_oom"]],
     }
 

@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+from shardwise.specs import ModelSpec
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,9 +78,11 @@ def test_run_schema(run):
     for k in pub.get("derived", {}):
         assert k in pub, f"derived {k} has no value"
     if isinstance(run["model"], dict):
-        for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "intermediate_size", "vocab_size", "tie_word_embeddings"):
-            assert k in run["model"]
+        # a config of its own family (llama-style, mpt, gpt2 field names): the planner reads it
+        # the way transformers does, and names any field it lacks
+        assert "model_type" in run["model"] and "vocab_size" in run["model"]
+        spec = ModelSpec.from_hf_dict(dict(run["model"]), source=run["name"])
+        assert spec.params > 0
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: f"{r['_source']['id']}:{r['name']}")
@@ -96,7 +100,10 @@ def test_compare_runs(run):
         assert math.isfinite(out["memory_rel_err"])
     if "tokens_per_s_per_gpu" in run["published"]:
         assert math.isfinite(out["tokens_rel_err"])
-    assert out["false_oom"] == ((not out["fits"]) and run["published"]["trained"])
+    if run.get("fits_unknown"):  # the memory depends on a setting the source does not publish
+        assert out["false_oom"] is False and out["missed_oom"] is False and out["fits_unknown"]
+    else:
+        assert out["false_oom"] == ((not out["fits"]) and run["published"]["trained"])
 
 
 def test_report_is_consistent(tmp_path):

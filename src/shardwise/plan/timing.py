@@ -31,7 +31,7 @@ from shardwise.specs.train import TrainSpec
 ELEMENTWISE_FACTOR = 1.8
 # The same work fused (torch.compile's generated kernels, Megatron-LM's fused LayerNorm, bias-GeLU,
 # softmax, RoPE): intermediates stay in registers. Fitted on the published compiled/Megatron runs.
-FUSED_ELEMENTWISE_FACTOR = 0.5
+FUSED_ELEMENTWISE_FACTOR = 1.0
 FUSED_KERNEL_SHARE = 0.4  # launches left when elementwise chains are fused# GPU idle per kernel launch in eager PyTorch (the CPU launches the next kernel while a short
 # one runs; small widths leave gaps): added to the GPU time.
 LAUNCH_S = 10e-6
@@ -92,8 +92,10 @@ def _layer_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float, float]]:
     """(k, n, share of tokens) of one decoder layer's linears (Llama-block widths; the total is
     rescaled to the layer's exact parameter count in `_compute`)."""
     h, q, kv = model.hidden_size, model.q_dim / tp, model.kv_dim / tp
-    out = [(h, q, 1.0), (h, kv, 1.0), (h, kv, 1.0), (q, h, 1.0)]
     i = model.intermediate_size / tp
+    if model.is_gpt:  # fused QKV, output projection, 4h MLP (fc1, fc2)
+        return [(h, q + 2 * kv, 1.0), (q, h, 1.0), (h, i, 1.0), (i, h, 1.0)]
+    out = [(h, q, 1.0), (h, kv, 1.0), (h, kv, 1.0), (q, h, 1.0)]
     if model.is_moe:
         e, k = model.num_experts, model.experts_per_token
         out.append((h, e, 1.0))  # router
@@ -107,13 +109,17 @@ def _elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: i
     """Memory-bound bytes per token of one layer's forward outside GEMMs and attention: two
     RMSNorms with their fp32 upcast (HF `LlamaRMSNorm`: cast, pow, mean, rsqrt, mul, cast back,
     weight), two residual adds, RoPE on q and k, SiLU and the gate product, the attention
-    output's reshape. Residual stream in fp32 under autocast. Backward moves about twice the
-    forward's bytes."""
+    output's reshape (GPT blocks: LayerNorm kernels, GeLU, no RoPE). Residual stream in fp32
+    under autocast. Backward moves about twice the forward's bytes."""
     c = train.compute_bytes
     r = 4 if autocast else c
     h, q, kv, i = model.hidden_size, model.q_dim / tp, model.kv_dim / tp, model.intermediate_size / tp
     if model.is_moe:
         i *= model.experts_per_token
+    if model.is_gpt:  # LayerNorm (one fused kernel), no RoPE, GeLU, fused QKV fed once
+        norms = 2 * h * (r + c)
+        residual = 2 * 3 * r * h + (2 * (4 + c) * h if autocast else 0)
+        return norms + residual + 2 * c * i + 2 * c * q
     norms = 2 * h * (r + 28 + 3 * c)
     residual = 2 * 3 * r * h
     if autocast:  # each linear fed by a norm casts its fp32 input: q, k, v, gate, up
