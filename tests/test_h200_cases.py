@@ -103,3 +103,25 @@ def test_time_follows_the_optimizer_and_loss_implementation():
     std = evaluate(q_model, q_hw, q_train, q_strategy).time
     fused_ce = evaluate(q_model, q_hw, q_train.model_copy(update={"cross_entropy": "fused"}), q_strategy).time
     assert fused_ce.memory_bound_s < std.memory_bound_s
+
+
+def test_plan_cli_takes_the_implementation_settings():
+    import json
+
+    from typer.testing import CliRunner
+
+    from shardwise.cli import app
+
+    def run(*flags):
+        res = CliRunner().invoke(app, ["plan", "--json", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1",
+                                       "-s", "fsdp", "--seq-len", "4096", "--checkpointing", "full", *flags])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)["strategies"][0]
+
+    fused, foreach = run(), run("--optimizer-impl", "foreach")
+    assert foreach["memory"]["step_buffers"] > fused["memory"]["step_buffers"]
+    assert fused["fits"] and not foreach["fits"]  # the false OOM of the issue, and why it was one
+    assert run("--expandable-segments")["memory"]["allocator_slack"] < fused["memory"]["allocator_slack"]
+    assert run("--fused-kernels")["time"]["memory_bound_s"] < fused["time"]["memory_bound_s"]
+    bad = CliRunner().invoke(app, ["plan", "--optimizer-impl", "apex"])
+    assert bad.exit_code == 2 and "optimizer_impl" in bad.output

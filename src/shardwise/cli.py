@@ -44,7 +44,10 @@ def plan(
     checkpointing: str = typer.Option("none", "--checkpointing", help="none | full | selective"),
     attention: str = typer.Option("sdpa", "--attention", help="eager | sdpa | flash"),
     lora_rank: int = typer.Option(0, "--lora-rank", help="0 = full fine-tuning."),
-    cross_entropy: str = typer.Option("standard", "--cross-entropy", help="standard | chunked | fused"),
+    cross_entropy: str = typer.Option("standard", "--cross-entropy", help="standard | chunked | fused | inplace"),
+    optimizer_impl: str = typer.Option("fused", "--optimizer-impl", help="AdamW kernel: fused | foreach | forloop."),
+    fused_kernels: bool = typer.Option(False, "--fused-kernels", help="Elementwise work fused (torch.compile, Megatron-style kernels)."),
+    expandable_segments: bool = typer.Option(False, "--expandable-segments", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less reserved slack)."),
     strategy: list[str] | None = typer.Option(None, "--strategy", "-s", help="Repeatable; default: all."),
     tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree of the table (default 1); given, the "
                                   "recommender keeps to it too (default: it sweeps 1, 2, 4, 8)."),
@@ -87,7 +90,8 @@ def plan(
             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
             lora_rank=lora_rank, cross_entropy=cross_entropy, host_memory_gb=host_memory_gb,
-            nics_per_node=nics_per_node, profile=profile,
+            nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
+            fused_kernels=fused_kernels, expandable_segments=expandable_segments,
         )
         check_margin(margin)
         if accounting not in ("engine", "paper", "deepspeed"):
