@@ -36,6 +36,8 @@ class TrainSpec(Spec):
     optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")
     fused_kernels: bool = Field(False, description="elementwise work fused (torch.compile, Megatron-LM's fused "
                                 "kernels): priced as one read and write per fused region, fewer launches")
+    fused_norm: bool = Field(False, description="RMSNorm as one fused kernel (torchtitan fused_rmsnorm, Liger, "
+                             "apex; implied by fused_kernels): it saves its input and rstd, not the fp32 chain")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
                                       "the caching allocator grows/shrinks segments (less reserved slack)")
     sequence_parallel: bool = Field(True, description="under TP, norms/residuals sharded over the TP ranks "
