@@ -203,7 +203,7 @@ def _nothing_fits(model: ModelSpec, hw: HardwareSpec, evals: list[Evaluation], p
                 f"(have {m.host_capacity_bytes / GIB:.0f})")
     what = "" if plan_only else " that shardwise can train"
     return (f"no configuration of {model.name}{what} fits {hw.world_size}× {hw.gpu.name} "
-            f"({hw.gpu.memory_bytes / 1e9:.0f} GB){need}: add GPUs, use LoRA, or a larger GPU")
+            f"({hw.gpu.memory_bytes / GIB:.0f} GiB){need}: add GPUs, use LoRA, or a larger GPU")
 
 
 def _alt_clause(alts: tuple[Alternative, ...]) -> str:

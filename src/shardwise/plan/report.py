@@ -98,7 +98,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
 
     title = (
         f"{model.name} ({model.params / 1e9:.2f}B params) on {hw.world_size}× {hw.gpu.name} "
-        f"({hw.gpu.memory_bytes / 1e9:.0f} GB), seq {train.seq_len} × micro-batch {train.micro_batch}"
+        f"({hw.gpu.memory_bytes / GIB:.0f} GiB), seq {train.seq_len} × micro-batch {train.micro_batch}"
         f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
         + (f", LoRA rank {train.lora_rank}" if train.lora_rank else "") + f"\n{links_line(hw)}"
     )
