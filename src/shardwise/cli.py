@@ -310,6 +310,7 @@ def _passthrough(module: str, name: str, help_text: str):
 _passthrough("shardwise.data.cli", "data", "SFT data tools: `shardwise data inspect FILE`.")
 _passthrough("shardwise.train.cli", "train", "Train with DeepSpeed, FSDP2 or DDP from a YAML config.")
 _passthrough("shardwise.train.export_cli", "export", "Export a checkpoint as a Hugging Face model directory.")
+_passthrough("shardwise.bench.calibrate_cli", "calibrate", "Measure this machine's GPUs and links into a hardware profile.")
 
 
 def main() -> None:

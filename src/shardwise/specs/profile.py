@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,6 +50,8 @@ class HardwareProfile(_Part):
     pcie_bytes_per_s: float | None = Field(None, gt=0)
     host_adam_params_per_s: float | None = Field(None, gt=0)
     host_torch_adam_params_per_s: float | None = Field(None, gt=0)
+    raw: dict[str, Any] = Field(default_factory=dict, description="the measurements behind the figures "
+                                "(for reading; the planner does not use them)")
 
     def apply(self, hw: HardwareSpec) -> HardwareSpec:
         """`hw` with every measured figure of this profile in place of the catalog's."""
