@@ -9,9 +9,9 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shardwise.specs import ModelSpec
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = ROOT / "benchmarks" / "published"
