@@ -311,6 +311,7 @@ _passthrough("shardwise.data.cli", "data", "SFT data tools: `shardwise data insp
 _passthrough("shardwise.train.cli", "train", "Train with DeepSpeed, FSDP2 or DDP from a YAML config.")
 _passthrough("shardwise.train.export_cli", "export", "Export a checkpoint as a Hugging Face model directory.")
 _passthrough("shardwise.bench.calibrate_cli", "calibrate", "Measure this machine's GPUs and links into a hardware profile.")
+_passthrough("shardwise.bench.bench_cli", "bench", "Run a few trainer steps; measured memory, time and comm vs the plan.")
 
 
 def main() -> None:

@@ -1,0 +1,56 @@
+"""`shardwise bench CONFIG.yaml [--steps N] [--set k=v ...] [--nproc N] [--out DIR] [--sweep k=v1,v2 ...]`:
+run the trainer for a few steps and compare measured memory, time and collective bytes with the plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from shardwise.errors import ShardwiseError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+
+
+@app.command()
+def bench(
+    config: Annotated[Path, typer.Argument(help="YAML config (as for `shardwise train`).")],
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps per point (>= 3: steady-state comm).")] = 5,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override: section.field=value (repeatable).")] = None,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="Local ranks to start (default: run.nproc).")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Where bench.json, report.md and the plots go.")] = Path(
+        "runs/bench"),
+    sweep: Annotated[list[str] | None, typer.Option(
+        "--sweep", help="section.field=v1,v2 (repeatable; the cartesian product is run, one launch per point).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Run even if the planner predicts OOM.")] = False,
+) -> None:
+    """Per rank: model-state bytes by term (census of the live engine) vs the planner, memory after
+    forward / backward / optimizer step (CUDA allocator peaks; host RSS on CPU, never compared with
+    the GPU plan), forward / backward / optimizer time, tokens/s, MFU (CUDA), and collective bytes
+    per kind vs the planner. Exit codes: 0 done, 2 bad input (nothing ran), else the trainer's."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from shardwise.bench.bench_report import print_table
+    from shardwise.bench.run_bench import BenchFailed, bench_points
+
+    err = Console(stderr=True)
+    try:
+        doc = bench_points(config, list(set_ or []), steps, nproc, out, sweep, force)
+    except ShardwiseError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except BenchFailed as e:
+        err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(e.code) from None
+    print_table(doc)
+    Console().print(f"wrote {out / 'bench.json'} and {out / 'report.md'}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
