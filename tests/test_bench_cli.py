@@ -137,6 +137,7 @@ def test_bench_json_has_every_term_side_by_side(swept) -> None:
         for k in ("forward_s", "backward_s", "optimizer_s", "step_s", "tokens_per_s", "tflops"):
             assert t[k] > 0, (p["label"], k, t)
         assert t["mfu"] is None  # no GPU peak to divide by on CPU
+        assert t["predicted"]["step_s"] > 0 and t["predicted"]["tokens_per_s_per_gpu"] > 0
         # host memory on CPU, per rank and phase; the GPU plan's phases are not set beside it
         assert p["memory_kind"] == "host_rss" and "memory_plan" not in p
         assert sorted(p["memory_by_phase"]) == ["rank0", "rank1"]

@@ -151,6 +151,13 @@ def write_report(out: Path, doc: dict[str, Any]) -> Path:
                   f"forward {t['forward_s'] * 1e3:.1f} ms, backward {t['backward_s'] * 1e3:.1f} ms, optimizer "
                   f"{t['optimizer_s'] * 1e3:.1f} ms, step {(t['step_s'] or 0) * 1e3:.1f} ms; {tps} tokens/s; MFU {mfu}",
                   ""]
+        if t.get("predicted"):
+            pr = t["predicted"]
+            where = "" if cuda else " (on CPU: the plan prices the GPU the config names, not this CPU)"
+            lines += [f"Planned step {pr['step_s'] * 1e3:.1f} ms: GEMM {pr['gemm_s'] * 1e3:.1f}, attention "
+                      f"{pr['attention_s'] * 1e3:.1f}, memory-bound {pr['memory_bound_s'] * 1e3:.1f}, optimizer "
+                      f"{pr['optimizer_s'] * 1e3:.1f}, host {pr['host_s'] * 1e3:.1f}, exposed communication "
+                      f"{pr['exposed_comm_s'] * 1e3:.1f} ms{where}.", ""]
     plot_time(points, out / "time.png")
     lines += ["## Step time breakdown", "", "![step time](time.png)", ""]
     if len(points) > 1:

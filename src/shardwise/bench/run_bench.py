@@ -422,7 +422,14 @@ def compare(p: Point, ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]
     peak = run.hardware.gpu.peak_flops(run.train.compute_dtype) if cuda else None
     # the breakdown of rank 0 (whose StepRecords give the step time); every rank's is kept
     phase_s = {f"{ph}_s": per_rank_time[0][f"{ph}_s"] or 0.0 for ph in PHASES}
+    from shardwise.plan.evaluate import evaluate
+
+    planned = evaluate(run.model, run.hardware, run.train, run.strategy).time
     timing = {**phase_s, "step_s": step_s,
+              # the planner's step for the same specs (on CPU it prices the GPU it was asked to plan)
+              "predicted": {k: getattr(planned, k) for k in ("step_s", "compute_s", "gemm_s", "attention_s",
+                                                             "memory_bound_s", "optimizer_s", "host_s",
+                                                             "exposed_comm_s", "tokens_per_s_per_gpu")},
               "other_s": max(0.0, step_s - sum(phase_s.values())) if step_s else None,
               "tokens_per_s": tps, "tflops": tps * fpt / 1e12 if tps else None,
               "mfu": tps * fpt / (peak * p.world) if tps and peak else None,
