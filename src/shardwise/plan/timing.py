@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from shardwise.plan.comm import CommBreakdown
 from shardwise.plan.flops import attention_flops_per_token, model_flops_per_token, selective_recompute_params
 from shardwise.plan.lora import adapter_params, adapters
+from shardwise.plan.memory import stage_layer_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -165,8 +166,6 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     ZeRO: gathers into new buffers, grads through the reduce bucket into the partition;
     DDP under autocast: the weights cast per forward and the fp32 grad accumulation."""
     c, k, n = train.compute_bytes, train.grad_accum, max(layout.dp_shard, 1)
-    from shardwise.plan.memory import stage_layer_params
-
     layers = stage_layer_params(model, layout.pp) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.precision in ("bf16-mixed", "fp16-mixed") else c
@@ -337,8 +336,6 @@ def comm_time(comm: CommBreakdown, hw: HardwareSpec, layout: ParallelLayout) -> 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
-    from shardwise.plan.memory import stage_params
-
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica per step
     psi = stage_params(model, layout.tp, layout.pp)
     ct = compute_time(model, hw, train, strategy, layout, psi)
@@ -401,8 +398,6 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
 
 
 def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: TrainSpec) -> float:
-    from shardwise.plan.memory import stage_params
-
     """PCIe transfers (grads down, params up; full offload streams params every pass) plus the
     optimizer step on the host over this node's partitions: DeepSpeed's CPU Adam for ZeRO
     offload, torch's AdamW on CPU tensors for FSDP2's CPUOffloadPolicy."""
