@@ -22,6 +22,14 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
+
+def _save(plt, fig, ax, path: Path) -> None:
+    """Legend, layout, PNG, and the figure closed (matplotlib keeps open ones alive)."""
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
 def _mib(x: float | None) -> str:
     return "-" if x is None else f"{x / MIB:,.2f}"
 
@@ -38,10 +46,7 @@ def plot_states(point: dict[str, Any], path: Path) -> None:
     ax.set_xticks(list(x), terms, rotation=15)
     ax.set_ylabel("MiB per rank")
     ax.set_title(f"model-state bytes: {point['label']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def plot_memory(point: dict[str, Any], path: Path) -> None:
@@ -62,10 +67,7 @@ def plot_memory(point: dict[str, Any], path: Path) -> None:
     ax.set_xticks(range(3), phases)
     ax.set_ylabel("MiB " + ("(CUDA allocated peak of the phase)" if cuda else "(host RSS: not GPU memory)"))
     ax.set_title(f"memory by phase: {point['label']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def plot_time(points: list[dict[str, Any]], path: Path) -> None:
@@ -79,10 +81,7 @@ def plot_time(points: list[dict[str, Any]], path: Path) -> None:
     ax.set_xticks(range(len(points)), [p["short"] for p in points], rotation=15)
     ax.set_ylabel("ms per optimizer step (median)")
     ax.set_title("step time breakdown")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def plot_errors(points: list[dict[str, Any]], path: Path) -> None:

@@ -31,7 +31,7 @@ import os
 import re
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +138,10 @@ class _Probe:
                                  gc_sweep=False)
             self.census, self.census_s = dict(census.bytes), time.perf_counter() - c0
 
+    def counting(self):
+        """The collective counter on the instrumented (last) step, nothing on the timed ones."""
+        return self.counter if self.cur is not None and self.cur["instrumented"] else nullcontext()
+
     def begin_step(self) -> float:
         self._reset_peak()
         return self._mark()
@@ -178,10 +182,7 @@ class _Instrumented:
     def forward_backward(self, batch: dict[str, Any], loss_scale: float) -> Any:
         p = self._probe
         p.begin_forward_backward()
-        if p.cur is not None and p.cur["instrumented"]:
-            with p.counter:
-                out = self._engine.forward_backward(batch, loss_scale)
-        else:
+        with p.counting():
             out = self._engine.forward_backward(batch, loss_scale)
         p.end_forward_backward(batch, self._engine)
         return out
@@ -189,10 +190,7 @@ class _Instrumented:
     def step(self) -> float:
         p = self._probe
         t0 = p.begin_step()
-        if p.cur is not None and p.cur["instrumented"]:
-            with p.counter:
-                norm = self._engine.step()
-        else:
+        with p.counting():
             norm = self._engine.step()
         p.end_step(t0)
         return norm
@@ -200,10 +198,7 @@ class _Instrumented:
     def zero_grad(self) -> None:
         p = self._probe
         t0 = p._mark()
-        if p.cur is not None and p.cur["instrumented"]:
-            with p.counter:
-                self._engine.zero_grad()
-        else:
+        with p.counting():
             self._engine.zero_grad()
         p.end_zero_grad(t0)
 
