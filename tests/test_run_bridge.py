@@ -179,7 +179,26 @@ def test_to_config_refuses_tp_and_notes_what_the_trainer_cannot_run():
         to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name("fsdp", tp=2))
     cfg, notes = to_config(get_model("llama-2-7b"), hw, TrainSpec(precision="bf16-pure", lora_rank=8),
                            Strategy.from_name("zero3"))
-    assert cfg.precision == "bf16-mixed" and len(notes) == 2
+    assert cfg.precision == "bf16-mixed" and len(notes) == 1
+    # LoRA is trained now: carried into the config's lora section, not noted as a difference
+    assert cfg.lora is not None and cfg.lora.rank == 8
+    assert list(cfg.lora.target_modules) == list(TrainSpec().lora_targets)
+
+
+@pytest.mark.parametrize("lora", [
+    {"rank": 8, "target_modules": "all-linear", "modules_to_save": ["lm_head"]},
+    {"rank": 16, "target_modules": ["q_proj", "v_proj"], "quantization": "nf4"},
+])
+def test_lora_section_round_trips(lora):
+    """lora: → TrainSpec (rank, targets, modules_to_save, base quantisation) → lora: again."""
+    cfg = TrainConfig.model_validate({"lora": lora, "strategy": {"name": "ddp"}})
+    run = run_spec(cfg, 2, "cuda", environ={})
+    t = run.train
+    assert t.lora_rank == lora["rank"] and t.lora_modules_to_save == tuple(lora.get("modules_to_save", ()))
+    assert t.base_quant == lora.get("quantization", "none")
+    back, notes = to_config(run.model, run.hardware, t, run.strategy, base=cfg)
+    assert back.lora == cfg.lora and not notes
+    assert run_spec(back, 2, "cuda", environ={}).train == t
 
 
 def _imports(path: Path) -> set[str]:

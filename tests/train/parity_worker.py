@@ -27,7 +27,9 @@ def parity_config(
 ) -> TrainConfig:
     """Flags: `repeat` = every step sees the same global batch (learnable: the loss must fall);
     `ckpt` = activation checkpointing; `bf16` = bf16-mixed; `sg1` = shard group of 1 (HSDP);
-    `stock` = FSDP2 reduce-scatters every micro-batch (torch's default) instead of once."""
+    `stock` = FSDP2 reduce-scatters every micro-batch (torch's default) instead of once;
+    `lora` = LoRA rank 4 on every decoder linear (base frozen); `lorasave` = LoRA plus lm_head
+    trained in full (PEFT modules_to_save)."""
     repeat = "repeat" in flags
     micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
     assert rest == 0, "global batch must split evenly"
@@ -51,6 +53,9 @@ def parity_config(
                 "device": "cpu",
             },
             "logging": {"progress": False, "tensorboard": False},
+            "lora": ({"rank": 4, "alpha": 8, "target_modules": "all-linear",
+                      "modules_to_save": ["lm_head"] if "lorasave" in flags else []}
+                     if {"lora", "lorasave"} & set(flags) else None),
         }
     )
 

@@ -161,9 +161,22 @@ def _split_targets(model: ModelSpec, targets: tuple[str, ...] | list[str]) -> tu
     return modules, params
 
 
+ALL_LINEAR = "all-linear"
+
+
+def expand_targets(model: ModelSpec, targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """PEFT's `all-linear` (`_maybe_include_all_linear_layers`): the last name component of every
+    linear in the decoder layers (dense and MoE kinds), the output layer excluded; other target
+    lists as given."""
+    if ALL_LINEAR not in targets:
+        return tuple(targets)
+    kinds = {False, True} if model.is_moe else {False}
+    return tuple(sorted({name.rsplit(".", 1)[-1] for moe in kinds for name, _, _ in layer_linears(model, moe)}))
+
+
 def adapters(model: ModelSpec, targets: tuple[str, ...] | list[str], moe: bool = False) -> list[Adapter]:
     """The adapters a target list puts on one decoder layer of the given kind (each once)."""
-    modules, params = _split_targets(model, targets)
+    modules, params = _split_targets(model, expand_targets(model, targets))
     out = [Adapter(name, d_in, d_out) for name, d_in, d_out in layer_linears(model, moe)
            if any(matches(name, t) for t in modules)]
     if moe and params:

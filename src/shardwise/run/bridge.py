@@ -100,6 +100,10 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> Trai
         "checkpointing": cfg.checkpointing.activation,
         "attention": cfg.model.attention,
     }
+    if cfg.lora is not None:
+        t = cfg.lora.target_modules
+        fields |= {"lora_rank": cfg.lora.rank, "lora_targets": ("all-linear",) if t == "all-linear" else tuple(t),
+                   "lora_modules_to_save": tuple(cfg.lora.modules_to_save), "base_quant": cfg.lora.quantization}
     return TrainSpec(**(fields | overrides))
 
 
@@ -194,8 +198,6 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         notes.append("planned flash attention; the trainer uses sdpa (same O(seq) memory with its flash kernel)")
     if train.optimizer != "adamw":
         notes.append(f"planned optimizer {train.optimizer!r}; the trainer (and the DeepSpeed JSON) use AdamW")
-    if train.lora_rank:
-        notes.append(f"planned LoRA rank {train.lora_rank}; these configs describe full fine-tuning")
 
     b = base or TrainConfig(name=f"{model.name}-{strategy.name}")
     raw = b.model_dump(exclude={"source"})
@@ -230,6 +232,15 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
     raw["checkpointing"]["activation"] = activation
+    if train.lora_rank:
+        lora = dict(raw.get("lora") or {})
+        targets = train.lora_targets
+        lora |= {"rank": train.lora_rank, "modules_to_save": list(train.lora_modules_to_save),
+                 "target_modules": "all-linear" if targets == ("all-linear",) else list(targets),
+                 "quantization": train.base_quant}
+        raw["lora"] = lora
+    else:
+        raw["lora"] = None
     raw["hardware"] |= {"gpu": hw.gpu.name, "gpus_per_node": hw.gpus_per_node if hw.nodes > 1 else
                         raw["hardware"]["gpus_per_node"]}
     return validate(raw, source=b.source), notes

@@ -18,6 +18,8 @@ CrossEntropy = Literal["standard", "chunked", "fused", "inplace"]
 # of the parameters), for-loop (the CPU default: one tensor at a time), or DeepSpeed's own
 # (FusedAdam / CPU Adam, chosen by the engine).
 OptimizerImpl = Literal["fused", "foreach", "forloop"]
+# QLoRA's frozen base: bitsandbytes 4-bit NormalFloat with double quantization of the block scales.
+BaseQuant = Literal["none", "nf4"]
 
 
 class TrainSpec(Spec):
@@ -30,7 +32,12 @@ class TrainSpec(Spec):
     checkpointing: Checkpointing = "none"
     attention: Attention = "sdpa"
     lora_rank: int = Field(0, ge=0, description="0 = full fine-tuning")
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"),
+                                          description="adapted module names (PEFT's match), or ('all-linear',)")
+    lora_modules_to_save: tuple[str, ...] = Field((), description="modules trained in full beside the adapters "
+                                                  "(PEFT modules_to_save: a trainable copy of each)")
+    base_quant: BaseQuant = Field("none", description="nf4: the frozen base's decoder linears in 4-bit NF4 "
+                                  "(QLoRA, bitsandbytes)")
     cross_entropy: CrossEntropy = "standard"
     ce_chunk: int = Field(1024, gt=0, description="tokens per chunk for chunked cross-entropy")
     optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")

@@ -157,6 +157,44 @@ class LoggingSection(_Section):
     wandb_project: str = "shardwise"
 
 
+class LoraSection(_Section):
+    """`lora:` — parameter-efficient fine-tuning through PEFT (`peft.inject_adapter_in_model`):
+    the base model is frozen (kept in the compute dtype), adapters train in fp32. Absent or
+    null: full fine-tuning."""
+
+    rank: int = Field(16, gt=0, description="adapter rank r")
+    alpha: float | None = Field(None, gt=0, description="scaling numerator (the update is alpha/r · B·A); "
+                                "default 2 × rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: runs are "
+                           "reproducible across world sizes)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (PEFT's rule: the name or its last components), "
+        "or 'all-linear': every linear of the decoder layers (not lm_head)")
+    modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full beside the "
+                                       "adapters and saved with them, e.g. [lm_head, embed_tokens]")
+    quantization: Literal["none", "nf4"] = Field("none", description="nf4: QLoRA, the frozen base in 4-bit NF4 "
+                                                 "(bitsandbytes; CUDA only)")
+    save_merged: bool = Field(False, description="checkpointing.save_final also writes the merged model "
+                              "(base + adapters, safetensors) beside the adapter")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("empty list: give module names (e.g. [q_proj, v_proj]) or 'all-linear'")
+            if "all-linear" in v:
+                raise ValueError("'all-linear' is a value of its own, not a module name in a list")
+            bad = [t for t in v if not t.strip() or any(c.isspace() for c in t)]
+            if bad:
+                raise ValueError(f"module names without spaces expected, got {bad!r}")
+        return v
+
+    @property
+    def scale_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+
 class HardwareSection(_Section):
     gpu: str = Field("a100-80g", description="catalog GPU the memory check plans for")
     gpus_per_node: int | None = Field(
@@ -178,6 +216,7 @@ class TrainConfig(_Section):
     checkpointing: CheckpointingSection = CheckpointingSection()
     logging: LoggingSection = LoggingSection()
     hardware: HardwareSection = HardwareSection()
+    lora: LoraSection | None = Field(None, description="LoRA/QLoRA adapters (null: full fine-tuning)")
     source: str = Field("<config>", exclude=True, description="file the config came from (errors)")
 
     def resolved_device(self) -> str:

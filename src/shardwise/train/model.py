@@ -127,4 +127,8 @@ def build_model(run: RunSpec):
     if run.train.checkpointing == "full":
         # Non-reentrant: works under FSDP2 and ZeRO-3 hooks and with frozen inputs.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if run.config.lora is not None:
+        from shardwise.train.lora import apply_lora
+
+        model = apply_lora(model, run)  # frozen base in the compute dtype, fp32 adapters
     return model

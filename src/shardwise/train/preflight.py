@@ -18,6 +18,7 @@ from shardwise.run import RunSpec, run_spec, train_spec
 from shardwise.specs import STRATEGY_NAMES, Strategy
 from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
+from shardwise.train.lora import check_qlora
 from shardwise.train.model import attention_note, check_model_source
 
 
@@ -179,6 +180,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_launch(world_size, device, cfg.source)
     check_device(cfg, device, world_size)
     check_model_source(cfg.model, cfg.source)
+    check_qlora(cfg, device)
     check_data(cfg)
     run = run_spec(cfg, world_size, device)
     note = attention_note(run)  # refuses an SDPA request the architecture cannot run
@@ -233,6 +235,7 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
             f"{cfg.source}: model {new_model['path'] or new_model['name']!r} cannot resume {checkpoint}, which "
             f"holds {old_model['path'] or old_model['name']!r}; use the checkpoint's model or another output_dir"
         )
+    check_same_adapters(cfg, saved, checkpoint)
     if manifest["step"] > cfg.run.steps:
         raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
                              f"{manifest['step']}; raise run.steps to train on")
@@ -242,3 +245,26 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
     if old_batch != new_batch:
         print(f"shardwise: resuming {checkpoint} with a global batch of {new_batch} sequences (it was trained with "
               f"{old_batch}): the data continues from the same sample, the curve is not the uninterrupted one")
+
+
+def check_same_adapters(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None:
+    """A LoRA checkpoint holds adapters only: it resumes a run with the same adapters on the same
+    base. Refuse full ↔ LoRA, another rank/targets/modules_to_save, and (for a base built from the
+    seeded random init rather than weights on disk) another run.seed."""
+    old, new = saved.get("lora"), cfg.lora.model_dump(mode="json") if cfg.lora is not None else None
+    if (old is None) != (new is None):
+        held = "LoRA adapters only" if old is not None else "a full fine-tuning state"
+        raise ShardwiseError(f"{cfg.source}: lora is {'set' if new else 'not set'}, but {checkpoint} holds {held}; "
+                             "resume it with the same lora section it was trained with")
+    if old is None:
+        return
+    shape = ("rank", "target_modules", "modules_to_save", "quantization")
+    diff = [k for k in shape if old.get(k) != new[k]]
+    if diff:
+        raise ShardwiseError(f"{cfg.source}: lora.{diff[0]} = {new[diff[0]]!r}, but {checkpoint} was trained with "
+                             f"{old.get(diff[0])!r}; its adapters fit only that shape")
+    random_base = cfg.model.path is None or cfg.model.random_init
+    old_seed = saved.get("run", {}).get("seed")
+    if random_base and old_seed != cfg.run.seed:
+        raise ShardwiseError(f"{cfg.source}: run.seed = {cfg.run.seed}, but {checkpoint} trained adapters on the "
+                             f"base built from seed {old_seed} (random init); resume with run.seed: {old_seed}")

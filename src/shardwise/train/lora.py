@@ -1,0 +1,125 @@
+"""LoRA and QLoRA through PEFT: adapters injected into the HF model in place.
+
+`peft.inject_adapter_in_model` (not `get_peft_model`) keeps the transformers CausalLM as the
+root module: every engine wraps, shards and hooks the same modules as for full fine-tuning
+(FSDP2's per-layer `fully_shard`, ZeRO-3's module hooks, DDP), the forward and the loss are
+unchanged, and parameter names only gain PEFT's `.base_layer` / `.lora_A.default` parts.
+
+- Frozen base: every parameter PEFT does not mark trainable is cast to the compute dtype
+  (bf16/fp16; fp32 runs keep fp32). Adapters (and `modules_to_save` copies) stay fp32: the
+  engines' mixed precision casts them for compute and keeps fp32 master values.
+- Only trainable parameters reach the optimizer (`decay_groups` skips frozen ones) and the
+  checkpoint (the canonical state holds `requires_grad` tensors): a LoRA checkpoint is the
+  adapters and their AdamW moments. The base is rebuilt from the config (local weights, or the
+  seeded random init) on resume and export.
+- QLoRA (`lora.quantization: nf4`): the decoder layers' linears become bitsandbytes
+  `Linear4bit` (NF4, double-quantised scales, compute in the run's dtype) before the adapters
+  are injected; CUDA only, replicated-base strategies only (see `check_qlora`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.errors import ShardwiseError
+from shardwise.run import RunSpec
+from shardwise.train.config import LoraSection, TrainConfig
+
+ADAPTER_NAME = "default"  # PEFT's adapter name: parameters are `...lora_A.default.weight`
+# Strategies whose base weights stay whole on every rank: bitsandbytes' packed 4-bit tensors
+# (uint8 storage with a QuantState attached) cannot be flattened and sharded by ZeRO-3 or FSDP2.
+QLORA_STRATEGIES = ("ddp", "zero0", "zero1", "zero2")
+
+
+def peft_config(section: LoraSection) -> Any:
+    """The `peft.LoraConfig` of a `lora:` section (task CAUSAL_LM, no bias training)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=section.rank, lora_alpha=section.scale_alpha, lora_dropout=section.dropout,
+        target_modules=section.target_modules, modules_to_save=list(section.modules_to_save) or None,
+        bias="none", task_type="CAUSAL_LM",
+    )
+
+
+def check_qlora(cfg: TrainConfig, device: str) -> None:
+    """Refuse QLoRA where it cannot run, before any process starts: no CUDA device, no
+    bitsandbytes, or a strategy that shards parameters."""
+    if cfg.lora is None or cfg.lora.quantization == "none":
+        return
+    where = f"{cfg.source}: lora.quantization 'nf4'"
+    if device != "cuda":
+        raise ShardwiseError(f"{where} needs a CUDA device (bitsandbytes' 4-bit kernels); this run is on "
+                             f"{device}. Use lora.quantization: none (LoRA on a {cfg.precision} base) here.")
+    if cfg.strategy.name not in QLORA_STRATEGIES:
+        raise ShardwiseError(f"{where} runs with a replicated base ({', '.join(QLORA_STRATEGIES)}); strategy "
+                             f"{cfg.strategy.name!r} shards parameters, which bitsandbytes' packed 4-bit weights do "
+                             "not support here. Pick one of those strategies, or lora.quantization: none.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ShardwiseError(f"{where} needs bitsandbytes: pip install bitsandbytes") from None
+
+
+def quantize_base(model: Any, run: RunSpec) -> None:
+    """Replace the decoder layers' nn.Linear with bitsandbytes NF4 `Linear4bit` (QLoRA's recipe:
+    NF4, double quantisation, compute in the run's dtype), on the run's CUDA device."""
+    import bitsandbytes as bnb
+    import torch
+
+    from shardwise.train.engines._torch_common import compute_dtype
+
+    dtype = compute_dtype(run)
+    device = torch.device("cuda", torch.cuda.current_device())
+    for layer in model.model.layers:
+        for name, mod in list(layer.named_modules()):
+            if type(mod) is not torch.nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                  compute_dtype=dtype, compress_statistics=True, quant_type="nf4",
+                                  device="cpu")
+            q.weight = bnb.nn.Params4bit(mod.weight.data.to(dtype), requires_grad=False, quant_type="nf4",
+                                         compress_statistics=True)
+            if mod.bias is not None:
+                q.bias = torch.nn.Parameter(mod.bias.data.to(dtype), requires_grad=False)
+            parent, _, leaf = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, leaf, q.to(device))  # quantises
+
+
+def apply_lora(model: Any, run: RunSpec) -> Any:
+    """Inject the run's adapters into `model` (in place; returned): base frozen in the compute
+    dtype, adapters fp32. The adapters' random init draws from the seeded generator after the
+    base's, so every rank (and a later resume or export) builds the same starting point."""
+    import torch
+    from peft import inject_adapter_in_model
+
+    from shardwise.train.engines._torch_common import compute_dtype
+
+    section = run.config.lora
+    assert section is not None
+    if section.quantization == "nf4":
+        quantize_base(model, run)
+    try:
+        model = inject_adapter_in_model(peft_config(section), model, adapter_name=ADAPTER_NAME)
+    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
+        raise ShardwiseError(f"{run.config.source}: lora.target_modules {section.target_modules!r}: {e}") from None
+    dtype = compute_dtype(run)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+        elif p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def trainable_names(model: Any) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def peft_model(run: RunSpec, base: Any) -> Any:
+    """A `peft.PeftModel` around `base` with this run's adapter config (fresh adapters), for
+    export: `save_pretrained` writes PEFT's adapter format, `merge_and_unload` the merged model."""
+    from peft import get_peft_model
+
+    assert run.config.lora is not None
+    return get_peft_model(base, peft_config(run.config.lora), adapter_name=ADAPTER_NAME)
