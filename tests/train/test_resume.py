@@ -128,6 +128,8 @@ def test_export_from_a_two_rank_checkpoint_on_one_process(runs, source, tmp_path
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
     again = CliRunner().invoke(app, [str(runs / source), str(out)])
     assert again.exit_code == 2 and "--overwrite" in again.output
+    merged = CliRunner().invoke(app, [str(runs / source), str(tmp_path / "m"), "--merged"])
+    assert merged.exit_code == 2 and "no adapters to merge" in merged.output
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])

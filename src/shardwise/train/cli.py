@@ -145,10 +145,10 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
                            resume=resume_dir, stop=stop, watchdog=watchdog)  # fmt: skip
             extra["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
             if env.is_main and result.final_weights is not None:
-                from shardwise.train.export import export_dir, export_hf
+                from shardwise.train.export import export_dir, export_final
 
                 watchdog.phase("export write", cfg.run.steps)
-                extra["export"] = str(export_hf(cfg, result.final_weights, export_dir(cfg)))
+                extra["export"] = str(export_final(cfg, result.final_weights, export_dir(cfg)))
         status, code = "completed", ExitCode.OK
     except Interrupted as e:
         status, reason, code = "interrupted", str(e), ExitCode.INTERRUPTED

@@ -40,10 +40,11 @@ def export_hf(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> 
     return out
 
 
-def export_checkpoint(checkpoint: Path, out: Path) -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False) -> Path:
     """A Hugging Face directory from any shardwise checkpoint, on one process and without the
     world size or engine that wrote it: the fp32 master weights (`model.*`), the config the
-    run was trained with, and its tokenizer."""
+    run was trained with, and its tokenizer. A LoRA checkpoint (adapters only) exports as a
+    PEFT adapter, or with `merged` as the base with the adapters merged in."""
     from shardwise.train.checkpoint import read_manifest, read_tensors, tensor_shapes
     from shardwise.train.config import TrainConfig
 
@@ -51,7 +52,75 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     cfg = TrainConfig.model_validate({**manifest["config"], "source": str(checkpoint / "manifest.json")})
     keys = [k for k in tensor_shapes(checkpoint) if k.startswith("model.")]
     weights = {k.removeprefix("model."): v for k, v in read_tensors(checkpoint, keys).items()}
+    if cfg.lora is not None:
+        return export_lora(cfg, weights, out, merged=merged)
+    if merged:
+        raise ValueError(f"{checkpoint} is a full fine-tuning checkpoint: it has no adapters to merge; "
+                         "export it without --merged")
     return export_hf(cfg, weights, out)
+
+
+def is_adapter_weight(name: str) -> bool:
+    """What a LoRA run trains: PEFT's adapter matrices and `modules_to_save` copies."""
+    return ".lora_" in name or ".modules_to_save." in name
+
+
+def export_final(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> Path:
+    """`checkpointing.save_final`: the consolidated weights of a full run, or a LoRA run's
+    adapter (and, with `lora.save_merged`, the merged model in `<out>-merged`)."""
+    if cfg.lora is None:
+        return export_hf(cfg, weights, out)
+    adapters = {k: v for k, v in weights.items() if is_adapter_weight(k)}
+    if cfg.lora.save_merged:
+        export_lora(cfg, adapters, out.with_name(out.name + "-merged"), merged=True)
+    return export_lora(cfg, adapters, out, merged=False)
+
+
+def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, merged: bool) -> Path:
+    """Through PEFT: the base is rebuilt as training built it (local weights, or the seeded random
+    init), in fp32 and unquantised (QLoRA adapters merge into the full-precision base, as PEFT's
+    own merge does), wrapped by `peft.get_peft_model` with the run's LoraConfig, and the trained
+    adapters are loaded into it (every one, nothing else). Then `save_pretrained` writes PEFT's
+    adapter format (adapter_config.json + adapter_model.safetensors), or `merge_and_unload`
+    gives the merged weights, written as a Hugging Face model directory."""
+    from shardwise.train.outputs import atomic_dir
+
+    pm = _peft_with(cfg, adapters)
+    if merged:
+        weights = {k: v.detach() for k, v in pm.merge_and_unload().state_dict().items()}
+        return export_hf(cfg, weights, out)
+    with atomic_dir(out) as tmp:
+        pm.save_pretrained(str(tmp), safe_serialization=True)
+        _copy_tokenizer(cfg, tmp)
+    return out
+
+
+def _peft_with(cfg: TrainConfig, adapters: dict[str, torch.Tensor]):
+    from shardwise.run import run_spec
+    from shardwise.train.lora import peft_model
+    from shardwise.train.model import build_model
+
+    assert cfg.lora is not None
+    # the base alone, on this process: one CPU rank (the strategy only has to be valid there)
+    base_cfg = cfg.model_copy(update={
+        "lora": None, "strategy": cfg.strategy.model_copy(update={"name": "ddp", "shard_group": None}),
+        "checkpointing": cfg.checkpointing.model_copy(update={"activation": "none"}),
+        "run": cfg.run.model_copy(update={"device": "cpu"})})
+    base = build_model(run_spec(base_cfg, 1, "cpu", environ={}))
+    run = run_spec(base_cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"quantization": "none"})}),
+                   1, "cpu", environ={})
+    pm = peft_model(run, base)
+    if cfg.model.path:
+        pm.peft_config["default"].base_model_name_or_path = str(Path(cfg.model.path).resolve())
+    state = {f"base_model.model.{k}": v for k, v in adapters.items()}
+    expected = {n for n, p in pm.named_parameters() if p.requires_grad}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint's adapters do not match lora: {cfg.lora.model_dump(mode='json')} "
+                         f"({len(missing)} missing, e.g. {sorted(missing)[:1]}; {len(unexpected)} unexpected, "
+                         f"e.g. {sorted(unexpected)[:1]})")
+    pm.load_state_dict(state, strict=False)
+    return pm
 
 
 def _hf_config(cfg: TrainConfig) -> dict:

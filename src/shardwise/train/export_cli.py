@@ -22,9 +22,13 @@ def export_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="checkpoints/step-N, or a run's output dir (its latest).")],
     out: Annotated[Path, typer.Argument(help="Directory to write (safetensors, config.json, tokenizer).")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it already has files.")] = False,
+    merged: Annotated[bool, typer.Option("--merged", help="LoRA checkpoints: write the base with the adapters "
+                                         "merged in (safetensors) instead of the PEFT adapter.")] = False,
 ) -> None:
     """Write the checkpoint's fp32 weights, model config and tokenizer, loadable by
-    `AutoModelForCausalLM.from_pretrained(OUT)`. Written beside OUT and renamed when complete."""
+    `AutoModelForCausalLM.from_pretrained(OUT)`. A LoRA checkpoint writes the PEFT adapter
+    (`peft.PeftModel.from_pretrained(base, OUT)`), or with --merged the merged model.
+    Written beside OUT and renamed when complete."""
     from rich.console import Console
 
     from shardwise.train.checkpoint import resolve_resume
@@ -37,8 +41,8 @@ def export_cmd(
             raise ShardwiseError(f"OUT {str(out)!r} already has files; pass --overwrite to replace it")
         path = resolve_resume(str(checkpoint), checkpoint)
         assert path is not None  # an explicit path resolves or raises
-        written = export_checkpoint(path, out)
-    except (ShardwiseError, OSError) as e:
+        written = export_checkpoint(path, out, merged=merged)
+    except (ShardwiseError, OSError, ValueError) as e:
         Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.USER_ERROR) from None
     Console().print(f"exported {path} -> {written}")
