@@ -29,6 +29,8 @@ TOL_STATES = 0.02
 TOL_ACTS = 0.10
 ASSERTED = ("zero1", "zero2", "zero3", "fsdp")
 EXTRA = ("ddp", "zero0", "zero3-nopersist")  # cheap once the processes are up
+# LoRA rank 8 on every decoder linear (frozen base, trainable adapters), fp32 and bf16-mixed
+LORA = tuple(f"{s}-lora{p}" for s in ("ddp", "zero2", "zero3", "fsdp") for p in ("", "-bf16"))
 PARTS = ("params", "grads", "master_params", "optimizer_states")
 
 
@@ -67,7 +69,7 @@ def test_census_counts_params_grads_and_state_once() -> None:
 # ---------------------------------------------------------------- model states (2 processes)
 @pytest.fixture(scope="module")
 def measured_states() -> dict:
-    return worker.measure_model_states(ASSERTED + EXTRA, timeout_s=240)
+    return worker.measure_model_states(ASSERTED + EXTRA + LORA, timeout_s=300)
 
 
 def _plan(variant: str):
@@ -92,7 +94,7 @@ def _table(strategy: str, ranks: list[dict], plan) -> str:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ASSERTED + EXTRA)
+@pytest.mark.parametrize("strategy", ASSERTED + EXTRA + LORA)
 def test_model_states_match_planner(strategy: str, measured_states: dict) -> None:
     ranks = measured_states[strategy]
     measured = max(sum(r["after_backward"][p] for p in PARTS) for r in ranks)
@@ -104,7 +106,7 @@ def test_model_states_match_planner(strategy: str, measured_states: dict) -> Non
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ASSERTED + EXTRA)
+@pytest.mark.parametrize("strategy", ASSERTED + EXTRA + LORA)
 def test_model_state_parts_match_planner(strategy: str, measured_states: dict) -> None:
     ranks = measured_states[strategy]
     plan = _plan(strategy)
@@ -131,6 +133,20 @@ def test_census_ranks_agree_and_nothing_leaks(measured_states: dict) -> None:
             assert abs(r["after_backward"]["master_params"] - unit / worker.WORLD) <= 64 * 4, (s, r)
     for r in measured_states["fsdp"] + measured_states["ddp"]:
         assert r["after_backward"]["master_params"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["ddp", "zero2", "zero3", "fsdp"])
+def test_lora_holds_states_for_the_adapters_only(engine: str, measured_states: dict) -> None:
+    """Measured, not planned: a LoRA run's grads and AdamW state are the adapters' (a few % of
+    the full run's), and a bf16 base halves the frozen params where the engine stores them whole."""
+    full = max(r["after_backward"]["optimizer_states"] for r in measured_states["ddp"])
+    for r in measured_states[f"{engine}-lora"]:
+        assert 0 < r["after_backward"]["optimizer_states"] < 0.1 * full
+        assert 0 < r["after_backward"]["grads"] < 0.1 * full / 2
+    fp32 = max(r["after_backward"]["params"] for r in measured_states[f"{engine}-lora"])
+    bf16 = max(r["after_backward"]["params"] for r in measured_states[f"{engine}-lora-bf16"])
+    assert 0.45 < bf16 / fp32 < 0.6, (fp32, bf16)
 
 
 # ---------------------------------------------------------------- activations (1 process)

@@ -41,7 +41,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero3-nopersist": ("zero3", {"param_persistence_threshold": 0}),
     "zero3-allzero": ("zero3", _ALL_ZERO),
 }
-STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp")
+# LoRA variants: rank LORA_RANK on every decoder linear (`<strategy>-lora`), fp32 or, with
+# `-bf16`, bf16-mixed (the frozen base in bf16, adapters fp32).
+LORA_RANK = 8
+for _s in ("ddp", "zero2", "zero3", "fsdp"):
+    VARIANTS[f"{_s}-lora"] = VARIANTS[f"{_s}-lora-bf16"] = (_s, {})
+STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp",
+              *(v for v in VARIANTS if "-lora" in v))
 
 
 def tiny_llama() -> dict[str, Any]:
@@ -71,9 +77,10 @@ def bench_config(variant: str, ga: int = 1):
         "strategy": {"name": strategy, "deepspeed": ds | {"communication_data_type": "auto"},
                      "ddp": {"bucket_cap_mb": BUCKET * 4 / 2**20}},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "max_grad_norm": 0.0},
-        "precision": "fp32",
+        "precision": "bf16-mixed" if variant.endswith("-bf16") else "fp32",
         "run": {"micro_batch": BATCH, "grad_accum": ga, "device": "cpu", "seed": 0, "nproc": WORLD},
         "logging": {"progress": False, "tensorboard": False},
+        "lora": {"rank": LORA_RANK, "target_modules": "all-linear"} if "-lora" in variant else None,
     })
 
 

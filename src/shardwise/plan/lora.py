@@ -255,3 +255,37 @@ def adapter_params(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1)
     per_layer = _layer_adapters(model, train)
     n = -(-model.num_layers // pp)
     return max(sum(per_layer[i:i + n]) for i in range(0, model.num_layers, n)) / tp
+
+
+def saved_module_params(model: ModelSpec, names: tuple[str, ...] | list[str], tp: int = 1) -> float:
+    """Parameters of the `modules_to_save` PEFT trains in full (a trainable copy of each, beside
+    the frozen original): modules outside the decoder layers, by name (PEFT's match). lm_head
+    counts V·h even where it is tied to the embedding (the copy is its own tensor)."""
+    if not names:
+        return 0.0
+    h, v = model.hidden_size, model.vocab_size
+    sizes = {n.rsplit(".", 1)[-1]: w + b for n, w, b in model._root()} | {"lm_head": v * h}
+    total = 0.0
+    for name in names:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in sizes:
+            raise ShardwiseError(
+                f"lora.modules_to_save: {name!r} is not a module the planner knows outside the decoder layers of "
+                f"{model.name}; expected one of {', '.join(sorted(sizes))}")
+        total += sizes[leaf] / (tp if leaf in ("lm_head", "embed_tokens", "wte") else 1)
+    return total
+
+
+def trainable_params(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> float:
+    """What a LoRA run trains on one GPU: the adapters plus the `modules_to_save` copies."""
+    return adapter_params(model, train, tp, pp) + saved_module_params(model, train.lora_modules_to_save, tp)
+
+
+def linear_weight_params(model: ModelSpec, tp: int = 1, pp: int = 1) -> float:
+    """Weights of the decoder layers' nn.Linear modules on one GPU (the fullest pipeline stage):
+    what QLoRA stores in 4-bit. Routed experts (fused 3-D parameters) and the routers are not
+    Linear modules and stay in the compute dtype."""
+    per = {moe: sum(d_in * d_out for _, d_in, d_out in layer_linears(model, moe)) for moe in set(model.moe_layers)}
+    kinds = model.moe_layers
+    n = -(-model.num_layers // pp)
+    return max(sum(per[moe] for moe in kinds[i:i + n]) for i in range(0, model.num_layers, n)) / tp
