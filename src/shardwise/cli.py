@@ -44,7 +44,16 @@ def plan(
     checkpointing: str = typer.Option("none", "--checkpointing", help="none | full | selective"),
     attention: str = typer.Option("sdpa", "--attention", help="eager | sdpa | flash"),
     lora_rank: int = typer.Option(0, "--lora-rank", help="0 = full fine-tuning."),
-    cross_entropy: str = typer.Option("standard", "--cross-entropy", help="standard | chunked | fused | inplace"),
+    lora_targets: str = typer.Option("q_proj,k_proj,v_proj,o_proj", "--lora-targets",
+                                     help="Comma-separated module names, or all-linear."),
+    lora_modules_to_save: str = typer.Option("", "--lora-modules-to-save",
+                                             help="Comma-separated modules trained in full (e.g. lm_head)."),
+    qlora: bool = typer.Option(False, "--qlora", help="LoRA on a 4-bit NF4 base (bitsandbytes)."),
+    cross_entropy: str = typer.Option(
+        "standard", "--cross-entropy", help="standard (HF logits, fp32 upcast whole) | chunked (the trainer's "
+        "default: lm_head + loss fused per --ce-chunk tokens) | fused (Liger's kernel) | inplace (flash-attn's)"),
+    ce_chunk: int = typer.Option(1024, "--ce-chunk", help="Tokens per chunk of the chunked cross-entropy "
+                                 "(the trainer's loss.chunk_tokens)."),
     optimizer_impl: str = typer.Option("fused", "--optimizer-impl", help="AdamW kernel: fused | foreach | forloop."),
     fused_kernels: bool = typer.Option(False, "--fused-kernels", help="Elementwise work fused (torch.compile, Megatron-style kernels)."),
     expandable_segments: bool = typer.Option(False, "--expandable-segments", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less reserved slack)."),
@@ -89,7 +98,8 @@ def plan(
             gpus_per_node=gpus_per_node, interconnect=interconnect, gpu_memory_gb=gpu_memory_gb,
             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
-            lora_rank=lora_rank, cross_entropy=cross_entropy, host_memory_gb=host_memory_gb,
+            lora_rank=lora_rank, lora_targets=_names(lora_targets), lora_modules_to_save=_names(lora_modules_to_save),
+            base_quant="nf4" if qlora else "none", cross_entropy=cross_entropy, ce_chunk=ce_chunk, host_memory_gb=host_memory_gb,
             nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
             fused_kernels=fused_kernels, expandable_segments=expandable_segments,
         )
@@ -171,6 +181,11 @@ def _setting(e) -> dict:
     return {"strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, "micro_batch": e.train.micro_batch,
             "grad_accum": e.train.grad_accum, "checkpointing": e.train.checkpointing,
             "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "memory_total": e.memory.gpu.total}
+
+
+def _names(value: str) -> tuple[str, ...]:
+    """A comma-separated flag value as names (empty parts dropped)."""
+    return tuple(n.strip() for n in value.split(",") if n.strip())
 
 
 def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):

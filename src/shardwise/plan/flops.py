@@ -66,3 +66,18 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     lookups = (embed if not model.tie_embeddings else 0) + model.position_embedding_params  # learned positions
     matmul_params = model.active_params - lookups
     return 6 * matmul_params + attention_flops_per_token(model, seq_len)
+
+
+def run_flops_per_token(model: ModelSpec, train) -> float:
+    """Model FLOPs per token of the run `train` describes: `model_flops_per_token` for full
+    fine-tuning. LoRA skips the weight-gradient GEMMs of the frozen base (2 of the 6 FLOPs per
+    weight per token): 4 per frozen matmul weight, 6 per adapter weight (plan/lora.py; A and B
+    run forward and backward like any weight), and the full 6 for `modules_to_save` copies
+    (their frozen originals are not run). What the trainer's MFU counts."""
+    if not train.lora_rank:
+        return model_flops_per_token(model, train.seq_len)
+    from shardwise.plan.lora import adapter_params, saved_module_params
+
+    base = model_flops_per_token(model, train.seq_len) - attention_flops_per_token(model, train.seq_len)
+    return (base * 4 / 6 + 6 * adapter_params(model, train) + 2 * saved_module_params(model, train.lora_modules_to_save)
+            + attention_flops_per_token(model, train.seq_len))

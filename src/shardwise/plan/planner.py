@@ -77,6 +77,15 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
 
         hw = load_profile(profile).apply(hw)
     m = resolve_model(model, model_config, params)
+    if train_fields.get("base_quant", "none") != "none" and not train_fields.get("lora_rank"):
+        raise ShardwiseError("--qlora needs --lora-rank: QLoRA trains LoRA adapters on the 4-bit base")
+    if train_fields.get("lora_modules_to_save"):
+        from shardwise.plan.lora import saved_module_params
+
+        try:
+            saved_module_params(m, train_fields["lora_modules_to_save"])
+        except ShardwiseError as e:
+            raise ShardwiseError(str(e).replace("lora.modules_to_save", "--lora-modules-to-save")) from None
     return m, hw, TrainSpec(**train_fields)
 
 

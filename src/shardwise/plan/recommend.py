@@ -28,6 +28,10 @@ MEGATRON_DS = "Megatron-DeepSpeed"
 TORCHTITAN = "torchtitan"
 DS_PIPE = "DeepSpeed's pipeline engine (deepspeed.pipe)"
 TRAINER_CHECKPOINTING = ("none", "full")  # what `shardwise train` offers (checkpointing.activation)
+# QLoRA with sharded parameters: bitsandbytes' 4-bit weights stored in a float dtype
+# (`bnb_4bit_quant_storage`) so FSDP can flatten them: HF accelerate/Trainer (Answer.AI's FSDP-QLoRA).
+QLORA_SHARDED = "QLoRA with sharded parameters"
+FSDP_QLORA = "HF accelerate (FSDP-QLoRA, bnb_4bit_quant_storage)"
 
 
 def trainer_gaps(strategy: Strategy, train: TrainSpec) -> list[str]:
@@ -43,6 +47,8 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec) -> list[str]:
         gaps.append(f"pipeline parallelism (pp {strategy.pp})")
     if train.checkpointing not in TRAINER_CHECKPOINTING:
         gaps.append(f"{train.checkpointing} activation checkpointing")
+    if train.base_quant == "nf4" and (strategy.shards_params or strategy.offload_params):
+        gaps.append(QLORA_SHARDED)
     return gaps
 
 
@@ -55,8 +61,11 @@ def tool_for(strategy: Strategy, train: TrainSpec) -> str:
     torchtitan (FSDP2 with TP/PP/selective checkpointing), DeepSpeed's pipeline engine
     (ZeRO-0/1 with PP alone), Megatron-DeepSpeed (DeepSpeed ZeRO with Megatron's TP, or
     selective recompute), Megatron-LM (its DDP with TP/PP or selective recompute)."""
-    if not trainer_gaps(strategy, train):
+    gaps = trainer_gaps(strategy, train)
+    if not gaps:
         return TRAINER
+    if gaps == [QLORA_SHARDED]:
+        return FSDP_QLORA
     if strategy.engine == "fsdp2":
         return TORCHTITAN
     if strategy.engine == "deepspeed":

@@ -100,7 +100,8 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
         f"{model.name} ({model.params / 1e9:.2f}B params) on {hw.world_size}× {hw.gpu.name} "
         f"({hw.gpu.memory_bytes / GIB:.0f} GiB), seq {train.seq_len} × micro-batch {train.micro_batch}"
         f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
-        + (f", LoRA rank {train.lora_rank}" if train.lora_rank else "") + f"\n{links_line(hw)}"
+        + (f", {'QLoRA (NF4 base)' if train.base_quant == 'nf4' else 'LoRA'} rank {train.lora_rank} on "
+           f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f"\n{links_line(hw)}"
     )
     t = Table(title=title, caption="GiB per GPU; total = peak of the step (activations and "
               "gradients do not peak together); host = CPU RAM per node", title_justify="left")

@@ -114,7 +114,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     import torch
 
     from shardwise.errors import ExitCode
-    from shardwise.plan.flops import model_flops_per_token
+    from shardwise.plan.flops import run_flops_per_token
     from shardwise.train.launch import detect_env, init_distributed
     from shardwise.train.loop import Interrupted, NonFiniteError, train
     from shardwise.train.metrics import Metrics
@@ -137,7 +137,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
         resume_dir = Path(choice[0]) if choice[0] else None
     # MFU against the planned GPU's dense peak for the compute dtype; no CPU peak to compare
     peak = run.hardware.gpu.peak_flops(run.train.compute_dtype) if device == "cuda" else None
-    metrics = Metrics(cfg, planned_bytes, model_flops_per_token(run.model, run.train.seq_len), peak)
+    metrics = Metrics(cfg, planned_bytes, run_flops_per_token(run.model, run.train), peak)
     status, reason, code, extra = "failed", None, ExitCode.FAILED, {}
     try:
         with StopRequest() as stop, watchdog:

@@ -26,9 +26,6 @@ from shardwise.run import RunSpec
 from shardwise.train.config import LoraSection, TrainConfig
 
 ADAPTER_NAME = "default"  # PEFT's adapter name: parameters are `...lora_A.default.weight`
-# Strategies whose base weights stay whole on every rank: bitsandbytes' packed 4-bit tensors
-# (uint8 storage with a QuantState attached) cannot be flattened and sharded by ZeRO-3 or FSDP2.
-QLORA_STRATEGIES = ("ddp", "zero0", "zero1", "zero2")
 
 
 def peft_config(section: LoraSection) -> Any:
@@ -51,14 +48,25 @@ def check_qlora(cfg: TrainConfig, device: str) -> None:
     if device != "cuda":
         raise ShardwiseError(f"{where} needs a CUDA device (bitsandbytes' 4-bit kernels); this run is on "
                              f"{device}. Use lora.quantization: none (LoRA on a {cfg.precision} base) here.")
-    if cfg.strategy.name not in QLORA_STRATEGIES:
-        raise ShardwiseError(f"{where} runs with a replicated base ({', '.join(QLORA_STRATEGIES)}); strategy "
-                             f"{cfg.strategy.name!r} shards parameters, which bitsandbytes' packed 4-bit weights do "
-                             "not support here. Pick one of those strategies, or lora.quantization: none.")
+    replicated = qlora_strategies()
+    if cfg.strategy.name not in replicated:
+        raise ShardwiseError(f"{where} runs with a replicated base ({', '.join(replicated)}); strategy "
+                             f"{cfg.strategy.name!r} shards (or offloads) parameters, which bitsandbytes' packed 4-bit "
+                             "weights do not support here. Pick one of those strategies, or lora.quantization: none.")
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise ShardwiseError(f"{where} needs bitsandbytes: pip install bitsandbytes") from None
+
+
+def qlora_strategies() -> tuple[str, ...]:
+    """Trainer strategies whose base weights stay whole on every rank: bitsandbytes' packed 4-bit
+    tensors (uint8 storage with a QuantState attached) cannot be flattened and sharded by ZeRO-3
+    or FSDP2 (the planner's recommender marks the others plan-only the same way)."""
+    from shardwise.specs import STRATEGY_NAMES, Strategy
+
+    return tuple(n for n in STRATEGY_NAMES if (s := Strategy.from_name(n)).trainable
+                 and not s.shards_params and not s.offload_params)
 
 
 def quantize_base(model: Any, run: RunSpec) -> None:
