@@ -31,6 +31,7 @@ ASSERTED = ("zero1", "zero2", "zero3", "fsdp")
 EXTRA = ("ddp", "zero0", "zero3-nopersist")  # cheap once the processes are up
 # LoRA rank 8 on every decoder linear (frozen base, trainable adapters), fp32 and bf16-mixed
 LORA = tuple(f"{s}-lora{p}" for s in ("ddp", "zero2", "zero3", "fsdp") for p in ("", "-bf16"))
+LORA += ("ddp-qlora-bf16", "zero2-qlora-bf16")  # NF4 base (bitsandbytes' CPU kernels)
 PARTS = ("params", "grads", "master_params", "optimizer_states")
 
 

@@ -29,8 +29,10 @@ def parity_config(
     `ckpt` = activation checkpointing; `bf16` = bf16-mixed; `sg1` = shard group of 1 (HSDP);
     `stock` = FSDP2 reduce-scatters every micro-batch (torch's default) instead of once;
     `lora` = LoRA rank 4 on every decoder linear (base frozen); `lorasave` = LoRA plus lm_head
-    trained in full (PEFT modules_to_save)."""
+    trained in full (PEFT modules_to_save); `std` = the standard cross-entropy instead of the
+    chunked default; `ce<N>` = chunks of N tokens."""
     repeat = "repeat" in flags
+    chunk = [int(f[2:]) for f in flags if f.startswith("ce") and f[2:].isdigit()]
     micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
     assert rest == 0, "global batch must split evenly"
     samples = GLOBAL_BATCH if repeat else GLOBAL_BATCH * STEPS
@@ -43,7 +45,7 @@ def parity_config(
             # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
             "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
             "schedule": {"kind": "cosine", "warmup_steps": 2},
-            "precision": "bf16-mixed" if "bf16" in flags else "fp32",
+            "precision": "bf16-mixed" if {"bf16", "qlora"} & set(flags) else "fp32",
             "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
             "run": {
                 "steps": STEPS,
@@ -53,9 +55,12 @@ def parity_config(
                 "device": "cpu",
             },
             "logging": {"progress": False, "tensorboard": False},
+            "loss": {"implementation": "standard" if "std" in flags else "chunked"} | (
+                {"chunk_tokens": chunk[0]} if chunk else {}),
             "lora": ({"rank": 4, "alpha": 8, "target_modules": "all-linear",
-                      "modules_to_save": ["lm_head"] if "lorasave" in flags else []}
-                     if {"lora", "lorasave"} & set(flags) else None),
+                      "modules_to_save": ["lm_head"] if "lorasave" in flags else [],
+                      "quantization": "nf4" if "qlora" in flags else "none"}
+                     if {"lora", "lorasave", "qlora"} & set(flags) else None),
         }
     )
 

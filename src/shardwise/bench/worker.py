@@ -46,8 +46,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 LORA_RANK = 8
 for _s in ("ddp", "zero2", "zero3", "fsdp"):
     VARIANTS[f"{_s}-lora"] = VARIANTS[f"{_s}-lora-bf16"] = (_s, {})
+for _s in ("ddp", "zero2"):  # QLoRA: NF4 base (bitsandbytes), bf16 compute
+    VARIANTS[f"{_s}-qlora-bf16"] = (_s, {})
 STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp",
-              *(v for v in VARIANTS if "-lora" in v))
+              *(v for v in VARIANTS if "lora" in v))
 
 
 def tiny_llama() -> dict[str, Any]:
@@ -80,7 +82,8 @@ def bench_config(variant: str, ga: int = 1):
         "precision": "bf16-mixed" if variant.endswith("-bf16") else "fp32",
         "run": {"micro_batch": BATCH, "grad_accum": ga, "device": "cpu", "seed": 0, "nproc": WORLD},
         "logging": {"progress": False, "tensorboard": False},
-        "lora": {"rank": LORA_RANK, "target_modules": "all-linear"} if "-lora" in variant else None,
+        "lora": {"rank": LORA_RANK, "target_modules": "all-linear",
+                 "quantization": "nf4" if "-qlora" in variant else "none"} if "lora" in variant else None,
     })
 
 

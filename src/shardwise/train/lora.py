@@ -14,7 +14,8 @@ unchanged, and parameter names only gain PEFT's `.base_layer` / `.lora_A.default
   seeded random init) on resume and export.
 - QLoRA (`lora.quantization: nf4`): the decoder layers' linears become bitsandbytes
   `Linear4bit` (NF4, double-quantised scales, compute in the run's dtype) before the adapters
-  are injected; CUDA only, replicated-base strategies only (see `check_qlora`).
+  are injected; on CUDA, and on CPU with bitsandbytes 0.50+; replicated-base strategies only
+  (see `check_qlora`).
 """
 
 from __future__ import annotations
@@ -40,23 +41,39 @@ def peft_config(section: LoraSection) -> Any:
 
 
 def check_qlora(cfg: TrainConfig, device: str) -> None:
-    """Refuse QLoRA where it cannot run, before any process starts: no CUDA device, no
-    bitsandbytes, or a strategy that shards parameters."""
+    """Refuse QLoRA where it cannot run, before any process starts: a strategy that shards
+    parameters, no bitsandbytes, or a bitsandbytes without NF4 kernels for the device."""
     if cfg.lora is None or cfg.lora.quantization == "none":
         return
     where = f"{cfg.source}: lora.quantization 'nf4'"
-    if device != "cuda":
-        raise ShardwiseError(f"{where} needs a CUDA device (bitsandbytes' 4-bit kernels); this run is on "
-                             f"{device}. Use lora.quantization: none (LoRA on a {cfg.precision} base) here.")
     replicated = qlora_strategies()
     if cfg.strategy.name not in replicated:
         raise ShardwiseError(f"{where} runs with a replicated base ({', '.join(replicated)}); strategy "
                              f"{cfg.strategy.name!r} shards (or offloads) parameters, which bitsandbytes' packed 4-bit "
                              "weights do not support here. Pick one of those strategies, or lora.quantization: none.")
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes
     except ImportError:
-        raise ShardwiseError(f"{where} needs bitsandbytes: pip install bitsandbytes") from None
+        raise ShardwiseError(f"{where} needs bitsandbytes: pip install 'shardwise[qlora]'") from None
+    if not nf4_supported(device):
+        raise ShardwiseError(f"{where}: the installed bitsandbytes {bitsandbytes.__version__} cannot quantise to "
+                             f"NF4 on {device} (CPU needs bitsandbytes 0.50 or later). Use lora.quantization: none "
+                             f"(LoRA on a {cfg.precision} base), or a device it supports.")
+
+
+def nf4_supported(device: str) -> bool:
+    """Whether the installed bitsandbytes quantises to NF4 on `device`: CUDA always; on CPU, tried
+    on one block (bitsandbytes added CPU kernels in its multi-backend releases)."""
+    if device == "cuda":
+        return True
+    import torch
+    from bitsandbytes.functional import quantize_4bit
+
+    try:
+        quantize_4bit(torch.ones(64, 64, dtype=torch.bfloat16), quant_type="nf4", compress_statistics=True)
+    except Exception:  # noqa: BLE001 - any failure means: not on this device
+        return False
+    return True
 
 
 def qlora_strategies() -> tuple[str, ...]:
@@ -71,14 +88,15 @@ def qlora_strategies() -> tuple[str, ...]:
 
 def quantize_base(model: Any, run: RunSpec) -> None:
     """Replace the decoder layers' nn.Linear with bitsandbytes NF4 `Linear4bit` (QLoRA's recipe:
-    NF4, double quantisation, compute in the run's dtype), on the run's CUDA device."""
+    NF4, double quantisation, compute in the run's dtype), quantised on the run's device (moving
+    a `Params4bit` quantises it)."""
     import bitsandbytes as bnb
     import torch
 
     from shardwise.train.engines._torch_common import compute_dtype
 
     dtype = compute_dtype(run)
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device()) if run.device == "cuda" else torch.device("cpu")
     for layer in model.model.layers:
         for name, mod in list(layer.named_modules()):
             if type(mod) is not torch.nn.Linear:
