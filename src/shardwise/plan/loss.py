@@ -13,11 +13,21 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
       and, during log-softmax's backward, its saved fp32 output, the incoming gradient from
       the NLL loss and the outgoing one (4·V each): (c + 12)·V per token. (In forward, HF's fp32
       upcast, log-softmax's output and the logits make the smaller c + 8.) Traced:
-      FSDPMemTracker on Llama-3.1-8B, seq 4096 (benchmarks/results/fsdp_trace.json).
+      FSDPMemTracker on Llama-3.1-8B, seq 4096 (benchmarks/results/fsdp_trace.json). The
+      trainer's engines drop the logits before backward, so for its standard path this is c·V
+      per token conservative (measured 12·V: benchmarks/results/cross_entropy.json).
     - inplace (flash-attn's cross-entropy kernel, llm-foundry MPT's default `fused_crossentropy`):
       the c-byte logits are kept and overwritten by their gradient; fp32 per-row statistics only.
-    - chunked / fused (linear + cross-entropy): one chunk of tokens at a time materialises the
-      (c + 12)·V working set (fused kernels, e.g. Liger's, work in small row blocks)."""
+    - chunked (the trainer's, shardwise.train.loss: lm_head and the loss fused per `ce_chunk`
+      tokens, every gradient computed in forward): one chunk's fp32 log-softmax and its fp32
+      input (8·V per token; with Gemma's soft-cap the capped fp32 logits stay for the slope, so
+      a 16-bit gradient comes on top: (8 + c)·V), and, held from the
+      first chunk to the start of backward, lm_head's weight gradient in the compute dtype
+      (c·V·H; none when lm_head is frozen, e.g. LoRA). Its input gradient replaces the lm_head
+      input the standard path saves (the activations' final-norm term): not counted again.
+      Measured on CPU against these terms: tests/train/test_chunked_ce.py.
+    - fused (Liger's linear + cross-entropy kernel): one small row block at a time materialises
+      the (c + 12)·V working set."""
     v = model.vocab_size / tp  # vocab-parallel lm_head
     c = train.compute_bytes
     tokens = train.micro_batch * train.seq_len
@@ -26,9 +36,16 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
     cap = c * v if model.final_logit_softcapping else 0.0
     if train.cross_entropy == "inplace":
         return tokens * (c * v + cap + 8)
-    per_token = (c + 12) * v + cap
     if train.cross_entropy == "chunked":
-        tokens = min(tokens, train.ce_chunk)
-    elif train.cross_entropy == "fused":
+        held = c * v * model.hidden_size if head_trainable(train) else 0.0
+        per_token = (8 + (c if model.final_logit_softcapping and c < 4 else 0)) * v
+        return min(tokens, train.ce_chunk) * per_token + held
+    per_token = (c + 12) * v + cap
+    if train.cross_entropy == "fused":
         tokens = min(tokens, 256)
     return tokens * per_token
+
+
+def head_trainable(train: TrainSpec) -> bool:
+    """lm_head gets a gradient: full fine-tuning, or LoRA with lm_head in modules_to_save."""
+    return not train.lora_rank or "lm_head" in train.lora_modules_to_save

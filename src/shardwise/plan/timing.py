@@ -17,9 +17,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardwise.plan.comm import CommBreakdown
-from shardwise.plan.flops import attention_flops_per_token, model_flops_per_token, selective_recompute_params
-from shardwise.plan.lora import adapter_params, adapters
-from shardwise.plan.memory import stage_layer_params, stage_params
+from shardwise.plan.flops import attention_flops_per_token, run_flops_per_token, selective_recompute_params
+from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
+from shardwise.plan.loss import head_trainable
+from shardwise.plan.memory import NF4_BYTES, stage_layer_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -52,6 +53,7 @@ OPTIMIZER_BYTES = {"fused": 28, "foreach": 80, "forloop": 80}  # fp32 AdamW, per
 # compute; this share of those copies still lands on the step (HBM contention).
 FSDP2_COPY_EXPOSED = 0.0
 CLIP_BYTES = 12  # global-norm clipping: read the grads for the norm, scale them in place
+CE_KERNELS_PER_CHUNK = 12  # chunked cross-entropy: linear, upcast, log-softmax, pick, exp, index_put, GEMMs, masks
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,28 +135,93 @@ def _elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: i
 
 def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
     """Memory-bound bytes per token of the loss over the vocabulary (after lm_head's GEMM).
-    standard/chunked (HF `ForCausalLMLoss`, torch cross_entropy per chunk): the fp32 upcast,
-    log-softmax (two reads, one write), NLL's gradient, log-softmax backward, the cast back;
-    fused linear + cross-entropy computes the softmax in place on small row blocks; the in-place
-    kernel (flash-attn) reads the 16-bit logits and overwrites them with their gradient."""
+    standard (HF `ForCausalLMLoss`): the fp32 upcast, log-softmax (two reads, one write), NLL's
+    gradient, log-softmax backward, the cast back; chunked (the trainer's, shardwise.train.loss):
+    per chunk the upcast, log-softmax, and exp(log-softmax) written once in the compute dtype
+    as the gradient (no NLL gradient, no log-softmax backward; fp32: exp in place), plus the
+    row masks on the h-sized tensors. Gemma's soft-cap: standard runs HF's div, tanh and multiply
+    in the compute dtype and their backward (13·c·V); chunked runs them in place in the compute
+    dtype, then exp in place, the square and one fused multiply-add for the slope ((6c + 24)·V
+    more). Fused linear + cross-entropy (Liger) computes the softmax in place on small row
+    blocks; the in-place kernel (flash-attn) reads the 16-bit logits and overwrites them with
+    their gradient."""
     v, c = model.vocab_size / tp, train.compute_bytes
     if train.cross_entropy == "fused":
         return (8 + 2 * c) * v
     if train.cross_entropy == "inplace":  # read the logits twice (max/sum, then loss), write the gradient
         return 3 * c * v
+    if train.cross_entropy == "chunked":
+        upcast = c + 4 if c < 4 else 0
+        softcap = (6 * c + 24) * v if model.final_logit_softcapping else 0.0
+        return (upcast + 12 + 4 + c) * v + softcap + 4 * c * model.hidden_size
     upcast = 2 * (c + 4) if c < 4 else 0  # .float() and its backward cast
-    return (28 + upcast) * v
+    softcap = 13 * c * v if model.final_logit_softcapping else 0.0
+    return (28 + upcast) * v + softcap
+
+
+def _update_bytes(train: TrainSpec) -> float:
+    """Bytes per parameter the optimizer's update kernel moves (AdamW: OPTIMIZER_BYTES by kernel)."""
+    b = OPTIMIZER_BYTES[train.optimizer_impl] * (0.5 if train.precision == "bf16-pure" else 1)
+    return b * 0.5 if train.optimizer == "sgd" else b
+
+
+def ce_chunks(train: TrainSpec) -> int:
+    """Chunks of the trainer's chunked cross-entropy per micro-batch (0 for the others)."""
+    return -(-train.tokens_per_micro_batch // train.ce_chunk) if train.cross_entropy == "chunked" else 0
+
+
+def head_gemm_time(model: ModelSpec, train: TrainSpec, tp: int, flops_s: float, bytes_s: float) -> float:
+    """lm_head's GEMMs of one micro-batch: forward, input gradient and (when lm_head trains)
+    weight gradient. Chunked (shardwise.train.loss): the same three per chunk of `ce_chunk`
+    tokens, each reading the [V, H] weight again, and the weight gradient accumulating in place
+    (every chunk after the first also reads the accumulator: c·V·H more bytes). At 1024 tokens
+    these GEMMs stay compute-bound (~chunk/c FLOP per byte), so the soft roofline charges the
+    extra traffic little."""
+    c, h, v = train.compute_bytes, model.hidden_size, model.vocab_size / tp
+    trains = head_trainable(train)
+    tokens = train.tokens_per_micro_batch
+    if train.cross_entropy != "chunked":
+        return (3 if trains else 2) * _gemm(tokens, h, v, flops_s, bytes_s, c)
+
+    def chunk(m: int, accumulate: bool) -> float:
+        t = 2 * _gemm(m, h, v, flops_s, bytes_s, c)
+        if trains:
+            t += math.hypot(2 * m * h * v / flops_s, c * (m * (h + v) + (2 if accumulate else 1) * h * v) / bytes_s)
+        return t
+
+    full, rest = divmod(tokens, train.ce_chunk)
+    if not full:
+        return chunk(rest, False)
+    return chunk(train.ce_chunk, False) + (full - 1) * chunk(train.ce_chunk, True) + (chunk(rest, True) if rest else 0.0)
 
 
 def _optimizer_bytes(train: TrainSpec, strategy: Strategy) -> float:
     """Bytes per parameter (of this GPU's shard) that the optimizer step moves."""
-    b = OPTIMIZER_BYTES[train.optimizer_impl] * (0.5 if train.precision == "bf16-pure" else 1)
-    if train.optimizer == "sgd":
-        b *= 0.5
-    b += CLIP_BYTES
+    b = _update_bytes(train) + CLIP_BYTES
     if strategy.engine == "deepspeed":  # grads to the fp32 partition, master back to 16-bit
         b += 2 * (train.compute_bytes + 4)
     return b
+
+
+def optimizer_time(shard: float, train: TrainSpec, strategy: Strategy, hw: HardwareSpec) -> float:
+    """The optimizer step over `shard` parameters on one GPU: its bytes at `hbm_efficiency` × HBM
+    bandwidth, or, when a hardware profile measured an AdamW step rate (`gpu.adamw_params_per_s`
+    with kernel `gpu.adamw_impl`), the update at that kernel's measured bandwidth (rate ×
+    OPTIMIZER_BYTES of the kernel measured, so another kernel or precision scales by its bytes)
+    and the rest (clipping, DeepSpeed's copies) by bytes as before."""
+    gpu = hw.gpu
+    bytes_s = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
+    if gpu.adamw_params_per_s is None or gpu.adamw_impl is None:
+        return shard * _optimizer_bytes(train, strategy) / bytes_s
+    update_bw = gpu.adamw_params_per_s * OPTIMIZER_BYTES[gpu.adamw_impl]
+    rest = _optimizer_bytes(train, strategy) - _update_bytes(train)
+    return shard * (_update_bytes(train) / update_bw + rest / bytes_s)
+
+
+def forward_share(train: TrainSpec) -> float:
+    """The forward's share of a step's work: a third (backward is about twice the forward), a
+    quarter with full recompute (the forward runs again inside backward)."""
+    return 1 / 4 if train.checkpointing == "full" else 1 / 3
 
 
 def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout,
@@ -179,7 +246,8 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
             return k * psi * (passes * (c + c / n) + 2 * c + 2 * c / n)
         reductions = k if s.zero_stage == 2 else 1
         return psi * (reductions * (2 * c + 2 * c / n) + c + c / n)
-    autocast = train.precision in ("bf16-mixed", "fp16-mixed")
+    # LoRA's frozen base is stored in the compute dtype: autocast has nothing to cast
+    autocast = train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
     passes = 2 if train.checkpointing == "full" else 1
     cast = k * psi * (passes * (4 + c) + (c + 8)) if autocast else 0.0
     bucket = 0.0 if s.ddp.gradient_as_bucket_view else 2 * 4 * psi
@@ -227,14 +295,13 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     approx = sum(kk * nn * share for kk, nn, share in shapes)
     exact = _matmul_params_per_layer(model) / tp
     layer_t *= exact / approx if approx else 1.0
-    head_t = _gemm(tokens, model.hidden_size, model.vocab_size / tp, flops_s, bytes_s, c)
     replay_mm = recompute
     if train.checkpointing == "selective":
         replay_mm = selective_recompute_params(model) / tp / exact if exact else 0.0
     # LoRA: the base is frozen, so no weight-gradient GEMMs (forward + input-gradient only);
     # the adapters' own GEMMs are r-wide, bandwidth-bound on the activations they read
     passes = 2 if train.lora_rank else 3
-    gemm = k * ((passes + replay_mm) * layer_t * layers + passes * head_t / pp)
+    gemm = k * ((passes + replay_mm) * layer_t * layers + head_gemm_time(model, train, tp, flops_s, bytes_s) / pp)
     if train.lora_rank:
         for d_in, d_out in _lora_dims(model, train, tp):
             gemm += k * layers * (3 + replay_mm) * (
@@ -251,7 +318,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         scores = model.num_heads / tp * tokens * train.seq_len * layers
         mem += k * scores * (3 * c + 24) * (1 + replay_attn / 3)
 
-    autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed")
+    autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
     factor = FUSED_ELEMENTWISE_FACTOR if train.fused_kernels else ELEMENTWISE_FACTOR
     per_token = _elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * factor / pp)
@@ -259,15 +326,18 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
         copies *= 0.5
     mem += copies * (FSDP2_COPY_EXPOSED if s.engine == "fsdp2" else 1.0)
+    if train.base_quant == "nf4":  # QLoRA: each 4-bit weight is dequantised to c bytes in every pass
+        passes_q = 3 if train.checkpointing == "full" else 2
+        mem += k * passes_q * linear_weight_params(model, tp, pp) * (NF4_BYTES + c)
     memory_bound = mem / bytes_s
 
     trainable = adapter_params(model, train, tp, pp) if train.lora_rank else psi
     shard = trainable / (layout.dp_shard if s.shards_optimizer else 1)
-    optimizer = 0.0 if s.offload_optimizer else shard * _optimizer_bytes(train, s) / bytes_s
+    optimizer = 0.0 if s.offload_optimizer else optimizer_time(shard, train, s, hw)
 
     # host: launch gaps, and the engines' Python hooks (they wait on their collectives' streams)
     kernels = k * layers * KERNELS_PER_LAYER * (1 + recompute / 3) * (FUSED_KERNEL_SHARE if train.fused_kernels else 1)
-    kernels += k * 40
+    kernels += k * (40 + CE_KERNELS_PER_CHUNK * ce_chunks(train))
     if train.optimizer_impl == "forloop":
         kernels += 10 * len(model.hf_order) / pp
     launch = kernels * LAUNCH_S
@@ -342,7 +412,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     compute = ct.gpu_s
     work = ct.wall_s  # GPU-bound or hook-bound: the window collectives can hide in
     # forward is about a third of the work (a quarter with full recompute)
-    fwd = work * (1 / 4 if train.checkpointing == "full" else 1 / 3)
+    fwd = work * forward_share(train)
     bwd = work - fwd
     comm_s = comm_time(comm, hw, layout)
     exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm))
@@ -368,7 +438,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     step = work + exposed + offload + bubble
     share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
     tps = tokens / share / step
-    mfu = model_flops_per_token(model, train.seq_len) * tps / hw.gpu.peak_flops(train.compute_dtype)
+    mfu = run_flops_per_token(model, train) * tps / hw.gpu.peak_flops(train.compute_dtype)
     return TimeBreakdown(compute, comm_s, exposed, offload, bubble, step, tps, mfu,
                          ct.gemm_s, ct.attention_s, ct.memory_bound_s, ct.optimizer_s,
                          work - compute)

@@ -86,6 +86,18 @@ def optimizer_impl(cfg: TrainConfig, device: str) -> str:
     return "foreach" if device == "cuda" else "forloop"
 
 
+def compiled(cfg: TrainConfig, device: str) -> bool:
+    """Whether the trainer compiles the decoder layers (shardwise.train.compile): the planner
+    prices and saves them as fused kernels (`TrainSpec.fused_kernels`)."""
+    from shardwise.train.compile import compile_enabled
+
+    try:
+        engine = Strategy.from_name(cfg.strategy.name).engine
+    except ShardwiseError as e:
+        raise ShardwiseError(f"{cfg.source}: strategy: {e}") from None
+    return compile_enabled(cfg, device, engine)
+
+
 def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> TrainSpec:
     fields = {
         "optimizer_impl": optimizer_impl(cfg, device),
@@ -99,6 +111,9 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> Trai
         "optimizer": cfg.optimizer.name,
         "checkpointing": cfg.checkpointing.activation,
         "attention": cfg.model.attention,
+        "fused_kernels": compiled(cfg, device),
+        "cross_entropy": cfg.loss.implementation,
+        "ce_chunk": cfg.loss.chunk_tokens,
     }
     if cfg.lora is not None:
         t = cfg.lora.target_modules
@@ -231,7 +246,21 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         if train.optimizer_impl == "forloop" and device == "cuda":
             notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
+    # fused kernels = compiled decoder layers; the DeepSpeed engines run eagerly here
+    compiles = strategy.engine in ("fsdp2", "ddp")
+    current = raw["run"].get("compile")
+    resolved = (device == "cuda" if current is None else bool(current)) and compiles
+    if resolved != (train.fused_kernels and compiles):  # else the config already says it (None stays None)
+        raw["run"]["compile"] = train.fused_kernels and compiles
+    if train.fused_kernels and not compiles:
+        notes.append("planned fused kernels (torch.compile); the trainer runs DeepSpeed's engines eagerly")
     raw["checkpointing"]["activation"] = activation
+    raw["loss"] = {"implementation": "standard" if train.cross_entropy == "standard" else "chunked",
+                   "chunk_tokens": train.ce_chunk}
+    if train.cross_entropy in ("fused", "inplace"):
+        kernel = {"fused": "Liger's fused linear cross-entropy", "inplace": "flash-attn's in-place cross-entropy"}
+        notes.append(f"planned {kernel[train.cross_entropy]}; the trainer runs its chunked one "
+                     f"(lm_head and the loss fused per {train.ce_chunk} tokens): plan it with cross_entropy chunked")
     if train.lora_rank:
         lora = dict(raw.get("lora") or {})
         targets = train.lora_targets

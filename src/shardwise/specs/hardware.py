@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
@@ -24,6 +26,12 @@ class GPUSpec(Spec):
     gemm_efficiency: float = Field(0.75, gt=0, le=1, description="large bf16 GEMMs / dense peak")
     attention_efficiency: float = Field(0.45, gt=0, le=1, description="flash/SDPA fwd+bwd / dense peak")
     hbm_efficiency: float = Field(0.55, gt=0, le=1, description="elementwise/reduction kernels / HBM bandwidth")
+    # A measured AdamW step rate (`shardwise calibrate`): fp32 parameters updated per second by
+    # the `adamw_impl` kernel. When set, the planner prices the optimizer step from it (timing.py
+    # `optimizer_time`) instead of the optimizer's bytes at `hbm_efficiency`.
+    adamw_params_per_s: float | None = Field(None, gt=0, description="measured AdamW step rate, params/s")
+    adamw_impl: Literal["fused", "foreach", "forloop"] | None = Field(
+        None, description="the AdamW kernel adamw_params_per_s was measured with")
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak for the compute dtype; V100 has no bf16, so bf16 falls back to fp32 rate."""

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shardwise.errors import ShardwiseError, user_error
 from shardwise.specs.hardware import HardwareSpec
@@ -33,6 +33,15 @@ class GPUProfile(_Part):
     attention_efficiency: float | None = Field(None, gt=0, le=1)
     hbm_efficiency: float | None = Field(None, gt=0, le=1)
     memory_bytes: float | None = Field(None, gt=0)
+    adamw_params_per_s: float | None = Field(None, gt=0, description="AdamW step rate measured with adamw_impl "
+                                             "(fp32 params/s); the planner's optimizer step uses it")
+    adamw_impl: Literal["fused", "foreach", "forloop"] | None = None
+
+    @model_validator(mode="after")
+    def _adamw_pair(self) -> GPUProfile:
+        if (self.adamw_params_per_s is None) != (self.adamw_impl is None):
+            raise ValueError("adamw_params_per_s and adamw_impl are given together (the rate of which kernel)")
+        return self
 
 
 class LinkProfile(_Part):

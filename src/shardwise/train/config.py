@@ -133,6 +133,10 @@ class RunSection(_Section):
     nonfinite_patience: int = Field(0, ge=0, description="consecutive steps with a NaN/Inf loss or grad norm "
                                     "tolerated before the run stops (fp16 overflow steps the scaler skips "
                                     "do not count)")
+    compile: bool | None = Field(None, description="torch.compile each decoder layer (regional, as torchtitan "
+                                 "does) under fsdp* and ddp; None = on for CUDA, off on CPU")
+    compile_backend: str = Field("inductor", description="torch.compile backend (inductor; aot_eager or eager "
+                                 "to debug a compile problem)")
 
 
 class CheckpointingSection(_Section):
@@ -195,6 +199,18 @@ class LoraSection(_Section):
         return self.alpha if self.alpha is not None else 2.0 * self.rank
 
 
+class LossSection(_Section):
+    """`loss:` — how the next-token cross-entropy is computed (shardwise.train.loss). Both give
+    the same loss and gradients (fp32 log-softmax, the same normalisation); they differ in
+    memory and bytes moved. The planner plans the one set here (`cross_entropy`, `ce_chunk`)."""
+
+    implementation: Literal["chunked", "standard"] = Field(
+        "chunked", description="chunked: lm_head and the loss fused over chunks of tokens, no [tokens, vocab] "
+        "fp32 logits (gradients computed in forward); standard: HF's logits, upcast to fp32 whole")
+    chunk_tokens: int = Field(1024, gt=0, description="chunked: tokens per chunk; one chunk's fp32 working set "
+                              "is 8·vocab bytes per token")
+
+
 class HardwareSection(_Section):
     gpu: str = Field("a100-80g", description="catalog GPU the memory check plans for")
     gpus_per_node: int | None = Field(
@@ -217,6 +233,7 @@ class TrainConfig(_Section):
     logging: LoggingSection = LoggingSection()
     hardware: HardwareSection = HardwareSection()
     lora: LoraSection | None = Field(None, description="LoRA/QLoRA adapters (null: full fine-tuning)")
+    loss: LossSection = Field(default_factory=LossSection, description="cross-entropy implementation")
     source: str = Field("<config>", exclude=True, description="file the config came from (errors)")
 
     def resolved_device(self) -> str:

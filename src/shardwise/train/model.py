@@ -131,4 +131,8 @@ def build_model(run: RunSpec):
         from shardwise.train.lora import apply_lora
 
         model = apply_lora(model, run)  # frozen base in the compute dtype, fp32 adapters
+    if run.train.fused_kernels:  # run.compile (the bridge decides it once, for plan and build)
+        from shardwise.train.compile import compile_layers
+
+        compile_layers(model, run.config.run.compile_backend)
     return model

@@ -15,14 +15,19 @@ per-rank mean (the 2024 gradient-accumulation bug) weights short sequences too m
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from shardwise.data.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from shardwise.specs.train import TrainSpec
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,9 @@ class Engine(Protocol):
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropies over target positions, in fp32.
+    """Sum of next-token cross-entropies over target positions, in fp32: the standard
+    implementation (`loss.implementation: standard`; the chunked default is shardwise.train.loss,
+    same contract, held to this one by tests/train/test_chunked_ce.py).
 
     `labels` are not pre-shifted (the collator's contract): position t predicts labels[t+1].
     fp32 upcast of the logits: bf16 log-softmax over a large vocabulary loses ~3 digits.
@@ -105,6 +112,33 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def forward_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                     device: torch.device, train: TrainSpec,
+                     amp: AbstractContextManager[Any] | None = None) -> torch.Tensor:
+    """The forward of one micro-batch through the loss: the fp32 sum of its token losses.
+
+    `forward` is what the engine calls (its wrapper: DDP, DeepSpeedEngine, the FSDP2 root), so
+    the engine's hooks fire as for any forward; `model` is the unwrapped HF CausalLM. By
+    `train.cross_entropy` (the run's `loss.implementation`, as planned):
+    - chunked: lm_head computes the loss chunk by chunk from the hidden states inside the model
+      call (shardwise.train.loss): no [tokens, vocab] fp32 logits;
+    - standard: the model returns the logits, `token_loss_sum` upcasts them whole.
+    `amp` (DDP's autocast) wraps the model call only, as before. One function per engine call:
+    `shardwise bench` wraps it to mark the end of the forward."""
+    labels = batch["labels"].to(device)
+    inputs = model_inputs(batch, device)
+    with amp if amp is not None else contextlib.nullcontext():
+        if train.cross_entropy == "chunked":
+            from shardwise.train.loss import chunked_loss
+
+            with chunked_loss(model, labels, train.ce_chunk):
+                return forward(**inputs).logits
+        if train.cross_entropy != "standard":
+            raise ValueError(f"cross_entropy {train.cross_entropy!r} is plan-only; the trainer runs chunked or standard")
+        logits = forward(**inputs).logits
+    return token_loss_sum(logits, labels)
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

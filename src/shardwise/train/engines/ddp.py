@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.run import RunSpec
 from shardwise.train.engines._torch_common import TorchOptimizerEngine, autocast, build_adamw, grad_scaler
-from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
+from shardwise.train.engines.base import DistEnv, forward_loss_sum
 
 
 class DDPEngine(TorchOptimizerEngine):
@@ -37,10 +37,8 @@ class DDPEngine(TorchOptimizerEngine):
         return contextlib.nullcontext() if enabled else self.ddp.no_sync()
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
-        labels = batch["labels"].to(self.env.torch_device)
-        with autocast(self.run, self.env):
-            logits = self.ddp(**model_inputs(batch, self.env.torch_device)).logits
-        loss_sum = token_loss_sum(logits, labels)
+        loss_sum = forward_loss_sum(self.ddp, self.module, batch, self.env.torch_device, self.run.train,
+                                    amp=autocast(self.run, self.env))
         loss = loss_sum * loss_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()

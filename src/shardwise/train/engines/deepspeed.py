@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from shardwise.run import RunSpec, deepspeed_config
-from shardwise.train.engines.base import DistEnv, decay_groups, model_inputs, token_loss_sum
+from shardwise.train.engines.base import DistEnv, decay_groups, forward_loss_sum
 
 
 class DeepSpeedEngine:
@@ -50,9 +50,7 @@ class DeepSpeedEngine:
             raise RuntimeError(
                 "DeepSpeed's micro-step counter disagrees with the loop's accumulation boundary"
             )
-        labels = batch["labels"].to(self.ds.device)
-        logits = self.ds(**model_inputs(batch, self.ds.device)).logits
-        loss_sum = token_loss_sum(logits, labels)
+        loss_sum = forward_loss_sum(self.ds, self.module, batch, self.ds.device, self.run.train)
         self.ds.backward(loss_sum * loss_scale, scale_wrt_gas=False)
         if not self._boundary:
             self.ds.step()  # advances DeepSpeed's micro-step counter; no update off the boundary

@@ -26,7 +26,7 @@ from shardwise.train.engines._torch_common import (
     compute_dtype,
     grad_scaler,
 )
-from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
+from shardwise.train.engines.base import DistEnv, forward_loss_sum
 from shardwise.train.parallel import build_mesh, data_parallel_mesh
 
 
@@ -80,9 +80,7 @@ class FSDP2Engine(TorchOptimizerEngine):
         return contextlib.nullcontext()
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
-        labels = batch["labels"].to(self.env.torch_device)
-        logits = self.module(**model_inputs(batch, self.env.torch_device)).logits
-        loss_sum = token_loss_sum(logits, labels)
+        loss_sum = forward_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train)
         loss = loss_sum * loss_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()

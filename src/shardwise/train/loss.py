@@ -1,0 +1,330 @@
+"""The trainer's chunked cross-entropy: lm_head and the loss fused over chunks of tokens, so
+the [tokens, vocab] logits never exist in fp32 (nor whole in any dtype).
+
+`loss.implementation: chunked` (the default; the planner's `cross_entropy: chunked` with
+`ce_chunk = loss.chunk_tokens`). Same contract as `engines.base.token_loss_sum`: labels are not
+pre-shifted (position t predicts labels[t + 1]), IGNORE_INDEX targets and each row's last
+position carry no loss, the result is the fp32 *sum* of the token losses (the loop scales it by
+`loss_scale`, engines/base.py).
+
+The math, per chunk of `chunk` tokens (one autograd Function, `_FusedLinearCrossEntropy`):
+
+    z = h_c · Wᵀ (+ b)                      GEMM in the compute dtype       [chunk, V]
+    ls = log_softmax(float(z))              fp32, as the standard path      [chunk, V] fp32
+    loss += −Σ_valid ls[i, t_i]
+    g = exp(ls) − onehot(t)                 one kernel into the compute dtype; targets set apart
+    grad_h_c = (g · W) ⊙ valid              GEMM; ignored rows zeroed       [chunk, H]
+    grad_W  += gᵀ · (h_c ⊙ valid)           GEMM accumulating in place      [V, H]
+
+Every gradient is computed in forward (as Liger's FusedLinearCrossEntropy does), so backward is
+one multiply of the held grads by the incoming scalar: no second pass over the vocabulary, no
+recomputed GEMM, and no [tokens, V] tensor beyond one chunk. The GEMMs are exactly the
+standard path's three (lm_head forward, input gradient, weight gradient), split by chunk, and
+the gradient of the logits is rounded to the compute dtype as the standard path's `.float()`
+backward rounds it. Differences from the standard path:
+
+- the weight gradient accumulates over chunks in W's dtype (the GEMM's beta=1 read of the
+  accumulator): in bf16 one rounding per chunk instead of one in all (Liger does the same); the
+  loss scale is applied to the held grads afterwards (one more rounding in 16-bit). In fp32 the
+  results equal the standard path's to ~1e-7 (tests/train/test_chunked_ce.py).
+- Gemma 2/3's final-logit soft-capping (cap · tanh(z / cap)) is applied in place on each
+  chunk's logits in the compute dtype, as HF applies it, and its derivative 1 − tanh² =
+  1 − (z/cap)² is folded into g in fp32 (one fused multiply-add).
+- Ignored positions still go through the GEMMs (their rows are masked, not dropped): shapes stay
+  static (no host sync, fake-tensor traceable) and the time is what the planner prices.
+
+Memory per chunk token: the fp32 log-softmax and its input (8·V bytes: upcast, then the
+log-softmax output; bf16 `log_softmax(dtype=float32)` upcasts outside the kernel), then the
+compute-dtype gradient beside the log-softmax; with soft-capping the capped fp32 logits stay
+for the slope, so the 16-bit gradient comes on top (8·V + c·V). Held from the
+loss to the start of backward: grad_W (c·V·H bytes, none when lm_head is frozen, e.g. LoRA) and
+grad_h (c·H per token, in place of the lm_head input the standard path saves). plan/loss.py
+books exactly these; the time model (plan/timing.py) prices the chunks' GEMMs and bytes.
+
+How it runs inside the engines: the lm_head module (nn.Linear) gets an instance-level
+`forward` that, while a `chunked_loss(...)` context holds this micro-batch's targets, returns
+the loss sum instead of logits. The model is called as before, so every engine's hooks fire on
+the same modules (FSDP2's root unshard, ZeRO-3's per-module gather of lm_head, DDP); the HF
+CausalLM passes lm_head's output through as `.logits` (checked per class: `head_support`).
+Why it is the default (at least as fast): the GEMM FLOPs are the standard path's; over the
+vocabulary a token moves (20 + 2c)·V bytes (upcast, log-softmax, exp into the gradient; fp32:
+20·V) against the standard path's (36 + 2c)·V (upcast, log-softmax, NLL gradient, log-softmax
+backward, cast back; fp32: 28·V). What chunking adds is traffic inside the GEMMs: each chunk
+re-reads the [V, H] weight, and the weight gradient's accumulator is read once more per chunk
+(c·V·H). At 1024 tokens per chunk those GEMMs do ~chunk/c ≈ 512 FLOP per byte in bf16, above
+an H200's ridge (~990 TFLOP/s over ~4.8 TB/s ≈ 200), so they stay compute-bound; plan/timing.py
+prices both sides and puts chunked at or below standard for the catalog's large-vocabulary
+models. Measured on CPU (benchmarks/cross_entropy.py, one thread): 1.35–1.57× faster forward +
+backward of the loss for the tiny-llama and qwen2.5-0.5b heads, fp32 and bf16, at 35–48% of
+the peak memory (benchmarks/results/cross_entropy.json).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.data.labels import IGNORE_INDEX
+from shardwise.errors import ShardwiseError
+
+DEFAULT_CHUNK_TOKENS = 1024
+_REQUEST = "_shardwise_ce_request"  # per-call attribute on the head module(s)
+STANDARD_HINT = "set loss.implementation: standard (--set loss.implementation=standard)"
+
+
+# --------------------------------------------------------------------------- the math
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """[B, S] unshifted labels -> [B·S] targets: position t's target is labels[t + 1]; each
+    row's last position is ignored (the same padding `token_loss_sum` uses)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+
+
+def _chunks(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+            chunk: int, softcap: float | None, need: tuple[bool, bool, bool]):
+    """The loop of the module docstring. Returns (loss sum fp32, grad_h, grad_W, grad_b)."""
+    need_h, need_w, need_b = need
+    n = h.size(0)
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    rows_idx = torch.arange(min(chunk, n), device=h.device)
+    rows = valid.to(h.dtype).unsqueeze(1)  # [n, 1]: masks ignored rows of h-sized tensors only
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if need_h else None
+    grad_w = None
+    grad_b = torch.zeros(weight.size(0), dtype=torch.float32, device=h.device) if need_b else None
+    gdtype = weight.dtype
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        hc, tc, vc = h[s:e], safe[s:e], valid[s:e]
+        at = (rows_idx[: e - s], tc)  # each row's target entry (index_put_: bf16 scatter_ is slow on CPU)
+        z = F.linear(hc, weight, bias)
+        if softcap is not None:  # cap·tanh(z / cap) in place, in the compute dtype as HF does it
+            z.div_(softcap).tanh_().mul_(softcap)
+        z = z.float()  # fp32 compute: the GEMM output itself; kept with a soft-cap (its slope)
+        ls = torch.log_softmax(z, dim=-1)
+        if softcap is None:
+            del z
+        picked = ls[at]  # [c] log-probability of each row's target
+        total += torch.where(vc, picked, torch.zeros_like(total)).sum().neg()
+        if not (need_h or need_w or need_b):
+            continue
+        # g = softmax − onehot, rounded once to the compute dtype (as the standard backward)
+        target_grad = picked.exp() - 1.0
+        if softcap is not None:  # d(cap·tanh(x/cap))/dx = 1 − tanh² = 1 − (z/cap)²: g = p − p·z²/cap²
+            p = ls.exp_().index_put_(at, target_grad)
+            z.square_()
+            g = torch.addcmul(p, p, z, value=-1.0 / softcap**2,
+                              out=p if gdtype == torch.float32 else torch.empty_like(p, dtype=gdtype))
+            del p, z
+        elif gdtype == torch.float32:
+            g = ls.exp_().index_put_(at, target_grad)
+        else:
+            g = torch.exp(ls, out=torch.empty_like(ls, dtype=gdtype))
+            g.index_put_(at, target_grad.to(gdtype))
+        del ls
+        vrow = rows[s:e]
+        if grad_h is not None:
+            out = grad_h[s:e]
+            torch.mm(g, weight, out=out)
+            out.mul_(vrow)
+        if need_w:
+            hm = hc * vrow  # ignored rows of g are not zeroed: their h rows are
+            if grad_w is None:
+                grad_w = torch.mm(g.t(), hm)
+            else:
+                grad_w.addmm_(g.t(), hm)
+        if grad_b is not None:
+            grad_b += torch.mv(g.t(), vrow.squeeze(1)).float()
+        del g
+    if need_w and grad_w is None:  # no tokens: still a gradient, so every rank's hooks fire alike
+        grad_w = torch.zeros_like(weight)
+    return total, grad_h, grad_w, grad_b
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and every gradient; backward scales them by grad_output."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, chunk, softcap):  # type: ignore[override]
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        total, gh, gw, gb = _chunks(h, weight, bias, targets, chunk, softcap, need)
+        ctx.grads = (gh, gw, None if gb is None else gb.to(bias.dtype))
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # type: ignore[override]
+        grads, ctx.grads = ctx.grads, None  # handed over: autograd may steal them as .grad
+        out = [None if g is None else g.mul_(grad_out) for g in grads]
+        return (*out, None, None, None)
+
+
+def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             targets: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                             softcap: float | None = None) -> torch.Tensor:
+    """Σ over targets != IGNORE_INDEX of cross_entropy(h · Wᵀ + b, target), fp32, chunked.
+
+    h: [N, H] hidden states (the lm_head input), targets: [N] already shifted. Under
+    torch.autocast, h, W and b are cast to the autocast dtype (as autocast casts F.linear's
+    inputs); without grad mode, or with nothing requiring grad, only the loss is computed."""
+    if h.dim() != 2 or targets.shape != h.shape[:1]:
+        raise ValueError(f"h [N, H] and targets [N] expected, got {tuple(h.shape)} and {tuple(targets.shape)}")
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        h, weight = h.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    if h.dtype != weight.dtype:
+        raise TypeError(f"lm_head input {h.dtype} and weight {weight.dtype} differ (F.linear would refuse too)")
+    with torch.autocast(device, enabled=False):
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (h, weight, bias))
+        if not grads:
+            return _chunks(h, weight, bias, targets, chunk_tokens, softcap, (False, False, False))[0]
+        return _FusedLinearCrossEntropy.apply(h, weight, bias, targets, chunk_tokens, softcap)
+
+
+# --------------------------------------------------------------------------- the model side
+@dataclass
+class _Request:
+    targets: torch.Tensor  # [B·S], shifted
+    chunk_tokens: int
+    softcap: float | None
+
+
+def _head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """lm_head's instance-level forward: the loss sum while a request is set, logits otherwise."""
+    req = self.__dict__.get(_REQUEST)
+    if req is None:
+        return type(self).forward(self, x)
+    h = x.reshape(-1, x.size(-1))
+    if h.size(0) != req.targets.numel():
+        raise RuntimeError(f"chunked cross-entropy: lm_head got {h.size(0)} positions for {req.targets.numel()} "
+                           "targets (the model sliced its hidden states: logits_to_keep?)")
+    return linear_cross_entropy_sum(h, self.weight, self.bias, req.targets, req.chunk_tokens, req.softcap)
+
+
+def _plain_linear(m: object) -> bool:
+    return isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+
+
+def output_heads(model: Any) -> list[torch.nn.Linear]:
+    """The nn.Linear module(s) that compute the logits: `get_output_embeddings()`, or the
+    original and trainable copies inside PEFT's ModulesToSaveWrapper (`modules_to_save:
+    [lm_head]`), which returns its active copy's output unchanged. Anything else (a LoRA layer
+    on lm_head, a custom head) adds to the linear's output: refused."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and _plain_linear(head):
+        return [head]
+    original, copies = getattr(head, "original_module", None), getattr(head, "modules_to_save", None)
+    if original is not None and copies is not None:
+        found = [original, *copies.values()]
+        if all(_plain_linear(m) for m in found):
+            return found
+    raise ShardwiseError(f"chunked cross-entropy: the output layer of {type(model).__name__} is "
+                         f"{type(head).__name__}, not a plain nn.Linear (a LoRA adapter on lm_head?); {STANDARD_HINT}")
+
+
+_ASSIGN = re.compile(r"^\s*(\w+)\s*=\s*self\.(lm_head|get_output_embeddings\(\))\(")
+
+
+@functools.cache
+def head_support(cls: Any) -> tuple[bool, str | None]:
+    """(soft-capped, refusal) for a CausalLM class, read from its `forward`'s source: what it
+    does to lm_head's output before returning it as `.logits`. Nothing: supported. Gemma 2/3's
+    `final_logit_softcapping` lines: supported (`chunked_loss` folds the cap into the loss and
+    switches the model's own off for the call). Anything else (Cohere's logit_scale, Granite's
+    logits_scaling, ...): refused, naming the line."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False, f"{cls.__name__}.forward has no readable source to check what it does to the logits"
+    lines = src.splitlines()
+    for i, line in enumerate(lines):
+        m = _ASSIGN.match(line)
+        if m:
+            var, start = m.group(1), i + 1
+            break
+    else:
+        return False, f"{cls.__name__}.forward does not call self.lm_head(...)"
+    edits = []
+    for line in lines[start:]:
+        s = line.strip()
+        if s.startswith(("loss", "if labels", "return", "output")):
+            break
+        if re.match(rf"{var}\s*([-+*/]?=)", s) and not re.fullmatch(rf"{var}\s*=\s*{var}\.float\(\)", s):
+            edits.append(s)
+    if not edits:
+        return False, None
+    if all("final_logit_softcapping" in s or re.fullmatch(rf"{var}\s*=\s*torch\.tanh\({var}\)", s) for s in edits):
+        return True, None
+    return False, (f"{cls.__name__} changes the logits after lm_head ({edits[0]!r}), which the chunked "
+                   f"cross-entropy does not fold in")
+
+
+def check_model(model: Any) -> tuple[list[torch.nn.Linear], float | None]:
+    """The heads to compute the loss in and the soft-cap to apply; raises ShardwiseError where
+    the chunked path cannot reproduce the model's logits."""
+    cls: Any = type(model)
+    capped, refusal = head_support(cls)
+    if refusal:
+        raise ShardwiseError(f"chunked cross-entropy: {refusal}; {STANDARD_HINT}")
+    heads = output_heads(model)
+    cap = getattr(model.config, "final_logit_softcapping", None) if capped else None
+    return heads, (float(cap) if cap else None)
+
+
+@contextmanager
+def chunked_loss(model: Any, labels: torch.Tensor, chunk_tokens: int) -> Iterator[None]:
+    """While open, calling `model` returns this micro-batch's loss sum as `.logits` (fp32, 0-d):
+    lm_head computes it from the hidden states (module docstring). `model` is the unwrapped HF
+    CausalLM (the engines' `module`); the caller may call it through its wrapper (DDP,
+    DeepSpeedEngine). For Gemma 2/3 the model's own soft-capping is off during the call."""
+    heads, cap = check_model(model)
+    for head in heads:
+        if "forward" not in head.__dict__:
+            head.__dict__["forward"] = types.MethodType(_head_forward, head)  # the instance's own
+    req = _Request(shifted_targets(labels), chunk_tokens, cap)
+    for head in heads:
+        head.__dict__[_REQUEST] = req
+    if cap is not None:
+        model.config.final_logit_softcapping = None
+    try:
+        yield
+    finally:
+        for head in heads:
+            head.__dict__.pop(_REQUEST, None)
+        if cap is not None:
+            model.config.final_logit_softcapping = cap
+
+
+def check_run(run: Any) -> None:
+    """Preflight: refuse `loss.implementation: chunked` before any rank starts where it cannot
+    reproduce the model's logits: LoRA adapts lm_head, or the model's CausalLM class changes
+    the logits after lm_head (other than Gemma's soft-cap). A class only a checkpoint's own code
+    defines is checked when the model is built (`check_model`)."""
+    from shardwise.train.model import causal_lm_class
+
+    if run.train.cross_entropy != "chunked":
+        return
+    cfg = run.config
+    targets = cfg.lora.target_modules if cfg.lora is not None else []
+    if isinstance(targets, list) and any(t == "lm_head" or t.endswith(".lm_head") for t in targets):
+        raise ShardwiseError(f"{cfg.source}: lora.target_modules adapts lm_head, but the chunked cross-entropy "
+                             f"computes the loss inside a plain linear lm_head; {STANDARD_HINT}")
+    inventory = run.model.inventory
+    cls = causal_lm_class(inventory.model_type if inventory is not None else run.model.family)
+    refusal = head_support(cls)[1] if cls is not None else None
+    if refusal:
+        raise ShardwiseError(f"{cfg.source}: loss.implementation is 'chunked', but {refusal}; {STANDARD_HINT}")
