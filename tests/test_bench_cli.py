@@ -23,7 +23,7 @@ pytest.importorskip("matplotlib")
 
 from typer.testing import CliRunner
 
-from shardwise.bench.run_bench import parse_sweep
+from shardwise.bench.points import parse_sweep
 from shardwise.cli import app
 
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
@@ -71,7 +71,7 @@ def swept(tiny_config, tmp_path_factory) -> tuple[Path, dict]:
 
 # ---------------------------------------------------------------- no launch
 def test_bench_modules_import_no_torch() -> None:
-    code = ("import sys, shardwise.cli, shardwise.bench.bench_cli, shardwise.bench.run_bench, "
+    code = ("import sys, shardwise.cli, shardwise.bench.bench_cli, shardwise.bench.run_bench, shardwise.bench.points, "
             "shardwise.bench.bench_report; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
@@ -91,6 +91,11 @@ def test_parse_sweep_is_a_cartesian_product() -> None:
     assert [o for _, o in pts] == [
         ["strategy.name=ddp", "run.micro_batch=1"], ["strategy.name=ddp", "run.micro_batch=2"],
         ["strategy.name=fsdp", "run.micro_batch=1"], ["strategy.name=fsdp", "run.micro_batch=2"]]
+    # the short names
+    assert parse_sweep(["strategies=zero2,fsdp", "micro_batch=1,2,4"]) == parse_sweep(
+        ["strategy.name=zero2,fsdp", "run.micro_batch=1,2,4"])
+    assert parse_sweep(["seq_len=64"], {"seq_len": "data.synthetic.seq_len"}) == [
+        ("data.synthetic.seq_len=64", ["data.synthetic.seq_len=64"])]
 
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -138,6 +143,28 @@ def test_bench_json_has_every_term_side_by_side(swept) -> None:
             assert t[k] > 0, (p["label"], k, t)
         assert t["mfu"] is None  # no GPU peak to divide by on CPU
         assert t["predicted"]["step_s"] > 0 and t["predicted"]["tokens_per_s_per_gpu"] > 0
+        # the step split, predicted and measured per term: every engine here computes in each
+        # phase and, on 2 ranks, waits for collectives (gloo: the training thread blocks)
+        for term in ("forward", "backward", "optimizer", "exposed_comm", "step"):
+            v = t["terms"][term]
+            assert set(v) == {"predicted", "measured", "rel_error"}, (p["label"], term)
+            assert v["predicted"] > 0 and v["measured"] > 0, (p["label"], term, v)
+            assert v["rel_error"] == pytest.approx((v["predicted"] - v["measured"]) / v["measured"])
+        assert 0 < t["terms"]["exposed_comm_share"]["measured"] < 1
+        assert t["exposed_comm_s"] == pytest.approx(sum(t["exposed_comm_by_phase"].values()))
+        assert "Work.wait" in t["exposed_comm_method"] and t["comparable"] is False  # a GPU plan vs this CPU
+        # the memory timeline of one step, per rank: per-layer samples, phase markers, census
+        tl = p["memory_timeline"]
+        assert tl["kind"] == "host_rss" and sorted(tl["ranks"]) == ["rank0", "rank1"]
+        for d in tl["ranks"].values():
+            labels = [x["label"] for x in d["samples"]]
+            assert "L0 forward start" in labels and "L0 backward start" in labels, labels
+            assert [m["label"] for m in d["markers"]][:3] == ["forward end", "backward end", "optimizer step end"]
+            assert [c["label"] for c in d["census"]] == ["forward end", "backward end", "optimizer step end"]
+            assert all(x["bytes"] > 0 for x in d["samples"])
+        cb = p["comm_bound"]
+        assert cb["threshold"] == 0.4 and cb["bound"] == (t["terms"]["exposed_comm_share"]["measured"] > 0.4)
+        assert ("fix" in cb) == cb["bound"]
         # host memory on CPU, per rank and phase; the GPU plan's phases are not set beside it
         assert p["memory_kind"] == "host_rss" and "memory_plan" not in p
         assert sorted(p["memory_by_phase"]) == ["rank0", "rank1"]
@@ -183,9 +210,14 @@ def test_report_and_plots(swept) -> None:
     report = (out / "report.md").read_text()
     assert "host" in report and "not comparable with the GPU plan" in report
     pngs = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report)
-    # per point: model states and memory by phase; once: step time and the sweep's errors
-    assert len(pngs) == 2 * len(doc["points"]) + 2, pngs
+    # per point: model states, memory by phase, memory timeline; once: step time and the sweep's errors
+    assert len(pngs) == 3 * len(doc["points"]) + 2, pngs
     assert "errors.png" in pngs and "time.png" in pngs
+    assert sum(n.startswith("timeline_") for n in pngs) == len(doc["points"])
+    assert "Memory timeline of one step" in report and "predicted vs measured" in report
+    for p in doc["points"]:  # the 40% rule: said where the measured step is over it
+        if p["comm_bound"]["bound"]:
+            assert p["comm_bound"]["message"] in report
     import matplotlib.image as mpimg
 
     for name in pngs:

@@ -22,18 +22,23 @@ def bench(
     out: Annotated[Path, typer.Option("--out", help="Where bench.json, report.md and the plots go.")] = Path(
         "runs/bench"),
     sweep: Annotated[list[str] | None, typer.Option(
-        "--sweep", help="section.field=v1,v2 (repeatable; the cartesian product is run, one launch per point).")] = None,
+        "--sweep", help="section.field=v1,v2 or strategy= / micro_batch= / grad_accum= / seq_len= / "
+                        "checkpointing= (repeatable; the cartesian product is run, one launch per point).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Run even if the planner predicts OOM.")] = False,
 ) -> None:
     """Per rank: model-state bytes by term (census of the live engine) vs the planner, memory after
     forward / backward / optimizer step (CUDA allocator peaks; host RSS on CPU, never compared with
-    the GPU plan), forward / backward / optimizer time, tokens/s, MFU (CUDA), and collective bytes
-    per kind vs the planner. Exit codes: 0 done, 2 bad input (nothing ran), else the trainer's."""
+    the GPU plan) and its timeline over one step, the step split into forward / backward / optimizer /
+    exposed communication vs the planner's, tokens/s, MFU (CUDA), and collective bytes per kind vs
+    the planner; when exposed communication is over 40% of the step, the strategy the planner
+    expects to fix it. Under torchrun / deepspeed / srun each process is a rank (--nproc does not
+    apply) and rank 0 writes the outputs. Exit codes: 0 done, 2 bad input (nothing ran), else the
+    trainer's."""
     from rich.console import Console
     from rich.markup import escape
 
     from shardwise.bench.bench_report import print_table
-    from shardwise.bench.run_bench import BenchFailed, bench_points
+    from shardwise.bench.points import BenchFailed, bench_points
 
     err = Console(stderr=True)
     try:
@@ -44,6 +49,8 @@ def bench(
     except BenchFailed as e:
         err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.code) from None
+    if doc is None:  # a rank other than 0 under torchrun / deepspeed / srun: rank 0 reports
+        return
     print_table(doc)
     Console().print(f"wrote {out / 'bench.json'} and {out / 'report.md'}", highlight=False)
 

@@ -8,10 +8,15 @@ Measured, on CUDA when there is a GPU, else on the CPU (and then said so in the 
   widths, a few thousand tokens), in the compute dtype (bf16 on CUDA, fp32 on CPU);
 - causal SDPA forward + backward throughput in model FLOPs (6·s·h per token, as the planner counts);
 - memory bandwidth of a large copy (read + write);
+- the AdamW step rate of the kernel the trainer uses on this device (fused on CUDA, torch's
+  for-loop on CPU) over tensors shaped like the model's, params/s: the planner's optimizer step;
 - torch AdamW on CPU tensors (the host step of FSDP2's CPU offload), params/s;
 - host→device copies from pinned memory (CUDA only);
-- all-reduce / all-gather / reduce-scatter bus bandwidth per message size over `--gpus` local
-  ranks (NCCL on CUDA, gloo on CPU), and the latency of the smallest message.
+- all-reduce / all-gather / reduce-scatter bus bandwidth per message size (NCCL on CUDA, gloo on
+  CPU) and the latency of the smallest message: over `--gpus` local ranks, or, launched by
+  torchrun / srun over several nodes, inside each node (`intra`: the node's ranks, all nodes at
+  once) and across nodes (`inter`: the ranks of one local rank across the nodes — one rail per
+  NIC — all rails at once); nodes are LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE consecutive ranks.
 
 On a GPU the catalog entry matching `torch.cuda.get_device_name` keeps its datasheet peaks and
 the profile sets the efficiencies (measured / peak), so MFU stays relative to the datasheet. On a
@@ -26,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -102,6 +108,11 @@ def measure_device(model_name: str = "llama-2-7b", quick: bool = False) -> dict[
     t = _timed(lambda: dst.copy_(src), repeat, sync)
     out["memory_bytes_per_s"] = 2 * 4 * numel / t
 
+    # the trainer's AdamW on this device, over the model's layer shapes (per-tensor costs count)
+    shapes = [(h, w) for w in widths] + [(w, h) for w in widths] + [(h,), (h,)]
+    rate, impl = _adamw_rate(torch, dev, shapes, (1 << 24 if cuda else 1 << 21) // (2 if quick else 1), repeat, sync)
+    out["adamw_params_per_s"], out["adamw_impl"] = rate, impl
+
     # torch AdamW on CPU tensors: the host step FSDP2's CPUOffloadPolicy runs
     n_params = (1 << 22) // (2 if quick else 1)
     p = torch.nn.Parameter(torch.randn(n_params))
@@ -117,11 +128,57 @@ def measure_device(model_name: str = "llama-2-7b", quick: bool = False) -> dict[
     return out
 
 
+def _adamw_rate(torch: Any, dev: Any, shapes: Sequence[tuple[int, ...]], target: int, repeat: int,
+                sync: Any) -> tuple[float, str]:
+    """Params/s of one AdamW step with the kernel the trainer builds on `dev`
+    (train/engines/_torch_common.py `build_adamw`, run/bridge.py `optimizer_impl`): fused on CUDA,
+    the for-loop reference on CPU; fp32 params over copies of `shapes` up to about `target`."""
+    per = sum(int(torch.Size(sh).numel()) for sh in shapes)
+    params = [torch.nn.Parameter(torch.randn(sh, device=dev)) for _ in range(max(1, target // per)) for sh in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    impl = "fused" if dev.type == "cuda" else "forloop"
+    opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if impl == "fused" else {"foreach": False}))
+    t = _timed(opt.step, repeat, sync)
+    return sum(p.numel() for p in params) / t, impl
+
+
 # ----------------------------------------------------------------------------- collectives
 
 
+def local_ranks(world: int, environ: dict[str, str] | None = None) -> int:
+    """Ranks per node: the launcher's LOCAL_WORLD_SIZE (torchrun, deepspeed) or
+    SLURM_NTASKS_PER_NODE (srun), else every rank on one node (as run/bridge.py reads them)."""
+    e = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = e.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), world)
+    return world
+
+
+def node_groups(world: int, local: int) -> dict[str, list[list[int]]]:
+    """The groups measured at each link level, nodes being `local` consecutive ranks: `intra`,
+    each node's ranks (when a node has more than one); `inter`, each local rank's peers on the
+    other nodes (when there is more than one node)."""
+    from shardwise.errors import ShardwiseError
+
+    if local < 1 or world % local:
+        raise ShardwiseError(f"calibrate: {world} ranks do not split into nodes of {local} (LOCAL_WORLD_SIZE); "
+                             "every node must run the same number of ranks")
+    nodes = world // local
+    out: dict[str, list[list[int]]] = {}
+    if local > 1:
+        out["intra"] = [list(range(n * local, (n + 1) * local)) for n in range(nodes)]
+    if nodes > 1:
+        out["inter"] = [[n * local + i for n in range(nodes)] for i in range(local)]
+    return out
+
+
 def _collectives_rank(out_path: str, quick: bool) -> None:
-    """One rank of the collective measurement (run by `shardwise.train.launch.spawn`)."""
+    """One rank of the collective measurement (spawned by `measure_collectives`, or the calling
+    process itself under an outer launcher): every level's groups at once, one message size at
+    a time (a global barrier between); rank 0 writes its groups' times."""
     import torch
     import torch.distributed as dist
 
@@ -129,27 +186,38 @@ def _collectives_rank(out_path: str, quick: bool) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    levels = node_groups(world, local_ranks(world))
     dist.init_process_group("nccl" if cuda else "gloo")
     dev = torch.device("cuda" if cuda else "cpu")
-    sync = (lambda: (torch.cuda.synchronize(), dist.barrier())) if cuda else dist.barrier
     repeat = 3 if quick else 10
     sizes = SIZES_CUDA if cuda else SIZES_CPU
-    results: dict[str, dict[str, float]] = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}
     # torch ≥ 2.13 names the flat-tensor collectives *_single (the *_tensor names are deprecated)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    for size in sizes:
-        n = max(world, size // 4 // world * world)
-        full = torch.ones(n, device=dev)
-        shard = torch.ones(n // world, device=dev)
-        t = _timed(lambda full=full: dist.all_reduce(full), repeat, sync)
-        results["all_reduce"][str(4 * n)] = t
-        t = _timed(lambda full=full, shard=shard: all_gather(full, shard), repeat, sync)
-        results["all_gather"][str(4 * n)] = t
-        t = _timed(lambda full=full, shard=shard: reduce_scatter(shard, full), repeat, sync)
-        results["reduce_scatter"][str(4 * n)] = t
+    report: dict[str, Any] = {}
+    for level, groups in levels.items():
+        handles = [dist.new_group(g) for g in groups]  # every rank creates every group, in order
+        group = next(h for g, h in zip(groups, handles, strict=True) if rank in g)
+        n = len(groups[0])
+        def sync() -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+
+        results: dict[str, dict[str, float]] = {"all_reduce": {}, "all_gather": {}, "reduce_scatter": {}}
+        for size in sizes:
+            k = max(n, size // 4 // n * n)
+            full = torch.ones(k, device=dev)
+            shard = torch.ones(k // n, device=dev)
+            results["all_reduce"][str(4 * k)] = _timed(lambda f=full, g=group: dist.all_reduce(f, group=g), repeat, sync)
+            results["all_gather"][str(4 * k)] = _timed(
+                lambda f=full, sh=shard, g=group: all_gather(f, sh, group=g), repeat, sync)
+            results["reduce_scatter"][str(4 * k)] = _timed(
+                lambda f=full, sh=shard, g=group: reduce_scatter(sh, f, group=g), repeat, sync)
+        report[level] = {"group_size": n, "groups": len(groups), "seconds": results}
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"world": world, "backend": dist.get_backend(), "seconds": results}))
+        Path(out_path).write_text(json.dumps({"world": world, "local_world": local_ranks(world),
+                                              "backend": dist.get_backend(), "levels": report}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -169,19 +237,42 @@ def bus_bandwidth(seconds: dict[str, dict[str, float]], world: int) -> dict[str,
     return {"bus_bytes_per_s": bus, "latency_s": latency, "per_kind": per_kind}
 
 
-def measure_collectives(world: int, quick: bool = False, timeout_s: float = 120) -> dict[str, Any]:
+def _summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    levels = {lv: {**d, **bus_bandwidth(d["seconds"], d["group_size"])} for lv, d in raw["levels"].items()}
+    return {"world": raw["world"], "local_world": raw["local_world"], "backend": raw["backend"], "levels": levels}
+
+
+def measure_collectives(world: int, quick: bool = False, timeout_s: float = 120,
+                        local_world: int | None = None) -> dict[str, Any]:
+    """Spawn `world` local ranks and measure; `local_world` below `world` makes them measure as
+    if nodes were that many ranks (the intra/inter split, testable on one machine)."""
     from shardwise.errors import ShardwiseError
     from shardwise.train.launch import spawn
 
+    node_groups(world, local_world or world)  # refuse a bad layout before starting anything
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
         argv = ["-m", "shardwise.bench.calibrate", "--collectives-rank", str(out)] + (["--quick"] if quick else [])
-        code = spawn(argv, world, timeout_s=timeout_s, threads_per_rank=1)
+        extra = {"LOCAL_WORLD_SIZE": str(local_world)} if local_world else None
+        code = spawn(argv, world, timeout_s=timeout_s, threads_per_rank=1, extra_env=extra)
         if code != 0 or not out.exists():
             raise ShardwiseError(f"calibrate: the {world}-rank collective measurement failed (exit {code})")
         raw = json.loads(out.read_text())
-    return {"world": raw["world"], "backend": raw["backend"], "seconds": raw["seconds"],
-            **bus_bandwidth(raw["seconds"], raw["world"])}
+    return _summarise(raw)
+
+
+def collectives_here(quick: bool = False) -> dict[str, Any] | None:
+    """Under an outer launcher: this process is a rank of the measurement; rank 0 gets the result."""
+    from shardwise.train.launch import detect_env
+
+    found = detect_env() or {"rank": 0, "world_size": 1, "local_rank": 0}
+    for key, value in (("RANK", found["rank"]), ("WORLD_SIZE", found["world_size"]),
+                       ("LOCAL_RANK", found["local_rank"])):
+        os.environ.setdefault(key, str(value))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "collectives.json"
+        _collectives_rank(str(out), quick)
+        return _summarise(json.loads(out.read_text())) if int(found["rank"]) == 0 else None
 
 
 # ----------------------------------------------------------------------------- the profile
@@ -193,7 +284,7 @@ def build_profile(device: dict[str, Any], collectives: dict[str, Any] | None) ->
 
     name = device["device"]
     entry = catalog_gpu(name) if name != "cpu" else None
-    gpu: dict[str, float] = {}
+    gpu: dict[str, Any] = {}
     if entry:  # datasheet peaks stay; what was sustained becomes the efficiencies
         spec = catalog.get_gpu(entry)
         peak = spec.peak_flops("bf16")
@@ -205,6 +296,8 @@ def build_profile(device: dict[str, Any], collectives: dict[str, Any] | None) ->
         gpu = {"bf16_flops": rate, "fp16_flops": rate, "fp32_flops": rate,
                "hbm_bytes_per_s": device["memory_bytes_per_s"], "gemm_efficiency": 1.0,
                "attention_efficiency": min(1.0, device["attention_flops"] / rate), "hbm_efficiency": 1.0}
+    if device.get("adamw_params_per_s"):  # the planner's optimizer step (plan/timing.py optimizer_time)
+        gpu |= {"adamw_params_per_s": device["adamw_params_per_s"], "adamw_impl": device["adamw_impl"]}
     doc: dict[str, Any] = {
         "gpu_name": name if name != "cpu" else "cpu (no GPU: rates of this host's CPU)",
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -215,18 +308,34 @@ def build_profile(device: dict[str, Any], collectives: dict[str, Any] | None) ->
     if "pcie_bytes_per_s" in device:
         doc["pcie_bytes_per_s"] = device["pcie_bytes_per_s"]
     if collectives:
-        doc["intra"] = {"bus_bytes_per_s": collectives["bus_bytes_per_s"], "latency_s": collectives["latency_s"]}
-        doc["raw"]["collectives"] = {k: collectives[k] for k in ("world", "backend", "per_kind", "seconds")}
+        for level, d in collectives["levels"].items():
+            doc[level] = {"bus_bytes_per_s": d["bus_bytes_per_s"], "latency_s": d["latency_s"]}
+        doc["raw"]["collectives"] = {
+            "world": collectives["world"], "local_world": collectives["local_world"],
+            "backend": collectives["backend"],
+            "levels": {lv: {k: d[k] for k in ("group_size", "groups", "per_kind", "seconds")}
+                       for lv, d in collectives["levels"].items()}}
     return doc
 
 
 def calibrate(gpus: int = 1, out: Path | str | None = None, model: str = "llama-2-7b",
-              quick: bool = False) -> tuple[Path, dict[str, Any]]:
-    """Measure, validate the profile and write it (default: the user's cache directory)."""
+              quick: bool = False) -> tuple[Path | None, dict[str, Any] | None]:
+    """Measure, validate the profile and write it (default: the user's cache directory). Under
+    torchrun / deepspeed / srun this process is one rank (`gpus` does not apply): rank 0
+    measures its device and writes; every rank takes part in the collectives; the other ranks
+    return (None, None)."""
     from shardwise.specs.profile import HardwareProfile, default_profile_path
+    from shardwise.train.launch import detect_env
 
-    device = measure_device(model, quick=quick)
-    collectives = measure_collectives(gpus, quick=quick) if gpus > 1 else None
+    launched = detect_env()
+    rank = int(launched["rank"]) if launched else 0
+    device = measure_device(model, quick=quick) if rank == 0 else None
+    if launched:
+        collectives = collectives_here(quick) if int(launched["world_size"]) > 1 else None
+    else:
+        collectives = measure_collectives(gpus, quick=quick) if gpus > 1 else None
+    if device is None:
+        return None, None
     doc = build_profile(device, collectives)
     HardwareProfile.model_validate(doc)  # what we write, the planner can read
     path = Path(out) if out is not None else default_profile_path()

@@ -15,12 +15,14 @@ GIB = 2**30
 
 @app.command()
 def calibrate(
-    gpus: int = typer.Option(1, "--gpus", help="Local ranks for the collective measurement (1: none)."),
+    gpus: int = typer.Option(1, "--gpus", help="Local ranks for the collective measurement (1: none; under "
+                             "torchrun / srun every launched rank takes part instead)."),
     out: Path | None = typer.Option(None, "--out", help="Profile path (default: the user's cache directory)."),
     model: str = typer.Option("llama-2-7b", "--model", "-m", help="Catalog model whose GEMM shapes are measured."),
     quick: bool = typer.Option(False, "--quick", help="Fewer repeats and smaller sizes (a rough profile in seconds)."),
 ) -> None:
-    """GEMM, attention and memory throughput, host AdamW, PCIe, and collective bus bandwidth."""
+    """GEMM, attention and memory throughput, the AdamW step rate, host AdamW, PCIe, and collective
+    bus bandwidth inside a node (and across nodes when launched over several)."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -34,16 +36,25 @@ def calibrate(
     except ShardwiseError as e:
         console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
+    if doc is None:  # a rank other than 0 under torchrun / srun: rank 0 reports
+        return
     raw, gpu = doc["raw"], doc["gpu"]
     con = Console()
     con.print(f"device: {doc['gpu_name']}" + (f" (catalog {raw['catalog_gpu']})" if raw.get("catalog_gpu") else ""))
     con.print(f"GEMM best {raw['gemm_best_flops'] / 1e12:.2f} TFLOP/s, attention {raw['attention_flops'] / 1e12:.2f} "
               f"TFLOP/s, memory {raw['memory_bytes_per_s'] / 1e9:.1f} GB/s, host AdamW "
               f"{doc['host_torch_adam_params_per_s'] / 1e9:.2f} G params/s", highlight=False)
-    if "intra" in doc:
-        c = raw["collectives"]
-        con.print(f"collectives ({c['world']} ranks, {c['backend']}): bus {doc['intra']['bus_bytes_per_s'] / 1e9:.2f} GB/s, "
-                  f"latency {doc['intra']['latency_s'] * 1e6:.0f} µs per hop", highlight=False)
+    if "adamw_params_per_s" in gpu:
+        con.print(f"AdamW step ({gpu['adamw_impl']}, the trainer's kernel here): "
+                  f"{gpu['adamw_params_per_s'] / 1e9:.3f} G params/s", highlight=False)
+    for level in ("intra", "inter"):
+        if level in doc:
+            c = raw["collectives"]
+            lv = c["levels"][level]
+            where = "inside each node" if level == "intra" else "across nodes (one rank per node, every rail at once)"
+            con.print(f"collectives {where}: {lv['groups']} group(s) of {lv['group_size']} ({c['backend']}), bus "
+                      f"{doc[level]['bus_bytes_per_s'] / 1e9:.2f} GB/s, latency {doc[level]['latency_s'] * 1e6:.0f} µs "
+                      "per hop", highlight=False)
     con.print(f"efficiencies: {', '.join(f'{k} {v:.2f}' for k, v in gpu.items() if k.endswith('efficiency'))}",
               highlight=False)
     con.print(f"wrote {path}  (use: shardwise plan --profile {path}; trainer: hardware.profile)", highlight=False)
