@@ -40,6 +40,8 @@ def trace_fsdp(model_name: str, world: int, seq_len: int, micro_batch: int,
                checkpointing: str = "none", strategy: str = "fsdp") -> dict[str, Any]:
     """Peak bytes per rank by FSDPMemTracker category for one bf16-mixed AdamW step, and the
     RunSpec it ran (so a caller plans exactly that run)."""
+    from unittest import mock
+
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -61,7 +63,13 @@ def trace_fsdp(model_name: str, world: int, seq_len: int, micro_batch: int,
     try:
         mesh = build_mesh(run.layout, "cpu")
         env = DistEnv(rank=0, world_size=world, device="cpu")
-        with FakeTensorMode():
+        # transformers looks for packed rows in the position ids; fake tensors have no values to
+        # look at, so it would keep a packing mask and an explicit [B, 1, S, S] causal mask, which
+        # sends SDPA down the path that repeats GQA's K/V heads (saved whole for backward: +2 GiB
+        # for llama-3.1-8b at seq 4096). The traced rows are plain causal sequences: a real run
+        # finds no packing, skips the mask and runs GQA inside SDPA. Say so to the fake run too.
+        with FakeTensorMode(), mock.patch("transformers.masking_utils.find_packed_sequence_indices",
+                                          lambda position_ids: None):
             model = build_model(run)
             model.train()
             engine = build_engine(model, run, env, mesh=mesh)
