@@ -352,6 +352,7 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
         step_buffers=max(optimizer_temp(train, psi / n, model.largest_module / layout.tp / n), root_rs),
         gathered_params=gathered, held_grads=held, grad_buffers=rs,
         grads_persist=accumulating and not unsharded_held,
+        grads_pending=0.0 if accumulating else w * (layer + root) / n,
     )
     host = HostBreakdown()
     if s.offload_params:  # CPUOffloadPolicy: sharded params, grads and optimizer step on the CPU
@@ -456,7 +457,8 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp))
     resident = (gpu.params + gpu.master_params + gpu.optimizer_states + gpu.engine_buffers
                 + (gpu.grads if gpu.grads_persist else 0.0))
-    fwd, step = (max(0.0, v - resident) for v in gpu.phases.values())
+    phases = gpu.phases  # the end of backward reuses blocks of both: the fit is over these two
+    fwd, step = (max(0.0, phases[k] - resident) for k in ("forward", "step"))
     # expandable segments map freed pages back into one growing segment: the phases share
     # memory and only rounding remains (not measured here: the fraction is the default's)
     overlap = 0.0 if expandable else min(fwd, step)
