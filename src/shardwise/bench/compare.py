@@ -146,6 +146,6 @@ def compare(p: Any, ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
     if cuda:  # the plan's allocator figures exist only to compare with the allocator
         ph = plan.gpu.phases
-        doc["memory_plan"] = {"forward": ph["forward"], "step": ph["step"], "allocated": plan.gpu.allocated,
+        doc["memory_plan"] = {**ph, "allocated": plan.gpu.allocated,
                               "reserved": plan.gpu.reserved}
     return doc
