@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from parity_worker import parity_config
 
 pytestmark = pytest.mark.distributed

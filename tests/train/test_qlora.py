@@ -68,8 +68,8 @@ def test_qlora_refused_where_parameters_are_sharded(strategy):
 def test_qlora_strategies_are_the_replicated_ones_the_planner_ranks():
     """The trainer's list and the recommender's rule agree (one is derived, the other checked)."""
     from shardwise.catalog import get_model
-    from shardwise.plan.recommend import runnable
     from shardwise.plan.planner import build_specs, plan_strategies
+    from shardwise.plan.recommend import runnable
 
     assert {"ddp", "zero2"} <= set(qlora_strategies()) and not {"zero3", "fsdp"} & set(qlora_strategies())
     m, hw, train = build_specs(model="qwen2.5-0.5b", gpus=2, lora_rank=8, base_quant="nf4")

@@ -20,7 +20,8 @@ from shardwise.plan.comm import CommBreakdown
 from shardwise.plan.flops import attention_flops_per_token, run_flops_per_token, selective_recompute_params
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
 from shardwise.plan.loss import head_trainable
-from shardwise.plan.memory import NF4_BYTES, stage_layer_params, stage_params
+from shardwise.plan.memory import stage_layer_params, stage_params
+from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec

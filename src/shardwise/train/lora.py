@@ -71,7 +71,7 @@ def nf4_supported(device: str) -> bool:
 
     try:
         quantize_4bit(torch.ones(64, 64, dtype=torch.bfloat16), quant_type="nf4", compress_statistics=True)
-    except Exception:  # noqa: BLE001 - any failure means: not on this device
+    except Exception:
         return False
     return True
 
@@ -116,7 +116,6 @@ def apply_lora(model: Any, run: RunSpec) -> Any:
     """Inject the run's adapters into `model` (in place; returned): base frozen in the compute
     dtype, adapters fp32. The adapters' random init draws from the seeded generator after the
     base's, so every rank (and a later resume or export) builds the same starting point."""
-    import torch
     from peft import inject_adapter_in_model
 
     from shardwise.train.engines._torch_common import compute_dtype

@@ -1,0 +1,109 @@
+"""Model states of a LoRA/QLoRA run per engine (pure, no torch): the frozen base stored as the
+engine stores parameters, the trainable adapters (and `modules_to_save` copies) with the engine's
+full treatment. Checked per part against a census of the real engines on 2 gloo ranks
+(tests/test_measured_memory.py, the `-lora` and `-qlora` variants)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
+from shardwise.plan.lora import (
+    adapter_params_per_layer,
+    adapter_tensors,
+    linear_weight_params,
+    trainable_params,
+)
+from shardwise.plan.memory import (
+    _optimizer_bytes,
+    _persistent_params,
+    optimizer_temp,
+    stage_layer_params,
+    zero3_gathered,
+)
+from shardwise.specs.layout import ParallelLayout
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.strategy import Strategy
+from shardwise.specs.train import TrainSpec
+
+
+def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout, psi: float,
+                n: int) -> tuple[MemoryBreakdown, HostBreakdown]:
+    """LoRA/QLoRA (plan/lora.py counts the adapters A; `modules_to_save` adds trainable copies):
+    the frozen base B is stored as the engine stores parameters and never gets grads or optimizer
+    state; the trainable A get the engine's full treatment. Measured per rank on 2 gloo ranks
+    (tests/test_measured_memory.py, `-lora` variants; trainer: shardwise.train.lora):
+    - DDP: base in the compute dtype c, adapters fp32 (c·B + 4A), fp32 grads and AdamW of A;
+    - DeepSpeed casts the whole module to c (adapters too: c·(B + A)), fp32 master of A/N,
+      grads of A in c (stage 0 whole, 1 whole under accumulation, 2-3 A/N); stage 3 partitions
+      base and adapters alike (persistent small tensors whole) with its reduce bucket;
+    - FSDP2 shards both, each in its stored dtype: (c·B + 4A)/N, grads 4A/N, AdamW A/N.
+    QLoRA's base linears are NF4 (`base_bytes`)."""
+    c = train.compute_bytes
+    a = trainable_params(model, train, layout.tp, layout.pp)
+    base = base_bytes(model, train, layout, psi)  # frozen base, whole, as stored
+    os_ = _optimizer_bytes(train)
+    temp = optimizer_temp(train, a, a)
+    layer = model.params_per_layer / layout.tp
+    host = HostBreakdown()
+    if s.engine == "deepspeed":
+        stage, ds = s.zero_stage, s.ds
+        w = c
+        base_w = base * w / c  # DeepSpeed keeps the module in the compute dtype
+        if stage == 3:
+            # small tensors stay whole on every rank, base and adapters alike (QLoRA never runs here)
+            persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+            persist += sum(e * k * model.num_layers for e, k in adapter_tensors(model, train, layout.tp)
+                           if e < ds.param_persistence_threshold)
+            whole = w * persist
+            mem = MemoryBreakdown(
+                params=whole + (base_w + w * a) / n, grads=w * a / n, master_params=4 * a / n,
+                optimizer_states=os_ * a / n, step_buffers=4 * a / n + temp / n,
+                engine_buffers=ds.reduce_bucket_size * w, gathered_params=w * zero3_gathered(model, train, ds, layout),
+                grads_persist=True)
+        else:
+            whole_grads = stage == 0 or (stage == 1 and train.grad_accum > 1)
+            master = (4 * a if w != 4 else 0.0) if stage == 0 else 4 * a / n
+            mem = MemoryBreakdown(
+                params=base_w + w * a, grads=w * a if whole_grads else w * a / n, master_params=master,
+                optimizer_states=os_ * a / max(1, n if stage else 1), step_buffers=master + temp / max(1, n if stage else 1),
+                grads_persist=train.grad_accum > 1)
+        if s.offload_optimizer:
+            host = HostBreakdown(grads=4 * a / n, master_params=4 * a / n, optimizer_states=os_ * a / n)
+            mem = replace(mem, master_params=0.0, optimizer_states=0.0, step_buffers=0.0)
+        return mem, host
+    if s.engine == "fsdp2":
+        mixed = train.precision in ("bf16-mixed", "fp16-mixed")
+        reduce = s.fsdp.reduce_bytes(c) if mixed else 4
+        gathered = c * (2 * layer + (psi - stage_layer_params(model, layout.pp) / layout.tp)) \
+            if s.reshard_after_forward else c * psi
+        mem = MemoryBreakdown(
+            params=(base + 4 * a) / n, grads=4 * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
+            gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,
+            held_grads=reduce * a if train.grad_accum > 1 and not s.fsdp.reduce_every_micro_batch else 0.0,
+            grads_persist=train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch)
+        if s.offload_params:
+            host = HostBreakdown(params=mem.params, grads=mem.grads, optimizer_states=mem.optimizer_states)
+            mem = replace(mem, params=0.0, grads=0.0, optimizer_states=0.0, step_buffers=0.0)
+        return mem, host
+    view = s.ddp.gradient_as_bucket_view  # DDP: buckets hold the adapters' grads only
+    return MemoryBreakdown(
+        params=base + 4 * a, grads=4 * a, optimizer_states=os_ * a, step_buffers=temp,
+        engine_buffers=0 if view else 4 * a, grads_persist=view or train.grad_accum > 1,
+    ), host
+
+
+def base_bytes(model: ModelSpec, train: TrainSpec, layout: ParallelLayout, psi: float) -> float:
+    """The frozen base of a LoRA run as one rank's replica stores it: Ψ in the compute dtype,
+    or for QLoRA (`base_quant` nf4) the decoder layers' linear weights in bitsandbytes NF4 —
+    4 bits plus a double-quantised scale per 64-element block (8-bit absmax, and one fp32
+    scale per 256 blocks: 0.5 + 1/64 + 4/(64·256) bytes per weight; Dettmers et al. 2023) —
+    and everything else (embeddings, norms, lm_head, biases) in the compute dtype."""
+    c = train.compute_bytes
+    if train.base_quant == "none":
+        return c * psi
+    quantized = linear_weight_params(model, layout.tp, layout.pp)
+    return c * (psi - quantized) + NF4_BYTES * quantized
+
+
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
