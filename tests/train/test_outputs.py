@@ -98,3 +98,18 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     assert "'tiny-llama' cannot resume" in res.stderr and "'tiny-qwen'" in res.stderr
     res = train(tmp_path, "checkpointing.resume=latest", "run.steps=1")
     assert res.returncode == ExitCode.USER_ERROR and "already at step 2" in res.stderr
+
+
+@pytest.mark.parametrize(("kind", "comparable"), [("GPU max allocated", True), ("host peak RSS", False)])
+def test_summary_compares_memory_with_the_plan_only_on_a_gpu(capsys, kind, comparable):
+    """A CPU run's host RSS (interpreter, libraries, data) is not a GPU's allocated memory: the
+    summary says so instead of setting the two side by side."""
+    from shardwise.train.metrics import print_summary
+
+    print_summary({"status": "completed", "steps": 3, "first_loss": 7.0, "final_loss": 6.0, "median_step_s": 0.1,
+                   "tokens_per_s": 1000.0, "planned_gpu_bytes": 2 * 2**30, "measured_memory_bytes": 2**30,
+                   "measured_memory_kind": kind})
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())  # table cells wrap
+    assert ("1.00 GiB measured" in out) and ("2.00 GiB" in out)
+    assert ("vs 2.00 GiB planned per GPU" in out) == comparable
+    assert ("not comparable" in out) != comparable

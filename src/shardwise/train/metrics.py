@@ -174,11 +174,13 @@ def print_summary(s: dict[str, Any]) -> None:
         "throughput",
         f"{s['tokens_per_s']:,.0f} tokens/s" + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else ""),
     )
-    planned = (
-        f"{s['planned_gpu_bytes'] / gib:.2f} GiB planned per GPU" if s["planned_gpu_bytes"] else "no plan"
-    )
-    t.add_row(
-        "peak memory",
-        f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']}) vs {planned}",
-    )
+    measured = f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']})"
+    if not s["planned_gpu_bytes"]:
+        memory = f"{measured}; no plan"
+    elif s["measured_memory_kind"].startswith("GPU"):
+        memory = f"{measured} vs {s['planned_gpu_bytes'] / gib:.2f} GiB planned per GPU"
+    else:  # a CPU run: host RSS holds the interpreter and libraries; the plan is a GPU's memory
+        memory = (f"{measured}; the plan ({s['planned_gpu_bytes'] / gib:.2f} GiB per GPU) is for a GPU "
+                  "and not comparable")
+    t.add_row("peak memory", memory)
     Console().print(t)
