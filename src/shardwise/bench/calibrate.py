@@ -36,6 +36,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shardwise.run.bridge import launcher_ranks_per_node
+
 SIZES_CPU = (1 << 12, 1 << 16, 1 << 20, 1 << 23)  # bytes per collective message
 SIZES_CUDA = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28)
 # torch.cuda.get_device_name substrings → catalog GPU (first match wins)
@@ -146,17 +148,6 @@ def _adamw_rate(torch: Any, dev: Any, shapes: Sequence[tuple[int, ...]], target:
 # ----------------------------------------------------------------------------- collectives
 
 
-def local_ranks(world: int, environ: dict[str, str] | None = None) -> int:
-    """Ranks per node: the launcher's LOCAL_WORLD_SIZE (torchrun, deepspeed) or
-    SLURM_NTASKS_PER_NODE (srun), else every rank on one node (as run/bridge.py reads them)."""
-    e = os.environ if environ is None else environ
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = e.get(key, "")
-        if value.isdigit() and int(value) > 0:
-            return min(int(value), world)
-    return world
-
-
 def node_groups(world: int, local: int) -> dict[str, list[list[int]]]:
     """The groups measured at each link level, nodes being `local` consecutive ranks: `intra`,
     each node's ranks (when a node has more than one); `inter`, each local rank's peers on the
@@ -186,7 +177,7 @@ def _collectives_rank(out_path: str, quick: bool) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    levels = node_groups(world, local_ranks(world))
+    levels = node_groups(world, launcher_ranks_per_node(world))
     dist.init_process_group("nccl" if cuda else "gloo")
     dev = torch.device("cuda" if cuda else "cpu")
     repeat = 3 if quick else 10
@@ -216,7 +207,7 @@ def _collectives_rank(out_path: str, quick: bool) -> None:
                 lambda f=full, sh=shard, g=group: reduce_scatter(sh, f, group=g), repeat, sync)
         report[level] = {"group_size": n, "groups": len(groups), "seconds": results}
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"world": world, "local_world": local_ranks(world),
+        Path(out_path).write_text(json.dumps({"world": world, "local_world": launcher_ranks_per_node(world),
                                               "backend": dist.get_backend(), "levels": report}))
     dist.barrier()
     dist.destroy_process_group()

@@ -145,6 +145,12 @@ def gpus_per_node(cfg: TrainConfig, world_size: int, environ: dict[str, str] | N
     SLURM_NTASKS_PER_NODE (srun), else every rank on one node (`--nproc` spawns locally)."""
     if cfg.hardware.gpus_per_node is not None:
         return cfg.hardware.gpus_per_node
+    return launcher_ranks_per_node(world_size, environ)
+
+
+def launcher_ranks_per_node(world_size: int, environ: dict[str, str] | None = None) -> int:
+    """Ranks per node as the launcher says: LOCAL_WORLD_SIZE (torchrun, deepspeed),
+    SLURM_NTASKS_PER_NODE (srun), else every rank on one node."""
     e = os.environ if environ is None else environ
     for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         value = e.get(key, "")
