@@ -34,6 +34,19 @@ def run_ranks(script: Path, args: list[str], nproc: int, timeout_s: float = TIME
     assert rc == 0, f"{script.name} {args} failed on {nproc} ranks (rc {rc}); see captured stderr"
 
 
+def run_once(out: Path, script: Path, launches: list[tuple[list[str], int, float]]) -> Path:
+    """Run `script --out OUT --runs ITEMS...` for each (items, nproc, timeout_s) of `launches`,
+    in order, once per test session however the tests are distributed (a file lock and a DONE
+    marker in the shared `out`); returns `out`."""
+    with FileLock(str(out) + ".lock"):
+        if not (out / "DONE").exists():
+            out.mkdir(exist_ok=True)
+            for items, nproc, timeout_s in launches:
+                run_ranks(script, ["--out", str(out), "--runs", *items], nproc, timeout_s=timeout_s)
+            (out / "DONE").touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def shared_dir(tmp_path_factory) -> Path:
     # The parent of the per-worker basetemp is common to all xdist workers of a session.
@@ -51,13 +64,7 @@ def ranks_runner(shared_dir):
 
     def run(runs: list[str], nproc: int) -> Path:
         key = hashlib.sha1(f"{nproc}:{' '.join(runs)}".encode()).hexdigest()[:12]
-        out = shared_dir / key
-        with FileLock(str(out) + ".lock"):
-            if not (out / "DONE").exists():
-                out.mkdir(exist_ok=True)
-                run_ranks(WORKER, ["--out", str(out), "--runs", *runs], nproc)
-                (out / "DONE").touch()
-        return out
+        return run_once(shared_dir / key, WORKER, [(runs, nproc, TIMEOUT_S)])
 
     return run
 

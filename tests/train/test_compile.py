@@ -9,8 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import HERE, run_ranks
-from filelock import FileLock
+from conftest import HERE, run_once
 
 pytestmark = pytest.mark.distributed
 STRATEGIES = ("ddp", "fsdp")
@@ -18,13 +17,8 @@ STRATEGIES = ("ddp", "fsdp")
 
 @pytest.fixture(scope="module")
 def runs(shared_dir):
-    out = shared_dir / "compile"
-    with FileLock(str(out) + ".lock"):
-        if not (out / "DONE").exists():
-            out.mkdir(exist_ok=True)
-            items = [f"{s}:{m}" for s in STRATEGIES for m in ("eager", "compiled")]
-            run_ranks(HERE / "compile_worker.py", ["--out", str(out), "--runs", *items], 2, timeout_s=400)
-            (out / "DONE").touch()
+    items = [f"{s}:{m}" for s in STRATEGIES for m in ("eager", "compiled")]
+    out = run_once(shared_dir / "compile", HERE / "compile_worker.py", [(items, 2, 400)])
     return {(s, m): json.loads((out / f"{s}-{m}.json").read_text()) for s in STRATEGIES
             for m in ("eager", "compiled")}
 

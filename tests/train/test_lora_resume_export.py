@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_ranks
-from filelock import FileLock
+from conftest import run_once
 
 from shardwise.train.checkpoint import checkpoints_dir, read_manifest, step_dir_name, tensor_shapes
 
@@ -21,16 +20,9 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runs(shared_dir):
-    out = shared_dir / "lora-resume"
-    with FileLock(str(out) + ".lock"):
-        if not (out / "DONE").exists():
-            out.mkdir(exist_ok=True)
-            items = ["zero3+lora:full", "fsdp+lora:resume:zero3+lora-full-w2", "zero3+lora:resume:zero3+lora-full-w2"]
-            run_ranks(HERE / "resume_worker.py", ["--out", str(out), "--runs", *items], 2, timeout_s=400)
-            run_ranks(HERE / "resume_worker.py", ["--out", str(out), "--runs", "ddp+lora:resume:zero3+lora-full-w2"],
-                      1, timeout_s=300)
-            (out / "DONE").touch()
-    return out
+    two = ["zero3+lora:full", "fsdp+lora:resume:zero3+lora-full-w2", "zero3+lora:resume:zero3+lora-full-w2"]
+    return run_once(shared_dir / "lora-resume", HERE / "resume_worker.py",
+                    [(two, 2, 400), (["ddp+lora:resume:zero3+lora-full-w2"], 1, 300)])
 
 
 def load(out: Path, name: str) -> dict:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_ranks
-from filelock import FileLock
+from conftest import run_once
 
 from shardwise.train.checkpoint import read_tensors
 
@@ -31,20 +30,13 @@ EXACT = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 def runs(shared_dir):
     """All resume runs: one 2-rank launch (full runs, then same-strategy and cross resumes),
     then one 1-rank launch (2 -> 1 rank resumes)."""
-    out = shared_dir / "resume"
-    with FileLock(str(out) + ".lock"):
-        if not (out / "DONE").exists():
-            out.mkdir(exist_ok=True)
-            two = [f"{s}:full" for s in EXACT]
-            two += [f"{s}:resume:{s}-full-w2" for s in EXACT]
-            two += ["fsdp:resume:zero2-full-w2", "zero3:resume:fsdp-full-w2", "fsdp:evalsave", "zero3:evalsave"]
-            run_ranks(WORKER, ["--out", str(out), "--runs", *two], 2, timeout_s=600)
-            one = ["zero3:resume:fsdp-full-w2", "ddp:resume:zero3-full-w2", "fsdp:resume:ddp-full-w2"]
-            run_ranks(WORKER, ["--out", str(out), "--runs", *one], 1, timeout_s=300)
-            # 2 -> 4 ranks (4 gloo processes on 2 cores: slower, still a few seconds of steps)
-            run_ranks(WORKER, ["--out", str(out), "--runs", "fsdp:resume:zero2-full-w2"], 4, timeout_s=300)
-            (out / "DONE").touch()
-    return out
+    two = [f"{s}:full" for s in EXACT]
+    two += [f"{s}:resume:{s}-full-w2" for s in EXACT]
+    two += ["fsdp:resume:zero2-full-w2", "zero3:resume:fsdp-full-w2", "fsdp:evalsave", "zero3:evalsave"]
+    one = ["zero3:resume:fsdp-full-w2", "ddp:resume:zero3-full-w2", "fsdp:resume:ddp-full-w2"]
+    # 2 -> 4 ranks (4 gloo processes on 2 cores: slower, still a few seconds of steps)
+    return run_once(shared_dir / "resume", WORKER,
+                    [(two, 2, 600), (one, 1, 300), (["fsdp:resume:zero2-full-w2"], 4, 300)])
 
 
 def load(out: Path, name: str) -> dict:
