@@ -106,10 +106,8 @@ def _peft_with(cfg: TrainConfig, adapters: dict[str, torch.Tensor]):
         "lora": None, "strategy": cfg.strategy.model_copy(update={"name": "ddp", "shard_group": None}),
         "checkpointing": cfg.checkpointing.model_copy(update={"activation": "none"}),
         "run": cfg.run.model_copy(update={"device": "cpu"})})
-    base = build_model(run_spec(base_cfg, 1, "cpu", environ={}))
-    run = run_spec(base_cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"quantization": "none"})}),
-                   1, "cpu", environ={})
-    pm = peft_model(run, base)
+    base = build_model(run_spec(base_cfg, 1, "cpu", environ={}))  # fp32, unquantised
+    pm = peft_model(cfg.lora, base)
     if cfg.model.path:
         pm.peft_config["default"].base_model_name_or_path = str(Path(cfg.model.path).resolve())
     state = {f"base_model.model.{k}": v for k, v in adapters.items()}

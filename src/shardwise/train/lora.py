@@ -137,14 +137,9 @@ def apply_lora(model: Any, run: RunSpec) -> Any:
     return model
 
 
-def trainable_names(model: Any) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
-def peft_model(run: RunSpec, base: Any) -> Any:
-    """A `peft.PeftModel` around `base` with this run's adapter config (fresh adapters), for
-    export: `save_pretrained` writes PEFT's adapter format, `merge_and_unload` the merged model."""
+def peft_model(section: LoraSection, base: Any) -> Any:
+    """A `peft.PeftModel` around `base` with a `lora:` section's adapter config (fresh adapters),
+    for export: `save_pretrained` writes PEFT's adapter format, `merge_and_unload` the merged model."""
     from peft import get_peft_model
 
-    assert run.config.lora is not None
-    return get_peft_model(base, peft_config(run.config.lora), adapter_name=ADAPTER_NAME)
+    return get_peft_model(base, peft_config(section), adapter_name=ADAPTER_NAME)
