@@ -150,6 +150,9 @@ def build(run: dict):
         # Published FSDP runs used their framework's default under accumulation (torchtitan,
         # Composer, fms-fsdp): gradients reduced every micro-batch, not held unsharded.
         knobs["fsdp"] = {"reduce_every_micro_batch": True, **knobs.get("fsdp", {})}
+    if Strategy.from_name(run["strategy"]).engine == "deepspeed":
+        # and published DeepSpeed runs its default ZeRO-3 hooks: one per submodule
+        knobs["ds"] = {"fetch_unit": "module", **knobs.get("ds", {})}
     strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), **knobs)
     return model, hw, train, strategy
 

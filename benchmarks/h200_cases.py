@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shardwise import catalog
 from shardwise.plan.evaluate import evaluate
-from shardwise.specs import ModelSpec, Strategy, TrainSpec
+from shardwise.specs import DeepSpeedKnobs, ModelSpec, Strategy, TrainSpec
 
 HERE = Path(__file__).parent
 DATA = HERE / "measurements" / "h200-trainer-cases.json"
@@ -47,7 +47,8 @@ def specs(case: dict):
     hw = catalog.build_hardware(gpu=case["gpu"], gpus=case["world_size"], gpus_per_node=case["world_size"])
     train = TrainSpec(seq_len=case["seq"], micro_batch=case["micro_batch"], checkpointing=case["activation"],
                       precision=case["precision"], optimizer_impl="fused")
-    return model, hw, train, Strategy.from_name(case["strategy"])
+    # measured with DeepSpeed's per-submodule ZeRO-3 hooks, before the layer unit was the default
+    return model, hw, train, Strategy.from_name(case["strategy"], ds=DeepSpeedKnobs(fetch_unit="module"))
 
 
 def compare(case: dict) -> dict:

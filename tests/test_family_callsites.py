@@ -244,7 +244,7 @@ def test_every_analytic_family_has_a_wrap_class():
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from shardwise.emit.accelerate import LAYER_CLASS
+    from shardwise.specs.layer_class import LAYER_CLASS
     from shardwise.specs.model import ANALYTIC_FAMILIES
 
     assert set(LAYER_CLASS) == set(ANALYTIC_FAMILIES)

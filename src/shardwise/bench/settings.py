@@ -21,7 +21,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 
 def planned_settings(run) -> dict[str, Any]:
-    """The memory-relevant settings the planner assumed for `run` (plan/memory.py reads these)."""
+    """The memory- and time-relevant settings the planner assumed for `run` (plan/memory.py and
+    plan/timing.py read these)."""
+    from shardwise.plan.timing import zero3_hooked_modules
+
     s, lay, t = run.strategy, run.layout, run.train
     out: dict[str, Any] = {
         "engine": s.engine, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
@@ -36,7 +39,9 @@ def planned_settings(run) -> dict[str, Any]:
         if stage == 3:
             out |= {"prefetch_bucket_size": k.prefetch_bucket_size, "max_live_parameters": k.max_live_parameters,
                     "max_reuse_distance": k.max_reuse_distance,
-                    "param_persistence_threshold": k.param_persistence_threshold}
+                    "param_persistence_threshold": k.param_persistence_threshold,
+                    "fetch_unit": k.zero3_unit(run.model.params_per_layer / s.tp),
+                    "zero3_hooked_modules": zero3_hooked_modules(run.model, k, s.tp)}
     elif s.engine == "fsdp2":
         mixed = t.compute_dtype != "fp32"
         out |= {"reshard_after_forward": s.reshard_after_forward, "root_reshard_after_forward": False,
@@ -47,6 +52,18 @@ def planned_settings(run) -> dict[str, Any]:
         out |= {"bucket_cap_bytes": int(s.ddp.bucket_cap_mb * 2**20),
                 "gradient_as_bucket_view": s.ddp.gradient_as_bucket_view}
     return out
+
+
+def _fetch_unit(module) -> str:
+    """What ZeRO-3 hooked: "layer" when the decoder layers carry its forward hooks and nothing
+    inside them does, "module" when their submodules do too."""
+    from shardwise.train.engines.fsdp import decoder_layers
+
+    layers = decoder_layers(module)
+    inner = [m for layer in layers for m in layer.modules() if m is not layer and m._forward_pre_hooks]
+    if all(layer._forward_pre_hooks for layer in layers) and not inner:
+        return "layer"
+    return "module" if inner else "none"
 
 
 def engine_settings(engine) -> dict[str, Any]:
@@ -68,7 +85,9 @@ def engine_settings(engine) -> dict[str, Any]:
             out |= {"prefetch_bucket_size": ds.zero_prefetch_bucket_size(),
                     "max_live_parameters": ds.zero_max_live_parameters(),
                     "max_reuse_distance": ds.zero_max_reuse_distance(),
-                    "param_persistence_threshold": ds.zero_param_persistence_threshold()}
+                    "param_persistence_threshold": ds.zero_param_persistence_threshold(),
+                    "fetch_unit": _fetch_unit(module),
+                    "zero3_hooked_modules": sum(1 for m in module.modules() if m._forward_pre_hooks)}
     elif engine.name == "fsdp2":
         from shardwise.train.engines.fsdp import decoder_layers
 
@@ -97,7 +116,8 @@ def engine_settings(engine) -> dict[str, Any]:
 
 
 def settings_config(case: str):
-    """`<strategy>[:bf16][:ckpt][:sg1]` -> the TrainConfig of a 2-rank settings check."""
+    """`<strategy>[:bf16][:ckpt][:sg1][:module]` -> the TrainConfig of a 2-rank settings check
+    (module: ZeRO-3 hooks every submodule, DeepSpeed's default)."""
     from shardwise.bench.worker import BATCH, BENCH_MODEL, SEQ, WORLD
     from shardwise.train.config import TrainConfig
 
@@ -105,7 +125,8 @@ def settings_config(case: str):
     return TrainConfig.model_validate({
         "model": {"name": BENCH_MODEL},
         "data": {"kind": "synthetic", "synthetic": {"seq_len": SEQ}},
-        "strategy": {"name": name, "shard_group": 1 if "sg1" in flags else None},
+        "strategy": {"name": name, "shard_group": 1 if "sg1" in flags else None,
+                     "deepspeed": {"fetch_unit": "module"} if "module" in flags else {}},
         "precision": "bf16-mixed" if "bf16" in flags else "fp32",
         "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
         "run": {"micro_batch": BATCH, "device": "cpu", "nproc": WORLD},

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import yaml
 
-from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable, layer_class
+from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable
 from shardwise.emit.launch import launch_scripts
 from shardwise.errors import ShardwiseError
 from shardwise.plan.memory import MemoryPlan, plan_memory
 from shardwise.run import RunSpec, config_dict, deepspeed_config, run_spec, to_config
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
+from shardwise.specs.layer_class import layer_class
 from shardwise.train.config import PLACEHOLDER, TrainConfig
 
 __all__ = ["accelerate_config", "deepspeed_config", "emit_configs", "emitted_run"]
@@ -210,6 +211,12 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
     if strategy.engine == "fsdp2":
         wrap = f"FSDP2 wraps each `{layer_class(model)}`; reshard after forward: {strategy.reshard_after_forward}."
         lines += ["", wrap]
+    if strategy.zero_stage == 3:
+        unit = strategy.ds.zero3_unit(model.params_per_layer / strategy.tp)
+        lines += ["", f"ZeRO-3 fetches each `{layer_class(model)}` whole (`leaf_module`: one fetch and release "
+                      "per layer and pass, not one per submodule)." if unit == "layer" else
+                      "ZeRO-3 fetches every submodule on its own (DeepSpeed's default): a decoder layer is over "
+                      "the gathered-parameter cap to be fetched whole."]
     if strategy.engine == "deepspeed":
         lines += [
             "",

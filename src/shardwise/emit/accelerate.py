@@ -11,29 +11,9 @@ from typing import Any
 
 from shardwise.errors import ShardwiseError
 from shardwise.specs import HardwareSpec, ModelSpec, ParallelLayout, Strategy, TrainSpec
+from shardwise.specs.layer_class import layer_class
 
 DS_HF_FILE = "ds_config_hf.json"
-
-# The decoder block class FSDP wraps one unit per (transformers' names, by model family; the
-# class each family's `<Family>ForCausalLM` builds its `model.layers` from). Family "hf" (read on
-# the meta device) carries its own: `ModelSpec.inventory.layer_class`.
-LAYER_CLASS = {
-    "llama": "LlamaDecoderLayer",
-    "qwen2": "Qwen2DecoderLayer",
-    "mistral": "MistralDecoderLayer",
-    "mixtral": "MixtralDecoderLayer",
-    "qwen3": "Qwen3DecoderLayer",
-    "qwen3_moe": "Qwen3MoeDecoderLayer",
-    "qwen2_moe": "Qwen2MoeDecoderLayer",
-    "gemma": "GemmaDecoderLayer",
-    "gemma2": "Gemma2DecoderLayer",
-    "gemma3_text": "Gemma3DecoderLayer",  # Gemma3ForCausalLM (text-only) shares the multimodal model's layer
-    "phi3": "Phi3DecoderLayer",
-    "olmo2": "Olmo2DecoderLayer",
-    "deepseek_v3": "DeepseekV3DecoderLayer",
-    "mpt": "MptBlock",
-    "gpt2": "GPT2Block",
-}
 
 # accelerate's mixed_precision: bf16-pure has no accelerate mode of its own (it is the
 # model loaded in bf16 with bf16 autocast); "bf16" is the closest and the README says so.
@@ -50,17 +30,6 @@ def check_emittable(strategy: Strategy) -> None:
             f"config emission supports data parallelism only (tp 1, pp 1); {strategy.name} has "
             f"tp {strategy.tp}, pp {strategy.pp}: it is plan-only, run it with {tool_for(strategy, TrainSpec())}"
         )
-
-
-def layer_class(model: ModelSpec) -> str:
-    """The decoder-layer class name accelerate's TRANSFORMER_BASED_WRAP wraps (one FSDP unit
-    per layer, as the planner prices them)."""
-    if model.inventory is not None:
-        return model.inventory.layer_class
-    try:
-        return LAYER_CLASS[model.family]
-    except KeyError:
-        raise ShardwiseError(f"no FSDP wrap class known for model family {model.family!r}") from None
 
 
 def accelerate_config(

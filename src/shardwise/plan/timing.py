@@ -40,12 +40,17 @@ FUSED_KERNEL_SHARE = 0.4  # launches left when elementwise chains are fused# GPU
 LAUNCH_S = 10e-6
 KERNELS_PER_LAYER = 130  # HF decoder layer, forward + backward (norms alone are ~8 ops each)
 # Python hook cost per unit per pass: FSDP2's pre/post forward/backward hooks per
-# fully_shard unit; DeepSpeed ZeRO-3's fetch/release per submodule (every Linear and norm).
+# fully_shard unit; DeepSpeed ZeRO-3's fetch/release per hooked module (every Linear and norm,
+# or each decoder layer when layers are ZeRO-3 leaves), plus a share per parameter tensor
+# fetched. The share is measured on CPU (benchmarks/zero3_fetch_unit.py); the scale is fitted
+# to ZeRO-3 on one H200 with per-submodule hooks (hook-bound, 4.6% MFU).
 FSDP2_HOOK_S = 400e-6
-ZERO3_HOOK_S = 850e-6
+ZERO3_HOOK_S = 577e-6
+ZERO3_TENSOR_SHARE = 0.5  # a fetched tensor's host cost, in hooked modules
 DEEPSPEED_STEP_S = 40e-3  # engine.step / backward bookkeeping per optimizer step (4 cases inform it)
 ZERO12_HOOK_S = 100e-6  # ZeRO-1/2: the gradient hook DeepSpeed registers on every parameter
-MODULES_PER_LAYER = 13  # ZeRO-3 hooks: q, k, v, o, gate, up, down, 2 norms, rotary, attn, mlp, layer
+MODULES_PER_LAYER = 13  # ZeRO-3 hooks: q, k, v, o, gate, up, down, 2 norms, act, attn, mlp, layer
+ROOT_MODULES = 7  # and outside them: the CausalLM, its inner model, the layer list, embedding, norm, RoPE, lm_head
 # How much of backward compute can hide bucketed reduction / prefetched gathers (streams
 # contend for SMs and HBM; NCCL kernels take ~10–20% of SMs).
 OVERLAP_EFFICIENCY = 0.8
@@ -351,8 +356,22 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         if s.zero_stage in (1, 2):
             serial += k * len(model.hf_order) / pp * ZERO12_HOOK_S  # grad hooks copy on the main stream
         if s.zero_stage == 3:
-            hooks = k * (layers * MODULES_PER_LAYER + 3) * passes * ZERO3_HOOK_S
+            hooks = k * passes * zero3_hook_s(model, s.ds, tp)
     return ComputeTime(gemm, attention, memory_bound, optimizer, launch, hooks, serial)
+
+
+def zero3_hooked_modules(model: ModelSpec, ds, tp: int) -> int:
+    """Modules DeepSpeed ZeRO-3 installs fetch/release hooks on: every module of an HF Llama-style
+    model (13 per decoder layer), or only the layer itself when layers are leaves
+    (DeepSpeedKnobs.fetch_unit); tests/test_run_bridge.py counts them on the running engine."""
+    per_layer = 1 if ds.zero3_unit(model.params_per_layer / tp) == "layer" else MODULES_PER_LAYER
+    return model.num_layers * per_layer + ROOT_MODULES
+
+
+def zero3_hook_s(model: ModelSpec, ds, tp: int) -> float:
+    """Host time of ZeRO-3's hooks in one pass over the model: per hooked module and per
+    parameter tensor fetched (the same under either fetch unit)."""
+    return (zero3_hooked_modules(model, ds, tp) + ZERO3_TENSOR_SHARE * len(model.hf_order)) * ZERO3_HOOK_S
 
 
 def _lora_dims(model: ModelSpec, train: TrainSpec, tp: int) -> list[tuple[float, float]]:

@@ -9,7 +9,8 @@ would break parity with DDP/FSDP2 or differ from the plan:
 - `prescale_gradients: false`, `gradient_predivide_factor: 1.0`: a plain average over ranks;
 - `communication_data_type` when the strategy's knob is not DeepSpeed's default;
 - fp16 dynamic loss scaling from 2^16, as torch's GradScaler;
-- the ZeRO knobs of the strategy, under DeepSpeed's own key names.
+- the ZeRO knobs of the strategy, under DeepSpeed's own key names, and ZeRO-3's fetch unit
+  (`leaf_module`: the decoder layer where the plan chose it; DeepSpeedKnobs.fetch_unit).
 The learning rate: shardwise's loop sets it on every step (`Engine.set_lr`), so the scheduler
 block only matters to scripts of your own that use this JSON; it approximates the configured
 schedule with DeepSpeed's nearest one (docs/emit.md).
@@ -21,13 +22,14 @@ from typing import Any
 
 from shardwise.errors import ShardwiseError
 from shardwise.run.bridge import RunSpec
-from shardwise.specs import Strategy
+from shardwise.specs import ModelSpec, Strategy
+from shardwise.specs.layer_class import layer_class
 
 # The trainer logs every step itself; DeepSpeed's periodic prints would only repeat it.
 STEPS_PER_PRINT = 2**31 - 1
 
 
-def zero_section(strategy: Strategy, *, pin_memory: bool = True) -> dict[str, Any]:
+def zero_section(strategy: Strategy, model: ModelSpec, *, pin_memory: bool = True) -> dict[str, Any]:
     """The `zero_optimization` block: every knob the plan assumed, under DeepSpeed's key names."""
     stage = strategy.zero_stage or 0
     k = strategy.ds
@@ -49,6 +51,10 @@ def zero_section(strategy: Strategy, *, pin_memory: bool = True) -> dict[str, An
             # lets `save_16bit_model()` write one consolidated checkpoint (memory at save only)
             "stage3_gather_16bit_weights_on_model_save": True,
         }
+        if k.zero3_unit(model.params_per_layer / strategy.tp) == "layer":
+            # each decoder layer is one fetch/release (its submodules get no hooks); this
+            # replaces DeepSpeed's default leaves (MoE blocks), which a layer contains
+            zero["leaf_module"] = {"classes": [layer_class(model)]}
     # pinned host buffers: the PCIe copies the plan's offload timing assumes are pinned
     if strategy.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
@@ -113,7 +119,7 @@ def deepspeed_config(run: RunSpec, *, hf_auto: bool = False) -> dict[str, Any]:
         "gradient_predivide_factor": 1.0,
         "optimizer": {"type": "AdamW", "params": adam},
         "scheduler": _scheduler(run, pick),
-        "zero_optimization": zero_section(s, pin_memory=run.device == "cuda"),
+        "zero_optimization": zero_section(s, run.model, pin_memory=run.device == "cuda"),
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": not torch_adam,
         "bf16": {"enabled": pick(dtype == "bf16")},

@@ -74,10 +74,15 @@ STRATEGIES: dict[str, StrategyFacts] = {
 STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 
 
+# DeepSpeed's own cap on a leaf it picks by granularity (parameter_offload.py Z3_MAX_LEAF_SIZE):
+# a larger leaf would hold too many gathered parameters at once.
+Z3_MAX_LEAF_PARAMS = 1_000_000_000
+
+
 class DeepSpeedKnobs(Spec):
     """DeepSpeed ZeRO config keys that change memory or traffic. Defaults are DeepSpeed's own
     (`deepspeed/runtime/zero/config.py` DeepSpeedZeroConfig; tests/test_run_bridge.py checks
-    them against the installed DeepSpeed)."""
+    them against the installed DeepSpeed), except `fetch_unit`, which shardwise chooses."""
 
     reduce_bucket_size: int = Field(500_000_000, gt=0, description="gradient reduce bucket (elements)")
     allgather_bucket_size: int = Field(500_000_000, gt=0, description="ZeRO-1/2 param all-gather bucket")
@@ -94,9 +99,24 @@ class DeepSpeedKnobs(Spec):
     # shardwise's trainer defaults to "fp32" for loss parity (docs/training.md).
     communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="gradient reduction dtype")
+    # ZeRO-3's fetch/release unit. DeepSpeed's default hooks every submodule (each Linear and
+    # norm, ~12 per decoder layer), each hook a Python fetch/release with its trace bookkeeping:
+    # on one H200, qwen2.5-0.5b under ZeRO-3 ran at a third of ZeRO-2's tokens/s, bound by them.
+    # "layer" flags each decoder layer a ZeRO-3 leaf (`zero_optimization.leaf_module`): one
+    # fetch per layer and pass, FSDP2's unit. "auto": layer when a layer fits both the
+    # gathered-parameter cap and DeepSpeed's leaf cap, else module (docs/reference.md).
+    fetch_unit: Literal["auto", "layer", "module"] = Field(
+        "auto", description="ZeRO-3 fetch unit: decoder layer or every submodule (DeepSpeed's default)")
 
     def overlap(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
+
+    def zero3_unit(self, layer_params: float) -> Literal["layer", "module"]:
+        """The fetch unit ZeRO-3 runs with for decoder layers of `layer_params` parameters
+        (per tensor-parallel rank)."""
+        if self.fetch_unit != "auto":
+            return self.fetch_unit
+        return "layer" if layer_params <= min(self.max_live_parameters, Z3_MAX_LEAF_PARAMS) else "module"
 
     def reduce_bytes(self, compute_bytes: int) -> int:
         """Bytes per gradient element DeepSpeed reduces in."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec, deepspeed_config
 from shardwise.train.engines.base import DistEnv, decay_groups, forward_loss_sum
 
@@ -30,12 +31,34 @@ class DeepSpeedEngine:
 
         self.run, self.env, self.stage = run, env, run.strategy.zero_stage or 0
         self.config = deepspeed_config(run)
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if "leaf_module" in self.config["zero_optimization"] and embed is not None and not embed.weight.requires_grad:
+            # A ZeRO-3 leaf reduces its gradients from a full backward hook, which fires at the start of
+            # the leaf's backward when none of its inputs requires grad (the first layer behind a
+            # frozen embedding: LoRA) — before its adapters' gradients exist. Making the embedding's
+            # output require grad (PEFT's recipe for checkpointing) moves it to the end of the layer.
+            model.enable_input_require_grads()
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=decay_groups(model, run.config.optimizer.weight_decay),
             config=self.config,
         )
         self.module = self.ds.module
+        self._check_fetch_unit()
         self._boundary = True
+
+    def _check_fetch_unit(self) -> None:
+        """DeepSpeed silently skips leaf classes it does not find: a planned per-layer fetch that
+        fell back to per-submodule hooks would run several times slower than planned."""
+        leaf = self.config["zero_optimization"].get("leaf_module")
+        if self.stage != 3 or leaf is None:
+            return
+        from deepspeed.utils import get_z3_leaf_modules
+
+        found, want = len(get_z3_leaf_modules(self.module)), self.run.model.num_layers
+        if found != want:
+            raise ShardwiseError(
+                f"ZeRO-3 fetch unit: {found} modules of class {leaf['classes']} in the model, expected one per "
+                f"decoder layer ({want}); set strategy.deepspeed.fetch_unit: module")
 
     def sync_grads(self, enabled: bool):
         # DeepSpeed tracks the accumulation boundary itself (stage 0/1 reduce only there; stage
