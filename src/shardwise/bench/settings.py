@@ -116,8 +116,8 @@ def engine_settings(engine) -> dict[str, Any]:
 
 
 def settings_config(case: str):
-    """`<strategy>[:bf16][:ckpt][:sg1][:module]` -> the TrainConfig of a 2-rank settings check
-    (module: ZeRO-3 hooks every submodule, DeepSpeed's default)."""
+    """`<strategy>[:bf16][:ckpt][:sg1][:layer]` -> the TrainConfig of a 2-rank settings check
+    (layer: ZeRO-3 fetches whole decoder layers; the CPU default is DeepSpeed's per-submodule unit)."""
     from shardwise.bench.worker import BATCH, BENCH_MODEL, SEQ, WORLD
     from shardwise.train.config import TrainConfig
 
@@ -126,7 +126,7 @@ def settings_config(case: str):
         "model": {"name": BENCH_MODEL},
         "data": {"kind": "synthetic", "synthetic": {"seq_len": SEQ}},
         "strategy": {"name": name, "shard_group": 1 if "sg1" in flags else None,
-                     "deepspeed": {"fetch_unit": "module"} if "module" in flags else {}},
+                     "deepspeed": {"fetch_unit": "layer"} if "layer" in flags else {}},
         "precision": "bf16-mixed" if "bf16" in flags else "fp32",
         "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
         "run": {"micro_batch": BATCH, "device": "cpu", "nproc": WORLD},
