@@ -151,3 +151,19 @@ def test_layer_unit_trains_as_per_submodule_hooks(tmp_path, lora):
     module = _train_losses(tmp_path, "module", "module", lora)
     layer = _train_losses(tmp_path, "layer", "layer", lora)
     assert len(module) == 4 and module == layer
+
+
+def test_one_gpu_sharding_is_pointed_to_ddp_with_the_plans_numbers():
+    """ZeRO-3 at 4.6% MFU on one H200 was a configuration problem first: on one GPU nothing is
+    sharded. Preflight says so when DDP fits and is planned faster; not for DDP, several GPUs or CPU."""
+    from shardwise.train.preflight import single_gpu_note
+
+    run = _run("qwen2.5-0.5b", nproc=1)
+    note = single_gpu_note(run)
+    ddp = evaluate(run.model, run.hardware, run.train, Strategy.from_name("ddp")).time.tokens_per_s_per_gpu
+    mine = evaluate(run.model, run.hardware, run.train, run.strategy).time.tokens_per_s_per_gpu
+    assert ddp > 1.05 * mine
+    assert note is not None and "--set strategy.name=ddp" in note and f"{ddp:,.0f} vs {mine:,.0f}" in note
+    assert single_gpu_note(_run("qwen2.5-0.5b", "ddp", nproc=1)) is None
+    assert single_gpu_note(_run("qwen2.5-0.5b", nproc=8)) is None
+    assert single_gpu_note(_run("qwen2.5-0.5b", device="cpu", nproc=1)) is None
