@@ -167,3 +167,14 @@ def test_one_gpu_sharding_is_pointed_to_ddp_with_the_plans_numbers():
     assert single_gpu_note(_run("qwen2.5-0.5b", "ddp", nproc=1)) is None
     assert single_gpu_note(_run("qwen2.5-0.5b", nproc=8)) is None
     assert single_gpu_note(_run("qwen2.5-0.5b", device="cpu", nproc=1)) is None
+
+
+def test_emitted_readme_says_what_lora_under_the_layer_unit_needs(tmp_path):
+    from typer.testing import CliRunner
+
+    from shardwise.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "-m", "qwen2.5-0.5b", "--gpus", "8", "--lora-rank", "16", "--emit",
+                                 str(tmp_path), "--emit-strategy", "zero3"])
+    assert r.exit_code == 0, r.output
+    assert "enable_input_require_grads()" in (tmp_path / "README.md").read_text()

@@ -217,6 +217,10 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
                       "per layer and pass, not one per submodule)." if unit == "layer" else
                       "ZeRO-3 fetches every submodule on its own (DeepSpeed's default): a decoder layer is over "
                       "the gathered-parameter cap to be fetched whole."]
+        if unit == "layer" and train.lora_rank:
+            lines += ["", "With LoRA, call `model.enable_input_require_grads()` before `deepspeed.initialize` (Trainer "
+                          "does with `--gradient_checkpointing`): DeepSpeed reduces a leaf's gradients from a backward "
+                          "hook that fires too early on the first layer when the frozen embedding's output needs no grad."]
     if strategy.engine == "deepspeed":
         lines += [
             "",
