@@ -149,6 +149,7 @@ def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    os.chdir(out_dir)  # preflight creates each case's (relative, default) output_dir: keep it out of the caller's cwd
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         for case in cases:
