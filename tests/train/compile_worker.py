@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     env = init_distributed("cpu")
+    os.chdir(Path(args.out).resolve())  # the runs' default output_dir lands here, not in the checkout
     for item in args.runs:
         strategy, mode = item.split(":")
         raw = parity_config(strategy, env.world_size, 1).model_dump()

@@ -8,6 +8,7 @@ All runs share one process launch (interpreter and import cost paid once).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     env = init_distributed("cpu")
-    out = Path(args.out)
+    out = Path(args.out).resolve()
+    os.chdir(out)  # the runs' default output_dir (runs/shardwise: checkpoints) lands here, not in the checkout
     for run in args.runs:
         model, strategy, ga, *flags = run.split(":")
         cfg = parity_config(strategy, env.world_size, int(ga), model, tuple(flags))
