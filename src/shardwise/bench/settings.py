@@ -40,7 +40,7 @@ def planned_settings(run) -> dict[str, Any]:
             out |= {"prefetch_bucket_size": k.prefetch_bucket_size, "max_live_parameters": k.max_live_parameters,
                     "max_reuse_distance": k.max_reuse_distance,
                     "param_persistence_threshold": k.param_persistence_threshold,
-                    "fetch_unit": k.zero3_unit(run.model.params_per_layer / s.tp),
+                    "fetch_unit": k.zero3_unit(run.model, s.tp),
                     "zero3_hooked_modules": zero3_hooked_modules(run.model, k, s.tp)}
     elif s.engine == "fsdp2":
         mixed = t.compute_dtype != "fp32"

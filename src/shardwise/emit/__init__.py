@@ -212,7 +212,7 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
         wrap = f"FSDP2 wraps each `{layer_class(model)}`; reshard after forward: {strategy.reshard_after_forward}."
         lines += ["", wrap]
     if strategy.zero_stage == 3:
-        unit = strategy.ds.zero3_unit(model.params_per_layer / strategy.tp)
+        unit = strategy.ds.zero3_unit(model, strategy.tp)
         lines += ["", f"ZeRO-3 fetches each `{layer_class(model)}` whole (`leaf_module`: one fetch and release "
                       "per layer and pass, not one per submodule)." if unit == "layer" else
                       "ZeRO-3 fetches every submodule on its own (DeepSpeed's default): a decoder layer is over "

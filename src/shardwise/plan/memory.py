@@ -249,9 +249,10 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
     live = kept_layers * layer + lm_head + min(ds.prefetch_bucket_size, layer)
     # never less than the fetch unit, gathered whole while it computes: the largest submodule,
     # or a whole decoder layer when layers are ZeRO-3 leaves (DeepSpeedKnobs.fetch_unit)
-    unit = layer if ds.zero3_unit(layer) == "layer" else model.largest_module / layout.tp
-    return max(0.0, min(gathered, max(live, max(unit, model.largest_module / layout.tp)
-                                      + min(ds.prefetch_bucket_size, layer))))
+    unit = model.largest_module / layout.tp
+    if ds.zero3_unit(model, layout.tp) == "layer":
+        unit = max(unit, layer)
+    return max(0.0, min(gathered, max(live, unit + min(ds.prefetch_bucket_size, layer))))
 
 
 def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer):

@@ -364,7 +364,7 @@ def zero3_hooked_modules(model: ModelSpec, ds, tp: int) -> int:
     """Modules DeepSpeed ZeRO-3 installs fetch/release hooks on: every module of an HF Llama-style
     model (13 per decoder layer), or only the layer itself when layers are leaves
     (DeepSpeedKnobs.fetch_unit); tests/test_run_bridge.py counts them on the running engine."""
-    per_layer = 1 if ds.zero3_unit(model.params_per_layer / tp) == "layer" else MODULES_PER_LAYER
+    per_layer = 1 if ds.zero3_unit(model, tp) == "layer" else MODULES_PER_LAYER
     return model.num_layers * per_layer + ROOT_MODULES
 
 

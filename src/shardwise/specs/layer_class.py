@@ -36,4 +36,4 @@ def layer_class(model: ModelSpec) -> str:
     try:
         return LAYER_CLASS[model.family]
     except KeyError:
-        raise ShardwiseError(f"no FSDP wrap class known for model family {model.family!r}") from None
+        raise ShardwiseError(f"no decoder-layer class (FSDP wrap unit, ZeRO-3 leaf) known for model family {model.family!r}") from None

@@ -6,12 +6,15 @@ the trainer and the emitters read its columns instead of re-deriving them from t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.base import Spec
+
+if TYPE_CHECKING:
+    from shardwise.specs.model import ModelSpec
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 FsdpSharding = Literal["full", "grad-op", "hybrid"]
@@ -111,12 +114,12 @@ class DeepSpeedKnobs(Spec):
     def overlap(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
 
-    def zero3_unit(self, layer_params: float) -> Literal["layer", "module"]:
-        """The fetch unit ZeRO-3 runs with for decoder layers of `layer_params` parameters
-        (per tensor-parallel rank)."""
+    def zero3_unit(self, model: ModelSpec, tp: int = 1) -> Literal["layer", "module"]:
+        """The fetch unit ZeRO-3 runs with for `model`'s decoder layers (their parameters per
+        tensor-parallel rank against the caps)."""
         if self.fetch_unit != "auto":
             return self.fetch_unit
-        return "layer" if layer_params <= min(self.max_live_parameters, Z3_MAX_LEAF_PARAMS) else "module"
+        return "layer" if model.params_per_layer / tp <= min(self.max_live_parameters, Z3_MAX_LEAF_PARAMS) else "module"
 
     def reduce_bytes(self, compute_bytes: int) -> int:
         """Bytes per gradient element DeepSpeed reduces in."""
