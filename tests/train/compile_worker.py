@@ -23,7 +23,7 @@ from parity_worker import parity_config
 from shardwise.data.labels import IGNORE_INDEX
 from shardwise.run import run_spec
 from shardwise.train.config import TrainConfig
-from shardwise.train.launch import init_distributed
+from shardwise.train.launch import init_distributed, run_rank_script
 from shardwise.train.loop import train
 
 LENGTHS = (32, 48, 48, 64, 40, 64)
@@ -67,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank_script(main)  # no interpreter shutdown: see its docstring (a gloo abort at exit)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 from shardwise.run import run_spec
 from shardwise.train.config import TrainConfig
-from shardwise.train.launch import init_distributed
+from shardwise.train.launch import init_distributed, run_rank_script
 from shardwise.train.loop import train
 
 GLOBAL_BATCH = 4  # sequences per optimizer step, fixed across world sizes and accumulation
@@ -89,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank_script(main)  # no interpreter shutdown: see its docstring (a gloo abort at exit)

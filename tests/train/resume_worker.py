@@ -19,7 +19,7 @@ import torch
 from shardwise.run import run_spec
 from shardwise.train.checkpoint import checkpoints_dir, resolve_resume, step_dir_name
 from shardwise.train.config import TrainConfig
-from shardwise.train.launch import init_distributed
+from shardwise.train.launch import init_distributed, run_rank_script
 from shardwise.train.loop import train
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -105,4 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank_script(main)  # no interpreter shutdown: see its docstring (a gloo abort at exit)

@@ -58,6 +58,29 @@ def free_port() -> int:
 COLLECTIVE_MARGIN_S = 30.0
 
 
+def run_rank_script(main: Callable[[], int | None]) -> None:
+    """Run a rank script's `main` and end the process without Python's interpreter shutdown.
+
+    On gloo the process groups outlive `destroy_process_group()` (DeepSpeed keeps references),
+    and a gloo worker thread that drops a finished work holding a Python-owned tensor during
+    `Py_FinalizeEx` must take the GIL; Python then ends that thread inside a noexcept frame and
+    the process aborts ("terminate called without an active exception", rc 134: read from a
+    core dump of tests/train/resume_worker.py, which hit it under CI). `os._exit` after flushing
+    skips the finalization; the script has written and closed its outputs by then."""
+    import traceback
+
+    try:
+        code = main() or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def init_distributed(device: str, timeout_s: float | None = None):
     """Join the process group (gloo on CPU, nccl on CUDA) and return this rank's DistEnv.
 
