@@ -332,7 +332,9 @@ _passthrough("shardwise.bench.bench_cli", "bench", "Run a few trainer steps; mea
 
 
 def main() -> None:
-    app()
+    from shardwise.train.launch import run_cli
+
+    run_cli(app)
 
 
 if __name__ == "__main__":

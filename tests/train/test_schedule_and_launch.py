@@ -42,3 +42,42 @@ def test_detect_launchers():
     srun = detect_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"})
     assert srun == {"launcher": "srun", "rank": 5, "world_size": 16, "local_rank": 1}
     assert detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # an allocation, not a launch
+
+
+_EXIT_PROBE = """
+import atexit, sys
+from shardwise.train import launch
+atexit.register(lambda: print("atexit ran", flush=True))
+launch._JOINED_GROUP = {joined}
+def main():
+    print("body", flush=True)
+    {body}
+launch.run_cli(main)
+"""
+
+
+@pytest.mark.parametrize(
+    ("joined", "body", "code"),
+    [
+        (False, "return 3", 3),
+        (True, "return 3", 3),
+        (True, "sys.exit()", 0),  # typer's normal end: SystemExit(None) is success
+        (True, "raise RuntimeError('boom')", 1),
+        (False, "sys.exit('usage: x')", 1),
+    ],
+)
+def test_run_cli_skips_interpreter_shutdown_only_after_joining_a_group(joined, body, code):
+    """A process that joined a process group ends by os._exit (gloo can abort in Py_FinalizeEx),
+    so atexit handlers do not run; any other command exits normally and they do."""
+    import subprocess
+    import sys
+
+    src = _EXIT_PROBE.format(joined=joined, body=body)
+    p = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60)
+    assert p.returncode == code, p.stderr
+    assert p.stdout.startswith("body")  # flushed before the exit
+    assert ("atexit ran" in p.stdout) is (not joined)
+    if "boom" in body:
+        assert "RuntimeError: boom" in p.stderr
+    if "usage" in body:
+        assert "usage: x" in p.stderr

@@ -56,7 +56,9 @@ def bench(
 
 
 def main() -> None:
-    app()
+    from shardwise.train.launch import run_cli
+
+    run_cli(app)
 
 
 if __name__ == "__main__":

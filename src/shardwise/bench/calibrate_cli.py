@@ -61,4 +61,6 @@ def calibrate(
 
 
 def main() -> None:
-    app()
+    from shardwise.train.launch import run_cli
+
+    run_cli(app)

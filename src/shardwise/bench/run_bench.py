@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -184,4 +183,6 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(rank_main())
+    from shardwise.train.launch import run_rank_script
+
+    run_rank_script(rank_main)  # no interpreter shutdown: see its docstring (a gloo abort at exit)

@@ -170,7 +170,9 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 
 
 def main() -> None:
-    app()
+    from shardwise.train.launch import run_cli
+
+    run_cli(app)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def export_cmd(
 
 
 def main() -> None:
-    app()
+    from shardwise.train.launch import run_cli
+
+    run_cli(app)
 
 
 if __name__ == "__main__":

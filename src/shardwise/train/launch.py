@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from shardwise.errors import ExitCode, ShardwiseError
 
@@ -58,7 +59,12 @@ def free_port() -> int:
 COLLECTIVE_MARGIN_S = 30.0
 
 
-def run_rank_script(main: Callable[[], int | None]) -> None:
+# Set by `init_distributed` when this process creates a process group: from then on it ends
+# through `os._exit` (see `run_rank_script`).
+_JOINED_GROUP = False
+
+
+def run_rank_script(main: Callable[[], int | None], *, only_if_joined: bool = False) -> None:
     """Run a rank script's `main` and end the process without Python's interpreter shutdown.
 
     On gloo the process groups outlive `destroy_process_group()` (DeepSpeed keeps references),
@@ -66,19 +72,33 @@ def run_rank_script(main: Callable[[], int | None]) -> None:
     `Py_FinalizeEx` must take the GIL; Python then ends that thread inside a noexcept frame and
     the process aborts ("terminate called without an active exception", rc 134: read from a
     core dump of tests/train/resume_worker.py, which hit it under CI). `os._exit` after flushing
-    skips the finalization; the script has written and closed its outputs by then."""
+    skips the finalization; the script has written and closed its outputs by then.
+
+    `only_if_joined`: for the CLI entry points, which also run commands that never train (plan,
+    emit): those exit normally, so atexit handlers and unclosed files still get their turn."""
     import traceback
 
     try:
         code = main() or 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    if only_if_joined and not _JOINED_GROUP:
+        sys.exit(code)
     os._exit(code)
+
+
+def run_cli(app: Callable[[], Any]) -> None:
+    """A CLI entry point (`shardwise`, `python -m shardwise.train.cli`): a process that joined a
+    process group (it trained, in-process or as a rank) ends through `os._exit`, which gloo
+    needs (see `run_rank_script`); every other command exits normally."""
+    run_rank_script(app, only_if_joined=True)
 
 
 def init_distributed(device: str, timeout_s: float | None = None):
@@ -89,6 +109,7 @@ def init_distributed(device: str, timeout_s: float | None = None):
     `timeout_s`, is meant to speak first because it can say which rank stopped and where.
     None keeps torch's default (30 min; 10 min for NCCL builds).
     """
+    global _JOINED_GROUP
     import datetime
 
     import torch
@@ -118,6 +139,7 @@ def init_distributed(device: str, timeout_s: float | None = None):
     if device == "cuda":
         torch.cuda.set_device(env.local_rank)
     if not dist.is_initialized():
+        _JOINED_GROUP = True
         extra = {}
         if timeout_s is not None:
             extra["timeout"] = datetime.timedelta(seconds=float(timeout_s) + COLLECTIVE_MARGIN_S)
