@@ -149,7 +149,8 @@ def build(run: dict):
     if Strategy.from_name(run["strategy"]).engine == "fsdp2":
         # Published FSDP runs used their framework's default under accumulation (torchtitan,
         # Composer, fms-fsdp): gradients reduced every micro-batch, not held unsharded.
-        knobs["fsdp"] = {"reduce_every_micro_batch": True, **knobs.get("fsdp", {})}
+        # They also ran fully_shard whatever their shard group (none ran FSDP as DDP).
+        knobs["fsdp"] = {"reduce_every_micro_batch": True, "single_rank": "fsdp", **knobs.get("fsdp", {})}
     if Strategy.from_name(run["strategy"]).engine == "deepspeed":
         # and published DeepSpeed runs its default ZeRO-3 hooks: one per submodule
         knobs["ds"] = {"fetch_unit": "module", **knobs.get("ds", {})}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shardwise import catalog
 from shardwise.plan.evaluate import evaluate
-from shardwise.specs import DeepSpeedKnobs, ModelSpec, Strategy, TrainSpec
+from shardwise.specs import DeepSpeedKnobs, FSDPKnobs, ModelSpec, Strategy, TrainSpec
 
 HERE = Path(__file__).parent
 DATA = HERE / "measurements" / "h200-trainer-cases.json"
@@ -47,8 +47,10 @@ def specs(case: dict):
     hw = catalog.build_hardware(gpu=case["gpu"], gpus=case["world_size"], gpus_per_node=case["world_size"])
     train = TrainSpec(seq_len=case["seq"], micro_batch=case["micro_batch"], checkpointing=case["activation"],
                       precision=case["precision"], optimizer_impl="fused")
-    # measured with DeepSpeed's per-submodule ZeRO-3 hooks, before the layer unit was the default
-    return model, hw, train, Strategy.from_name(case["strategy"], ds=DeepSpeedKnobs(fetch_unit="module"))
+    # measured with DeepSpeed's per-submodule ZeRO-3 hooks, before the layer unit was the default,
+    # and with fully_shard at world size 1, before one-rank shard groups could run as DDP
+    return model, hw, train, Strategy.from_name(case["strategy"], ds=DeepSpeedKnobs(fetch_unit="module"),
+                                                fsdp=FSDPKnobs(single_rank="fsdp"))
 
 
 def compare(case: dict) -> dict:

@@ -114,7 +114,8 @@ def test_plan_cli_takes_the_implementation_settings():
 
     def run(*flags):
         res = CliRunner().invoke(app, ["plan", "--json", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1",
-                                       "-s", "fsdp", "--seq-len", "4096", "--checkpointing", "full", *flags])
+                                       "-s", "fsdp", "--seq-len", "4096", "--checkpointing", "full",
+                                       "--fsdp-single-rank", "fsdp", *flags])  # as measured: fully_shard
         assert res.exit_code == 0, res.output
         return json.loads(res.output)["strategies"][0]
 

@@ -84,6 +84,8 @@ def plan(
     ds_fetch_unit: str | None = typer.Option(None, "--ds-fetch-unit", help="ZeRO-3 fetch unit: auto (a decoder layer "
                                              "when it fits the gathered-parameter caps) | layer | module (DeepSpeed's default)."),
     fsdp_reduce_dtype: str | None = typer.Option(None, "--fsdp-reduce-dtype", help="FSDP2 gradient reduce dtype: fp32 (default) | param."),
+    fsdp_single_rank: str | None = typer.Option(None, "--fsdp-single-rank", help="FSDP2 with a one-rank shard group "
+                                                "(one GPU) runs as: auto (ddp where it fits and is no slower) | ddp | fsdp."),
     ddp_bucket_mb: float | None = typer.Option(None, "--ddp-bucket-mb", help="DDP bucket_cap_mb (default 25)."),
     shard_group: int | None = typer.Option(None, "--shard-group", help="fsdp-hybrid: GPUs per shard group (default: a node)."),
 ) -> None:
@@ -114,7 +116,7 @@ def plan(
                 "max_live_parameters": ds_max_live, "max_reuse_distance": ds_max_reuse,
                 "overlap_comm": ds_overlap_comm, "use_multi_rank_bucket_allreduce": ds_multi_rank_allreduce,
                 "communication_data_type": ds_comm_dtype, "fetch_unit": ds_fetch_unit},
-            fsdp={"reduce_dtype": fsdp_reduce_dtype}, ddp={"bucket_cap_mb": ddp_bucket_mb}, shard_group=shard_group)
+            fsdp={"reduce_dtype": fsdp_reduce_dtype, "single_rank": fsdp_single_rank}, ddp={"bucket_cap_mb": ddp_bucket_mb}, shard_group=shard_group)
         evals, skipped = plan_layouts(m, hw, train, strategy, tp=1 if tp is None else tp,
                                       pp=1 if pp is None else pp, accounting=accounting, margin=margin, knobs=knobs)
         # -s, --tp and --pp restrict the recommender as they restrict the table

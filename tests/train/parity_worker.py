@@ -28,7 +28,8 @@ def parity_config(
     """Flags: `repeat` = every step sees the same global batch (learnable: the loss must fall);
     `ckpt` = activation checkpointing; `bf16` = bf16-mixed; `sg1` = shard group of 1 (HSDP);
     `stock` = FSDP2 reduce-scatters every micro-batch (torch's default) instead of once;
-    `lora` = LoRA rank 4 on every decoder linear (base frozen); `lorasave` = LoRA plus lm_head
+    `fully_shard` = FSDP2 keeps fully_shard on a one-rank shard group (`single_rank: fsdp`;
+    the default runs it as DDP where the plan allows); `lora` = LoRA rank 4 on every decoder linear (base frozen); `lorasave` = LoRA plus lm_head
     trained in full (PEFT modules_to_save); `std` = the standard cross-entropy instead of the
     chunked default; `ce<N>` = chunks of N tokens."""
     repeat = "repeat" in flags
@@ -41,7 +42,8 @@ def parity_config(
             "model": {"name": model, "attention": "eager"},
             "data": {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}},
             "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None,
-                         "fsdp": {"reduce_every_micro_batch": True} if "stock" in flags else {}},
+                         "fsdp": ({"reduce_every_micro_batch": True} if "stock" in flags else {})
+                         | ({"single_rank": "fsdp"} if "fully_shard" in flags else {})},
             # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
             "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
             "schedule": {"kind": "cosine", "warmup_steps": 2},
@@ -79,7 +81,8 @@ def main() -> None:
         cfg = parity_config(strategy, env.world_size, int(ga), model, tuple(flags))
         res = train(run_spec(cfg, env.world_size, "cpu"), env, export_weights=True)
         if env.is_main:
-            record = {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records]}
+            record = {"losses": res.losses, "grad_norms": [r.grad_norm for r in res.records],
+                      "engine": run_spec(cfg, env.world_size, "cpu").engine_strategy.engine}
             torch.save(
                 record | {"weights": res.final_weights}, out / f"{run.replace(':', '-')}-w{env.world_size}.pt"
             )

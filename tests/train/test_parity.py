@@ -22,10 +22,14 @@ RTOL = 1e-5
 ALL_RUNS = [f"tiny-llama:{s}:{ga}" for s in STRATEGIES for ga in GRAD_ACCUM]
 QWEN_RUNS = ["tiny-qwen:zero3:1:repeat", "tiny-qwen:fsdp:1:repeat"]
 # Beyond the 7×2 matrix: HSDP on a 2-D mesh, activation checkpointing, bf16-mixed.
-EXACT_EXTRA = ["fsdp-hybrid:1:sg1", "fsdp-hybrid:2", "zero3:2:ckpt", "fsdp:1:ckpt", "ddp:2:ckpt", "fsdp:2:stock"]
+EXACT_EXTRA = ["fsdp-hybrid:1:sg1", "fsdp-hybrid:1:sg1:fully_shard", "fsdp-hybrid:2", "zero3:2:ckpt", "fsdp:1:ckpt", "ddp:2:ckpt", "fsdp:2:stock"]
 BF16 = ["ddp", "zero2", "fsdp"]
 EXTRA_RUNS = [f"tiny-llama:{r}" for r in EXACT_EXTRA] + ["tiny-llama:ddp:1:repeat"]
 EXTRA_RUNS += [f"tiny-llama:{s}:1:repeat:bf16" for s in BF16]
+
+
+# FSDP2 on one rank: as DDP (the plan's choice for this tiny model) and pinned to fully_shard
+ONE_RANK_FSDP = ["tiny-llama:fsdp:1", "tiny-llama:fsdp:1:fully_shard"]
 
 
 def initial_weights() -> dict[str, torch.Tensor]:
@@ -44,8 +48,8 @@ def initial_weights() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(ranks_runner):
-    out = ranks_runner(["tiny-llama:ddp:1"], nproc=1)
-    return torch.load(out / "tiny-llama-ddp-1-w1.pt")
+    out = ranks_runner(["tiny-llama:ddp:1", *ONE_RANK_FSDP], nproc=1)
+    return torch.load(out / "tiny-llama-ddp-1-w1.pt") | {"dir": out}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,17 @@ def test_loss_and_weights_match_single_process(strategy, grad_accum, reference, 
     assert min(v for k, v in moved.items() if "norm" not in k) > 100 * RTOL, min(moved.values())
 
 
+def test_one_rank_fsdp_runs_as_ddp_or_fully_shard_with_the_same_curve(reference):
+    """A one-rank shard group runs as DDP where the plan says so: the very computation of the
+    DDP reference (bit-identical); pinned to fully_shard it is FSDP2, equal within RTOL."""
+    as_ddp, sharded = (torch.load(reference["dir"] / f"{r.replace(':', '-')}-w1.pt") for r in ONE_RANK_FSDP)
+    assert (as_ddp["engine"], sharded["engine"]) == ("ddp", "fsdp2")
+    assert as_ddp["losses"] == reference["losses"]
+    assert all(torch.equal(as_ddp["weights"][k], v) for k, v in reference["weights"].items())
+    assert rel_loss_diff(sharded["losses"], reference["losses"]) <= RTOL
+    assert max(rel_weight_diff(sharded["weights"], reference["weights"]).values()) <= RTOL
+
+
 def test_reference_actually_trains(reference):
     """Guard against a vacuous parity: 8 steps must change the weights far beyond 1e-5."""
     init = initial_weights()
@@ -127,6 +142,8 @@ def test_hybrid_and_activation_checkpointing_match(run, reference, two_rank_runs
     FSDP2's per-micro-batch reduction change memory/traffic only: same curve and weights as the
     1-process reference."""
     res = torch.load(two_rank_runs / f"tiny-llama-{run.replace(':', '-')}-w2.pt")
+    if "sg1" in run:  # one-rank shard groups: DDP over the replicas unless pinned to fully_shard
+        assert res["engine"] == ("fsdp2" if "fully_shard" in run else "ddp")
     assert rel_loss_diff(res["losses"], reference["losses"]) <= RTOL
     w = rel_weight_diff(res["weights"], reference["weights"])
     assert max(w.values()) <= RTOL, max(w, key=w.get)

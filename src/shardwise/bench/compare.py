@@ -131,7 +131,7 @@ def compare(p: Any, ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     records = ranks[0]["records"]
     doc: dict[str, Any] = {
         "label": p.label, "short": " ".join(o.partition("=")[2] for o in p.overrides) or p.label,
-        "overrides": p.overrides, "strategy": run.strategy.name, "engine": run.strategy.engine,
+        "overrides": p.overrides, "strategy": run.strategy.name, "engine": run.engine_strategy.engine,
         "world_size": p.world, "device": p.device, "micro_batch": run.config.run.micro_batch,
         "grad_accum": run.config.run.grad_accum, "seq_len": run.train.seq_len,
         "model_states": states, "comm": comm,

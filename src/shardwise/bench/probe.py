@@ -48,7 +48,7 @@ class Probe:
         self.cuda = run.device == "cuda"
         self.total_steps = run.config.run.steps
         self.grad_accum = run.config.run.grad_accum
-        self.ddp = run.strategy.engine == "ddp"
+        self.ddp = run.engine_strategy.engine == "ddp"  # FSDP2 on a one-rank shard group may run as DDP
         self.counter = CommCounter()
         self.waits = WaitRecorder()
         self.timeline = Timeline(self.cuda)

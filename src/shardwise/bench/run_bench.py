@@ -79,7 +79,7 @@ def _installed(probe: _Probe):
 
     from shardwise.train import loop, metrics
 
-    engine_mod = importlib.import_module(_ENGINE_MODULES[probe.run.strategy.engine])
+    engine_mod = importlib.import_module(_ENGINE_MODULES[probe.run.engine_strategy.engine])
     orig_build, orig_loss, orig_log = loop.build_engine, engine_mod.forward_loss_sum, metrics.Metrics.log_step
     orig_summary = metrics.print_summary
 

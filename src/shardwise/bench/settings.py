@@ -25,7 +25,7 @@ def planned_settings(run) -> dict[str, Any]:
     plan/timing.py read these)."""
     from shardwise.plan.timing import zero3_hooked_modules
 
-    s, lay, t = run.strategy, run.layout, run.train
+    s, lay, t = run.engine_strategy, run.layout, run.train
     out: dict[str, Any] = {
         "engine": s.engine, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
         "compute_dtype": t.compute_dtype, "activation_checkpointing": t.checkpointing != "none",
@@ -116,8 +116,10 @@ def engine_settings(engine) -> dict[str, Any]:
 
 
 def settings_config(case: str):
-    """`<strategy>[:bf16][:ckpt][:sg1][:layer]` -> the TrainConfig of a 2-rank settings check
-    (layer: ZeRO-3 fetches whole decoder layers; the CPU default is DeepSpeed's per-submodule unit)."""
+    """`<strategy>[:bf16][:ckpt][:sg1][:layer][:fully_shard]` -> the TrainConfig of a 2-rank
+    settings check (layer: ZeRO-3 fetches whole decoder layers, the CPU default being DeepSpeed's
+    per-submodule unit; sg1: fsdp-hybrid with one-rank shard groups, which run as DDP unless
+    fully_shard pins FSDP2's `single_rank: fsdp`)."""
     from shardwise.bench.worker import BATCH, BENCH_MODEL, SEQ, WORLD
     from shardwise.train.config import TrainConfig
 
@@ -126,7 +128,8 @@ def settings_config(case: str):
         "model": {"name": BENCH_MODEL},
         "data": {"kind": "synthetic", "synthetic": {"seq_len": SEQ}},
         "strategy": {"name": name, "shard_group": 1 if "sg1" in flags else None,
-                     "deepspeed": {"fetch_unit": "layer"} if "layer" in flags else {}},
+                     "deepspeed": {"fetch_unit": "layer"} if "layer" in flags else {},
+                     "fsdp": {"single_rank": "fsdp"} if "fully_shard" in flags else {}},
         "precision": "bf16-mixed" if "bf16" in flags else "fp32",
         "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
         "run": {"micro_batch": BATCH, "device": "cpu", "nproc": WORLD},

@@ -208,7 +208,12 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
         lines += ["", f"Host memory per node for offload: {_gib(host.total)} of {_gib(plan.host_capacity_bytes)}."]
     if notes:
         lines += ["", "## Differences from the plan", "", *[f"- {n}" for n in notes]]
-    if strategy.engine == "fsdp2":
+    if plan.runs_as is not None:
+        lines += ["", f"A shard group of one rank shards nothing: `shardwise train` runs this as {plan.runs_as.name} "
+                      "(the module unwrapped under autocast; no `fully_shard` casts and copies), and the memory above "
+                      "is that plan. `accelerate launch` with the FSDP config still runs `fully_shard`; "
+                      "`strategy.fsdp.single_rank: fsdp` keeps it in `shardwise train` too."]
+    elif strategy.engine == "fsdp2":
         wrap = f"FSDP2 wraps each `{layer_class(model)}`; reshard after forward: {strategy.reshard_after_forward}."
         lines += ["", wrap]
     if strategy.zero_stage == 3:

@@ -30,7 +30,27 @@ class Evaluation:
 def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
              accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> Evaluation:
     mem = plan_memory(model, hw, train, strategy, accounting=accounting, margin=margin)
-    comm = plan_comm(model, hw, train, strategy, mem.layout)
+    runs = mem.engine_strategy  # FSDP2 with a one-rank shard group may run as DDP
+    comm = plan_comm(model, hw, train, runs, mem.layout)
     psi = stage_params(model, mem.layout.tp, mem.layout.pp)
-    ideal = ideal_comm(psi, strategy, train.compute_bytes) if mem.layout.dp > 1 else CommBreakdown()
-    return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, strategy, mem.layout, comm))
+    ideal = ideal_comm(psi, runs, train.compute_bytes) if mem.layout.dp > 1 else CommBreakdown()
+    return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, runs, mem.layout, comm))
+
+
+def single_rank_runs_as(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+                        margin: float = DEFAULT_MARGIN) -> Strategy | None:
+    """The DDP strategy an FSDP2 strategy runs as when its shard group is one rank, or None
+    when it runs `fully_shard` (FSDPKnobs.single_rank). "auto" takes DDP where its plan fits and
+    is planned at least as fast as fully_shard, or where only DDP fits: sharding over one rank
+    only saves the bf16 weights resharding frees, at a cast and a copy per parameter and
+    gather (docs/reference.md "One-rank shard groups"). The trainer's engine factory asks the
+    same question of the same specs, so what is planned is what runs."""
+    ddp = strategy.single_rank_ddp(hw.world_size, hw.gpus_per_node)
+    if ddp is None or strategy.fsdp.single_rank == "ddp":
+        return ddp
+    as_ddp = evaluate(model, hw, train, ddp, margin=margin)
+    if not as_ddp.fits:
+        return None
+    sharded = strategy.model_copy(update={"fsdp": strategy.fsdp.model_copy(update={"single_rank": "fsdp"})})
+    kept = evaluate(model, hw, train, sharded, margin=margin)
+    return ddp if not kept.fits or as_ddp.time.step_s <= kept.time.step_s else None

@@ -44,6 +44,13 @@ class MemoryPlan:
     capacity_bytes: float  # GPU memory
     margin: float
     host_capacity_bytes: float
+    # What the engines run when it is not `strategy`: FSDP2 with a one-rank shard group runs
+    # as DDP (FSDPKnobs.single_rank); comm and time are planned for this one.
+    runs_as: Strategy | None = None
+
+    @property
+    def engine_strategy(self) -> Strategy:
+        return self.runs_as or self.strategy
 
     @property
     def usable_bytes(self) -> float:
@@ -394,7 +401,16 @@ def plan_memory(
     model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
     accounting: Accounting = "engine", margin: float = DEFAULT_MARGIN,
 ) -> MemoryPlan:
-    """Per-GPU (and per-host) memory of `strategy`, at the step's peak."""
+    """Per-GPU (and per-host) memory of `strategy`, at the step's peak.
+
+    FSDP2 with a one-rank shard group is planned as the DDP it runs as, where it does
+    (plan.evaluate.single_rank_runs_as; the plan then names it in `runs_as`)."""
+    if accounting == "engine" and strategy.single_rank_ddp(hw.world_size, hw.gpus_per_node):
+        from shardwise.plan.evaluate import single_rank_runs_as
+
+        ddp = single_rank_runs_as(model, hw, train, strategy, margin)
+        if ddp is not None:
+            return replace(plan_memory(model, hw, train, ddp, accounting, margin), strategy=strategy, runs_as=ddp)
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)

@@ -49,7 +49,8 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
         "strategies": [
             {
                 "name": p.strategy.name,
-                "engine": p.strategy.engine,
+                "engine": p.engine_strategy.engine,
+                "runs_as": p.runs_as.name if p.runs_as else None,
                 "tp": p.layout.tp,
                 "pp": p.layout.pp,
                 "dp": p.layout.dp,
@@ -87,10 +88,16 @@ def time_table(evals: list[Evaluation]):
         t.add_column(c, justify="left" if c == "strategy" else "right")
     for e in evals:
         tm = e.time
-        t.add_row(e.strategy.name, f"{e.ideal.total / 1e9:.1f}", f"{e.comm.total / 1e9:.1f}", f"{tm.compute_s:.2f}",
+        t.add_row(label(e.memory), f"{e.ideal.total / 1e9:.1f}", f"{e.comm.total / 1e9:.1f}", f"{tm.compute_s:.2f}",
                   f"{tm.exposed_comm_s:.2f}", f"{tm.offload_s:.2f}", f"{tm.step_s:.2f}",
                   f"{tm.tokens_per_s_per_gpu:,.0f}", f"{tm.mfu:.0%}")
     return t
+
+
+def label(p: MemoryPlan) -> str:
+    """A table row's strategy: its name, and the engine it runs as when that differs (FSDP2 with
+    a one-rank shard group runs as DDP: FSDPKnobs.single_rank)."""
+    return p.strategy.name + (f" (as {p.runs_as.name})" if p.runs_as else "")
 
 
 def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[MemoryPlan]):
@@ -113,7 +120,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
         g = p.gpu
         fits = "[green]yes[/]" if p.fits else "[red]no[/]"
         t.add_row(
-            p.strategy.name + (f" tp{p.layout.tp}" if p.layout.tp > 1 else "") + (f" pp{p.layout.pp}" if p.layout.pp > 1 else ""),
+            label(p) + (f" tp{p.layout.tp}" if p.layout.tp > 1 else "") + (f" pp{p.layout.pp}" if p.layout.pp > 1 else ""),
             *(f"{v / GIB:.2f}" for v in (g.params, g.grads, g.master_params, g.optimizer_states,
                                           g.step_buffers, g.activations, g.recompute, g.logits, g.engine_buffers, g.grad_buffers,
                                           g.runtime_overhead)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from shardwise.errors import ShardwiseError
@@ -66,6 +67,14 @@ class RunSpec:
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    @cached_property
+    def engine_strategy(self) -> Strategy:
+        """The strategy the engines run: `strategy`, or the DDP that FSDP2 with a one-rank shard
+        group runs as (FSDPKnobs.single_rank; decided by the plan, as `plan` shows it)."""
+        from shardwise.plan.evaluate import single_rank_runs_as
+
+        return single_rank_runs_as(self.model, self.hardware, self.train, self.strategy) or self.strategy
 
 
 def seq_len(cfg: TrainConfig) -> int:

@@ -138,7 +138,9 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     # MFU against the planned GPU's dense peak for the compute dtype; no CPU peak to compare
     peak = run.hardware.gpu.peak_flops(run.train.compute_dtype) if device == "cuda" else None
     metrics = Metrics(cfg, planned_bytes, run_flops_per_token(run.model, run.train), peak)
-    status, reason, code, extra = "failed", None, ExitCode.FAILED, {}
+    status, reason, code = "failed", None, ExitCode.FAILED
+    # the engine that ran: FSDP2 with a one-rank shard group may run as DDP (FSDPKnobs.single_rank)
+    extra: dict = {"strategy": run.strategy.name, "engine": run.engine_strategy.engine}
     try:
         with StopRequest() as stop, watchdog:
             result = train(run, env, metrics=metrics, export_weights=cfg.checkpointing.save_final,

@@ -128,10 +128,19 @@ def check_memory(run: RunSpec, force: bool = False) -> MemoryCheck:
 def single_gpu_note(run: RunSpec) -> str | None:
     """On one GPU a sharding strategy shards nothing and still pays its engine's hooks and copies
     (measured on an H200: qwen2.5-0.5b ran 45k tokens/s under FSDP2, 14k under ZeRO-3, 54k
-    under DDP). Says so, with the plan's numbers, when DDP fits and is planned faster."""
+    under DDP). FSDP2 then runs as DDP where the plan says so (FSDPKnobs.single_rank): the note
+    says it did, with both plans. Otherwise it says so, with the plan's numbers, when DDP fits
+    and is planned faster."""
     from shardwise.plan.evaluate import evaluate
 
     s = run.strategy
+    if run.engine_strategy is not s:  # FSDP2 with a one-rank shard group runs as DDP: say so
+        pinned = s.model_copy(update={"fsdp": s.fsdp.model_copy(update={"single_rank": "fsdp"})})
+        ddp, kept = (evaluate(run.model, run.hardware, run.train, x) for x in (s, pinned))
+        return (f"{s.name} with a shard group of one rank shards nothing: it runs as ddp (no fully_shard casts "
+                f"and copies), planned {ddp.memory.gpu.total / GIB:.1f} GiB and "
+                f"{ddp.time.tokens_per_s_per_gpu:,.0f} tokens/s vs fully_shard's {kept.memory.gpu.total / GIB:.1f} GiB "
+                f"and {kept.time.tokens_per_s_per_gpu:,.0f} (strategy.fsdp.single_rank: fsdp keeps fully_shard)")
     if run.device != "cuda" or run.world_size != 1 or not s.shards_optimizer or not s.trainable:
         return None
     mine = evaluate(run.model, run.hardware, run.train, s).time.tokens_per_s_per_gpu

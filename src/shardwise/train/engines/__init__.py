@@ -14,11 +14,12 @@ def build_engine(model, run: RunSpec, env: DistEnv, *, mesh: Any = None) -> Engi
     `shardwise.train.parallel.build_mesh(run.layout, ...)` (FSDP2 builds it itself otherwise)."""
     if env.world_size != run.world_size:
         raise ValueError(f"the run was planned for {run.world_size} ranks but {env.world_size} joined")
-    if run.strategy.engine == "deepspeed":
+    engine = run.engine_strategy.engine  # FSDP2 with a one-rank shard group may run as DDP
+    if engine == "deepspeed":
         from shardwise.train.engines.deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(model, run, env)
-    if run.strategy.engine == "fsdp2":
+    if engine == "fsdp2":
         from shardwise.train.engines.fsdp import FSDP2Engine
 
         return FSDP2Engine(model, run, env, mesh=mesh)
