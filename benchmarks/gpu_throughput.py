@@ -12,7 +12,9 @@ allocated memory and the final loss, beside the measured figures of the file and
     python benchmarks/gpu_throughput.py --cpu           # the same cases at tiny size on CPU (CI)
 
 `--cpu` maps each case to the tiny shape of its family (tiny-qwen / tiny-llama), seq 128,
-micro-batch 2, 4 steps: it checks correctness (finite, falling loss through every engine) and
+micro-batch 2, 4 steps: it checks correctness (finite, falling loss through every engine: the
+fsdp cases keep `fully_shard` there, `--fsdp-single-rank fsdp`, where a GPU run takes the
+trainer's default, which may run them as DDP) and
 records relative speed; CPU tokens/s say nothing about a GPU. Offload cases are skipped on CPU
 (DeepSpeed's CPU Adam op is compiled on first use; FSDP2's CPU offload is a no-op there).
 Results: benchmarks/results/gpu_throughput[_cpu].json.
@@ -64,7 +66,7 @@ def _model_section(case: dict, cpu: bool, workdir: Path) -> dict:
     return {"name": None, "path": str(d), "random_init": True, "attention": "sdpa"}
 
 
-def case_config(case: dict, cpu: bool, workdir: Path):
+def case_config(case: dict, cpu: bool, workdir: Path, single_rank: str = "auto"):
     from shardwise.train.config import TrainConfig
 
     seq, micro, steps = (CPU_SEQ, CPU_MICRO, CPU_STEPS) if cpu else (case["seq"], case["micro_batch"], case["steps"])
@@ -73,7 +75,8 @@ def case_config(case: dict, cpu: bool, workdir: Path):
         "model": _model_section(case, cpu, workdir),
         # CPU: one batch seen every step (the loss must fall); GPU: fresh random batches, as measured
         "data": {"kind": "synthetic", "synthetic": {"samples": micro if cpu else micro * steps, "seq_len": seq}},
-        "strategy": {"name": case["strategy"]},
+        # FSDP2 on one GPU runs as DDP where the plan says so (auto); "fsdp" keeps fully_shard, as measured
+        "strategy": {"name": case["strategy"], "fsdp": {"single_rank": single_rank}},
         "optimizer": {"lr": 3e-3 if cpu else 1e-4, "weight_decay": 0.0},
         "schedule": {"kind": "constant"},
         "precision": "fp32" if cpu else case["precision"],
@@ -85,7 +88,7 @@ def case_config(case: dict, cpu: bool, workdir: Path):
     })
 
 
-def run_case(case: dict, env, cpu: bool, workdir: Path) -> dict:
+def run_case(case: dict, env, cpu: bool, workdir: Path, single_rank: str = "auto") -> dict:
     import torch
 
     from shardwise.plan.flops import run_flops_per_token
@@ -93,7 +96,7 @@ def run_case(case: dict, env, cpu: bool, workdir: Path) -> dict:
     from shardwise.train.loop import train
     from shardwise.train.preflight import check_memory
 
-    cfg = case_config(case, cpu, workdir)
+    cfg = case_config(case, cpu, workdir, single_rank)
     run = run_spec(cfg, 1, "cpu" if cpu else "cuda")
     if not cpu:
         check_memory(run)  # the trainer refuses a planned OOM before building anything
@@ -104,7 +107,7 @@ def run_case(case: dict, env, cpu: bool, workdir: Path) -> dict:
     wall = time.perf_counter() - t0
     steady = [r.tokens / r.step_time_s for r in res.records[1:]] or [res.records[0].tokens / res.records[0].step_time_s]
     tps = statistics.median(steady)
-    out = {"tokens_per_s": tps, "losses": res.losses, "wall_s": wall,
+    out = {"tokens_per_s": tps, "losses": res.losses, "wall_s": wall, "engine": run.engine_strategy.engine,
            "cross_entropy": run.train.cross_entropy}
     if not cpu:
         peak = run.hardware.gpu.peak_flops(run.train.compute_dtype)
@@ -118,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (correctness, relative speed)")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/...)")
+    ap.add_argument("--fsdp-single-rank", choices=("auto", "ddp", "fsdp"), default=None,
+                    help="what the fsdp cases run as on one rank (strategy.fsdp.single_rank; measured: fully_shard). "
+                         "Default: auto on a GPU (the trainer's default); fsdp with --cpu, so every engine runs")
     args = ap.parse_args(argv)
     if args.cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -130,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu for the tiny CPU cases")
     cases = load_cases([c for c in args.cases.split(",") if c])
+    single_rank = args.fsdp_single_rank or ("fsdp" if args.cpu else "auto")
     env = init_distributed("cpu" if args.cpu else "cuda")
     reference = {c["name"]: c["measured"] for c in json.loads(CASES.read_text())["cases"]}
     rows = []
@@ -138,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.cpu and "offload" in case["strategy"]:
                 rows.append({"name": case["name"], "skipped": "offload case: not run on CPU (see the docstring)"})
                 continue
-            now = run_case(case, env, args.cpu, Path(tmp))
-            row = {"name": case["name"], "strategy": case["strategy"], "model": case["model"], "now": now}
+            now = run_case(case, env, args.cpu, Path(tmp), single_rank)
+            row = {"name": case["name"], "strategy": case["strategy"], "engine": now["engine"], "model": case["model"],
+                   "now": now}
             if not args.cpu:
                 before = reference[case["name"]]
                 row["before"] = {"tokens_per_s": before["tokens_per_s"], "max_allocated_bytes": before["max_allocated_bytes"],

@@ -28,9 +28,12 @@ def test_every_case_runs_and_learns_on_cpu(tmp_path):
     assert [r["name"] for r in rows] == [c["name"] for c in cases]
     ran = [r for r in rows if "skipped" not in r]
     assert {r["strategy"] for r in ran} >= {"ddp", "fsdp", "zero2", "zero3"}
+    assert {r["engine"] for r in ran} == {"ddp", "fsdp2", "deepspeed"}  # --cpu keeps fsdp on fully_shard
     for r in rows:
         assert ("skipped" in r) == ("offload" in next(c["strategy"] for c in cases if c["name"] == r["name"]))
-    for r in ran:
+    for r in ran:  # the engine that ran: FSDP2 on one rank may run as DDP (strategy.fsdp.single_rank)
+        assert r["engine"] == r["now"]["engine"] in ({"ddp", "fsdp2"} if r["strategy"].startswith("fsdp") else
+                                                     {"ddp"} if r["strategy"] == "ddp" else {"deepspeed"})
         losses = r["now"]["losses"]
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], (r["name"], losses)
         assert r["now"]["tokens_per_s"] > 0

@@ -2,7 +2,9 @@
 # Run THERE, on one GPU, as one device call (about 9 minutes; timeout_s 600), after wheels.sh here:
 #   run(command="bash benchmarks/gpu/session.sh", carry=[".whl"], timeout_s=600)
 # Measures what only a GPU can, for issues #10, #12 and #13, and leaves under $OUT (at most 8 files):
-#   gpu_throughput.json  the H200 trainer cases now vs 2026-11-30 (tokens/s, MFU, peak allocated)
+#   gpu_throughput.json  the H200 trainer cases now vs 2026-11-30 (tokens/s, MFU, peak allocated;
+#                        fsdp cases run as the plan chooses: DDP on one GPU where it fits and is no slower)
+#   gpu_throughput_fully_shard.json  q05-fsdp kept on fully_shard
 #   qlora.log            the QLoRA GPU test (qwen2.5-0.5b shape, 20 steps, loss and memory vs plan)
 #   bench-q05.json/.md   shardwise bench: qwen2.5-0.5b under fsdp and zero3, predicted vs measured
 #   profile.json         shardwise calibrate --quick: this GPU's rates
@@ -19,6 +21,9 @@ step() { echo "== $1 ($(date +%T))"; }
 step "trainer throughput: the cases the issue's targets name, then the rest while time allows"
 timeout 300 python3 benchmarks/gpu_throughput.py --cases q05-fsdp,q05-ddp,l7b8-fsdp,l1b-fsdp,q05-zero3,q05-zero2,l7b8-zero3-ac \
     --out "$OUT/gpu_throughput.json"
+step "q05-fsdp pinned to fully_shard (auto runs it as DDP on one GPU; l7b8-fsdp stays on fully_shard): FSDP2's own gain"
+timeout 60 python3 benchmarks/gpu_throughput.py --cases q05-fsdp --fsdp-single-rank fsdp \
+    --out "$OUT/gpu_throughput_fully_shard.json"
 step "QLoRA on the GPU"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/train/test_qlora.py -k gpu > "$OUT/qlora.log" 2>&1; tail -3 "$OUT/qlora.log"
 step "bench: qwen2.5-0.5b, fsdp and zero3"
