@@ -45,6 +45,7 @@ def planned_settings(run) -> dict[str, Any]:
     elif s.engine == "fsdp2":
         mixed = t.compute_dtype != "fp32"
         out |= {"reshard_after_forward": s.reshard_after_forward, "root_reshard_after_forward": False,
+                "last_layer_reshard_after_forward": False,  # backward needs it first (plan/comm.py)
                 "param_dtype": t.compute_dtype,
                 "reduce_dtype": ("fp32" if s.fsdp.reduce_dtype == "fp32" else t.compute_dtype) if mixed else "fp32",
                 "cpu_offload": s.offload_params or s.offload_optimizer}
@@ -92,6 +93,7 @@ def engine_settings(engine) -> dict[str, Any]:
         from shardwise.train.engines.fsdp import decoder_layers
 
         layer = decoder_layers(module)[0]._get_fsdp_state()._fsdp_param_group
+        last = decoder_layers(module)[-1]._get_fsdp_state()._fsdp_param_group
         root = module._get_fsdp_state()._fsdp_param_group
         mesh = layer.mesh_info.mesh
         shape = dict(zip(mesh.mesh_dim_names or ("dp_shard",), mesh.shape, strict=True))
@@ -101,6 +103,7 @@ def engine_settings(engine) -> dict[str, Any]:
                 "compute_dtype": DTYPE_NAMES[mp.param_dtype or param.sharded_param.dtype],
                 "reshard_after_forward": layer.post_forward_mesh_info is not None,
                 "root_reshard_after_forward": root.post_forward_mesh_info is not None,
+                "last_layer_reshard_after_forward": last.post_forward_mesh_info is not None,
                 "param_dtype": DTYPE_NAMES[mp.param_dtype or param.sharded_param.dtype],
                 "reduce_dtype": DTYPE_NAMES[mp.reduce_dtype or mp.param_dtype or param.sharded_param.dtype],
                 "cpu_offload": type(layer.offload_policy).__name__ == "CPUOffloadPolicy"}

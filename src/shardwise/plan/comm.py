@@ -156,7 +156,8 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         calls = int(k * (model.num_layers * (2 if regather else 1) + trained // ds.reduce_bucket_size + 1))
         return CommBreakdown(all_gather=ag, reduce_scatter=rs, pcie=pcie, calls=calls, **_on(link, ag + rs))
     # FSDP2: all-gather every unit in forward each micro-batch (param dtype), again in backward
-    # for resharded units (not the root: it is not resharded after forward); reduce-scatter
+    # for resharded units (not the root and not the last decoder layer: neither is resharded
+    # after forward, train/engines/fsdp.py); reduce-scatter
     # in reduce_dtype once per step (sync disabled on non-final micro-batches). LoRA adapters
     # live in the decoder-layer units and are gathered with them.
     p = c
@@ -164,14 +165,15 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     reduce = s.fsdp.reduce_bytes(c) if (mixed or lora) else (2 if train.precision == "bf16-pure" else 4)
     layers = stage_layer_params(model, layout.pp) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
-    ag_bwd = p * layers * k if s.reshard_after_forward else 0.0
+    regathered = layers * fsdp_regather_share(model, s, layout)
+    ag_bwd = p * regathered * k
     # shardwise's trainer reduce-scatters once per step; torch's default (sync left on) every micro-batch
     reductions = k if s.fsdp.reduce_every_micro_batch else 1
     rs = reduce * trained * reductions
     units = model.num_layers // layout.pp + 1
-    calls = k * units * (2 if s.reshard_after_forward else 1) + units * reductions
+    calls = k * (units + round((units - 1) * fsdp_regather_share(model, s, layout))) + units * reductions
     w = c if lora else 4  # bytes of a stored parameter shard (LoRA: the frozen base in the compute dtype)
-    pcie = (w * psi / n * k * (2 if s.reshard_after_forward else 1) + 4 * trained / n) if s.offload_params else 0.0
+    pcie = (w * (psi + regathered) / n * k + 4 * trained / n) if s.offload_params else 0.0
     if s.fsdp_sharding == "hybrid":
         # shard within a node, all-reduce the 1/g shard across the replicas (once per step)
         ar = reduce * trained / n if layout.dp_replicate > 1 else 0.0
@@ -180,6 +182,15 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
                              inter=2 * ar if layout.dp_replicate > 1 else 0.0)
     return CommBreakdown(all_gather=ag_fwd + ag_bwd, reduce_scatter=rs, pcie=pcie, calls=calls,
                          **_on(link, ag_fwd + ag_bwd + rs))
+
+
+def fsdp_regather_share(model: ModelSpec, s: Strategy, layout: ParallelLayout) -> float:
+    """The share of a stage's decoder-layer parameters FSDP2 gathers again in backward: the layers
+    it resharded after forward, all but the stage's last (the root group never is)."""
+    if not s.reshard_after_forward:
+        return 0.0
+    per_stage = model.num_layers // layout.pp
+    return (per_stage - 1) / per_stage
 
 
 def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:

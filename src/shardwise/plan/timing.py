@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from shardwise.plan.comm import CommBreakdown
+from shardwise.plan.comm import CommBreakdown, fsdp_regather_share
 from shardwise.plan.flops import attention_flops_per_token, run_flops_per_token, selective_recompute_params
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
 from shardwise.plan.loss import head_trainable
@@ -242,7 +242,7 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     layers = stage_layer_params(model, layout.pp) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.precision in ("bf16-mixed", "fp16-mixed") else c
-        gathered = psi + (layers if s.reshard_after_forward else 0.0)
+        gathered = psi + layers * fsdp_regather_share(model, s, layout)
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)

@@ -54,8 +54,13 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
         kw["offload_policy"] = CPUOffloadPolicy()
     elif next(model.parameters()).device != device:
         model = model.to(device)
-    for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=s.reshard_after_forward, **kw)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer is the first one backward needs: resharding it after forward would only
+        # gather it again at once (torchtitan keeps it too). The memory is the same: backward
+        # prefetches one layer anyway (plan/memory.py counts two layers gathered).
+        last = i == len(layers) - 1
+        fully_shard(layer, reshard_after_forward=s.reshard_after_forward and not last, **kw)
     # The root keeps embeddings, final norm and lm_head (tied weights stay in one unit);
     # it is needed right after forward anyway, so it never reshards in between.
     fully_shard(model, reshard_after_forward=False, **kw)
