@@ -141,7 +141,7 @@ def test_gpt_selective_and_activation_variants() -> None:
     and GPT-2 always, every linear runs addmm (nothing kept, every matmul replayed). The
     activation's saved tensors follow `GPT_ACT_SAVED` (gelu_new: 5 I-wide tensors)."""
     from shardwise.plan.activations import GPT_ACT_SAVED, mlp_saved, selective_replayed_params
-    from shardwise.specs.model import GPT_ACTIVATIONS
+    from shardwise.specs.families import GPT_ACTIVATIONS
 
     m = _gpt("mpt")
     h, i, c = m.hidden_size, m.intermediate_size, 2

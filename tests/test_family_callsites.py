@@ -244,8 +244,8 @@ def test_every_analytic_family_has_a_wrap_class():
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from shardwise.specs.families import ANALYTIC_FAMILIES
     from shardwise.specs.layer_class import LAYER_CLASS
-    from shardwise.specs.model import ANALYTIC_FAMILIES
 
     assert set(LAYER_CLASS) == set(ANALYTIC_FAMILIES)
     for family, name in LAYER_CLASS.items():

@@ -620,7 +620,7 @@ def test_sdpa_the_architecture_lacks_is_refused_naming_the_field(tmp_path, name,
 def test_no_sdpa_table_matches_transformers():
     """train.model.NO_SDPA (the analytic families preflight refuses or maps under sdpa) is what
     the installed transformers' causal-LM classes say."""
-    from shardwise.specs.model import ANALYTIC_FAMILIES
+    from shardwise.specs.families import ANALYTIC_FAMILIES
     from shardwise.train.model import NO_SDPA, causal_lm_class
 
     lacking = {f for f in ANALYTIC_FAMILIES if not causal_lm_class(f)._supports_sdpa}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from shardwise.specs.families import attention_modules, dense_mlp_modules, layer_modules
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
@@ -37,7 +38,7 @@ _SANDWICH = ("gemma2", "gemma3_text")
 # and the C tanh GeLU save their input (fc1's output) and fc2 their output (2); ReLU, tanh and
 # sigmoid save their output, which is fc2's input (1); the Python compositions save their
 # intermediates (gelu_new: input, tanh, 0.5·x and 1 + tanh, then the output: 5). Keys:
-# specs.model.GPT_ACTIVATIONS (tests/test_families_activations.py measures each).
+# specs.families.GPT_ACTIVATIONS (tests/test_families_activations.py measures each).
 GPT_ACT_SAVED = {"gelu": 2, "gelu_pytorch_tanh": 2, "gelu_new": 5, "gelu_fast": 8, "gelu_python": 4,
                  "gelu_accurate": 5, "gelu_10": 3, "quick_gelu": 3, "relu": 1, "silu": 2, "mish": 2, "tanh": 1,
                  "sigmoid": 1}
@@ -289,9 +290,9 @@ def mm_order(model: ModelSpec, moe: bool = False) -> list[tuple[str, float, bool
             return []
         i = model.intermediate_size
         return [(name, width, split, 0) for (name, *_), width, split in
-                zip(model._attention() + model._dense_mlp(), (model.q_dim + 2 * model.kv_dim, h, i, h),
+                zip(attention_modules(model) + dense_mlp_modules(model), (model.q_dim + 2 * model.kv_dim, h, i, h),
                     (True, False, True, False), strict=True)]
-    biased = {name: b > 0 for name, _, b in model._attention()} if f != "hf" else {}
+    biased = {name: b > 0 for name, _, b in attention_modules(model)} if f != "hf" else {}
     out: list[tuple[str, float, bool, int]] = []
 
     def mm(name: str, width: float, split: bool = True, nbytes: int = 0) -> None:
@@ -379,11 +380,11 @@ def selective_replayed_params(model: ModelSpec, moe: bool | None = None) -> floa
         else:
             weights |= {"gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
     elif model.is_gpt:
-        weights = {name: w for name, w, _ in model._attention() + model._dense_mlp()}
+        weights = {name: w for name, w, _ in attention_modules(model) + dense_mlp_modules(model)}
     else:
-        weights = {name: w for name, w, _ in model._layer(moe) if not name.endswith("norm")}
+        weights = {name: w for name, w, _ in layer_modules(model, moe) if not name.endswith("norm")}
         if moe:  # gate_up (weight) and down (bias slot) of the k experts a token visits
-            experts = next((w, b) for name, w, b in model._layer(moe) if name == "experts")
+            experts = next((w, b) for name, w, b in layer_modules(model, moe) if name == "experts")
             weights["experts"] = sum(experts) * model.experts_per_token / model.num_experts
     kept = sum(weights.get(name, 0) for i, (name, *_) in enumerate(mm_order(model, moe)) if i % 2 == 0)
     return sum(weights.values()) - kept

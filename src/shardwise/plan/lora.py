@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from shardwise.errors import ShardwiseError
+from shardwise.specs.families import root_modules
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
@@ -264,7 +265,7 @@ def saved_module_params(model: ModelSpec, names: tuple[str, ...] | list[str], tp
     if not names:
         return 0.0
     h, v = model.hidden_size, model.vocab_size
-    sizes = {n.rsplit(".", 1)[-1]: w + b for n, w, b in model._root()} | {"lm_head": v * h}
+    sizes = {n.rsplit(".", 1)[-1]: w + b for n, w, b in root_modules(model)} | {"lm_head": v * h}
     total = 0.0
     for name in names:
         leaf = name.rsplit(".", 1)[-1]

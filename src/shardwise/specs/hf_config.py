@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ShardwiseError
-from shardwise.specs.model import ANALYTIC_FAMILIES, GPT_ACTIVATIONS, GPT_FAMILIES
+from shardwise.specs.families import ANALYTIC_FAMILIES, GPT_ACTIVATIONS, GPT_FAMILIES
 
 if TYPE_CHECKING:
     from shardwise.specs.model import ModelSpec

@@ -15,7 +15,8 @@ from functools import lru_cache
 from typing import Any
 
 from shardwise.errors import ShardwiseError
-from shardwise.specs.model import ANALYTIC_FAMILIES, HFInventory, ModelSpec, ParamTensor
+from shardwise.specs.families import ANALYTIC_FAMILIES
+from shardwise.specs.model import HFInventory, ModelSpec, ParamTensor
 
 # Config attributes (first one present wins) for the numbers the planner needs beyond the inventory.
 _FFN = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")

@@ -20,50 +20,21 @@ from __future__ import annotations
 from collections import Counter
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
 from shardwise.specs.base import Spec
-
-Family = Literal[
-    "llama", "mistral", "mixtral", "qwen2",
-    "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3",
-    "mpt", "gpt2",
-    "hf",  # any other transformers architecture, read on the meta device (ModelSpec.inventory)
-]
-ANALYTIC_FAMILIES: tuple[str, ...] = (
-    "llama", "mistral", "mixtral", "qwen2",
-    "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "deepseek_v3",
-    "mpt", "gpt2",
+from shardwise.specs.families import (
+    GPT_FAMILIES,
+    Family,
+    check_fields,
+    layer_modules,
+    root_modules,
 )
-# GPT-style blocks: pre-LayerNorm, one fused QKV projection, multi-head attention, a non-gated
-# fc1 (h -> I) / activation / fc2 (I -> h) MLP, optional biases and learned position embeddings.
-GPT_FAMILIES = ("mpt", "gpt2")
-# Module names per GPT-style family (transformers' names): layer (norm 1, fused qkv, attention
-# output, norm 2, fc1, fc2) and root (token embedding, position embedding, final norm).
-_GPT_NAMES = {
-    "gpt2": (("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"), ("wte", "wpe", "ln_f")),
-    "mpt": (("norm_1", "attn.Wqkv", "attn.out_proj", "norm_2", "ffn.up_proj", "ffn.down_proj"), ("wte", "wpe", "norm_f")),
-}
-# MLP activations a GPT-style block may use (transformers' ACT2FN names); what each saves for
-# backward is `plan.activations.GPT_ACT_SAVED`. MPT's is fixed: nn.GELU(approximate="none").
-GPT_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python", "gelu_accurate", "gelu_10",
-                   "quick_gelu", "relu", "silu", "mish", "tanh", "sigmoid")
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
-# q/k norms: "head" = RMSNorm over head_dim after the projection (qwen3, gemma3), "full" = over
-# the whole q / kv projection width before the head split (olmo2).
-QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "full"}
-# Decoder-layer norms in registration order: pre-norm (Llama), sandwich (gemma2/3: pre and post
-# around attention and MLP), post-norm only (olmo2: after attention and after the MLP).
-LAYER_NORMS = {
-    "gemma2": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
-    "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                    "post_feedforward_layernorm"),
-    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
-}
-PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
 class ParamTensor(Spec):
     """One module's direct parameters (weight, optional bias), `count` times (e.g. per layer).
 
@@ -170,88 +141,8 @@ class ModelSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
-        where = f"model {self.name!r}"
-        self._check_gpt(where)
-        if self.family == "deepseek_v3":
-            if not (self.kv_lora_rank and self.qk_rope_head_dim and self.v_head_dim):
-                raise ShardwiseError(f"{where}: deepseek_v3 needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
-            hd = self.qk_nope_head_dim + self.qk_rope_head_dim
-            if self.head_dim and self.head_dim != hd:
-                raise ShardwiseError(f"{where}: deepseek_v3 head_dim is qk_nope_head_dim + qk_rope_head_dim = {hd}, "
-                                     f"got {self.head_dim}")
-            if self.num_kv_heads != self.num_heads:
-                raise ShardwiseError(f"{where}: deepseek_v3 (MLA) expands k/v to every head: num_kv_heads must "
-                                     f"equal num_heads {self.num_heads}, got {self.num_kv_heads}")
-            if self.num_experts and self.num_experts % self.n_group:
-                raise ShardwiseError(f"{where}: num_experts {self.num_experts} must be a multiple of "
-                                     f"n_group {self.n_group}")
-        elif self.kv_lora_rank or self.q_lora_rank:
-            raise ShardwiseError(f"{where}: q_lora_rank/kv_lora_rank (MLA) belong to family deepseek_v3, "
-                                 f"not {self.family}")
-        else:
-            hd = self.head_dim or self.hidden_size // self.num_heads
-            if not self.head_dim and self.hidden_size % self.num_heads:
-                raise ShardwiseError(
-                    f"{where}: hidden_size {self.hidden_size} is not divisible by "
-                    f"num_heads {self.num_heads}; give head_dim explicitly"
-                )
-        if self.num_heads % self.num_kv_heads:
-            raise ShardwiseError(
-                f"{where}: num_heads {self.num_heads} must be a multiple of "
-                f"num_kv_heads {self.num_kv_heads}"
-            )
-        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
-            raise ShardwiseError(
-                f"{where}: experts_per_token must be in 1..{self.num_experts}, "
-                f"got {self.experts_per_token}"
-            )
-        if self.num_experts and self.family not in (*MOE_FAMILIES, "hf"):
-            raise ShardwiseError(f"{where}: family {self.family} has no experts (num_experts {self.num_experts}); "
-                                 f"MoE families: {', '.join(MOE_FAMILIES)}")
-        if self.shared_expert_intermediate_size and self.family not in ("qwen2_moe", "deepseek_v3"):
-            raise ShardwiseError(f"{where}: shared experts are a qwen2_moe / deepseek_v3 layout, not {self.family}")
-        if self.family == "deepseek_v3" and self.shared_expert_intermediate_size % self.expert_width:
-            raise ShardwiseError(f"{where}: deepseek shared_expert_intermediate_size must be a multiple "
-                                 f"(n_shared_experts) of moe_intermediate_size {self.expert_width}")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ShardwiseError(f"{where}: mlp_only_layers {bad} outside 0..{self.num_layers - 1}")
-        if (self.family == "hf") != (self.inventory is not None):
-            raise ShardwiseError(f"{where}: family 'hf' and an inventory go together (read by "
-                                 "ModelSpec.from_hf_config on the meta device)")
-        object.__setattr__(self, "head_dim", hd)
+        object.__setattr__(self, "head_dim", check_fields(self))  # specs/families.py
         return self
-
-    def _check_gpt(self, where: str) -> None:
-        """GPT-style fields belong to the GPT-style families; those families' fixed parts."""
-        f = self.family
-        if f not in GPT_FAMILIES:
-            bad = [k for k in ("norm_bias", "learned_pos_emb", "hidden_act") if getattr(self, k)]
-            if bad:
-                raise ShardwiseError(f"{where}: {', '.join(bad)} belong to the GPT-style families "
-                                     f"({', '.join(GPT_FAMILIES)}), not {f}")
-            return
-        if self.num_kv_heads != self.num_heads:
-            raise ShardwiseError(f"{where}: {f} is multi-head attention: num_kv_heads must equal num_heads "
-                                 f"{self.num_heads}, got {self.num_kv_heads}")
-        if self.head_dim not in (0, self.hidden_size // self.num_heads) or self.hidden_size % self.num_heads:
-            raise ShardwiseError(f"{where}: {f} head_dim is hidden_size / num_heads: hidden_size {self.hidden_size} "
-                                 f"must be a multiple of num_heads {self.num_heads} (head_dim {self.head_dim})")
-        if self.hidden_act not in GPT_ACTIVATIONS:
-            raise ShardwiseError(f"{where}: hidden_act {self.hidden_act!r} is not one the planner derives "
-                                 f"({', '.join(GPT_ACTIVATIONS)})")
-        if f == "gpt2":
-            fixed = {k: getattr(self, k) for k in ("attention_bias", "mlp_bias", "norm_bias", "learned_pos_emb")}
-            if not all(fixed.values()):
-                raise ShardwiseError(f"{where}: gpt2 always has linear and LayerNorm biases and learned position "
-                                     f"embeddings (transformers' GPT2 Conv1D/LayerNorm/wpe); got {fixed}")
-        else:
-            if not self.attention_bias == self.mlp_bias == self.norm_bias:
-                raise ShardwiseError(f"{where}: mpt biases are all or none (no_bias): attention_bias "
-                                     f"{self.attention_bias}, mlp_bias {self.mlp_bias}, norm_bias {self.norm_bias}")
-            if self.hidden_act != "gelu":
-                raise ShardwiseError(f"{where}: mpt's MLP activation is exact GeLU (hidden_act 'gelu'), "
-                                     f"got {self.hidden_act!r}")
 
     @property
     def is_gpt(self) -> bool:
@@ -312,82 +203,6 @@ class ModelSpec(Spec):
             return tuple(i >= self.first_k_dense for i in range(n))
         return (False,) * n
 
-    def _attention(self) -> list[tuple[str, int, int]]:
-        """(module, weight, bias) of one layer's attention, in registration order."""
-        h, q, kv, f = self.hidden_size, self.q_dim, self.kv_dim, self.family
-        if f in GPT_FAMILIES:  # one fused qkv projection [q | k | v] and the output projection
-            names = _GPT_NAMES[f][0]
-            b = self.attention_bias
-            return [(names[1], h * (q + 2 * kv), (q + 2 * kv) if b else 0), (names[2], q * h, h if b else 0)]
-        if f == "deepseek_v3":  # deepseek_v3/modeling_deepseek_v3.py DeepseekV3Attention (MLA)
-            b = self.attention_bias
-            heads, ql, kvl, rope = self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
-            if ql:
-                out = [("q_a_proj", h * ql, ql if b else 0), ("q_a_layernorm", ql, 0), ("q_b_proj", ql * q, 0)]
-            else:
-                out = [("q_proj", h * q, 0)]
-            return [
-                *out,
-                ("kv_a_proj_with_mqa", h * (kvl + rope), (kvl + rope) if b else 0),
-                ("kv_a_layernorm", kvl, 0),
-                ("kv_b_proj", kvl * heads * (self.qk_nope_head_dim + self.v_head_dim), 0),
-                ("o_proj", self.o_dim * h, h if b else 0),
-            ]
-        if f == "phi3":  # phi3/modeling_phi3.py: o_proj is registered before the fused qkv_proj
-            return [("o_proj", q * h, 0), ("qkv_proj", h * (q + 2 * kv), 0)]
-        qkv_bias = f == "qwen2" or (self.attention_bias and f not in ("mistral", "mixtral"))
-        o_bias = self.attention_bias and f not in ("mistral", "mixtral", "qwen2", "qwen2_moe")
-        out = [
-            ("q_proj", h * q, q if qkv_bias else 0),
-            ("k_proj", h * kv, kv if qkv_bias else 0),
-            ("v_proj", h * kv, kv if qkv_bias else 0),
-            ("o_proj", q * h, h if o_bias else 0),
-        ]
-        norm = QK_NORM.get(f)
-        if norm == "head":
-            out += [("q_norm", self.head_dim, 0), ("k_norm", self.head_dim, 0)]
-        elif norm == "full":
-            out += [("q_norm", q, 0), ("k_norm", kv, 0)]
-        return out
-
-    def _dense_mlp(self) -> list[tuple[str, int, int]]:
-        h, i = self.hidden_size, self.intermediate_size
-        if self.family == "phi3":
-            return [("gate_up_proj", h * 2 * i, 0), ("down_proj", i * h, 0)]
-        if self.family in GPT_FAMILIES:  # fc1 (h -> I), activation, fc2 (I -> h)
-            names, b = _GPT_NAMES[self.family][0], self.mlp_bias
-            return [(names[4], h * i, i if b else 0), (names[5], i * h, h if b else 0)]
-        b = self.mlp_bias
-        return [("gate_proj", h * i, i if b else 0), ("up_proj", h * i, i if b else 0), ("down_proj", i * h, h if b else 0)]
-
-    def _moe_mlp(self) -> list[tuple[str, int, int]]:
-        """transformers 5.x fuses experts into 3-D tensors: gate_up [E, 2I, h], down [E, h, I]
-        (one module; `bias` slot holds down_proj)."""
-        h, e, i = self.hidden_size, self.num_experts, self.expert_width
-        router, experts = ("router", e * h, 0), ("experts", e * 2 * i * h, e * i * h)
-        s = self.shared_expert_intermediate_size
-        if self.family == "qwen2_moe":  # gate, experts, shared_expert, shared_expert_gate
-            out = [router, experts]
-            if s:
-                out += [("shared_expert.gate_proj", h * s, 0), ("shared_expert.up_proj", h * s, 0),
-                        ("shared_expert.down_proj", s * h, 0), ("shared_expert_gate", h, 0)]
-            return out
-        if self.family == "qwen3_moe":
-            return [experts, router]
-        if self.family == "deepseek_v3":  # experts, gate, shared_experts
-            return [experts, router, ("shared_experts.gate_proj", h * s, 0), ("shared_experts.up_proj", h * s, 0),
-                    ("shared_experts.down_proj", s * h, 0)]
-        return [router, experts]  # mixtral
-
-    def _layer(self, moe: bool) -> list[tuple[str, int, int]]:
-        """One decoder layer's modules in `model.parameters()` order."""
-        if self.family in GPT_FAMILIES:  # norm 1, attention, norm 2, MLP
-            names, h = _GPT_NAMES[self.family][0], self.hidden_size
-            nb = h if self.norm_bias else 0
-            return [(names[0], h, nb), *self._attention(), (names[3], h, nb), *self._dense_mlp()]
-        norms = [(n, self.hidden_size, 0) for n in LAYER_NORMS.get(self.family, PRE_NORMS)]
-        return self._attention() + (self._moe_mlp() if moe else self._dense_mlp()) + norms
-
     @cached_property
     def tensors(self) -> tuple[ParamTensor, ...]:
         """Every module's direct parameters: decoder-layer modules (count = layers that have
@@ -398,37 +213,21 @@ class ModelSpec(Spec):
         t: list[ParamTensor] = []
         seen: dict[tuple[str, int, int], int] = {}
         for moe in (False, True):
-            for mod in self._layer(moe) if kinds[moe] else ():
+            for mod in layer_modules(self, moe) if kinds[moe] else ():
                 if mod in seen:  # attention and norms: shared by both kinds of layer
                     t[seen[mod]] = t[seen[mod]].model_copy(update={"count": self.num_layers})
                     continue
                 seen[mod] = len(t)
                 t.append(ParamTensor(name=mod[0], weight=mod[1], bias=mod[2], count=kinds[moe]))
-        t += [ParamTensor(name=n, weight=w, bias=b, layer=False) for n, w, b in self._root()]
+        t += [ParamTensor(name=n, weight=w, bias=b, layer=False) for n, w, b in root_modules(self)]
         return tuple(t)
-
-    def _root(self) -> list[tuple[str, int, int]]:
-        """(module, weight, bias) outside the decoder layers, in `model.parameters()` order:
-        token embedding, learned position embedding (GPT-style), final norm, untied lm_head."""
-        h, v = self.hidden_size, self.vocab_size
-        if self.family in GPT_FAMILIES:
-            wte, wpe, norm = _GPT_NAMES[self.family][1]
-            out = [(wte, v * h, 0)]
-            if self.learned_pos_emb:
-                out.append((wpe, self.position_embedding_params, 0))
-            out.append((norm, h, h if self.norm_bias else 0))
-        else:
-            out = [("embed_tokens", v * h, 0), ("norm", h, 0)]
-        if not self.tie_embeddings:
-            out.append(("lm_head", v * h, 0))
-        return out
 
     @cached_property
     def layer_sizes(self) -> tuple[int, ...]:
         """Parameters of each decoder layer, in order."""
         if self.inventory is not None:
             return self.inventory.layer_sizes
-        size = {moe: sum(w + b for _, w, b in self._layer(moe)) for moe in set(self.moe_layers)}
+        size = {moe: sum(w + b for _, w, b in layer_modules(self, moe)) for moe in set(self.moe_layers)}
         return tuple(size[moe] for moe in self.moe_layers)
 
     @cached_property
@@ -500,10 +299,10 @@ class ModelSpec(Spec):
         per_kind = {}
         for moe in set(self.moe_layers):
             sizes: list[int] = []
-            for _, w, b in self._layer(moe):
+            for _, w, b in layer_modules(self, moe):
                 sizes += [w] + ([b] if b else [])
             per_kind[moe] = sizes
-        root = [[w] + ([b] if b else []) for _, w, b in self._root()]
+        root = [[w] + ([b] if b else []) for _, w, b in root_modules(self)]
         n_embed = 2 if self.is_gpt and self.learned_pos_emb else 1  # wte (and wpe) come before the layers
         out = [n for sizes in root[:n_embed] for n in sizes]
         for moe in self.moe_layers:
