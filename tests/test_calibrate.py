@@ -116,7 +116,7 @@ def test_a_slower_measured_adamw_lengthens_the_planned_step():
     shard = stage_params(m, 1, 1) / 8  # ZeRO-2 shards the optimizer over the 8 ranks
     assert slow.optimizer_s - fast.optimizer_s == pytest.approx(shard / 2e10 - shard / 4e10, rel=1e-6)
     # a rate that matches the bytes model's bandwidth gives the bytes model's time
-    from shardwise.plan.timing import OPTIMIZER_BYTES
+    from shardwise.plan.kernels import OPTIMIZER_BYTES
 
     same = hw.gpu.hbm_bytes_per_s * hw.gpu.hbm_efficiency / OPTIMIZER_BYTES["fused"]
     assert planned(same).optimizer_s == pytest.approx(base.optimizer_s, rel=1e-9)

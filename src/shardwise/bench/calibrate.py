@@ -4,7 +4,7 @@
 
 Measured, on CUDA when there is a GPU, else on the CPU (and then said so in the profile):
 
-- GEMM throughput at the shapes of the configured model's linears (the planner's `_layer_gemms`
+- GEMM throughput at the shapes of the configured model's linears (the planner's `plan/kernels.py` `layer_gemms`
   widths, a few thousand tokens), in the compute dtype (bf16 on CUDA, fp32 on CPU);
 - causal SDPA forward + backward throughput in model FLOPs (6·s·h per token, as the planner counts);
 - memory bandwidth of a large copy (read + write);

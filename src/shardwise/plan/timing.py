@@ -13,13 +13,21 @@ the residuals. A hardware profile measured on the user's GPUs replaces the GPU's
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from shardwise.plan.comm import CommBreakdown, fsdp_regather_share
 from shardwise.plan.flops import attention_flops_per_token, run_flops_per_token, selective_recompute_params
+from shardwise.plan.kernels import (
+    OPTIMIZER_BYTES,
+    ce_chunks,
+    elementwise_bytes,
+    gemm_time,
+    head_gemm_time,
+    layer_gemms,
+    loss_bytes_per_token,
+    update_bytes,
+)
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
-from shardwise.plan.loss import head_trainable
 from shardwise.plan.memory import stage_layer_params, stage_params
 from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.specs.hardware import HardwareSpec
@@ -29,13 +37,14 @@ from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
 # Eager HF elementwise code (norms, RoPE, activations, the loss) against the idealised per-op
-# byte count below: extra casts and copies, and kernels slower than the streaming ones
+# byte count (plan/kernels.py): extra casts and copies, and kernels slower than the streaming ones
 # (optimizer, copies) that `hbm_efficiency` describes. One multiplier, fitted (docs/accuracy.md).
 ELEMENTWISE_FACTOR = 1.8
 # The same work fused (torch.compile's generated kernels, Megatron-LM's fused LayerNorm, bias-GeLU,
 # softmax, RoPE): intermediates stay in registers. Fitted on the published compiled/Megatron runs.
 FUSED_ELEMENTWISE_FACTOR = 1.0
-FUSED_KERNEL_SHARE = 0.4  # launches left when elementwise chains are fused# GPU idle per kernel launch in eager PyTorch (the CPU launches the next kernel while a short
+FUSED_KERNEL_SHARE = 0.4  # launches left when elementwise chains are fused
+# GPU idle per kernel launch in eager PyTorch (the CPU launches the next kernel while a short
 # one runs; small widths leave gaps): added to the GPU time.
 LAUNCH_S = 10e-6
 KERNELS_PER_LAYER = 130  # HF decoder layer, forward + backward (norms alone are ~8 ops each)
@@ -54,7 +63,6 @@ ROOT_MODULES = 7  # and outside them: the CausalLM, its inner model, the layer l
 # How much of backward compute can hide bucketed reduction / prefetched gathers (streams
 # contend for SMs and HBM; NCCL kernels take ~10–20% of SMs).
 OVERLAP_EFFICIENCY = 0.8
-OPTIMIZER_BYTES = {"fused": 28, "foreach": 80, "forloop": 80}  # fp32 AdamW, per parameter
 # FSDP2 fills and drains its all-gather/reduce-scatter buffers on side streams, concurrent with
 # compute; this share of those copies still lands on the step (HBM contention).
 FSDP2_COPY_EXPOSED = 0.0
@@ -89,121 +97,9 @@ class TimeBreakdown:
 # ----------------------------------------------------------------------------- compute
 
 
-def _gemm(tokens: float, k: float, n: float, flops_s: float, bytes_s: float, c: int) -> float:
-    """One [tokens × k] · [k × n] GEMM: a soft roofline of its math at the sustained rate and
-    its operands' traffic (the 2-norm of the two times: equal to the larger far from the ridge,
-    √2 of it at the ridge, where narrow GEMMs such as GQA's k/v projections or a 896-wide
-    model's sit)."""
-    return math.hypot(2 * tokens * k * n / flops_s, c * (tokens * k + k * n + tokens * n) / bytes_s)
-
-
-def _layer_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float, float]]:
-    """(k, n, share of tokens) of one decoder layer's linears (Llama-block widths; the total is
-    rescaled to the layer's exact parameter count in `_compute`)."""
-    h, q, kv = model.hidden_size, model.q_dim / tp, model.kv_dim / tp
-    i = model.intermediate_size / tp
-    if model.is_gpt:  # fused QKV, output projection, 4h MLP (fc1, fc2)
-        return [(h, q + 2 * kv, 1.0), (q, h, 1.0), (h, i, 1.0), (i, h, 1.0)]
-    out = [(h, q, 1.0), (h, kv, 1.0), (h, kv, 1.0), (q, h, 1.0)]
-    if model.is_moe:
-        e, k = model.num_experts, model.experts_per_token
-        out.append((h, e, 1.0))  # router
-        out += [(h, i, k / e), (h, i, k / e), (i, h, k / e)] * e  # each expert sees k/E of the tokens
-    else:
-        out += [(h, i, 1.0), (h, i, 1.0), (i, h, 1.0)]
-    return out
-
-
-def _elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: int) -> float:
-    """Memory-bound bytes per token of one layer's forward outside GEMMs and attention: two
-    RMSNorms with their fp32 upcast (HF `LlamaRMSNorm`: cast, pow, mean, rsqrt, mul, cast back,
-    weight), two residual adds, RoPE on q and k, SiLU and the gate product, the attention
-    output's reshape (GPT blocks: LayerNorm kernels, GeLU, no RoPE). Residual stream in fp32
-    under autocast. Backward moves about twice the forward's bytes."""
-    c = train.compute_bytes
-    r = 4 if autocast else c
-    h, q, kv, i = model.hidden_size, model.q_dim / tp, model.kv_dim / tp, model.intermediate_size / tp
-    if model.is_moe:
-        i *= model.experts_per_token
-    if model.is_gpt:  # LayerNorm (one fused kernel), no RoPE, GeLU, fused QKV fed once
-        norms = 2 * h * (r + c)
-        residual = 2 * 3 * r * h + (2 * (4 + c) * h if autocast else 0)
-        return norms + residual + 2 * c * i + 2 * c * q
-    norms = 2 * h * (r + 28 + 3 * c)
-    residual = 2 * 3 * r * h
-    if autocast:  # each linear fed by a norm casts its fp32 input: q, k, v, gate, up
-        residual += 5 * (4 + c) * h
-    rope = 11 * c * (q + kv)
-    act = 5 * c * i
-    reshape = 2 * c * q
-    return norms + residual + rope + act + reshape
-
-
-def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
-    """Memory-bound bytes per token of the loss over the vocabulary (after lm_head's GEMM).
-    standard (HF `ForCausalLMLoss`): the fp32 upcast, log-softmax (two reads, one write), NLL's
-    gradient, log-softmax backward, the cast back; chunked (the trainer's, shardwise.train.loss):
-    per chunk the upcast, log-softmax, and exp(log-softmax) written once in the compute dtype
-    as the gradient (no NLL gradient, no log-softmax backward; fp32: exp in place), plus the
-    row masks on the h-sized tensors. Gemma's soft-cap: standard runs HF's div, tanh and multiply
-    in the compute dtype and their backward (13·c·V); chunked runs them in place in the compute
-    dtype, then exp in place, the square and one fused multiply-add for the slope ((6c + 24)·V
-    more). Fused linear + cross-entropy (Liger) computes the softmax in place on small row
-    blocks; the in-place kernel (flash-attn) reads the 16-bit logits and overwrites them with
-    their gradient."""
-    v, c = model.vocab_size / tp, train.compute_bytes
-    if train.cross_entropy == "fused":
-        return (8 + 2 * c) * v
-    if train.cross_entropy == "inplace":  # read the logits twice (max/sum, then loss), write the gradient
-        return 3 * c * v
-    if train.cross_entropy == "chunked":
-        upcast = c + 4 if c < 4 else 0
-        softcap = (6 * c + 24) * v if model.final_logit_softcapping else 0.0
-        return (upcast + 12 + 4 + c) * v + softcap + 4 * c * model.hidden_size
-    upcast = 2 * (c + 4) if c < 4 else 0  # .float() and its backward cast
-    softcap = 13 * c * v if model.final_logit_softcapping else 0.0
-    return (28 + upcast) * v + softcap
-
-
-def _update_bytes(train: TrainSpec) -> float:
-    """Bytes per parameter the optimizer's update kernel moves (AdamW: OPTIMIZER_BYTES by kernel)."""
-    b = OPTIMIZER_BYTES[train.optimizer_impl] * (0.5 if train.precision == "bf16-pure" else 1)
-    return b * 0.5 if train.optimizer == "sgd" else b
-
-
-def ce_chunks(train: TrainSpec) -> int:
-    """Chunks of the trainer's chunked cross-entropy per micro-batch (0 for the others)."""
-    return -(-train.tokens_per_micro_batch // train.ce_chunk) if train.cross_entropy == "chunked" else 0
-
-
-def head_gemm_time(model: ModelSpec, train: TrainSpec, tp: int, flops_s: float, bytes_s: float) -> float:
-    """lm_head's GEMMs of one micro-batch: forward, input gradient and (when lm_head trains)
-    weight gradient. Chunked (shardwise.train.loss): the same three per chunk of `ce_chunk`
-    tokens, each reading the [V, H] weight again, and the weight gradient accumulating in place
-    (every chunk after the first also reads the accumulator: c·V·H more bytes). At 1024 tokens
-    these GEMMs stay compute-bound (~chunk/c FLOP per byte), so the soft roofline charges the
-    extra traffic little."""
-    c, h, v = train.compute_bytes, model.hidden_size, model.vocab_size / tp
-    trains = head_trainable(train)
-    tokens = train.tokens_per_micro_batch
-    if train.cross_entropy != "chunked":
-        return (3 if trains else 2) * _gemm(tokens, h, v, flops_s, bytes_s, c)
-
-    def chunk(m: int, accumulate: bool) -> float:
-        t = 2 * _gemm(m, h, v, flops_s, bytes_s, c)
-        if trains:
-            t += math.hypot(2 * m * h * v / flops_s, c * (m * (h + v) + (2 if accumulate else 1) * h * v) / bytes_s)
-        return t
-
-    full, rest = divmod(tokens, train.ce_chunk)
-    if not full:
-        return chunk(rest, False)
-    return chunk(train.ce_chunk, False) + (full - 1) * chunk(train.ce_chunk, True) + (chunk(rest, True) if rest else 0.0)
-
-
 def _optimizer_bytes(train: TrainSpec, strategy: Strategy) -> float:
     """Bytes per parameter (of this GPU's shard) that the optimizer step moves."""
-    b = _update_bytes(train) + CLIP_BYTES
+    b = update_bytes(train) + CLIP_BYTES
     if strategy.engine == "deepspeed":  # grads to the fp32 partition, master back to 16-bit
         b += 2 * (train.compute_bytes + 4)
     return b
@@ -220,8 +116,8 @@ def optimizer_time(shard: float, train: TrainSpec, strategy: Strategy, hw: Hardw
     if gpu.adamw_params_per_s is None or gpu.adamw_impl is None:
         return shard * _optimizer_bytes(train, strategy) / bytes_s
     update_bw = gpu.adamw_params_per_s * OPTIMIZER_BYTES[gpu.adamw_impl]
-    rest = _optimizer_bytes(train, strategy) - _update_bytes(train)
-    return shard * (_update_bytes(train) / update_bw + rest / bytes_s)
+    rest = _optimizer_bytes(train, strategy) - update_bytes(train)
+    return shard * (update_bytes(train) / update_bw + rest / bytes_s)
 
 
 def forward_share(train: TrainSpec) -> float:
@@ -296,8 +192,8 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     recompute = {"full": 1.0, "selective": 1.0, "none": 0.0}[train.checkpointing]
 
     # GEMMs: forward, input-gradient and weight-gradient (+ the recomputed forward)
-    shapes = _layer_gemms(model, tp)
-    layer_t = sum(_gemm(tokens * share, kk, nn, flops_s, bytes_s, c) for kk, nn, share in shapes)
+    shapes = layer_gemms(model, tp)
+    layer_t = sum(gemm_time(tokens * share, kk, nn, flops_s, bytes_s, c) for kk, nn, share in shapes)
     approx = sum(kk * nn * share for kk, nn, share in shapes)
     exact = _matmul_params_per_layer(model) / tp
     layer_t *= exact / approx if approx else 1.0
@@ -311,8 +207,8 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     if train.lora_rank:
         for d_in, d_out in _lora_dims(model, train, tp):
             gemm += k * layers * (3 + replay_mm) * (
-                _gemm(tokens, d_in, train.lora_rank, flops_s, bytes_s, c)
-                + _gemm(tokens, train.lora_rank, d_out, flops_s, bytes_s, c))
+                gemm_time(tokens, d_in, train.lora_rank, flops_s, bytes_s, c)
+                + gemm_time(tokens, train.lora_rank, d_out, flops_s, bytes_s, c))
 
     # attention kernels (causal, flash/SDPA): the model FLOPs of scores and values (flops.py)
     attn_flops = attention_flops_per_token(model, train.seq_len) / model.num_layers / tp * tokens * layers
@@ -326,7 +222,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
 
     autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
     factor = FUSED_ELEMENTWISE_FACTOR if train.fused_kernels else ELEMENTWISE_FACTOR
-    per_token = _elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
+    per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * factor / pp)
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced

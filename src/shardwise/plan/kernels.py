@@ -1,0 +1,128 @@
+"""Per-kernel costs the planner's step time is built from (pure functions, no torch): the GEMM
+soft roofline, one decoder layer's linears, the memory-bound bytes of a layer's elementwise
+work, the loss over the vocabulary and lm_head's GEMMs by cross-entropy implementation, and
+the optimizer update's bytes. `plan/timing.py` scales and sums them into a step, with the
+fitted constants (docs/accuracy.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardwise.plan.loss import head_trainable
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.train import TrainSpec
+
+OPTIMIZER_BYTES = {"fused": 28, "foreach": 80, "forloop": 80}  # fp32 AdamW, per parameter
+
+
+def gemm_time(tokens: float, k: float, n: float, flops_s: float, bytes_s: float, c: int) -> float:
+    """One [tokens × k] · [k × n] GEMM: a soft roofline of its math at the sustained rate and
+    its operands' traffic (the 2-norm of the two times: equal to the larger far from the ridge,
+    √2 of it at the ridge, where narrow GEMMs such as GQA's k/v projections or a 896-wide
+    model's sit)."""
+    return math.hypot(2 * tokens * k * n / flops_s, c * (tokens * k + k * n + tokens * n) / bytes_s)
+
+
+def layer_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float, float]]:
+    """(k, n, share of tokens) of one decoder layer's linears (Llama-block widths; the total is
+    rescaled to the layer's exact parameter count in `compute_time`)."""
+    h, q, kv = model.hidden_size, model.q_dim / tp, model.kv_dim / tp
+    i = model.intermediate_size / tp
+    if model.is_gpt:  # fused QKV, output projection, 4h MLP (fc1, fc2)
+        return [(h, q + 2 * kv, 1.0), (q, h, 1.0), (h, i, 1.0), (i, h, 1.0)]
+    out = [(h, q, 1.0), (h, kv, 1.0), (h, kv, 1.0), (q, h, 1.0)]
+    if model.is_moe:
+        e, k = model.num_experts, model.experts_per_token
+        out.append((h, e, 1.0))  # router
+        out += [(h, i, k / e), (h, i, k / e), (i, h, k / e)] * e  # each expert sees k/E of the tokens
+    else:
+        out += [(h, i, 1.0), (h, i, 1.0), (i, h, 1.0)]
+    return out
+
+
+def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: int) -> float:
+    """Memory-bound bytes per token of one layer's forward outside GEMMs and attention: two
+    RMSNorms with their fp32 upcast (HF `LlamaRMSNorm`: cast, pow, mean, rsqrt, mul, cast back,
+    weight), two residual adds, RoPE on q and k, SiLU and the gate product, the attention
+    output's reshape (GPT blocks: LayerNorm kernels, GeLU, no RoPE). Residual stream in fp32
+    under autocast. Backward moves about twice the forward's bytes."""
+    c = train.compute_bytes
+    r = 4 if autocast else c
+    h, q, kv, i = model.hidden_size, model.q_dim / tp, model.kv_dim / tp, model.intermediate_size / tp
+    if model.is_moe:
+        i *= model.experts_per_token
+    if model.is_gpt:  # LayerNorm (one fused kernel), no RoPE, GeLU, fused QKV fed once
+        norms = 2 * h * (r + c)
+        residual = 2 * 3 * r * h + (2 * (4 + c) * h if autocast else 0)
+        return norms + residual + 2 * c * i + 2 * c * q
+    norms = 2 * h * (r + 28 + 3 * c)
+    residual = 2 * 3 * r * h
+    if autocast:  # each linear fed by a norm casts its fp32 input: q, k, v, gate, up
+        residual += 5 * (4 + c) * h
+    rope = 11 * c * (q + kv)
+    act = 5 * c * i
+    reshape = 2 * c * q
+    return norms + residual + rope + act + reshape
+
+
+def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
+    """Memory-bound bytes per token of the loss over the vocabulary (after lm_head's GEMM).
+    standard (HF `ForCausalLMLoss`): the fp32 upcast, log-softmax (two reads, one write), NLL's
+    gradient, log-softmax backward, the cast back; chunked (the trainer's, shardwise.train.loss):
+    per chunk the upcast, log-softmax, and exp(log-softmax) written once in the compute dtype
+    as the gradient (no NLL gradient, no log-softmax backward; fp32: exp in place), plus the
+    row masks on the h-sized tensors. Gemma's soft-cap: standard runs HF's div, tanh and multiply
+    in the compute dtype and their backward (13·c·V); chunked runs them in place in the compute
+    dtype, then exp in place, the square and one fused multiply-add for the slope ((6c + 24)·V
+    more). Fused linear + cross-entropy (Liger) computes the softmax in place on small row
+    blocks; the in-place kernel (flash-attn) reads the 16-bit logits and overwrites them with
+    their gradient."""
+    v, c = model.vocab_size / tp, train.compute_bytes
+    if train.cross_entropy == "fused":
+        return (8 + 2 * c) * v
+    if train.cross_entropy == "inplace":  # read the logits twice (max/sum, then loss), write the gradient
+        return 3 * c * v
+    if train.cross_entropy == "chunked":
+        upcast = c + 4 if c < 4 else 0
+        softcap = (6 * c + 24) * v if model.final_logit_softcapping else 0.0
+        return (upcast + 12 + 4 + c) * v + softcap + 4 * c * model.hidden_size
+    upcast = 2 * (c + 4) if c < 4 else 0  # .float() and its backward cast
+    softcap = 13 * c * v if model.final_logit_softcapping else 0.0
+    return (28 + upcast) * v + softcap
+
+
+def update_bytes(train: TrainSpec) -> float:
+    """Bytes per parameter the optimizer's update kernel moves (AdamW: OPTIMIZER_BYTES by kernel)."""
+    b = OPTIMIZER_BYTES[train.optimizer_impl] * (0.5 if train.precision == "bf16-pure" else 1)
+    return b * 0.5 if train.optimizer == "sgd" else b
+
+
+def ce_chunks(train: TrainSpec) -> int:
+    """Chunks of the trainer's chunked cross-entropy per micro-batch (0 for the others)."""
+    return -(-train.tokens_per_micro_batch // train.ce_chunk) if train.cross_entropy == "chunked" else 0
+
+
+def head_gemm_time(model: ModelSpec, train: TrainSpec, tp: int, flops_s: float, bytes_s: float) -> float:
+    """lm_head's GEMMs of one micro-batch: forward, input gradient and (when lm_head trains)
+    weight gradient. Chunked (shardwise.train.loss): the same three per chunk of `ce_chunk`
+    tokens, each reading the [V, H] weight again, and the weight gradient accumulating in place
+    (every chunk after the first also reads the accumulator: c·V·H more bytes). At 1024 tokens
+    these GEMMs stay compute-bound (~chunk/c FLOP per byte), so the soft roofline charges the
+    extra traffic little."""
+    c, h, v = train.compute_bytes, model.hidden_size, model.vocab_size / tp
+    trains = head_trainable(train)
+    tokens = train.tokens_per_micro_batch
+    if train.cross_entropy != "chunked":
+        return (3 if trains else 2) * gemm_time(tokens, h, v, flops_s, bytes_s, c)
+
+    def chunk(m: int, accumulate: bool) -> float:
+        t = 2 * gemm_time(m, h, v, flops_s, bytes_s, c)
+        if trains:
+            t += math.hypot(2 * m * h * v / flops_s, c * (m * (h + v) + (2 if accumulate else 1) * h * v) / bytes_s)
+        return t
+
+    full, rest = divmod(tokens, train.ce_chunk)
+    if not full:
+        return chunk(rest, False)
+    return chunk(train.ce_chunk, False) + (full - 1) * chunk(train.ce_chunk, True) + (chunk(rest, True) if rest else 0.0)
