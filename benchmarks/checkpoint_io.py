@@ -92,7 +92,7 @@ def model_params(name: str) -> int:
 
 
 def run_case(model: str, strategy: str, tmp: Path, budget_left: float) -> dict:
-    from shardwise.train.launch import spawn
+    from shardwise.train.spawn import spawn
 
     seq, mb, steps, repeats, timeout = MODELS[model]
     case_dir = tmp / f"{model}-{strategy}"

@@ -240,7 +240,7 @@ def main() -> None:
     args = ap.parse_args()
     if "RANK" in os.environ:
         return worker(args)
-    from shardwise.train.launch import spawn
+    from shardwise.train.spawn import spawn
 
     sys.exit(
         spawn([__file__, *sys.argv[1:]], args.nproc, extra_env={"DS_ACCELERATOR": "cpu"}, threads_per_rank=1)

@@ -1,6 +1,6 @@
 """One rank of the parity runs: trains every requested (strategy, grad_accum) in turn.
 
-Run by tests/train/test_parity.py through `shardwise.train.launch.spawn`; rank 0 writes one
+Run by tests/train/test_parity.py through `shardwise.train.spawn.spawn`; rank 0 writes one
 `<strategy>-ga<N>.pt` per run with the loss curve and the consolidated final weights.
 All runs share one process launch (interpreter and import cost paid once).
 """

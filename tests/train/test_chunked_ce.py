@@ -333,8 +333,8 @@ def test_planned_logits_follow_the_implementation() -> None:
 
 
 def test_planned_time_follows_the_implementation() -> None:
-    from shardwise.plan.planner import evaluate
     from shardwise.plan.kernels import ce_chunks, head_gemm_time, loss_bytes_per_token
+    from shardwise.plan.planner import evaluate
     from shardwise.plan.timing import compute_time
     from shardwise.specs import ParallelLayout
 

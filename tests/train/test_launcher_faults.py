@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import ExitCode, ShardwiseError
-from shardwise.train.launch import spawn
+from shardwise.train.spawn import spawn
 from shardwise.train.watchdog import Watchdog, describe_peers, heartbeat_path, proc_state
 
 WORKERS = Path(__file__).parent / "fault_workers"

@@ -238,7 +238,7 @@ def measure_collectives(world: int, quick: bool = False, timeout_s: float = 120,
     """Spawn `world` local ranks and measure; `local_world` below `world` makes them measure as
     if nodes were that many ranks (the intra/inter split, testable on one machine)."""
     from shardwise.errors import ShardwiseError
-    from shardwise.train.launch import spawn
+    from shardwise.train.spawn import spawn
 
     node_groups(world, local_world or world)  # refuse a bad layout before starting anything
     with tempfile.TemporaryDirectory() as tmp:

@@ -54,8 +54,9 @@ def train_cmd(
     (`--resume latest` continues), 1 anything else; a rank killed by a signal: 128 + signal.
     """
     from shardwise.train.config import load_config
-    from shardwise.train.launch import detect_env, spawn
+    from shardwise.train.launch import detect_env
     from shardwise.train.preflight import preflight, resolve_checkpoint
+    from shardwise.train.spawn import spawn
 
     overrides = list(set_ or []) + ([f"checkpointing.resume={resume}"] if resume else [])
     launched = detect_env()

@@ -1,0 +1,303 @@
+"""spawn: `--nproc` local ranks that are never orphaned, interrupted together and reported by name.
+
+A spawned job fails or stops as one: the launcher forwards interrupts to every rank, names the
+rank that failed (its exit code or signal, or that it is stopped), ends the others and never
+leaves a process behind, even when it is itself SIGKILLed. The ranks' side (environment,
+process group, exit) is shardwise.train.launch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from shardwise.errors import ExitCode, ShardwiseError
+from shardwise.train.launch import free_port
+
+# Seconds a surviving rank gets between SIGTERM and SIGKILL once the job has failed. Its
+# peers are gone, so a rank blocked in a collective will not notice SIGTERM: keep it short.
+GRACE_S = 5.0
+# Forwarded to every rank: each saves a checkpoint at its next step boundary and exits 75.
+FORWARDED_SIGNALS = tuple(
+    s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None), getattr(signal, "SIGHUP", None))
+    if s is not None
+)
+# A second one of these means "now": the ranks are killed without a checkpoint.
+_HARD_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1
+
+_EXIT_MEANING = {
+    ExitCode.FAILED: "an unexpected error; its traceback is above",
+    ExitCode.USER_ERROR: "a user error; the message is above",
+    ExitCode.NONFINITE: "NaN/Inf loss or grad norm beyond run.nonfinite_patience",
+    ExitCode.HUNG: "no progress within run.timeout_s; the watchdog's message is above",
+    ExitCode.INTERRUPTED: "interrupted; a checkpoint was saved",
+}
+_SIGNAL_HINT = {
+    "SIGKILL": " (out of host memory? `dmesg` shows the OOM killer)",
+    "SIGSEGV": " (a crash in native code)",
+    "SIGBUS": " (a crash in native code, or /dev/shm is full)",
+    "SIGABRT": " (an abort in native code; its message is above)",
+}
+
+
+def _say(msg: str) -> None:
+    # os.write, not print: this also runs inside signal handlers, where a buffered write
+    # that the handler interrupted would raise "reentrant call".
+    try:
+        os.write(2, f"shardwise: {msg}\n".encode())
+    except OSError:
+        pass
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(rank: int, pid: int, returncode: int) -> str:
+    """'rank 1 (pid 4242) was killed by signal SIGKILL (...)' / 'rank 0 (pid 4241) exited with
+    code 3 (NONFINITE: ...)': Popen's negative return codes are signals."""
+    if returncode < 0:
+        name = _signame(-returncode)
+        return f"rank {rank} (pid {pid}) was killed by signal {name}{_SIGNAL_HINT.get(name, '')}"
+    try:
+        code = ExitCode(returncode)
+        meaning = f" ({code.name}: {_EXIT_MEANING[code]})" if code in _EXIT_MEANING else ""
+    except ValueError:
+        meaning = ""
+    return f"rank {rank} (pid {pid}) exited with code {returncode}{meaning}"
+
+
+def shell_code(returncode: int) -> int:
+    """A Popen return code as a shell reports it: death by signal N is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _pdeathsig() -> Callable[..., int] | None:
+    """libc's prctl, resolved in the launcher: nothing is loaded between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _child_setup(launcher_pid: int) -> Callable[[], None]:
+    """Runs in each rank between fork and exec.
+
+    Its own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly
+    once (a rank that got it twice would take the second as "kill now"), and the rank's
+    whole process tree (data-loader workers, compile workers) can be killed as one group.
+    PR_SET_PDEATHSIG: the kernel SIGKILLs the rank when the launcher dies, even by SIGKILL.
+    If the launcher died before prctl ran, the rank already has a new parent: die now.
+    """
+    prctl = _pdeathsig()
+
+    def setup() -> None:
+        os.setsid()
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != launcher_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return setup
+
+
+def _kill_group(p: subprocess.Popen, sig: int) -> None:
+    """`sig` to the rank's session (itself and whatever it started), or to it alone when the
+    group is already gone."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        if p.returncode is None:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def _is_stopped(pid: int) -> bool:
+    from shardwise.train.watchdog import proc_state
+
+    return proc_state(pid) == "T"
+
+
+def _stop_ranks(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """End every rank still running: SIGCONT first (a stopped process leaves SIGTERM pending
+    forever), SIGTERM, then SIGKILL to its whole process group after `grace_s`."""
+    import time
+
+    live = [(rank, p) for rank, p in enumerate(procs) if p.poll() is None]
+    for rank, p in live:
+        if _is_stopped(p.pid):
+            _say(f"rank {rank} (pid {p.pid}) is stopped (state T): it could not make progress; ending it")
+    for _, p in live:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for _, p in live) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in procs:
+        _kill_group(p, signal.SIGKILL)
+    for _, p in live:
+        p.wait()
+
+
+def spawn(
+    argv: Sequence[str],
+    nproc: int,
+    timeout_s: float | None = None,
+    extra_env: dict | None = None,
+    threads_per_rank: int | None = None,
+    *,
+    run_dir: Path | str | None = None,
+    grace_s: float = GRACE_S,
+) -> int:
+    """Run `python argv...` as `nproc` local ranks (torchrun's env contract); return an exit code.
+
+    No rank outlives the launcher: each has PR_SET_PDEATHSIG, so even a SIGKILLed launcher
+    takes its ranks along. SIGTERM/SIGINT/SIGUSR1/SIGHUP are forwarded to every rank (each
+    saves a checkpoint at its next step boundary and exits 75) and the launcher keeps
+    waiting; a second SIGTERM/SIGINT kills the ranks at once. The handlers are installed only
+    when called on the main thread, and the previous ones come back on return.
+
+    One rank exiting non-zero (other than 75) or dying by a signal fails the job: one line on
+    stderr names it, and the others get SIGCONT, SIGTERM and, after `grace_s`, SIGKILL of their
+    process groups, so a crash never leaves a hung collective or a stray process.
+
+    Returns 0 when all ranks succeed; the first failing rank's code (128 + N for a death by
+    signal N); 75 when the ranks were interrupted and all exited 0 or 75; 128 + N after a
+    second interrupt N; 124 when `timeout_s` (a wall-clock limit on the whole job, unlike
+    run.timeout_s) runs out. `run_dir`, where the ranks' Watchdogs write heartbeats, adds each
+    rank's last known step and phase to a failure message (stale heartbeats are cleared first).
+    """
+    import time
+
+    if nproc < 1:
+        raise ShardwiseError(f"--nproc must be at least 1, got {nproc}")
+    if run_dir is not None:
+        from shardwise.train.watchdog import HEARTBEAT_DIR, describe_peers
+
+        for old in (Path(run_dir) / HEARTBEAT_DIR).glob("rank-*.json"):
+            old.unlink(missing_ok=True)
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    received: list[int] = []
+    escalated: list[int] = []
+    hard = [0]  # SIGTERM/SIGINT delivered so far
+    started = False
+
+    def deliver(signum: int) -> None:
+        name = _signame(signum)
+        live = [p for p in procs if p.returncode is None]
+        hard[0] += signum in _HARD_SIGNALS
+        if signum in _HARD_SIGNALS and hard[0] >= 2:
+            if not escalated:
+                escalated.append(signum)
+                _say(f"second {name}: killing {len(live)} rank(s) now, without a checkpoint")
+            for p in procs:
+                _kill_group(p, signal.SIGKILL)
+            return
+        for p in live:
+            try:
+                p.send_signal(signum)
+            except ProcessLookupError:
+                pass
+        again = f" (send {name} again to kill them now)" if signum in _HARD_SIGNALS else ""
+        _say(f"{name}: forwarded to {len(live)} rank(s); they save a checkpoint at the next step "
+             f"boundary and exit with code {int(ExitCode.INTERRUPTED)}{again}")
+
+    def on_signal(signum: int, frame) -> None:
+        received.append(signum)
+        if started:
+            deliver(signum)
+
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        setup = _child_setup(os.getpid())
+        for rank in range(nproc):
+            env = dict(os.environ)
+            env.update(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(nproc),
+                    "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
+            )
+            if threads_per_rank:
+                env["OMP_NUM_THREADS"] = str(threads_per_rank)
+            env.update(extra_env or {})
+            procs.append(subprocess.Popen([sys.executable, *argv], env=env, preexec_fn=setup))
+        started = True
+        for signum in list(received):  # arrived while the ranks were starting
+            deliver(signum)
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        rcs: list[int | None] = [None] * nproc
+        failed: int | None = None
+        stopped_seen: set[int] = set()
+        next_state_check = time.monotonic() + 1.0
+        while any(rc is None for rc in rcs):
+            for rank, p in enumerate(procs):
+                if rcs[rank] is None and (rc := p.poll()) is not None:
+                    rcs[rank] = rc
+                    if failed is None and not escalated and rc not in (0, ExitCode.INTERRUPTED):
+                        failed = rank
+                        _say(describe_exit(rank, p.pid, rc))
+            if failed is not None:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                waiting = [f"{r} (pid {procs[r].pid})" for r, rc in enumerate(rcs) if rc is None]
+                _say(f"the job ran past its {timeout_s:g} s limit; still running: rank {', '.join(waiting)}")
+                break
+            if time.monotonic() >= next_state_check:
+                next_state_check = time.monotonic() + 1.0
+                for rank, p in enumerate(procs):
+                    if rcs[rank] is None and _is_stopped(p.pid):
+                        if rank not in stopped_seen:
+                            stopped_seen.add(rank)
+                            _say(f"rank {rank} (pid {p.pid}) is stopped (state T); the job cannot progress "
+                                 f"until it continues (kill -CONT {p.pid})")
+                    else:
+                        stopped_seen.discard(rank)
+            time.sleep(0.05)
+
+        if any(rc is None for rc in rcs) or failed is not None:
+            if run_dir is not None:
+                _say(f"last heartbeats: {describe_peers(run_dir, nproc)}")
+            _stop_ranks(procs, grace_s)
+        if escalated:
+            return 128 + escalated[0]
+        if failed is not None:
+            return shell_code(rcs[failed])
+        if any(rc is None for rc in rcs):
+            return 124
+        return int(ExitCode.INTERRUPTED) if ExitCode.INTERRUPTED in rcs else 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        # Whatever path got here (an exception included), nothing may be left running.
+        if any(p.poll() is None for p in procs):
+            for p in procs:
+                _kill_group(p, signal.SIGKILL)
+            for p in procs:
+                p.wait()
