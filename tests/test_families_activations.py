@@ -11,10 +11,10 @@ from shardwise.plan.activations import (
     activation_bytes,
     final_norm_saved,
     layer_saved_per_token,
-    mm_order,
     recompute_bytes,
     selective_saved_per_token,
 )
+from shardwise.plan.selective import mm_order
 from shardwise.specs import ModelSpec, TrainSpec
 
 
@@ -61,7 +61,7 @@ def test_selective_replays_the_other_matmuls() -> None:
     """FLOPs side of the same policy: Llama replays k, o and up; Qwen2 (biased q/k/v run addmm,
     not in the save list) keeps o and up and replays q, k, v, gate and down; Mixtral replays its
     routed experts (grouped_mm) and keeps q, v and the router."""
-    from shardwise.plan.activations import selective_replayed_params
+    from shardwise.plan.selective import selective_replayed_params
 
     m = catalog.get_model("llama-2-7b")
     h, i = m.hidden_size, m.intermediate_size
@@ -140,7 +140,8 @@ def test_gpt_selective_and_activation_variants() -> None:
     Wqkv, out_proj, up_proj, down_proj as mm (Wqkv and up_proj kept); with llm-foundry's biases,
     and GPT-2 always, every linear runs addmm (nothing kept, every matmul replayed). The
     activation's saved tensors follow `GPT_ACT_SAVED` (gelu_new: 5 I-wide tensors)."""
-    from shardwise.plan.activations import GPT_ACT_SAVED, mlp_saved, selective_replayed_params
+    from shardwise.plan.activations import GPT_ACT_SAVED, mlp_saved
+    from shardwise.plan.selective import selective_replayed_params
     from shardwise.specs.families import GPT_ACTIVATIONS
 
     m = _gpt("mpt")

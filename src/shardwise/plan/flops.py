@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardwise.plan.activations import selective_replayed_params
+from shardwise.plan.selective import selective_replayed_params
 from shardwise.specs.model import ModelSpec
 
 
@@ -36,9 +36,9 @@ def _layer_kinds(model: ModelSpec) -> tuple[bool, ...]:
 
 def selective_recompute_params(model: ModelSpec) -> float:
     """Weights per decoder layer, averaged over the layers, whose forward matmul torchtitan's
-    per-op selective checkpointing replays in backward (`activations.selective_replayed_params`
+    per-op selective checkpointing replays in backward (`selective.selective_replayed_params`
     of each layer's kind: every matmul weight but those of the kept mms, the 1st, 3rd, ... of
-    `activations.mm_order`; routed experts as the k a token visits). L times this is the
+    `selective.mm_order`; routed experts as the k a token visits). L times this is the
     model's total; 2 FLOPs per weight per token."""
     kinds = _layer_kinds(model)
     per_kind = {moe: selective_replayed_params(model, moe) for moe in set(kinds)}

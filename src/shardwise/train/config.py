@@ -23,6 +23,7 @@ from pydantic import (
 
 from shardwise.data.config import DataConfig
 from shardwise.errors import ShardwiseError, did_you_mean, user_error
+from shardwise.safe_yaml import check_values, key_lines, line_of, read_yaml
 from shardwise.specs.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
@@ -244,7 +245,7 @@ class TrainConfig(_Section):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# --- loading -------------------------------------------------------------------------------
+# --- loading (the YAML safety rules: shardwise.safe_yaml) -----------------------------------
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:
@@ -267,114 +268,9 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         raise ShardwiseError(f"--set {assignment!r}: value is not valid YAML ({e})") from None
 
 
-# A YAML document is a graph: an alias (*a) points at an anchored node (&a) instead of copying
-# it, so 9 lines of aliases to aliases ("billion laughs") describe 10^9 values. Anything that
-# walks the values (line mapping, pydantic, an error message's repr) expands them. Documents
-# whose values, with every alias expanded, exceed this budget are refused; a real config has
-# a few hundred.
-MAX_YAML_VALUES = 100_000
-
 # What `plan --emit` writes where only the user knows the value (the real model weights, the
 # training files): a string starting with this is refused by `load_config`, naming the field.
 PLACEHOLDER = "<FILL IN"
-
-
-class _Refused(Exception):
-    """The document graph is cyclic or expands past MAX_YAML_VALUES (raised by _expanded_size)."""
-
-    def __init__(self, node: Any, cyclic: bool):
-        self.node, self.cyclic = node, cyclic
-
-
-def _node_children(node: Any) -> list:
-    if isinstance(node, yaml.MappingNode):
-        return [x for kv in node.value for x in kv]
-    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
-
-
-def _value_children(value: Any) -> list:
-    if isinstance(value, dict):
-        return [*value.keys(), *value.values()]
-    return list(value) if isinstance(value, (list, tuple)) else []
-
-
-def _expanded_size(root: Any, children: Any, limit: int = MAX_YAML_VALUES) -> int:
-    """Number of values in the graph under `root` with every shared node counted each time it is
-    referenced, computed once per distinct node (linear, iterative: no re-expansion, no deep
-    recursion). Raises _Refused at the first node past `limit`, or on a cycle (`&a [*a]`)."""
-    size: dict[int, int] = {}
-    active: set[int] = set()  # nodes on the current depth-first path
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        k = id(node)
-        if done:
-            active.discard(k)
-            total = 1 + sum(size[id(c)] for c in children(node))
-            if total > limit:
-                raise _Refused(node, cyclic=False)
-            size[k] = total
-        elif k in active:
-            raise _Refused(node, cyclic=True)
-        elif k not in size:
-            active.add(k)
-            stack.append((node, True))
-            stack.extend((c, False) for c in children(node) if id(c) not in size)
-    return size[id(root)]
-
-
-def _refusal(where: str, e: _Refused) -> ShardwiseError:
-    if e.cyclic:
-        return ShardwiseError(f"{where}: a YAML alias refers to the node that contains it (a cycle); expected a "
-                              "config whose values are written out or aliased without cycles.")
-    return ShardwiseError(f"{where}: the YAML values expand to more than {MAX_YAML_VALUES:,} with their aliases "
-                          "(*name) resolved (an alias bomb?); expected a config with its values written out or "
-                          "a few aliases.")
-
-
-def _read_yaml(path: Path) -> tuple[Any, Any]:
-    """(composed node, constructed value) of the single YAML document in `path`, refusing what
-    would hang or exhaust memory: non-UTF-8 bytes, nesting past the recursion limit, alias
-    bombs and cyclic aliases. Composed once; the values are built from that node."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ShardwiseError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise ShardwiseError(f"{path}: is a directory (expected a YAML config file)") from None
-    except OSError as e:
-        raise ShardwiseError(f"{path}: cannot read the config ({e.strerror})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ShardwiseError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                             "expected a YAML config saved as UTF-8.") from None  # fmt: skip
-    loader = None
-    try:
-        loader = yaml.SafeLoader(text)  # its reader refuses control characters: a YAMLError too
-        node = loader.get_single_node()
-        if node is None:
-            return None, None
-        try:
-            _expanded_size(node, _node_children)
-        except _Refused as e:
-            raise _refusal(f"{path}:{e.node.start_mark.line + 1}", e) from None
-        return node, loader.construct_document(node)
-    except yaml.reader.ReaderError as e:  # a control character: YAML allows printable text only
-        line = text.count("\n", 0, e.position) + 1
-        raise ShardwiseError(f"{path}:{line}: not valid YAML (control character #x{e.character:04x} at offset "
-                             f"{e.position}; expected printable text).") from None  # fmt: skip
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark else ""
-        raise ShardwiseError(f"{path}{at}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    except RecursionError:
-        raise ShardwiseError(f"{path}: YAML nested too deeply to read (expected sections of fields, a few "
-                             "levels deep).") from None  # fmt: skip
-    finally:
-        if loader is not None:
-            loader.dispose()
 
 
 def _placeholders(raw: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
@@ -392,24 +288,6 @@ def _placeholders(raw: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
     return sorted(found, key=lambda f: [str(x) for x in f[0]])
 
 
-def _lines(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
-    """Map every key path of the YAML document to its 1-based line (the document has passed
-    _expanded_size: the walk is bounded; keys that are not scalars have no dotted path)."""
-    out = {} if out is None else out
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            if not isinstance(k, yaml.ScalarNode):
-                continue
-            p = (*path, k.value)
-            out[p] = k.start_mark.line + 1
-            _lines(v, p, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            out[(*path, i)] = v.start_mark.line + 1
-            _lines(v, (*path, i), out)
-    return out
-
-
 def validate(
     raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None
 ) -> TrainConfig:
@@ -422,7 +300,7 @@ def validate(
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read, override and validate a YAML config; every failure is a ShardwiseError."""
     path = Path(path)
-    node, raw = _read_yaml(path)
+    node, raw = read_yaml(path)
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ShardwiseError(f"{path}: expected a mapping of sections at the top, got {type(raw).__name__}")
@@ -432,27 +310,16 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         except RecursionError:  # an override's value is YAML too: as deep as a file can be
             raise ShardwiseError(f"--set {o[:60]!r}...: value nested too deeply to read (expected a scalar "
                                  "or a short list).") from None  # fmt: skip
-    try:  # ... and gets the same alias budget
-        _expanded_size(raw, _value_children)
-    except _Refused as e:
-        raise _refusal(f"{path} (after the --set overrides)", e) from None
-    lines = _lines(node) if node is not None else {}
+    check_values(raw, f"{path} (after the --set overrides)")  # ... and gets the same alias budget
+    lines = key_lines(node) if node is not None else {}
     holes = _placeholders(raw)
     if holes:
         out = []
         for key, value in holes:
             field = ".".join(str(x) for x in key if not isinstance(x, int))
             example = "'[VALUE, ...]'" if isinstance(key[-1], int) else "VALUE"
-            out.append((_line(lines, key), f"{path}:{_line(lines, key)}: field {field!r} = {value!r}: replace it "
+            out.append((line_of(lines, key), f"{path}:{line_of(lines, key)}: field {field!r} = {value!r}: replace it "
                         f"in the file, or pass --set {field}={example}"))  # fmt: skip
         raise ShardwiseError(f"{path}: placeholder values (written by `shardwise plan --emit`) to replace before "
                              "training:\n  " + "\n  ".join(m for _, m in sorted(out)))  # fmt: skip
     return validate(raw, str(path), lines)
-
-
-def _line(lines: dict[tuple, int], key: tuple) -> int:
-    """The line of `key`, or of its nearest enclosing key (0 when none is in the file)."""
-    for n in range(len(key), 0, -1):
-        if key[:n] in lines:
-            return lines[key[:n]]
-    return 0
