@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shardwise import catalog
 from shardwise.plan.evaluate import evaluate
-from shardwise.specs import DeepSpeedKnobs, FSDPKnobs, ModelSpec, Strategy, TrainSpec
+from shardwise.specs import DDPKnobs, DeepSpeedKnobs, FSDPKnobs, ModelSpec, Strategy, TrainSpec
 
 HERE = Path(__file__).parent
 DATA = HERE / "measurements" / "h200-trainer-cases.json"
@@ -48,9 +48,10 @@ def specs(case: dict):
     train = TrainSpec(seq_len=case["seq"], micro_batch=case["micro_batch"], checkpointing=case["activation"],
                       precision=case["precision"], optimizer_impl="fused")
     # measured with DeepSpeed's per-submodule ZeRO-3 hooks, before the layer unit was the default,
-    # and with fully_shard at world size 1, before one-rank shard groups could run as DDP
+    # with fully_shard at world size 1, before one-rank shard groups could run as DDP, and with
+    # DistributedDataParallel around the one DDP replica, before it ran bare
     return model, hw, train, Strategy.from_name(case["strategy"], ds=DeepSpeedKnobs(fetch_unit="module"),
-                                                fsdp=FSDPKnobs(single_rank="fsdp"))
+                                                fsdp=FSDPKnobs(single_rank="fsdp"), ddp=DDPKnobs(wrap_one_rank=True))
 
 
 def compare(case: dict) -> dict:

@@ -232,16 +232,41 @@ def settings():
     return measure_settings(SETTINGS_CASES, timeout_s=420)
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", SETTINGS_CASES)
-def test_running_engine_uses_what_preflight_planned(case, settings):
-    assert case in settings, f"no result for {case}"
-    for rank in settings[case]:
+# One rank: DDP runs the bare module unless told to wrap; FSDP2 runs as that DDP unless pinned
+ONE_RANK_CASES = ["ddp", "ddp:wrap", "fsdp:bf16", "fsdp:bf16:fully_shard"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_settings():
+    from shardwise.bench.settings import measure_settings
+
+    return measure_settings(ONE_RANK_CASES, timeout_s=240, world=1)
+
+
+def _same(case: str, results: dict) -> None:
+    assert case in results, f"no result for {case}"
+    for rank in results[case]:
         assert "error" not in rank, rank
         planned, running = rank["planned"], rank["running"]
         assert planned.keys() == running.keys()
         diff = {k: (planned[k], running[k]) for k in planned if planned[k] != running[k]}
         assert not diff, f"{case}: planned vs running {diff}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", SETTINGS_CASES)
+def test_running_engine_uses_what_preflight_planned(case, settings):
+    _same(case, settings)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ONE_RANK_CASES)
+def test_one_rank_engine_uses_what_preflight_planned(case, one_rank_settings):
+    _same(case, one_rank_settings)
+    running = one_rank_settings[case][0]["running"]
+    want = {"ddp": ("ddp", False), "ddp:wrap": ("ddp", True), "fsdp:bf16": ("ddp", False),
+            "fsdp:bf16:fully_shard": ("fsdp2", None)}[case]
+    assert (running["engine"], running.get("ddp_wrapper")) == want
 
 
 def test_plan_flags_set_the_engine_knobs_and_emit_carries_them(tmp_path):

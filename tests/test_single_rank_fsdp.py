@@ -85,7 +85,8 @@ def test_the_trainer_builds_the_engine_the_plan_chose():
     # the settings check reports DDP's settings for it (what the live engine is compared with)
     from shardwise.bench.settings import planned_settings
 
-    assert planned_settings(run)["engine"] == "ddp" and "bucket_cap_bytes" in planned_settings(run)
+    planned = planned_settings(run)
+    assert planned["engine"] == "ddp" and planned["ddp_wrapper"] is False  # one replica: the bare module
 
 
 def test_yaml_and_plan_flag_take_the_knob(tmp_path):

@@ -3,7 +3,7 @@ bucket sizes, shard group, precision, gradient reduce dtype, resharding, activat
 checkpointing. Set beside the RunSpec the planner saw, any disagreement between "what was
 planned" and "what runs" shows as a differing key (tests/test_run_bridge.py).
 
-`measure_settings(cases)` builds each case's engine on 2 CPU ranks (gloo) through the trainer's
+`measure_settings(cases)` builds each case's engine on 2 CPU ranks (gloo; `world=1` for one) through the trainer's
 path (TrainConfig -> run bridge -> build_model -> build_engine) and returns both views per rank.
 """
 
@@ -50,8 +50,10 @@ def planned_settings(run) -> dict[str, Any]:
                 "reduce_dtype": ("fp32" if s.fsdp.reduce_dtype == "fp32" else t.compute_dtype) if mixed else "fp32",
                 "cpu_offload": s.offload_params or s.offload_optimizer}
     else:
-        out |= {"bucket_cap_bytes": int(s.ddp.bucket_cap_mb * 2**20),
-                "gradient_as_bucket_view": s.ddp.gradient_as_bucket_view}
+        out["ddp_wrapper"] = s.ddp.wrapped(lay.dp_replicate)
+        if out["ddp_wrapper"]:
+            out |= {"bucket_cap_bytes": int(s.ddp.bucket_cap_mb * 2**20),
+                    "gradient_as_bucket_view": s.ddp.gradient_as_bucket_view}
     return out
 
 
@@ -112,17 +114,20 @@ def engine_settings(engine) -> dict[str, Any]:
 
         ddp = engine.ddp
         ctx = autocast(engine.run, engine.env)  # the context forward_backward runs under
-        out |= {"engine": "ddp", "dp_shard": 1, "dp_replicate": ddp.process_group.size(),
+        out |= {"engine": "ddp", "dp_shard": 1,
+                "dp_replicate": ddp.process_group.size() if ddp is not None else engine.env.world_size,
                 "compute_dtype": DTYPE_NAMES[getattr(ctx, "fast_dtype", torch.float32)],
-                "bucket_cap_bytes": ddp.bucket_bytes_cap, "gradient_as_bucket_view": ddp.gradient_as_bucket_view}
+                "ddp_wrapper": ddp is not None}
+        if ddp is not None:
+            out |= {"bucket_cap_bytes": ddp.bucket_bytes_cap, "gradient_as_bucket_view": ddp.gradient_as_bucket_view}
     return out
 
 
-def settings_config(case: str):
+def settings_config(case: str, world: int | None = None):
     """`<strategy>[:bf16][:ckpt][:sg1][:layer][:fully_shard]` -> the TrainConfig of a 2-rank
     settings check (layer: ZeRO-3 fetches whole decoder layers, the CPU default being DeepSpeed's
     per-submodule unit; sg1: fsdp-hybrid with one-rank shard groups, which run as DDP unless
-    fully_shard pins FSDP2's `single_rank: fsdp`)."""
+    fully_shard pins FSDP2's `single_rank: fsdp`; wrap: DDP keeps its wrapper with one replica)."""
     from shardwise.bench.worker import BATCH, BENCH_MODEL, SEQ, WORLD
     from shardwise.train.config import TrainConfig
 
@@ -132,18 +137,17 @@ def settings_config(case: str):
         "data": {"kind": "synthetic", "synthetic": {"seq_len": SEQ}},
         "strategy": {"name": name, "shard_group": 1 if "sg1" in flags else None,
                      "deepspeed": {"fetch_unit": "layer"} if "layer" in flags else {},
-                     "fsdp": {"single_rank": "fsdp"} if "fully_shard" in flags else {}},
+                     "fsdp": {"single_rank": "fsdp"} if "fully_shard" in flags else {},
+                     "ddp": {"wrap_one_rank": True} if "wrap" in flags else {}},
         "precision": "bf16-mixed" if "bf16" in flags else "fp32",
         "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
-        "run": {"micro_batch": BATCH, "device": "cpu", "nproc": WORLD},
+        "run": {"micro_batch": BATCH, "device": "cpu", "nproc": world or WORLD},
         "logging": {"progress": False, "tensorboard": False},
     })
 
 
-def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
-    from shardwise.bench.worker import WORLD
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+def _rank_main(rank: int, cases: list[str], out_dir: str, world: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import warnings
 
     import torch.distributed as dist
@@ -156,13 +160,13 @@ def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.chdir(out_dir)  # preflight creates each case's (relative, default) output_dir: keep it out of the caller's cwd
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for case in cases:
             try:
                 # the trainer's own start-up: preflight (the plan) then the engine on the same run
-                run, _ = preflight(settings_config(case), WORLD, "cpu")
-                engine = build_engine(build_model(run), run, DistEnv(rank=rank, world_size=WORLD, local_rank=rank))
+                run, _ = preflight(settings_config(case, world), world, "cpu")
+                engine = build_engine(build_model(run), run, DistEnv(rank=rank, world_size=world, local_rank=rank))
                 result = {"planned": planned_settings(run), "running": engine_settings(engine)}
                 engine.close()
             except Exception as e:
@@ -174,7 +178,9 @@ def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def measure_settings(cases: list[str], timeout_s: float = 300.0) -> dict[str, list[dict[str, Any]]]:
-    from shardwise.bench.worker import spawn_ranks
+def measure_settings(cases: list[str], timeout_s: float = 300.0, world: int | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Each case's planned and running settings on `world` CPU ranks (default: the bench's 2)."""
+    from shardwise.bench.worker import WORLD, spawn_ranks
 
-    return spawn_ranks(_rank_main, cases, timeout_s)
+    world = world or WORLD
+    return spawn_ranks(_rank_main, cases, timeout_s, world=world, extra=(world,))

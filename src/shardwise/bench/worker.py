@@ -176,10 +176,11 @@ def _rank_main(rank: int, strategies: list[str], out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn_ranks(rank_main, names: list[str], timeout_s: float) -> dict[str, list[dict[str, Any]]]:
-    """Run `rank_main(rank, names, out_dir)` in WORLD spawned CPU processes (gloo, 1 thread
-    each); each rank writes `<name>.rank<r>.json`. Returns {name: per-rank results} for the
-    names every rank finished; kills its own processes on timeout."""
+def spawn_ranks(rank_main, names: list[str], timeout_s: float, world: int = WORLD,
+                extra: tuple = ()) -> dict[str, list[dict[str, Any]]]:
+    """Run `rank_main(rank, names, out_dir, *extra)` in `world` spawned CPU processes (gloo, 1
+    thread each); each rank writes `<name>.rank<r>.json`. Returns {name: per-rank results} for
+    the names every rank finished; kills its own processes on timeout."""
     import torch.multiprocessing as mp
 
     from shardwise.train.launch import free_port
@@ -187,7 +188,7 @@ def spawn_ranks(rank_main, names: list[str], timeout_s: float) -> dict[str, list
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
                       OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(rank_main, args=(names, out_dir), nprocs=WORLD, join=False,
+        ctx = mp.start_processes(rank_main, args=(names, out_dir, *extra), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -200,7 +201,7 @@ def spawn_ranks(rank_main, names: list[str], timeout_s: float) -> dict[str, list
                     p.kill()
         out: dict[str, list[dict[str, Any]]] = {}
         for name in names:
-            files = [Path(out_dir, f"{name}.rank{r}.json") for r in range(WORLD)]
+            files = [Path(out_dir, f"{name}.rank{r}.json") for r in range(world)]
             if all(f.exists() for f in files):
                 out[name] = [json.loads(f.read_text()) for f in files]
         return out

@@ -150,13 +150,15 @@ def _engine(model, train: TrainSpec, s: Strategy, layout, psi, n, per_node) -> t
     # cached weight casts are saved for backward, so `autocast_cache` books them with the
     # activations). With gradient_as_bucket_view the reducer's buckets *are* the grads and stay
     # allocated across steps (zero_grad only drops the views: census after_step, 1.00 P);
-    # without it the buckets are one more resident copy and the grads come and go.
+    # without it the buckets are one more resident copy and the grads come and go. One replica
+    # runs unwrapped (DDPKnobs.wrap_one_rank): no buckets, the grads come and go.
     w = 2 if train.precision == "bf16-pure" else 4
-    view = s.ddp.gradient_as_bucket_view
+    wrapped = s.ddp.wrapped(layout.dp_replicate)
+    view = wrapped and s.ddp.gradient_as_bucket_view
     return MemoryBreakdown(
         params=w * psi, grads=w * psi, optimizer_states=os_ * psi,
         step_buffers=optimizer_temp(train, psi, model.largest_module / layout.tp),
-        engine_buffers=0 if view else w * psi, grads_persist=view or train.grad_accum > 1,
+        engine_buffers=w * psi if wrapped and not view else 0, grads_persist=view or train.grad_accum > 1,
     ), HostBreakdown()
 
 

@@ -86,10 +86,11 @@ def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Paralle
             host = HostBreakdown(params=mem.params, grads=mem.grads, optimizer_states=mem.optimizer_states)
             mem = replace(mem, params=0.0, grads=0.0, optimizer_states=0.0, step_buffers=0.0)
         return mem, host
-    view = s.ddp.gradient_as_bucket_view  # DDP: buckets hold the adapters' grads only
+    wrapped = s.ddp.wrapped(layout.dp_replicate)  # one replica: no DDP wrapper, no buckets
+    view = wrapped and s.ddp.gradient_as_bucket_view  # DDP: buckets hold the adapters' grads only
     return MemoryBreakdown(
         params=base + 4 * a, grads=4 * a, optimizer_states=os_ * a, step_buffers=temp,
-        engine_buffers=0 if view else 4 * a, grads_persist=view or train.grad_accum > 1,
+        engine_buffers=4 * a if wrapped and not view else 0, grads_persist=view or train.grad_accum > 1,
     ), host
 
 

@@ -152,7 +152,7 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     autocast = train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
     passes = 2 if train.checkpointing == "full" else 1
     cast = k * psi * (passes * (4 + c) + (c + 8)) if autocast else 0.0
-    bucket = 0.0 if s.ddp.gradient_as_bucket_view else 2 * 4 * psi
+    bucket = 0.0 if s.ddp.gradient_as_bucket_view or not s.ddp.wrapped(layout.dp_replicate) else 2 * 4 * psi
     return cast + bucket
 
 

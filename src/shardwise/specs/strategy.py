@@ -160,6 +160,16 @@ class DDPKnobs(Spec):
 
     bucket_cap_mb: float = Field(25.0, gt=0, description="all-reduce bucket size (MiB; torch's default 25)")
     gradient_as_bucket_view: bool = Field(True, description="grads alias the buckets (no second copy)")
+    # One replica has nothing to all-reduce, but DistributedDataParallel still hooks every
+    # parameter and keeps its gradient buckets allocated across steps. shardwise runs the bare
+    # module there, as torchtitan (no replicate dim) and torchtune's single-device recipes do:
+    # the grads then exist only from backward to the step. True keeps torch's wrapper (the
+    # H200 measurements of 2026-11-30 ran with it).
+    wrap_one_rank: bool = Field(False, description="wrap in DistributedDataParallel even with one replica")
+
+    def wrapped(self, replicas: int) -> bool:
+        """Whether the model runs inside DistributedDataParallel with `replicas` data-parallel ranks."""
+        return replicas > 1 or self.wrap_one_rank
 
 
 class StrategyKnobs(Spec):

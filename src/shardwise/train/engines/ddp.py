@@ -1,4 +1,5 @@
-"""DDP: full replicas, gradients all-reduced (averaged) in buckets during backward."""
+"""DDP: full replicas, gradients all-reduced (averaged) in buckets during backward; one replica
+runs the bare module (DDPKnobs.wrap_one_rank)."""
 
 from __future__ import annotations
 
@@ -18,26 +19,31 @@ class DDPEngine(TorchOptimizerEngine):
     def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv):
         self.run, self.env = run, env
         self.module = model.to(env.torch_device)
-        knobs = run.strategy.ddp
+        knobs = run.engine_strategy.ddp
         # The default process group: the trainer's layouts are pure data parallelism, every rank
-        # a replica (run.layout.dp_replicate == world size).
+        # a replica (run.layout.dp_replicate == world size). One replica has nothing to reduce:
+        # the bare module, unless DDPKnobs.wrap_one_rank (the planner books the difference:
+        # wrapped, the buckets stay allocated across steps).
         # gradient_as_bucket_view: grads alias the reduce buckets (no second gradient copy).
-        self.ddp = DistributedDataParallel(
-            self.module,
-            device_ids=[env.local_rank] if env.device == "cuda" else None,
-            bucket_cap_mb=knobs.bucket_cap_mb,
-            gradient_as_bucket_view=knobs.gradient_as_bucket_view,
-        )
+        self.ddp: DistributedDataParallel | None = None
+        if knobs.wrapped(env.world_size):
+            self.ddp = DistributedDataParallel(
+                self.module,
+                device_ids=[env.local_rank] if env.device == "cuda" else None,
+                bucket_cap_mb=knobs.bucket_cap_mb,
+                gradient_as_bucket_view=knobs.gradient_as_bucket_view,
+            )
         self.optimizer = build_adamw(run, self.module, env)
         self.scaler = grad_scaler(run, env)
         self._sync = True
 
     def sync_grads(self, enabled: bool):
         # DDP's own no_sync: skip the all-reduce on all but the last micro-batch.
-        return contextlib.nullcontext() if enabled else self.ddp.no_sync()
+        return contextlib.nullcontext() if enabled or self.ddp is None else self.ddp.no_sync()
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
-        loss_sum = forward_loss_sum(self.ddp, self.module, batch, self.env.torch_device, self.run.train,
+        model = self.ddp if self.ddp is not None else self.module
+        loss_sum = forward_loss_sum(model, self.module, batch, self.env.torch_device, self.run.train,
                                     amp=autocast(self.run, self.env))
         loss = loss_sum * loss_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -49,4 +55,4 @@ class DDPEngine(TorchOptimizerEngine):
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
     def close(self) -> None:
-        del self.ddp
+        self.ddp = None
