@@ -128,3 +128,26 @@ def test_emit_says_what_shardwise_train_runs(tmp_path):
         text = (out / "README.md").read_text()
         assert ("`shardwise train` runs this as ddp" in text) is says
         assert ("FSDP2 wraps each `Qwen2DecoderLayer`" in text) is not says
+
+
+def test_one_replica_ddp_keeps_no_buckets_unless_told():
+    """With one replica the DDP engine runs the bare module: the gradients come and go; wrapped,
+    gradient_as_bucket_view keeps them (the buckets) allocated through the next forward."""
+    from typer.testing import CliRunner
+
+    from shardwise.cli import app
+
+    def mem(*flags):
+        r = CliRunner().invoke(app, ["plan", "--json", "--model", "qwen2.5-0.5b", "--gpu", "h200", "--gpus", "1",
+                                     "--seq-len", "2048", "--micro-batch", "4", "-s", "ddp", *flags])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)["strategies"][0]["memory"]
+
+    bare, wrapped = mem(), mem("--ddp-wrap-one-rank")
+    assert wrapped["total"] > bare["total"]  # the buckets (the grads) live through forward
+    assert not plan_memory(Q05, H200, Q05_TRAIN, Strategy.from_name("ddp")).gpu.grads_persist
+    assert plan_memory(Q05, H200, Q05_TRAIN, Strategy.from_name("ddp", ddp={"wrap_one_rank": True})).gpu.grads_persist
+    # with two replicas DDP is wrapped whatever the knob
+    eight = build_hardware(gpu="h200", gpus=8)
+    two = plan_memory(Q05, eight, Q05_TRAIN, Strategy.from_name("ddp"))
+    assert two.gpu.grads_persist

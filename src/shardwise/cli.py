@@ -87,6 +87,9 @@ def plan(
     fsdp_single_rank: str | None = typer.Option(None, "--fsdp-single-rank", help="FSDP2 with a one-rank shard group "
                                                 "(one GPU) runs as: auto (ddp where it fits and is no slower) | ddp | fsdp."),
     ddp_bucket_mb: float | None = typer.Option(None, "--ddp-bucket-mb", help="DDP bucket_cap_mb (default 25)."),
+    ddp_wrap_one_rank: bool | None = typer.Option(None, "--ddp-wrap-one-rank/--no-ddp-wrap-one-rank",
+                                                  help="DDP with one replica: keep DistributedDataParallel "
+                                                  "(default: the bare module, no gradient buckets)."),
     shard_group: int | None = typer.Option(None, "--shard-group", help="fsdp-hybrid: GPUs per shard group (default: a node)."),
 ) -> None:
     """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
@@ -116,7 +119,7 @@ def plan(
                 "max_live_parameters": ds_max_live, "max_reuse_distance": ds_max_reuse,
                 "overlap_comm": ds_overlap_comm, "use_multi_rank_bucket_allreduce": ds_multi_rank_allreduce,
                 "communication_data_type": ds_comm_dtype, "fetch_unit": ds_fetch_unit},
-            fsdp={"reduce_dtype": fsdp_reduce_dtype, "single_rank": fsdp_single_rank}, ddp={"bucket_cap_mb": ddp_bucket_mb}, shard_group=shard_group)
+            fsdp={"reduce_dtype": fsdp_reduce_dtype, "single_rank": fsdp_single_rank}, ddp={"bucket_cap_mb": ddp_bucket_mb, "wrap_one_rank": ddp_wrap_one_rank}, shard_group=shard_group)
         evals, skipped = plan_layouts(m, hw, train, strategy, tp=1 if tp is None else tp,
                                       pp=1 if pp is None else pp, accounting=accounting, margin=margin, knobs=knobs)
         # -s, --tp and --pp restrict the recommender as they restrict the table
