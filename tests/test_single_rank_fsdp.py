@@ -143,10 +143,13 @@ def test_one_replica_ddp_keeps_no_buckets_unless_told():
         assert r.exit_code == 0, r.output
         return json.loads(r.output)["strategies"][0]["memory"]
 
-    bare, wrapped = mem(), mem("--ddp-wrap-one-rank")
-    assert wrapped["total"] > bare["total"]  # the buckets (the grads) live through forward
-    assert not plan_memory(Q05, H200, Q05_TRAIN, Strategy.from_name("ddp")).gpu.grads_persist
-    assert plan_memory(Q05, H200, Q05_TRAIN, Strategy.from_name("ddp", ddp={"wrap_one_rank": True})).gpu.grads_persist
+    bare = plan_memory(Q05, H200, Q05_TRAIN, Strategy.from_name("ddp")).gpu
+    wrapped = plan_memory(Q05, H200, Q05_TRAIN, Strategy.from_name("ddp", ddp={"wrap_one_rank": True})).gpu
+    assert not bare.grads_persist and wrapped.grads_persist
+    # the buckets (the grads) live through forward: 4 bytes per parameter more there
+    assert wrapped.phases["forward"] - bare.phases["forward"] == pytest.approx(4 * Q05.params)
+    # the flag reaches the plan: the allocator's peak carries those bytes
+    assert mem("--ddp-wrap-one-rank")["allocated"] - mem()["allocated"] == pytest.approx(4 * Q05.params)
     # with two replicas DDP is wrapped whatever the knob
     eight = build_hardware(gpu="h200", gpus=8)
     two = plan_memory(Q05, eight, Q05_TRAIN, Strategy.from_name("ddp"))
