@@ -145,9 +145,9 @@ class FSDPKnobs(Spec):
     # `_fsdp_param_group.wait_for_unshard`, `foreach_reduce`), and pays its hooks per layer.
     # "ddp": run such a group as DDP does (fp32 module under autocast, gradients all-reduced
     # over the replicas), as torchtitan does with dp_shard 1; one H200, qwen2.5-0.5b: 53.9k
-    # tokens/s under DDP vs 45.3k under FSDP2, +4.5 GB. "fsdp": fully_shard anyway (its
-    # resharding frees the bf16 weights between forward and backward). "auto": ddp where that
-    # plan fits, else fsdp (docs/reference.md "One-rank shard groups").
+    # tokens/s under (wrapped) DDP vs 45.3k under FSDP2, +4.5 GB. "fsdp": fully_shard anyway
+    # (its resharding frees the bf16 weights between forward and backward). "auto": ddp where
+    # that plan fits and is planned no slower, else fsdp (docs/reference.md "One-rank shard groups").
     single_rank: Literal["auto", "ddp", "fsdp"] = Field(
         "auto", description="a one-rank shard group runs as: ddp (no fully_shard), fsdp, or auto (ddp where it fits)")
 
@@ -261,7 +261,7 @@ class Strategy(Spec):
     def single_rank_ddp(self, world_size: int, gpus_per_node: int) -> Strategy | None:
         """The DDP strategy this FSDP2 strategy may run as: its data-parallel shard group is
         one rank, nothing is offloaded, no TP/PP, and `fsdp.single_rank` is not "fsdp" (whether
-        "auto" takes it is the memory plan's call: plan.memory.plan_memory). Else None."""
+        "auto" takes it is the plan's call: plan.evaluate.single_rank_runs_as). Else None."""
         if self.engine != "fsdp2" or self.fsdp.single_rank == "fsdp" or self.offload_params or self.tp * self.pp > 1:
             return None
         if ParallelLayout.for_strategy(self, world_size, gpus_per_node).dp_shard != 1:

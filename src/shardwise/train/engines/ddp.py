@@ -35,7 +35,6 @@ class DDPEngine(TorchOptimizerEngine):
             )
         self.optimizer = build_adamw(run, self.module, env)
         self.scaler = grad_scaler(run, env)
-        self._sync = True
 
     def sync_grads(self, enabled: bool):
         # DDP's own no_sync: skip the all-reduce on all but the last micro-batch.
