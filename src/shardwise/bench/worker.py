@@ -176,6 +176,14 @@ def _rank_main(rank: int, strategies: list[str], out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _rank_then_exit(rank: int, rank_main, *args) -> None:
+    """A spawned rank: `rank_main(rank, *args)`, then the end without interpreter shutdown that
+    gloo needs (shardwise.train.launch.run_rank_script; exit 0, or 1 after a traceback)."""
+    from shardwise.train.launch import run_rank_script
+
+    run_rank_script(lambda: rank_main(rank, *args))
+
+
 def spawn_ranks(rank_main, names: list[str], timeout_s: float, world: int = WORLD,
                 extra: tuple = ()) -> dict[str, list[dict[str, Any]]]:
     """Run `rank_main(rank, names, out_dir, *extra)` in `world` spawned CPU processes (gloo, 1
@@ -188,7 +196,7 @@ def spawn_ranks(rank_main, names: list[str], timeout_s: float, world: int = WORL
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
                       OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(rank_main, args=(names, out_dir, *extra), nprocs=world, join=False,
+        ctx = mp.start_processes(_rank_then_exit, args=(rank_main, names, out_dir, *extra), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
