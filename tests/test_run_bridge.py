@@ -221,7 +221,7 @@ def test_plan_is_the_pure_cost_model():
 
 
 # ---------------------------------------------------------------- plan vs running engine (2 ranks)
-SETTINGS_CASES = ["ddp", "ddp:bf16:ckpt", "zero0:bf16", "zero1", "zero2:bf16", "zero3", "zero3:bf16:ckpt", "zero3:layer",
+SETTINGS_CASES = ["ddp", "ddp:bf16:ckpt", "zero0:bf16", "zero1", "zero2:bf16", "zero3", "zero3:bf16:ckpt", "zero3:module",
                   "fsdp", "fsdp:bf16:ckpt", "fsdp-grad-op:bf16", "fsdp-hybrid:sg1:bf16", "fsdp-hybrid:sg1:bf16:fully_shard"]
 
 

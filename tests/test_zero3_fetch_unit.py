@@ -117,13 +117,13 @@ def test_plan_flag_sets_the_unit_and_emit_carries_it(tmp_path):
     assert r.exit_code != 0 and "fetch_unit" in r.output
 
 
-def test_unset_the_unit_is_planned_on_gpus_and_deepspeeds_on_cpu():
-    """On CPU (gloo) the trainer keeps per-submodule hooks unless asked (shardwise.run.trainer_knobs)."""
+def test_unset_the_unit_is_planned_on_every_device():
+    """GPU and CPU take the planned unit (shardwise.run.trainer_knobs); `module` restores DeepSpeed's."""
     gpu, cpu = _run("qwen2.5-0.5b"), _run("qwen2.5-0.5b", device="cpu", nproc=2)
     assert "leaf_module" in deepspeed_config(gpu)["zero_optimization"]
-    assert "leaf_module" not in deepspeed_config(cpu)["zero_optimization"]
-    asked = _run("qwen2.5-0.5b", ds={"fetch_unit": "layer"}, device="cpu", nproc=2)
-    assert "leaf_module" in deepspeed_config(asked)["zero_optimization"]
+    assert "leaf_module" in deepspeed_config(cpu)["zero_optimization"]
+    asked = _run("qwen2.5-0.5b", ds={"fetch_unit": "module"}, device="cpu", nproc=2)
+    assert "leaf_module" not in deepspeed_config(asked)["zero_optimization"]
 
 
 def _train_losses(tmp_path, name: str, unit: str, lora: bool) -> list[float]:

@@ -38,17 +38,14 @@ def trainer_knobs(device: str) -> tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs]:
 
     DeepSpeed reduces gradients in fp32 (its default is the param dtype): parity with FSDP2's
     reduce_dtype=fp32 and DDP's fp32 grads; the planner counts the 4 bytes it costs.
-    On CPU ZeRO-3 keeps DeepSpeed's per-submodule fetch unit. Under a loaded 2-core test suite
-    (`pytest -n 2`) gloo ranks sometimes abort at exit ("terminate called without an active
-    exception": a core dump shows gloo's worker thread destroying a finished all-gather's work
-    while Python shuts down). It happened with both units, more often with whole layers (3 of 4
-    suites vs 1 of 2), so CPU runs keep the unit CI has always run; GPUs (NCCL) take the
-    planned unit (docs/training.md).
+    ZeRO-3's fetch unit is the planned one on every device. (CPU runs kept DeepSpeed's
+    per-submodule unit while gloo ranks could abort in the interpreter's shutdown, more often
+    with whole layers; every rank now ends through `os._exit`: shardwise.train.launch.)
     """
     ds: dict[str, Any] = {"communication_data_type": "fp32"}
     if device == "cpu":
         ds |= {"reduce_bucket_size": CPU_BUCKET_ELEMENTS, "allgather_bucket_size": CPU_BUCKET_ELEMENTS,
-               "prefetch_bucket_size": CPU_BUCKET_ELEMENTS, "fetch_unit": "module"}
+               "prefetch_bucket_size": CPU_BUCKET_ELEMENTS}
     return DeepSpeedKnobs(**ds), FSDPKnobs(), DDPKnobs()
 
 
