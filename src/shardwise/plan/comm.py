@@ -165,13 +165,14 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     reduce = s.fsdp.reduce_bytes(c) if (mixed or lora) else (2 if train.precision == "bf16-pure" else 4)
     layers = stage_layer_params(model, layout.pp) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
-    regathered = layers * fsdp_regather_share(model, s, layout)
+    share = fsdp_regather_share(model, s, layout)
+    regathered = layers * share
     ag_bwd = p * regathered * k
     # shardwise's trainer reduce-scatters once per step; torch's default (sync left on) every micro-batch
     reductions = k if s.fsdp.reduce_every_micro_batch else 1
     rs = reduce * trained * reductions
     units = model.num_layers // layout.pp + 1
-    calls = k * (units + round((units - 1) * fsdp_regather_share(model, s, layout))) + units * reductions
+    calls = k * (units + round((units - 1) * share)) + units * reductions
     w = c if lora else 4  # bytes of a stored parameter shard (LoRA: the frozen base in the compute dtype)
     pcie = (w * (psi + regathered) / n * k + 4 * trained / n) if s.offload_params else 0.0
     if s.fsdp_sharding == "hybrid":

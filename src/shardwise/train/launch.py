@@ -73,10 +73,12 @@ def run_rank_script(main: Callable[[], int | None], *, only_if_joined: bool = Fa
 
     try:
         code = main() or 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
+    except SystemExit as e:  # as the interpreter reads it: None is 0, a message is printed and is 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
