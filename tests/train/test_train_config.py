@@ -97,8 +97,9 @@ def test_remote_code_refused_unless_asked(tmp_path):
         preflight(cfg, world_size=1, device="cpu")
 
 
-def test_memory_check_refuses_with_numbers_and_nearest_fit(tmp_path, monkeypatch):
+def test_memory_check_refuses_with_numbers_and_nearest_fit(tmp_path, monkeypatch, disk_free):
     monkeypatch.chdir(tmp_path)  # the passing preflights create the default output_dir (runs/shardwise)
+    disk_free(1 << 50)  # their 7B checkpoint needs ~75 GiB; the space check has its own tests (test_outputs.py)
     cfg = TrainConfig.model_validate(
         {
             "model": {"name": "llama-2-7b"},
@@ -116,12 +117,12 @@ def test_memory_check_refuses_with_numbers_and_nearest_fit(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_shipped_examples_validate(path, monkeypatch, tmp_path):
+def test_shipped_examples_validate(path, monkeypatch, tmp_path, disk_free):
     monkeypatch.chdir(tmp_path)  # preflight builds the data cache under the example's relative output_dir
     # a GPU example is planned for its GPUs; this machine has none (preflight would say so)
     monkeypatch.setattr("shardwise.train.preflight.cuda_device_count", lambda: 8)
-    # nor the disk for an 8B checkpoint (96 GB): the output-dir check has its own tests
-    monkeypatch.setattr("shardwise.train.preflight.check_output_space", lambda run: None)
+    # nor the disk for an 8B checkpoint (~96 GB; faked: tests/conftest.py): the space check has its own tests
+    disk_free(1 << 50)
     cfg = load_config(path)
     _, check = preflight(
         cfg,
