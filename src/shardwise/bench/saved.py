@@ -279,7 +279,7 @@ def build_model(shape: str, layers: int, precision: str, attention: str, checkpo
     cfg._attn_implementation = attention
     cfg.use_cache = False  # as the trainer runs (train/model.py): no KV cache holding k/v copies
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)  # a built-in shape: no code to run
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if checkpointing == "full":

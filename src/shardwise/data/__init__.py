@@ -29,8 +29,8 @@ _LAZY = {
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "TOKENIZER_FILES", "DataConfig", "DataStats", "ResumableDistributedSampler",
            "SFTCollator", "SFTDataset", "build_dataset", "count_target_tokens", "default_tokenizer_path",
-           "ensure_cache", "find_cache", "load_data_config", "load_dataset", "load_tokenizer", "sample_data_path",
-           "tokenizer_files"]
+           "check_remote_code", "ensure_cache", "find_cache", "load_data_config", "load_dataset", "load_tokenizer",
+           "sample_data_path", "tokenizer_files"]
 
 # The files a Hugging Face tokenizer is saved as (save_pretrained, and the legacy slow formats).
 # A model directory also holds config.json and weights: only these names are the tokenizer.
@@ -61,8 +61,50 @@ def tokenizer_files(path: str | Path) -> list[Path]:
     return sorted(files)
 
 
-def load_tokenizer(path: str | Path | None = None) -> Any:
-    """A fast HF tokenizer from a local dir (default: the bundled one); never touches the hub."""
+# The files of a tokenizer directory whose `auto_map` makes AutoTokenizer import Python code from
+# that directory: tokenizer_config.json names the tokenizer class, and config.json is read when it
+# does not (its AutoConfig / AutoTokenizer entries).
+REMOTE_CODE_FILES = ("tokenizer_config.json", "config.json")
+OPT_IN = "set model.trust_remote_code: true (--set model.trust_remote_code=true)"
+
+
+def check_remote_code(path: str | Path, trust_remote_code: bool = False, *, where: str = "tokenizer",
+                      opt_in: str = OPT_IN) -> None:  # fmt: skip
+    """Refuse a tokenizer directory that ships its own code (an `auto_map` in one of
+    REMOTE_CODE_FILES) unless the user opted in: the error names the file, the `auto_map` and
+    the opt-in. transformers would otherwise ask on stdin (a piped `y` ran the code); with the
+    explicit `trust_remote_code` it never asks."""
+    import json
+
+    from shardwise.errors import ShardwiseError
+
+    if trust_remote_code:
+        return
+    for name in REMOTE_CODE_FILES:
+        f = Path(path) / name
+        if not f.is_file():
+            continue
+        try:
+            doc = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ShardwiseError(f"{where}: {f}: cannot be read as JSON ({exc}); expected the tokenizer's "
+                                 f"{name}.") from None  # fmt: skip
+        auto_map = doc.get("auto_map") if isinstance(doc, dict) else None
+        if auto_map:
+            shown = json.dumps(auto_map)
+            shown = shown if len(shown) <= 200 else shown[:200] + "..."
+            raise ShardwiseError(
+                f"{where}: {f}: field 'auto_map' is {shown}: the tokenizer ships its own Python code, which "
+                f"shardwise does not run by default; {opt_in} only if you trust that code.")
+
+
+def load_tokenizer(path: str | Path | None = None, trust_remote_code: bool = False, *,
+                   opt_in: str = OPT_IN) -> Any:  # fmt: skip
+    """A fast HF tokenizer from a local dir (default: the bundled one); never touches the hub.
+
+    `trust_remote_code` (the config's `model.trust_remote_code`) is passed to transformers
+    explicitly, so it never prompts on stdin; without it a directory with an `auto_map` is
+    refused first (`check_remote_code`, whose message names `opt_in`)."""
     from transformers import AutoTokenizer
 
     from shardwise.errors import ShardwiseError
@@ -70,8 +112,9 @@ def load_tokenizer(path: str | Path | None = None) -> Any:
     path = Path(path) if path is not None else default_tokenizer_path()
     if not path.exists():
         raise ShardwiseError(f"tokenizer: path {str(path)!r} not found (expected a local tokenizer directory).")
+    check_remote_code(path, trust_remote_code, opt_in=opt_in)
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ShardwiseError(f"tokenizer: cannot load {str(path)!r}: {exc}") from exc
     if not getattr(tok, "is_fast", False):

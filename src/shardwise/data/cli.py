@@ -31,6 +31,9 @@ def inspect_cmd(
     field: Annotated[Optional[list[str]], typer.Option(help="Rename: canonical=column, repeatable.")] = None,  # noqa: UP045
     sample: Annotated[int, typer.Option(help="Index of the sample to render.")] = 0,
     plain: Annotated[bool, typer.Option(help="Mark learned tokens with ⟦ ⟧ instead of colour.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(
+        help="Run Python code the tokenizer directory ships (auto_map), as model.trust_remote_code does "
+             "for training. Off: such a tokenizer is refused.")] = False,
 ) -> None:
     """Statistics (samples, tokens, targets, lengths, truncation, packing) and one rendered sample."""
     console = Console(no_color=plain, highlight=False, soft_wrap=True)
@@ -50,7 +53,8 @@ def inspect_cmd(
             {"train_files": [str(f) for f in file], "format": format, "max_length": max_length,
              "truncation": truncation, "train_on_prompt": train_on_prompt, "packing": packing,
              "on_error": on_error, "fields": fields}, source="shardwise data inspect")  # fmt: skip
-        tok = load_tokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code,
+                             opt_in="pass --trust-remote-code (model.trust_remote_code: true in a train config)")
         ds = build_dataset(cfg, tok)
         console.print(report(ds, tok, sample=sample, plain=plain))
     except ShardwiseError as exc:

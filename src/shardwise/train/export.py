@@ -30,9 +30,7 @@ def export_hf(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> 
     # Tied weights appear under two names and safetensors refuses shared storage: keep one
     # name, as transformers' own save_pretrained does (the tie is restored on load).
     tensors = {k: v.contiguous().clone() for k, v in weights.items() if not (tied and k == "lm_head.weight")}
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if bad:
-        raise ValueError(f"refusing to export non-finite weights ({len(bad)} tensors, e.g. {bad[0]})")
+    refuse_nonfinite(tensors, out)
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -60,6 +58,17 @@ def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False) -> Path
     return export_hf(cfg, weights, out)
 
 
+def refuse_nonfinite(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """No export holds NaN/Inf weights (NonFiniteError: exit 3, nothing written)."""
+    from shardwise.errors import NonFiniteError
+    from shardwise.train.checkpoint import nonfinite_tensors
+
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise NonFiniteError(f"{out}: refusing to export non-finite weights ({len(bad)} of {len(tensors)} "
+                             f"tensors, e.g. {bad[0]}); nothing was written")
+
+
 def is_adapter_weight(name: str) -> bool:
     """What a LoRA run trains: PEFT's adapter matrices and `modules_to_save` copies."""
     return ".lora_" in name or ".modules_to_save." in name
@@ -85,6 +94,7 @@ def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, 
     gives the merged weights, written as a Hugging Face model directory."""
     from shardwise.train.outputs import atomic_dir
 
+    refuse_nonfinite(adapters, out)
     pm = _peft_with(cfg, adapters)
     if merged:
         weights = {k: v.detach() for k, v in pm.merge_and_unload().state_dict().items()}
@@ -130,6 +140,8 @@ def _hf_config(cfg: TrainConfig) -> dict:
     from shardwise.run import model_spec
 
     spec = model_spec(cfg)
+    # for_model instantiates a built-in config class (CONFIG_MAPPING): it loads no code and takes no
+    # trust_remote_code (a keyword would be stored as a field of the exported config.json).
     return AutoConfig.for_model(**spec.to_hf_dict()).to_dict() | {"torch_dtype": "float32"}
 
 

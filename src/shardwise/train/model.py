@@ -41,11 +41,20 @@ def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
         )
     import json
 
-    auto_map = json.loads((p / "config.json").read_text()).get("auto_map")
+    config = p / "config.json"
+    try:
+        doc = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ShardwiseError(f"{source}: model.path {cfg.path!r}: {config} cannot be read as JSON ({exc}); "
+                             "expected the model's config.json") from None  # fmt: skip
+    auto_map = doc.get("auto_map") if isinstance(doc, dict) else None
     if auto_map and not cfg.trust_remote_code:
+        shown = json.dumps(auto_map)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
         raise ShardwiseError(
-            f"{source}: model.path {cfg.path!r} ships its own code (config.json auto_map); "
-            "set model.trust_remote_code: true only if you trust it"
+            f"{source}: model.path {cfg.path!r}: {config}: field 'auto_map' is {shown}: the model ships its own "
+            "Python code, which shardwise does not run by default; set model.trust_remote_code: true "
+            "(--set model.trust_remote_code=true) only if you trust that code"
         )
 
 

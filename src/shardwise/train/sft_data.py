@@ -32,10 +32,12 @@ def resolved_tokenizer_path(cfg: TrainConfig) -> str:
     the model directory's own tokenizer; else (a catalog model, random init) the bundled one.
 
     A model directory without tokenizer files is refused rather than paired with the bundled
-    toy tokenizer: its ids would mean nothing to the pretrained embeddings. The export calls
-    this too, so the exported directory carries the tokenizer the model trained with.
+    toy tokenizer: its ids would mean nothing to the pretrained embeddings. A tokenizer that
+    ships its own code (`auto_map`) is refused unless `model.trust_remote_code` is set, here,
+    before any rank starts. The export calls this too, so the exported directory carries the
+    tokenizer the model trained with.
     """
-    from shardwise.data import TOKENIZER_FILES, default_tokenizer_path, tokenizer_files
+    from shardwise.data import TOKENIZER_FILES, check_remote_code, default_tokenizer_path, tokenizer_files
 
     expected = ", ".join(TOKENIZER_FILES[:3])
     if cfg.data.tokenizer is not None:
@@ -46,10 +48,12 @@ def resolved_tokenizer_path(cfg: TrainConfig) -> str:
         if not tokenizer_files(p):
             raise ShardwiseError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer!r} has no tokenizer files "
                                  f"(expected {expected}, ...).")  # fmt: skip
+        check_remote_code(p, cfg.model.trust_remote_code, where=f"{cfg.source}: data.tokenizer")
         return str(p)
     if cfg.model.path is not None:
         p = Path(cfg.model.path).expanduser()
         if tokenizer_files(p):
+            check_remote_code(p, cfg.model.trust_remote_code, where=f"{cfg.source}: model.path's tokenizer")
             return str(p)
         raise ShardwiseError(
             f"{cfg.source}: model.path {cfg.model.path!r} has no tokenizer files (expected {expected}, ...) and "
@@ -83,7 +87,7 @@ def prepare_sft(run: RunSpec) -> Path:
 
     cfg = run.config
     tok_dir = resolved_tokenizer_path(cfg)
-    tok = load_tokenizer(tok_dir)
+    tok = load_tokenizer(tok_dir, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(cfg, tok, run.model.vocab_size, tok_dir)  # config.json's or the catalog's
     return ensure_cache(data_config(cfg), tok, tok_dir, data_cache_dir(cfg), split="train")
 
@@ -104,7 +108,7 @@ def build_sft(run: RunSpec, env: DistEnv) -> tuple[Any, Any, Any]:
 
     cfg = run.config
     tok_dir = resolved_tokenizer_path(cfg)
-    tok = load_tokenizer(tok_dir)
+    tok = load_tokenizer(tok_dir, trust_remote_code=cfg.model.trust_remote_code)
     dc = data_config(cfg)
     cached = find_cache(dc, tok_dir, data_cache_dir(cfg), split="train")
     ds = load_dataset(cached) if cached is not None else build_dataset(dc, tok, split="train")
