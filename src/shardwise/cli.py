@@ -317,16 +317,64 @@ def explain(
         sys.stdout.write(text + "\n")
 
 
+# The extra of pyproject.toml that installs each third-party package the lazily mounted verbs
+# import (the core install, `pip install shardwise`, is the planner: plan and explain).
+EXTRA_OF = {m: "train" for m in ("torch", "transformers", "deepspeed", "datasets", "safetensors", "tokenizers",
+                                  "peft", "accelerate", "matplotlib", "tensorboard", "pyarrow", "numpy",
+                                  "filelock", "jinja2", "huggingface_hub")} | {"bitsandbytes": "qlora"}  # fmt: skip
+# What each verb cannot start without: checked before it runs, so a planner-only install is
+# answered before the command does anything (a run's output dir, its plan).
+NEEDS = {"data": ("numpy", "transformers"), "train": ("torch", "transformers"),
+         "export": ("torch", "transformers"), "calibrate": ("torch",), "bench": ("torch", "transformers")}
+
+
+def missing_extra(name: str, module: str) -> ShardwiseError | None:
+    """The user error for `shardwise NAME` when the third-party `module` cannot be imported
+    (None when it is not one an extra installs: a bug, left to its traceback)."""
+    top = module.partition(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    return ShardwiseError(
+        f"shardwise {name}: the Python package {top!r} is not installed; `shardwise {name}` needs the "
+        f"{extra!r} extra: pip install 'shardwise[{extra}]' (the core install, pip install shardwise, is the "
+        "planner only: plan and explain)")
+
+
+def _absent(modules: tuple[str, ...]) -> str | None:
+    """The first of `modules` that cannot be found (nothing is imported)."""
+    from importlib.util import find_spec
+
+    for m in modules:
+        try:
+            if find_spec(m) is None:
+                return m
+        except (ImportError, ValueError):  # an import hook refusing it; a module without a spec
+            return m
+    return None
+
+
 def _passthrough(module: str, name: str, help_text: str):
-    """Mount a verb whose implementation imports torch only when it is used."""
+    """Mount a verb whose implementation imports torch only when it is used. Without the extra
+    it needs, it is one message naming the extra (exit 2), not an import traceback."""
 
     @app.command(name=name, help=help_text, add_help_option=False,
                  context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def _cmd(ctx: typer.Context) -> None:
         import importlib
 
-        sub = importlib.import_module(module).app
-        sub(args=list(ctx.args), prog_name=f"shardwise {name}")
+        args = list(ctx.args)
+        absent = None if "--help" in args else _absent(NEEDS.get(name, ()))
+        if absent is not None:
+            _fail(missing_extra(name, absent) or ShardwiseError(f"shardwise {name}: {absent!r} is not installed"))
+        try:
+            sub = importlib.import_module(module).app
+            sub(args=args, prog_name=f"shardwise {name}")
+        except ModuleNotFoundError as err:
+            error = missing_extra(name, err.name or "")
+            if error is None:
+                raise
+            _fail(error)
 
 
 _passthrough("shardwise.data.cli", "data", "SFT data tools: `shardwise data inspect FILE`.")
