@@ -18,7 +18,23 @@ class ExitCode(IntEnum):
     USER_ERROR = 2  # bad config, data, model or a planned OOM: nothing ran
     NONFINITE = 3  # NaN/Inf loss or grad norm beyond run.nonfinite_patience: nothing exported
     HUNG = 4  # a rank made no progress within run.timeout_s (the watchdog names it)
+    NO_SPACE = 74  # a checkpoint save ran out of disk space; the previous checkpoint is intact (EX_IOERR)
     INTERRUPTED = 75  # SIGTERM/SIGUSR1/SIGINT: a checkpoint was saved; `--resume latest` continues (EX_TEMPFAIL)
+
+
+class NonFiniteError(RuntimeError):
+    """NaN/Inf: a loss or gradient norm beyond `run.nonfinite_patience`, a run that ended on a
+    skipped step, or weights that are not finite where a checkpoint or export would hold them.
+    Exits ExitCode.NONFINITE; nothing non-finite is published."""
+
+
+class OutOfSpaceError(RuntimeError):
+    """A save that found the disk (or quota) full: exits ExitCode.NO_SPACE; what was saved before
+    is intact and `summary.json` names the path, the bytes needed and the bytes free."""
+
+    def __init__(self, message: str, *, path: str, need_bytes: int, free_bytes: int):
+        super().__init__(message)
+        self.path, self.need_bytes, self.free_bytes = path, need_bytes, free_bytes
 
 
 class ShardwiseError(ValueError):

@@ -62,21 +62,38 @@ def test_two_runs_cannot_share_an_output_dir(tmp_path):
 
 
 def test_stale_temp_files_are_removed_and_named_and_summary_has_a_status(tmp_path):
+    """Start-up clean-up removes what shardwise's killed saves and exports left (their `.tmp-`
+    names, each directory with shardwise's marker inside, as they are created) and nothing else:
+    a user's own `.tmp-important/thesis.tex` and `.tmp-notes.txt` survive (issue 21, item 11)."""
+    from shardwise.train.outputs import TMP_MARKER
+
     stale = tmp_path / ".tmp-model-4242"
     stale.mkdir()
+    (stale / TMP_MARKER).touch()
     (stale / "model.safetensors").write_bytes(b"\0" * 1024)  # an export killed half-way
     half = tmp_path / "checkpoints" / ".tmp-step-00000004"
     half.mkdir(parents=True)
+    (half / TMP_MARKER).touch()
     (half / "__0_0.distcp").write_bytes(b"\0" * 64)  # a save killed half-way
+    mine = tmp_path / ".tmp-important"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("\\chapter{One}")
+    notes = tmp_path / ".tmp-notes.txt"
+    notes.write_text("keep me")
+    lookalike = tmp_path / "checkpoints" / ".tmp-step-00000009"  # shardwise's name, not its marker
+    lookalike.mkdir()
+    (lookalike / "data.bin").write_bytes(b"1")
     res = train(tmp_path, "checkpointing.save_final=true")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "removed unfinished files of an earlier run: .tmp-model-4242, .tmp-step-00000004" in res.stdout
     assert not stale.exists() and not half.exists()
+    assert (mine / "thesis.tex").read_text() == "\\chapter{One}" and notes.read_text() == "keep me"
+    assert (lookalike / "data.bin").read_bytes() == b"1"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["export"] == str(tmp_path / "model")
     assert (tmp_path / "model" / "model.safetensors").is_file()
-    assert not list(tmp_path.glob(".tmp-*"))
-
+    assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == [".tmp-important", ".tmp-notes.txt"]
+    assert not list((tmp_path / "model").glob(".shardwise-tmp"))  # the marker never ships in an export
 
 def test_atomic_dir_leaves_nothing_on_failure_and_replaces_on_success(tmp_path):
     target = tmp_path / "model"

@@ -30,7 +30,6 @@ import base64
 import hashlib
 import json
 import os
-import pickle
 import random
 import shutil
 import time
@@ -43,9 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 
 from shardwise.errors import ShardwiseError
+from shardwise.specs.hardware import GIB
+from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, read_index
 
 FORMAT = "shardwise-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -62,50 +63,6 @@ def step_dir_name(step: int) -> str:
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
-
-
-# --- reading DCP's index without running code --------------------------------------------
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only the classes DCP's `.metadata` is made of (checked against torch 2.13's writer)."""
-
-    _MODULES = ("torch.distributed.checkpoint.metadata",)
-    _NAMES: frozenset[tuple[str, str]] = frozenset({
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-    })
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES or (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint index refers to {module}.{name}, which a DCP index never does")
-
-
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose index load cannot execute code (see the module docstring)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
-            raise ShardwiseError(f"{path}: not a valid checkpoint index ({e})") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def tensor_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -159,9 +116,8 @@ def versions() -> dict[str, str]:
     return out
 
 
-def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
-    """The manifest of a published checkpoint, after checking every file it lists (size, and
-    sha256 unless `verify_hashes` is off); ShardwiseError naming what is wrong otherwise."""
+def read_manifest_json(path: Path) -> dict[str, Any]:
+    """The manifest of `path` parsed and its format checked, nothing verified."""
     mf = path / MANIFEST
     if not path.is_dir():
         raise ShardwiseError(f"{path}: checkpoint directory not found")
@@ -175,6 +131,15 @@ def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ShardwiseError(f"{mf}: field 'format': expected {FORMAT!r}, got "
                              f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
+    return manifest
+
+
+def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
+    """The manifest of a published checkpoint, after checking every file it lists (size, and
+    sha256 unless `verify_hashes` is off) and reading DCP's index through the restricted
+    unpickler (a crafted index raises UnsafeCheckpointError: the manifest is no signature, whoever
+    can write the directory can refresh its hashes); ShardwiseError naming what is wrong otherwise."""
+    manifest = read_manifest_json(path)
     for name, entry in manifest.get("files", {}).items():
         f = path / name
         if not f.is_file():
@@ -185,59 +150,118 @@ def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
         if verify_hashes and _sha256(f) != entry["sha256"]:
             raise ShardwiseError(f"{path}: file {name} does not match its sha256 in the manifest: "
                                  "the checkpoint is damaged")
+    read_index(path)
     return manifest
 
 
-def published(root: Path) -> list[tuple[int, Path]]:
-    """(step, dir) of every directory that looks published (a manifest is present), oldest first."""
+_ANY = object()
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     out = []
     for d in root.glob("step-*") if root.is_dir() else ():
         try:
             step = int(d.name.removeprefix("step-"))
         except ValueError:
             continue
-        if d.is_dir() and (d / MANIFEST).is_file():
+        if d.is_dir():
             out.append((step, d))
     return sorted(out)
 
 
+def published(root: Path, lineage: Any = _ANY) -> list[tuple[int, Path]]:
+    """(step, dir) of every directory that looks published (a manifest is present), oldest
+    first; with `lineage`, only those whose manifest names that lineage (None: the legacy
+    checkpoints that name none; shardwise.train.lineage)."""
+    out = []
+    for step, d in _step_dirs(root):
+        if not (d / MANIFEST).is_file():
+            continue
+        if lineage is not _ANY:
+            try:
+                if json.loads((d / MANIFEST).read_text()).get("lineage") != lineage:
+                    continue
+            except (OSError, ValueError, AttributeError):
+                continue  # unreadable: not this lineage's (resolve_resume names it)
+        out.append((step, d))
+    return out
+
+
+def incomplete(root: Path) -> list[Path]:
+    """`step-*` directories without a manifest: never loaded, always named."""
+    return [d for _, d in _step_dirs(root) if not (d / MANIFEST).is_file()]
+
+
 def resolve_resume(spec: str | None, output_dir: str | Path, verify_hashes: bool = True) -> Path | None:
-    """`latest` -> the newest checkpoint under output_dir whose manifest verifies (damaged ones
-    are skipped with a message; None when there is none), or an explicit checkpoint dir
-    (its manifest must verify; a run dir is accepted and means its latest)."""
+    """`latest` -> the newest valid checkpoint of the output dir's current lineage (damaged
+    ones are skipped and named), the branch's parent when the lineage has saved nothing yet, or
+    None when the directory holds no checkpoint at all; if it holds some and none is valid, a
+    ShardwiseError naming each. An explicit checkpoint dir must verify; a run dir (or its
+    `checkpoints/`) means its latest. A crafted index is refused, never skipped."""
+    from shardwise.train.lineage import read_lineage
+
     if spec is None:
         return None
     if spec != "latest":
         p = Path(spec)
         if p.is_dir() and not (p / MANIFEST).exists() and (checkpoints_dir(p).is_dir() or p.name == "checkpoints"):
             root = p if p.name == "checkpoints" else checkpoints_dir(p)
-            return _newest_valid(root, verify_hashes, required=True)
+            lin = read_lineage(root.parent)
+            found = _newest_valid(root, verify_hashes, lin.lineage if lin else _ANY)
+            if found is None:
+                raise ShardwiseError(f"{root}: no complete checkpoint")
+            return found
         read_manifest(p, verify_hashes)
         return p
-    return _newest_valid(checkpoints_dir(output_dir), verify_hashes, required=False)
+    root = checkpoints_dir(output_dir)
+    lin = read_lineage(output_dir)
+    found = _newest_valid(root, verify_hashes, lin.lineage if lin else _ANY)
+    if found is None and lin is not None and lin.parent is not None:
+        parent = Path(lin.parent)
+        print(f"shardwise: --resume latest: the branch started from {parent} has saved no checkpoint yet; "
+              "resuming its parent")
+        read_manifest(parent, verify_hashes)
+        return parent
+    if found is None and (published(root) or incomplete(root)):
+        names = ", ".join(d.name for d in [*incomplete(root), *(d for _, d in published(root))])
+        raise ShardwiseError(
+            f"{root}: --resume latest: no valid checkpoint of this run's lineage among {names} (each is named "
+            "above with what is wrong); nothing was started. Pass one explicitly with --resume PATH, or start "
+            "over with --overwrite.")
+    return found
 
 
-def _newest_valid(root: Path, verify_hashes: bool, required: bool) -> Path | None:
-    problems = []
-    for _, d in reversed(published(root)):
+def _newest_valid(root: Path, verify_hashes: bool, lineage: Any) -> Path | None:
+    for d in incomplete(root):
+        print(f"shardwise: skipping {d}: no {MANIFEST} (an incomplete or foreign directory); never loaded")
+    for _, d in reversed(published(root, lineage)):
         try:
             read_manifest(d, verify_hashes)
             return d
+        except UnsafeCheckpointError:
+            raise
         except ShardwiseError as e:
-            problems.append(str(e))
             print(f"shardwise: skipping checkpoint {d}: {e}")
-    if required:
-        raise ShardwiseError(f"{root}: no complete checkpoint" + (f" ({'; '.join(problems)})" if problems else ""))
     return None
 
 
+def nonfinite_tensors(tensors: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or Inf (DTensors: this rank's shard)."""
+    bad = []
+    for name, t in tensors.items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if isinstance(local, torch.Tensor) and local.is_floating_point() and local.numel():
+            if not bool(torch.isfinite(local).all()):
+                bad.append(name)
+    return bad
+
+
 def clean_stale(root: Path) -> list[str]:
-    """Remove the `.tmp-*` directories of saves that never finished; return their names."""
-    removed = []
-    for d in sorted(root.glob(TMP_PREFIX + "*")) if root.is_dir() else ():
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d.name)
-    return removed
+    """Remove what saves that never finished left in `checkpoints/` (shardwise's own temp
+    directories only: shardwise.train.outputs.is_own_tmp); return their names."""
+    from shardwise.train.outputs import remove_own_tmp
+
+    return remove_own_tmp(root)
 
 
 # --- RNG and per-rank state ------------------------------------------------------------------
@@ -303,6 +327,56 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+def _agree(ok: bool) -> bool:
+    """True on every rank when `ok` is true on every rank (collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _gather(obj: Any) -> list[Any]:
+    _, world = _world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _failure(e: BaseException) -> dict[str, Any]:
+    return {"error": f"{type(e).__name__}: {e}", "errno": getattr(e, "errno", None)}
+
+
+def _space_errno(failures: list[dict[str, Any]], exc: BaseException | None = None) -> bool:
+    import errno
+
+    codes = {errno.ENOSPC, errno.EDQUOT}
+    if any(f and f.get("errno") in codes for f in failures):
+        return True
+    for inner in _causes(exc):
+        if getattr(inner, "errno", None) in codes:
+            return True
+    return False
+
+
+def _causes(exc: BaseException | None) -> list[BaseException]:
+    """An exception, its causes and (DCP's CheckpointException) each rank's failure."""
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or e in out:
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [v for v in failures.values() if isinstance(v, BaseException)]
+    return out
+
+
 def save_checkpoint(
     engine: Any,
     state: TrainerState,
@@ -311,64 +385,121 @@ def save_checkpoint(
     config: dict[str, Any],
     strategy: str,
     keep_last: int,
+    lineage: Any = None,
 ) -> Path:
-    """Write, verify and publish `checkpoints/step-N` (collective: every rank calls it)."""
+    """Write, verify and publish `checkpoints/step-N` (collective: every rank calls it).
+
+    Refused (NonFiniteError, nothing written) when any rank's state holds a NaN/Inf. Every
+    failure is agreed on by all ranks, so none is left waiting in a collective: the temp
+    directory is removed, the previous checkpoints are untouched, and all ranks raise the same
+    error (OutOfSpaceError, with the bytes needed and free, when the disk or quota is full).
+    `lineage` (shardwise.train.lineage.Lineage) goes into the manifest, and `keep_last` prunes
+    only that lineage's checkpoints."""
+    from shardwise.errors import NonFiniteError
+    from shardwise.train.outputs import is_own_tmp, make_own_tmp_dir, publish_own_tmp_dir
+
     rank, world = _world()
     root = checkpoints_dir(output_dir)
     final = root / step_dir_name(state.step)
     tmp = root / f"{TMP_PREFIX}{final.name}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before us
-        tmp.mkdir()
-    _barrier()
     tensors, extra = engine.checkpoint_state()
+    bad = nonfinite_tensors(tensors)
+    if not _agree(not bad):
+        raise NonFiniteError(f"step {state.step}: the training state is not finite"
+                             + (f" ({len(bad)} tensors on this rank, e.g. {bad[0]})" if bad else " (on another rank)")
+                             + "; no checkpoint was written")
     state.engine = extra
-    dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
-    del tensors
-    rank_file = f"rank-{rank:05d}.json"
-    (tmp / rank_file).write_text(json.dumps({"rank": rank, "rng": rng_state()}))
-    mine = [rank_file] + [p.name for p in tmp.glob(f"__{rank}_*.distcp")]
-    entries = _file_entries(tmp, mine)
-    gathered: list[Any] = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, entries)
-    else:
-        gathered = [entries]
+    need = sum(int(t.numel()) * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+    need = sum(_gather(need))  # DTensors: this rank's bytes are what it writes; replicated DDP writes once
+    failure = None
     if rank == 0:
-        (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
-        files: dict[str, Any] = {}
-        for g in gathered:
-            files.update(g)
-        files.update(_file_entries(tmp, [".metadata", TRAINER_STATE]))
-        manifest = {
-            "format": FORMAT,
-            "step": state.step,
-            "world_size": world,
-            "strategy": strategy,
-            "created_unix": time.time(),
-            "versions": versions(),
-            "config": config,
-            "files": files,
-        }
-        with open(tmp / MANIFEST, "w") as f:  # written last: its presence means complete
-            f.write(json.dumps(manifest, indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # an abandoned timeline's checkpoint of the same step: replace it
-            old = root / f"{TMP_PREFIX}replaced-{final.name}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        for _, d in published(root)[:-keep_last]:
-            shutil.rmtree(d, ignore_errors=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists() and is_own_tmp(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before us
+            make_own_tmp_dir(tmp)
+        except OSError as e:
+            failure = _failure(e)
+    failures = _gather(failure)
+    entries: dict[str, Any] = {}
+    if not any(failures):
+        try:
+            dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
+            del tensors
+            rank_file = f"rank-{rank:05d}.json"
+            (tmp / rank_file).write_text(json.dumps({"rank": rank, "rng": rng_state()}))
+            mine = [rank_file] + [p.name for p in tmp.glob(f"__{rank}_*.distcp")]
+            entries = _file_entries(tmp, mine)
+        except Exception as e:  # DCP raises the same CheckpointException on every rank; ours are local
+            failure = _failure(e)
+            if _space_errno([], e):
+                failure["errno"] = 28  # ENOSPC, wherever DCP wrapped it
+        failures = _gather(failure)
+    gathered = _gather(entries)
+    if rank == 0 and not any(failures):
+        try:
+            _publish(tmp, final, root, state, gathered, config, strategy, world, lineage, keep_last,
+                     publish_own_tmp_dir)
+        except OSError as e:
+            failure = _failure(e)
+    failures = _gather(failure)
+    if any(failures):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _raise_save_failure(failures, final, need)
     _barrier()
     return final
+
+
+def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: list[Any], config: dict[str, Any],
+             strategy: str, world: int, lineage: Any, keep_last: int, publish: Callable[[Path, Path], None]) -> None:
+    """Rank 0: trainer state and manifest (last, fsynced), the atomic rename, then pruning."""
+    (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
+    files: dict[str, Any] = {}
+    for g in gathered:
+        files.update(g)
+    files.update(_file_entries(tmp, [".metadata", TRAINER_STATE]))
+    manifest = {
+        "format": FORMAT,
+        "step": state.step,
+        "world_size": world,
+        "strategy": strategy,
+        "created_unix": time.time(),
+        **(lineage.manifest_fields() if lineage is not None else {}),
+        "versions": versions(),
+        "config": config,
+        "files": files,
+    }
+    with open(tmp / MANIFEST, "w") as f:  # written last: its presence means complete
+        f.write(json.dumps(manifest, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # an abandoned timeline's checkpoint of the same step: replace it
+        old = root / f"{TMP_PREFIX}replaced-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        publish(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        publish(tmp, final)
+    _fsync_dir(root)
+    for _, d in published(root, lineage.lineage if lineage is not None else None)[:-keep_last]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _raise_save_failure(failures: list[Any], final: Path, need: int) -> None:
+    from shardwise.errors import OutOfSpaceError
+
+    where = [f"rank {r}: {f['error']}" for r, f in enumerate(failures) if f]
+    if _space_errno(failures):
+        free = shutil.disk_usage(final.parent if final.parent.exists() else final.parent.parent).free
+        raise OutOfSpaceError(
+            f"{final}: the save ran out of disk space (needs about {need / GIB:.2f} GiB, "
+            f"{free / GIB:.2f} GiB free on {final.parent}); the previous checkpoints are intact. "
+            f"Free space and --resume latest. ({'; '.join(where)})",
+            path=str(final), need_bytes=need, free_bytes=free)
+    raise RuntimeError(f"{final}: the save failed, the previous checkpoints are intact: {'; '.join(where)}")
 
 
 def load_checkpoint(engine: Any, path: Path) -> TrainerState:

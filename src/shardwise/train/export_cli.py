@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from shardwise.errors import ExitCode, ShardwiseError
+from shardwise.errors import ExitCode, NonFiniteError, ShardwiseError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Export a shardwise checkpoint as a Hugging Face model directory.")  # fmt: skip
@@ -42,6 +42,9 @@ def export_cmd(
         path = resolve_resume(str(checkpoint), checkpoint)
         assert path is not None  # an explicit path resolves or raises
         written = export_checkpoint(path, out, merged=merged)
+    except NonFiniteError as e:
+        Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(ExitCode.NONFINITE) from None
     except (ShardwiseError, OSError, ValueError) as e:
         Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.USER_ERROR) from None

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.data.labels import count_target_tokens
+from shardwise.errors import NonFiniteError
 from shardwise.run import RunSpec
 from shardwise.train.engines import build_engine
 from shardwise.train.engines.base import DistEnv
@@ -59,16 +60,15 @@ class TrainResult:
 
 
 class Interrupted(Exception):
-    """A stop was requested (signal); the run saved `checkpoint` (None if saving is off)."""
+    """A stop was requested (signal); the run saved `checkpoint` (None if saving is off). The
+    message names the signal received, on whichever rank it was (signals.describe)."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        from shardwise.train.signals import describe
+
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpointing.save_on_interrupt off)"
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}: {where}")
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm stayed NaN/Inf beyond `run.nonfinite_patience` steps."""
+        super().__init__(f"stopped by {describe(signum)} after step {step}: {where}")
 
 
 def seed_everything(seed: int) -> None:
@@ -116,11 +116,15 @@ class _MetaReduce:
 
 class _Guard:
     """Non-finite losses and gradient norms: every rank sees the same (all-reduced) values and
-    so takes the same decision. fp16's scaler skips overflowing steps itself: an infinite grad
-    norm there is a skipped step, not a diverged run."""
+    so takes the same decision. The engines skip the update of a step whose gradient norm is not
+    finite (`Engine.step`), so such a step leaves weights and optimizer state as they were; it
+    counts against `run.nonfinite_patience` (consecutive skipped steps), and a run whose last
+    step was skipped ends with NonFiniteError too, whatever the patience: it never exports or
+    reports "completed" on a step it could not take. fp16's scaler skips overflowing steps
+    itself: an infinite grad norm there is a skipped step of loss scaling, not a diverged run."""
 
-    def __init__(self, patience: int, fp16: bool):
-        self.patience, self.fp16, self.bad = patience, fp16, 0
+    def __init__(self, patience: int, fp16: bool, say: Any = print):
+        self.patience, self.fp16, self.bad, self.say = patience, fp16, 0, say
 
     def check(self, rec: StepRecord) -> bool:
         """True when the step is finite (safe to checkpoint); raises past the patience."""
@@ -132,7 +136,18 @@ class _Guard:
                 f"consecutive step(s) (run.nonfinite_patience={self.patience}); lower optimizer.lr or check "
                 "the data. Nothing was exported."
             )
+        if not finite:
+            self.say(f"shardwise: step {rec.step}: loss {rec.loss}, grad norm {rec.grad_norm}: update skipped "
+                     f"({self.bad} of run.nonfinite_patience={self.patience} consecutive)")
         return finite
+
+    def at_end(self, rec: StepRecord | None) -> None:
+        if self.bad and rec is not None:
+            raise NonFiniteError(
+                f"step {rec.step} (the last): loss {rec.loss}, grad norm {rec.grad_norm}: the run ended on "
+                f"{self.bad} skipped non-finite step(s) (within run.nonfinite_patience={self.patience}); "
+                "nothing was exported and no checkpoint was written after the last finite step."
+            )
 
 
 def train(
@@ -144,6 +159,7 @@ def train(
     resume: Path | None = None,
     stop: Any = None,
     watchdog: Any = None,
+    lineage: Any = None,
 ) -> TrainResult:
     """Run `run.config.run.steps` optimizer steps on an initialised process group.
 
@@ -152,7 +168,9 @@ def train(
     consolidated weights (a collective: every rank must ask). `resume`: a verified checkpoint
     directory to continue from. `stop`: a StopRequest (shardwise.train.signals) whose request
     on any rank ends the run at the next step boundary with a checkpoint (raises Interrupted).
-    `watchdog` is told each phase (shardwise.train.watchdog). The caller closes `metrics`
+    `watchdog` is told each phase (shardwise.train.watchdog). `lineage`: the run's
+    (shardwise.train.lineage); by default rank 0 starts one from `resume` and records it in the
+    output dir, so pruning and `--resume latest` never cross runs. The caller closes `metrics`
     (with the run's final status, after any export).
     """
     from shardwise.train import checkpoint as ckpt
@@ -166,6 +184,11 @@ def train(
     global_batch = cfg.run.micro_batch * cfg.run.grad_accum * env.world_size
     phase = watchdog.phase if watchdog is not None else (lambda name, step: None)
     start, train_time = 0, 0.0
+    if lineage is None and env.is_main:  # only rank 0 writes manifests and prunes
+        from shardwise.train.lineage import start_lineage, write_lineage
+
+        lineage = start_lineage(cp.output_dir, resume)
+        write_lineage(cp.output_dir, lineage)
     if resume is not None:
         phase("checkpoint load", 0)
         state = ckpt.load_checkpoint(engine, resume)
@@ -181,7 +204,8 @@ def train(
     if metrics is not None:
         metrics.start(cfg, env, num_params, start_step=start)
     periodic = cp.save_every_steps is not None or cp.save_every_minutes is not None
-    guard = _Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16")
+    guard = _Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16",
+                   say=(lambda msg: print(msg, flush=True)) if env.is_main else (lambda msg: None))
     last_save = time.monotonic()
     # One host-side reduce per step carries the NEXT step's target/token counts (they must be
     # global before its first forward), THIS step's loss sum (for the logged loss), and two
@@ -205,7 +229,7 @@ def train(
         state = ckpt.TrainerState(step=step, samples_consumed=step * global_batch, global_batch=global_batch,
                                   train_time_s=train_time)  # fmt: skip
         path = ckpt.save_checkpoint(engine, state, cp.output_dir, config=cfg.model_dump(mode="json"),
-                                    strategy=run.strategy.name, keep_last=cp.keep_last)  # fmt: skip
+                                    strategy=run.strategy.name, keep_last=cp.keep_last, lineage=lineage)  # fmt: skip
         result.checkpoint, last_save = path, time.monotonic()
         return path
 
@@ -262,11 +286,12 @@ def train(
         if reduce is not None:
             phase("all_reduce(step counts)", cfg.run.steps)
             finite = finish(prev, meta.wait(reduce)[2])
+            guard.at_end(prev)
             if periodic and finite and prev is not None:
                 save(cfg.run.steps)
         if export_weights:
             phase("export gather", cfg.run.steps)
-            result.final_weights = engine.consolidated_state_dict()
+            result.final_weights = engine.consolidated_state_dict()  # export refuses non-finite ones
     except Interrupted:
         result.status = "interrupted"
         raise

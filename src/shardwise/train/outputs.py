@@ -44,7 +44,7 @@ def check_output_dir(output_dir: str | Path, need_bytes: int, where: str = "chec
         raise ShardwiseError(f"{where}: {str(d)!r} is a file, not a directory")
     try:
         d.mkdir(parents=True, exist_ok=True)
-        probe = d / f"{TMP_PREFIX}write-probe-{os.getpid()}"
+        probe = d / f"{TMP_PREFIX}write-probe-{os.getpid()}{TMP_SUFFIX}"
         probe.write_bytes(b"0")
         probe.unlink()
     except OSError as e:
@@ -97,17 +97,54 @@ class OutputLock:
         self.release()
 
 
-def clean_stale_outputs(output_dir: str | Path) -> list[str]:
-    """Remove temp files and directories left by killed exports or saves; return their names."""
-    d = Path(output_dir)
+# Every temp entry shardwise creates is named `.tmp-…`; a directory also holds TMP_MARKER and a
+# file ends in TMP_SUFFIX. Start-up clean-up removes exactly those, so a user's own `.tmp-thesis/`
+# (or `.tmp-notes.txt`) beside the checkpoints survives it.
+TMP_MARKER = ".shardwise-tmp"
+TMP_SUFFIX = ".shardwise-tmp"
+
+
+def make_own_tmp_dir(path: Path) -> Path:
+    """Create the temp directory `path` (a `.tmp-` name) with the marker that makes it ours."""
+    assert path.name.startswith(TMP_PREFIX), path
+    path.mkdir()
+    (path / TMP_MARKER).touch()
+    return path
+
+
+def publish_own_tmp_dir(tmp: Path, target: Path) -> None:
+    """Drop the marker and rename `tmp` to `target` (which must not exist)."""
+    (tmp / TMP_MARKER).unlink(missing_ok=True)
+    os.rename(tmp, target)
+
+
+def is_own_tmp(p: Path) -> bool:
+    if not p.name.startswith(TMP_PREFIX) or p.is_symlink():
+        return False
+    if p.is_dir():
+        return (p / TMP_MARKER).is_file()
+    return p.name.endswith(TMP_SUFFIX)
+
+
+def remove_own_tmp(d: str | Path) -> list[str]:
+    """Remove shardwise's own temp files and directories in `d` (killed saves, exports,
+    probes); return their names. Anything else named `.tmp-*` is left alone."""
+    d = Path(d)
     removed = []
     for p in sorted(d.glob(TMP_PREFIX + "*")) if d.is_dir() else ():
+        if not is_own_tmp(p):
+            continue
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
         removed.append(p.name)
     return removed
+
+
+def clean_stale_outputs(output_dir: str | Path) -> list[str]:
+    """Remove temp files and directories left by killed exports or saves; return their names."""
+    return remove_own_tmp(output_dir)
 
 
 @contextmanager
@@ -117,8 +154,9 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    if is_own_tmp(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    make_own_tmp_dir(tmp)
     try:
         yield tmp
     except BaseException:
@@ -128,6 +166,66 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     if target.exists():
         old = target.parent / f"{TMP_PREFIX}old-{target.name}-{os.getpid()}"
         os.rename(target, old)
-    os.rename(tmp, target)
+        (old / TMP_MARKER).touch()  # ours now: a kill before the rmtree below leaves it to clean-up
+    publish_own_tmp_dir(tmp, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# --- an output directory that an earlier run used -------------------------------------------
+
+# Logs a fresh run rewrites: replaced, and named, when nothing else of the earlier run is there.
+EARLIER_LOGS = ("metrics.jsonl", "summary.json", "tensorboard")
+
+
+def earlier_run_outputs(output_dir: str | Path) -> list[Path]:
+    """What an earlier run left that a fresh run would delete or mix with its own: checkpoint
+    directories (published or not) and exported models (`model/`, `model-merged/`)."""
+    from shardwise.train.checkpoint import _step_dirs, checkpoints_dir
+
+    d = Path(output_dir)
+    found = [p for _, p in _step_dirs(checkpoints_dir(d))]
+    for name in ("model", "model-merged"):
+        if (d / name).is_dir() and any((d / name).iterdir()):
+            found.append(d / name)
+    return found
+
+
+def check_fresh_output(output_dir: str | Path, *, resume: str | None, overwrite: bool, where: str) -> None:
+    """A fresh run (no `--resume`) into a directory holding an earlier run's checkpoints or
+    exported model is refused, naming them, unless `overwrite` (which `clear_earlier_run` then
+    honours): `keep_last` would otherwise delete the new run's checkpoints in favour of the
+    old ones' higher steps, `--resume latest` would continue the other run, and the export and
+    logs would be mixed."""
+    if resume is not None or overwrite:
+        return
+    found = earlier_run_outputs(output_dir)
+    if found:
+        names = ", ".join(str(p.relative_to(output_dir)) for p in found[:6]) + (" ..." if len(found) > 6 else "")
+        raise ShardwiseError(
+            f"{where}: {str(output_dir)!r} holds an earlier run's outputs ({names}); a fresh run would mix with "
+            "them. Continue that run with --resume latest, replace it with --overwrite "
+            "(checkpointing.overwrite: true; its checkpoints, model and logs are deleted), or choose another "
+            "--set checkpointing.output_dir=...")
+
+
+def clear_earlier_run(output_dir: str | Path, *, overwrite: bool) -> list[str]:
+    """Before a fresh run starts (the lock held): with `overwrite`, remove the earlier run's
+    checkpoints and exports; in any case its logs (metrics.jsonl, summary.json, TensorBoard
+    events, which the new run would otherwise mix with its own). Returns what was removed."""
+    d = Path(output_dir)
+    gone = []
+    targets = [*(earlier_run_outputs(d) if overwrite else []), *(d / n for n in EARLIER_LOGS)]
+    from shardwise.train.lineage import lineage_path
+
+    targets.append(lineage_path(d))
+    for p in targets:
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            continue
+        if p.name != lineage_path(d).name:
+            gone.append(str(p.relative_to(d)))
+    return gone

@@ -4,6 +4,7 @@ the optimizer side of the Engine protocol (both own a plain torch optimizer)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -68,15 +69,19 @@ class TorchOptimizerEngine:
         return float(norm)
 
     def step(self) -> float:
+        """Clip and update, unless the global gradient norm is not finite: then the update is
+        skipped (weights, AdamW's moments and step count untouched), as fp16's GradScaler skips an
+        overflowing step. The norm is global (all-reduced), so every rank skips the same step.
+        A NaN norm would otherwise make the clip coefficient NaN and every weight with it."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.run.config.optimizer.max_grad_norm or float("inf")
         norm = self._global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if self.scaler:
-            self.scaler.step(self.optimizer)
+            self.scaler.step(self.optimizer)  # skips the update itself when it found inf/NaN
             self.scaler.update()
-        else:
+        elif math.isfinite(norm):
             self.optimizer.step()
         return norm
 

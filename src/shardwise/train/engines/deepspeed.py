@@ -11,6 +11,7 @@ are the engine's own:
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -80,17 +81,37 @@ class DeepSpeedEngine:
         return loss_sum.detach()
 
     def step(self) -> float:
+        """DeepSpeed's ZeRO-1/2/3 and bf16 optimizers skip a step whose gradient norm is not
+        finite themselves (they report the norm as inf). The plain fp32 ZeRO-0 path does not: it
+        clips and applies whatever it has. There the norm is measured here (grads are already
+        averaged over ranks, so every rank sees the same), and a non-finite one skips the
+        update (`_skip_update`)."""
         norm = None
         if self.stage == 0 and self.run.train.compute_dtype == "fp32":
-            # The plain fp32 path clips without recording the norm: measure it (grads are
-            # already averaged over ranks at this point).
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads))
+            if not math.isfinite(norm):
+                self._skip_update()
+                return norm
         self.ds.step()
         if norm is None:
             n = self.ds.get_global_grad_norm()
             norm = float(n) if n is not None else float("nan")
         return norm
+
+    def _skip_update(self) -> None:
+        """`ds.step()` with the optimizer's update replaced by nothing for this one call: DeepSpeed
+        still advances its step counters and zeroes the gradients, as after an fp16 overflow."""
+        opt = self.ds.optimizer
+        own = vars(opt).get("step")  # an instance attribute (a profiler hook), or the class's method
+        opt.step = lambda *args, **kwargs: None
+        try:
+            self.ds.step()
+        finally:
+            if own is None:
+                del opt.step
+            else:
+                opt.step = own
 
     def zero_grad(self) -> None:
         pass  # DeepSpeed zeroes gradients inside step() at the boundary
