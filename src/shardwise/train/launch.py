@@ -1,6 +1,8 @@
 """A rank's side of process launch: detect ranks started by torchrun, the `deepspeed` launcher,
 SLURM `srun` or shardwise's own `spawn` (shardwise.train.spawn) from their environment, join
-the process group, and end the process without the interpreter shutdown gloo can abort in."""
+the process group, and end the process without the interpreter shutdown gloo can abort in.
+`python -m shardwise.train.launch -m shardwise.train.cli ...` is how spawn starts trainer ranks
+(`rank_main`: stop signals are recorded from the first instant, never fatal during start-up)."""
 
 from __future__ import annotations
 
@@ -89,6 +91,31 @@ def run_rank_script(main: Callable[[], int | None], *, only_if_joined: bool = Fa
     os._exit(code)
 
 
+def rank_main(argv: list[str] | None = None) -> None:
+    """`python -m shardwise.train.launch (-m MODULE | SCRIPT) ARGS...`: a rank's entry point
+    when spawn holds the stop signals (spawn_job(hold_signals=True)). Before anything else
+    (torch, the config, the process group: seconds) it installs the stop handlers and unblocks
+    the signals the launcher kept blocked across fork and exec (shardwise.train.signals), then
+    runs MODULE or SCRIPT as `python -m MODULE ARGS` / `python SCRIPT ARGS` would. A SIGTERM
+    while the rank starts is therefore kept and honoured at the first step boundary (a
+    checkpoint, exit 75) instead of killing it (rc 143)."""
+    from shardwise.train.signals import hold_at_start
+
+    hold_at_start()
+    import runpy
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["-m"] and len(argv) >= 2:
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+    else:
+        raise SystemExit("usage: python -m shardwise.train.launch (-m MODULE | SCRIPT) [ARGS...]")
+
+
 def run_cli(app: Callable[[], Any]) -> None:
     """A CLI entry point (`shardwise`, `python -m shardwise.train.cli`): a process that joined a
     process group (it trained, in-process or as a rank) ends through `os._exit`, which gloo
@@ -146,3 +173,7 @@ def init_distributed(device: str, timeout_s: float | None = None):
             **extra,
         )
     return env
+
+
+if __name__ == "__main__":
+    rank_main()

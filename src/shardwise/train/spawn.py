@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.errors import ExitCode, ShardwiseError
@@ -21,7 +22,8 @@ from shardwise.train.launch import free_port
 # Seconds a surviving rank gets between SIGTERM and SIGKILL once the job has failed. Its
 # peers are gone, so a rank blocked in a collective will not notice SIGTERM: keep it short.
 GRACE_S = 5.0
-# Forwarded to every rank: each saves a checkpoint at its next step boundary and exits 75.
+# Forwarded to every rank: each saves a checkpoint at its next step boundary and exits 75. SIGHUP
+# is not forwarded (nor handled) when it was ignored at start (`nohup`): the ranks inherit the ignore.
 FORWARDED_SIGNALS = tuple(
     s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None), getattr(signal, "SIGHUP", None))
     if s is not None
@@ -156,7 +158,25 @@ def _stop_ranks(procs: list[subprocess.Popen], grace_s: float) -> None:
         p.wait()
 
 
-def spawn(
+@dataclass
+class SpawnResult:
+    """How a spawned job ended. `rc` as `spawn` returns it; `reason`: why it failed, as the
+    launcher said it (None when every rank exited 0 or 75); `failed_rank`: the first rank that
+    failed; `heartbeats`: what the ranks' last heartbeats said when it failed (needs run_dir)."""
+
+    rc: int
+    reason: str | None = None
+    failed_rank: int | None = None
+    heartbeats: str | None = None
+
+
+def spawn(argv: Sequence[str], nproc: int, timeout_s: float | None = None, extra_env: dict | None = None,
+          threads_per_rank: int | None = None, **kw) -> int:
+    """`spawn_job(...).rc`: run `python argv...` as `nproc` local ranks and return an exit code."""
+    return spawn_job(argv, nproc, timeout_s, extra_env, threads_per_rank, **kw).rc
+
+
+def spawn_job(
     argv: Sequence[str],
     nproc: int,
     timeout_s: float | None = None,
@@ -165,34 +185,47 @@ def spawn(
     *,
     run_dir: Path | str | None = None,
     grace_s: float = GRACE_S,
-) -> int:
-    """Run `python argv...` as `nproc` local ranks (torchrun's env contract); return an exit code.
+    hold_signals: bool = False,
+    on_start: Callable[[], None] | None = None,
+) -> SpawnResult:
+    """Run `python argv...` as `nproc` local ranks (torchrun's env contract).
 
     No rank outlives the launcher: each has PR_SET_PDEATHSIG, so even a SIGKILLed launcher
-    takes its ranks along. SIGTERM/SIGINT/SIGUSR1/SIGHUP are forwarded to every rank (each
-    saves a checkpoint at its next step boundary and exits 75) and the launcher keeps
-    waiting; a second SIGTERM/SIGINT kills the ranks at once. The handlers are installed only
-    when called on the main thread, and the previous ones come back on return.
+    takes its ranks along. SIGTERM/SIGINT/SIGUSR1/SIGHUP are forwarded to every rank and the
+    launcher keeps waiting; a second SIGTERM/SIGINT kills the ranks at once. SIGHUP ignored
+    when this is called (`nohup`) stays ignored, here and in the ranks. The handlers are
+    installed only when called on the main thread, and the previous ones come back on return.
+
+    `hold_signals`: the ranks are shardwise trainers (each saves a checkpoint at its next step
+    boundary and exits 75 on a stop signal). They run `python -m shardwise.train.launch ARGV`,
+    whose first act installs the stop handlers (shardwise.train.signals.hold_at_start); the
+    forwarded signals stay blocked from fork until then, so a stop that arrives while a rank
+    starts is kept and honoured at its first step boundary, never fatal. Without it the ranks
+    are any script, and the launcher promises nothing about what they do with a signal.
+    `on_start` runs once the launcher's handlers are in place, before the first rank starts.
 
     One rank exiting non-zero (other than 75) or dying by a signal fails the job: one line on
     stderr names it, and the others get SIGCONT, SIGTERM and, after `grace_s`, SIGKILL of their
     process groups, so a crash never leaves a hung collective or a stray process.
 
-    Returns 0 when all ranks succeed; the first failing rank's code (128 + N for a death by
+    `rc` is 0 when all ranks succeed; the first failing rank's code (128 + N for a death by
     signal N); 75 when the ranks were interrupted and all exited 0 or 75; 128 + N after a
     second interrupt N; 124 when `timeout_s` (a wall-clock limit on the whole job, unlike
     run.timeout_s) runs out. `run_dir`, where the ranks' Watchdogs write heartbeats, adds each
-    rank's last known step and phase to a failure message (stale heartbeats are cleared first).
+    rank's last known step and phase to a failure message (stale heartbeats and stop records
+    are cleared first).
     """
     import time
 
     if nproc < 1:
         raise ShardwiseError(f"--nproc must be at least 1, got {nproc}")
     if run_dir is not None:
+        from shardwise.train.signals import STOP_DIR
         from shardwise.train.watchdog import HEARTBEAT_DIR, describe_peers
 
-        for old in (Path(run_dir) / HEARTBEAT_DIR).glob("rank-*.json"):
-            old.unlink(missing_ok=True)
+        for sub in (HEARTBEAT_DIR, STOP_DIR):
+            for old in (Path(run_dir) / sub).glob("rank-*.json"):
+                old.unlink(missing_ok=True)
     port = free_port()
     procs: list[subprocess.Popen] = []
     received: list[int] = []
@@ -217,8 +250,10 @@ def spawn(
             except ProcessLookupError:
                 pass
         again = f" (send {name} again to kill them now)" if signum in _HARD_SIGNALS else ""
-        _say(f"{name}: forwarded to {len(live)} rank(s); they save a checkpoint at the next step "
-             f"boundary and exit with code {int(ExitCode.INTERRUPTED)}{again}")
+        promise = (f"; each saves a checkpoint at its next step boundary (the first, if it is still starting) and "
+                   f"exits with code {int(ExitCode.INTERRUPTED)}, or finishes if it is past its last step"
+                   if hold_signals else "")  # fmt: skip
+        _say(f"{name}: forwarded to {len(live)} rank(s){promise}{again}")
 
     def on_signal(signum: int, frame) -> None:
         received.append(signum)
@@ -228,25 +263,38 @@ def spawn(
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in FORWARDED_SIGNALS:
+            if sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # nohup: a hang-up must not reach the ranks, which inherit the ignore
             previous[sig] = signal.signal(sig, on_signal)
+    held = hold_signals and hasattr(signal, "pthread_sigmask")
     try:
+        if on_start is not None:
+            on_start()
         setup = _child_setup(os.getpid())
-        for rank in range(nproc):
-            env = dict(os.environ)
-            env.update(
-                {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(nproc),
-                    "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                }
-            )
-            if threads_per_rank:
-                env["OMP_NUM_THREADS"] = str(threads_per_rank)
-            env.update(extra_env or {})
-            procs.append(subprocess.Popen([sys.executable, *argv], env=env, preexec_fn=setup))
+        cmd = [sys.executable, *(["-m", "shardwise.train.launch"] if hold_signals else []), *argv]
+        # Blocked in this thread while it forks: each rank starts with them blocked (the mask
+        # survives fork and exec) until its entry point has its handlers; ours run on unblock.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS) if held else None
+        try:
+            for rank in range(nproc):
+                env = dict(os.environ)
+                env.update(
+                    {
+                        "RANK": str(rank),
+                        "WORLD_SIZE": str(nproc),
+                        "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(nproc),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port),
+                    }
+                )
+                if threads_per_rank:
+                    env["OMP_NUM_THREADS"] = str(threads_per_rank)
+                env.update(extra_env or {})
+                procs.append(subprocess.Popen(cmd, env=env, preexec_fn=setup))
+        finally:
+            if old_mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         started = True
         for signum in list(received):  # arrived while the ranks were starting
             deliver(signum)
@@ -254,6 +302,7 @@ def spawn(
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         rcs: list[int | None] = [None] * nproc
         failed: int | None = None
+        reason: str | None = None
         stopped_seen: set[int] = set()
         next_state_check = time.monotonic() + 1.0
         while any(rc is None for rc in rcs):
@@ -262,12 +311,14 @@ def spawn(
                     rcs[rank] = rc
                     if failed is None and not escalated and rc not in (0, ExitCode.INTERRUPTED):
                         failed = rank
-                        _say(describe_exit(rank, p.pid, rc))
+                        reason = describe_exit(rank, p.pid, rc)
+                        _say(reason)
             if failed is not None:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 waiting = [f"{r} (pid {procs[r].pid})" for r, rc in enumerate(rcs) if rc is None]
-                _say(f"the job ran past its {timeout_s:g} s limit; still running: rank {', '.join(waiting)}")
+                reason = f"the job ran past its {timeout_s:g} s limit; still running: rank {', '.join(waiting)}"
+                _say(reason)
                 break
             if time.monotonic() >= next_state_check:
                 next_state_check = time.monotonic() + 1.0
@@ -281,17 +332,21 @@ def spawn(
                         stopped_seen.discard(rank)
             time.sleep(0.05)
 
+        heartbeats = None
         if any(rc is None for rc in rcs) or failed is not None:
             if run_dir is not None:
-                _say(f"last heartbeats: {describe_peers(run_dir, nproc)}")
+                heartbeats = describe_peers(run_dir, nproc)
+                _say(f"last heartbeats: {heartbeats}")
             _stop_ranks(procs, grace_s)
         if escalated:
-            return 128 + escalated[0]
+            name = _signame(escalated[0])
+            return SpawnResult(128 + escalated[0], f"a second {name}: the ranks were killed without a checkpoint",
+                               heartbeats=heartbeats)
         if failed is not None:
-            return shell_code(rcs[failed])
+            return SpawnResult(shell_code(rcs[failed]), reason, failed, heartbeats)
         if any(rc is None for rc in rcs):
-            return 124
-        return int(ExitCode.INTERRUPTED) if ExitCode.INTERRUPTED in rcs else 0
+            return SpawnResult(124, reason, heartbeats=heartbeats)
+        return SpawnResult(int(ExitCode.INTERRUPTED) if ExitCode.INTERRUPTED in rcs else 0)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
