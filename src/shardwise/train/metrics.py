@@ -1,11 +1,19 @@
 """Observability: rich progress bar, JSONL (always), TensorBoard, optional W&B, and the end
 summary comparing measured peak memory and throughput with the plan. Rank 0 writes; other
-ranks hold a no-op instance so the loop never branches on the rank."""
+ranks hold a no-op instance so the loop never branches on the rank.
+
+`summary.json` always says where the run is: `running` from the moment it starts (written by
+the launcher, `run_started`), then `completed`, `interrupted` or `failed` with the reason
+(rank 0's `Metrics.close`; the launcher's `run_ended` when rank 0 could not: it hung, died or
+failed before it trained). Every write is atomic (`write_summary`).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
+import socket
 import statistics
 import time
 from dataclasses import asdict
@@ -17,6 +25,73 @@ import torch
 from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
 from shardwise.train.engines.base import DistEnv
+from shardwise.train.outputs import TMP_PREFIX, TMP_SUFFIX
+
+SUMMARY_NAME = "summary.json"
+RUNNING = "running"
+
+
+def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:
+    """Replace `<output_dir>/summary.json` with `summary` in one rename: a reader (or a kill)
+    never sees half a file. The temp file carries shardwise's temp name (start-up clean-up
+    removes one a kill left behind)."""
+    d = Path(output_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f"{TMP_PREFIX}{SUMMARY_NAME}-{os.getpid()}{TMP_SUFFIX}"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, d / SUMMARY_NAME)
+    return d / SUMMARY_NAME
+
+
+def read_summary(output_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        summary = json.loads((Path(output_dir) / SUMMARY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def run_started(output_dir: str | Path, config: str | Path | None, world_size: int) -> dict[str, Any]:
+    """Write the `running` summary of a run that starts now (an earlier run's never survives
+    a failed start) and return its `run` block: who started it, when, from which config. The
+    final summary carries the same block; `run_ended` uses it to tell this run's marker apart."""
+    import datetime
+
+    run = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="milliseconds"),
+        "config": str(Path(config).resolve()) if config is not None else None,
+        "world_size": int(world_size),
+    }
+    write_summary(output_dir, {"status": RUNNING, "reason": None, "run": run})
+    return run
+
+
+def run_ended(output_dir: str | Path, run: dict[str, Any] | None, reason: str, **extra: Any) -> bool:
+    """After the ranks exited: when summary.json is still this run's `running` marker (rank 0
+    never wrote its own: it hung, was killed, or failed before it trained), replace it with
+    `failed`, `reason` and `extra` (None values dropped). A summary rank 0 wrote in this run is
+    the truth and stays; an empty `run` (this process wrote no marker) changes nothing. True
+    when it wrote."""
+    if not run:
+        return False
+    current = read_summary(output_dir)
+    if current is None or current.get("status") != RUNNING or current.get("run") != run:
+        return False
+    extra = {k: v for k, v in extra.items() if v is not None}
+    write_summary(output_dir, {"status": "failed", "reason": reason, "run": run, **extra})
+    return True
+
+
+def _this_run(output_dir: Path) -> dict[str, Any] | None:
+    """The `run` block of the running marker this process's run wrote (in-process and
+    torchrun's rank 0 wrote it themselves, a spawned rank 0's launcher is its parent)."""
+    current = read_summary(output_dir)
+    if current is None or current.get("status") != RUNNING:
+        return None
+    run = current.get("run")
+    return run if isinstance(run, dict) and run.get("pid") in (os.getpid(), os.getppid()) else None
 
 
 class Metrics:
@@ -144,10 +219,11 @@ class Metrics:
         }
         if self.flops_per_token and self.summary["tokens_per_s"]:
             self.summary["tflops"] = self.summary["tokens_per_s"] * self.flops_per_token / 1e12
+        run = _this_run(self.dir)
+        if run is not None:
+            self.summary["run"] = run
         self.summary.update(extra)
-        tmp = self.dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(self.summary, indent=2))
-        tmp.replace(self.dir / "summary.json")
+        write_summary(self.dir, self.summary)
         self.jsonl.close()
         if self.tb:
             self.tb.close()
