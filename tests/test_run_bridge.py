@@ -158,8 +158,9 @@ def test_preflight_plans_the_configured_buckets(tmp_path, monkeypatch, disk_free
     monkeypatch.chdir(tmp_path)  # preflight creates the default output_dir (runs/shardwise) and its data cache
     disk_free(1 << 50)  # a 7B checkpoint needs ~75 GiB: not what this test is about (tests/conftest.py)
 
+    # unpacked, the bundled sample (400 records) fills the global batch of 32 (packed: 9 rows, refused)
     cfg = TrainConfig.model_validate({"model": {"name": "llama-2-7b"}, "strategy": {"name": "zero2", "deepspeed": {
-        "reduce_bucket_size": 50_000_000}}, "hardware": {"check_memory": False}})
+        "reduce_bucket_size": 50_000_000}}, "hardware": {"check_memory": False}, "data": {"sft": {"packing": False}}})
     run, _ = preflight(cfg, 8, "cuda")
     from shardwise.plan.memory import plan_memory
 

@@ -104,7 +104,9 @@ def test_memory_check_refuses_with_numbers_and_nearest_fit(tmp_path, monkeypatch
         {
             "model": {"name": "llama-2-7b"},
             "strategy": {"name": "ddp"},
-            "data": {"sft": {"max_length": 4096}},
+            # unpacked: the bundled sample's 400 records fill a global batch of 64 on 8 ranks (packed
+            # into 5 rows of 4096 they could not feed 8 ranks: preflight refuses that too)
+            "data": {"sft": {"max_length": 4096, "packing": False}},
             "run": {"micro_batch": 8},
         }
     )
@@ -116,6 +118,20 @@ def test_memory_check_refuses_with_numbers_and_nearest_fit(tmp_path, monkeypatch
     assert preflight(cfg, world_size=8, device="cpu")[1].fits is False  # CPU runs: check off by default
 
 
+def _example_data(path: Path, tmp_path: Path) -> list[str]:
+    """The overrides an example's header says to run it with: the GPU example trains the user's data
+    (`--set data.sft.train_files=...`); the bundled sample packs into 5 rows of 4096 tokens, too few
+    for its 8 ranks. Here: 64 long records, one packed row each."""
+    if "data.sft.train_files" not in path.read_text():
+        return []
+    words = " ".join(f"word{i % 97}" for i in range(2500))
+    records = [{"messages": [{"role": "user", "content": f"Question {i}?"},
+                             {"role": "assistant", "content": words}]} for i in range(64)]  # fmt: skip
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [f"data.sft.train_files=[{data}]"]
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_shipped_examples_validate(path, monkeypatch, tmp_path, disk_free):
     monkeypatch.chdir(tmp_path)  # preflight builds the data cache under the example's relative output_dir
@@ -123,7 +139,7 @@ def test_shipped_examples_validate(path, monkeypatch, tmp_path, disk_free):
     monkeypatch.setattr("shardwise.train.preflight.cuda_device_count", lambda: 8)
     # nor the disk for an 8B checkpoint (~96 GB; faked: tests/conftest.py): the space check has its own tests
     disk_free(1 << 50)
-    cfg = load_config(path)
+    cfg = load_config(path, _example_data(path, tmp_path))
     _, check = preflight(
         cfg,
         world_size=cfg.run.nproc,

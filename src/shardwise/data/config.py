@@ -12,6 +12,10 @@ from shardwise.errors import did_you_mean, user_error
 
 Truncation = Literal["keep_start", "cut_prompt", "drop", "raise"]
 
+# Longest sample / packed row accepted (docs/data.md): 1M tokens, above every published context
+# window; a typo such as 1e9 packs a whole dataset into one row that no rank can share.
+MAX_LENGTH_CAP = 1 << 20
+
 
 class DataConfig(BaseModel):
     """The `data:` section. Unknown keys are errors (a typo must not silently use a default)."""
@@ -23,7 +27,8 @@ class DataConfig(BaseModel):
     validation_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Or: split this fraction off train.")
     format: Literal["auto", "alpaca", "chat", "sharegpt", "text"] = "auto"
     fields: dict[str, str] = Field(default_factory=dict, description="Canonical field -> your column name.")
-    max_length: int = Field(2048, ge=8, description="Tokens per sample and per packed row.")
+    max_length: int = Field(2048, ge=8, le=MAX_LENGTH_CAP,
+                            description=f"Tokens per sample and per packed row (8 to {MAX_LENGTH_CAP:,}).")
     truncation: Truncation = "keep_start"
     train_on_prompt: bool = False
     add_eos: bool = True

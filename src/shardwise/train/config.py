@@ -122,15 +122,29 @@ class ScheduleSection(_Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / peak lr (cosine, linear)")
 
 
+# Bounds of the run's sizes (each stated in its field's description): far above any real run, low enough that a
+# typo (an extra three zeros, `1e9`) is refused before a rank starts instead of growing for minutes
+# on a CPU run (no memory check there) or overflowing inside every rank.
+MAX_MICRO_BATCH = 4096  # sequences per rank per forward
+MAX_GRAD_ACCUM = 65536  # micro-batches per optimizer step
+# A week: a finite timeout that datetime.timedelta, gloo and NCCL accept (with the collective backstop's
+# margin added, shardwise.train.launch.COLLECTIVE_MARGIN_S); inf or 1e30 overflowed in every rank.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 class RunSection(_Section):
     steps: int = Field(100, gt=0, description="optimizer steps")
-    micro_batch: int = Field(4, gt=0, description="sequences per rank per forward")
-    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    micro_batch: int = Field(4, gt=0, le=MAX_MICRO_BATCH, description="sequences per rank per forward "
+                             f"(at most {MAX_MICRO_BATCH})")
+    grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step "
+                            f"(at most {MAX_GRAD_ACCUM})")
     seed: int = 0
     nproc: int = Field(1, gt=0, description="local ranks to launch (ignored under torchrun/deepspeed/srun)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    timeout_s: float = Field(600.0, gt=0, description="process-group init and collective timeout; a rank that "
-                             "makes no progress for this long fails the job with a message naming it")
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+                             description="process-group init and collective timeout; a rank that makes no "
+                             "progress for this long fails the job with a message naming it (finite, at most "
+                             f"{MAX_TIMEOUT_S:.0f} s = 7 days)")
     nonfinite_patience: int = Field(0, ge=0, description="consecutive steps with a NaN/Inf loss or grad norm "
                                     "tolerated before the run stops (fp16 overflow steps the scaler skips "
                                     "do not count)")

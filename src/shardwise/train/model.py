@@ -145,3 +145,29 @@ def build_model(run: RunSpec):
 
         compile_layers(model, run.config.run.compile_backend)
     return model
+
+
+def trainable_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter `build_model(run)` trains, i.e. what a checkpoint holds
+    as `model.<name>` (shardwise.train.checkpoint): the model built on the meta device from the
+    same config (and the same adapters), so no memory is used and no weights are read. An NF4
+    base is not quantised here: it is frozen, and the adapters' shapes do not depend on it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = run.config.model
+    kw = {"attn_implementation": attention_implementation(run), "trust_remote_code": cfg.trust_remote_code}
+    if cfg.path is None:
+        d = dict(run.model.to_hf_dict())
+        hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    else:
+        hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
+        if run.config.lora is not None:
+            from peft import inject_adapter_in_model
+
+            from shardwise.train.lora import ADAPTER_NAME, peft_config
+
+            model = inject_adapter_in_model(peft_config(run.config.lora), model, adapter_name=ADAPTER_NAME)
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}

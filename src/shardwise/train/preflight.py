@@ -95,6 +95,44 @@ def prepare_data(run: RunSpec) -> Path | None:
     return prepare_sft(run)
 
 
+def check_data_size(run: RunSpec, cache: Path | None) -> int:
+    """The data fills one global batch: every optimizer step takes run.micro_batch ×
+    run.grad_accum × ranks distinct samples (synthetic sequences, or packed rows of the data
+    cache that `prepare_data` just built; each rank gets `rows // ranks` of them per epoch).
+    Fewer would fail inside every rank (`samples cannot feed N ranks`, `fewer than one global
+    batch`) or repeat rows within one step. Returns the number of samples."""
+    cfg = run.config
+    r = cfg.run
+    world = run.world_size
+    per_rank = r.micro_batch * r.grad_accum
+    need = per_rank * world
+    batch = (f"one global batch of {need} sequences (run.micro_batch {r.micro_batch} × run.grad_accum "
+             f"{r.grad_accum} × {world} rank{'s' if world != 1 else ''})")
+    if cache is None:
+        n = cfg.data.synthetic.samples
+        if n < need:
+            raise ShardwiseError(f"{cfg.source}: data.synthetic.samples = {n} cannot fill {batch}; raise "
+                                 f"data.synthetic.samples to at least {need} or lower run.micro_batch / "
+                                 "run.grad_accum")
+        return n
+    from shardwise.data import load_dataset
+
+    n = len(load_dataset(cache))
+    sft = cfg.data.sft
+    what = (f"data.sft (train_files {sft.train_files or ['<bundled sample>']}, max_length {sft.max_length}, "
+            f"packing {sft.packing}) gives {n} {'packed ' if sft.packing else ''}row{'s' if n != 1 else ''}")
+    if n // world == 0:
+        raise ShardwiseError(f"{cfg.source}: {what}, which cannot feed {world} ranks (each rank needs at least one "
+                             "row per epoch); add data, lower data.sft.max_length, or use fewer ranks")
+    usable = n // world * world  # the sampler drops the tail that does not divide among the ranks
+    if usable < need:
+        raise ShardwiseError(f"{cfg.source}: {what} ({usable} usable on {world} ranks), fewer than {batch}: "
+                             f"every step would repeat rows; add data, lower data.sft.max_length, or lower "
+                             f"run.micro_batch / run.grad_accum (at most {max(1, usable // world)} sequences per rank "
+                             "per step)")
+    return n
+
+
 @dataclass(frozen=True)
 class MemoryCheck:
     planned_bytes: float
@@ -221,7 +259,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     if note:
         print(f"shardwise: {note}")
     check_output_space(run)
-    prepare_data(run)
+    check_data_size(run, prepare_data(run))
     return run, memory
 
 
@@ -269,6 +307,7 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
             f"holds {old_model['path'] or old_model['name']!r}; use the checkpoint's model or another output_dir"
         )
     check_same_adapters(cfg, saved, checkpoint)
+    check_same_shapes(cfg, run, checkpoint)
     if manifest["step"] > cfg.run.steps:
         raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
                              f"{manifest['step']}; raise run.steps to train on")
@@ -278,6 +317,34 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
     if old_batch != new_batch:
         print(f"shardwise: resuming {checkpoint} with a global batch of {new_batch} sequences (it was trained with "
               f"{old_batch}): the data continues from the same sample, the curve is not the uninterrupted one")
+
+
+def check_same_shapes(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
+    """The checkpoint's tensors (`model.<name>`, from its index alone) are the ones the config
+    builds, name for name and shape for shape: a `model.path` whose config.json changed since
+    the save (another width, depth or vocabulary) is refused here, naming the first tensor that
+    differs, instead of failing in every rank's load."""
+    from shardwise.train.checkpoint import tensor_shapes
+    from shardwise.train.model import trainable_shapes
+
+    saved = {k.removeprefix("model."): s for k, (s, _) in tensor_shapes(checkpoint).items() if k.startswith("model.")}
+    built = trainable_shapes(run)
+    model = f"model.path {cfg.model.path!r}" if cfg.model.path else f"model.name {cfg.model.name!r}"
+    fix = "resume with the model it was trained with, or start a fresh run in another checkpointing.output_dir"
+    for name, shape in built.items():
+        if name not in saved:
+            raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: the model has tensor {name!r} "
+                                 f"{list(shape)}, which the checkpoint does not hold ({len(saved)} tensors, the "
+                                 f"model {len(built)}); {fix}")
+        if tuple(saved[name]) != shape:
+            raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: tensor {name!r} is "
+                                 f"{list(shape)} in the model this config builds but {list(saved[name])} in the "
+                                 f"checkpoint (the model's shape changed since it was saved); {fix}")
+    extra = [k for k in saved if k not in built]
+    if extra:
+        raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: the checkpoint holds tensor "
+                             f"{extra[0]!r} {list(saved[extra[0]])}, which the model does not have ({len(extra)} "
+                             f"such); {fix}")
 
 
 def check_same_adapters(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None:
