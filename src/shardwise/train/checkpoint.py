@@ -27,6 +27,7 @@ are read with `torch.load(weights_only=True)` by DCP itself).
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
@@ -43,9 +44,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.errors import ShardwiseError
-from shardwise.specs.hardware import GIB
 from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, read_index
 
 FORMAT = "shardwise-checkpoint/1"
@@ -347,12 +348,15 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _failure(e: BaseException) -> dict[str, Any]:
-    return {"error": f"{type(e).__name__}: {e}", "errno": getattr(e, "errno", None)}
+    """What a rank reports of a failed save: the root causes, one line each (DCP's
+    CheckpointException carries every rank's exception and traceback: those, not it)."""
+    roots = [x for x in _causes(e) if not isinstance(x, CheckpointException) and x.__cause__ is None] or [e]
+    text = "; ".join(dict.fromkeys(f"{type(x).__name__}: {str(x).strip().splitlines()[0] if str(x).strip() else ''}"
+                                   for x in roots))
+    return {"error": text, "errno": getattr(e, "errno", None)}
 
 
 def _space_errno(failures: list[dict[str, Any]], exc: BaseException | None = None) -> bool:
-    import errno
-
     codes = {errno.ENOSPC, errno.EDQUOT}
     if any(f and f.get("errno") in codes for f in failures):
         return True
@@ -371,9 +375,10 @@ def _causes(exc: BaseException | None) -> list[BaseException]:
             continue
         out.append(e)
         todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)
+        failures = getattr(e, "failures", None)  # DCP: rank -> (exception, traceback)
         if isinstance(failures, dict):
-            todo += [v for v in failures.values() if isinstance(v, BaseException)]
+            for v in failures.values():
+                todo += [x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, BaseException)]
     return out
 
 
@@ -424,16 +429,17 @@ def save_checkpoint(
     entries: dict[str, Any] = {}
     if not any(failures):
         try:
-            dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
+            dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True),
+                     no_dist=not dist.is_initialized())
             del tensors
             rank_file = f"rank-{rank:05d}.json"
             (tmp / rank_file).write_text(json.dumps({"rank": rank, "rng": rng_state()}))
             mine = [rank_file] + [p.name for p in tmp.glob(f"__{rank}_*.distcp")]
             entries = _file_entries(tmp, mine)
-        except Exception as e:  # DCP raises the same CheckpointException on every rank; ours are local
+        except (Exception, CheckpointException) as e:  # DCP's (a BaseException) is raised on every rank alike
             failure = _failure(e)
             if _space_errno([], e):
-                failure["errno"] = 28  # ENOSPC, wherever DCP wrapped it
+                failure["errno"] = errno.ENOSPC  # wherever DCP wrapped it
         failures = _gather(failure)
     gathered = _gather(entries)
     if rank == 0 and not any(failures):
@@ -444,11 +450,19 @@ def save_checkpoint(
             failure = _failure(e)
     failures = _gather(failure)
     if any(failures):
+        free = _gather(_free_bytes(root) if rank == 0 else 0)[0]  # at the failure, before the clean-up
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        _raise_save_failure(failures, final, need)
+        _raise_save_failure(failures, final, need, free)
     _barrier()
     return final
+
+
+def _free_bytes(d: Path) -> int:
+    try:
+        return shutil.disk_usage(d).free
+    except OSError:
+        return 0
 
 
 def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: list[Any], config: dict[str, Any],
@@ -488,16 +502,23 @@ def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: 
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _raise_save_failure(failures: list[Any], final: Path, need: int) -> None:
+def _raise_save_failure(failures: list[Any], final: Path, need: int, free: int) -> None:
+    """The same error on every rank. Out of space when any rank saw ENOSPC/EDQUOT, or when the
+    disk had less free than the checkpoint needs at the failure (torch's zip writer reports a
+    full disk as "unexpected pos", without an errno)."""
     from shardwise.errors import OutOfSpaceError
+    from shardwise.train.outputs import size_text
 
-    where = [f"rank {r}: {f['error']}" for r, f in enumerate(failures) if f]
-    if _space_errno(failures):
-        free = shutil.disk_usage(final.parent if final.parent.exists() else final.parent.parent).free
+    errors = {r: f["error"] for r, f in enumerate(failures) if f}
+    if len(set(errors.values())) == 1 and len(errors) == len(failures) > 1:  # DCP's: every rank reports all
+        where = [f"every rank: {next(iter(errors.values()))}"]
+    else:
+        where = [f"rank {r}: {e}" for r, e in errors.items()]
+    if _space_errno(failures) or free < need:
         raise OutOfSpaceError(
-            f"{final}: the save ran out of disk space (needs about {need / GIB:.2f} GiB, "
-            f"{free / GIB:.2f} GiB free on {final.parent}); the previous checkpoints are intact. "
-            f"Free space and --resume latest. ({'; '.join(where)})",
+            f"{final}: the save ran out of disk space (it needs about {size_text(need)}, {size_text(free)} were "
+            f"free on {final.parent}); the previous checkpoints are intact and this one was removed. Free space "
+            f"and --resume latest. ({'; '.join(where)})",
             path=str(final), need_bytes=need, free_bytes=free)
     raise RuntimeError(f"{final}: the save failed, the previous checkpoints are intact: {'; '.join(where)}")
 

@@ -36,7 +36,13 @@ def checkpoint_bytes(params: int) -> int:
     return 12 * params
 
 
-def check_output_dir(output_dir: str | Path, need_bytes: int, where: str = "checkpointing.output_dir") -> Path:
+def size_text(n: float) -> str:
+    """Bytes as GiB, or MiB below a tenth of a GiB (where 0.00 GiB would say nothing)."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def check_output_dir(output_dir: str | Path, need_bytes: int, where: str = "checkpointing.output_dir",
+                     how: str | None = None) -> Path:
     """Create `output_dir` if needed and refuse one that is a file, not writable, or on a
     filesystem with less than `need_bytes` free."""
     d = Path(output_dir)
@@ -53,8 +59,8 @@ def check_output_dir(output_dir: str | Path, need_bytes: int, where: str = "chec
     if free < need_bytes:
         raise ShardwiseError(
             f"{where}: {str(d)!r} has {free / GIB:.2f} GiB free; this run needs {need_bytes / GIB:.2f} GiB "
-            "(one checkpoint: fp32 weights + AdamW moments = 12 bytes per parameter, plus the export). "
-            "Free space or choose another directory."
+            f"({how or 'checkpoints: fp32 weights + AdamW moments = 12 bytes per parameter, plus the export'}). "
+            "Free space, lower checkpointing.keep_last, or choose another directory."
         )
     return d
 

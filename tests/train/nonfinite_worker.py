@@ -1,0 +1,111 @@
+"""One rank: for each strategy, a finite step, then a step whose gradients are NaN (a NaN loss
+scale), then Inf, then a finite step again. Rank 0 writes `<strategy>.json`: the gradient norm
+each step returned and whether the consolidated weights changed and stayed finite.
+
+Run by tests/train/test_nonfinite.py on 2 gloo ranks (a skipped update is a collective
+decision: every rank must skip the same step)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from shardwise.run import run_spec
+from shardwise.train.config import TrainConfig
+from shardwise.train.data import build_source
+from shardwise.train.engines import build_engine
+from shardwise.train.launch import init_distributed, run_rank_script
+from shardwise.train.loop import seed_everything
+from shardwise.train.model import build_model
+
+
+def config(strategy: str, precision: str) -> TrainConfig:
+    return TrainConfig.model_validate({
+        "model": {"name": "tiny-llama", "attention": "eager"},
+        "data": {"kind": "synthetic", "synthetic": {"samples": 64, "seq_len": 16, "seed": 7}},
+        "strategy": {"name": strategy},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
+        "precision": precision,
+        "run": {"steps": 4, "micro_batch": 2, "grad_accum": 1, "seed": 3, "device": "cpu"},
+        "logging": {"progress": False, "tensorboard": False},
+    })
+
+
+def weights(engine) -> dict[str, torch.Tensor] | None:
+    return engine.consolidated_state_dict()
+
+
+def one(strategy: str, precision: str, env, out: Path) -> None:
+    cfg = config(strategy, precision)
+    run = run_spec(cfg, env.world_size, "cpu")
+    seed_everything(cfg.run.seed)
+    model = build_model(run)
+    engine = build_engine(model, run, env)
+    source = build_source(run, env, model.config.vocab_size, consumed=0)
+    record = []
+    for scale in (1.0, float("nan"), float("inf"), 1.0):
+        before = weights(engine)
+        engine.set_lr(cfg.optimizer.lr)  # the loop's schedule sets it every step
+        for batch in next(source):
+            with engine.sync_grads(True):
+                engine.forward_backward(batch, scale)
+        norm = engine.step()
+        engine.zero_grad()
+        after = weights(engine)
+        if env.is_main:
+            changed = any(not torch.equal(before[k], after[k]) for k in before)
+            finite = all(bool(torch.isfinite(v).all()) for v in after.values())
+            record.append({"scale": str(scale), "grad_norm": str(norm), "changed": changed, "finite": finite})
+    engine.close()
+    if env.is_main:
+        (out / f"{strategy}-{precision}.json").write_text(json.dumps(record))
+
+
+class _Stand:
+    """An engine's checkpoint_state whose tensors are NaN on one rank only."""
+
+    def __init__(self, nan: bool):
+        self.nan = nan
+
+    def checkpoint_state(self):
+        return {"model.w": torch.full((4,), float("nan") if self.nan else 1.0)}, {"optimizer_step": 1}
+
+
+def save_agreement(env, out: Path) -> None:
+    """Rank 1's state holds a NaN: every rank refuses the save, none is left in a collective."""
+    from shardwise.errors import NonFiniteError
+    from shardwise.train.checkpoint import TrainerState, save_checkpoint
+
+    run_dir = out / "save-agreement"
+    try:
+        save_checkpoint(_Stand(env.rank == 1), TrainerState(step=1, samples_consumed=1, global_batch=1), run_dir,
+                        config={}, strategy="ddp", keep_last=2)
+        outcome = "saved"
+    except NonFiniteError as e:
+        outcome = f"NonFiniteError: {e}"
+    (out / f"save-agreement-rank{env.rank}.txt").write_text(outcome)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", nargs="+", required=True, help="strategy:precision")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    out = Path(args.out).resolve()
+    os.chdir(out)
+    for item in args.runs:
+        if item == "save":
+            save_agreement(env, out)
+            continue
+        strategy, precision = item.split(":")
+        one(strategy, precision, env, out)
+
+
+if __name__ == "__main__":
+    run_rank_script(main)
