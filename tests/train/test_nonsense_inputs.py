@@ -171,7 +171,7 @@ def test_check_same_shapes_compares_every_tensor(saved, tmp_path, change, fragme
     from shardwise.run import run_spec
     from shardwise.train.preflight import check_same_shapes
 
-    src, checkpoint = saved
+    _, checkpoint = saved
     d = model_dir(tmp_path / "model", **change)
     cfg = load_config(SYNTHETIC, [f"model.path={d}", "model.random_init=true"])
     run = run_spec(cfg, 2, "cpu", environ={})
