@@ -46,6 +46,9 @@ def train_cmd(
         typer.Option("--resume", help="'latest' (newest complete checkpoint in output_dir) or a checkpoint dir."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Run even if the planner predicts OOM.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Start fresh in an output_dir that holds an earlier run's checkpoints or model "
+        "(they are deleted; refused without this or --resume).")] = False,
 ) -> None:
     """Train a causal LM on SFT data; the strategy changes memory and speed, never the result.
 
@@ -56,9 +59,10 @@ def train_cmd(
     from shardwise.train.config import load_config
     from shardwise.train.launch import detect_env
     from shardwise.train.preflight import preflight, resolve_checkpoint
-    from shardwise.train.spawn import spawn
+    from shardwise.train.spawn import spawn_job
 
     overrides = list(set_ or []) + ([f"checkpointing.resume={resume}"] if resume else [])
+    overrides += ["checkpointing.overwrite=true"] if overwrite else []
     launched = detect_env()
     by_us = os.environ.get("SHARDWISE_LAUNCHED") == "1"  # a rank of our own spawn: checks are done
     lock = None
@@ -68,14 +72,20 @@ def train_cmd(
         device = cfg.resolved_device()
         rank = int(launched["rank"]) if launched else 0
         owner = rank == 0 and not by_us  # takes the output dir's lock, cleans, verifies hashes
+        if owner:  # in a second, before the data cache is built
+            _check_fresh(cfg)
         run, check = preflight(cfg, world, device, force=force)
         resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
         if owner:
-            lock = _own_output_dir(cfg)
+            lock = _own_output_dir(cfg, resume_dir)
     except ShardwiseError as e:
         _fail(e)
         return
     try:
+        from shardwise.train.metrics import run_ended, run_started
+        from shardwise.train.signals import hold_at_start
+
+        out = cfg.checkpointing.output_dir
         if launched is None and world > 1:
             argv = ["-m", "shardwise.train.cli", str(config), *[a for o in set_ or [] for a in ("--set", o)]]
             argv += ["--force"] if force else []
@@ -83,9 +93,23 @@ def train_cmd(
             extra = {"SHARDWISE_LAUNCHED": "1"} | ({"DS_ACCELERATOR": "cpu"} if device == "cpu" else {})
             # CPU ranks share the cores: one intra-op pool per rank that does not oversubscribe.
             threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else None
-            rc = spawn(argv, world, extra_env=extra, threads_per_rank=threads, run_dir=_run_dir(cfg))
-            raise typer.Exit(rc)
-        raise typer.Exit(_worker(run, check.planned_bytes, resume_dir))
+            # summary.json says `running` once the launcher's handlers are in place; when rank 0
+            # could not write the final one (hung, killed, failed before it trained), `failed`.
+            marker: dict = {}
+            job = spawn_job(argv, world, extra_env=extra, threads_per_rank=threads, run_dir=_run_dir(cfg),
+                            hold_signals=True, on_start=lambda: marker.update(run_started(out, config, world)))
+            run_ended(out, marker, job.reason or f"the job exited with code {job.rc}; rank 0 wrote no summary",
+                      exit_code=job.rc, failed_rank=job.failed_rank, heartbeats=job.heartbeats)  # fmt: skip
+            raise typer.Exit(job.rc)
+        hold_at_start()  # this process trains: a stop from now on is kept for the first step boundary
+        marker = run_started(out, config, world) if owner else {}
+        try:
+            rc = _worker(run, check.planned_bytes, resume_dir)
+        except BaseException as e:
+            run_ended(out, marker, f"rank 0: {type(e).__name__}: {e}", exit_code=1)
+            raise
+        run_ended(out, marker, f"rank 0 exited with code {rc} without writing its summary", exit_code=rc)
+        raise typer.Exit(rc)
     finally:
         if lock is not None:
             lock.release()
@@ -96,15 +120,39 @@ def _run_dir(cfg) -> Path:
     return Path(cfg.checkpointing.output_dir) / ".shardwise"
 
 
-def _own_output_dir(cfg):
-    """Lock the output dir for this run and clear what killed runs left behind."""
-    from shardwise.train.checkpoint import checkpoints_dir, clean_stale
-    from shardwise.train.outputs import OutputLock, clean_stale_outputs
+def _check_fresh(cfg) -> None:
+    from shardwise.train.outputs import check_fresh_output
 
-    lock = OutputLock(cfg.checkpointing.output_dir).acquire()
-    stale = clean_stale_outputs(cfg.checkpointing.output_dir) + clean_stale(checkpoints_dir(cfg.checkpointing.output_dir))
-    if stale:
-        print(f"shardwise: removed unfinished files of an earlier run: {', '.join(stale)}")
+    cp = cfg.checkpointing
+    check_fresh_output(cp.output_dir, resume=cp.resume, overwrite=cp.overwrite,
+                       where=f"{cfg.source}: checkpointing.output_dir")  # fmt: skip
+
+
+def _own_output_dir(cfg, resume_dir: Path | None):
+    """Lock the output dir for this run, clear what killed runs left behind (and, for a fresh
+    run, the earlier run's logs, or with --overwrite all its outputs), and record this run's
+    lineage (shardwise.train.lineage) for its ranks: all before any rank starts."""
+    from shardwise.train.checkpoint import checkpoints_dir, clean_stale
+    from shardwise.train.lineage import RUN_ID_ENV, start_lineage, write_lineage
+    from shardwise.train.outputs import OutputLock, clean_stale_outputs, clear_earlier_run
+
+    cp = cfg.checkpointing
+    lock = OutputLock(cp.output_dir).acquire()
+    try:
+        if resume_dir is None:
+            _check_fresh(cfg)  # again, under the lock
+            gone = clear_earlier_run(cp.output_dir, overwrite=cp.overwrite)
+            if gone:
+                print(f"shardwise: a fresh run: removed the earlier run's {', '.join(gone)}")
+        stale = clean_stale_outputs(cp.output_dir) + clean_stale(checkpoints_dir(cp.output_dir))
+        if stale:
+            print(f"shardwise: removed unfinished files of an earlier run: {', '.join(stale)}")
+        lineage = start_lineage(cp.output_dir, resume_dir)
+        write_lineage(cp.output_dir, lineage)
+        os.environ[RUN_ID_ENV] = lineage.run_id  # the in-process rank, and every rank spawned from here
+    except BaseException:
+        lock.release()
+        raise
     return lock
 
 
@@ -114,7 +162,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 
     import torch
 
-    from shardwise.errors import ExitCode
+    from shardwise.errors import ExitCode, OutOfSpaceError
     from shardwise.plan.flops import run_flops_per_token
     from shardwise.train.launch import detect_env, init_distributed
     from shardwise.train.loop import Interrupted, NonFiniteError, train
@@ -126,6 +174,10 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     if device == "cpu" and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     found = detect_env() or {"rank": 0, "world_size": 1}
+    from shardwise.train.signals import hold_at_start, share
+
+    hold_at_start()  # (done already by a spawned rank's entry point, and by the in-process caller)
+    share(_run_dir(cfg), int(found["rank"]), int(found["world_size"]))  # a stop signal's name reaches rank 0
     # Started before the process group, so a rank that never joins is named by those that did.
     watchdog = Watchdog(_run_dir(cfg), int(found["rank"]), int(found["world_size"]), cfg.run.timeout_s).start()
     watchdog.phase("init_process_group", 0)
@@ -145,7 +197,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     try:
         with StopRequest() as stop, watchdog:
             result = train(run, env, metrics=metrics, export_weights=cfg.checkpointing.save_final,
-                           resume=resume_dir, stop=stop, watchdog=watchdog)  # fmt: skip
+                           resume=resume_dir, stop=stop, watchdog=watchdog, lineage=_lineage(cfg, env))  # fmt: skip
             extra["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
             if env.is_main and result.final_weights is not None:
                 from shardwise.train.export import export_dir, export_final
@@ -160,6 +212,10 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     except NonFiniteError as e:
         reason, code = str(e), ExitCode.NONFINITE
         print(f"shardwise: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+    except OutOfSpaceError as e:
+        reason, code = str(e), ExitCode.NO_SPACE
+        extra["space"] = {"path": e.path, "need_bytes": e.need_bytes, "free_bytes": e.free_bytes}
+        print(f"shardwise: rank {env.rank}: {e}", file=sys.stderr, flush=True)
     except Exception as e:  # reported with its traceback; the summary names it
         reason = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -170,6 +226,17 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return int(code)
+
+
+def _lineage(cfg, env):
+    """The lineage the launcher recorded for this run (rank 0 writes the manifests); None lets
+    the loop start one (a rank whose launcher is not shardwise's: torchrun, srun)."""
+    from shardwise.train.lineage import RUN_ID_ENV, read_lineage
+
+    if not env.is_main:
+        return None
+    lineage = read_lineage(cfg.checkpointing.output_dir)
+    return lineage if lineage is not None and lineage.run_id == os.environ.get(RUN_ID_ENV) else None
 
 
 def main() -> None:
