@@ -19,7 +19,7 @@ class ExitCode(IntEnum):
     NONFINITE = 3  # NaN/Inf loss or grad norm beyond run.nonfinite_patience: nothing exported
     HUNG = 4  # a rank made no progress within run.timeout_s (the watchdog names it)
     NO_SPACE = 74  # a checkpoint save ran out of disk space; the previous checkpoint is intact (EX_IOERR)
-    INTERRUPTED = 75  # SIGTERM/SIGUSR1/SIGINT: a checkpoint was saved; `--resume latest` continues (EX_TEMPFAIL)
+    INTERRUPTED = 75  # SIGTERM/SIGUSR1/SIGINT/SIGHUP: a checkpoint was saved; `--resume latest` continues (EX_TEMPFAIL)
 
 
 class NonFiniteError(RuntimeError):

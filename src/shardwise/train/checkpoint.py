@@ -15,13 +15,16 @@ ranks loads into 1 ZeRO-3 rank and the other way round. Everything that is not a
 
 Publishing is atomic: all ranks write into `checkpoints/.tmp-step-N/`; rank 0 then hashes
 every file (each rank hashes its own shards), writes `manifest.json` last (files, sizes,
-sha256, config, world size, strategy, versions) and renames the directory to `step-N`. A
-directory without a complete, matching manifest is never loaded; a save killed half-way
-leaves only a `.tmp-*` directory, removed (and named) when the next run starts.
+sha256, config, world size, strategy, run id and lineage, versions) and renames the directory
+to `step-N`; `keep_last` then prunes that run's lineage only (shardwise.train.lineage). A
+directory without a complete, matching manifest is never loaded; a save killed half-way leaves
+only a `.tmp-*` directory (with shardwise's marker), removed and named when the next run starts.
+A save refuses a non-finite state, and any rank's failure is every rank's (out of space: exit 74).
 
-DCP keeps its own index (`.metadata`) as a pickle; it is read here through an unpickler
-that admits only DCP's metadata classes, so a checkpoint cannot run code (the tensor files
-are read with `torch.load(weights_only=True)` by DCP itself).
+DCP keeps its own index (`.metadata`) as a pickle; it is read through an exact allow-list
+(shardwise.train.checkpoint_index), also by `read_manifest`, so preflight and export refuse a
+crafted index before anything loads it (the tensor files are read with
+`torch.load(weights_only=True)` by DCP itself).
 """
 
 from __future__ import annotations

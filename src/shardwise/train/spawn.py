@@ -37,6 +37,7 @@ _EXIT_MEANING = {
     ExitCode.USER_ERROR: "a user error; the message is above",
     ExitCode.NONFINITE: "NaN/Inf loss or grad norm beyond run.nonfinite_patience",
     ExitCode.HUNG: "no progress within run.timeout_s; the watchdog's message is above",
+    ExitCode.NO_SPACE: "a checkpoint save ran out of disk space; the previous checkpoint is intact",
     ExitCode.INTERRUPTED: "interrupted; a checkpoint was saved",
 }
 _SIGNAL_HINT = {
