@@ -5,6 +5,7 @@ no pickles: safetensors only)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -35,7 +36,30 @@ def export_hf(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> 
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         _copy_tokenizer(cfg, tmp)
+        _umask_modes(tmp)
     return out
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux /proc), else by setting it back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _umask_modes(d: Path) -> None:
+    """safetensors (and PEFT through it) create their files 0600 (a temp file renamed); give them
+    the mode every other exported file has, 0666 less the umask (0644 under the usual 022)."""
+    mode = 0o666 & ~_umask()
+    for f in d.rglob("*.safetensors"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(mode)
 
 
 def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False) -> Path:
@@ -102,6 +126,7 @@ def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, 
     with atomic_dir(out) as tmp:
         pm.save_pretrained(str(tmp), safe_serialization=True)
         _copy_tokenizer(cfg, tmp)
+        _umask_modes(tmp)
     return out
 
 
