@@ -28,8 +28,8 @@ _LAZY = {
 }
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "TOKENIZER_FILES", "DataConfig", "DataStats", "ResumableDistributedSampler",
-           "SFTCollator", "SFTDataset", "build_dataset", "count_target_tokens", "default_tokenizer_path",
-           "check_remote_code", "ensure_cache", "find_cache", "load_data_config", "load_dataset", "load_tokenizer",
+           "SFTCollator", "SFTDataset", "build_dataset", "check_remote_code", "count_target_tokens",
+           "default_tokenizer_path", "ensure_cache", "find_cache", "load_data_config", "load_dataset", "load_tokenizer",
            "sample_data_path", "tokenizer_files"]
 
 # The files a Hugging Face tokenizer is saved as (save_pretrained, and the legacy slow formats).

@@ -9,6 +9,7 @@ Every record keeps a "file:line" (or "file:row N") location for later errors.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterator
@@ -194,17 +195,53 @@ def resolve_files(patterns: list[str], *, where: str) -> list[Path]:
     return out
 
 
+def _not_utf8(path: Path, data: bytes, start: int, skipped: int = 0, first_line: int = 1) -> ShardwiseError:
+    """The error for the undecodable byte `data[start]`: its line, column (1-based, in bytes)
+    and offset in the file. `data` is what was decoded (the file after its BOM, or one line),
+    `skipped` the bytes of the file before it, `first_line` the line it starts on."""
+    line_start = data.rfind(b"\n", 0, start) + 1
+    line = first_line + data.count(b"\n", 0, line_start)
+    return ShardwiseError(f"{path}:{line}: not UTF-8 text (byte 0x{data[start]:02x} at column "
+                          f"{start - line_start + 1}, offset {skipped + start} of the file); expected UTF-8 "
+                          "encoded JSON or JSONL.")  # fmt: skip
+
+
 def _parse_stdlib(path: Path, on_error: OnError, report: LoadReport) -> list[tuple[Any, int]]:
-    """(record, line) pairs read with the standard library, with line-exact JSON errors."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # tolerate a BOM
-    except UnicodeDecodeError as exc:
-        raise ShardwiseError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}).") from exc
-    if text.lstrip().startswith("["):
-        return _parse_array(path, text)
+    """(record, line) pairs read with the standard library, with line-exact JSON errors.
+
+    JSONL is read one line at a time: a line costs a few times its own size while it is parsed
+    (the bytes, the text, the record), never the whole file's (docs/data.md "Big records")."""
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+        bom = len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0  # tolerated
+        while head and not head[bom:].lstrip():  # only whitespace so far: look further
+            more = f.read(1 << 16)
+            if not more:
+                break
+            head = head[:bom] + more
+        f.seek(bom)
+        if head[bom:].lstrip().startswith(b"["):
+            data = f.read()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, data, exc.start, bom) from None
+            del data
+            return _parse_array(path, text)
+        return _parse_lines(path, f, bom, on_error, report)
+
+
+def _parse_lines(path: Path, f: Any, offset: int, on_error: OnError, report: LoadReport) -> list[tuple[Any, int]]:
+    """The records of a JSONL file open at `offset` (past any BOM), one line at a time."""
     out = []
-    # split("\n"), not splitlines(): JSON strings may hold raw U+2028 and friends.
-    for lineno, line in enumerate(text.split("\n"), start=1):
+    # split on b"\n" only, not splitlines(): JSON strings may hold raw U+2028 and friends.
+    for lineno, raw in enumerate(f, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _not_utf8(path, raw, exc.start, offset, lineno) from None
+        offset += len(raw)
+        del raw
         if not line.strip():
             continue
         try:
@@ -220,6 +257,7 @@ def _parse_stdlib(path: Path, on_error: OnError, report: LoadReport) -> list[tup
             if on_error == "raise":
                 raise err from None
             report.skip(err)
+        del line
     return out
 
 
