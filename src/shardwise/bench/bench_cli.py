@@ -32,8 +32,9 @@ def bench(
     exposed communication vs the planner's, tokens/s, MFU (CUDA), and collective bytes per kind vs
     the planner; when exposed communication is over 40% of the step, the strategy the planner
     expects to fix it. Under torchrun / deepspeed / srun each process is a rank (--nproc does not
-    apply) and rank 0 writes the outputs. Exit codes: 0 done, 2 bad input (nothing ran), else the
-    trainer's."""
+    apply) and rank 0 writes the outputs. Exit codes: 0 done, 2 bad input (nothing ran), 75 stopped
+    by SIGTERM/SIGINT/SIGHUP/SIGUSR1, else the failed point's (when stopped or failed, bench.json and
+    report.md hold the points measured before)."""
     from rich.console import Console
     from rich.markup import escape
 

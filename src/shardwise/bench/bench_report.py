@@ -80,6 +80,10 @@ def write_report(out: Path, doc: dict[str, Any]) -> Path:
     lines = ["# shardwise bench", "", f"config `{doc['config']}`, {doc['steps']} steps, device {doc['device']}"
              + (f", launched by {doc['launcher']}" if doc.get("launcher") else ""),
              "", f"> {doc['memory_note']}", ""]
+    if doc.get("incomplete"):
+        inc = doc["incomplete"]
+        lines += [f"> **Incomplete:** {inc['reason']} after {inc['measured']} of {inc['points']} points; not "
+                  "measured: " + ", ".join(f"`{label}`" for label in inc["not_measured"]) + ".", ""]
     bound = [p for p in points if (p.get("comm_bound") or {}).get("bound")]
     if bound:
         lines += [f"**{len(bound)} of {len(points)} point(s) are communication-bound** (exposed communication "

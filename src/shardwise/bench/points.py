@@ -20,16 +20,24 @@ import itertools
 import json
 import os
 import re
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ExitCode, ShardwiseError
 
-# What a bench point forces on the config: N steps, no checkpoints or exports, quiet ranks.
+# What a bench point forces on the config: N steps, no checkpoints or exports (not even on SIGTERM:
+# an interrupted point is not resumed, it is left out of the report), quiet ranks.
 FORCED = ("checkpointing.save_final=false", "checkpointing.save_every_steps=null",
-          "checkpointing.save_every_minutes=null", "checkpointing.resume=null", "logging.progress=false",
-          "logging.tensorboard=false", "logging.wandb=false")
+          "checkpointing.save_every_minutes=null", "checkpointing.save_on_interrupt=false",
+          "checkpointing.resume=null", "logging.progress=false", "logging.tensorboard=false",
+          "logging.wandb=false")
+# Stops that end a bench early with the points measured so far reported (and exit code 75).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
 
 
 @dataclass
@@ -137,7 +145,7 @@ def launch(config: Path, p: Point, out: Path) -> list[dict[str, Any]]:
     extra = {"SHARDWISE_LAUNCHED": "1", OUT_ENV: str(rank_dir.resolve())}
     extra |= {"DS_ACCELERATOR": "cpu"} if p.device == "cpu" else {}
     threads = max(1, (os.cpu_count() or 1) // p.world) if p.device == "cpu" else None
-    lock = _own_output_dir(p.run.config)
+    lock = _own_output_dir(p.run.config, None)  # a fresh run: FORCED sets checkpointing.resume=null
     try:
         rc = spawn(argv, p.world, extra_env=extra, threads_per_rank=threads, run_dir=_run_dir(p.run.config))
     finally:
@@ -160,7 +168,7 @@ def launch_here(p: Point, out: Path, rank: int, last: bool = True) -> list[dict[
     rank_dir = out / "runs" / p.slug / "bench"
     rank_dir.mkdir(parents=True, exist_ok=True)
     os.environ[OUT_ENV] = str(rank_dir.resolve())  # where a CUDA memory snapshot goes
-    lock = _own_output_dir(p.run.config) if rank == 0 else None
+    lock = _own_output_dir(p.run.config, None) if rank == 0 else None  # fresh, as in launch
     try:
         rc, _, results = run_rank(p.run, p.planned_bytes, rank, gather=True, keep_group=not last)
     finally:
@@ -192,29 +200,121 @@ def bench_points(config: Path, overrides: list[str], steps: int, nproc: int | No
     points = prepare(config, overrides, steps, nproc, out, sweep, force,
                      world=int(launched["world_size"]) if launched else None)
 
+    stops: list[int] = []  # stop signals received while the bench ran (_stops_recorded)
+
     def run_point(p: Point) -> dict[str, Any] | None:
         ranks = launch_here(p, out, rank, last=p is points[-1]) if launched else launch(config, p, out)
         return compare(p, ranks, steps) if ranks is not None else None
 
-    results = []
-    if progress and rank == 0:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    results: list[dict[str, Any] | None] = []
+    failed: BenchFailed | None = None
 
-        bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       TextColumn("{task.fields[info]}"))
-        task = bar.add_task("bench", total=len(points), info="")
-        with bar:
-            for p in points:
-                bar.update(task, info=p.label)
+    def run_all(before: Any = None, after: Any = None) -> None:
+        nonlocal failed
+        for p in points:
+            if watch():
+                return
+            if before is not None:
+                before(p)
+            try:
                 results.append(run_point(p))
-                bar.advance(task)
-    else:
-        results = [run_point(p) for p in points]
+            except BenchFailed as e:  # a point that failed or was interrupted: report those before it
+                failed = e
+                return
+            if after is not None:
+                after(p)
+
+    with _stops_recorded(stops, enabled=not launched) as watch:
+        if progress and rank == 0:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[info]}"))
+            task = bar.add_task("bench", total=len(points), info="")
+            with bar:
+                run_all(lambda p: bar.update(task, info=p.label), lambda p: bar.advance(task))
+        else:
+            run_all()
     if rank != 0:
+        if failed is not None:
+            raise failed
         return None
     doc = {"config": str(config), "steps": steps, "overrides": overrides, "sweep": sweep or [],
            "device": points[0].device, "launcher": launched["launcher"] if launched else "spawn",
            "memory_note": memory_note(points[0].device), "points": results}
+    # a stop that came after the last point was measured changes nothing: the bench is complete
+    stopped = None if failed is None and len(results) == len(points) else _stop_text(stops, failed)
+    if stopped is not None:
+        if not results:  # nothing measured: nothing to report
+            raise failed if failed is not None else BenchFailed(f"bench {stopped} before any point was measured",
+                                                                 int(ExitCode.INTERRUPTED))
+        doc["incomplete"] = {"reason": stopped, "measured": len(results), "points": len(points),
+                             "not_measured": [p.label for p in points[len(results):]]}
     (out / "bench.json").write_text(json.dumps(doc, indent=2))
     write_report(out, doc)
+    if stopped is not None:
+        # a stop ends the bench with 75 whatever it did to the point in flight (a rank still starting
+        # dies of the forwarded SIGTERM: 143); a point that failed on its own keeps its code
+        code = int(ExitCode.INTERRUPTED) if stops or failed is None else failed.code
+        raise BenchFailed(f"bench {stopped} after {len(results)} of {len(points)} points; {out / 'bench.json'} and "
+                          f"{out / 'report.md'} hold the measured ones"
+                          + (f" ({failed})" if failed is not None else ""), code)
     return doc
+
+
+def _stop_text(stops: list[int], failed: BenchFailed | None) -> str | None:
+    """Why the bench ended early, or None when every point was measured."""
+    if stops:
+        return f"interrupted by {signal.Signals(stops[0]).name}"
+    if failed is None:
+        return None
+    interrupted = failed.code == ExitCode.INTERRUPTED or failed.code - 128 in (signal.SIGTERM, signal.SIGINT)
+    return "interrupted" if interrupted else "stopped by a failed point"
+
+
+@contextmanager
+def _stops_recorded(stops: list[int], enabled: bool = True) -> Iterator[Any]:
+    """Record SIGTERM/SIGINT/SIGHUP/SIGUSR1 in `stops` for the bench's lifetime, wherever they
+    land; yields `watch()`, which collects what arrived and returns `stops`.
+
+    Between points a stop used to kill the process with nothing written; now the bench writes
+    what it measured and exits 75. During a point, spawn's own handler forwards the stop to the
+    ranks (they stop at the next step: the point fails with 75) but keeps it to itself, and a
+    stop that lands as the ranks finish is forwarded to none and the point completes: so the
+    signal numbers are also taken from the wakeup fd (`signal.set_wakeup_fd`), which the
+    interpreter writes for every signal that has a Python handler, spawn's included. Main
+    thread only (elsewhere Python sets no handlers); the previous handlers and fd come back."""
+    wanted = [sig for name in STOP_SIGNALS if (sig := getattr(signal, name, None)) is not None]
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield lambda: stops
+        return
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    previous: dict[int, Any] = {}
+    old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    for sig in wanted:
+        if signal.getsignal(sig) == signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            continue
+        previous[sig] = signal.signal(sig, lambda signum, frame: None)  # the fd records it
+
+    def watch() -> list[int]:
+        while True:
+            try:
+                data = os.read(r, 512)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            stops.extend(b for b in data if b in wanted)
+        return stops
+
+    try:
+        yield watch
+    finally:
+        watch()
+        signal.set_wakeup_fd(old_fd)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        os.close(r)
+        os.close(w)
