@@ -108,11 +108,13 @@ class StrategySection(_Section):
 
 class OptimizerSection(_Section):
     name: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-4, gt=0, description="peak learning rate")
+    # finite numbers only: lr = inf passes `gt=0` and makes every weight inf at the first update
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="peak learning rate")
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0, description="set explicitly: torch AdamW's default is 0.01")
-    max_grad_norm: float = Field(1.0, ge=0, description="global-norm clipping; 0 disables")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                description="set explicitly: torch AdamW's default is 0.01")
+    max_grad_norm: float = Field(1.0, ge=0, allow_inf_nan=False, description="global-norm clipping; 0 disables")
     fused: bool | None = Field(None, description="fused AdamW; None = on CUDA only")
 
 
@@ -166,6 +168,9 @@ class CheckpointingSection(_Section):
                                     "then exit with code 75")
     resume: str | None = Field(None, description="'latest' (newest complete checkpoint under output_dir) or a "
                                "checkpoint directory; same as `shardwise train --resume`")
+    overwrite: bool = Field(False, description="a fresh run into an output_dir that holds an earlier run's "
+                            "checkpoints or exported model removes them first (refused otherwise); same as "
+                            "`shardwise train --overwrite`")
 
 
 class LoggingSection(_Section):

@@ -258,22 +258,64 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     note = single_gpu_note(run)
     if note:
         print(f"shardwise: {note}")
-    check_output_space(run)
+    check_output_space(run, existing_checkpoints=_lineage_checkpoints(cfg))
     check_data_size(run, prepare_data(run))
     return run, memory
 
 
-def check_output_space(run: RunSpec) -> None:
-    """The output dir is a directory (created if missing), writable, and has room for one
-    checkpoint and the export: found in a second, before the data cache is built in it and
-    hours before the first save."""
-    from shardwise.train.outputs import check_output_dir, checkpoint_bytes
+def output_bytes(run: RunSpec, existing_checkpoints: int = 0) -> tuple[int, str]:
+    """The most disk this run's outputs hold at once beyond what is already there, and how it
+    adds up. A save publishes checkpoint N+1 before it prunes beyond `keep_last`, so at its peak
+    a lineage holds keep_last + 1 checkpoints (of 12 bytes per trained parameter: fp32 weights
+    and AdamW's two moments; a LoRA run saves its adapters only); `existing_checkpoints` of the
+    resumed lineage already count. The export is written beside the old one before it is
+    replaced: its full size (fp32, 4 bytes per parameter; a LoRA adapter, and the merged model
+    with lora.save_merged)."""
+    from shardwise.train.outputs import checkpoint_bytes, size_text
 
     cfg = run.config
     cp = cfg.checkpointing
     saves = cp.save_every_steps is not None or cp.save_every_minutes is not None or cp.save_on_interrupt
-    need = (checkpoint_bytes(run.model.params) if saves else 0) + (4 * run.model.params if cp.save_final else 0)
-    check_output_dir(cp.output_dir, need, where=f"{cfg.source}: checkpointing.output_dir")
+    if run.train.lora_rank:
+        from shardwise.plan.lora import trainable_params
+
+        trained = int(trainable_params(run.model, run.train))
+    else:
+        trained = run.model.params
+    held = max(1, cp.keep_last + 1 - existing_checkpoints) if saves else 0
+    ckpt = held * checkpoint_bytes(trained)
+    export = 0
+    if cp.save_final:
+        export = 4 * trained
+        if cfg.lora is not None and cfg.lora.save_merged:
+            export += 4 * run.model.params
+    how = (f"{held} checkpoint(s) of {size_text(checkpoint_bytes(trained))} (keep_last {cp.keep_last} + the one "
+           f"being written{f', less {existing_checkpoints} already there' if existing_checkpoints else ''}; 12 "
+           f"bytes per trained parameter) + export {size_text(export)}")
+    return ckpt + export, how
+
+
+def _lineage_checkpoints(cfg: TrainConfig) -> int:
+    """Checkpoints a `--resume latest` run continues next to (they are on disk already)."""
+    if cfg.checkpointing.resume != "latest":
+        return 0
+    from shardwise.train.checkpoint import checkpoints_dir, published
+    from shardwise.train.lineage import read_lineage
+
+    lin = read_lineage(cfg.checkpointing.output_dir)
+    root = checkpoints_dir(cfg.checkpointing.output_dir)
+    return len(published(root, lin.lineage)) if lin is not None else len(published(root))
+
+
+def check_output_space(run: RunSpec, existing_checkpoints: int = 0) -> None:
+    """The output dir is a directory (created if missing), writable, and has room for what the
+    run will hold at its peak (`output_bytes`): found in a second, before the data cache is built
+    in it and hours before the first save."""
+    from shardwise.train.outputs import check_output_dir
+
+    need, how = output_bytes(run, existing_checkpoints)
+    check_output_dir(run.config.checkpointing.output_dir, need,
+                     where=f"{run.config.source}: checkpointing.output_dir", how=how)
 
 
 def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = True) -> Path | None:
