@@ -51,7 +51,8 @@ def hook_counts(model_dir: Path) -> dict[str, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        hf_cfg = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # never a checkpoint's code
+        model = AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=False)
     layers = list(model.model.layers)
     inside = sum(len(list(layer.modules())) - 1 for layer in layers)  # hooked only as submodules
     total = len(list(model.modules()))
