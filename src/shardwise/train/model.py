@@ -169,5 +169,9 @@ def trainable_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
 
             from shardwise.train.lora import ADAPTER_NAME, peft_config
 
-            model = inject_adapter_in_model(peft_config(run.config.lora), model, adapter_name=ADAPTER_NAME)
+            try:
+                model = inject_adapter_in_model(peft_config(run.config.lora), model, adapter_name=ADAPTER_NAME)
+            except ValueError as e:  # as apply_lora says it: "Target modules {...} not found"
+                raise ShardwiseError(f"{run.config.source}: lora.target_modules "
+                                     f"{run.config.lora.target_modules!r}: {e}") from None
     return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
