@@ -31,15 +31,25 @@ SUMMARY_NAME = "summary.json"
 RUNNING = "running"
 
 
-def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:
+def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path | None:
     """Replace `<output_dir>/summary.json` with `summary` in one rename: a reader (or a kill)
     never sees half a file. The temp file carries shardwise's temp name (start-up clean-up
-    removes one a kill left behind)."""
+    removes one a kill left behind). A write that fails (a full disk) leaves the earlier file,
+    removes its temp file and says so on stderr: it never turns the run's own exit code into a
+    traceback's. None then."""
+    import sys
+
     d = Path(output_dir)
-    d.mkdir(parents=True, exist_ok=True)
     tmp = d / f"{TMP_PREFIX}{SUMMARY_NAME}-{os.getpid()}{TMP_SUFFIX}"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, d / SUMMARY_NAME)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, d / SUMMARY_NAME)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        print(f"shardwise: could not write {d / SUMMARY_NAME} (status {summary.get('status')!r}): "
+              f"{e.strerror or e}", file=sys.stderr, flush=True)
+        return None
     return d / SUMMARY_NAME
 
 
