@@ -143,7 +143,7 @@ def build_model(run: RunSpec):
     if run.train.fused_kernels:  # run.compile (the bridge decides it once, for plan and build)
         from shardwise.train.compile import compile_layers
 
-        compile_layers(model, run.config.run.compile_backend)
+        compile_layers(model, run.config.run.compile_backend, run)
     return model
 
 
