@@ -1,17 +1,32 @@
-"""Export consolidated weights as a Hugging Face model directory: `model.safetensors`,
-`config.json` and the tokenizer, loadable by `AutoModelForCausalLM.from_pretrained` (no code,
-no pickles: safetensors only)."""
+"""Export consolidated weights as a Hugging Face model directory: safetensors (one
+`model.safetensors`, or `model-0000i-of-0000N.safetensors` shards with a
+`model.safetensors.index.json`), `config.json` and the tokenizer, loadable by
+`AutoModelForCausalLM.from_pretrained` (no code, no pickles: safetensors only).
+
+The weights are written in `export.dtype` (default: the run's compute dtype), one shard at a
+time: a shard's tensors are fetched (from memory, or read from a checkpoint), cast, written
+and dropped before the next, so the host holds about one shard beyond what it already had."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from shardwise.train.config import TrainConfig
+from shardwise.train.config import EXPORT_DTYPE_OF_PRECISION, TrainConfig
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# name -> (shape, dtype) of the tensors to write; a reader gives the named tensors (any float dtype)
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+Reader = Callable[[list[str]], dict[str, torch.Tensor]]
 
 
 def export_dir(cfg: TrainConfig) -> Path:
@@ -19,24 +34,74 @@ def export_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.checkpointing.output_dir) / "model"
 
 
+def export_dtype(cfg: TrainConfig) -> torch.dtype:
+    """`export.dtype`, `auto` being the dtype the run computes in (its `precision`)."""
+    name = cfg.export.dtype
+    return TORCH_DTYPES[EXPORT_DTYPE_OF_PRECISION[cfg.precision] if name == "auto" else name]
+
+
 def export_hf(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> Path:
-    """Write the directory under a temp name and rename it when complete: a killed export
-    never leaves a directory that looks finished (shardwise.train.outputs.atomic_dir)."""
+    """Consolidated weights held in memory (the end of training, a merged LoRA model): through
+    `write_hf`, so the cast copies are made one shard at a time, never of the whole model."""
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+    return write_hf(cfg, shapes, lambda names: {k: weights[k] for k in names}, out)
+
+
+def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
+    """Write the Hugging Face directory under a temp name and rename it when complete: a killed
+    export never leaves a directory that looks finished (shardwise.train.outputs.atomic_dir).
+
+    The shards are planned from the shapes alone by huggingface_hub's splitter (the one
+    transformers' save_pretrained uses: names in order, a new file when the next tensor would
+    pass `export.max_shard_size`, a larger tensor in a file of its own, one `model.safetensors`
+    and no index when all fit in one). Then per shard: `read` its tensors, cast them to the
+    export dtype, refuse NaN/Inf (also an fp32 value that overflows fp16), `save_file`, drop."""
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
     from safetensors.torch import save_file
 
     from shardwise.train.outputs import atomic_dir
 
-    hf_config = _hf_config(cfg)
+    dtype = export_dtype(cfg)
+    hf_config = _hf_config(cfg, dtype)
     tied = bool(hf_config.get("tie_word_embeddings", False))
     # Tied weights appear under two names and safetensors refuses shared storage: keep one
     # name, as transformers' own save_pretrained does (the tie is restored on load).
-    tensors = {k: v.contiguous().clone() for k, v in weights.items() if not (tied and k == "lm_head.weight")}
-    refuse_nonfinite(tensors, out)
+    names = {k: v for k, v in shapes.items() if not (tied and k == "lm_head.weight")}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    split = split_state_dict_into_shards_factory(
+        names, get_storage_size=lambda s: _numel(s[0]) * itemsize,
+        filename_pattern="model{suffix}.safetensors", max_shard_size=cfg.export.max_shard_bytes)
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for filename, keys in split.filename_to_tensors.items():
+            shard = _cast(read(keys), keys, dtype)
+            refuse_nonfinite(shard, out, dtype)
+            save_file(shard, str(tmp / filename), metadata={"format": "pt"})
+            del shard
+        if split.is_sharded:
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         _copy_tokenizer(cfg, tmp)
         _umask_modes(tmp)
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _cast(tensors: dict[str, torch.Tensor], keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Own contiguous copies in `dtype` (safetensors refuses tensors sharing storage, and a
+    caller's tensors are never aliased into the file), each source dropped once copied: a
+    shard read from a checkpoint goes from fp32 to the export dtype without both whole copies."""
+    out = {}
+    for k in keys:
+        t = tensors.pop(k)
+        out[k] = t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+        del t
     return out
 
 
@@ -57,40 +122,70 @@ def _umask_modes(d: Path) -> None:
     """safetensors (and PEFT through it) create their files 0600 (a temp file renamed); give them
     the mode every other exported file has, 0666 less the umask (0644 under the usual 022)."""
     mode = 0o666 & ~_umask()
-    for f in d.rglob("*.safetensors"):
+    for f in [*d.rglob("*.safetensors"), *d.rglob("*.safetensors.index.json")]:
         if f.is_file() and not f.is_symlink():
             f.chmod(mode)
 
 
-def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False) -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False, overrides: tuple[str, ...] = ()) -> Path:
     """A Hugging Face directory from any shardwise checkpoint, on one process and without the
-    world size or engine that wrote it: the fp32 master weights (`model.*`), the config the
-    run was trained with, and its tokenizer. A LoRA checkpoint (adapters only) exports as a
-    PEFT adapter, or with `merged` as the base with the adapters merged in."""
+    world size or engine that wrote it: the fp32 master weights (`model.*`) in `export.dtype`,
+    the config the run was trained with, and its tokenizer. A LoRA checkpoint (adapters only)
+    exports as a PEFT adapter, or with `merged` as the base with the adapters merged in.
+    `overrides` are `export.*` assignments (`export.dtype=fp32`) applied to the run's config.
+
+    A full checkpoint is read shard by shard (`read_tensors` of one shard's keys): the host
+    holds one shard's fp32 tensors and its cast copy, not the model."""
     from shardwise.train.checkpoint import read_manifest, read_tensors, tensor_shapes
-    from shardwise.train.config import TrainConfig
 
     manifest = read_manifest(checkpoint)
-    cfg = TrainConfig.model_validate({**manifest["config"], "source": str(checkpoint / "manifest.json")})
-    keys = [k for k in tensor_shapes(checkpoint) if k.startswith("model.")]
-    weights = {k.removeprefix("model."): v for k, v in read_tensors(checkpoint, keys).items()}
-    if cfg.lora is not None:
+    cfg = _checkpoint_config(manifest["config"], checkpoint / "manifest.json", overrides)
+    shapes = {k.removeprefix("model."): v for k, v in tensor_shapes(checkpoint).items() if k.startswith("model.")}
+    if cfg.lora is not None:  # adapters only: small
+        weights = {k.removeprefix("model."): v for k, v in read_tensors(checkpoint, [f"model.{k}" for k in shapes]).items()}
         return export_lora(cfg, weights, out, merged=merged)
     if merged:
         raise ValueError(f"{checkpoint} is a full fine-tuning checkpoint: it has no adapters to merge; "
                          "export it without --merged")
-    return export_hf(cfg, weights, out)
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        got = read_tensors(checkpoint, [f"model.{k}" for k in names])
+        return {k.removeprefix("model."): v for k, v in got.items()}
+
+    return write_hf(cfg, shapes, read, out)
 
 
-def refuse_nonfinite(tensors: dict[str, torch.Tensor], out: Path) -> None:
-    """No export holds NaN/Inf weights (NonFiniteError: exit 3, nothing written)."""
+def _checkpoint_config(raw: dict, source: Path, overrides: tuple[str, ...]) -> TrainConfig:
+    """The run's TrainConfig from its manifest, with `--set export.*` applied (only those: the
+    model, data and training of a checkpoint are what they were)."""
+    import copy
+
+    from shardwise.errors import ShardwiseError
+    from shardwise.train.config import apply_override, validate
+
+    raw = copy.deepcopy(raw)
+    for o in overrides:
+        key = o.split("=", 1)[0].strip()
+        if not key.startswith("export.") or key == "export.":
+            raise ShardwiseError(f"--set {o!r}: only export.* settings can be changed when exporting a "
+                                 "checkpoint (export.dtype=auto|bf16|fp16|fp32, export.max_shard_size=5GB); "
+                                 "the model and training are the checkpoint's")
+        apply_override(raw, o)
+    return validate(raw, str(source) + (" (after the --set overrides)" if overrides else ""))
+
+
+def refuse_nonfinite(tensors: dict[str, torch.Tensor], out: Path, dtype: torch.dtype | None = None) -> None:
+    """No export holds NaN/Inf weights (NonFiniteError: exit 3, nothing written). With `dtype`
+    the tensors are the cast ones: a finite fp32 weight beyond fp16's range is refused too."""
     from shardwise.errors import NonFiniteError
     from shardwise.train.checkpoint import nonfinite_tensors
 
     bad = nonfinite_tensors(tensors)
     if bad:
-        raise NonFiniteError(f"{out}: refusing to export non-finite weights ({len(bad)} of {len(tensors)} "
-                             f"tensors, e.g. {bad[0]}); nothing was written")
+        what = f" in {HF_DTYPE_NAMES.get(dtype, dtype)}" if dtype is not None and dtype != torch.float32 else ""
+        of = " of a shard" if dtype is not None else ""
+        raise NonFiniteError(f"{out}: refusing to export non-finite weights{what} ({len(bad)} of {len(tensors)} "
+                             f"tensors{of}, e.g. {bad[0]}); nothing was written")
 
 
 def is_adapter_weight(name: str) -> bool:
@@ -156,18 +251,30 @@ def _peft_with(cfg: TrainConfig, adapters: dict[str, torch.Tensor]):
     return pm
 
 
-def _hf_config(cfg: TrainConfig) -> dict:
-    """The model's own config.json (local checkpoint) or the catalog shape's transformers config."""
+def _hf_config(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """The model's own config.json (local checkpoint) or the catalog shape's transformers config,
+    with the exported dtype (`dtype`, and the `torch_dtype` older transformers read) and
+    `architectures` (the causal-LM class transformers maps the model_type to, when the config
+    does not name one): what from_pretrained and serving stacks (vLLM, TGI) look for."""
     if cfg.model.path:
-        return json.loads((Path(cfg.model.path) / "config.json").read_text())
-    from transformers import AutoConfig
+        out = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    else:
+        from transformers import AutoConfig
 
-    from shardwise.run import model_spec
+        from shardwise.run import model_spec
 
-    spec = model_spec(cfg)
-    # for_model instantiates a built-in config class (CONFIG_MAPPING): it loads no code and takes no
-    # trust_remote_code (a keyword would be stored as a field of the exported config.json).
-    return AutoConfig.for_model(**spec.to_hf_dict()).to_dict() | {"torch_dtype": "float32"}
+        spec = model_spec(cfg)
+        # for_model instantiates a built-in config class (CONFIG_MAPPING): it loads no code and takes no
+        # trust_remote_code (a keyword would be stored as a field of the exported config.json).
+        out = AutoConfig.for_model(**spec.to_hf_dict()).to_dict()
+    if not out.get("architectures"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(out.get("model_type", ""))
+        if arch:
+            out["architectures"] = [arch]
+    name = HF_DTYPE_NAMES[dtype]
+    return out | {"dtype": name, "torch_dtype": name}
 
 
 def _copy_tokenizer(cfg: TrainConfig, out: Path) -> None:

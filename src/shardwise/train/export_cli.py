@@ -24,8 +24,12 @@ def export_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it already has files.")] = False,
     merged: Annotated[bool, typer.Option("--merged", help="LoRA checkpoints: write the base with the adapters "
                                          "merged in (safetensors) instead of the PEFT adapter.")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Export setting over the run's: export.dtype=auto|bf16|fp16|fp32, "
+        "export.max_shard_size=5GB (repeatable).")] = None,
 ) -> None:
-    """Write the checkpoint's fp32 weights, model config and tokenizer, loadable by
+    """Write the checkpoint's weights in the run's compute dtype (export.dtype), sharded at
+    export.max_shard_size, with the model config and tokenizer, loadable by
     `AutoModelForCausalLM.from_pretrained(OUT)`. A LoRA checkpoint writes the PEFT adapter
     (`peft.PeftModel.from_pretrained(base, OUT)`), or with --merged the merged model.
     Written beside OUT and renamed when complete."""
@@ -41,7 +45,7 @@ def export_cmd(
             raise ShardwiseError(f"OUT {str(out)!r} already has files; pass --overwrite to replace it")
         path = resolve_resume(str(checkpoint), checkpoint)
         assert path is not None  # an explicit path resolves or raises
-        written = export_checkpoint(path, out, merged=merged)
+        written = export_checkpoint(path, out, merged=merged, overrides=tuple(set_ or ()))
     except NonFiniteError as e:
         Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.NONFINITE) from None
