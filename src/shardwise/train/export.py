@@ -73,7 +73,9 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
         filename_pattern="model{suffix}.safetensors", max_shard_size=cfg.export.max_shard_bytes)
     with atomic_dir(out) as tmp:
         for filename, keys in split.filename_to_tensors.items():
-            shard = _cast(read(keys), keys, dtype)
+            shard: dict[str, torch.Tensor] = {}
+            for group in _groups(keys, names, cfg.export.max_shard_bytes // 2):
+                shard |= _cast(read(group), group, dtype)
             refuse_nonfinite(shard, out, dtype)
             save_file(shard, str(tmp / filename), metadata={"format": "pt"})
             del shard
@@ -91,6 +93,22 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= int(d)
     return n
+
+
+def _groups(keys: list[str], shapes: Shapes, budget: int) -> list[list[str]]:
+    """A shard's keys in reads of at most `budget` source bytes (a larger tensor alone): the fp32
+    tensors read from a checkpoint are half a shard at a time beside the shard's cast copies."""
+    out: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        shape, dtype = shapes[k]
+        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        if out[-1] and size + n > budget:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += n
+    return [g for g in out if g]
 
 
 def _cast(tensors: dict[str, torch.Tensor], keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
