@@ -394,6 +394,7 @@ def save_checkpoint(
     strategy: str,
     keep_last: int,
     lineage: Any = None,
+    protect: int | None = None,
 ) -> Path:
     """Write, verify and publish `checkpoints/step-N` (collective: every rank calls it).
 
@@ -402,7 +403,8 @@ def save_checkpoint(
     directory is removed, the previous checkpoints are untouched, and all ranks raise the same
     error (OutOfSpaceError, with the bytes needed and free, when the disk or quota is full).
     `lineage` (shardwise.train.lineage.Lineage) goes into the manifest, and `keep_last` prunes
-    only that lineage's checkpoints."""
+    only that lineage's checkpoints; the checkpoint of step `protect` (the best evaluation's,
+    `checkpointing.save_best`) is kept besides them."""
     from shardwise.errors import NonFiniteError
     from shardwise.train.outputs import is_own_tmp, make_own_tmp_dir, publish_own_tmp_dir
 
@@ -448,7 +450,7 @@ def save_checkpoint(
     if rank == 0 and not any(failures):
         try:
             _publish(tmp, final, root, state, gathered, config, strategy, world, lineage, keep_last,
-                     publish_own_tmp_dir)
+                     publish_own_tmp_dir, protect=protect)
         except OSError as e:
             failure = _failure(e)
     failures = _gather(failure)
@@ -469,7 +471,8 @@ def _free_bytes(d: Path) -> int:
 
 
 def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: list[Any], config: dict[str, Any],
-             strategy: str, world: int, lineage: Any, keep_last: int, publish: Callable[[Path, Path], None]) -> None:
+             strategy: str, world: int, lineage: Any, keep_last: int, publish: Callable[[Path, Path], None],
+             protect: int | None = None) -> None:
     """Rank 0: trainer state and manifest (last, fsynced), the atomic rename, then pruning."""
     (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
     files: dict[str, Any] = {}
@@ -501,8 +504,41 @@ def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: 
     else:
         publish(tmp, final)
     _fsync_dir(root)
-    for _, d in published(root, lineage.lineage if lineage is not None else None)[:-keep_last]:
-        shutil.rmtree(d, ignore_errors=True)
+    for step, d in published(root, lineage.lineage if lineage is not None else None)[:-keep_last]:
+        if step != protect:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+BEST = "best.json"
+
+
+def write_best(output_dir: str | Path, step: int, eval_loss: float, lineage: Any = None) -> Path:
+    """`checkpoints/best.json` (rank 0, atomic): the step whose checkpoint had the lowest eval
+    loss so far (`checkpointing.save_best: eval_loss`); pruning keeps that checkpoint."""
+    from shardwise.train.outputs import TMP_SUFFIX
+
+    root = checkpoints_dir(output_dir)
+    record = {"metric": "eval_loss", "step": step, "eval_loss": eval_loss, "checkpoint": step_dir_name(step),
+              "lineage": lineage.lineage if lineage is not None else None}
+    tmp = root / f"{TMP_PREFIX}{BEST}-{os.getpid()}{TMP_SUFFIX}"  # start-up clean-up removes a stray one
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, root / BEST)
+    return root / BEST
+
+
+def read_best(output_dir: str | Path, lineage: Any = _ANY) -> dict[str, Any] | None:
+    """The best.json record, when its checkpoint is still published (and, with `lineage`, of that
+    lineage); None otherwise."""
+    root = checkpoints_dir(output_dir)
+    try:
+        record = json.loads((root / BEST).read_text())
+        step = int(record["step"])
+        float(record["eval_loss"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if lineage is not _ANY and record.get("lineage") != lineage:
+        return None
+    return record if any(s == step for s, _ in published(root)) else None
 
 
 def _raise_save_failure(failures: list[Any], final: Path, need: int, free: int) -> None:

@@ -154,6 +154,12 @@ class RunSection(_Section):
                                  "does) under fsdp* and ddp; None = on for CUDA, off on CPU")
     compile_backend: str = Field("inductor", description="torch.compile backend (inductor; aot_eager or eager "
                                  "to debug a compile problem)")
+    eval_every_steps: int | None = Field(None, gt=0, description="evaluate the validation split (data.sft."
+                                         "validation_files or validation_fraction) every N optimizer steps and "
+                                         "after the last one; null: no evaluation")
+    eval_batches: int | None = Field(None, gt=0, description="validation rows each evaluation reads, in global "
+                                     "batches (run.micro_batch × run.grad_accum × ranks rows, the training "
+                                     "global batch) from the split's start; null: the whole split")
 
 
 class CheckpointingSection(_Section):
@@ -164,6 +170,9 @@ class CheckpointingSection(_Section):
     save_every_minutes: float | None = Field(30.0, gt=0, description="sharded checkpoint every N minutes of "
                                              "training (checked at step boundaries; null: only save_every_steps)")
     keep_last: int = Field(2, ge=1, description="published checkpoints kept; older ones are deleted")
+    save_best: Literal["eval_loss"] | None = Field(None, description="eval_loss: save a checkpoint at every "
+                                                   "evaluation and keep the one with the lowest eval loss "
+                                                   "besides the keep_last newest (checkpoints/best.json names it)")
     save_on_interrupt: bool = Field(True, description="SIGTERM/SIGUSR1: checkpoint at the next step boundary, "
                                     "then exit with code 75")
     resume: str | None = Field(None, description="'latest' (newest complete checkpoint under output_dir) or a "

@@ -99,3 +99,48 @@ def build_source(run: RunSpec, env: DistEnv, vocab_size: int, consumed: int = 0)
         mine = consumed // env.world_size
         sampler.load_state_dict({"epoch": mine // sampler.num_samples, "position": mine % sampler.num_samples})
     return iter_steps(ds, sampler_indices(sampler), r.micro_batch, r.grad_accum, collate)
+
+
+def eval_layout(n_rows: int, env: DistEnv, micro_batch: int) -> list[list[int | None]]:
+    """This rank's micro-batches of one evaluation pass over rows 0..n_rows-1: deterministic (no
+    shuffle), round k of the pass takes rows [k·M·W, (k+1)·M·W) and rank r the r-th M of them.
+    Every rank runs the same number of forwards (each is a collective under FSDP2, ZeRO-3 and
+    DDP); a slot past the last row is None (a row without targets: it adds nothing). The union
+    over ranks is every row exactly once, whatever the world size."""
+    per_round = micro_batch * env.world_size
+    rounds = -(-n_rows // per_round)
+    out = []
+    for k in range(rounds):
+        first = k * per_round + env.rank * micro_batch
+        out.append([i if i < n_rows else None for i in range(first, first + micro_batch)])
+    return out
+
+
+def _no_target(row: Batch) -> dict[str, Any]:
+    """A one-token stand-in with no target, shaped like `row` (padding an evaluation round)."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if k == "seq_lens":
+            out[k] = [1]
+        elif k == "labels":
+            out[k] = v[:1] * 0 + IGNORE_INDEX
+        else:
+            out[k] = v[:1]
+    return out
+
+
+def build_eval_batches(run: RunSpec, env: DistEnv) -> list[Batch]:
+    """This rank's micro-batches of one pass over the validation split (`data.sft`'s
+    validation_files / validation_fraction), the first `run.eval_batches` global batches of it
+    (micro_batch × grad_accum × ranks rows each) or all of it. Built once; every evaluation
+    reads the same batches."""
+    from shardwise.train.sft_data import build_sft_split
+
+    cfg = run.config
+    r = cfg.run
+    ds, collate = build_sft_split(run, "validation")
+    n = len(ds)
+    if r.eval_batches is not None:
+        n = min(n, r.eval_batches * r.micro_batch * r.grad_accum * env.world_size)
+    filler = _no_target(ds[0])
+    return [collate([ds[i] if i is not None else filler for i in rows]) for rows in eval_layout(n, env, r.micro_batch)]

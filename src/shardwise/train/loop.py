@@ -9,6 +9,11 @@ Per optimizer step:
    `zero_grad()` overlap it;
 4. the logged loss is the all-reduced loss sum over the global count: the exact mean over
    the step's targets, equal to what one process computes on the whole global batch.
+
+Evaluation (`run.eval_every_steps`): at every N-th step boundary and after the last step, each
+rank runs `engine.evaluate` over its fixed slice of the validation split (the same rows on every
+world size, shardwise.train.data.eval_layout); the eval loss is the all-reduced loss sum over
+the all-reduced target count: the exact mean over the split's targets.
 """
 
 from __future__ import annotations
@@ -46,6 +51,19 @@ class StepRecord:
 
 
 @dataclass
+class EvalRecord:
+    step: int  # optimizer steps done when the validation split was evaluated
+    eval_loss: float  # mean token loss over the split's (or run.eval_batches') target tokens, all ranks
+    eval_ppl: float  # exp(eval_loss)
+    eval_tokens: int  # the target tokens it averages over (global)
+    eval_time_s: float = 0.0
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 709 else float("inf")  # exp overflows past ~709.78
+
+
+@dataclass
 class TrainResult:
     records: list[StepRecord] = field(default_factory=list)
     final_weights: dict[str, torch.Tensor] | None = None  # rank 0, when asked
@@ -53,6 +71,8 @@ class TrainResult:
     status: str = "completed"  # or "interrupted" (a checkpoint was saved: resume continues)
     start_step: int = 0  # > 0 when resumed
     checkpoint: Path | None = None  # the last checkpoint this run published
+    evals: list[EvalRecord] = field(default_factory=list)
+    best_step: int | None = None  # checkpointing.save_best: the step of the best eval loss's checkpoint
 
     @property
     def losses(self) -> list[float]:
@@ -199,6 +219,18 @@ def train(
         from shardwise.train.data import build_source
 
         steps = build_source(run, env, model.config.vocab_size, consumed=start * global_batch)
+    every = cfg.run.eval_every_steps
+    eval_batches: list[dict[str, torch.Tensor]] = []
+    if every is not None:
+        from shardwise.train.data import build_eval_batches
+
+        eval_batches = build_eval_batches(run, env)
+    eval_targets = sum(count_target_tokens(b) for b in eval_batches)
+    best_loss, best_step = math.inf, None
+    if cp.save_best and resume is not None and env.is_main:  # rank 0 prunes: it alone needs the best
+        record = ckpt.read_best(cp.output_dir, lineage.lineage if lineage is not None else None)
+        if record is not None and int(record["step"]) <= start:
+            best_loss, best_step = float(record["eval_loss"]), int(record["step"])
     lr_at = build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.run.steps)
     result = TrainResult(num_params=num_params, start_step=start)
     if metrics is not None:
@@ -229,9 +261,37 @@ def train(
         state = ckpt.TrainerState(step=step, samples_consumed=step * global_batch, global_batch=global_batch,
                                   train_time_s=train_time)  # fmt: skip
         path = ckpt.save_checkpoint(engine, state, cp.output_dir, config=cfg.model_dump(mode="json"),
-                                    strategy=run.strategy.name, keep_last=cp.keep_last, lineage=lineage)  # fmt: skip
+                                    strategy=run.strategy.name, keep_last=cp.keep_last, lineage=lineage,
+                                    protect=best_step if cp.save_best else None)  # fmt: skip
         result.checkpoint, last_save = path, time.monotonic()
+        if cp.save_best and best_step == step and env.is_main:
+            ckpt.write_best(cp.output_dir, step, best_loss, lineage)
         return path
+
+    def evaluate(step: int) -> EvalRecord:
+        """One pass over this rank's validation batches (collective: every rank runs the same
+        number of forwards), then one reduce of [loss sum, target count]."""
+        nonlocal best_loss, best_step
+        phase("evaluate", step)
+        t0 = time.perf_counter()
+        sums = [engine.evaluate(b) for b in eval_batches]
+        local = float(torch.stack(sums).double().sum()) if sums else 0.0
+        loss_sum, targets = meta.wait(meta.start([local, float(eval_targets)]))
+        if targets == 0:
+            raise RuntimeError(f"step {step}: the validation split has no target tokens")
+        loss = loss_sum / targets
+        rec = EvalRecord(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(targets),
+                         eval_time_s=time.perf_counter() - t0)
+        result.evals.append(rec)
+        if metrics is not None:
+            metrics.log_eval(rec)
+        if loss < best_loss:  # the same all-reduced value on every rank: the same decision
+            best_loss, best_step = loss, step
+            result.best_step = step if cp.save_best else None
+        return rec
+
+    def eval_due(step: int) -> bool:
+        return every is not None and (step % every == 0 or step == cfg.run.steps)
 
     def counts(micro: list[dict[str, torch.Tensor]]) -> list[float]:
         return [sum(count_target_tokens(b) for b in micro), sum(b["input_ids"].numel() for b in micro)]
@@ -249,8 +309,13 @@ def train(
             targets, tokens, prev_total, stop_vote, time_vote = meta.wait(reduce)
             finite = finish(prev, prev_total)
             if step > start:  # a boundary: `step` optimizer steps are done and applied
+                # a stop request skips a due evaluation: the stop must be prompt
+                evaluated = finite and not stop_vote and eval_due(step)
+                if evaluated:
+                    evaluate(step)
                 if finite and ((cp.save_every_steps and step % cp.save_every_steps == 0) or time_vote
-                               or (stop_vote and cp.save_on_interrupt)):  # fmt: skip
+                               or (stop_vote and cp.save_on_interrupt)
+                               or (evaluated and cp.save_best)):  # fmt: skip
                     save(step)
                 if stop_vote:
                     signum = stop.signum if stop is not None and stop.signum else signal.SIGTERM
@@ -287,7 +352,10 @@ def train(
             phase("all_reduce(step counts)", cfg.run.steps)
             finite = finish(prev, meta.wait(reduce)[2])
             guard.at_end(prev)
-            if periodic and finite and prev is not None:
+            evaluated = finite and prev is not None and eval_due(cfg.run.steps)
+            if evaluated:
+                evaluate(cfg.run.steps)
+            if (periodic or (evaluated and cp.save_best)) and finite and prev is not None:
                 save(cfg.run.steps)
         if export_weights:
             phase("export gather", cfg.run.steps)

@@ -196,9 +196,32 @@ class Metrics:
             mfu = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
             info = (
                 f"loss {rec.loss:.4f} lr {rec.lr:.2e} gnorm {rec.grad_norm:.3f} {tps:,.0f} tok/s{mfu} "
-                f"mem {row['memory_bytes'] / GIB:.2f} GiB"
+                f"mem {row['memory_bytes'] / GIB:.2f} GiB{getattr(self, '_eval_info', '')}"
             )
             self.progress.update(self.task, completed=rec.step, info=info)
+
+    def log_eval(self, rec: Any) -> None:
+        """An evaluation (shardwise.train.loop.EvalRecord): a `"kind": "eval"` line in
+        metrics.jsonl, `eval/loss` and `eval/ppl` in TensorBoard, the progress line, and the best
+        and last eval loss for summary.json. Every rank keeps the numbers (they are all-reduced)."""
+        self.evals = [*getattr(self, "evals", []), rec]
+        if not self._on:
+            return
+        row = {"kind": "eval", **asdict(rec)}
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb:
+            self.tb.add_scalar("eval/loss", rec.eval_loss, rec.step)
+            self.tb.add_scalar("eval/ppl", rec.eval_ppl, rec.step)
+        if self.wandb:
+            self.wandb.log({"eval/loss": rec.eval_loss, "eval/ppl": rec.eval_ppl}, step=rec.step)
+        if self.progress:  # kept on the line until the next evaluation
+            self._eval_info = f" | eval {rec.eval_loss:.4f} (ppl {rec.eval_ppl:.2f}, step {rec.step})"
+            self.progress.update(self.task, info=f"eval loss {rec.eval_loss:.4f} ppl {rec.eval_ppl:.2f} "
+                                 f"(step {rec.step}, {rec.eval_tokens:,} targets)")
+        else:
+            print(f"shardwise: step {rec.step}: eval loss {rec.eval_loss:.4f}, ppl {rec.eval_ppl:.3f} "
+                  f"over {rec.eval_tokens:,} target tokens", flush=True)
 
     def close(self, status: str = "completed", reason: str | None = None, **extra: Any) -> dict[str, Any]:
         """Write `summary.json` (atomically) with the run's final `status`: completed,
@@ -227,6 +250,12 @@ class Metrics:
             "wall_s": time.perf_counter() - self.t0,
             "params": self.num_params,
         }
+        evals = getattr(self, "evals", [])
+        if evals:
+            self.summary["best_eval_loss"] = min(e.eval_loss for e in evals)
+            self.summary["best_eval_step"] = min(evals, key=lambda e: e.eval_loss).step
+            self.summary["final_eval_loss"] = evals[-1].eval_loss
+            self.summary["final_eval_step"] = evals[-1].step
         if self.flops_per_token and self.summary["tokens_per_s"]:
             self.summary["tflops"] = self.summary["tokens_per_s"] * self.flops_per_token / 1e12
         run = _this_run(self.dir)
@@ -255,6 +284,9 @@ def print_summary(s: dict[str, Any]) -> None:
         Console().print(t)
         return
     t.add_row("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+    if s.get("final_eval_loss") is not None:
+        t.add_row("eval loss", f"{s['final_eval_loss']:.4f} final, {s['best_eval_loss']:.4f} best "
+                  f"(step {s['best_eval_step']})")
     t.add_row("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms")
     t.add_row(
         "throughput",

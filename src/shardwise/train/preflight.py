@@ -83,6 +83,30 @@ def check_data(cfg: TrainConfig) -> None:
     resolve_files(dc.train_files, where=f"{cfg.source}: data.sft.train_files")
 
 
+def check_eval(cfg: TrainConfig) -> None:
+    """`run.eval_every_steps` needs a validation split (data.sft.validation_files or
+    data.sft.validation_fraction: the issue's eval_files / eval_fraction), and
+    `checkpointing.save_best` needs evaluations; refused here, before any rank starts."""
+    r, sft = cfg.run, cfg.data.sft
+    if cfg.checkpointing.save_best is not None and r.eval_every_steps is None:
+        raise ShardwiseError(f"{cfg.source}: checkpointing.save_best = {cfg.checkpointing.save_best!r} needs "
+                             "evaluations: set run.eval_every_steps (and a validation split).")
+    if r.eval_every_steps is None:
+        return
+    if cfg.data.kind != "sft":
+        raise ShardwiseError(f"{cfg.source}: run.eval_every_steps = {r.eval_every_steps} needs a validation split, "
+                             f"and data.kind {cfg.data.kind!r} has none; use data.kind: sft with "
+                             "data.sft.validation_files or data.sft.validation_fraction, or unset run.eval_every_steps.")
+    if not sft.validation_files and sft.validation_fraction == 0:
+        raise ShardwiseError(f"{cfg.source}: run.eval_every_steps = {r.eval_every_steps} needs a validation split: "
+                             "set data.sft.validation_files (files) or data.sft.validation_fraction (a fraction "
+                             "of the training records, e.g. 0.05), or unset run.eval_every_steps.")
+    if sft.validation_files:
+        from shardwise.data.formats import resolve_files
+
+        resolve_files(sft.validation_files, where=f"{cfg.source}: data.sft.validation_files")
+
+
 def prepare_data(run: RunSpec) -> Path | None:
     """The expensive part, last, once: the tokenizer against the model's vocabulary, then the
     files parsed, validated, templated, tokenised and packed into the data cache every rank
@@ -247,6 +271,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_model_source(cfg.model, cfg.source)
     check_qlora(cfg, device)
     check_data(cfg)
+    check_eval(cfg)
     run = run_spec(cfg, world_size, device)
     note = attention_note(run)  # refuses an SDPA request the architecture cannot run
     if note:

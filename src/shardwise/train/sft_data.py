@@ -89,31 +89,37 @@ def prepare_sft(run: RunSpec) -> Path:
     tok_dir = resolved_tokenizer_path(cfg)
     tok = load_tokenizer(tok_dir, trust_remote_code=cfg.model.trust_remote_code)
     check_vocab(cfg, tok, run.model.vocab_size, tok_dir)  # config.json's or the catalog's
-    return ensure_cache(data_config(cfg), tok, tok_dir, data_cache_dir(cfg), split="train")
+    dc = data_config(cfg)
+    if cfg.run.eval_every_steps is not None:  # the validation split the evaluations read, cached too
+        ensure_cache(dc, tok, tok_dir, data_cache_dir(cfg), split="validation")
+    return ensure_cache(dc, tok, tok_dir, data_cache_dir(cfg), split="train")
 
 
-def build_sft(run: RunSpec, env: DistEnv) -> tuple[Any, Any, Any]:
-    """Dataset, collator and sampler of this rank. The dataset comes from the data cache that
-    preflight wrote (the same rows as building it here, without tokenising again); without
-    one (a caller that skipped preflight) it is built in memory."""
-    from shardwise.data import (
-        ResumableDistributedSampler,
-        SFTCollator,
-        build_dataset,
-        find_cache,
-        load_dataset,
-        load_tokenizer,
-    )
+def build_sft_split(run: RunSpec, split: str) -> tuple[Any, Any]:
+    """Dataset and collator of one split ("train" or "validation"): from the data cache preflight
+    wrote, else built in memory (the same rows)."""
+    from shardwise.data import SFTCollator, build_dataset, find_cache, load_dataset, load_tokenizer
     from shardwise.train.engines._torch_common import compute_dtype
 
     cfg = run.config
     tok_dir = resolved_tokenizer_path(cfg)
     tok = load_tokenizer(tok_dir, trust_remote_code=cfg.model.trust_remote_code)
     dc = data_config(cfg)
-    cached = find_cache(dc, tok_dir, data_cache_dir(cfg), split="train")
-    ds = load_dataset(cached) if cached is not None else build_dataset(dc, tok, split="train")
+    cached = find_cache(dc, tok_dir, data_cache_dir(cfg), split=split)
+    ds = load_dataset(cached) if cached is not None else build_dataset(dc, tok, split=split)
     # Additive 4-D mask in the compute dtype: documents packed in a row never see each other.
     collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8, mask_dtype=compute_dtype(run))
+    return ds, collate
+
+
+def build_sft(run: RunSpec, env: DistEnv) -> tuple[Any, Any, Any]:
+    """Dataset, collator and sampler of this rank. The dataset comes from the data cache that
+    preflight wrote (the same rows as building it here, without tokenising again); without
+    one (a caller that skipped preflight) it is built in memory."""
+    from shardwise.data import ResumableDistributedSampler
+
+    ds, collate = build_sft_split(run, "train")
+    dc = data_config(run.config)
     sampler = ResumableDistributedSampler(
         ds, num_replicas=env.world_size, rank=env.rank, seed=dc.seed, shuffle=True, drop_last=True
     )

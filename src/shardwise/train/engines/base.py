@@ -59,6 +59,13 @@ class Engine(Protocol):
         """Forward, backward of `token_loss_sum * loss_scale`; return the detached fp32 loss sum."""
         ...
 
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The fp32 token-loss sum of `batch`, no gradient, the model in eval mode (then back in
+        train mode): the engine's own forward (its wrapper's hooks and collectives fire as in
+        training), no backward, no state change (`evaluate_loss_sum`). Collective: every rank
+        calls it the same number of times."""
+        ...
+
     def sync_grads(self, enabled: bool) -> AbstractContextManager[None]:
         """Context for one micro-batch: `enabled` only on the step's last one (the GA boundary)."""
         ...
@@ -139,6 +146,24 @@ def forward_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch:
             raise ValueError(f"cross_entropy {train.cross_entropy!r} is plan-only; the trainer runs chunked or standard")
         logits = forward(**inputs).logits
     return token_loss_sum(logits, labels)
+
+
+def evaluate_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                      device: torch.device, train: TrainSpec,
+                      amp: AbstractContextManager[Any] | None = None) -> torch.Tensor:
+    """`forward_loss_sum` for an evaluation: under `torch.no_grad()`, with `forward` (the engine's
+    wrapper, a Module) in eval mode and restored to its previous mode afterwards. Returns the
+    detached fp32 sum of the batch's token losses."""
+    was_training = getattr(forward, "training", True)
+    set_mode = getattr(forward, "train", None)
+    if callable(set_mode):
+        set_mode(False)
+    try:
+        with torch.no_grad():
+            return forward_loss_sum(forward, model, batch, device, train, amp=amp).detach()
+    finally:
+        if callable(set_mode):
+            set_mode(was_training)
 
 
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

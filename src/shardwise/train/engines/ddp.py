@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.run import RunSpec
 from shardwise.train.engines._torch_common import TorchOptimizerEngine, autocast, build_adamw, grad_scaler
-from shardwise.train.engines.base import DistEnv, forward_loss_sum
+from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
 
 
 class DDPEngine(TorchOptimizerEngine):
@@ -47,6 +47,13 @@ class DDPEngine(TorchOptimizerEngine):
         loss = loss_sum * loss_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # Through the DDP wrapper, as in training (it syncs buffers in forward; no reducer
+        # without grad mode).
+        model = self.ddp if self.ddp is not None else self.module
+        return evaluate_loss_sum(model, self.module, batch, self.env.torch_device, self.run.train,
+                                 amp=autocast(self.run, self.env))
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         if not self.env.is_main:

@@ -19,7 +19,7 @@ import torch
 
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec, deepspeed_config
-from shardwise.train.engines.base import DistEnv, decay_groups, forward_loss_sum
+from shardwise.train.engines.base import DistEnv, decay_groups, evaluate_loss_sum, forward_loss_sum
 
 
 class DeepSpeedEngine:
@@ -79,6 +79,11 @@ class DeepSpeedEngine:
         if not self._boundary:
             self.ds.step()  # advances DeepSpeed's micro-step counter; no update off the boundary
         return loss_sum.detach()
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # DeepSpeedEngine's forward (ZeRO-3 gathers and releases each layer's parameters), no
+        # backward and no `ds.step()`: the micro-step counter and the gradients are untouched.
+        return evaluate_loss_sum(self.ds, self.module, batch, self.ds.device, self.run.train)
 
     def step(self) -> float:
         """DeepSpeed's ZeRO-1/2/3 and bf16 optimizers skip a step whose gradient norm is not

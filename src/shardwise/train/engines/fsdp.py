@@ -26,7 +26,7 @@ from shardwise.train.engines._torch_common import (
     compute_dtype,
     grad_scaler,
 )
-from shardwise.train.engines.base import DistEnv, forward_loss_sum
+from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
 from shardwise.train.parallel import build_mesh, data_parallel_mesh
 
 
@@ -85,10 +85,25 @@ class FSDP2Engine(TorchOptimizerEngine):
         return contextlib.nullcontext()
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
+        self._reshard_after_eval()
         loss_sum = forward_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train)
         loss = loss_sum * loss_scale
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # A forward without backward leaves the root (reshard_after_forward=False) and the last
+        # layer unsharded: kept so for the pass's next batch, resharded before anything that
+        # needs the sharded parameters (the next training forward, a checkpoint, an export).
+        self._evaluated = True
+        return evaluate_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train)
+
+    def _reshard_after_eval(self) -> None:
+        if getattr(self, "_evaluated", False):
+            for m in self.module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            self._evaluated = False
 
     def _global_norm(self, norm: torch.Tensor) -> float:
         # clip_grad_norm_ on DTensors all-reduces the partial norms: a global norm.
@@ -103,6 +118,7 @@ class FSDP2Engine(TorchOptimizerEngine):
         return super().checkpoint_state()
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        self._reshard_after_eval()
         out = {}
         for k, v in self.module.state_dict().items():
             full = v.full_tensor() if isinstance(v, DTensor) else v  # collective: all ranks call it
