@@ -7,18 +7,17 @@ decision: every rank must skip the same step)."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
+from worker_common import start_worker
 
 from shardwise.run import run_spec
 from shardwise.train.config import TrainConfig
 from shardwise.train.data import build_source
 from shardwise.train.engines import build_engine
-from shardwise.train.launch import init_distributed, run_rank_script
+from shardwise.train.launch import run_rank_script
 from shardwise.train.loop import seed_everything
 from shardwise.train.model import build_model
 
@@ -91,15 +90,8 @@ def save_agreement(env, out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--runs", nargs="+", required=True, help="strategy:precision")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    env = init_distributed("cpu")
-    out = Path(args.out).resolve()
-    os.chdir(out)
-    for item in args.runs:
+    runs, env, out = start_worker("strategy:precision")
+    for item in runs:
         if item == "save":
             save_agreement(env, out)
             continue

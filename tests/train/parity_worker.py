@@ -7,15 +7,12 @@ All runs share one process launch (interpreter and import cost paid once).
 
 from __future__ import annotations
 
-import argparse
-import os
-from pathlib import Path
-
 import torch
+from worker_common import start_worker
 
 from shardwise.run import run_spec
 from shardwise.train.config import TrainConfig
-from shardwise.train.launch import init_distributed, run_rank_script
+from shardwise.train.launch import run_rank_script
 from shardwise.train.loop import train
 
 GLOBAL_BATCH = 4  # sequences per optimizer step, fixed across world sizes and accumulation
@@ -68,15 +65,8 @@ def parity_config(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--runs", nargs="+", required=True, help="model:strategy:ga[:repeat]")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    env = init_distributed("cpu")
-    out = Path(args.out).resolve()
-    os.chdir(out)  # the runs' default output_dir (runs/shardwise: checkpoints) lands here, not in the checkout
-    for run in args.runs:
+    runs, env, out = start_worker("model:strategy:ga[:repeat]")
+    for run in runs:
         model, strategy, ga, *flags = run.split(":")
         cfg = parity_config(strategy, env.world_size, int(ga), model, tuple(flags))
         res = train(run_spec(cfg, env.world_size, "cpu"), env, export_weights=True)

@@ -9,16 +9,15 @@ run.eval_batches 3 (a prefix of the split).
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from worker_common import start_worker
 
 from shardwise.run import run_spec
 from shardwise.train.config import TrainConfig
-from shardwise.train.launch import init_distributed, run_rank_script
+from shardwise.train.launch import run_rank_script
 from shardwise.train.loop import train
 
 GLOBAL_BATCH = 4  # rows per optimizer step, the same on every world size
@@ -49,15 +48,8 @@ def validation_config(strategy: str, world: int, out: Path, flags: tuple[str, ..
 def main() -> None:
     from shardwise.train.metrics import Metrics
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--runs", nargs="+", required=True, help="strategy[:flag...]")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    env = init_distributed("cpu")
-    out = Path(args.out).resolve()
-    os.chdir(out)
-    for item in args.runs:
+    runs, env, out = start_worker("strategy[:flag...]")
+    for item in runs:
         strategy, *flags = item.split(":")
         name = f"{item.replace(':', '-')}-w{env.world_size}"
         cfg = validation_config(strategy, env.world_size, out / name, tuple(flags))
