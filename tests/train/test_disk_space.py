@@ -111,6 +111,9 @@ def test_a_save_that_finds_the_disk_full_fails_cleanly(small_disk):
     assert summary["status"] == "failed" and "ran out of disk space" in summary["reason"]
     assert summary["space"]["path"].endswith(step_dir_name(40))
     assert summary["space"]["need_bytes"] > summary["space"]["free_bytes"]
+    # the bytes needed are the checkpoint's, each tensor counted once (not once per rank holding it)
+    written = sum(f.stat().st_size for f in first.glob("*.distcp"))
+    assert 0.9 * written <= summary["space"]["need_bytes"] <= written, (summary["space"], written)
     assert not list(out.glob("summary.json*tmp*")) and not list(out.glob(".tmp-*"))
 
 

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.errors import ShardwiseError
 from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, read_index
+from shardwise.train.save_failure import describe, free_bytes, gather, raise_save_failure, space_errno
 
 FORMAT = "shardwise-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -161,7 +162,7 @@ def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
 _ANY = object()
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
     out = []
     for d in root.glob("step-*") if root.is_dir() else ():
         try:
@@ -178,7 +179,7 @@ def published(root: Path, lineage: Any = _ANY) -> list[tuple[int, Path]]:
     first; with `lineage`, only those whose manifest names that lineage (None: the legacy
     checkpoints that name none; shardwise.train.lineage)."""
     out = []
-    for step, d in _step_dirs(root):
+    for step, d in step_dirs(root):
         if not (d / MANIFEST).is_file():
             continue
         if lineage is not _ANY:
@@ -193,7 +194,7 @@ def published(root: Path, lineage: Any = _ANY) -> list[tuple[int, Path]]:
 
 def incomplete(root: Path) -> list[Path]:
     """`step-*` directories without a manifest: never loaded, always named."""
-    return [d for _, d in _step_dirs(root) if not (d / MANIFEST).is_file()]
+    return [d for _, d in step_dirs(root) if not (d / MANIFEST).is_file()]
 
 
 def resolve_resume(spec: str | None, output_dir: str | Path, verify_hashes: bool = True) -> Path | None:
@@ -331,60 +332,6 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def _agree(ok: bool) -> bool:
-    """True on every rank when `ok` is true on every rank (collective)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _gather(obj: Any) -> list[Any]:
-    _, world = _world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _failure(e: BaseException) -> dict[str, Any]:
-    """What a rank reports of a failed save: the root causes, one line each (DCP's
-    CheckpointException carries every rank's exception and traceback: those, not it)."""
-    roots = [x for x in _causes(e) if not isinstance(x, CheckpointException) and x.__cause__ is None] or [e]
-    text = "; ".join(dict.fromkeys(f"{type(x).__name__}: {str(x).strip().splitlines()[0] if str(x).strip() else ''}"
-                                   for x in roots))
-    return {"error": text, "errno": getattr(e, "errno", None)}
-
-
-def _space_errno(failures: list[dict[str, Any]], exc: BaseException | None = None) -> bool:
-    codes = {errno.ENOSPC, errno.EDQUOT}
-    if any(f and f.get("errno") in codes for f in failures):
-        return True
-    for inner in _causes(exc):
-        if getattr(inner, "errno", None) in codes:
-            return True
-    return False
-
-
-def _causes(exc: BaseException | None) -> list[BaseException]:
-    """An exception, its causes and (DCP's CheckpointException) each rank's failure."""
-    out, todo = [], [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or e in out:
-            continue
-        out.append(e)
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)  # DCP: rank -> (exception, traceback)
-        if isinstance(failures, dict):
-            for v in failures.values():
-                todo += [x for x in (v if isinstance(v, tuple) else (v,)) if isinstance(x, BaseException)]
-    return out
-
-
 def save_checkpoint(
     engine: Any,
     state: TrainerState,
@@ -413,14 +360,17 @@ def save_checkpoint(
     final = root / step_dir_name(state.step)
     tmp = root / f"{TMP_PREFIX}{final.name}"
     tensors, extra = engine.checkpoint_state()
-    bad = nonfinite_tensors(tensors)
-    if not _agree(not bad):
-        raise NonFiniteError(f"step {state.step}: the training state is not finite"
-                             + (f" ({len(bad)} tensors on this rank, e.g. {bad[0]})" if bad else " (on another rank)")
-                             + "; no checkpoint was written")
+    # what each rank holds: its non-finite tensors, and every tensor's full size (a DTensor's
+    # numel is the global one; DCP writes a replicated tensor once), merged over ranks below
+    sizes = {k: int(t.numel()) * t.element_size() for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+    votes = gather((nonfinite_tensors(tensors), sizes))
+    bad = [(r, names) for r, (names, _) in enumerate(votes) if names]
+    if bad:
+        r, names = bad[0]
+        raise NonFiniteError(f"step {state.step}: the training state is not finite ({len(names)} tensors on rank "
+                             f"{r}, e.g. {names[0]}); no checkpoint was written")
+    need = sum({k: n for _, held in votes for k, n in held.items()}.values())
     state.engine = extra
-    need = sum(int(t.numel()) * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
-    need = sum(_gather(need))  # DTensors: this rank's bytes are what it writes; replicated DDP writes once
     failure = None
     if rank == 0:
         try:
@@ -429,10 +379,11 @@ def save_checkpoint(
                 shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before us
             make_own_tmp_dir(tmp)
         except OSError as e:
-            failure = _failure(e)
-    failures = _gather(failure)
-    entries: dict[str, Any] = {}
+            failure = describe(e)
+    failures = gather(failure)
+    gathered: list[Any] = []
     if not any(failures):
+        entries: dict[str, Any] = {}
         try:
             dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True),
                      no_dist=not dist.is_initialized())
@@ -442,32 +393,25 @@ def save_checkpoint(
             mine = [rank_file] + [p.name for p in tmp.glob(f"__{rank}_*.distcp")]
             entries = _file_entries(tmp, mine)
         except (Exception, CheckpointException) as e:  # DCP's (a BaseException) is raised on every rank alike
-            failure = _failure(e)
-            if _space_errno([], e):
+            failure = describe(e)
+            if space_errno([], e):
                 failure["errno"] = errno.ENOSPC  # wherever DCP wrapped it
-        failures = _gather(failure)
-    gathered = _gather(entries)
+        outcomes = gather((failure, entries))
+        failures, gathered = [f for f, _ in outcomes], [e for _, e in outcomes]
     if rank == 0 and not any(failures):
         try:
             _publish(tmp, final, root, state, gathered, config, strategy, world, lineage, keep_last,
                      publish_own_tmp_dir, protect=protect)
         except OSError as e:
-            failure = _failure(e)
-    failures = _gather(failure)
+            failure = describe(e)
+    failures = gather(failure)
     if any(failures):
-        free = _gather(_free_bytes(root) if rank == 0 else 0)[0]  # at the failure, before the clean-up
+        free = gather(free_bytes(root) if rank == 0 else 0)[0]  # at the failure, before the clean-up
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        _raise_save_failure(failures, final, need, free)
+        raise_save_failure(failures, final, need, free)
     _barrier()
     return final
-
-
-def _free_bytes(d: Path) -> int:
-    try:
-        return shutil.disk_usage(d).free
-    except OSError:
-        return 0
 
 
 def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: list[Any], config: dict[str, Any],
@@ -539,27 +483,6 @@ def read_best(output_dir: str | Path, lineage: Any = _ANY) -> dict[str, Any] | N
     if lineage is not _ANY and record.get("lineage") != lineage:
         return None
     return record if any(s == step for s, _ in published(root)) else None
-
-
-def _raise_save_failure(failures: list[Any], final: Path, need: int, free: int) -> None:
-    """The same error on every rank. Out of space when any rank saw ENOSPC/EDQUOT, or when the
-    disk had less free than the checkpoint needs at the failure (torch's zip writer reports a
-    full disk as "unexpected pos", without an errno)."""
-    from shardwise.errors import OutOfSpaceError
-    from shardwise.train.outputs import size_text
-
-    errors = {r: f["error"] for r, f in enumerate(failures) if f}
-    if len(set(errors.values())) == 1 and len(errors) == len(failures) > 1:  # DCP's: every rank reports all
-        where = [f"every rank: {next(iter(errors.values()))}"]
-    else:
-        where = [f"rank {r}: {e}" for r, e in errors.items()]
-    if _space_errno(failures) or free < need:
-        raise OutOfSpaceError(
-            f"{final}: the save ran out of disk space (it needs about {size_text(need)}, {size_text(free)} were "
-            f"free on {final.parent}); the previous checkpoints are intact and this one was removed. Free space "
-            f"and --resume latest. ({'; '.join(where)})",
-            path=str(final), need_bytes=need, free_bytes=free)
-    raise RuntimeError(f"{final}: the save failed, the previous checkpoints are intact: {'; '.join(where)}")
 
 
 def load_checkpoint(engine: Any, path: Path) -> TrainerState:

@@ -187,10 +187,10 @@ EARLIER_LOGS = ("metrics.jsonl", "summary.json", "tensorboard")
 def earlier_run_outputs(output_dir: str | Path) -> list[Path]:
     """What an earlier run left that a fresh run would delete or mix with its own: checkpoint
     directories (published or not) and exported models (`model/`, `model-merged/`)."""
-    from shardwise.train.checkpoint import _step_dirs, checkpoints_dir
+    from shardwise.train.checkpoint import checkpoints_dir, step_dirs
 
     d = Path(output_dir)
-    found = [p for _, p in _step_dirs(checkpoints_dir(d))]
+    found = [p for _, p in step_dirs(checkpoints_dir(d))]
     for name in ("model", "model-merged"):
         if (d / name).is_dir() and any((d / name).iterdir()):
             found.append(d / name)
