@@ -198,7 +198,7 @@ def train(
     cfg = run.config
     cp = cfg.checkpointing
     seed_everything(cfg.run.seed)
-    model = build_model(run)
+    model = build_model(run, deferred=True)  # a checkpoint is read by the engine, into each rank's part
     num_params = sum(p.numel() for p in model.parameters())
     engine = build_engine(model, run, env)
     global_batch = cfg.run.micro_batch * cfg.run.grad_accum * env.world_size

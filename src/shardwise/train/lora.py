@@ -114,8 +114,9 @@ def quantize_base(model: Any, run: RunSpec) -> None:
 
 def apply_lora(model: Any, run: RunSpec) -> Any:
     """Inject the run's adapters into `model` (in place; returned): base frozen in the compute
-    dtype, adapters fp32. The adapters' random init draws from the seeded generator after the
-    base's, so every rank (and a later resume or export) builds the same starting point."""
+    dtype, adapters fp32, initialised from the run's seed (`weights.init_adapters`), so every
+    rank (and a later resume or export) builds the same starting point. `model` may be on the
+    meta device (a checkpoint read later by the engine: shardwise.train.weights)."""
     from peft import inject_adapter_in_model
 
     from shardwise.train.engines._torch_common import compute_dtype
@@ -128,8 +129,15 @@ def apply_lora(model: Any, run: RunSpec) -> Any:
         model = inject_adapter_in_model(peft_config(section), model, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
         raise ShardwiseError(f"{run.config.source}: lora.target_modules {section.target_modules!r}: {e}") from None
+    from shardwise.train.weights import init_adapters
+
+    # Adapters drawn from the run's seed after injection, on CPU, whatever built the base (from
+    # its config, from a checkpoint, on the meta device): equal on every rank, engine and resume.
+    init_adapters(model, section, run.config.run.seed)
     dtype = compute_dtype(run)
     for p in model.parameters():
+        if hasattr(p, "ds_id"):  # a ZeRO-3 partition (zero.Init): already in DeepSpeed's dtype
+            continue
         if p.requires_grad:
             p.data = p.data.float()
         elif p.is_floating_point() and p.dtype != dtype:

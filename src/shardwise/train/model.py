@@ -113,16 +113,26 @@ def causal_lm_class(model_type: str):
     return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
-def build_model(run: RunSpec):
-    """The run's model: fp32 master weights on CPU (engines move, cast and shard them), seeded
-    by run.seed on every rank, with the planned activation checkpointing. A catalog model is
-    built from the run's ModelSpec: what was planned is what is built."""
+def build_model(run: RunSpec, *, deferred: bool = False):
+    """The run's model, seeded by run.seed on every rank, with the planned activation
+    checkpointing. A catalog model is built from the run's ModelSpec: what was planned is what is
+    built; `model.random_init` builds a local config's architecture with random weights.
+
+    A local safetensors checkpoint is read without a full copy per rank (shardwise.train.weights):
+    with `deferred`, the model comes back on the meta device for the engine to place and fill
+    (`weights.materialize`), or, for DeepSpeed ZeRO-3, already partitioned and filled inside
+    `deepspeed.zero.Init`. Without `deferred` (export, tools) a meta-built model is filled on this
+    process's CPU before it is returned. Other models: fp32 master weights on CPU (engines move,
+    cast and shard them), as `from_pretrained`/`from_config` build them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardwise.train import weights
 
     cfg = run.config.model
     torch.manual_seed(run.config.run.seed)  # the init is part of the result: equal on every rank
     kw = {"attn_implementation": attention_implementation(run), "trust_remote_code": cfg.trust_remote_code}
+    meta = False
     if cfg.path is None:
         d = dict(run.model.to_hf_dict())
         hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
@@ -130,21 +140,46 @@ def build_model(run: RunSpec):
     elif cfg.random_init:
         hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
-    else:
+    elif weights.sharded_load(run) and weights.zero3(run):
+        model = weights.zero3_model(run, kw)
+        weights.load_zero3(model, Path(cfg.path), _rank())
+    elif weights.sharded_load(run):
+        model, meta = weights.meta_model(run, kw), True
+    else:  # .bin: pickles cannot be read by slices (torch.load(weights_only=True) inside transformers)
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, **kw)
     model.config.use_cache = False  # no KV cache in training
     if run.train.checkpointing == "full":
         # Non-reentrant: works under FSDP2 and ZeRO-3 hooks and with frozen inputs.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if run.config.lora is not None:
+    lora = run.config.lora
+    if meta and (not deferred or (lora is not None and lora.quantization == "nf4")):
+        # Filled here, on CPU: for a caller that wants weights, or for QLoRA, which quantises the
+        # base from real values (its strategies replicate the base: one copy per rank anyway), read
+        # in the compute dtype when the base is frozen.
+        if lora is not None:
+            from shardwise.train.engines._torch_common import compute_dtype
+
+            for p in model.parameters():
+                p.data = p.data.to(compute_dtype(run))
+        weights.materialize(weights.defer(model, run), torch.device("cpu"))
+        meta = False
+    if lora is not None:
         from shardwise.train.lora import apply_lora
 
         model = apply_lora(model, run)  # frozen base in the compute dtype, fp32 adapters
+    if meta:
+        weights.defer(model, run)
     if run.train.fused_kernels:  # run.compile (the bridge decides it once, for plan and build)
         from shardwise.train.compile import compile_layers
 
         compile_layers(model, run.config.run.compile_backend, run)
     return model
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def trainable_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:

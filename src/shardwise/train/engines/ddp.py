@@ -18,6 +18,9 @@ class DDPEngine(TorchOptimizerEngine):
 
     def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv):
         self.run, self.env = run, env
+        from shardwise.train.weights import materialize
+
+        materialize(model, env.torch_device)  # a checkpoint read straight to the device (meta-built model)
         self.module = model.to(env.torch_device)
         knobs = run.engine_strategy.ddp
         # The default process group: the trainer's layouts are pure data parallelism, every rank

@@ -31,6 +31,9 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.run, self.env, self.stage = run, env, run.strategy.zero_stage or 0
+        from shardwise.train.weights import materialize
+
+        materialize(model, env.torch_device)  # ZeRO-0/1/2 from a meta build: a replica per rank
         self.config = deepspeed_config(run)
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if "leaf_module" in self.config["zero_optimization"] and embed is not None and not embed.weight.requires_grad:

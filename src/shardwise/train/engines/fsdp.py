@@ -28,6 +28,7 @@ from shardwise.train.engines._torch_common import (
 )
 from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
 from shardwise.train.parallel import build_mesh, data_parallel_mesh
+from shardwise.train.weights import materialize
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -52,8 +53,8 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     if s.offload_params or s.offload_optimizer:
         kw["offload_policy"] = CPUOffloadPolicy()
-    elif next(model.parameters()).device != device:
-        model = model.to(device)
+    elif next(model.parameters()).device not in (device, torch.device("meta")):
+        model = model.to(device)  # a meta model is allocated after sharding (weights.materialize)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last layer is the first one backward needs: resharding it after forward would only
@@ -74,6 +75,10 @@ class FSDP2Engine(TorchOptimizerEngine):
         self.run, self.env = run, env
         self.mesh = mesh if mesh is not None else build_mesh(run.layout, env.torch_device.type)
         self.module = shard_model(model, run, self.mesh, env.torch_device)
+        # A meta-built model (a local checkpoint): each rank allocates and reads its shard only
+        # (host memory, where CPUOffloadPolicy keeps the shards).
+        offload = run.strategy.offload_params or run.strategy.offload_optimizer
+        materialize(self.module, torch.device("cpu") if offload else env.torch_device)
         self.optimizer = build_adamw(run, self.module, env)
         self.scaler = grad_scaler(run, env)
 

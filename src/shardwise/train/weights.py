@@ -1,0 +1,338 @@
+"""A local checkpoint's weights read into each rank's part of the model, never a full copy per rank.
+
+Where the checkpoint is safetensors (`model.safetensors`, or shards named by
+`model.safetensors.index.json`) and `model.random_init` is off, `build_model` builds the model
+without weights and the engine fills it after placing it:
+
+- DDP, DeepSpeed ZeRO-0/1/2, FSDP2: the model is built on the meta device (buffers, e.g. RoPE's
+  `inv_freq`, are computed for real: accelerate's `init_empty_weights(include_buffers=False)`),
+  LoRA adapters are injected and cast there (frozen base in the compute dtype, trainable fp32),
+  the engine places it (FSDP2 shards the meta parameters), then `materialize` allocates each
+  rank's part (`to_empty`) and `torch.distributed.checkpoint.load` with its
+  `HuggingFaceStorageReader` reads every tensor's slice for that part straight from the
+  safetensors files (`get_slice`: a rank reads only its rows) into the parameter's own dtype.
+- DeepSpeed ZeRO-3: the model is built inside `deepspeed.zero.Init` (each module partitioned as it
+  is constructed, in the dtype DeepSpeed trains it in), then `load_zero3` fills the partitions
+  chunk by chunk: `GatheredParameters(chunk, modifier_rank=0)`, rank 0 copying the chunk's
+  tensors from the files, DeepSpeed re-partitioning on exit (its documented recipe for weights
+  into a `zero.Init` model).
+
+Parameters the checkpoint does not hold (LoRA adapters) are initialised on CPU from the run's seed
+before placement (`Pending.initial`), identically on every rank and engine, and copied into each
+rank's part afterwards. `.bin` checkpoints, `random_init` and the catalog's random models keep the
+whole-model build (`from_pretrained`/`from_config` per rank): pickled `.bin` files cannot be read
+by slices.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ShardwiseError
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Module-path segments PEFT and activation checkpointing insert: a model key without them is the
+# checkpoint's key (`q_proj.base_layer.weight` -> `q_proj.weight`; a `modules_to_save` copy starts
+# from the weights it copies).
+WRAPPER_SEGMENTS = ("base_layer", "original_module", "_checkpoint_wrapped_module", "_orig_mod")
+ADAPTER_MARK = "lora_"
+# Bytes of full tensors gathered on every rank at a time while ZeRO-3 partitions are filled.
+ZERO3_CHUNK_BYTES = 1 << 28
+
+
+def safetensors_files(path: str | Path) -> list[Path] | None:
+    """The checkpoint's safetensors files (the index's, in order), or None if it has none.
+    An index naming a file that is not there is an error naming both."""
+    root = Path(path)
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+            names = sorted(set(doc["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ShardwiseError(f"{index}: cannot be read as a safetensors index ({exc}); expected JSON "
+                                 "with a 'weight_map' of tensor name -> file name") from None
+        files = [root / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ShardwiseError(f"{index}: weight_map names {missing[:3]} ({len(missing)} file(s)), not in {root}")
+        return files
+    single = root / SAFETENSORS
+    return [single] if single.is_file() else None
+
+
+def sharded_load(run: Any) -> bool:
+    """Whether `build_model(run)` defers the weights to the engine (see the module docstring)."""
+    cfg = run.config.model
+    return cfg.path is not None and not cfg.random_init and safetensors_files(cfg.path) is not None
+
+
+def zero3(run: Any) -> bool:
+    s = run.engine_strategy
+    return s.engine == "deepspeed" and (s.zero_stage or 0) == 3
+
+
+def checkpoint_key(fqn: str) -> str | None:
+    """The checkpoint key a model parameter or buffer is read from; None for an adapter."""
+    parts = fqn.split(".")
+    if any(p.startswith(ADAPTER_MARK) for p in parts):
+        return None
+    out, i = [], 0
+    while i < len(parts):
+        if parts[i] in WRAPPER_SEGMENTS:
+            i += 1
+        elif parts[i] == "modules_to_save" and i + 1 < len(parts):
+            i += 2  # `modules_to_save.<adapter>`
+        else:
+            out.append(parts[i])
+            i += 1
+    return ".".join(out)
+
+
+@dataclass
+class Pending:
+    """What a model built without weights still needs: the files to read, and the CPU values of
+    what they do not hold (adapters) and of the buffers (`to_empty` discards both)."""
+
+    path: Path
+    initial: dict[str, Any] = field(default_factory=dict)  # fqn -> full CPU tensor
+    buffers: dict[str, Any] = field(default_factory=dict)  # fqn -> CPU tensor
+
+
+PENDING_ATTR = "_shardwise_pending"
+
+
+def pending(model: Any) -> Pending | None:
+    return getattr(model, PENDING_ATTR, None)
+
+
+def meta_model(run: Any, kw: dict[str, Any]) -> Any:
+    """The run's HF model with meta parameters (fp32) and real buffers, from the checkpoint's config."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = run.config.model
+    hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
+
+
+def zero3_model(run: Any, kw: dict[str, Any]) -> Any:
+    """The run's HF model built inside `deepspeed.zero.Init` with its DeepSpeed config: every
+    rank holds its partitions only, in the dtype DeepSpeed computes in (it does not cast a
+    `zero.Init` model; fp32 masters of trainable parameters are made from these values)."""
+    import os
+
+    import torch
+
+    if run.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardwise.run import deepspeed_config
+    from shardwise.train.engines._torch_common import compute_dtype
+
+    cfg = run.config.model
+    hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    dtype = compute_dtype(run)
+    # zero.Init patches tensor construction: modules imported lazily inside it (transformers'
+    # modeling and masking code, which imports torch._dynamo) must be imported before.
+    import torch._dynamo  # noqa: F401
+    import transformers.masking_utils  # noqa: F401
+
+    AutoModelForCausalLM._model_mapping[type(hf_cfg)]  # imports the architecture's modeling module
+    if torch.distributed.is_initialized():  # zero.Init reads the world size off deepspeed.comm
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    # The dtype comes from the config (bf16/fp16/fp32 as DeepSpeed trains): an explicit `dtype=`
+    # is ignored where the accelerator lacks fp16 (DeepSpeed 0.19 `_set_dtype` precedence: bf16 on CPU).
+    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(run)):
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **kw)
+
+
+def defer(model: Any, run: Any) -> Any:
+    """Record what `materialize` needs on a meta-built model (after any adapters were injected
+    and initialised on CPU: `init_adapters`), and move those adapters to meta too, so that the
+    engine places one uniform meta model."""
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
+    buffers = {n: b for n, b in model.named_buffers()}
+    import torch
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                module._parameters[name] = torch.nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    setattr(model, PENDING_ATTR, Pending(Path(run.config.model.path), init, buffers))
+    return model
+
+
+def init_adapters(model: Any, section: Any, seed: int) -> None:
+    """Initialise every LoRA adapter on CPU, as PEFT's `reset_lora_parameters` does, from a
+    generator seeded by `seed` in module order: the same values on every rank, engine and load
+    path (meta or whole). Meta adapters are allocated on CPU first."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    from shardwise.train.lora import ADAPTER_NAME, peft_config
+
+    init = peft_config(section).init_lora_weights
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for holder in (module.lora_A, module.lora_B, module.lora_embedding_A, module.lora_embedding_B):
+                if ADAPTER_NAME in holder:
+                    entry = holder[ADAPTER_NAME]
+                    if isinstance(entry, torch.nn.Module):
+                        if any(p.device.type == "meta" for p in entry.parameters()):
+                            entry.to_empty(device="cpu")
+                    elif entry.device.type == "meta":
+                        entry.data = torch.empty_like(entry, device="cpu")
+            module.reset_lora_parameters(ADAPTER_NAME, init)
+
+
+def materialize(module: Any, device: Any) -> None:
+    """Allocate this rank's part of a meta-built model on `device`, restore its buffers, read the
+    checkpoint into it and copy in the initial values of what the checkpoint does not hold.
+    Collective (DCP plans the read on all ranks): every rank calls it."""
+    import torch
+
+    todo = pending(module)
+    if todo is None:
+        return
+    module.to_empty(device=device)
+    own_buffers = dict(module.named_buffers())
+    with torch.no_grad():
+        for name, value in todo.buffers.items():
+            if name in own_buffers:
+                own_buffers[name].copy_(value)
+        load_safetensors(module, todo.path)
+        params = dict(module.named_parameters())
+        for name, full in todo.initial.items():
+            copy_full(params[name], full)
+    delattr(module, PENDING_ATTR)
+
+
+def copy_full(target: Any, full: Any) -> None:
+    """Copy a full tensor into `target`: a plain tensor, or this rank's shard of a DTensor (every
+    rank holds the same `full`: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        part = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(part.to_local())
+    else:
+        target.data.copy_(full)
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor in the checkpoint's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[int, ...]] = {}
+    for f in safetensors_files(path) or []:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[k] = tuple(h.get_slice(k).get_shape())
+    return out
+
+
+def _targets(module: Any, path: Path) -> dict[str, list[tuple[str, Any]]]:
+    """Checkpoint key -> the model's (fqn, tensor) it fills; refuses a key the checkpoint lacks or
+    holds in another shape (a layout transformers converts on load: MoE experts, legacy names)."""
+    shapes = checkpoint_shapes(path)
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    missing, wrong = [], []
+    seen: dict[int, str] = {}
+    for fqn, t in module.state_dict(keep_vars=True).items():
+        key = checkpoint_key(fqn)
+        if key is None:
+            continue
+        if id(t) in seen:  # tied (lm_head to the embedding): one tensor, filled once
+            continue
+        if key not in shapes:
+            tied_to = next((k for k, v in groups.items() for _, x in v if x is t), None)
+            if tied_to is None:
+                missing.append(key)
+            continue
+        if tuple(t.shape) != shapes[key]:
+            wrong.append(f"{key} {tuple(t.shape)} vs {shapes[key]}")
+            continue
+        seen[id(t)] = key
+        groups.setdefault(key, []).append((fqn, t))
+    tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
+    if tied:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or wrong:
+        raise ShardwiseError(
+            f"{path}: the checkpoint does not match the model built from its config.json: "
+            + (f"{len(missing)} tensor(s) missing (e.g. {missing[:3]})" if missing else "")
+            + ("; " if missing and wrong else "")
+            + (f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else "")
+            + ". A layout transformers converts while loading (fused MoE experts, legacy names) is not read by "
+              "slices: convert the checkpoint with save_pretrained once, or set model.random_init: true")
+    return groups
+
+
+def load_safetensors(module: Any, path: Path) -> None:
+    """DCP's HuggingFaceStorageReader fills every checkpoint tensor of `module` (plain tensors or
+    DTensor shards, any dtype: the read casts into the target) from `path`'s safetensors."""
+    import torch.distributed.checkpoint as dcp
+
+    groups = _targets(module, path)
+    state = {key: targets[0][1] for key, targets in groups.items()}
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    for key, targets in groups.items():
+        for _, t in targets[1:]:  # a second module holding the same weights (modules_to_save)
+            t.data.copy_(state[key].data)
+
+
+def load_zero3(model: Any, path: Path, rank: int) -> None:
+    """Fill a `zero.Init` model's partitions from `path`: chunks of parameters gathered on every
+    rank (at most ZERO3_CHUNK_BYTES of full tensors), rank 0 copying each tensor from the files,
+    DeepSpeed partitioning the modified values on exit."""
+    import deepspeed
+    import torch
+    from safetensors import safe_open
+
+    files = safetensors_files(path) or []
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                where[k] = f
+    named = [(n, p) for n, p in model.named_parameters() if checkpoint_key(n) is not None]
+    missing = [checkpoint_key(n) for n, _ in named if checkpoint_key(n) not in where]
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ShardwiseError(f"{path}: the checkpoint does not match the model built from its config.json: "
+                             f"{len(missing)} tensor(s) missing (e.g. {missing[:3]})")
+    for chunk in _chunks(named, ZERO3_CHUNK_BYTES):
+        params = [p for _, p in chunk]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    for name, p in chunk:
+                        key = checkpoint_key(name)
+                        if key in where:
+                            with safe_open(str(where[key]), framework="pt") as h:
+                                p.data.copy_(h.get_tensor(key))
+
+
+def _chunks(named: list[tuple[str, Any]], limit: int) -> Iterable[list[tuple[str, Any]]]:
+    chunk, size = [], 0
+    for name, p in named:
+        n = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        chunk.append((name, p))
+        size += n * p.element_size()
+        if size >= limit:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
