@@ -141,8 +141,9 @@ def build_model(run: RunSpec, *, deferred: bool = False):
         hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
     elif weights.sharded_load(run) and weights.zero3(run):
-        model = weights.zero3_model(run, kw)
-        weights.load_zero3(model, Path(cfg.path), _rank())
+        with weights.large_allocations_returned():
+            model = weights.zero3_model(run, kw)
+            weights.load_zero3(model, Path(cfg.path), _rank())
     elif weights.sharded_load(run):
         model, meta = weights.meta_model(run, kw), True
     else:  # .bin: pickles cannot be read by slices (torch.load(weights_only=True) inside transformers)

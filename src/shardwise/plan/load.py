@@ -1,0 +1,125 @@
+"""Host memory while a rank reads the checkpoint (the load phase): pure functions, no torch.
+
+The trainer's paths (shardwise.train.weights):
+- "sharded" (safetensors; DDP, ZeRO-0/1/2, FSDP2): the model is built on the meta device and
+  each rank's part is read straight into the device it trains on. What stays on the host is that
+  part only where the host is where it lives (a CPU run; FSDP2's CPUOffloadPolicy). In flight:
+  the pages of one safetensors file the rank reads (the reader maps a file and reads every
+  tensor it needs from it before the next; an FSDP2 rank reads its 1/N rows of each tensor).
+- "zero3" (safetensors; DeepSpeed ZeRO-3): partitions built inside `deepspeed.zero.Init`, filled
+  by chunks gathered on every rank (train.weights.ZERO3_CHUNK_BYTES, overrun by at most one
+  tensor), rank 0 copying one tensor at a time from the files into the chunk: the chunk is on the
+  host on a CPU run; rank 0 holds one tensor read and its mapped pages.
+- "whole" (`.bin`, `model.random_init`, catalog models): `from_pretrained`/`from_config` builds
+  the whole model in fp32 on every rank's host, then the engine moves it.
+
+Every rank also holds the interpreter and its libraries (`PROCESS_BYTES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from shardwise.plan.lora import trainable_params
+from shardwise.specs.hardware import GIB
+from shardwise.specs.layout import ParallelLayout
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.strategy import Strategy
+from shardwise.specs.train import TrainSpec
+
+LoadPath = Literal["sharded", "zero3", "whole"]
+
+# Host RSS of one rank before it builds anything, by device:
+# - cpu: measured, a process that imported torch 2.13.0 (CPU build), transformers 5.24, peft 0.21,
+#   deepspeed 0.19.8 and shardwise.train: 464 MB max RSS (this project's 2-core CI machine,
+#   2026-12-01), rounded up to 0.5 GiB for the gloo group and the run's own objects;
+# - cuda: assumed, not measured here: the CUDA runtime, cuBLAS/cuDNN and NCCL mapped into the
+#   process add about 1 GiB of host memory to that (set hardware.host_memory_gb with margin).
+PROCESS_BYTES = {"cpu": 0.5 * GIB, "cuda": 1.5 * GIB}
+# The safetensors file size the planner assumes when it has no checkpoint to read sizes from:
+# Hugging Face's `save_pretrained(max_shard_size="5GB")`, the size of most Hub checkpoints'
+# shards (transformers' default in the 4.x releases that wrote them).
+DEFAULT_FILE_BYTES = 5e9
+ZERO3_CHUNK_BYTES = float(1 << 28)  # shardwise.train.weights.ZERO3_CHUNK_BYTES (tests keep them equal)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBreakdown:
+    """Host bytes of the fullest rank while the checkpoint is read, and of one node."""
+
+    path: LoadPath = "sharded"
+    resident: float = 0.0  # the rank's part of the model that lives on the host
+    read: float = 0.0  # file pages mapped and tensors read, in flight
+    process: float = 0.0  # the interpreter and its libraries
+    ranks_per_node: int = 1
+
+    @property
+    def per_rank(self) -> float:
+        return self.resident + self.read + self.process
+
+    @property
+    def per_node(self) -> float:
+        return self.per_rank * self.ranks_per_node
+
+    def as_dict(self) -> dict[str, float | str]:
+        d: dict[str, float | str] = dict(asdict(self))
+        d["per_rank"] = self.per_rank
+        d["per_node"] = self.per_node
+        return d
+
+
+def load_path(strategy: Strategy, safetensors: bool = True) -> LoadPath:
+    if not safetensors:
+        return "whole"
+    return "zero3" if strategy.engine == "deepspeed" and (strategy.zero_stage or 0) == 3 else "sharded"
+
+
+def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> tuple[float, float]:
+    """(trainable, frozen) bytes of the model as the trainer builds it before the engine casts:
+    trainable parameters in fp32, a LoRA base in the compute dtype."""
+    from shardwise.plan.memory import stage_params
+
+    psi = stage_params(model, tp, pp)
+    if not train.lora_rank:
+        return 4 * psi, 0.0
+    adapters = trainable_params(model, train, tp, pp)
+    return 4 * adapters, train.compute_bytes * psi
+
+
+def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
+               ranks_per_node: int, device: str = "cuda", path: LoadPath | None = None,
+               max_file_bytes: float = DEFAULT_FILE_BYTES) -> LoadBreakdown:
+    """The load phase of one rank (the fullest: rank 0 under ZeRO-3) for `path` (default: the
+    safetensors path `strategy` takes). `max_file_bytes`: the checkpoint's largest file."""
+    path = path or load_path(strategy)
+    trainable, frozen = model_bytes(model, train, layout.tp, layout.pp)
+    n = layout.dp_shard if strategy.shards_params else 1
+    on_host = device == "cpu" or strategy.offload_params
+    largest = max((size for size, _ in model.tensor_sizes()), default=0) / layout.tp
+    stored = 2.0  # bytes per element in the files: bf16/fp16 checkpoints (an fp32 one doubles `read`)
+    process = PROCESS_BYTES["cpu" if device == "cpu" else "cuda"]
+    if path == "whole":
+        # the whole fp32 model on the host (on every device: the engine moves it afterwards)
+        return LoadBreakdown("whole", resident=_whole(model, layout), read=max_file_bytes, process=process,
+                             ranks_per_node=ranks_per_node)
+    if path == "zero3":
+        ds_bytes = train.compute_bytes  # zero.Init builds in DeepSpeed's dtype
+        from shardwise.plan.memory import stage_params
+
+        part = ds_bytes * stage_params(model, layout.tp, layout.pp) / layout.dp_shard
+        chunk = ZERO3_CHUNK_BYTES + ds_bytes * largest  # the chunk may overrun by one tensor
+        # rank 0 reads one tensor at a time into the gathered chunk: its copy and its mapped pages
+        read = 2 * stored * largest
+        return LoadBreakdown("zero3", resident=(part + chunk) if on_host else 0.0, read=read, process=process,
+                             ranks_per_node=ranks_per_node)
+    resident = (trainable + frozen) / n if on_host else 0.0
+    # one file's pages this rank touches (its rows of each tensor), and one tensor slice read
+    read = max_file_bytes / n + stored * largest / n
+    return LoadBreakdown("sharded", resident=resident, read=read, process=process, ranks_per_node=ranks_per_node)
+
+
+def _whole(model: ModelSpec, layout: ParallelLayout) -> float:
+    from shardwise.plan.memory import stage_params
+
+    return 4 * stage_params(model, layout.tp, layout.pp)  # from_pretrained(dtype=float32)

@@ -1,0 +1,59 @@
+"""A Llama checkpoint of real size on disk for the load-memory tests: random bf16 weights in
+sharded safetensors with an index, written tensor by tensor (the full model never exists in
+memory), cached across sessions in pytest's cache directory.
+
+`llama-1.36b`: hidden 2048, 24 layers, MLP 5632, vocab 32000, untied (1,364,297,728 params,
+2.73 GB); `llama-134m`: hidden 768, 12 layers, MLP 2048, vocab 32000 (134M params)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SHAPES = {
+    "llama-1.36b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                    "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000},
+    "llama-134m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                   "num_attention_heads": 12, "num_key_value_heads": 12, "vocab_size": 32000},
+}
+MAX_SHARD_BYTES = 500_000_000  # save_pretrained(max_shard_size="500MB")
+
+
+def make_checkpoint(root: Path, name: str) -> Path:
+    """`root/name`, written once (a DONE marker guards against a half-written cache)."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = root / name
+    if (out / "DONE").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = LlamaConfig(**SHAPES[name], tie_word_embeddings=False, dtype="bfloat16")
+    with init_empty_weights():
+        shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).named_parameters()}
+    groups: list[list[str]] = [[]]  # the shard of each tensor, from the sizes alone
+    size = 0
+    for n, shape in shapes.items():
+        nbytes = 2 * torch.Size(shape).numel()
+        if size and size + nbytes > MAX_SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += nbytes
+    g = torch.Generator().manual_seed(0)
+    weight_map = {}
+    for i, names in enumerate(groups):  # one shard in memory at a time
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        shard = {n: (torch.ones(shapes[n]) if n.endswith("norm.weight")
+                     else torch.randn(shapes[n], generator=g) * 0.02).to(torch.bfloat16) for n in names}
+        save_file(shard, out / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+        del shard
+    total = sum(2 * torch.Size(s).numel() for s in shapes.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    cfg.save_pretrained(out)
+    (out / "DONE").touch()
+    return out
