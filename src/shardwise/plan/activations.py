@@ -112,6 +112,15 @@ def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False
     return out / seq_shards(train, tp)
 
 
+def mask_bytes(train: TrainSpec) -> float:
+    """The dense packing mask of one micro-batch (`packed_attention: dense`): the collator's
+    additive [B, 1, S, S] in the compute dtype, an input every layer's attention keeps (no copy)
+    from the first layer's forward to its backward. The document-aware kernels need none."""
+    if train.packed_attention != "dense":
+        return 0.0
+    return train.micro_batch * train.seq_len ** 2 * train.compute_bytes
+
+
 def attention_kind(model: ModelSpec, train: TrainSpec) -> str:
     """The attention the HF model runs: Gemma2 has no SDPA path in transformers
     (Gemma2PreTrainedModel._supports_sdpa = False, for its logit softcapping): sdpa runs eager.
@@ -189,7 +198,15 @@ def attention_saved(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool 
     else:
         # SDPA/flash save q, k, v (GQA native when unmasked), output, and fp32 logsumexp per head.
         k_store = q if model.is_mla else kv  # MLA expands k to every head
+        if train.packed_attention == "dense" and kv < q and not model.is_mla:
+            # with a mask transformers repeats GQA's k and v to every head for SDPA (use_gqa_in_sdpa
+            # holds only without one): the repeated copies are saved (measured: tiny Qwen2, +c·2(q − kv))
+            k_store = v_store = q
         core = c * (q + k_store + v_store) + c * o + 4 * heads
+        if train.packed_attention == "sdpa_varlen":
+            # one SDPA call per document: each keeps its own output, and o_proj reads their
+            # concatenation, a second copy (measured: +c·o on tiny Llama and Qwen2, fp32 and bf16)
+            core += c * o
     # o_proj saves its input. With SDPA/flash the kernel's output is already laid out
     # [b, s, heads, d] when q is a transposed view of its projection, so HF's
     # transpose(1, 2).contiguous() is free and o_proj's input is the storage SDPA saved
@@ -324,7 +341,7 @@ def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 
     final_norm = final_norm_saved(model, train, autocast, tp)  # its output feeds lm_head
     # 1F1B keeps up to pp micro-batches in flight on the first stage (Megatron's 1F1B schedule).
     in_flight = pp if pp > 1 else 1
-    return tokens * (body + final_norm) * in_flight
+    return (tokens * (body + final_norm) + mask_bytes(train)) * in_flight
 
 
 def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:

@@ -14,6 +14,10 @@ from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
 OPTIMIZER_BYTES = {"fused": 28, "foreach": 80, "forloop": 80}  # fp32 AdamW, per parameter
+# Attention through a dense packing mask (`packed_attention: dense`): SDPA cannot skip the blocks
+# above the diagonal (no is_causal with a mask), so it computes the full S² square, twice the
+# causal FLOPs of flops.attention_flops_per_token (benchmarks/results/packed_attention.json: CPU).
+DENSE_SQUARE = 2.0
 
 
 def gemm_time(tokens: float, k: float, n: float, flops_s: float, bytes_s: float, c: int) -> float:
@@ -39,6 +43,21 @@ def layer_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float, float]]:
     else:
         out += [(h, i, 1.0), (h, i, 1.0), (i, h, 1.0)]
     return out
+
+
+def packing_bytes(model: ModelSpec, train: TrainSpec, tp: int, eager: bool, replay: float) -> float:
+    """Memory-bound bytes of one layer and micro-batch that packed documents add. dense: the
+    broadcast [B, 1, S, S] mask is read once per head (the kernels tile by batch and head), in
+    forward (eager's add, SDPA), in SDPA's backward and in a replayed forward (`replay` 1 under
+    full checkpointing). sdpa_varlen: the per-document outputs concatenated, written and read in
+    forward, the gradient sliced back in backward (4·c·o per token). The other kernels: none."""
+    c, tokens = train.compute_bytes, train.micro_batch * train.seq_len
+    if train.packed_attention == "dense":
+        reads = (1 if eager else 2) + replay
+        return model.num_heads / tp * tokens * train.seq_len * c * reads
+    if train.packed_attention == "sdpa_varlen":
+        return tokens * 4 * c * model.o_dim / tp
+    return 0.0
 
 
 def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: int) -> float:

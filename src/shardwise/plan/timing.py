@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from shardwise.plan.activations import attention_kind
 from shardwise.plan.comm import CommBreakdown, fsdp_regather_share
 from shardwise.plan.flops import attention_flops_per_token, run_flops_per_token, selective_recompute_params
 from shardwise.plan.kernels import (
+    DENSE_SQUARE,
     OPTIMIZER_BYTES,
     ce_chunks,
     elementwise_bytes,
@@ -25,6 +27,7 @@ from shardwise.plan.kernels import (
     head_gemm_time,
     layer_gemms,
     loss_bytes_per_token,
+    packing_bytes,
     update_bytes,
 )
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
@@ -215,7 +218,9 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     attn_eff = gpu.attention_efficiency
     replay_attn = 1.0 if train.checkpointing == "full" else 0.0
     attention = k * attn_flops * (1 + replay_attn / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
-    mem = 0.0
+    eager = attention_kind(model, train) == "eager"
+    attention *= DENSE_SQUARE if train.packed_attention == "dense" and not eager else 1.0
+    mem = k * layers * packing_bytes(model, train, tp, eager, replay_attn)  # the dense mask's reads, or varlen's copy
     if train.attention == "eager":  # scores materialised: softmax in fp32, its backward, casts
         scores = model.num_heads / tp * tokens * train.seq_len * layers
         mem += k * scores * (3 * c + 24) * (1 + replay_attn / 3)

@@ -18,6 +18,10 @@ CrossEntropy = Literal["standard", "chunked", "fused", "inplace"]
 # of the parameters), for-loop (the CPU default: one tensor at a time), or DeepSpeed's own
 # (FusedAdam / CPU Adam, chosen by the engine).
 OptimizerImpl = Literal["fused", "foreach", "forloop"]
+# How documents packed into one row are kept apart (shardwise.train.packed_attention): none (rows
+# of one document, a causal kernel), flash-attn's varlen kernel, one causal SDPA call per
+# document, FlexAttention with a document BlockMask, or a dense additive [B, 1, S, S] mask.
+PackedAttention = Literal["none", "flash_varlen", "sdpa_varlen", "flex", "dense"]
 # QLoRA's frozen base: bitsandbytes 4-bit NormalFloat with double quantization of the block scales.
 BaseQuant = Literal["none", "nf4"]
 
@@ -31,6 +35,10 @@ class TrainSpec(Spec):
     optimizer: Optimizer = "adamw"
     checkpointing: Checkpointing = "none"
     attention: Attention = "sdpa"
+    packed_attention: PackedAttention = Field("none", description="how packed documents are kept apart: none "
+                                              "(one per row) | flash_varlen | sdpa_varlen | flex (in the kernel: "
+                                              "no mask tensor) | dense (a [B, 1, S, S] mask: full S² kernel, "
+                                              "the mask's bytes)")
     lora_rank: int = Field(0, ge=0, description="0 = full fine-tuning")
     lora_targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"),
                                           description="adapted module names (PEFT's match), or ('all-linear',)")
