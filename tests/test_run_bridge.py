@@ -22,6 +22,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from shardwise.catalog import build_hardware, get_model
 from shardwise.emit import emit_configs
+from shardwise.plan.evaluate import evaluate
 from shardwise.run import run_spec, to_config
 from shardwise.specs import STRATEGY_NAMES, DeepSpeedKnobs, Strategy, TrainSpec
 from shardwise.train.config import TrainConfig, load_config
@@ -95,7 +96,13 @@ def test_specs_emitted_config_specs_is_identity(name, tmp_path):
     # placeholders filled the way a user would (catalog model, some data file)
     filled = ["model.path=", "data.sft.train_files=[train.jsonl]"]
     run = run_spec(load_config(tmp_path / "shardwise.yaml", filled), hw.world_size, "cuda", environ={})
-    assert run.strategy == s and run.train == train and run.hardware == hw
+    # A plan without documents (packed_attention none) emits SFT data, whose packed documents the
+    # trainer keeps apart in the kernel (flex, or flash-attn's varlen): priced the same as none.
+    assert run.train.packed_attention in ("flex", "flash_varlen")
+    assert run.strategy == s and run.train == train.model_copy(update={"packed_attention": run.train.packed_attention})
+    assert run.hardware == hw
+    planned, runs = evaluate(run.model, hw, train, s), evaluate(run.model, hw, run.train, s)
+    assert (runs.memory.gpu, runs.time) == (planned.memory.gpu, planned.time)
     assert run.model == get_model("llama-2-7b")
 
 

@@ -1,10 +1,18 @@
 """Collator: rows -> torch tensors, with documents isolated from each other.
 
 Batch contract (docs/data.md): ``input_ids``, ``labels`` (NOT shifted, -100 = ignored) and
-``position_ids`` (restart at 0 per document) are int64 [B, S]. ``attention_mask`` is a 4-D
-block-diagonal causal mask [B, 1, S, S]; transformers passes a 4-D mask to SDPA/eager
-untouched, so a token only sees earlier tokens of its own document. Padding forms its own
-block (never a fully masked row, so no NaN) and is labelled -100.
+``position_ids`` (restart at 0 per document) are int64. Two layouts:
+
+- mask="varlen" (the trainer's default, shardwise.train.packed_attention): padding-free [1, T],
+  the micro-batch's rows concatenated, with the documents' boundaries (``cu_seq_lens_q/k``)
+  and no mask tensor: the attention kernel keeps the documents apart.
+- mask="additive"/"bool" (the dense fallback): [B, S] rows and a 4-D block-diagonal causal
+  mask [B, 1, S, S]; transformers passes a 4-D mask to SDPA/eager untouched, so a token only
+  sees earlier tokens of its own document. Padding forms its own block (never a fully masked
+  row, so no NaN) and is labelled -100.
+
+Both hold the same target tokens (every document's first label is -100, so the position before
+it, in the same row or the previous one, predicts nothing): the same loss and the same count.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ class SFTCollator:
     mask="additive": float mask, 0 = attend, dtype-min = blocked; works for SDPA *and* eager
         (eager adds the mask to the scores). Pass ``mask_dtype`` = the model's compute dtype.
     mask="bool": True = attend; SDPA only (eager would add the booleans as 0/1).
-    mask="varlen": flash-attention style: the batch is flattened to [1, T] without padding,
-        no attention_mask, plus ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` that
-        transformers' flash-attention path uses as variable-length boundaries.
+    mask="varlen": the batch is flattened to [1, T] without padding, no attention_mask, plus
+        ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` that transformers' flash-attention
+        path and shardwise's per-document SDPA use as variable-length boundaries (FlexAttention
+        reads them from ``position_ids``).
     """
 
     def __init__(self, pad_token_id: int, *, pad_to: int | None = None, mask: MaskKind = "additive",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError
@@ -110,6 +111,31 @@ def compiled(cfg: TrainConfig, device: str) -> bool:
     return compile_enabled(cfg, device, engine)
 
 
+def _model_type(cfg: TrainConfig) -> str:
+    """The configured model's family: the catalog's, or config.json's `model_type` (read, not
+    built: a missing or bad file is refused by the model checks, not here)."""
+    if cfg.model.path is None:
+        from shardwise.catalog import get_model
+
+        return get_model(cfg.model.name or "").family
+    import json
+
+    try:
+        doc = json.loads((Path(cfg.model.path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "hf"
+    return str(doc.get("model_type", "hf")) if isinstance(doc, dict) else "hf"
+
+
+def packed_attention(cfg: TrainConfig, device: str) -> str:
+    """What keeps the documents of an SFT row apart in this run (`data.sft.packed_attention`
+    resolved for the device and model: shardwise.train.packed_attention.resolve), planned and built."""
+    from shardwise.train.packed_attention import resolve
+
+    return resolve(cfg.data.sft.packed_attention, data_kind=cfg.data.kind, device=device,
+                   attention=cfg.model.attention, family=_model_type(cfg), precision=cfg.precision, source=cfg.source)
+
+
 def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> TrainSpec:
     fields = {
         "optimizer_impl": optimizer_impl(cfg, device),
@@ -123,6 +149,7 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> Trai
         "optimizer": cfg.optimizer.name,
         "checkpointing": cfg.checkpointing.activation,
         "attention": cfg.model.attention,
+        "packed_attention": packed_attention(cfg, device),
         "fused_kernels": compiled(cfg, device),
         "cross_entropy": cfg.loss.implementation,
         "ce_chunk": cfg.loss.chunk_tokens,
@@ -202,6 +229,22 @@ def _knob_overrides(knobs: Any, default: Any) -> dict[str, Any]:
     return {k: v for k, v in knobs.model_dump().items() if v != getattr(default, k)}
 
 
+def _set_packed_attention(raw: dict[str, Any], train: TrainSpec, model: ModelSpec, attention: str, precision: str,
+                          device: str) -> None:
+    """`data.sft.packed_attention` for the planned kernel, where the base's choice would not run
+    it (none, a plan without documents, keeps the base's)."""
+    from shardwise.train.packed_attention import resolve
+
+    sft = raw["data"]["sft"]
+    if train.packed_attention == "none":
+        return
+    runs = resolve(sft.get("packed_attention", "auto"), data_kind="sft", device=device, attention=attention,
+                   family=model.family, precision=precision)
+    if runs != train.packed_attention:
+        sft["packed_attention"] = {"flash_varlen": "varlen", "sdpa_varlen": "varlen"}.get(
+            train.packed_attention, train.packed_attention)
+
+
 def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, *,
               base: TrainConfig | None = None, device: str = "cuda") -> tuple[TrainConfig, list[str]]:
     """The TrainConfig that runs these specs, and notes on what the trainer cannot run as planned.
@@ -250,6 +293,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         raw["data"]["synthetic"]["seq_len"] = train.seq_len
     else:
         raw["data"]["sft"]["max_length"] = train.seq_len
+        _set_packed_attention(raw, train, model, attention, precision, device)
     knobs = trainer_knobs(device)
     raw["strategy"] = {
         "name": strategy.name,

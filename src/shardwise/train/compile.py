@@ -89,17 +89,22 @@ def _with_fallback(compiled: Any, eager: Any, state: dict[str, Any], run: Any) -
     return forward
 
 
+def compile_error_summary(e: BaseException) -> str:
+    """`Error from RootError: first line of the root cause` (the backend's own error, which
+    BackendCompilerFailed keeps as `inner_exception`), for a one-line warning."""
+    root = e
+    while root.__cause__ is not None or getattr(root, "inner_exception", None) is not None:
+        root = root.__cause__ or root.inner_exception
+    first = (str(root).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}" + (f" from {type(root).__name__}" if root is not e else "") + f": {first}"
+
+
 def _warn_fallback(e: BaseException, run: Any) -> None:
     import os
     import sys
 
-    root = e
-    while root.__cause__ is not None or getattr(root, "inner_exception", None) is not None:
-        root = root.__cause__ or root.inner_exception  # BackendCompilerFailed keeps the backend's error
-    first = (str(root).strip().splitlines() or [""])[0][:300]
-    cause = f"{type(e).__name__}" + (f" from {type(root).__name__}" if root is not e else "")
     msg = (f"shardwise: rank {os.environ.get('RANK', '0')}: torch.compile of the decoder layers failed "
-           f"({cause}: {first}); they run eager from here (set run.compile: false to skip compiling)")
+           f"({compile_error_summary(e)}); they run eager from here (set run.compile: false to skip compiling)")
     if run is not None:
         msg += f"; {replanned_without_compile(run)}"
     print(msg, file=sys.stderr, flush=True)

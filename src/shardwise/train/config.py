@@ -55,11 +55,17 @@ class SyntheticData(_Section):
 
 
 class SFTSection(DataConfig):
-    """`data.sft`: the data pipeline's DataConfig, with the trainer's defaults for two fields."""
+    """`data.sft`: the data pipeline's DataConfig, with the trainer's defaults for two fields, and
+    the attention that keeps its packed documents apart (the trainer's, not the pipeline's)."""
 
     train_files: list[str] = Field(default_factory=list, description="JSON/JSONL/Parquet paths or globs "
                                    "(none: the bundled sample data)")
     seed: int | None = Field(None, description="shuffle seed (default: run.seed)")
+    packed_attention: Literal["auto", "varlen", "flex", "dense"] = Field(
+        "auto", description="how the documents of a row are kept apart: varlen (flash-attn's varlen kernel where "
+        "installed, else one SDPA call per document), flex (FlexAttention's document block mask; CUDA), dense (a "
+        "[B, 1, S, S] mask, full S² attention); auto: flash-attn, else flex on CUDA, else varlen; dense with "
+        "eager attention (shardwise.train.packed_attention)")
 
 
 class DataSection(_Section):

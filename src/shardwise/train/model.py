@@ -65,13 +65,16 @@ NO_SDPA = ("gemma2", "mpt")
 
 
 def attention_implementation(run: RunSpec) -> str:
-    """The `attn_implementation` the model is built with: the planner's `attention_kind`, i.e.
-    `model.attention`, except where transformers has no SDPA path and the planner already plans
-    the eager attention that runs instead (Gemma2). What is planned is what is built; preflight
-    says so once (`attention_note`)."""
+    """The `attn_implementation` the model is built with: the one that keeps packed documents
+    apart without a dense mask where the run has them (`TrainSpec.packed_attention`:
+    flash_attention_2, shardwise's per-document SDPA or FlexAttention, shardwise.train.packed_attention),
+    else the planner's `attention_kind`, i.e. `model.attention`, except where transformers has no
+    SDPA path and the planner already plans the eager attention that runs instead (Gemma2). What
+    is planned is what is built; preflight says so once (`attention_note`)."""
     from shardwise.plan.activations import attention_kind
+    from shardwise.train.packed_attention import implementation
 
-    return attention_kind(run.model, run.train)
+    return implementation(run) or attention_kind(run.model, run.train)
 
 
 def attention_note(run: RunSpec) -> str | None:
@@ -81,15 +84,20 @@ def attention_note(run: RunSpec) -> str | None:
     - transformers has no SDPA path but the plan assumed one (MPT, whose plan is llm-foundry's
       fused kernel; meta-path architectures whose class lacks `_supports_sdpa`): refused naming
       `model.attention`, since eager's s×s scores would break the memory check.
+    - Packed SFT rows: `packed_attention.note` (the dense fallback's cost, or a refusal).
     None: the configured kernel runs as planned."""
+    from shardwise.plan.activations import attention_kind
+    from shardwise.train.packed_attention import note as packed_note
+
     cfg = run.config
-    impl = attention_implementation(run)
+    packed = packed_note(run)
+    impl = attention_kind(run.model, run.train)
     if impl != cfg.model.attention:
         return (f"{cfg.source}: model.attention is {cfg.model.attention!r}, but transformers has no SDPA path for "
                 f"{run.model.family} ({run.model.name}); building it with {impl!r} attention, as the memory plan "
-                f"assumes (set model.attention: {impl} to make this explicit)")
+                f"assumes (set model.attention: {impl} to make this explicit)" + (f"; {packed}" if packed else ""))
     if impl != "sdpa":
-        return None
+        return packed
     if run.model.inventory is not None:
         cls = causal_lm_class(run.model.inventory.model_type)
         refused = cls is not None and not getattr(cls, "_supports_sdpa", True)
@@ -100,7 +108,7 @@ def attention_note(run: RunSpec) -> str | None:
         raise ShardwiseError(
             f"{cfg.source}: model.attention is 'sdpa', but transformers has no SDPA path for {what}; set "
             "model.attention: eager (--set model.attention=eager), which plans and builds the eager attention")
-    return None
+    return packed
 
 
 def causal_lm_class(model_type: str):

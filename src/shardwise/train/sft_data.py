@@ -20,7 +20,7 @@ def data_config(cfg: TrainConfig):
     from shardwise.data import DataConfig, sample_data_path
 
     sft = cfg.data.sft
-    raw = sft.model_dump() | {
+    raw = sft.model_dump(exclude={"packed_attention"}) | {  # the trainer's: rows and cache do not depend on it
         "train_files": sft.train_files or [str(sample_data_path())],
         "seed": cfg.run.seed if sft.seed is None else sft.seed,
     }
@@ -107,8 +107,13 @@ def build_sft_split(run: RunSpec, split: str) -> tuple[Any, Any]:
     dc = data_config(cfg)
     cached = find_cache(dc, tok_dir, data_cache_dir(cfg), split=split)
     ds = load_dataset(cached) if cached is not None else build_dataset(dc, tok, split=split)
-    # Additive 4-D mask in the compute dtype: documents packed in a row never see each other.
-    collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8, mask_dtype=compute_dtype(run))
+    if run.train.packed_attention == "dense":
+        # The stated fallback: an additive [B, 1, S, S] mask in the compute dtype (eager attention).
+        collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8, mask_dtype=compute_dtype(run))
+    else:
+        # Padding-free [1, T]: the documents' boundaries from position_ids / cu_seq_lens, no mask
+        # (shardwise.train.packed_attention); the same target tokens, so the same loss.
+        collate = SFTCollator(tok.pad_token_id, mask="varlen")
     return ds, collate
 
 

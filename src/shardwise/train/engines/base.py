@@ -170,7 +170,8 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[s
     """The keyword arguments of the HF forward. A 2-D all-ones mask is dropped (causal is implied,
     and dropping it keeps the fast SDPA path); a 4-D packing mask is passed through. Positions
     that are 0..S-1 in every row are dropped too: HF then computes RoPE once for [1, S] instead
-    of per row ([B, S]); packed rows (positions restarting per document) keep theirs."""
+    of per row ([B, S]); packed rows (positions restarting per document) keep theirs, and a
+    padding-free packed batch its `cu_seq_lens_q/k` and `max_length_q/k` (`VARLEN_KEYS`)."""
     out = {"input_ids": batch["input_ids"].to(device, non_blocking=True)}
     pos = batch.get("position_ids")
     if pos is not None and not _default_positions(pos):
@@ -178,7 +179,16 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[s
     mask = batch.get("attention_mask")
     if mask is not None and not (mask.dim() == 2 and bool(mask.all())):
         out["attention_mask"] = mask.to(device, non_blocking=True)
+    for key in VARLEN_KEYS:  # a padding-free packed batch's document boundaries (data.collate, varlen)
+        if key in batch:
+            v = batch[key]
+            out[key] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
     return out
+
+
+# transformers' variable-length kwargs (TransformersKwargs), passed down to the attention function:
+# flash_attention_2 and shardwise's per-document SDPA read the boundaries from them.
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _default_positions(pos: torch.Tensor) -> bool:
