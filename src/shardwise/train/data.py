@@ -8,12 +8,15 @@ run comparable, step for step, to a 1-rank run.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardwise.data.labels import IGNORE_INDEX
+from shardwise.data.labels import IGNORE_INDEX, count_target_tokens
 from shardwise.run import RunSpec
 from shardwise.train.config import SyntheticData
 from shardwise.train.engines.base import DistEnv
@@ -99,6 +102,97 @@ def build_source(run: RunSpec, env: DistEnv, vocab_size: int, consumed: int = 0)
         mine = consumed // env.world_size
         sampler.load_state_dict({"epoch": mine // sampler.num_samples, "position": mine % sampler.num_samples})
     return iter_steps(ds, sampler_indices(sampler), r.micro_batch, r.grad_accum, collate)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """One optimizer step's micro-batches for this rank, with the counts the loop all-reduces."""
+
+    step: int  # the optimizer step (1-based) they are for
+    micro: list[Batch]
+    targets: int  # this rank's target tokens over the micro-batches (count_target_tokens)
+    tokens: int  # this rank's input tokens
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Prefetcher:
+    """The next steps' micro-batches, prepared on a background thread while the training thread
+    runs the current one: read, collated and counted up to `depth` steps ahead, so the training
+    thread never reads rows or collates between a backward and the next forward.
+
+    The thread takes `count` items from `steps` in order, one per step from `first`, the same
+    items a loop calling `next(steps)` would get: which rows a step sees does not change, and a
+    resumed run's position (the step count, shardwise.train.data.build_source's `consumed`) does
+    not depend on how far the thread has read. An exception the thread raises is raised again by
+    `next` on the training thread, with its message unchanged and a note saying where it was
+    raised; a source that ends early is an error naming the step. `close` stops the thread (it
+    is a daemon: a thread stuck inside the source never holds up the process's exit).
+    """
+
+    _POLL_S = 0.1  # how often a blocked put or get looks at the stop flag and the thread
+
+    def __init__(self, steps: Iterator[list[Batch]], first: int, count: int, depth: int = 2):
+        self._steps, self._first, self._count = steps, first, count
+        self._queue: queue.Queue[PreparedStep | _Failed] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="shardwise-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        step = self._first
+        try:
+            for step in range(self._first, self._first + self._count):
+                if self._stop.is_set():
+                    return
+                try:
+                    micro = next(self._steps)
+                except StopIteration:
+                    raise RuntimeError(f"the batch source ended before step {step} (it gave "
+                                       f"{step - self._first} of the {self._count} steps asked)") from None
+                item = PreparedStep(step, micro, sum(count_target_tokens(b) for b in micro),
+                                    sum(b["input_ids"].numel() for b in micro))
+                if not self._put(item):
+                    return
+        except BaseException as e:  # every error reaches the training thread
+            e.add_note(f"(raised while preparing the batches of step {step}, on the prefetch thread)")
+            self._put(_Failed(e))
+
+    def _put(self, item: PreparedStep | _Failed) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self._POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> PreparedStep:
+        """The next step's prepared micro-batches (waits for the thread when it is behind)."""
+        while True:
+            try:
+                item = self._queue.get(timeout=self._POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the prefetch thread ended without the next step's batches "
+                                       "(closed, or asked for more steps than it was given)") from None
+                continue
+            if isinstance(item, _Failed):
+                raise item.error
+            return item
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; wait up to `timeout_s` for it to leave the source it may be reading."""
+        self._stop.set()
+        try:
+            while True:  # a put blocked on a full queue returns at its next poll
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout_s)
 
 
 def eval_layout(n_rows: int, env: DistEnv, micro_batch: int) -> list[list[int | None]]:

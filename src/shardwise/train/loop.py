@@ -4,7 +4,8 @@ Per optimizer step:
 1. the step's GLOBAL target-token count (all micro-batches, all ranks) is known before any
    forward pass: it was all-reduced, asynchronously, during the previous step;
 2. for each micro-batch: `sync_grads(last)` + `forward_backward(batch, world / global_count)`;
-3. fetch the next step's micro-batches and start one host-side all-reduce of [their counts,
+3. take the next step's micro-batches (already read, collated and counted by the prefetch
+   thread, shardwise.train.data.Prefetcher) and start one host-side all-reduce of [their counts,
    this step's loss sum]; then `step()` (clip + update, returns the global grad norm) and
    `zero_grad()` overlap it;
 4. the logged loss is the all-reduced loss sum over the global count: the exact mean over
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from shardwise.data.labels import count_target_tokens
 from shardwise.errors import NonFiniteError
 from shardwise.run import RunSpec
+from shardwise.train.data import Prefetcher
 from shardwise.train.engines import build_engine
 from shardwise.train.engines.base import DistEnv
 from shardwise.train.model import build_model
@@ -293,16 +295,15 @@ def train(
     def eval_due(step: int) -> bool:
         return every is not None and (step % every == 0 or step == cfg.run.steps)
 
-    def counts(micro: list[dict[str, torch.Tensor]]) -> list[float]:
-        return [sum(count_target_tokens(b) for b in micro), sum(b["input_ids"].numel() for b in micro)]
-
     def votes() -> list[float]:
         timed = cp.save_every_minutes is not None and time.monotonic() - last_save >= cp.save_every_minutes * 60
         return [float(stop is not None and stop.requested), float(timed)]
 
+    # The next steps' batches are read, collated and counted on a background thread.
+    source = Prefetcher(steps, first=start + 1, count=cfg.run.steps - start)
     try:
-        micro = next(steps) if start < cfg.run.steps else []
-        reduce = meta.start([*counts(micro), 0.0, 0.0, 0.0]) if micro else None
+        nxt = source.next() if start < cfg.run.steps else None
+        reduce = meta.start([nxt.targets, nxt.tokens, 0.0, 0.0, 0.0]) if nxt is not None else None
         for step in range(start, cfg.run.steps):
             t0, c0 = time.perf_counter(), time.thread_time()
             phase("all_reduce(step counts)", step)
@@ -325,15 +326,21 @@ def train(
                 raise RuntimeError(f"step {step + 1}: the global batch has no target tokens")
             loss_scale = env.world_size / global_targets
             engine.set_lr(lr_at(step))
+            assert nxt is not None and nxt.step == step + 1, (nxt, step)
+            micro = nxt.micro
             phase("forward_backward", step + 1)
             sums = []  # kept on device: one host sync per step, not per micro-batch
             for i, batch in enumerate(micro):
                 with engine.sync_grads(i == len(micro) - 1):
                     sums.append(engine.forward_backward(batch, loss_scale))
             loss_sum = float(torch.stack(sums).double().sum())
-            last = step + 1 == cfg.run.steps
-            micro = [] if last else next(steps)
-            reduce = meta.start([*(counts(micro) if micro else [0, 0]), loss_sum, *votes()])
+            if step + 1 < cfg.run.steps:
+                phase("next batches", step + 1)
+                nxt = source.next()
+            else:
+                nxt = None
+            reduce = meta.start([*((nxt.targets, nxt.tokens) if nxt is not None else (0.0, 0.0)), loss_sum,
+                                 *votes()])
             phase("optimizer step", step + 1)
             grad_norm = engine.step()
             engine.zero_grad()
@@ -364,6 +371,7 @@ def train(
         result.status = "interrupted"
         raise
     finally:
+        source.close()
         meta.close()
         engine.close()
     return result
