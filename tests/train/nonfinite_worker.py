@@ -1,6 +1,7 @@
 """One rank: for each strategy, a finite step, then a step whose gradients are NaN (a NaN loss
-scale), then Inf, then a finite step again. Rank 0 writes `<strategy>.json`: the gradient norm
-each step returned and whether the consolidated weights changed and stayed finite.
+scale), then Inf, then a finite step again (`:fused`: with fused AdamW, which skips on the
+device). Rank 0 writes `<strategy>-<precision>[-fused].json`: the gradient norm each step
+returned and whether the consolidated weights changed and stayed finite.
 
 Run by tests/train/test_nonfinite.py on 2 gloo ranks (a skipped update is a collective
 decision: every rank must skip the same step)."""
@@ -22,12 +23,12 @@ from shardwise.train.loop import seed_everything
 from shardwise.train.model import build_model
 
 
-def config(strategy: str, precision: str) -> TrainConfig:
+def config(strategy: str, precision: str, fused: bool = False) -> TrainConfig:
     return TrainConfig.model_validate({
         "model": {"name": "tiny-llama", "attention": "eager"},
         "data": {"kind": "synthetic", "synthetic": {"samples": 64, "seq_len": 16, "seed": 7}},
         "strategy": {"name": strategy},
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 1.0, "fused": fused},
         "precision": precision,
         "run": {"steps": 4, "micro_batch": 2, "grad_accum": 1, "seed": 3, "device": "cpu"},
         "logging": {"progress": False, "tensorboard": False},
@@ -38,8 +39,8 @@ def weights(engine) -> dict[str, torch.Tensor] | None:
     return engine.consolidated_state_dict()
 
 
-def one(strategy: str, precision: str, env, out: Path) -> None:
-    cfg = config(strategy, precision)
+def one(strategy: str, precision: str, env, out: Path, fused: bool = False) -> None:
+    cfg = config(strategy, precision, fused)
     run = run_spec(cfg, env.world_size, "cpu")
     seed_everything(cfg.run.seed)
     model = build_model(run)
@@ -58,10 +59,10 @@ def one(strategy: str, precision: str, env, out: Path) -> None:
         if env.is_main:
             changed = any(not torch.equal(before[k], after[k]) for k in before)
             finite = all(bool(torch.isfinite(v).all()) for v in after.values())
-            record.append({"scale": str(scale), "grad_norm": str(norm), "changed": changed, "finite": finite})
+            record.append({"scale": str(scale), "grad_norm": str(float(norm)), "changed": changed, "finite": finite})
     engine.close()
     if env.is_main:
-        (out / f"{strategy}-{precision}.json").write_text(json.dumps(record))
+        (out / f"{strategy}-{precision}{'-fused' if fused else ''}.json").write_text(json.dumps(record))
 
 
 class _Stand:
@@ -90,13 +91,13 @@ def save_agreement(env, out: Path) -> None:
 
 
 def main() -> None:
-    runs, env, out = start_worker("strategy:precision")
+    runs, env, out = start_worker("strategy:precision[:fused]")
     for item in runs:
         if item == "save":
             save_agreement(env, out)
             continue
-        strategy, precision = item.split(":")
-        one(strategy, precision, env, out)
+        strategy, precision, *flags = item.split(":")
+        one(strategy, precision, env, out, fused="fused" in flags)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ from shardwise.errors import ExitCode, NonFiniteError
 
 REPO = HERE.parent.parent
 WORKER = HERE / "nonfinite_worker.py"
-RUNS = ["ddp:fp32", "fsdp:fp32", "zero0:fp32", "zero1:fp32", "zero3:fp32", "zero2:bf16-mixed", "fsdp:bf16-mixed"]
+# `:fused`: fused AdamW skips on the device (found_inf), without a host sync (the CUDA default)
+RUNS = ["ddp:fp32", "fsdp:fp32", "zero0:fp32", "zero1:fp32", "zero3:fp32", "zero2:bf16-mixed", "fsdp:bf16-mixed",
+        "ddp:fp32:fused", "fsdp:fp32:fused"]
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +51,11 @@ def test_every_engine_skips_a_non_finite_update(engines, run):
 
 @pytest.mark.distributed
 def test_the_step_after_skipped_ones_is_the_same_on_every_engine(engines):
-    """fp32 engines: the finite step after two skipped ones has the same gradient norm everywhere,
-    which it would not if any engine had moved weights or AdamW moments on a skipped step."""
+    """fp32 engines (fused AdamW too): the finite step after two skipped ones has the same gradient
+    norm everywhere, which it would not if any engine had moved weights or AdamW moments on a
+    skipped step."""
     norms = {r: float(json.loads((engines / f"{r.replace(':', '-')}.json").read_text())[3]["grad_norm"])
-             for r in RUNS if r.endswith("fp32")}  # fmt: skip
+             for r in RUNS if ":fp32" in r}  # fmt: skip
     ref = norms["ddp:fp32"]
     assert all(abs(n - ref) <= 1e-5 * ref for n in norms.values()), norms
 

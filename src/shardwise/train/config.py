@@ -189,7 +189,10 @@ class CheckpointingSection(_Section):
 
 
 class LoggingSection(_Section):
-    every: int = Field(1, gt=0, description="log every N steps")
+    # 10: torchtitan's metrics.log_freq default
+    every: int = Field(10, gt=0, description="log every N steps: the losses and gradient norms reach the host "
+                       "once per N steps (a step does not wait for the device in between); TensorBoard, W&B and "
+                       "the progress line get every N-th step, metrics.jsonl every step (written then)")
     progress: bool = True
     tensorboard: bool = True
     wandb: bool = Field(False, description="also log to Weights & Biases when installed")

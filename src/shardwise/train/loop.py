@@ -4,12 +4,17 @@ Per optimizer step:
 1. the step's GLOBAL target-token count (all micro-batches, all ranks) is known before any
    forward pass: it was all-reduced, asynchronously, during the previous step;
 2. for each micro-batch: `sync_grads(last)` + `forward_backward(batch, world / global_count)`;
+   the loss sums stay on the device;
 3. take the next step's micro-batches (already read, collated and counted by the prefetch
    thread, shardwise.train.data.Prefetcher) and start one host-side all-reduce of [their counts,
-   this step's loss sum]; then `step()` (clip + update, returns the global grad norm) and
-   `zero_grad()` overlap it;
-4. the logged loss is the all-reduced loss sum over the global count: the exact mean over
-   the step's targets, equal to what one process computes on the whole global batch.
+   a stop vote, a timed-save vote]; then `step()` (clip + update, returns the global grad norm,
+   left on the device) and `zero_grad()` overlap it;
+4. at a logging step (`logging.every`), and before anything that needs the numbers (a save, an
+   evaluation, a stop, the end), the pending records are completed at once
+   (shardwise.train.step_log): the logged loss of a step is its all-reduced loss sum over its
+   global count, the exact mean over the step's targets, equal to what one process computes on
+   the whole global batch. In between, a step waits on the device at most once: the engine's
+   non-finite skip decision, and not at all where the optimizer skips on the device (fused AdamW).
 
 Evaluation (`run.eval_every_steps`): at every N-th step boundary and after the last step, each
 rank runs `engine.evaluate` over its fixed slice of the validation split (the same rows on every
@@ -31,25 +36,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise.data.labels import count_target_tokens
-from shardwise.errors import NonFiniteError
+from shardwise.errors import NonFiniteError  # noqa: F401 - re-exported for the CLI
 from shardwise.run import RunSpec
 from shardwise.train.data import Prefetcher
 from shardwise.train.engines import build_engine
 from shardwise.train.engines.base import DistEnv
 from shardwise.train.model import build_model
 from shardwise.train.schedule import build_schedule
-
-
-@dataclass
-class StepRecord:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    target_tokens: int
-    tokens: int  # input tokens of the global batch (throughput counts these)
-    step_time_s: float
-    cpu_time_s: float = 0.0  # CPU time of this rank's training thread: robust to other load and to waits
+from shardwise.train.step_log import Guard, StepLog, StepRecord
 
 
 @dataclass
@@ -109,10 +103,11 @@ def seed_everything(seed: int) -> None:
 class _MetaReduce:
     """Sums of a few host-side numbers over ranks, asynchronously, on a dedicated gloo group.
 
-    Target counts and loss sums live on the CPU: a gloo group sums them without a device sync
-    (on CUDA an NCCL reduce of a host value would need a copy and a stream sync) and without
+    Target counts and votes live on the CPU: a gloo group sums them without a device sync (on
+    CUDA an NCCL reduce of a host value would need a copy and a stream sync) and without
     queueing behind the engine's gradient collectives. Started before `engine.step()`, the
-    reduce overlaps the optimizer step.
+    reduce overlaps the optimizer step. A flush of the step records sums their loss sums here
+    too, once they are on the host.
     """
 
     def __init__(self) -> None:
@@ -134,42 +129,6 @@ class _MetaReduce:
     def close(self) -> None:
         if self.group is not None:
             dist.destroy_process_group(self.group)
-
-
-class _Guard:
-    """Non-finite losses and gradient norms: every rank sees the same (all-reduced) values and
-    so takes the same decision. The engines skip the update of a step whose gradient norm is not
-    finite (`Engine.step`), so such a step leaves weights and optimizer state as they were; it
-    counts against `run.nonfinite_patience` (consecutive skipped steps), and a run whose last
-    step was skipped ends with NonFiniteError too, whatever the patience: it never exports or
-    reports "completed" on a step it could not take. fp16's scaler skips overflowing steps
-    itself: an infinite grad norm there is a skipped step of loss scaling, not a diverged run."""
-
-    def __init__(self, patience: int, fp16: bool, say: Any = print):
-        self.patience, self.fp16, self.bad, self.say = patience, fp16, 0, say
-
-    def check(self, rec: StepRecord) -> bool:
-        """True when the step is finite (safe to checkpoint); raises past the patience."""
-        finite = math.isfinite(rec.loss) and (self.fp16 or math.isfinite(rec.grad_norm))
-        self.bad = 0 if finite else self.bad + 1
-        if self.bad > self.patience:
-            raise NonFiniteError(
-                f"step {rec.step}: loss {rec.loss}, grad norm {rec.grad_norm}: non-finite for {self.bad} "
-                f"consecutive step(s) (run.nonfinite_patience={self.patience}); lower optimizer.lr or check "
-                "the data. Nothing was exported."
-            )
-        if not finite:
-            self.say(f"shardwise: step {rec.step}: loss {rec.loss}, grad norm {rec.grad_norm}: update skipped "
-                     f"({self.bad} of run.nonfinite_patience={self.patience} consecutive)")
-        return finite
-
-    def at_end(self, rec: StepRecord | None) -> None:
-        if self.bad and rec is not None:
-            raise NonFiniteError(
-                f"step {rec.step} (the last): loss {rec.loss}, grad norm {rec.grad_norm}: the run ended on "
-                f"{self.bad} skipped non-finite step(s) (within run.nonfinite_patience={self.patience}); "
-                "nothing was exported and no checkpoint was written after the last finite step."
-            )
 
 
 def train(
@@ -238,24 +197,21 @@ def train(
     if metrics is not None:
         metrics.start(cfg, env, num_params, start_step=start)
     periodic = cp.save_every_steps is not None or cp.save_every_minutes is not None
-    guard = _Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16",
-                   say=(lambda msg: print(msg, flush=True)) if env.is_main else (lambda msg: None))
+    guard = Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16",
+                  say=(lambda msg: print(msg, flush=True)) if env.is_main else (lambda msg: None))
     last_save = time.monotonic()
     # One host-side reduce per step carries the NEXT step's target/token counts (they must be
-    # global before its first forward), THIS step's loss sum (for the logged loss), and two
-    # votes: a stop request and "a timed checkpoint is due" (each rank's clock differs; any
-    # rank's vote makes every rank save, so they always save together).
+    # global before its first forward) and two votes: a stop request and "a timed checkpoint is
+    # due" (each rank's clock differs; any rank's vote makes every rank save, so they always
+    # save together). The loss sums and grad norms wait on the device for the next flush.
     meta = _MetaReduce()
-    prev: StepRecord | None = None
 
-    def finish(rec: StepRecord | None, total_loss: float) -> bool:
-        if rec is None:
-            return True
-        rec.loss = total_loss / rec.target_tokens
+    def log_record(rec: StepRecord) -> None:
         result.records.append(rec)
         if metrics is not None:
             metrics.log_step(rec)
-        return guard.check(rec)
+
+    records = StepLog(cfg.logging.every, guard, lambda sums: meta.wait(meta.start(sums)), log_record)
 
     def save(step: int) -> Path:
         nonlocal last_save
@@ -295,6 +251,9 @@ def train(
     def eval_due(step: int) -> bool:
         return every is not None and (step % every == 0 or step == cfg.run.steps)
 
+    def save_due(step: int) -> bool:
+        return bool(cp.save_every_steps and step % cp.save_every_steps == 0)
+
     def votes() -> list[float]:
         timed = cp.save_every_minutes is not None and time.monotonic() - last_save >= cp.save_every_minutes * 60
         return [float(stop is not None and stop.requested), float(timed)]
@@ -303,19 +262,23 @@ def train(
     source = Prefetcher(steps, first=start + 1, count=cfg.run.steps - start)
     try:
         nxt = source.next() if start < cfg.run.steps else None
-        reduce = meta.start([nxt.targets, nxt.tokens, 0.0, 0.0, 0.0]) if nxt is not None else None
+        reduce = meta.start([nxt.targets, nxt.tokens, 0.0, 0.0]) if nxt is not None else None
         for step in range(start, cfg.run.steps):
             t0, c0 = time.perf_counter(), time.thread_time()
             phase("all_reduce(step counts)", step)
-            targets, tokens, prev_total, stop_vote, time_vote = meta.wait(reduce)
-            finite = finish(prev, prev_total)
+            targets, tokens, stop_vote, time_vote = meta.wait(reduce)
             if step > start:  # a boundary: `step` optimizer steps are done and applied
+                # The records reach the host at a logging step and before any decision that needs
+                # them; nothing below is due at any other boundary.
+                finite = True
+                if stop_vote or time_vote or eval_due(step) or save_due(step) or records.due(step):
+                    phase("host sync (losses, grad norms)", step)
+                    finite = records.flush()
                 # a stop request skips a due evaluation: the stop must be prompt
                 evaluated = finite and not stop_vote and eval_due(step)
                 if evaluated:
                     evaluate(step)
-                if finite and ((cp.save_every_steps and step % cp.save_every_steps == 0) or time_vote
-                               or (stop_vote and cp.save_on_interrupt)
+                if finite and (save_due(step) or time_vote or (stop_vote and cp.save_on_interrupt)
                                or (evaluated and cp.save_best)):  # fmt: skip
                     save(step)
                 if stop_vote:
@@ -329,40 +292,42 @@ def train(
             assert nxt is not None and nxt.step == step + 1, (nxt, step)
             micro = nxt.micro
             phase("forward_backward", step + 1)
-            sums = []  # kept on device: one host sync per step, not per micro-batch
+            sums = []  # kept on the device until the next flush
             for i, batch in enumerate(micro):
                 with engine.sync_grads(i == len(micro) - 1):
                     sums.append(engine.forward_backward(batch, loss_scale))
-            loss_sum = float(torch.stack(sums).double().sum())
+            loss_sum = torch.stack(sums).double().sum()
             if step + 1 < cfg.run.steps:
                 phase("next batches", step + 1)
                 nxt = source.next()
             else:
                 nxt = None
-            reduce = meta.start([*((nxt.targets, nxt.tokens) if nxt is not None else (0.0, 0.0)), loss_sum,
-                                 *votes()])
+            reduce = meta.start([*((nxt.targets, nxt.tokens) if nxt is not None else (0.0, 0.0)), *votes()])
             phase("optimizer step", step + 1)
             grad_norm = engine.step()
             engine.zero_grad()
-            prev = StepRecord(
+            rec = StepRecord(
                 step=step + 1,
-                loss=float("nan"),  # set when the loss sums of all ranks are in (next wait)
-                grad_norm=grad_norm,
+                loss=float("nan"),  # both set at the next flush
+                grad_norm=float("nan"),
                 lr=lr_at(step),
                 target_tokens=global_targets,
                 tokens=global_tokens,
                 step_time_s=time.perf_counter() - t0,
                 cpu_time_s=time.thread_time() - c0,
             )
-            train_time += prev.step_time_s
+            records.add(rec, loss_sum, grad_norm)
+            train_time += rec.step_time_s
         if reduce is not None:
             phase("all_reduce(step counts)", cfg.run.steps)
-            finite = finish(prev, meta.wait(reduce)[2])
-            guard.at_end(prev)
-            evaluated = finite and prev is not None and eval_due(cfg.run.steps)
+            meta.wait(reduce)
+            phase("host sync (losses, grad norms)", cfg.run.steps)
+            finite = records.flush()
+            guard.at_end(records.last)
+            evaluated = finite and eval_due(cfg.run.steps)
             if evaluated:
                 evaluate(cfg.run.steps)
-            if (periodic or (evaluated and cp.save_best)) and finite and prev is not None:
+            if (periodic or (evaluated and cp.save_best)) and finite:
                 save(cfg.run.steps)
         if export_weights:
             phase("export gather", cfg.run.steps)

@@ -4,7 +4,6 @@ the optimizer side of the Engine protocol (both own a plain torch optimizer)."""
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import torch
@@ -65,24 +64,39 @@ class TorchOptimizerEngine:
     scaler: torch.amp.GradScaler | None
     run: RunSpec
 
-    def _global_norm(self, norm: torch.Tensor) -> float:
-        return float(norm)
+    def _global_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
         """Clip and update, unless the global gradient norm is not finite: then the update is
         skipped (weights, AdamW's moments and step count untouched), as fp16's GradScaler skips an
         overflowing step. The norm is global (all-reduced), so every rank skips the same step.
-        A NaN norm would otherwise make the clip coefficient NaN and every weight with it."""
+        A NaN norm would otherwise make the clip coefficient NaN and every weight with it.
+
+        Returns the norm as a 0-dim tensor where clipping computed it (on the device): the loop
+        reads it at its logging interval. The skip needs no host sync where the optimizer takes
+        the decision on the device: torch's fused AdamW (`_step_supports_amp_scaling`) reads the
+        optimizer's `found_inf` attribute, which GradScaler sets, inside its kernel and leaves
+        parameters, moments and the step count as they were when it is 1 (torch/optim/adam.py,
+        `_fused_adam`: the step count it increments is decremented by found_inf). Elsewhere one
+        `bool()` of `isfinite(norm)` decides: the step's one host sync."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.run.config.optimizer.max_grad_norm or float("inf")
-        norm = self._global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        norm = self._global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)).detach()
+        opt = self.optimizer
         if self.scaler:
-            self.scaler.step(self.optimizer)  # skips the update itself when it found inf/NaN
+            self.scaler.step(opt)  # skips the update itself when it found inf/NaN
             self.scaler.update()
-        elif math.isfinite(norm):
-            self.optimizer.step()
+        elif getattr(opt, "_step_supports_amp_scaling", False):
+            opt.found_inf = torch.isfinite(norm).logical_not().to(torch.float32)  # type: ignore[attr-defined]
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf  # type: ignore[attr-defined]
+        elif bool(torch.isfinite(norm)):
+            opt.step()
         return norm
 
     def zero_grad(self) -> None:

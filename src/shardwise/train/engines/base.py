@@ -70,8 +70,10 @@ class Engine(Protocol):
         """Context for one micro-batch: `enabled` only on the step's last one (the GA boundary)."""
         ...
 
-    def step(self) -> float:
-        """Clip to `max_grad_norm`, update parameters; return the global pre-clip gradient norm."""
+    def step(self) -> torch.Tensor | float:
+        """Clip to `max_grad_norm`, update parameters (none where the norm is not finite); return
+        the global pre-clip gradient norm, a 0-dim tensor left on the device (the loop reads it
+        once per logging interval) or a float. At most one host sync: the skip decision."""
         ...
 
     def zero_grad(self) -> None: ...

@@ -11,7 +11,6 @@ are the engine's own:
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -88,24 +87,27 @@ class DeepSpeedEngine:
         # backward and no `ds.step()`: the micro-step counter and the gradients are untouched.
         return evaluate_loss_sum(self.ds, self.module, batch, self.ds.device, self.run.train)
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor | float:
         """DeepSpeed's ZeRO-1/2/3 and bf16 optimizers skip a step whose gradient norm is not
         finite themselves (they report the norm as inf). The plain fp32 ZeRO-0 path does not: it
         clips and applies whatever it has. There the norm is measured here (grads are already
         averaged over ranks, so every rank sees the same), and a non-finite one skips the
-        update (`_skip_update`)."""
-        norm = None
+        update (`_skip_update`): that decision is shardwise's one host sync of the step.
+        Returns the norm as DeepSpeed gives it (a float or a 0-dim device tensor, copied: the
+        loop reads it at its logging interval); DeepSpeed's own syncs are inside `ds.step()`."""
         if self.stage == 0 and self.run.train.compute_dtype == "fp32":
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            norm = float(torch.nn.utils.get_total_norm(grads))
-            if not math.isfinite(norm):
+            norm = torch.nn.utils.get_total_norm(grads).detach()
+            if not bool(torch.isfinite(norm)):
                 self._skip_update()
-                return norm
+            else:
+                self.ds.step()
+            return norm
         self.ds.step()
-        if norm is None:
-            n = self.ds.get_global_grad_norm()
-            norm = float(n) if n is not None else float("nan")
-        return norm
+        n = self.ds.get_global_grad_norm()
+        if n is None:
+            return float("nan")
+        return n.detach().clone() if isinstance(n, torch.Tensor) else float(n)
 
     def _skip_update(self) -> None:
         """`ds.step()` with the optimizer's update replaced by nothing for this one call: DeepSpeed

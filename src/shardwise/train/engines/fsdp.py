@@ -110,9 +110,10 @@ class FSDP2Engine(TorchOptimizerEngine):
                     m.reshard()
             self._evaluated = False
 
-    def _global_norm(self, norm: torch.Tensor) -> float:
-        # clip_grad_norm_ on DTensors all-reduces the partial norms: a global norm.
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    def _global_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        # clip_grad_norm_ on DTensors all-reduces the partial norms: a global norm (a device
+        # collective, no host sync).
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         # A forward without backward (an evaluation) leaves the root unsharded: its parameters
