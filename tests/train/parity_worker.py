@@ -28,16 +28,21 @@ def parity_config(
     `fully_shard` = FSDP2 keeps fully_shard on a one-rank shard group (`single_rank: fsdp`;
     the default runs it as DDP where the plan allows); `lora` = LoRA rank 4 on every decoder linear (base frozen); `lorasave` = LoRA plus lm_head
     trained in full (PEFT modules_to_save); `std` = the standard cross-entropy instead of the
-    chunked default; `ce<N>` = chunks of N tokens."""
+    chunked default; `ce<N>` = chunks of N tokens; `sft` = the bundled SFT data packed into rows
+    of 128 tokens, SDPA (the packed rows' default attention: one SDPA call per document on CPU);
+    `dense` = with `sft`, the dense [B, 1, S, S] mask instead."""
     repeat = "repeat" in flags
     chunk = [int(f[2:]) for f in flags if f.startswith("ce") and f[2:].isdigit()]
     micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
     assert rest == 0, "global batch must split evenly"
     samples = GLOBAL_BATCH if repeat else GLOBAL_BATCH * STEPS
+    data = {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}}
+    if "sft" in flags:
+        data = {"kind": "sft", "sft": {"max_length": 128, "packed_attention": "dense" if "dense" in flags else "auto"}}
     return TrainConfig.model_validate(
         {
-            "model": {"name": model, "attention": "eager"},
-            "data": {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}},
+            "model": {"name": model, "attention": "sdpa" if "sft" in flags else "eager"},
+            "data": data,
             "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None,
                          "fsdp": ({"reduce_every_micro_batch": True} if "stock" in flags else {})
                          | ({"single_rank": "fsdp"} if "fully_shard" in flags else {})},
