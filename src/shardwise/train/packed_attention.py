@@ -109,7 +109,6 @@ def note(run: Any) -> str | None:
     return None
 
 
-
 _STATE: dict[str, Any] = {"fallback": False, "warned": False, "run": None}
 
 
