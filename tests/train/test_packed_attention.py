@@ -288,3 +288,17 @@ def test_dense_is_noted_with_its_cost_and_the_planned_value_round_trips():
         r = run_spec(cfg, 1, device)
         back, _ = to_config(r.model, r.hardware, r.train, r.strategy, device=device)
         assert run_spec(back, 1, device).train.packed_attention == r.train.packed_attention
+
+
+@pytest.mark.parametrize(("kind", "model_type", "need"), [("sdpa_varlen", "mpt", "_supports_attention_backend"),
+                                                          ("flex", "gpt2", "_supports_flex_attn")])
+def test_a_class_that_cannot_take_the_packed_attention_is_refused(kind, model_type, need):
+    """A meta-path architecture (family hf, its class read from transformers) whose class lacks
+    the attention backend: refused at preflight naming the field, not failed in the build."""
+    from types import SimpleNamespace as NS
+
+    run = NS(config=NS(source="run.yaml", data=NS(sft=NS(packed_attention="auto"))),
+             train=NS(packed_attention=kind), model=NS(inventory=NS(model_type=model_type)))
+    with pytest.raises(ShardwiseError, match=r"run\.yaml: data\.sft\.packed_attention 'auto'") as e:
+        pa.note(run)
+    assert need in str(e.value) and "set data.sft.packed_attention: dense" in str(e.value)
