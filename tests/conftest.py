@@ -5,7 +5,8 @@ whatever the machine that runs it has, so a test that passes here passes on a ma
 free and none depends on this one's disk (the output-space check of a planned llama-2-7b run needs
 ~75 GiB and used to pass or fail with the host). A test that plans a big run without testing the
 space check asks for more (`disk_free(PLENTY)`); the tests of the space check set their own value.
-Subprocesses (the CLI tests) see the real disk: they train tiny models, whose needs
+Host memory is faked the same way (`SUITE_HOST_BYTES` MemAvailable, as the preflight's host-memory
+check reads /proc/meminfo). Subprocesses (the CLI tests) see the real disk and memory: they train tiny models, whose needs
 tests/test_disk_free.py checks against the same 20 GiB.
 """
 
@@ -19,6 +20,7 @@ import pytest
 
 GIB = 1 << 30
 SUITE_FREE_BYTES = 20 * GIB  # the smallest machine the suite must pass on
+SUITE_HOST_BYTES = 16 * GIB  # host memory available on the smallest machine (24 GiB, 2 cores)
 PLENTY = 1 << 50  # 1 PiB: for tests that plan big runs but do not test the space check
 
 DiskUsage = namedtuple("DiskUsage", "total used free")  # what shutil.disk_usage returns
@@ -43,6 +45,26 @@ def disk_free(monkeypatch):
         return free
 
     return set_free
+
+
+@pytest.fixture
+def host_memory(monkeypatch):
+    """`host_memory(n)`: from now on /proc/meminfo, as shardwise.train.host_memory reads it in this
+    process, reports `n` bytes MemAvailable (and MemTotal). Returns `n`."""
+
+    def set_available(n: int) -> int:
+        import shardwise.train.host_memory as hm
+
+        monkeypatch.setattr(hm, "read_meminfo", lambda path=hm.MEMINFO: {"MemTotal": n, "MemAvailable": n})
+        return n
+
+    return set_available
+
+
+@pytest.fixture(autouse=True)
+def _suite_host_memory(host_memory):
+    """Every test runs as on a machine with SUITE_HOST_BYTES of host memory available."""
+    host_memory(SUITE_HOST_BYTES)
 
 
 @pytest.fixture(autouse=True)

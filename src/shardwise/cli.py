@@ -95,7 +95,7 @@ def plan(
     """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
     from shardwise.plan.planner import build_specs, check_margin, plan_layouts
     from shardwise.plan.recommend import NothingFits, recommend
-    from shardwise.plan.report import plan_json, plan_table, time_table
+    from shardwise.plan.report import load_line, plan_json, plan_table, time_table
 
     rec = rec_error = None
     alternatives: tuple = ()
@@ -154,6 +154,9 @@ def plan(
     if console.width < 150:  # the table has 14 columns; wrap nothing, let the terminal scroll
         console = Console(width=150)
     console.print(plan_table(m, hw, train, [e.memory for e in evals]))
+    line = load_line([e.memory for e in evals])
+    if line:
+        console.print(escape(line), highlight=False)
     console.print(time_table(evals))
     if skipped:
         console.print(f"Not in the table (cannot run with tp {tp or 1}, pp {pp or 1} here):", highlight=False)
@@ -265,8 +268,9 @@ def _shortfall(e) -> str:
     if mem.gpu.total > mem.usable_bytes:
         parts.append(f"{mem.gpu.total / GIB:.1f} GiB per GPU against {mem.usable_bytes / GIB:.1f} GiB usable "
                      f"({mem.capacity_bytes / GIB:.1f} GiB less the {mem.margin:.0%} margin)")
-    if mem.host.total > mem.host_capacity_bytes:
-        parts.append(f"{mem.host.total / GIB:.0f} GiB of host memory per node against {mem.host_capacity_bytes / GIB:.0f}")
+    if mem.host.peak > mem.host_capacity_bytes:
+        parts.append(f"{mem.host.peak / GIB:.0f} GiB of host memory per node against {mem.host_capacity_bytes / GIB:.0f}"
+                     + (" (loading the weights)" if mem.host.load.per_node >= mem.host.training else ""))
     return " and ".join(parts)
 
 

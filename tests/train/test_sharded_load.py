@@ -108,7 +108,7 @@ def test_checkpoint_missing_tensor_is_refused(checkpoint, tmp_path):
     from types import SimpleNamespace
 
     run = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(path=str(bad), trust_remote_code=False)))
-    model = meta_model(run, {"attn_implementation": "eager", "trust_remote_code": False})
+    model = meta_model(run, "eager")
     model.to_empty(device="cpu")
     with pytest.raises(ShardwiseError, match=r"1 tensor\(s\) missing \(e.g. \['model.norm.weight'\]\)"):
         load_safetensors(model, bad)

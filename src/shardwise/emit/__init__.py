@@ -328,6 +328,11 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
     ]
     if host.total:
         lines += ["", f"Host memory per node for offload: {_gib(host.total)} of {_gib(plan.host_capacity_bytes)}."]
+    load = host.load
+    if load.per_rank:
+        lines += ["", f"Host memory while the weights load ({load.path} read of a safetensors checkpoint): "
+                      f"{_gib(load.per_rank)} per rank, {_gib(load.per_node)} per node of {load.ranks_per_node} ranks "
+                      f"(of {_gib(plan.host_capacity_bytes)})."]
     if notes:
         lines += ["", "## Differences from the plan", "", *[f"- {n}" for n in notes]]
     if plan.runs_as is not None:

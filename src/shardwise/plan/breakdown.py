@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,20 +114,62 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadBreakdown:
+    """Host bytes of the fullest rank while the checkpoint is read, and of one node
+    (shardwise.plan.load: the trainer's load paths)."""
+
+    path: str = "sharded"  # "sharded" | "zero3" | "whole"
+    resident: float = 0.0  # the rank's part of the model that lives on the host
+    read: float = 0.0  # file pages mapped and tensors read, in flight
+    process: float = 0.0  # the interpreter and its libraries
+    ranks_per_node: int = 1
+
+    @property
+    def per_rank(self) -> float:
+        return self.resident + self.read + self.process
+
+    @property
+    def per_node(self) -> float:
+        return self.per_rank * self.ranks_per_node
+
+    def as_dict(self) -> dict[str, float | str]:
+        d: dict[str, float | str] = dict(asdict(self))
+        d["per_rank"] = self.per_rank
+        d["per_node"] = self.per_node
+        return d
+
+
+@dataclass(frozen=True, slots=True)
 class HostBreakdown:
-    """Bytes of host (CPU) memory per node for offload strategies."""
+    """Bytes of host (CPU) memory per node: what offload strategies keep there while training
+    (`total`), and the load phase before training (`load`, per rank and per node). `peak` is the
+    larger of the two phases (the load ends before the first step)."""
 
     params: float = 0.0
     grads: float = 0.0
     master_params: float = 0.0
     optimizer_states: float = 0.0
     pinned_buffers: float = 0.0
+    load: LoadBreakdown = field(default_factory=LoadBreakdown)
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        """The training phase's offloaded bytes per node."""
+        return self.params + self.grads + self.master_params + self.optimizer_states + self.pinned_buffers
 
-    def as_dict(self) -> dict[str, float]:
-        d = asdict(self)
+    @property
+    def training(self) -> float:
+        """The training phase per node: the offloaded bytes and every rank's process."""
+        return self.total + self.load.process * self.load.ranks_per_node
+
+    @property
+    def peak(self) -> float:
+        return max(self.training, self.load.per_node)
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "load"}
         d["total"] = self.total
+        d["training"] = self.training
+        d["load"] = self.load.as_dict()
+        d["peak"] = self.peak
         return d

@@ -18,9 +18,9 @@ Every rank also holds the interpreter and its libraries (`PROCESS_BYTES`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Literal
 
+from shardwise.plan.breakdown import LoadBreakdown
 from shardwise.plan.lora import trainable_params
 from shardwise.specs.hardware import GIB
 from shardwise.specs.layout import ParallelLayout
@@ -42,31 +42,6 @@ PROCESS_BYTES = {"cpu": 0.5 * GIB, "cuda": 1.5 * GIB}
 # shards (transformers' default in the 4.x releases that wrote them).
 DEFAULT_FILE_BYTES = 5e9
 ZERO3_CHUNK_BYTES = float(1 << 28)  # shardwise.train.weights.ZERO3_CHUNK_BYTES (tests keep them equal)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadBreakdown:
-    """Host bytes of the fullest rank while the checkpoint is read, and of one node."""
-
-    path: LoadPath = "sharded"
-    resident: float = 0.0  # the rank's part of the model that lives on the host
-    read: float = 0.0  # file pages mapped and tensors read, in flight
-    process: float = 0.0  # the interpreter and its libraries
-    ranks_per_node: int = 1
-
-    @property
-    def per_rank(self) -> float:
-        return self.resident + self.read + self.process
-
-    @property
-    def per_node(self) -> float:
-        return self.per_rank * self.ranks_per_node
-
-    def as_dict(self) -> dict[str, float | str]:
-        d: dict[str, float | str] = dict(asdict(self))
-        d["per_rank"] = self.per_rank
-        d["per_node"] = self.per_node
-        return d
 
 
 def load_path(strategy: Strategy, safetensors: bool = True) -> LoadPath:

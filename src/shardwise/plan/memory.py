@@ -60,7 +60,9 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.gpu.total <= self.usable_bytes and self.host.total <= self.host_capacity_bytes
+        """The GPU's peak within its usable bytes, and the host's (the load phase or the offloaded
+        training states, whichever is larger) within the node's memory."""
+        return self.gpu.total <= self.usable_bytes and self.host.peak <= self.host_capacity_bytes
 
 
 def stage_layer_params(model: ModelSpec, pp: int) -> int:
@@ -391,6 +393,11 @@ def plan_memory(
     logits = logits_bytes(model, train, layout.tp)
     draft = replace(states, activations=acts, recompute=recompute, logits=logits)
     gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
+    if accounting == "engine":  # the trainer's load phase (safetensors, on GPUs): plan/load.py
+        from shardwise.plan.load import load_phase
+
+        per_node = max(1, min(layout.world_size, hw.gpus_per_node))
+        host = replace(host, load=load_phase(model, train, strategy, layout, per_node))
     return MemoryPlan(
         strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,
         margin=margin, host_capacity_bytes=hw.host_memory_bytes,

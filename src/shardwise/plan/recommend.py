@@ -208,7 +208,7 @@ def _nothing_fits(model: ModelSpec, hw: HardwareSpec, evals: list[Evaluation], p
     if smallest:
         m = smallest.memory
         need = (f"; the smallest, {_describe(smallest)}, needs {m.gpu.total / GIB:.1f} GiB per GPU "
-                f"(usable {m.usable_bytes / GIB:.1f}) and {m.host.total / GIB:.0f} GiB of host memory per node "
+                f"(usable {m.usable_bytes / GIB:.1f}) and {m.host.peak / GIB:.0f} GiB of host memory per node "
                 f"(have {m.host_capacity_bytes / GIB:.0f})")
     what = "" if plan_only else " that shardwise can train"
     return (f"no configuration of {model.name}{what} fits {hw.world_size}× {hw.gpu.name} "

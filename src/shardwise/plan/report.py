@@ -111,7 +111,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
            f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f"\n{links_line(hw)}"
     )
     t = Table(title=title, caption="GiB per GPU; total = peak of the step (activations and "
-              "gradients do not peak together); host = CPU RAM per node", title_justify="left")
+              "gradients do not peak together); host = CPU RAM per node at its peak: loading the weights, or offloaded states while training", title_justify="left")
     cols = ["strategy", "params", "grads", "master", "optim", "step", "activ", "recomp", "logits",
             "buffers", "grad buf", "overhead", "total", "host", "fits"]
     for c in cols:
@@ -125,7 +125,30 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
                                           g.step_buffers, g.activations, g.recompute, g.logits, g.engine_buffers, g.grad_buffers,
                                           g.runtime_overhead)),
             f"[bold]{g.total / GIB:.2f}[/]",
-            f"{p.host.total / GIB:.1f}" if p.host.total else "-",
+            f"{p.host.peak / GIB:.1f}" if p.host.peak else "-",
             fits,
         )
     return t
+
+
+def load_line(plans: list[MemoryPlan]) -> str | None:
+    """The load phase on the host, per rank and per node, for each load path the plans take
+    (shardwise.plan.load): one line under the memory table."""
+    seen: dict[str, list[str]] = {}
+    first: dict[str, MemoryPlan] = {}
+    for p in plans:
+        load = p.host.load
+        if load.per_rank:
+            key = f"{load.path}:{load.per_rank:.0f}"
+            seen.setdefault(key, []).append(label(p))
+            first.setdefault(key, p)
+    if not seen:
+        return None
+    parts = []
+    for key, names in seen.items():
+        load = first[key].host.load
+        parts.append(f"{load.per_rank / GIB:.1f} GiB per rank, {load.per_node / GIB:.1f} GiB per node of "
+                     f"{load.ranks_per_node} ({load.path}: {', '.join(names)})")
+    cap = plans[0].host_capacity_bytes
+    return (f"Host memory while the weights load (a safetensors checkpoint read into each rank's part; "
+            f"node has {cap / GIB:.0f} GiB): " + "; ".join(parts))

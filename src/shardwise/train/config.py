@@ -305,6 +305,10 @@ class HardwareSection(_Section):
     check_memory: bool | None = Field(None, description="planner OOM check; None = on for CUDA, off for CPU")
     profile: str | None = Field(None, description="hardware profile JSON measured on these GPUs "
                                 "(`shardwise calibrate`); replaces the catalog's rates in the plan")
+    host_memory_gb: float | None = Field(
+        None, gt=0, le=1e6, allow_inf_nan=False,
+        description="host RAM per node (GB) the preflight checks the weight load against (default: MemAvailable "
+                    "of /proc/meminfo on the launching node)")
 
 
 class TrainConfig(_Section):

@@ -150,10 +150,10 @@ def build_model(run: RunSpec, *, deferred: bool = False):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
     elif weights.sharded_load(run) and weights.zero3(run):
         with weights.large_allocations_returned():
-            model = weights.zero3_model(run, kw)
+            model = weights.zero3_model(run, kw["attn_implementation"])
             weights.load_zero3(model, Path(cfg.path), _rank())
     elif weights.sharded_load(run):
-        model, meta = weights.meta_model(run, kw), True
+        model, meta = weights.meta_model(run, kw["attn_implementation"]), True
     else:  # .bin: pickles cannot be read by slices (torch.load(weights_only=True) inside transformers)
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, **kw)
     model.config.use_cache = False  # no KV cache in training

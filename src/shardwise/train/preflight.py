@@ -280,6 +280,9 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
 
     check_run(run)  # refuses the chunked cross-entropy where the model changes its logits
     memory = check_memory(run, force)
+    from shardwise.train.host_memory import check_host_memory
+
+    check_host_memory(run, force)
     note = single_gpu_note(run)
     if note:
         print(f"shardwise: {note}")

@@ -147,7 +147,7 @@ def pending(model: Any) -> Pending | None:
     return getattr(model, PENDING_ATTR, None)
 
 
-def meta_model(run: Any, kw: dict[str, Any]) -> Any:
+def meta_model(run: Any, attn_implementation: str) -> Any:
     """The run's HF model with meta parameters (fp32) and real buffers, from the checkpoint's config."""
     import torch
     from accelerate import init_empty_weights
@@ -156,10 +156,11 @@ def meta_model(run: Any, kw: dict[str, Any]) -> Any:
     cfg = run.config.model
     hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                trust_remote_code=cfg.trust_remote_code)
 
 
-def zero3_model(run: Any, kw: dict[str, Any]) -> Any:
+def zero3_model(run: Any, attn_implementation: str) -> Any:
     """The run's HF model built inside `deepspeed.zero.Init` with its DeepSpeed config: every
     rank holds its partitions only, in the dtype DeepSpeed computes in (it does not cast a
     `zero.Init` model; fp32 masters of trainable parameters are made from these values)."""
@@ -189,7 +190,8 @@ def zero3_model(run: Any, kw: dict[str, Any]) -> Any:
     # The dtype comes from the config (bf16/fp16/fp32 as DeepSpeed trains): an explicit `dtype=`
     # is ignored where the accelerator lacks fp16 (DeepSpeed 0.19 `_set_dtype` precedence: bf16 on CPU).
     with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(run)):
-        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, **kw)
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn_implementation,
+                                                trust_remote_code=cfg.trust_remote_code)
 
 
 def defer(model: Any, run: Any) -> Any:
