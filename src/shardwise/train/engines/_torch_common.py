@@ -7,6 +7,13 @@ import contextlib
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from shardwise.run import RunSpec
 from shardwise.train.engines.base import DistEnv, decay_groups
@@ -47,6 +54,22 @@ def grad_scaler(run: RunSpec, env: DistEnv) -> torch.amp.GradScaler | None:
     if run.train.compute_dtype != "fp16":
         return None
     return torch.amp.GradScaler(env.torch_device.type)
+
+
+def full_state_dict(module: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """The whole model on rank 0's host (None elsewhere): `get_model_state_dict` with
+    `full_state_dict` and `cpu_offload` gathers each DTensor in turn (a collective: every rank
+    calls it) and keeps it on rank 0 only. A tensor that is already a CPU one comes back as
+    itself; those are cloned, so the result is a snapshot, not a view of the live weights."""
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
+    live = {_local(t).untyped_storage().data_ptr() for t in module.state_dict().values()}
+    return {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in full.items()}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -109,14 +132,14 @@ class TorchOptimizerEngine:
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
 
-    # --- checkpoints: the optimizer's own tensors are the canonical state ---------------
-
-    def _named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+    # --- checkpoints: torch's state-dict API, mapped onto the canonical names ------------------
 
     def _init_optimizer_state(self) -> None:
         """AdamW creates its state at the first step; a checkpoint loads into it, so create it
-        now exactly as `torch.optim.AdamW._init_group` would (zeros, step 0)."""
+        now exactly as `torch.optim.AdamW._init_group` would (zeros, step 0). Not the library's
+        `state_dict._init_optim_state`, which get_state_dict calls on an optimizer without state:
+        it takes a zero-lr step, leaving the step count at 1, so a save before the first applied
+        update (every step skipped as non-finite) would change the next update's bias correction."""
         for group in self.optimizer.param_groups:
             on_device = group.get("fused") or group.get("capturable")
             for p in group["params"]:
@@ -128,23 +151,60 @@ class TorchOptimizerEngine:
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`get_state_dict`: the model's and the optimizer's state keyed by FQN, aliasing the live
+        tensors (DTensor shards under FSDP2), frozen parameters left out (a LoRA base)."""
         self._init_optimizer_state()
-        tensors: dict[str, torch.Tensor] = {}
-        step = 0
-        for name, p in self._named_params():
-            st = self.optimizer.state[p]
-            tensors[f"model.{name}"] = p.detach()
-            tensors[f"optim.exp_avg.{name}"] = st["exp_avg"]
-            tensors[f"optim.exp_avg_sq.{name}"] = st["exp_avg_sq"]
-            step = int(st["step"])
+        return get_state_dict(self.module, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        model_sd, optim_sd = self._state_dicts()
+        tensors, step = to_canonical(model_sd, optim_sd)
         return tensors, {"optimizer_step": step, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_checkpoint_state(self, read: Any, extra: dict[str, Any]) -> None:
-        tensors, _ = self.checkpoint_state()
+        model_sd, optim_sd = self._state_dicts()
+        tensors, _ = to_canonical(model_sd, optim_sd)
         read(tensors)  # in place: DCP copies each key's slice into this rank's tensors
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                self.optimizer.state[p]["step"].fill_(float(extra["optimizer_step"]))
+        model_sd, optim_sd = from_canonical(tensors, optim_sd, int(extra["optimizer_step"]))
+        # strict=False: the dict holds the trained parameters only (no frozen base, buffers or
+        # second name of a tied weight); a name the model lacks would be a bug here (asserted).
+        missing = set_state_dict(self.module, self.optimizer, model_state_dict=model_sd,
+                                 optim_state_dict=optim_sd, options=StateDictOptions(strict=False))
+        assert not missing.unexpected_keys, missing.unexpected_keys
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+
+
+# The canonical checkpoint (shardwise.train.checkpoint) names each trained parameter's fp32 value
+# and AdamW moments by FQN: `model.<fqn>`, `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>`. The
+# DeepSpeed engine maps ZeRO's flat partitions onto the same names.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def to_canonical(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+    """get_state_dict's output -> the canonical tensors (the same objects, no copies) and the
+    optimizer's step count. The parameters are those the optimizer holds state for, named as
+    `named_parameters()` names them (a tied weight once, under its first name)."""
+    tensors: dict[str, torch.Tensor] = {}
+    step = 0
+    for fqn, st in optim_sd["state"].items():
+        tensors[f"model.{fqn}"] = model_sd[fqn]
+        for m in MOMENTS:
+            tensors[f"optim.{m}.{fqn}"] = st[m]
+        step = int(st["step"])
+    return tensors, step
+
+
+def from_canonical(tensors: dict[str, torch.Tensor], optim_sd: dict[str, Any],
+                   step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The inverse, for `set_state_dict`: the canonical tensors back under get_state_dict's keys,
+    every parameter's step count set to `step`, the optimizer's own `param_groups` (lr, betas,
+    weight decay come from the config and the schedule, not from the checkpoint)."""
+    model_sd: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+    for fqn, st in optim_sd["state"].items():
+        model_sd[fqn] = tensors[f"model.{fqn}"]
+        st["step"].fill_(float(step))  # AdamW's own step tensor, one per parameter (never shared)
+        state[fqn] = {**st, **{m: tensors[f"optim.{m}.{fqn}"] for m in MOMENTS}}
+    return model_sd, {"state": state, "param_groups": optim_sd["param_groups"]}

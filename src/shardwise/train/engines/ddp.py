@@ -9,7 +9,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.run import RunSpec
-from shardwise.train.engines._torch_common import TorchOptimizerEngine, autocast, build_adamw, grad_scaler
+from shardwise.train.engines._torch_common import (
+    TorchOptimizerEngine,
+    autocast,
+    build_adamw,
+    full_state_dict,
+    grad_scaler,
+)
 from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
 
 
@@ -59,9 +65,7 @@ class DDPEngine(TorchOptimizerEngine):
                                  amp=autocast(self.run, self.env))
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if not self.env.is_main:
-            return None
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        return full_state_dict(self.module, self.env.is_main)
 
     def close(self) -> None:
         self.ddp = None

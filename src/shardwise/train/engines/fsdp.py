@@ -24,6 +24,7 @@ from shardwise.train.engines._torch_common import (
     TorchOptimizerEngine,
     build_adamw,
     compute_dtype,
+    full_state_dict,
     grad_scaler,
 )
 from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
@@ -105,9 +106,7 @@ class FSDP2Engine(TorchOptimizerEngine):
 
     def _reshard_after_eval(self) -> None:
         if getattr(self, "_evaluated", False):
-            for m in self.module.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+            self._reshard()
             self._evaluated = False
 
     def _global_norm(self, norm: torch.Tensor) -> torch.Tensor:
@@ -115,22 +114,20 @@ class FSDP2Engine(TorchOptimizerEngine):
         # collective, no host sync).
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        # A forward without backward (an evaluation) leaves the root unsharded: its parameters
-        # are then not the sharded ones the optimizer holds state for. Reshard first.
+    def _reshard(self) -> None:
         for m in self.module.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
-        return super().checkpoint_state()
+
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        # A forward without backward (an evaluation) leaves the root unsharded: its parameters
+        # are then not the sharded ones the optimizer holds state for. Reshard first.
+        self._reshard()
+        return super()._state_dicts()
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         self._reshard_after_eval()
-        out = {}
-        for k, v in self.module.state_dict().items():
-            full = v.full_tensor() if isinstance(v, DTensor) else v  # collective: all ranks call it
-            if self.env.is_main:
-                out[k] = full.detach().cpu().clone()
-        return out if self.env.is_main else None
+        return full_state_dict(self.module, self.env.is_main)  # collective: all ranks call it
 
     def close(self) -> None:
         self.optimizer.state.clear()
