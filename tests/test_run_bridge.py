@@ -157,13 +157,14 @@ def test_unset_knobs_take_the_trainers_device_defaults():
     assert cpu.communication_data_type == gpu.communication_data_type == "fp32"
 
 
-def test_preflight_plans_the_configured_buckets(tmp_path, monkeypatch, disk_free):
+def test_preflight_plans_the_configured_buckets(tmp_path, monkeypatch, disk_free, host_memory):
     """The bug that motivated the bridge: llama-2-7b zero2 with 5e7-element buckets was planned
     with 5e8 (0.93 GiB of gradient buffers instead of 0.09)."""
     from shardwise.train.preflight import preflight
 
     monkeypatch.chdir(tmp_path)  # preflight creates the default output_dir (runs/shardwise) and its data cache
     disk_free(1 << 50)  # a 7B checkpoint needs ~75 GiB: not what this test is about (tests/conftest.py)
+    host_memory(1 << 50)  # 8 ranks building a random 7B in fp32 need 213 GiB of host: nor is that
 
     # unpacked, the bundled sample (400 records) fills the global batch of 32 (packed: 9 rows, refused)
     cfg = TrainConfig.model_validate({"model": {"name": "llama-2-7b"}, "strategy": {"name": "zero2", "deepspeed": {

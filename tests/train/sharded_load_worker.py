@@ -49,7 +49,7 @@ def main() -> None:
         loss = engine.evaluate(fixed_batch(run.model.vocab_size))
         weights = engine.consolidated_state_dict()
         if env.is_main:
-            name = f"{strategy}{'-lora' if 'lora' in flags else ''}-w{env.world_size}.pt"
+            name = f"{strategy}{'-lora' if 'lora' in flags else ''}{'-bin' if 'bin' in flags else ''}-w{env.world_size}.pt"
             torch.save({"loss_sum": loss.double().item(), "weights": weights, "engine": engine.name}, out / name)
         engine.close()
         torch.distributed.barrier()

@@ -16,6 +16,7 @@ from conftest import run_once  # noqa: E402
 from sharded_load_worker import fixed_batch  # noqa: E402
 
 ITEMS = ["ddp", "zero2", "zero3", "fsdp", "ddp:lora", "zero3:lora", "fsdp:lora"]
+BIN_ITEMS = ["ddp", "zero3", "fsdp:lora"]  # a .bin checkpoint: rank 0 reads, broadcasts
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,26 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def loaded(checkpoint, tmp_path_factory) -> Path:
+def bin_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The same weights as PyTorch pickles (`pytorch_model.bin`, as older checkpoints ship)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    path = tmp_path_factory.mktemp("bin-ckpt")
+    shutil.copy(checkpoint / "config.json", path / "config.json")
+    state = {}
+    for f in sorted(checkpoint.glob("model-*.safetensors")):
+        state.update(load_file(f))
+    torch.save(state, path / "pytorch_model.bin")
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint, bin_checkpoint, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded-load")
-    return run_once(out, HERE / "sharded_load_worker.py", [([f"{checkpoint}:{i}" for i in ITEMS], 2, 400)])
+    items = [f"{checkpoint}:{i}" for i in ITEMS] + [f"{bin_checkpoint}:{i}:bin" for i in BIN_ITEMS]
+    return run_once(out, HERE / "sharded_load_worker.py", [(items, 2, 400)])
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +70,10 @@ def reference(checkpoint):
 
 def _name(item: str) -> str:
     strategy, *flags = item.split(":")
-    return f"{strategy}{'-lora' if flags else ''}-w2.pt"
+    return f"{strategy}{'-lora' if 'lora' in flags else ''}{'-bin' if 'bin' in flags else ''}-w2.pt"
 
 
-@pytest.mark.parametrize("item", ITEMS)
+@pytest.mark.parametrize("item", ITEMS + [f"{i}:bin" for i in BIN_ITEMS])
 def test_weights_and_loss_equal_from_pretrained(loaded, reference, item):
     ref_loss, ref_state = reference
     got = torch.load(loaded / _name(item), weights_only=True)
@@ -69,7 +87,8 @@ def test_weights_and_loss_equal_from_pretrained(loaded, reference, item):
 
 def test_adapters_equal_on_every_engine(loaded):
     """The adapters come from the run's seed, not from how the base was built."""
-    runs = [torch.load(loaded / _name(i), weights_only=True)["weights"] for i in ITEMS if i.endswith("lora")]
+    runs = [torch.load(loaded / _name(i), weights_only=True)["weights"]
+            for i in ITEMS + [f"{i}:bin" for i in BIN_ITEMS] if "lora" in i]
     adapters = [{k: v for k, v in w.items() if "lora_" in k} for w in runs]
     assert adapters[0] and all(a.keys() == adapters[0].keys() for a in adapters)
     for a in adapters[1:]:
@@ -96,7 +115,8 @@ def test_checkpoint_missing_tensor_is_refused(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from shardwise.errors import ShardwiseError
-    from shardwise.train.weights import load_safetensors, meta_model
+    from shardwise.train.weights import meta_model
+    from shardwise.train.weights_read import load_safetensors
 
     bad = tmp_path / "bad"
     shutil.copytree(checkpoint, bad)

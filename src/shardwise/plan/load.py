@@ -10,8 +10,10 @@ The trainer's paths (shardwise.train.weights):
   by chunks gathered on every rank (train.weights.ZERO3_CHUNK_BYTES, overrun by at most one
   tensor), rank 0 copying one tensor at a time from the files into the chunk: the chunk is on the
   host on a CPU run; rank 0 holds one tensor read and its mapped pages.
-- "whole" (`.bin`, `model.random_init`, catalog models): `from_pretrained`/`from_config` builds
-  the whole model in fp32 on every rank's host, then the engine moves it.
+- "broadcast" (`.bin`; DDP, ZeRO-0/1/2, FSDP2): as "sharded", but rank 0 reads each tensor (one
+  file mapped at a time) and broadcasts it; every rank keeps its part.
+- "whole" (`model.random_init`, catalog models): `from_config` builds the whole model in fp32 on
+  every rank's host, then the engine moves it.
 
 Every rank also holds the interpreter and its libraries (`PROCESS_BYTES`).
 """
@@ -28,7 +30,7 @@ from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
-LoadPath = Literal["sharded", "zero3", "whole"]
+LoadPath = Literal["sharded", "broadcast", "zero3", "whole"]
 
 # Host RSS of one rank before it builds anything, by device:
 # - cpu: measured, a process that imported torch 2.13.0 (CPU build), transformers 5.24, peft 0.21,
@@ -44,10 +46,13 @@ DEFAULT_FILE_BYTES = 5e9
 ZERO3_CHUNK_BYTES = float(1 << 28)  # shardwise.train.weights.ZERO3_CHUNK_BYTES (tests keep them equal)
 
 
-def load_path(strategy: Strategy, safetensors: bool = True) -> LoadPath:
-    if not safetensors:
+def load_path(strategy: Strategy, weights: str | None = "safetensors") -> LoadPath:
+    """The trainer's path for `weights` ("safetensors", "bin", or None: built from the config)."""
+    if weights is None:
         return "whole"
-    return "zero3" if strategy.engine == "deepspeed" and (strategy.zero_stage or 0) == 3 else "sharded"
+    if strategy.engine == "deepspeed" and (strategy.zero_stage or 0) == 3:
+        return "zero3"
+    return "sharded" if weights == "safetensors" else "broadcast"
 
 
 def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> tuple[float, float]:
@@ -89,6 +94,11 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
         return LoadBreakdown("zero3", resident=(part + chunk) if on_host else 0.0, read=read, process=process,
                              ranks_per_node=ranks_per_node)
     resident = (trainable + frozen) / n if on_host else 0.0
+    if path == "broadcast":
+        # rank 0 maps one .bin file (its pages, as tensors are read) and holds one tensor read; every
+        # rank receives each full tensor before it keeps its part (on the host on a CPU run)
+        read = max_file_bytes + stored * largest + (4 * largest if on_host else 0.0)
+        return LoadBreakdown("broadcast", resident=resident, read=read, process=process, ranks_per_node=ranks_per_node)
     # one file's pages this rank touches (its rows of each tensor), and one tensor slice read
     read = max_file_bytes / n + stored * largest / n
     return LoadBreakdown("sharded", resident=resident, read=read, process=process, ranks_per_node=ranks_per_node)

@@ -149,12 +149,14 @@ def build_model(run: RunSpec, *, deferred: bool = False):
         hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
     elif weights.sharded_load(run) and weights.zero3(run):
+        from shardwise.train.weights_zero3 import load_zero3, zero3_model
+
         with weights.large_allocations_returned():
-            model = weights.zero3_model(run, kw["attn_implementation"])
-            weights.load_zero3(model, Path(cfg.path), _rank())
+            model = zero3_model(run, kw["attn_implementation"])
+            load_zero3(model, Path(cfg.path), _rank())
     elif weights.sharded_load(run):
         model, meta = weights.meta_model(run, kw["attn_implementation"]), True
-    else:  # .bin: pickles cannot be read by slices (torch.load(weights_only=True) inside transformers)
+    else:  # no weights format shardwise reads itself: transformers loads it whole
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, **kw)
     model.config.use_cache = False  # no KV cache in training
     if run.train.checkpointing == "full":

@@ -19,9 +19,9 @@ without weights and the engine fills it after placing it:
 
 Parameters the checkpoint does not hold (LoRA adapters) are initialised on CPU from the run's seed
 before placement (`Pending.initial`), identically on every rank and engine, and copied into each
-rank's part afterwards. `.bin` checkpoints, `random_init` and the catalog's random models keep the
-whole-model build (`from_pretrained`/`from_config` per rank): pickled `.bin` files cannot be read
-by slices.
+rank's part afterwards. A `.bin` checkpoint (pickles cannot be read by slices) takes the same
+paths with rank 0 reading each tensor and broadcasting it (shardwise.train.weights_read).
+`random_init` and the catalog's random models are built whole from their config, seeded.
 """
 
 from __future__ import annotations
@@ -102,10 +102,19 @@ def safetensors_files(path: str | Path) -> list[Path] | None:
     return [single] if single.is_file() else None
 
 
+def weights_format(path: str | Path) -> str | None:
+    """"safetensors", "bin" (PyTorch pickles, read through torch's weights_only allow-list) or None."""
+    if safetensors_files(path) is not None:
+        return "safetensors"
+    from shardwise.train.weights_read import bin_files
+
+    return "bin" if bin_files(path) is not None else None
+
+
 def sharded_load(run: Any) -> bool:
     """Whether `build_model(run)` defers the weights to the engine (see the module docstring)."""
     cfg = run.config.model
-    return cfg.path is not None and not cfg.random_init and safetensors_files(cfg.path) is not None
+    return cfg.path is not None and not cfg.random_init and weights_format(cfg.path) is not None
 
 
 def zero3(run: Any) -> bool:
@@ -136,6 +145,7 @@ class Pending:
     what they do not hold (adapters) and of the buffers (`to_empty` discards both)."""
 
     path: Path
+    format: str = "safetensors"  # or "bin"
     initial: dict[str, Any] = field(default_factory=dict)  # fqn -> full CPU tensor
     buffers: dict[str, Any] = field(default_factory=dict)  # fqn -> CPU tensor
 
@@ -160,40 +170,6 @@ def meta_model(run: Any, attn_implementation: str) -> Any:
                                                 trust_remote_code=cfg.trust_remote_code)
 
 
-def zero3_model(run: Any, attn_implementation: str) -> Any:
-    """The run's HF model built inside `deepspeed.zero.Init` with its DeepSpeed config: every
-    rank holds its partitions only, in the dtype DeepSpeed computes in (it does not cast a
-    `zero.Init` model; fp32 masters of trainable parameters are made from these values)."""
-    import os
-
-    import torch
-
-    if run.device == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from shardwise.run import deepspeed_config
-    from shardwise.train.engines._torch_common import compute_dtype
-
-    cfg = run.config.model
-    hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
-    dtype = compute_dtype(run)
-    # zero.Init patches tensor construction: modules imported lazily inside it (transformers'
-    # modeling and masking code, which imports torch._dynamo) must be imported before.
-    import torch._dynamo  # noqa: F401
-    import transformers.masking_utils  # noqa: F401
-
-    AutoModelForCausalLM._model_mapping[type(hf_cfg)]  # imports the architecture's modeling module
-    if torch.distributed.is_initialized():  # zero.Init reads the world size off deepspeed.comm
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
-    # The dtype comes from the config (bf16/fp16/fp32 as DeepSpeed trains): an explicit `dtype=`
-    # is ignored where the accelerator lacks fp16 (DeepSpeed 0.19 `_set_dtype` precedence: bf16 on CPU).
-    with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(run)):
-        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn_implementation,
-                                                trust_remote_code=cfg.trust_remote_code)
-
-
 def defer(model: Any, run: Any) -> Any:
     """Record what `materialize` needs on a meta-built model (after any adapters were injected
     and initialised on CPU: `init_adapters`), and move those adapters to meta too, so that the
@@ -206,7 +182,8 @@ def defer(model: Any, run: Any) -> Any:
         for name, p in list(module._parameters.items()):
             if p is not None and p.device.type != "meta":
                 module._parameters[name] = torch.nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-    setattr(model, PENDING_ATTR, Pending(Path(run.config.model.path), init, buffers))
+    path = Path(run.config.model.path)
+    setattr(model, PENDING_ATTR, Pending(path, weights_format(path) or "safetensors", init, buffers))
     return model
 
 
@@ -249,7 +226,9 @@ def materialize(module: Any, device: Any) -> None:
         for name, value in todo.buffers.items():
             if name in own_buffers:
                 own_buffers[name].copy_(value)
-        load_safetensors(module, todo.path)
+        from shardwise.train.weights_read import load_broadcast, load_safetensors
+
+        (load_broadcast if todo.format == "bin" else load_safetensors)(module, todo.path)
         params = dict(module.named_parameters())
         for name, full in todo.initial.items():
             copy_full(params[name], full)
@@ -268,127 +247,17 @@ def copy_full(target: Any, full: Any) -> None:
         target.data.copy_(full)
 
 
-def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Key -> shape of every tensor in the checkpoint's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    out: dict[str, tuple[int, ...]] = {}
-    for f in safetensors_files(path) or []:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                out[k] = tuple(h.get_slice(k).get_shape())
-    return out
-
-
-def _targets(module: Any, path: Path) -> dict[str, list[tuple[str, Any]]]:
-    """Checkpoint key -> the model's (fqn, tensor) it fills; refuses a key the checkpoint lacks or
-    holds in another shape (a layout transformers converts on load: MoE experts, legacy names)."""
-    shapes = checkpoint_shapes(path)
-    groups: dict[str, list[tuple[str, Any]]] = {}
-    missing, wrong = [], []
-    seen: dict[int, str] = {}
-    for fqn, t in module.state_dict(keep_vars=True).items():
-        key = checkpoint_key(fqn)
-        if key is None:
-            continue
-        if id(t) in seen:  # tied (lm_head to the embedding): one tensor, filled once
-            continue
-        if key not in shapes:
-            tied_to = next((k for k, v in groups.items() for _, x in v if x is t), None)
-            if tied_to is None:
-                missing.append(key)
-            continue
-        if tuple(t.shape) != shapes[key]:
-            wrong.append(f"{key} {tuple(t.shape)} vs {shapes[key]}")
-            continue
-        seen[id(t)] = key
-        groups.setdefault(key, []).append((fqn, t))
-    tied = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
-    if tied:
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or wrong:
-        raise ShardwiseError(
-            f"{path}: the checkpoint does not match the model built from its config.json: "
-            + (f"{len(missing)} tensor(s) missing (e.g. {missing[:3]})" if missing else "")
-            + ("; " if missing and wrong else "")
-            + (f"{len(wrong)} of another shape (e.g. {wrong[:2]})" if wrong else "")
-            + ". A layout transformers converts while loading (fused MoE experts, legacy names) is not read by "
-              "slices: convert the checkpoint with save_pretrained once, or set model.random_init: true")
-    return groups
-
-
-def load_safetensors(module: Any, path: Path) -> None:
-    """DCP's HuggingFaceStorageReader fills every checkpoint tensor of `module` (plain tensors or
-    DTensor shards, any dtype: the read casts into the target) from `path`'s safetensors."""
-    import torch.distributed.checkpoint as dcp
-
-    groups = _targets(module, path)
-    state = {key: targets[0][1] for key, targets in groups.items()}
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    for key, targets in groups.items():
-        for _, t in targets[1:]:  # a second module holding the same weights (modules_to_save)
-            t.data.copy_(state[key].data)
-
-
-def load_zero3(model: Any, path: Path, rank: int) -> None:
-    """Fill a `zero.Init` model's partitions from `path`: chunks of parameters gathered on every
-    rank (at most ZERO3_CHUNK_BYTES of full tensors), rank 0 copying each tensor from the files,
-    DeepSpeed partitioning the modified values on exit."""
-    import deepspeed
-    import torch
-    from safetensors import safe_open
-
-    files = safetensors_files(path) or []
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                where[k] = f
-    named = [(n, p) for n, p in model.named_parameters() if checkpoint_key(n) is not None]
-    missing = [checkpoint_key(n) for n, _ in named if checkpoint_key(n) not in where]
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
-    if missing:
-        raise ShardwiseError(f"{path}: the checkpoint does not match the model built from its config.json: "
-                             f"{len(missing)} tensor(s) missing (e.g. {missing[:3]})")
-    for chunk in _chunks(named, ZERO3_CHUNK_BYTES):
-        params = [p for _, p in chunk]
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            if rank == 0:
-                with torch.no_grad():
-                    for name, p in chunk:
-                        key = checkpoint_key(name)
-                        if key in where:
-                            with safe_open(str(where[key]), framework="pt") as h:
-                                p.data.copy_(h.get_tensor(key))
-
-
-def _chunks(named: list[tuple[str, Any]], limit: int) -> Iterable[list[tuple[str, Any]]]:
-    chunk, size = [], 0
-    for name, p in named:
-        n = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-        chunk.append((name, p))
-        size += n * p.element_size()
-        if size >= limit:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
 def planned_load(run: Any) -> Any:
     """The planner's load phase (shardwise.plan.load) for this run as it will load: its path,
     device and the checkpoint's largest file. Torch-free (preflight runs it before any rank)."""
     from shardwise.plan.load import load_path, load_phase
 
     cfg = run.config.model
-    files = safetensors_files(cfg.path) if cfg.path is not None and not cfg.random_init else None
-    if files is not None:
-        largest = max(f.stat().st_size for f in files)
-    elif cfg.path is not None and not cfg.random_init:  # .bin: transformers reads one file at a time
-        largest = max((f.stat().st_size for f in Path(cfg.path).glob("*.bin")), default=0)
-    else:
-        largest = 0  # built from the config: nothing is read
+    from shardwise.train.weights_read import bin_files
+
+    fmt = weights_format(cfg.path) if cfg.path is not None and not cfg.random_init else None
+    files = (safetensors_files(cfg.path) if fmt == "safetensors" else bin_files(cfg.path)) if fmt else []
+    largest = max((f.stat().st_size for f in files or []), default=0)  # built from the config: nothing read
     per_node = max(1, min(run.world_size, run.hardware.gpus_per_node))
     return load_phase(run.model, run.train, run.engine_strategy, run.layout, per_node, device=run.device,
-                      path=load_path(run.engine_strategy, files is not None), max_file_bytes=float(largest))
+                      path=load_path(run.engine_strategy, fmt), max_file_bytes=float(largest))
