@@ -46,11 +46,16 @@ def main() -> None:
         run = run_spec(load_config(path, strategy, "lora" in flags), env.world_size, "cpu")
         model = build_model(run, deferred=True)
         engine = build_engine(model, run, env)
-        loss = engine.evaluate(fixed_batch(run.model.vocab_size))
+        batch = fixed_batch(run.model.vocab_size)
+        loss = engine.evaluate(batch)
+        wrapper = getattr(engine, "ds", None) or getattr(engine, "ddp", None) or engine.module
+        with torch.no_grad():  # the engine's own forward, whole logits (no loss inside the model)
+            logits = wrapper(input_ids=batch["input_ids"]).logits.float().cpu()
         weights = engine.consolidated_state_dict()
         if env.is_main:
             name = f"{strategy}{'-lora' if 'lora' in flags else ''}{'-bin' if 'bin' in flags else ''}-w{env.world_size}.pt"
-            torch.save({"loss_sum": loss.double().item(), "weights": weights, "engine": engine.name}, out / name)
+            torch.save({"loss_sum": loss.double().item(), "logits": logits, "weights": weights, "engine": engine.name},
+                       out / name)
         engine.close()
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()

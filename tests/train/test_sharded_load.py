@@ -1,6 +1,7 @@
 """A local bf16 safetensors checkpoint read into each rank's part (shardwise.train.weights) on 2
 gloo ranks: every engine ends with exactly the checkpoint's weights, and its forward gives the
-loss `from_pretrained` in fp32 gives (ZeRO-3's own linear differs in the last digits: 1e-5 relative)."""
+logits (within 1e-5) and the loss `from_pretrained` in fp32 gives (ZeRO-3's own linear differs in
+the last digits: 1e-5 relative)."""
 
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ def reference(checkpoint):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
     batch = fixed_batch(128)
     with torch.no_grad():
-        loss = token_loss_sum(model(input_ids=batch["input_ids"]).logits, batch["labels"]).double().item()
-    return loss, model.state_dict()
+        logits = model(input_ids=batch["input_ids"]).logits
+        loss = token_loss_sum(logits, batch["labels"]).double().item()
+    return loss, model.state_dict(), logits
 
 
 def _name(item: str) -> str:
@@ -75,8 +77,9 @@ def _name(item: str) -> str:
 
 @pytest.mark.parametrize("item", ITEMS + [f"{i}:bin" for i in BIN_ITEMS])
 def test_weights_and_loss_equal_from_pretrained(loaded, reference, item):
-    ref_loss, ref_state = reference
+    ref_loss, ref_state, ref_logits = reference
     got = torch.load(loaded / _name(item), weights_only=True)
+    assert (got["logits"] - ref_logits).abs().max().item() <= 1e-5
     base = {k.replace(".base_layer", ""): v for k, v in got["weights"].items() if "lora_" not in k}
     assert base.keys() == ref_state.keys()
     for k, v in base.items():
