@@ -22,8 +22,8 @@ def checkpoint(tmp_path):
     d = tmp_path / "llama-134m"
     LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                 vocab_size=32000, tie_word_embeddings=False).save_pretrained(d)
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(1000)}, d / "model.safetensors")
     return d

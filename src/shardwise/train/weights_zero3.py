@@ -34,7 +34,7 @@ def zero3_model(run: Any, attn_implementation: str) -> Any:
     dtype = compute_dtype(run)
     # zero.Init patches tensor construction: modules imported lazily inside it (transformers'
     # modeling and masking code, which imports torch._dynamo) must be imported before.
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
     import transformers.masking_utils  # noqa: F401
 
     AutoModelForCausalLM._model_mapping[type(hf_cfg)]  # imports the architecture's modeling module
