@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HERE, run_once
+from one_rank import loop_config, train_one_rank
 
 WORKER = HERE / "sync_worker.py"
 # shardwise's host reads per step between logging steps, by run
@@ -64,28 +65,6 @@ def test_fused_adamw_trains_like_the_foreach_one(syncs):
 # --- in-process, one rank ----------------------------------------------------------------------
 
 
-def _cfg(tmp_path: Path, every: int, steps: int = 7, data: str = "synthetic", save_every: int | None = None):
-    from shardwise.train.config import TrainConfig
-
-    return TrainConfig.model_validate({
-        "model": {"name": "tiny-llama", "attention": "eager"},
-        "data": {"kind": data, "synthetic": {"samples": 64, "seq_len": 16, "seed": 7},
-                 "sft": {"max_length": 64}},
-        "strategy": {"name": "ddp"},
-        "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0},
-        "run": {"steps": steps, "micro_batch": 2, "grad_accum": 2, "seed": 3, "device": "cpu"},
-        "checkpointing": {"output_dir": str(tmp_path), "save_every_steps": save_every, "save_every_minutes": None,
-                          "keep_last": 5},
-        "logging": {"every": every, "progress": False, "tensorboard": False},
-    })
-
-
-def _train(cfg, **kw):
-    from shardwise.run import run_spec
-    from shardwise.train.engines.base import DistEnv
-    from shardwise.train.loop import train
-
-    return train(run_spec(cfg, 1, "cpu"), DistEnv(), **kw)
 
 
 class _Phases:
@@ -110,10 +89,10 @@ class _Metrics:
 
 
 def test_records_completed_at_the_interval_are_the_step_by_step_ones(tmp_path):
-    every_step = _train(_cfg(tmp_path / "a", every=1))
+    every_step = train_one_rank(loop_config(tmp_path / "a", every=1))
     phases = _Phases()
     metrics = _Metrics(phases)
-    batched = _train(_cfg(tmp_path / "b", every=3), metrics=metrics, watchdog=phases)
+    batched = train_one_rank(loop_config(tmp_path / "b", every=3), metrics=metrics, watchdog=phases)
     assert [r.loss for r in batched.records] == [r.loss for r in every_step.records]
     assert [r.grad_norm for r in batched.records] == [r.grad_norm for r in every_step.records]
     assert [r.step for r in batched.records] == list(range(1, 8))

@@ -16,30 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-
-def _cfg(tmp_path: Path, every: int, steps: int = 7, data: str = "synthetic", save_every: int | None = None):
-    from shardwise.train.config import TrainConfig
-
-    return TrainConfig.model_validate({
-        "model": {"name": "tiny-llama", "attention": "eager"},
-        "data": {"kind": data, "synthetic": {"samples": 64, "seq_len": 16, "seed": 7},
-                 "sft": {"max_length": 64}},
-        "strategy": {"name": "ddp"},
-        "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0},
-        "run": {"steps": steps, "micro_batch": 2, "grad_accum": 2, "seed": 3, "device": "cpu"},
-        "checkpointing": {"output_dir": str(tmp_path), "save_every_steps": save_every, "save_every_minutes": None,
-                          "keep_last": 5},
-        "logging": {"every": every, "progress": False, "tensorboard": False},
-    })
-
-
-def _train(cfg, **kw):
-    from shardwise.run import run_spec
-    from shardwise.train.engines.base import DistEnv
-    from shardwise.train.loop import train
-
-    return train(run_spec(cfg, 1, "cpu"), DistEnv(), **kw)
+from one_rank import loop_config, train_one_rank
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -50,7 +27,7 @@ def _steps_then(n_good: int, error: BaseException | None):
     from shardwise.train.data import SyntheticSource, contiguous_indices, iter_steps
     from shardwise.train.engines.base import DistEnv
 
-    ds = SyntheticSource(_cfg(Path("unused"), 1).data.synthetic, 256)
+    ds = SyntheticSource(loop_config(Path("unused"), 1).data.synthetic, 256)
     good = iter_steps(ds, contiguous_indices(len(ds), DistEnv(), 4), 2, 2)
     for _ in range(n_good):
         yield next(good)
@@ -60,7 +37,7 @@ def _steps_then(n_good: int, error: BaseException | None):
 
 def test_a_producer_error_surfaces_on_the_training_thread(tmp_path):
     with pytest.raises(ValueError) as info:
-        _train(_cfg(tmp_path, every=1, steps=6), steps=_steps_then(2, ValueError("row 17 of train.jsonl is broken")))
+        train_one_rank(loop_config(tmp_path, every=1, steps=6), steps=_steps_then(2, ValueError("row 17 of train.jsonl is broken")))
     assert str(info.value) == "row 17 of train.jsonl is broken"  # the message as raised; where, in a note
     assert "raised while preparing the batches of step 3, on the prefetch thread" in "".join(info.value.__notes__)
     time.sleep(0.2)
@@ -69,7 +46,7 @@ def test_a_producer_error_surfaces_on_the_training_thread(tmp_path):
 
 def test_a_source_that_ends_early_names_the_step(tmp_path):
     with pytest.raises(RuntimeError, match=r"the batch source ended before step 3 \(it gave 2 of the 4 steps"):
-        _train(_cfg(tmp_path, every=1, steps=4), steps=_steps_then(2, None))
+        train_one_rank(loop_config(tmp_path, every=1, steps=4), steps=_steps_then(2, None))
 
 
 def test_close_stops_the_thread_blocked_on_a_full_queue_or_inside_the_source():
@@ -120,10 +97,10 @@ def test_resume_is_bit_exact_with_the_producer_ahead_of_the_checkpoint(tmp_path,
 
     monkeypatch.setattr(data, "build_source", counting_source)
     monkeypatch.setattr(ckpt, "save_checkpoint", save_when_ahead)
-    full = _train(_cfg(tmp_path / "full", every=4, steps=8, data="sft", save_every=3), export_weights=True)
+    full = train_one_rank(loop_config(tmp_path / "full", every=4, steps=8, data="sft", save_every=3), export_weights=True)
     assert at_save[3] >= 6, at_save  # the loop had taken steps 1-4; the thread had read 5 and 6 too
     pulled["n"] = 0
-    resumed = _train(_cfg(tmp_path / "resumed", every=4, steps=8, data="sft", save_every=3), export_weights=True,
+    resumed = train_one_rank(loop_config(tmp_path / "resumed", every=4, steps=8, data="sft", save_every=3), export_weights=True,
                      resume=checkpoints_dir(tmp_path / "full") / step_dir_name(3))
     assert resumed.start_step == 3
     assert [r.loss for r in resumed.records] == [r.loss for r in full.records][3:]
