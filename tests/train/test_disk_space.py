@@ -53,6 +53,19 @@ def test_preflight_reserves_keep_last_plus_one_checkpoints_and_the_export(tmp_pa
     assert output_bytes(run, existing_checkpoints=2)[0] == 2 * one + 4 * run.model.params
 
 
+def test_a_final_export_without_a_last_checkpoint_reserves_the_staged_weights(tmp_path):
+    """No checkpoint of the last step to stream the export from: the fp32 weights are staged for
+    it (shardwise.train.final_weights), 4 bytes per parameter beside the export's own."""
+    run = _run(tmp_path, "checkpointing.save_final=true", "checkpointing.save_every_minutes=null",
+               "checkpointing.save_on_interrupt=false")
+    need, how = output_bytes(run)
+    assert need == 4 * run.model.params + 4 * run.model.params
+    assert "0 checkpoint(s)" in how and "staged" in how
+    saving = _run(tmp_path, "checkpointing.save_final=true", "checkpointing.save_every_steps=10",
+                  "checkpointing.save_every_minutes=null")
+    assert "staged" not in output_bytes(saving)[1]  # the last step's checkpoint is exported from
+
+
 def test_a_lora_run_reserves_its_adapters_not_the_base(tmp_path):
     cfg = load_config(REPO / "examples" / "lora-demo.yaml", [f"checkpointing.output_dir={tmp_path}"])
     run = run_spec(cfg, 1, "cpu", environ={})

@@ -198,14 +198,17 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     extra: dict = {"strategy": run.strategy.name, "engine": run.engine_strategy.engine}
     try:
         with StopRequest() as stop, watchdog:
-            result = train(run, env, metrics=metrics, export_weights=cfg.checkpointing.save_final,
+            result = train(run, env, metrics=metrics, final_export=cfg.checkpointing.save_final,
                            resume=resume_dir, stop=stop, watchdog=watchdog, lineage=_lineage(cfg, env))  # fmt: skip
             extra["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
-            if env.is_main and result.final_weights is not None:
+            if env.is_main and result.final is not None:  # streamed from disk, one shard at a time
                 from shardwise.train.export import export_dir, export_final
 
                 watchdog.phase("export write", cfg.run.steps)
-                extra["export"] = str(export_final(cfg, result.final_weights, export_dir(cfg)))
+                try:
+                    extra["export"] = str(export_final(cfg, result.final.path, export_dir(cfg)))
+                finally:
+                    result.final.discard()
         status, code = "completed", ExitCode.OK
     except Interrupted as e:
         status, reason, code = "interrupted", str(e), ExitCode.INTERRUPTED

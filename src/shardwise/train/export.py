@@ -4,8 +4,9 @@
 `AutoModelForCausalLM.from_pretrained` (no code, no pickles: safetensors only).
 
 The weights are written in `export.dtype` (default: the run's compute dtype), one shard at a
-time: a shard's tensors are fetched (from memory, or read from a checkpoint), cast, written
-and dropped before the next, so the host holds about one shard beyond what it already had."""
+time: a shard's tensors are fetched (read from a checkpoint or a run's final weights, or from
+memory: a merged LoRA model), cast, written and dropped before the next, so the host holds
+about one shard beyond what it already had."""
 
 from __future__ import annotations
 
@@ -150,27 +151,41 @@ def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False, overrid
     world size or engine that wrote it: the fp32 master weights (`model.*`) in `export.dtype`,
     the config the run was trained with, and its tokenizer. A LoRA checkpoint (adapters only)
     exports as a PEFT adapter, or with `merged` as the base with the adapters merged in.
-    `overrides` are `export.*` assignments (`export.dtype=fp32`) applied to the run's config.
-
-    A full checkpoint is read shard by shard (`read_tensors` of one shard's keys): the host
-    holds one shard's fp32 tensors and its cast copy, not the model."""
-    from shardwise.train.checkpoint import read_manifest, read_tensors, tensor_shapes
+    `overrides` are `export.*` assignments (`export.dtype=fp32`) applied to the run's config."""
+    from shardwise.train.checkpoint import read_manifest
 
     manifest = read_manifest(checkpoint)
     cfg = _checkpoint_config(manifest["config"], checkpoint / "manifest.json", overrides)
-    shapes = {k.removeprefix("model."): v for k, v in tensor_shapes(checkpoint).items() if k.startswith("model.")}
     if cfg.lora is not None:  # adapters only: small
-        weights = {k.removeprefix("model."): v for k, v in read_tensors(checkpoint, [f"model.{k}" for k in shapes]).items()}
-        return export_lora(cfg, weights, out, merged=merged)
+        return export_lora(cfg, read_model_weights(checkpoint), out, merged=merged)
     if merged:
         raise ValueError(f"{checkpoint} is a full fine-tuning checkpoint: it has no adapters to merge; "
                          "export it without --merged")
+    return export_dcp(cfg, checkpoint, out)
+
+
+def export_dcp(cfg: TrainConfig, path: Path, out: Path) -> Path:
+    """The `model.*` tensors of a DCP directory (a checkpoint, or a run's final weights) through
+    `write_hf`, read shard by shard (`read_tensors` of one read group's keys): the host holds a
+    read group's fp32 tensors (twice while DCP copies each item into ours), the shard's cast
+    copies and safetensors' bytes of them, never the model (tests/train/test_final_export.py)."""
+    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+
+    shapes = {k.removeprefix("model."): v for k, v in tensor_shapes(path).items() if k.startswith("model.")}
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
-        got = read_tensors(checkpoint, [f"model.{k}" for k in names])
+        got = read_tensors(path, [f"model.{k}" for k in names])
         return {k.removeprefix("model."): v for k, v in got.items()}
 
     return write_hf(cfg, shapes, read, out)
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every `model.*` tensor of a DCP directory at once (a LoRA run's adapters: small)."""
+    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+
+    keys = [k for k in tensor_shapes(path) if k.startswith("model.")]
+    return {k.removeprefix("model."): v for k, v in read_tensors(path, keys).items()}
 
 
 def _checkpoint_config(raw: dict, source: Path, overrides: tuple[str, ...]) -> TrainConfig:
@@ -211,12 +226,13 @@ def is_adapter_weight(name: str) -> bool:
     return ".lora_" in name or ".modules_to_save." in name
 
 
-def export_final(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> Path:
-    """`checkpointing.save_final`: the consolidated weights of a full run, or a LoRA run's
-    adapter (and, with `lora.save_merged`, the merged model in `<out>-merged`)."""
+def export_final(cfg: TrainConfig, weights: Path, out: Path) -> Path:
+    """`checkpointing.save_final`: the final weights of a run (a DCP directory:
+    shardwise.train.final_weights) streamed shard by shard, or a LoRA run's adapter (and, with
+    `lora.save_merged`, the merged model in `<out>-merged`)."""
     if cfg.lora is None:
-        return export_hf(cfg, weights, out)
-    adapters = {k: v for k, v in weights.items() if is_adapter_weight(k)}
+        return export_dcp(cfg, weights, out)
+    adapters = {k: v for k, v in read_model_weights(weights).items() if is_adapter_weight(k)}
     if cfg.lora.save_merged:
         export_lora(cfg, adapters, out.with_name(out.name + "-merged"), merged=True)
     return export_lora(cfg, adapters, out, merged=False)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from shardwise.train.engines.base import DistEnv
 from shardwise.train.model import build_model
 from shardwise.train.schedule import build_schedule
 from shardwise.train.step_log import Guard, StepLog, StepRecord
+
+if TYPE_CHECKING:
+    from shardwise.train.final_weights import FinalWeights
 
 
 @dataclass
@@ -63,6 +66,7 @@ def perplexity(loss: float) -> float:
 class TrainResult:
     records: list[StepRecord] = field(default_factory=list)
     final_weights: dict[str, torch.Tensor] | None = None  # rank 0, when asked
+    final: FinalWeights | None = None  # `final_export`: where the export reads the final weights
     num_params: int = 0
     status: str = "completed"  # or "interrupted" (a checkpoint was saved: resume continues)
     start_step: int = 0  # > 0 when resumed
@@ -137,6 +141,7 @@ def train(
     steps: Iterator[list[dict[str, torch.Tensor]]] | None = None,
     metrics: Any = None,
     export_weights: bool = False,
+    final_export: bool = False,
     resume: Path | None = None,
     stop: Any = None,
     watchdog: Any = None,
@@ -146,7 +151,9 @@ def train(
 
     `steps` overrides the configured data (tests feed exact batches); `metrics` receives
     every StepRecord (rank 0 writes it). With `export_weights`, rank 0 gets the final
-    consolidated weights (a collective: every rank must ask). `resume`: a verified checkpoint
+    consolidated weights in memory (a collective: every rank must ask); with `final_export`, every
+    rank gets `result.final`, a DCP directory holding them (the last step's checkpoint, or staged:
+    shardwise.train.final_weights) for rank 0's streamed export. `resume`: a verified checkpoint
     directory to continue from. `stop`: a StopRequest (shardwise.train.signals) whose request
     on any rank ends the run at the next step boundary with a checkpoint (raises Interrupted).
     `watchdog` is told each phase (shardwise.train.watchdog). `lineage`: the run's
@@ -332,6 +339,11 @@ def train(
         if export_weights:
             phase("export gather", cfg.run.steps)
             result.final_weights = engine.consolidated_state_dict()  # export refuses non-finite ones
+        if final_export:
+            from shardwise.train.final_weights import final_weights
+
+            phase("export staging", cfg.run.steps)
+            result.final = final_weights(engine, cp.output_dir, cfg.run.steps, result.checkpoint)
     except Interrupted:
         result.status = "interrupted"
         raise

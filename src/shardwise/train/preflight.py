@@ -298,7 +298,8 @@ def output_bytes(run: RunSpec, existing_checkpoints: int = 0) -> tuple[int, str]
     and AdamW's two moments; a LoRA run saves its adapters only); `existing_checkpoints` of the
     resumed lineage already count. The export is written beside the old one before it is
     replaced: its full size (fp32, 4 bytes per parameter; a LoRA adapter, and the merged model
-    with lora.save_merged)."""
+    with lora.save_merged), and, when no checkpoint of the last step is saved, the fp32 weights
+    the export streams from (4 bytes per trained parameter, removed after)."""
     from shardwise.train.outputs import checkpoint_bytes, size_text
 
     cfg = run.config
@@ -312,15 +313,21 @@ def output_bytes(run: RunSpec, existing_checkpoints: int = 0) -> tuple[int, str]
         trained = run.model.params
     held = max(1, cp.keep_last + 1 - existing_checkpoints) if saves else 0
     ckpt = held * checkpoint_bytes(trained)
-    export = 0
+    export = staged = 0
     if cp.save_final:
         export = 4 * trained
         if cfg.lora is not None and cfg.lora.save_merged:
             export += 4 * run.model.params
+        # no checkpoint of the last step to export from: the fp32 weights are staged beside the
+        # checkpoints for the export, then removed (shardwise.train.final_weights)
+        last_saved = cp.save_every_steps is not None or cp.save_every_minutes is not None or (
+            cp.save_best is not None and cfg.run.eval_every_steps is not None)
+        staged = 0 if last_saved else 4 * trained
     how = (f"{held} checkpoint(s) of {size_text(checkpoint_bytes(trained))} (keep_last {cp.keep_last} + the one "
            f"being written{f', less {existing_checkpoints} already there' if existing_checkpoints else ''}; 12 "
-           f"bytes per trained parameter) + export {size_text(export)}")
-    return ckpt + export, how
+           f"bytes per trained parameter) + export {size_text(export)}"
+           + (f" + the final weights staged for it {size_text(staged)}" if staged else ""))
+    return ckpt + export + staged, how
 
 
 def _lineage_checkpoints(cfg: TrainConfig) -> int:
