@@ -11,6 +11,7 @@ removes the temp directory; the other ranks have nothing left to do (no collecti
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ class FinalWeights:
     def discard(self) -> None:
         if self.temporary:
             shutil.rmtree(self.path, ignore_errors=True)
+            with contextlib.suppress(OSError):  # checkpoints/, when staging created it for nothing else
+                self.path.parent.rmdir()
 
 
 def final_weights(engine: Any, output_dir: str | Path, step: int, checkpoint: Path | None) -> FinalWeights:
