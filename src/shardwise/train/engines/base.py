@@ -86,7 +86,9 @@ class Engine(Protocol):
         ...
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full, unsharded model weights on CPU on rank 0 (None elsewhere). Collective."""
+        """Full, unsharded model weights on CPU on rank 0 (None elsewhere): a snapshot, for tests and
+        in-process callers (`train(export_weights=True)`); `shardwise train`'s export streams from
+        disk instead (shardwise.train.final_weights). Collective."""
         ...
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
