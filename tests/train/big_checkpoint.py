@@ -20,16 +20,32 @@ MAX_SHARD_BYTES = 500_000_000  # save_pretrained(max_shard_size="500MB")
 
 
 def make_checkpoint(root: Path, name: str) -> Path:
-    """`root/name`, written once (a DONE marker guards against a half-written cache)."""
+    """`root/name`, written once: under a file lock (pytest-xdist workers share the cache), into a
+    temporary directory renamed into place when complete, so no reader ever sees a partial one."""
+    import shutil
+
+    from filelock import FileLock
+
+    out = root / name
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{name}.lock")):
+        if not (out / "DONE").exists():
+            tmp = root / f".{name}.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
+            _write(tmp, name)
+            (tmp / "DONE").touch()
+            tmp.rename(out)
+    return out
+
+
+def _write(out: Path, name: str) -> None:
     import torch
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = root / name
-    if (out / "DONE").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True)
     cfg = LlamaConfig(**SHAPES[name], tie_word_embeddings=False, dtype="bfloat16")
     with init_empty_weights():
         shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).named_parameters()}
@@ -55,5 +71,3 @@ def make_checkpoint(root: Path, name: str) -> Path:
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     cfg.save_pretrained(out)
-    (out / "DONE").touch()
-    return out

@@ -97,9 +97,10 @@ def test_remote_code_refused_unless_asked(tmp_path):
         preflight(cfg, world_size=1, device="cpu")
 
 
-def test_memory_check_refuses_with_numbers_and_nearest_fit(tmp_path, monkeypatch, disk_free):
+def test_memory_check_refuses_with_numbers_and_nearest_fit(tmp_path, monkeypatch, disk_free, host_memory):
     monkeypatch.chdir(tmp_path)  # the passing preflights create the default output_dir (runs/shardwise)
     disk_free(1 << 50)  # their 7B checkpoint needs ~75 GiB; the space check has its own tests (test_outputs.py)
+    host_memory(1 << 50)  # 8 ranks building a random 7B in fp32 need 205 GiB of host (test_host_memory_check.py)
     cfg = TrainConfig.model_validate(
         {
             "model": {"name": "llama-2-7b"},
