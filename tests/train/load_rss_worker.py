@@ -1,6 +1,6 @@
 """One rank of the load-memory checks (tests/train/test_load_memory.py): builds ONE run from a
 local checkpoint as the trainer does, records this process's peak RSS once the weights are in
-(ru_maxrss: the process's lifetime peak, so one run per launch), then trains one step.
+(VmHWM: the process's lifetime peak, so one run per launch), then trains one step.
 
 `--runs CKPT:strategy:lora|full`; rank r writes `rank<r>.json` with the measured peak, the
 planner's load phase for the run (shardwise.train.weights.planned_load) and the step's loss.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+from pathlib import Path
 
 import torch
 from worker_common import start_worker
@@ -36,6 +37,15 @@ def config(path: str, strategy: str, mode: str) -> TrainConfig:
 
 
 def peak_rss() -> float:
+    """This process's peak RSS: VmHWM of /proc/self/status, the high-water mark of its own address
+    space. Not ru_maxrss: Linux carries the pre-exec image's peak into it, so a rank spawned by a
+    large parent (a pytest worker at 1.9 GB) would report the parent's size."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
 
 
