@@ -43,7 +43,7 @@ PROCESS_BYTES = {"cpu": 0.5 * GIB, "cuda": 1.5 * GIB}
 # Hugging Face's `save_pretrained(max_shard_size="5GB")`, the size of most Hub checkpoints'
 # shards (transformers' default in the 4.x releases that wrote them).
 DEFAULT_FILE_BYTES = 5e9
-ZERO3_CHUNK_BYTES = float(1 << 28)  # shardwise.train.weights.ZERO3_CHUNK_BYTES (tests keep them equal)
+ZERO3_CHUNK_BYTES = float(1 << 28)  # the trainer's chunk (shardwise.train.weights reads it from here)
 
 
 def load_path(strategy: Strategy, weights: str | None = "safetensors") -> LoadPath:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError
+from shardwise.plan.load import ZERO3_CHUNK_BYTES as _PLANNED_CHUNK
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -42,8 +43,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # from the weights it copies).
 WRAPPER_SEGMENTS = ("base_layer", "original_module", "_checkpoint_wrapped_module", "_orig_mod")
 ADAPTER_MARK = "lora_"
-# Bytes of full tensors gathered on every rank at a time while ZeRO-3 partitions are filled.
-ZERO3_CHUNK_BYTES = 1 << 28
+# Bytes of full tensors gathered on every rank at a time while ZeRO-3 partitions are filled: the
+# planner's figure (one fact, priced and used).
+ZERO3_CHUNK_BYTES = int(_PLANNED_CHUNK)
 # glibc's mmap threshold while weights load: allocations from 1 MiB up are mapped and unmapped
 # whole. glibc's dynamic threshold otherwise rises to 32 MiB after the first large frees, and the
 # full tensors that zero.Init builds and frees per module then fragment the heap under the kept
