@@ -11,6 +11,7 @@ import yaml
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.hardware import GB, GPUSpec, HardwareSpec, LinkSpec
 from shardwise.specs.model import ModelSpec
+from shardwise.specs.timing_model import Provenance, TimingModel, constant_names
 
 _HERE = Path(__file__).parent
 
@@ -23,6 +24,42 @@ def _models() -> dict[str, dict]:
 @cache
 def _hardware() -> dict[str, dict]:
     return yaml.safe_load((_HERE / "hardware.yaml").read_text())
+
+
+@cache
+def _timing() -> dict[str, dict]:
+    return yaml.safe_load((_HERE / "timing.yaml").read_text())
+
+
+def _constant(entry: dict) -> tuple[float, Provenance]:
+    prov = {k: entry[k] for k in ("kind", "basis", "cases", "sources") if k in entry}
+    return float(entry["value"]), Provenance(**{k: tuple(v) if isinstance(v, list) else v for k, v in prov.items()})
+
+
+@cache
+def timing_model() -> TimingModel:
+    """The bundled time model (catalog/timing.yaml): its constants and their provenance."""
+    engine = _timing()["engine"]
+    values, prov = {}, {}
+    for name in constant_names():
+        values[name], prov[name] = _constant(engine[name])
+    return TimingModel(**values, provenance=prov)
+
+
+EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
+
+
+def family_efficiencies(family: str) -> tuple[dict[str, float], dict[str, Provenance]]:
+    """A GPU family's kernel efficiencies and their provenance (catalog/timing.yaml `families`)."""
+    fam = _timing()["families"][family]
+    values, prov = {}, {}
+    for name in EFFICIENCIES:
+        values[name], prov[name] = _constant(fam[name])
+    return values, prov
+
+
+def family_names() -> list[str]:
+    return list(_timing()["families"])
 
 
 def model_names() -> list[str]:
@@ -61,9 +98,14 @@ def get_gpu(name: str) -> GPUSpec:
         fp16_flops=g["fp16_tflops"] * 1e12,
         fp32_flops=g["fp32_tflops"] * 1e12,
         hbm_bytes_per_s=g["hbm_gbps"] * GB,
-        # fitted kernel efficiencies where the catalog has them (else GPUSpec's defaults)
-        **{f"{k}_efficiency": g[f"{k}_eff"] for k in ("gemm", "attention", "hbm") if f"{k}_eff" in g},
+        family=g.get("family", "default"),
+        **_efficiencies(g.get("family", "default")),
     )
+
+
+def _efficiencies(family: str) -> dict:
+    values, prov = family_efficiencies(family)
+    return values | {"efficiency_provenance": prov}
 
 
 @cache
@@ -153,4 +195,5 @@ def build_hardware(
             inter_link = get_link(interconnect)
         else:
             intra_link = get_link(interconnect)
-    return HardwareSpec(gpu=g, gpus_per_node=per_node, nodes=nodes, intra=intra_link, inter=inter_link, **overrides)
+    return HardwareSpec(gpu=g, gpus_per_node=per_node, nodes=nodes, intra=intra_link, inter=inter_link,
+                        timing=timing_model(), **overrides)

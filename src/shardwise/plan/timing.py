@@ -5,10 +5,11 @@ collectives per link level with latency, what each engine overlaps, offload tran
 the CPU optimizer, the pipeline bubble. Pure functions; FLOPs for MFU from plan/flops.py (the
 trainer's MFU uses the same function).
 
-The constants below and the GPUs' `*_efficiency` values are fitted, not assumed:
-`benchmarks/h200_cases.py` fits them to the trainer measured on one H200 and
-`benchmarks/accuracy.py` checks published multi-GPU runs; docs/accuracy.md has the fit and
-the residuals. A hardware profile measured on the user's GPUs replaces the GPU's values.
+What the specs cannot say (how slow eager elementwise code is, what a launch or a hook costs,
+how much compute hides communication) is `hw.timing` (specs/timing_model.py), each constant with
+its provenance, and the GPUs' `*_efficiency`; `benchmarks/fit_timing.py` fits those that enough
+cases inform and reports every figure held out (docs/accuracy.md). A hardware profile measured
+on the user's machine replaces what it measured.
 """
 
 from __future__ import annotations
@@ -37,40 +38,15 @@ from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
+from shardwise.specs.timing_model import TimingModel
 from shardwise.specs.train import TrainSpec
 
-# Eager HF elementwise code (norms, RoPE, activations, the loss) against the idealised per-op
-# byte count (plan/kernels.py): extra casts and copies, and kernels slower than the streaming ones
-# (optimizer, copies) that `hbm_efficiency` describes. One multiplier, fitted (docs/accuracy.md).
-ELEMENTWISE_FACTOR = 1.8
-# The same work fused (torch.compile's generated kernels, Megatron-LM's fused LayerNorm, bias-GeLU,
-# softmax, RoPE): intermediates stay in registers. Fitted on the published compiled/Megatron runs.
-FUSED_ELEMENTWISE_FACTOR = 1.0
-FUSED_KERNEL_SHARE = 0.4  # launches left when elementwise chains are fused
-# GPU idle per kernel launch in eager PyTorch (the CPU launches the next kernel while a short
-# one runs; small widths leave gaps): added to the GPU time.
-LAUNCH_S = 10e-6
-KERNELS_PER_LAYER = 130  # HF decoder layer, forward + backward (norms alone are ~8 ops each)
-# Python hook cost per unit per pass: FSDP2's pre/post forward/backward hooks per
-# fully_shard unit; DeepSpeed ZeRO-3's fetch/release per hooked module (every Linear and norm,
-# or each decoder layer when layers are ZeRO-3 leaves), plus a share per parameter tensor
-# fetched. The share is measured on CPU (benchmarks/zero3_fetch_unit.py); the scale is fitted
-# to ZeRO-3 on one H200 with per-submodule hooks (hook-bound, 4.6% MFU).
-FSDP2_HOOK_S = 400e-6
-ZERO3_HOOK_S = 543e-6
-ZERO3_TENSOR_SHARE = 0.6  # a fetched tensor's host cost, in hooked modules (CPU fit: 0.62)
-DEEPSPEED_STEP_S = 40e-3  # engine.step / backward bookkeeping per optimizer step (4 cases inform it)
-ZERO12_HOOK_S = 100e-6  # ZeRO-1/2: the gradient hook DeepSpeed registers on every parameter
-MODULES_PER_LAYER = 13  # ZeRO-3 hooks: q, k, v, o, gate, up, down, 2 norms, act, attn, mlp, layer
-ROOT_MODULES = 7  # and outside them: the CausalLM, its inner model, the layer list, embedding, norm, RoPE, lm_head
-# How much of backward compute can hide bucketed reduction / prefetched gathers (streams
-# contend for SMs and HBM; NCCL kernels take ~10–20% of SMs).
-OVERLAP_EFFICIENCY = 0.8
-# FSDP2 fills and drains its all-gather/reduce-scatter buffers on side streams, concurrent with
-# compute; this share of those copies still lands on the step (HBM contention).
-FSDP2_COPY_EXPOSED = 0.0
-CLIP_BYTES = 12  # global-norm clipping: read the grads for the norm, scale them in place
-CE_KERNELS_PER_CHUNK = 12  # chunked cross-entropy: linear, upcast, log-softmax, pick, exp, index_put, GEMMs, masks
+# Byte counts of fixed algorithms (derived, not tunable): global-norm clipping reads the grads
+# for the norm (4 B fp32) and scales them in place (read + write, 8 B).
+CLIP_BYTES = 12
+# Every other constant of the time model is data carried by the hardware spec (`hw.timing`, a
+# shardwise.specs.timing_model.TimingModel; the bundled values and their provenance are
+# catalog/timing.yaml, docs/accuracy.md).
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +159,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
                  layout: ParallelLayout, psi: float) -> ComputeTime:
     """GPU time of one optimizer step on one GPU (its TP shard and PP stage), without
     communication, and the host time the GPU waits for (launch gaps, hooks)."""
-    gpu = hw.gpu
+    gpu, tm = hw.gpu, hw.timing
     c = train.compute_bytes
     flops_s = gpu.peak_flops(train.compute_dtype) * gpu.gemm_efficiency
     bytes_s = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
@@ -226,13 +202,13 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         mem += k * scores * (3 * c + 24) * (1 + replay_attn / 3)
 
     autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
-    factor = FUSED_ELEMENTWISE_FACTOR if train.fused_kernels else ELEMENTWISE_FACTOR
+    factor = tm.fused_elementwise_factor if train.fused_kernels else tm.elementwise_factor
     per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * factor / pp)
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
-        copies *= 0.5
-    mem += copies * (FSDP2_COPY_EXPOSED if s.engine == "fsdp2" else 1.0)
+        copies *= tm.lora_copy_share
+    mem += copies * (tm.fsdp2_copy_exposed if s.engine == "fsdp2" else 1.0)
     if train.base_quant == "nf4":  # QLoRA: each 4-bit weight is dequantised to c bytes in every pass
         passes_q = 3 if train.checkpointing == "full" else 2
         mem += k * passes_q * linear_weight_params(model, tp, pp) * (NF4_BYTES + c)
@@ -243,36 +219,49 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     optimizer = 0.0 if s.offload_optimizer else optimizer_time(shard, train, s, hw)
 
     # host: launch gaps, and the engines' Python hooks (they wait on their collectives' streams)
-    kernels = k * layers * KERNELS_PER_LAYER * (1 + recompute / 3) * (FUSED_KERNEL_SHARE if train.fused_kernels else 1)
-    kernels += k * (40 + CE_KERNELS_PER_CHUNK * ce_chunks(train))
+    kernels = k * layers * tm.kernels_per_layer * (1 + recompute / 3) * (tm.fused_kernel_share if train.fused_kernels else 1)
+    kernels += k * (tm.step_kernels + tm.ce_kernels_per_chunk * ce_chunks(train))
     if train.optimizer_impl == "forloop":
-        kernels += 10 * len(model.hf_order) / pp
-    launch = kernels * LAUNCH_S
+        kernels += tm.forloop_kernels_per_tensor * len(model.hf_order) / pp
+    launch = kernels * tm.launch_s
     passes = 2 + recompute
     hooks = serial = 0.0
     if s.engine == "fsdp2":  # each unit's hooks wait on its all-gather / reduce-scatter streams
-        serial = k * (layers + 1) * passes * 2 * FSDP2_HOOK_S
+        serial = k * (layers + 1) * passes * 2 * tm.fsdp2_hook_s
     elif s.engine == "deepspeed":
-        serial = DEEPSPEED_STEP_S
+        serial = tm.deepspeed_step_s
         if s.zero_stage in (1, 2):
-            serial += k * len(model.hf_order) / pp * ZERO12_HOOK_S  # grad hooks copy on the main stream
+            serial += k * len(model.hf_order) / pp * tm.zero12_hook_s  # grad hooks copy on the main stream
         if s.zero_stage == 3:
-            hooks = k * passes * zero3_hook_s(model, s.ds, tp)
+            hooks = k * passes * zero3_hook_s(model, s.ds, tp, tm)
     return ComputeTime(gemm, attention, memory_bound, optimizer, launch, hooks, serial)
 
 
+# Modules of an HF decoder-only model that hold no parameter tensor of the spec but are modules
+# all the same (ZeRO-3 hooks every module): per layer the decoder layer, its attention and MLP
+# containers and the MLP's activation; around the layers the CausalLM, its inner model, the layer
+# list and the rotary embedding. Counted on HF Llama/Qwen2/Mistral (transformers 5); the running
+# engine's count is checked against this in tests/test_run_bridge.py.
+CONTAINERS_PER_LAYER = 4
+CONTAINERS_OUTSIDE_LAYERS = 4
+
+
 def zero3_hooked_modules(model: ModelSpec, ds, tp: int) -> int:
-    """Modules DeepSpeed ZeRO-3 installs fetch/release hooks on: every module of an HF Llama-style
-    model (13 per decoder layer), or only the layer itself when layers are leaves
-    (DeepSpeedKnobs.fetch_unit); tests/test_run_bridge.py counts them on the running engine."""
-    per_layer = 1 if ds.zero3_unit(model, tp) == "layer" else MODULES_PER_LAYER
-    return model.num_layers * per_layer + ROOT_MODULES
+    """Modules DeepSpeed ZeRO-3 installs fetch/release hooks on: every module of the model (its
+    parameter-holding modules from the spec's tensors, plus the containers above), or only the
+    layer itself when layers are leaves (DeepSpeedKnobs.fetch_unit)."""
+    layer_mods = sum(t.count for t in model.tensors if t.count >= model.num_layers) / model.num_layers
+    outside = sum(1 for t in model.tensors if t.count < model.num_layers)
+    if model.tie_embeddings and not any(t.name == "lm_head" for t in model.tensors):
+        outside += 1  # a tied lm_head is still a module
+    per_layer = 1 if ds.zero3_unit(model, tp) == "layer" else round(layer_mods) + CONTAINERS_PER_LAYER
+    return model.num_layers * per_layer + outside + CONTAINERS_OUTSIDE_LAYERS
 
 
-def zero3_hook_s(model: ModelSpec, ds, tp: int) -> float:
+def zero3_hook_s(model: ModelSpec, ds, tp: int, tm: TimingModel) -> float:
     """Host time of ZeRO-3's hooks in one pass over the model: per hooked module and per
     parameter tensor fetched (the same under either fetch unit)."""
-    return (zero3_hooked_modules(model, ds, tp) + ZERO3_TENSOR_SHARE * len(model.hf_order)) * ZERO3_HOOK_S
+    return (zero3_hooked_modules(model, ds, tp) + tm.zero3_tensor_share * len(model.hf_order)) * tm.zero3_hook_s
 
 
 def _lora_dims(model: ModelSpec, train: TrainSpec, tp: int) -> list[tuple[float, float]]:
@@ -336,7 +325,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     fwd = work * forward_share(train)
     bwd = work - fwd
     comm_s = comm_time(comm, hw, layout)
-    exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm))
+    units = -(-model.num_layers // layout.pp) + 1  # one per decoder layer and the root's
+    exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm, hw.timing, units))
     # TP all-reduces stay inside the node (TP ranks are packed on NVLink); PP sends cross
     # nodes when the stages do. Both sit on the critical path.
     blocking = 0.0
@@ -366,26 +356,25 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 
 
 def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: float,
-             comm: CommBreakdown) -> float:
+             comm: CommBreakdown, tm: TimingModel, units: int) -> float:
     """What compute cannot hide. DDP/ZeRO-0/1/2 reduce gradient buckets during backward (the
     last bucket is exposed) and ZeRO-1/2 all-gather the updated params after the step
     (exposed). ZeRO-3/FSDP prefetch the next unit's all-gather during forward and backward and
-    reduce-scatter during backward; the first gather of each pass is exposed."""
+    reduce-scatter during backward; the first of the `units` gathers of each pass is exposed."""
     if comm_s == 0:
         return 0.0
     total = (comm.total - comm.blocking) or 1.0
-    hide = OVERLAP_EFFICIENCY
+    hide = tm.overlap_efficiency
     if s.shards_params:
         ag_share = comm.all_gather / total
         fwd_comm = comm_s * ag_share / (2 if s.facts.zero_equivalent == 3 else 1)
         bwd_comm = comm_s - fwd_comm
-        units = 32  # first unit of each pass cannot be prefetched
         return max(0.0, fwd_comm - hide * fwd) + max(0.0, bwd_comm - hide * bwd) + comm_s / units
     ag_after_step = comm_s * (comm.all_gather / total)
     reduce = comm_s - ag_after_step
     # with accumulation DDP/ZeRO-1 only reduce in the last micro-batch's backward
     window = bwd / train.grad_accum if not s.shards_grads else bwd
-    return max(0.0, reduce - hide * window) + reduce * 0.05 + ag_after_step
+    return max(0.0, reduce - hide * window) + reduce * tm.exposed_reduce_share + ag_after_step
 
 
 def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: TrainSpec) -> float:
@@ -399,5 +388,5 @@ def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: Tr
     trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else stage_params(
         model, layout.tp, layout.pp)
     params_on_node = trainable / max(layout.dp_shard, 1) * per_node
-    rate = hw.host_adam_params_per_s if s.engine == "deepspeed" else hw.host_torch_adam_params_per_s
+    rate = hw.timing.host_adam_params_per_s if s.engine == "deepspeed" else hw.timing.host_torch_adam_params_per_s
     return pcie + params_on_node / rate

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
 from shardwise.specs.base import Spec
+from shardwise.specs.timing_model import Provenance, TimingModel
 
 GB = 1e9
 GIB = 2**30
@@ -20,12 +21,14 @@ class GPUSpec(Spec):
     fp16_flops: float = Field(ge=0)
     fp32_flops: float = Field(gt=0)
     hbm_bytes_per_s: float = Field(gt=0)
-    # What real kernels sustain, as fractions of the datasheet figures above (timing.py). The
-    # catalog's values are fitted to measurements (docs/accuracy.md); `shardwise calibrate`
-    # measures them on the user's GPU.
-    gemm_efficiency: float = Field(0.75, gt=0, le=1, description="large bf16 GEMMs / dense peak")
-    attention_efficiency: float = Field(0.45, gt=0, le=1, description="flash/SDPA fwd+bwd / dense peak")
-    hbm_efficiency: float = Field(0.55, gt=0, le=1, description="elementwise/reduction kernels / HBM bandwidth")
+    # What real kernels sustain, as fractions of the datasheet figures above (timing.py), with
+    # where each figure comes from (`efficiency_provenance`): the catalog's by GPU family
+    # (catalog/timing.yaml, docs/accuracy.md); `shardwise calibrate` measures them on the user's GPU.
+    family: str = Field("default", description="catalog/timing.yaml family whose efficiencies this GPU uses")
+    gemm_efficiency: float = Field(gt=0, le=1, description="large bf16 GEMMs / dense peak")
+    attention_efficiency: float = Field(gt=0, le=1, description="flash/SDPA fwd+bwd / dense peak")
+    hbm_efficiency: float = Field(gt=0, le=1, description="streaming kernels (optimizer, copies) / HBM bandwidth")
+    efficiency_provenance: dict[str, Provenance] = Field(default_factory=dict)
     # A measured AdamW step rate (`shardwise calibrate`): fp32 parameters updated per second by
     # the `adamw_impl` kernel. When set, the planner prices the optimizer step from it (timing.py
     # `optimizer_time`) instead of the optimizer's bytes at `hbm_efficiency`.
@@ -52,11 +55,10 @@ class HardwareSpec(Spec):
     gpus_per_node: int = Field(8, gt=0)
     nodes: int = Field(1, gt=0)
     intra: LinkSpec  # between GPUs of one node
+    timing: TimingModel  # the time model's constants (catalog/timing.yaml, or a profile's measurements)
     inter: LinkSpec  # between nodes (unused when nodes == 1)
     pcie_bytes_per_s: float = Field(25 * GB, gt=0)  # GPU<->host, PCIe 4.0 x16 achievable
     host_memory_bytes: float = Field(2048 * GB, gt=0)  # per node (DGX A100-80G / H100: 2 TB)
-    host_adam_params_per_s: float = Field(2.25e9, gt=0)  # DeepSpeed CPU Adam throughput per node
-    host_torch_adam_params_per_s: float = Field(1.5e9, gt=0)  # torch AdamW on CPU tensors (FSDP2 offload)
     nics_per_node: int | None = Field(None, gt=0, description="None: one per GPU where the inter link says so, else 1")
 
     @model_validator(mode="after")

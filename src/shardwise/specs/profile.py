@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from shardwise.errors import ShardwiseError, user_error
 from shardwise.specs.hardware import HardwareSpec
+from shardwise.specs.timing_model import Provenance, constant_names
 
 PROFILE_VERSION = 1
 
@@ -59,18 +60,40 @@ class HardwareProfile(_Part):
     pcie_bytes_per_s: float | None = Field(None, gt=0)
     host_adam_params_per_s: float | None = Field(None, gt=0)
     host_torch_adam_params_per_s: float | None = Field(None, gt=0)
+    timing: dict[str, float] = Field(default_factory=dict, description="time-model constants measured here "
+                                     "(specs/timing_model.py names), e.g. launch_s, fsdp2_hook_s")
     raw: dict[str, Any] = Field(default_factory=dict, description="the measurements behind the figures "
                                 "(for reading; the planner does not use them)")
 
+    @model_validator(mode="after")
+    def _timing_names(self) -> HardwareProfile:
+        unknown = sorted(set(self.timing) - set(constant_names()))
+        if unknown:
+            raise ValueError(f"timing: unknown constants {unknown} (expected some of {list(constant_names())})")
+        return self
+
+    def provenance(self) -> Provenance:
+        when = f" at {self.measured_at}" if self.measured_at else ""
+        return Provenance(kind="measured", basis=f"shardwise calibrate on {self.gpu_name}{when}")
+
     def apply(self, hw: HardwareSpec) -> HardwareSpec:
-        """`hw` with every measured figure of this profile in place of the catalog's."""
+        """`hw` with every measured figure of this profile in place of the catalog's, the time
+        model's constants and the GPU's efficiencies marked measured here."""
         def given(part: BaseModel) -> dict:
             return {k: v for k, v in part.model_dump().items() if v is not None}
 
-        top = {k: v for k in ("pcie_bytes_per_s", "host_adam_params_per_s", "host_torch_adam_params_per_s")
-               if (v := getattr(self, k)) is not None}
+        top = {"pcie_bytes_per_s": self.pcie_bytes_per_s} if self.pcie_bytes_per_s is not None else {}
+        host = {k: v for k in ("host_adam_params_per_s", "host_torch_adam_params_per_s")
+                if (v := getattr(self, k)) is not None}
+        gpu = given(self.gpu)
+        measured = self.provenance()
+        eff = {k: measured for k in gpu if k.endswith("_efficiency")}
+        gpu["efficiency_provenance"] = dict(hw.gpu.efficiency_provenance) | eff
+        constants = host | dict(self.timing)
+        timing = hw.timing.with_values(constants, {k: measured for k in constants})
         return hw.model_copy(update={
-            "gpu": hw.gpu.model_copy(update=given(self.gpu)),
+            "timing": timing,
+            "gpu": hw.gpu.model_copy(update=gpu),
             "intra": hw.intra.model_copy(update=given(self.intra)),
             "inter": hw.inter.model_copy(update=given(self.inter)),
             **top,
