@@ -44,8 +44,9 @@ def planned_settings(run) -> dict[str, Any]:
                     "zero3_hooked_modules": zero3_hooked_modules(run.model, k, s.tp)}
     elif s.engine == "fsdp2":
         mixed = t.compute_dtype != "fp32"
-        out |= {"reshard_after_forward": s.reshard_after_forward, "root_reshard_after_forward": False,
-                "last_layer_reshard_after_forward": False,  # backward needs it first (plan/comm.py)
+        # the first decoder layer and the last (Strategy.resharding); the root never reshards
+        out |= {"reshard_after_forward": s.reshards_layer(last=run.model.num_layers == 1),
+                "root_reshard_after_forward": False, "last_layer_reshard_after_forward": s.reshards_layer(last=True),
                 "param_dtype": t.compute_dtype,
                 "reduce_dtype": ("fp32" if s.fsdp.reduce_dtype == "fp32" else t.compute_dtype) if mixed else "fp32",
                 "cpu_offload": s.offload_params or s.offload_optimizer}
