@@ -63,7 +63,7 @@ def ideal_comm(psi: float, strategy: Strategy, bytes_per_elem: float = 2) -> Com
     """ZeRO paper §7: DDP, ZeRO-1, ZeRO-2 move 2Ψ per step (reduce-scatter + all-gather), ZeRO-3
     and full-shard FSDP 3Ψ (all-gather in forward and backward + reduce-scatter)."""
     b = bytes_per_elem * psi
-    full_shard = strategy.facts.zero_equivalent == 3
+    full_shard = strategy.zero_equivalent == 3
     if not strategy.shards_optimizer:  # DDP, ZeRO-0: all-reduce
         return CommBreakdown(all_reduce=b)
     return CommBreakdown(all_gather=2 * b if full_shard else b, reduce_scatter=b)

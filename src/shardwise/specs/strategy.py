@@ -282,6 +282,12 @@ class Strategy(Spec):
             return None
         return "none" if self.fsdp_sharding == "grad-op" else self.fsdp.reshard_after_forward
 
+    @property
+    def zero_equivalent(self) -> int:
+        """The ZeRO stage with the same parameter lifetime: FSDP2 that keeps every layer gathered
+        from forward to backward (resharding "none", as fsdp-grad-op) is ZeRO-2's; else the row's."""
+        return 2 if self.resharding == "none" else self.facts.zero_equivalent
+
     def reshards_layer(self, last: bool) -> bool:
         """`fully_shard(reshard_after_forward=...)` of a decoder layer (`last`: the final one)."""
         return self.resharding == "all" or (self.resharding == "not-last" and not last)
