@@ -73,7 +73,7 @@ def bare_loop(cfg, env, steps) -> list[float]:
 
             model.to(dev)
             for layer in model.model.layers:
-                fully_shard(layer, reshard_after_forward=s.reshard_after_forward)
+                fully_shard(layer, reshard_after_forward=s.resharding != "none")  # the tutorial: one bool
             fully_shard(model, reshard_after_forward=False)
             net = model
         else:

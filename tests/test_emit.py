@@ -135,7 +135,7 @@ def test_emitted_files_load_in_their_tools(name, tmp_path, monkeypatch):
             assert acc.distributed_type.value == "FSDP" and acc.fsdp_config["fsdp_version"] == 2
             fsdp = FullyShardedDataParallelPlugin()
             assert fsdp.fsdp_version == 2
-            assert fsdp.reshard_after_forward == strategy.reshard_after_forward
+            assert fsdp.reshard_after_forward == (strategy.resharding != "none")
             assert fsdp.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
             assert fsdp.activation_checkpointing
             # FSDP2: the base OffloadPolicy means "keep on GPU", its CPUOffloadPolicy subclass offloads.

@@ -2,8 +2,8 @@
 
 Two gloo processes run tiny Llama (shardwise.bench.worker.TINY_LLAMA, fp32) 4 optimizer
 steps under DDP, DeepSpeed ZeRO-0..3 (+ use_multi_rank_bucket_allreduce=false for ZeRO-1/2,
-+ every stage-3 live/reuse/persistence/prefetch knob at 0) and FSDP2 (full / grad-op), with
-gradient accumulation 1 and 2; shardwise.bench.comm counts bytes per collective kind in
++ every stage-3 live/reuse/persistence/prefetch knob at 0) and FSDP2 (full / grad-op / stock:
+every layer resharded, gradients reduced every micro-batch), with gradient accumulation 1 and 2; shardwise.bench.comm counts bytes per collective kind in
 steps 3-4 (see src/shardwise/bench/comm_worker.py). One process pair runs every case.
 
 Kinds are compared in the planner's unit (per GPU per optimizer step); `total` is the planner's
@@ -123,3 +123,40 @@ def test_planned_comm_matches_measured(case: str, measured, psi4) -> None:
             if not ok:
                 msgs.append(f"{kind}: planned {p / psi4:.4f} vs measured {m / psi4:.4f} Ψ·4")
         assert not msgs, f"{case} rank {r['rank']}: " + "; ".join(msgs)
+
+
+FSDP_CASES = [c for c in w.ALL_CASES if c.startswith("fsdp") and "lora" not in c]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_fsdp_collectives_are_the_planned_ones_exactly(case: str, measured) -> None:
+    """FSDP2 issues one all-gather per unit gathered and one reduce-scatter per unit reduced, of
+    whole padded groups (no buckets): the planned bytes and calls are exact, not within 5%. The
+    stock case (fsdp-stock: stock fully_shard, every decoder layer resharded after forward and
+    reduced every micro-batch, planned with reshard_after_forward "all" and
+    reduce_every_micro_batch) is held to the same standard as the trainer's settings."""
+    variant, ga = w.parse_case(case)
+    comm = _plan(variant, ga)
+    for r in measured[case]:
+        assert "error" not in r, r
+        got = r["bytes_per_step"]
+        assert set(got) == {"all_gather", "reduce_scatter"}, (case, got)
+        assert (got["all_gather"], got["reduce_scatter"]) == (comm.all_gather, comm.reduce_scatter), case
+        assert sum(r["calls_per_step"].values()) == comm.calls, (case, r["calls_per_step"])
+
+
+@pytest.mark.distributed
+def test_stock_fsdp_gathers_the_last_layer_again_and_reduces_every_micro_batch(measured, psi4) -> None:
+    """The stock run against the trainer's, from the counts alone (no planner): one more
+    all-gather per micro-batch, of the last decoder layer's parameters; with accumulation 2,
+    twice the reduce-scatter (every micro-batch) and 5 units reduced per micro-batch."""
+    sizes = w.param_sizes()
+    last = 4 * sum(v for n, v in sizes.items() if n.startswith(f"model.layers.{w.TINY_LLAMA['num_hidden_layers'] - 1}."))
+    for ga in w.GAS:
+        for stock, ours in zip(measured[w.case_name("fsdp-stock", ga)], measured[w.case_name("fsdp", ga)], strict=True):
+            assert stock["bytes_per_step"]["all_gather"] - ours["bytes_per_step"]["all_gather"] == ga * last
+            assert stock["calls_per_step"]["all_gather"] - ours["calls_per_step"]["all_gather"] == ga
+            assert stock["bytes_per_step"]["reduce_scatter"] == ga * psi4
+            units = w.TINY_LLAMA["num_hidden_layers"] + 1
+            assert stock["calls_per_step"]["reduce_scatter"] == ga * units

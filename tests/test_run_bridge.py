@@ -232,7 +232,8 @@ def test_plan_is_the_pure_cost_model():
 
 # ---------------------------------------------------------------- plan vs running engine (2 ranks)
 SETTINGS_CASES = ["ddp", "ddp:bf16:ckpt", "zero0:bf16", "zero1", "zero2:bf16", "zero3", "zero3:bf16:ckpt", "zero3:module",
-                  "fsdp", "fsdp:bf16:ckpt", "fsdp-grad-op:bf16", "fsdp-hybrid:sg1:bf16", "fsdp-hybrid:sg1:bf16:fully_shard"]
+                  "fsdp", "fsdp:bf16:ckpt", "fsdp:stock", "fsdp-grad-op:bf16", "fsdp-hybrid:sg1:bf16",
+                  "fsdp-hybrid:sg1:bf16:fully_shard"]
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +241,18 @@ def settings():
     from shardwise.bench.settings import measure_settings
 
     return measure_settings(SETTINGS_CASES, timeout_s=420)
+
+
+@pytest.mark.distributed
+def test_running_fsdp_reshards_the_layers_the_knob_names(settings):
+    """Read from the live fully_shard groups: the trainer's default keeps the last decoder layer
+    gathered after forward, stock's (reshard_after_forward all) frees it too, grad-op none; the
+    root never (torch forces it)."""
+    keys = ("reshard_after_forward", "last_layer_reshard_after_forward", "root_reshard_after_forward")
+    want = {"fsdp": (True, False, False), "fsdp:stock": (True, True, False), "fsdp-grad-op:bf16": (False, False, False)}
+    for case, flags in want.items():
+        for rank in settings[case]:
+            assert tuple(rank["running"][k] for k in keys) == flags, case
 
 
 # One rank: DDP runs the bare module unless told to wrap; FSDP2 runs as that DDP unless pinned

@@ -86,6 +86,13 @@ def plan(
     fsdp_reduce_dtype: str | None = typer.Option(None, "--fsdp-reduce-dtype", help="FSDP2 gradient reduce dtype: fp32 (default) | param."),
     fsdp_single_rank: str | None = typer.Option(None, "--fsdp-single-rank", help="FSDP2 with a one-rank shard group "
                                                 "(one GPU) runs as: auto (ddp where it fits and is no slower) | ddp | fsdp."),
+    fsdp_reshard_after_forward: str | None = typer.Option(
+        None, "--fsdp-reshard-after-forward", help="FSDP2 decoder layers freed after forward (gathered again in "
+        "backward): not-last (the trainer's default) | all (stock fully_shard: accelerate, HF Trainer, torchtune) "
+        "| none (every layer kept gathered, as fsdp-grad-op)."),
+    fsdp_reduce_every_micro_batch: bool = typer.Option(
+        False, "--fsdp-reduce-every-micro-batch", help="FSDP2 with --grad-accum: reduce-scatter every micro-batch "
+        "(torch's default, stock trainers) instead of once per step (the trainer's)."),
     ddp_bucket_mb: float | None = typer.Option(None, "--ddp-bucket-mb", help="DDP bucket_cap_mb (default 25)."),
     ddp_wrap_one_rank: bool | None = typer.Option(None, "--ddp-wrap-one-rank/--no-ddp-wrap-one-rank",
                                                   help="DDP with one replica: keep DistributedDataParallel "
@@ -113,13 +120,18 @@ def plan(
         check_margin(margin)
         if accounting not in ("engine", "paper", "deepspeed"):
             raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
+        _check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
+                          fsdp_reshard_after_forward, fsdp_reduce_every_micro_batch)
         knobs = _knobs(
             ds={"reduce_bucket_size": ds_reduce_bucket or ds_bucket, "allgather_bucket_size": ds_bucket,
                 "prefetch_bucket_size": ds_prefetch, "param_persistence_threshold": ds_persistence_threshold,
                 "max_live_parameters": ds_max_live, "max_reuse_distance": ds_max_reuse,
                 "overlap_comm": ds_overlap_comm, "use_multi_rank_bucket_allreduce": ds_multi_rank_allreduce,
                 "communication_data_type": ds_comm_dtype, "fetch_unit": ds_fetch_unit},
-            fsdp={"reduce_dtype": fsdp_reduce_dtype, "single_rank": fsdp_single_rank}, ddp={"bucket_cap_mb": ddp_bucket_mb, "wrap_one_rank": ddp_wrap_one_rank}, shard_group=shard_group)
+            fsdp={"reduce_dtype": fsdp_reduce_dtype, "single_rank": fsdp_single_rank,
+                  "reshard_after_forward": fsdp_reshard_after_forward,
+                  "reduce_every_micro_batch": fsdp_reduce_every_micro_batch or None},
+            ddp={"bucket_cap_mb": ddp_bucket_mb, "wrap_one_rank": ddp_wrap_one_rank}, shard_group=shard_group)
         evals, skipped = plan_layouts(m, hw, train, strategy, tp=1 if tp is None else tp,
                                       pp=1 if pp is None else pp, accounting=accounting, margin=margin, knobs=knobs)
         # -s, --tp and --pp restrict the recommender as they restrict the table
@@ -196,6 +208,28 @@ def _setting(e) -> dict:
 def _names(value: str) -> tuple[str, ...]:
     """A comma-separated flag value as names (empty parts dropped)."""
     return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
+def _check_fsdp_flags(named: list[str], reshard: str | None, reduce_every: bool) -> None:
+    """--fsdp-reshard-after-forward / --fsdp-reduce-every-micro-batch need a strategy they change:
+    with -s / --emit-strategy, one of those named (without, they apply to the FSDP2 rows)."""
+    from typing import get_args
+
+    from shardwise.specs.strategy import STRATEGIES, Resharding
+
+    if reshard is not None and reshard not in get_args(Resharding):
+        raise ShardwiseError(f"--fsdp-reshard-after-forward {reshard!r}: expected {', '.join(get_args(Resharding))}")
+    names = [n.strip().lower() for n in named if n.strip().lower() in STRATEGIES]  # unknown: refused elsewhere
+    if not names:
+        return
+    fsdp = [n for n in STRATEGIES if STRATEGIES[n].engine == "fsdp2"]
+    resharded = [n for n in fsdp if STRATEGIES[n].fsdp_sharding != "grad-op" or reshard == "none"]
+    for flag, given, applies in (("--fsdp-reshard-after-forward", reshard is not None, resharded),
+                                 ("--fsdp-reduce-every-micro-batch", reduce_every, fsdp)):
+        if given and not set(names) & set(applies):
+            raise ShardwiseError(f"{flag} applies to {', '.join(applies)}; not to {', '.join(names)}"
+                                 + (" (fsdp-grad-op keeps every layer gathered: none)"
+                                    if "fsdp-grad-op" in names and flag.endswith("forward") else ""))
 
 
 def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):

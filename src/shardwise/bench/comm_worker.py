@@ -41,7 +41,7 @@ from shardwise.bench.worker import (
 STEPS = 4
 MEASURED_STEPS = 2  # the last two; see the module docstring for what the first two hold
 VARIANTS = ("ddp", "zero0", "zero1", "zero1-nomrba", "zero2", "zero2-nomrba", "zero3", "zero3-allzero",
-            "fsdp", "fsdp-grad-op",
+            "fsdp", "fsdp-grad-op", "fsdp-stock",
             # LoRA (shardwise.bench.worker: rank 8 on every decoder linear): adapter grads only
             "ddp-lora", "zero2-lora", "zero3-lora", "fsdp-lora", "zero3-lora-bf16", "fsdp-lora-bf16")
 GAS = (1, 2)

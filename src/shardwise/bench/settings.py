@@ -44,8 +44,9 @@ def planned_settings(run) -> dict[str, Any]:
                     "zero3_hooked_modules": zero3_hooked_modules(run.model, k, s.tp)}
     elif s.engine == "fsdp2":
         mixed = t.compute_dtype != "fp32"
-        out |= {"reshard_after_forward": s.reshard_after_forward, "root_reshard_after_forward": False,
-                "last_layer_reshard_after_forward": False,  # backward needs it first (plan/comm.py)
+        # the first decoder layer and the last (Strategy.resharding); the root never reshards
+        out |= {"reshard_after_forward": s.reshards_layer(last=run.model.num_layers == 1),
+                "root_reshard_after_forward": False, "last_layer_reshard_after_forward": s.reshards_layer(last=True),
                 "param_dtype": t.compute_dtype,
                 "reduce_dtype": ("fp32" if s.fsdp.reduce_dtype == "fp32" else t.compute_dtype) if mixed else "fp32",
                 "cpu_offload": s.offload_params or s.offload_optimizer}
@@ -124,10 +125,11 @@ def engine_settings(engine) -> dict[str, Any]:
 
 
 def settings_config(case: str, world: int | None = None):
-    """`<strategy>[:bf16][:ckpt][:sg1][:module][:fully_shard]` -> the TrainConfig of a 2-rank
+    """`<strategy>[:bf16][:ckpt][:sg1][:module][:fully_shard][:stock]` -> the TrainConfig of a 2-rank
     settings check (module: ZeRO-3 hooks every submodule, DeepSpeed's default, instead of the
     planned decoder-layer unit; sg1: fsdp-hybrid with one-rank shard groups, which run as DDP unless
-    fully_shard pins FSDP2's `single_rank: fsdp`; wrap: DDP keeps its wrapper with one replica)."""
+    fully_shard pins FSDP2's `single_rank: fsdp`; stock: FSDP2 as stock fully_shard runs, every
+    decoder layer resharded after forward; wrap: DDP keeps its wrapper with one replica)."""
     from shardwise.bench.worker import BATCH, BENCH_MODEL, SEQ, WORLD
     from shardwise.train.config import TrainConfig
 
@@ -137,7 +139,8 @@ def settings_config(case: str, world: int | None = None):
         "data": {"kind": "synthetic", "synthetic": {"seq_len": SEQ}},
         "strategy": {"name": name, "shard_group": 1 if "sg1" in flags else None,
                      "deepspeed": {"fetch_unit": "module"} if "module" in flags else {},
-                     "fsdp": {"single_rank": "fsdp"} if "fully_shard" in flags else {},
+                     "fsdp": ({"single_rank": "fsdp"} if "fully_shard" in flags else {})
+                     | ({"reshard_after_forward": "all"} if "stock" in flags else {}),
                      "ddp": {"wrap_one_rank": True} if "wrap" in flags else {}},
         "precision": "bf16-mixed" if "bf16" in flags else "fp32",
         "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},

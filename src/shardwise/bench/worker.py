@@ -8,7 +8,8 @@ one full optimizer step, then forward+backward of step 2, drops loss/activations
 census (`after_backward`), then steps again and takes a second census (`after_step`). So a
 change to an engine (FSDP2 mixed precision, DeepSpeed's config) is what gets measured.
 
-A variant is a strategy name, optionally with DeepSpeed knobs that differ (VARIANTS).
+A variant is a strategy name, optionally with knobs of its engine that differ (VARIANTS:
+DeepSpeed's for zero*, FSDP2's for fsdp*).
 Buckets are BUCKET elements (DeepSpeed's 5e8 defaults would allocate GBs per rank on CPU).
 """
 
@@ -40,6 +41,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero2-nomrba": ("zero2", {"use_multi_rank_bucket_allreduce": False}),
     "zero3-nopersist": ("zero3", {"param_persistence_threshold": 0}),
     "zero3-allzero": ("zero3", _ALL_ZERO),
+    # stock fully_shard, as accelerate, HF Trainer and torchtune run it: every decoder layer
+    # resharded after forward, gradients reduce-scattered every micro-batch (sync left on)
+    "fsdp-stock": ("fsdp", {"reshard_after_forward": "all", "reduce_every_micro_batch": True}),
 }
 # LoRA variants: rank LORA_RANK on every decoder linear (`<strategy>-lora`), fp32 or, with
 # `-bf16`, bf16-mixed (the frozen base in bf16, adapters fp32).
@@ -69,14 +73,16 @@ def bench_config(variant: str, ga: int = 1):
     from shardwise.train.config import TrainConfig
 
     strategy, knobs = VARIANTS[variant]
-    ds = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET, "prefetch_bucket_size": BUCKET} | knobs
+    fsdp = knobs if strategy.startswith("fsdp") else {}
+    ds = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET, "prefetch_bucket_size": BUCKET} | (
+        {} if fsdp else knobs)
     return TrainConfig.model_validate({
         "name": f"bench-{variant}-ga{ga}",
         "model": {"name": BENCH_MODEL, "attention": "sdpa"},
         "data": {"kind": "synthetic", "synthetic": {"samples": BATCH * ga * WORLD, "seq_len": SEQ}},
         # DeepSpeed's default reduce dtype (the param dtype: fp32 here) and DDP buckets as small
         # as DeepSpeed's, so every engine reduces in several buckets
-        "strategy": {"name": strategy, "deepspeed": ds | {"communication_data_type": "auto"},
+        "strategy": {"name": strategy, "deepspeed": ds | {"communication_data_type": "auto"}, "fsdp": fsdp,
                      "ddp": {"bucket_cap_mb": BUCKET * 4 / 2**20}},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "max_grad_norm": 0.0},
         "precision": "bf16-mixed" if variant.endswith("-bf16") else "fp32",

@@ -341,7 +341,11 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
                       "is that plan. `accelerate launch` with the FSDP config still runs `fully_shard`; "
                       "`strategy.fsdp.single_rank: fsdp` keeps it in `shardwise train` too."]
     elif strategy.engine == "fsdp2":
-        wrap = f"FSDP2 wraps each `{layer_class(model)}`; reshard after forward: {strategy.reshard_after_forward}."
+        wrap = f"FSDP2 wraps each `{layer_class(model)}`; decoder layers resharded after forward: {strategy.resharding}."
+        if strategy.resharding == "not-last":
+            wrap += (" `accelerate.yaml` cannot say \"all but the last\" (`fsdp_reshard_after_forward` is one bool): "
+                     "accelerate reshards the last layer too, one more all-gather per micro-batch "
+                     "(`shardwise plan --fsdp-reshard-after-forward all` plans that run).")
         lines += ["", wrap]
     if strategy.zero_stage == 3:
         unit = strategy.ds.zero3_unit(model, strategy.tp)

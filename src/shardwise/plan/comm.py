@@ -63,7 +63,7 @@ def ideal_comm(psi: float, strategy: Strategy, bytes_per_elem: float = 2) -> Com
     """ZeRO paper §7: DDP, ZeRO-1, ZeRO-2 move 2Ψ per step (reduce-scatter + all-gather), ZeRO-3
     and full-shard FSDP 3Ψ (all-gather in forward and backward + reduce-scatter)."""
     b = bytes_per_elem * psi
-    full_shard = strategy.facts.zero_equivalent == 3
+    full_shard = strategy.zero_equivalent == 3
     if not strategy.shards_optimizer:  # DDP, ZeRO-0: all-reduce
         return CommBreakdown(all_reduce=b)
     return CommBreakdown(all_gather=2 * b if full_shard else b, reduce_scatter=b)
@@ -156,10 +156,11 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         calls = int(k * (model.num_layers * (2 if regather else 1) + trained // ds.reduce_bucket_size + 1))
         return CommBreakdown(all_gather=ag, reduce_scatter=rs, pcie=pcie, calls=calls, **_on(link, ag + rs))
     # FSDP2: all-gather every unit in forward each micro-batch (param dtype), again in backward
-    # for resharded units (not the root and not the last decoder layer: neither is resharded
-    # after forward, train/engines/fsdp.py); reduce-scatter
-    # in reduce_dtype once per step (sync disabled on non-final micro-batches). LoRA adapters
-    # live in the decoder-layer units and are gathered with them.
+    # for the units resharded after forward (`Strategy.resharding`: never the root; the last
+    # decoder layer only under "all", stock fully_shard; train/engines/fsdp.py); reduce-scatter
+    # in reduce_dtype once per step (sync disabled on non-final micro-batches), or every
+    # micro-batch (`reduce_every_micro_batch`, torch's default). LoRA adapters live in the
+    # decoder-layer units and are gathered with them.
     p = c
     mixed = train.precision in ("bf16-mixed", "fp16-mixed")
     reduce = s.fsdp.reduce_bytes(c) if (mixed or lora) else (2 if train.precision == "bf16-pure" else 4)
@@ -176,10 +177,11 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     w = c if lora else 4  # bytes of a stored parameter shard (LoRA: the frozen base in the compute dtype)
     pcie = (w * (psi + regathered) / n * k + 4 * trained / n) if s.offload_params else 0.0
     if s.fsdp_sharding == "hybrid":
-        # shard within a node, all-reduce the 1/g shard across the replicas (once per step)
-        ar = reduce * trained / n if layout.dp_replicate > 1 else 0.0
+        # shard within a node, all-reduce the 1/g shard across the replicas after each
+        # reduce-scatter (`foreach_reduce`: once per step, or per micro-batch with sync left on)
+        ar = reduce * trained / n * reductions if layout.dp_replicate > 1 else 0.0
         return CommBreakdown(all_gather=ag_fwd + ag_bwd, reduce_scatter=rs, all_reduce=ar, pcie=pcie,
-                             calls=calls + 1, intra=ag_fwd + ag_bwd + rs,
+                             calls=calls + reductions, intra=ag_fwd + ag_bwd + rs,
                              inter=2 * ar if layout.dp_replicate > 1 else 0.0)
     return CommBreakdown(all_gather=ag_fwd + ag_bwd, reduce_scatter=rs, pcie=pcie, calls=calls,
                          **_on(link, ag_fwd + ag_bwd + rs))
@@ -187,8 +189,11 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
 
 def fsdp_regather_share(model: ModelSpec, s: Strategy, layout: ParallelLayout) -> float:
     """The share of a stage's decoder-layer parameters FSDP2 gathers again in backward: the layers
-    it resharded after forward, all but the stage's last (the root group never is)."""
-    if not s.reshard_after_forward:
+    it resharded after forward (`Strategy.resharding`): every one ("all"), all but the stage's
+    last ("not-last") or none; the root group never is."""
+    if s.resharding == "all":
+        return 1.0
+    if s.resharding != "not-last":
         return 0.0
     per_stage = model.num_layers // layout.pp
     return (per_stage - 1) / per_stage

@@ -300,19 +300,31 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
     return mem, host
 
 
+def fsdp_gathered_params(model: ModelSpec, s: Strategy, layout: ParallelLayout, c: float, psi: float,
+                         layer: float) -> float:
+    """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`).
+    "none": every unit stays gathered from its forward to its backward (c·Ψ). Else the layer in
+    flight, the prefetched one and the root (never resharded after forward). "all" and
+    "not-last" hold the same: "not-last" keeps the last layer from forward into backward; "all"
+    frees it and gathers it again as backward starts, while the next one is prefetched."""
+    if s.resharding == "none":
+        return c * psi
+    return c * (2 * layer + psi - stage_layer_params(model, layout.pp) / layout.tp)
+
+
 def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, mixed):
     """FSDP2 (`fully_shard` per decoder layer + root): sharded fp32 params and grads (mixed
     precision casts to `param_dtype` when it all-gathers), optimizer on the shards. Gathered:
     the unsharded c-byte params of the layer in flight and the prefetched one, and the root
     group (embeddings, final norm, lm_head), which is not resharded after forward (root
-    `reshard_after_forward` = False); grad-op keeps every layer unsharded from forward to
-    backward. Backward buffers: a layer's unsharded grads plus their `reduce_dtype` copy for
+    `reshard_after_forward` = False); grad-op (resharding "none") keeps every layer unsharded
+    from forward to backward (fsdp_gathered_params). Backward buffers: a layer's unsharded grads plus their `reduce_dtype` copy for
     reduce-scatter, and lm_head's unsharded grad (the root reduce-scatters at the very end)
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
     w = 2 if train.precision == "bf16-pure" else 4
     root = psi - stage_layer_params(model, layout.pp) / layout.tp
     reduce = s.fsdp.reduce_bytes(c) if mixed else w
-    gathered = c * (2 * layer + root) if s.reshard_after_forward else c * psi
+    gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
     lm_head = model.vocab_size * model.hidden_size / layout.tp
     rs = (c + reduce) * layer + c * lm_head
     # Accumulation. The trainer turns gradient sync off on non-final micro-batches: FSDP2 then

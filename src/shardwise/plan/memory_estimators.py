@@ -10,7 +10,7 @@ from shardwise.specs.strategy import Strategy
 
 def paper_model_states(psi: float, n: int, s: Strategy) -> MemoryBreakdown:
     """ZeRO paper §5: 2Ψ fp16 params + 2Ψ fp16 grads + KΨ (K = 12: fp32 params 4, Adam 8)."""
-    stage = s.facts.zero_equivalent
+    stage = s.zero_equivalent
     opt_on_gpu = 0 if s.offload_optimizer else 1
     return MemoryBreakdown(
         params=2 * psi / (n if stage >= 3 else 1) * (0 if s.offload_params else 1),

@@ -17,8 +17,8 @@ from shardwise.plan.lora import (
 from shardwise.plan.memory import (
     _optimizer_bytes,
     _persistent_params,
+    fsdp_gathered_params,
     optimizer_temp,
-    stage_layer_params,
     zero3_gathered,
 )
 from shardwise.specs.layout import ParallelLayout
@@ -75,8 +75,7 @@ def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Paralle
     if s.engine == "fsdp2":
         mixed = train.precision in ("bf16-mixed", "fp16-mixed")
         reduce = s.fsdp.reduce_bytes(c) if mixed else 4
-        gathered = c * (2 * layer + (psi - stage_layer_params(model, layout.pp) / layout.tp)) \
-            if s.reshard_after_forward else c * psi
+        gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
         mem = MemoryBreakdown(
             params=(base + 4 * a) / n, grads=4 * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,

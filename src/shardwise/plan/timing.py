@@ -367,7 +367,7 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     hide = tm.overlap_efficiency
     if s.shards_params:
         ag_share = comm.all_gather / total
-        fwd_comm = comm_s * ag_share / (2 if s.facts.zero_equivalent == 3 else 1)
+        fwd_comm = comm_s * ag_share / (2 if s.zero_equivalent == 3 else 1)
         bwd_comm = comm_s - fwd_comm
         return max(0.0, fwd_comm - hide * fwd) + max(0.0, bwd_comm - hide * bwd) + comm_s / units
     ag_after_step = comm_s * (comm.all_gather / total)

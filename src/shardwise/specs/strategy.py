@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 FsdpSharding = Literal["full", "grad-op", "hybrid"]
+# Which decoder-layer units FSDP2 frees after forward (and gathers again in backward): "all"
+# (stock `fully_shard(reshard_after_forward=True)`, what accelerate, HF Trainer and torchtune
+# run), "not-last" (every layer but the last, the first that backward needs: torchtitan's and
+# shardwise's trainer's), "none" (every layer stays gathered from forward to backward: ZeRO-2's
+# parameter memory; the fsdp-grad-op strategy). The root unit never reshards after forward:
+# torch forces it off (`_fsdp_state.py` `_lazy_init`, the root's `post_forward_mesh_info = None`).
+Resharding = Literal["all", "not-last", "none"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +145,11 @@ class FSDPKnobs(Spec):
     # micro-batch: one reduce-scatter per step, unsharded reduce_dtype grads held in between.
     reduce_every_micro_batch: bool = Field(False, description="with accumulation: reduce-scatter every "
                                            "micro-batch (torch's default) instead of once per step")
+    # Resharding (above). fsdp-grad-op is "none" by definition; an explicit other value there
+    # is refused (Strategy._check).
+    reshard_after_forward: Resharding = Field(
+        "not-last", description="decoder layers freed after forward: all (stock fully_shard), not-last "
+        "(the trainer's: the last layer stays gathered for backward) or none (fsdp-grad-op)")
 
     # A shard group of one rank (one GPU, or fsdp-hybrid with shard_group 1) shards nothing, yet
     # `fully_shard` still casts and copies every parameter into its unsharded buffer at each
@@ -203,6 +215,12 @@ class Strategy(Spec):
                 "pipeline engine supports ZeRO stage 0 and 1 only")
         if self.shard_group is not None and self.fsdp_sharding != "hybrid":
             raise ShardwiseError(f"shard_group {self.shard_group} applies to fsdp-hybrid only, not {self.name!r}")
+        given = self.fsdp.reshard_after_forward
+        if self.fsdp_sharding == "grad-op" and "reshard_after_forward" in self.fsdp.model_fields_set and given != "none":
+            raise ShardwiseError(
+                f"fsdp reshard_after_forward {given!r} with strategy 'fsdp-grad-op': grad-op keeps every layer "
+                "gathered from forward to backward (reshard_after_forward none); resharding applies to fsdp, "
+                "fsdp-hybrid and fsdp+offload")
         return self
 
     @classmethod
@@ -215,7 +233,10 @@ class Strategy(Spec):
         k = knobs or StrategyKnobs()
         facts = STRATEGIES.get(name.strip().lower())  # an unknown name fails in from_name, with choices
         extra = {"shard_group": k.shard_group} if facts and facts.fsdp_sharding == "hybrid" and k.shard_group else {}
-        return cls.from_name(name, ds=k.ds, fsdp=k.fsdp, ddp=k.ddp, **extra, **overrides)
+        fsdp = k.fsdp
+        if facts and facts.fsdp_sharding == "grad-op":  # its resharding is its definition, not a knob
+            fsdp = FSDPKnobs(**k.fsdp.model_dump(exclude_unset=True, exclude={"reshard_after_forward"}))
+        return cls.from_name(name, ds=k.ds, fsdp=fsdp, ddp=k.ddp, **extra, **overrides)
 
     @property
     def facts(self) -> StrategyFacts:
@@ -254,9 +275,22 @@ class Strategy(Spec):
         return self.facts.shards_optimizer
 
     @property
-    def reshard_after_forward(self) -> bool:
-        """Decoder-layer units free their gathered params after forward (re-gathered in backward)."""
-        return self.fsdp_sharding in ("full", "hybrid")
+    def resharding(self) -> Resharding | None:
+        """Which FSDP2 decoder-layer units free their gathered params after forward (gathered
+        again in backward): the knob, "none" for fsdp-grad-op; None for other engines."""
+        if self.engine != "fsdp2":
+            return None
+        return "none" if self.fsdp_sharding == "grad-op" else self.fsdp.reshard_after_forward
+
+    @property
+    def zero_equivalent(self) -> int:
+        """The ZeRO stage with the same parameter lifetime: FSDP2 that keeps every layer gathered
+        from forward to backward (resharding "none", as fsdp-grad-op) is ZeRO-2's; else the row's."""
+        return 2 if self.resharding == "none" else self.facts.zero_equivalent
+
+    def reshards_layer(self, last: bool) -> bool:
+        """`fully_shard(reshard_after_forward=...)` of a decoder layer (`last`: the final one)."""
+        return self.resharding == "all" or (self.resharding == "not-last" and not last)
 
     def single_rank_ddp(self, world_size: int, gpus_per_node: int) -> Strategy | None:
         """The DDP strategy this FSDP2 strategy may run as: its data-parallel shard group is

@@ -1,6 +1,8 @@
 """FSDP2: `fully_shard` on every decoder layer and at the root (torchtitan's layout).
 
-- full: reshard_after_forward=True (params re-gathered in backward: ZeRO-3 memory).
+- full: decoder layers reshard after forward as `strategy.fsdp.reshard_after_forward` says
+  (params re-gathered in backward: ZeRO-3 memory): every layer but the last ("not-last", the
+  default), every layer ("all", stock `fully_shard`), or none.
 - grad-op: reshard_after_forward=False (params stay gathered between forward and backward,
   like ZeRO-2's memory for params during the step; gradients still reduce-scattered).
 - hybrid: a 2-D (replicate, shard) mesh: shard inside a group, replicate across groups.
@@ -59,10 +61,10 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last layer is the first one backward needs: resharding it after forward would only
-        # gather it again at once (torchtitan keeps it too). The memory is the same: backward
-        # prefetches one layer anyway (plan/memory.py counts two layers gathered).
-        last = i == len(layers) - 1
-        fully_shard(layer, reshard_after_forward=s.reshard_after_forward and not last, **kw)
+        # gather it again at once (torchtitan keeps it; "not-last", the default). The memory is
+        # the same: backward prefetches one layer anyway (plan/memory.py counts two layers
+        # gathered). "all" is stock fully_shard's (accelerate, HF Trainer, torchtune).
+        fully_shard(layer, reshard_after_forward=s.reshards_layer(last=i == len(layers) - 1), **kw)
     # The root keeps embeddings, final norm and lm_head (tied weights stay in one unit);
     # it is needed right after forward anyway, so it never reshards in between.
     fully_shard(model, reshard_after_forward=False, **kw)

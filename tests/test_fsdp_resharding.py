@@ -1,0 +1,173 @@
+"""FSDP2's resharding and gradient-sync knobs (`fsdp.reshard_after_forward` all | not-last | none,
+`fsdp.reduce_every_micro_batch`): the planner's bytes from hand arithmetic on llama-2-7b (bf16
+params gathered, fp32 reduce-scatter), the spec's and the CLI's refusals, the trainer YAML and
+the emitted accelerate key. The counts of live 2-rank runs are tests/test_measured_comm.py's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from shardwise import catalog
+from shardwise.cli import app
+from shardwise.errors import ShardwiseError
+from shardwise.plan.comm import plan_comm
+from shardwise.plan.evaluate import evaluate
+from shardwise.plan.memory import plan_memory
+from shardwise.specs import FSDPKnobs, Strategy, TrainSpec
+from shardwise.specs.strategy import StrategyKnobs
+
+M7 = catalog.get_model("llama-2-7b")
+PSI = M7.params
+LAYER = M7.params_per_layer
+N = M7.num_layers  # 32 decoder layers, one root unit
+HW8 = catalog.build_hardware(gpus=8)
+
+
+def fsdp(name: str = "fsdp", **knobs) -> Strategy:
+    return Strategy.from_name(name, fsdp=FSDPKnobs(**knobs))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_reshard_all_gathers_every_layer_again_in_backward(k):
+    train = TrainSpec(grad_accum=k)
+    ours, stock = plan_comm(M7, HW8, train, fsdp()), plan_comm(M7, HW8, train, fsdp(reshard_after_forward="all"))
+    # forward gathers all Ψ (2 bytes); backward the N-1 layers ("not-last") or all N ("all")
+    assert ours.all_gather == pytest.approx(2 * k * (PSI + (N - 1) * LAYER))
+    assert stock.all_gather == pytest.approx(2 * k * (PSI + N * LAYER))
+    # one all-gather call per unit in forward, one per resharded layer in backward; RS per unit once
+    assert ours.calls == k * ((N + 1) + (N - 1)) + (N + 1)
+    assert stock.calls == k * ((N + 1) + N) + (N + 1)
+    assert stock.reduce_scatter == ours.reduce_scatter == pytest.approx(4 * PSI)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_reduce_every_micro_batch_reduce_scatters_k_times(k):
+    train = TrainSpec(grad_accum=k)
+    c = plan_comm(M7, HW8, train, fsdp(reshard_after_forward="all", reduce_every_micro_batch=True))
+    assert c.reduce_scatter == pytest.approx(4 * PSI * k)
+    assert c.calls == k * ((N + 1) + N) + (N + 1) * k
+
+
+def test_reduce_every_micro_batch_all_reduces_hsdp_replicas_per_micro_batch():
+    hw = catalog.build_hardware(gpus=16, gpus_per_node=8)  # 2 replicas of an 8-GPU shard group
+    train = TrainSpec(grad_accum=2)
+    once = plan_comm(M7, hw, train, Strategy.from_name("fsdp-hybrid"))
+    every = plan_comm(M7, hw, train, Strategy.from_name("fsdp-hybrid", fsdp=FSDPKnobs(reduce_every_micro_batch=True)))
+    assert once.all_reduce == pytest.approx(4 * PSI / 8)  # the fp32 1/8 shard, once per step
+    assert every.all_reduce == pytest.approx(2 * 4 * PSI / 8)
+
+
+def test_none_is_grad_op():
+    train = TrainSpec(grad_accum=2)
+    none, grad_op = fsdp(reshard_after_forward="none"), Strategy.from_name("fsdp-grad-op")
+    assert grad_op.resharding == "none"
+    assert plan_comm(M7, HW8, train, none) == plan_comm(M7, HW8, train, grad_op)
+    assert plan_comm(M7, HW8, train, none).all_gather == pytest.approx(2 * 2 * PSI)  # forward only
+    assert plan_memory(M7, HW8, train, none).gpu == plan_memory(M7, HW8, train, grad_op).gpu
+    assert none.zero_equivalent == grad_op.zero_equivalent == 2 and fsdp().zero_equivalent == 3
+    # the time too, where exposure depends on the forward share of the gathers (a 0.5B model
+    # over two nodes on 100 Gb/s Ethernet: 0.401 s a step if "none" counted as ZeRO-3, 0.358 s)
+    small, two_nodes = catalog.get_model("qwen2.5-0.5b"), catalog.build_hardware(gpus=16, gpus_per_node=8,
+                                                                                  interconnect="eth-100")
+    t4 = TrainSpec(micro_batch=4)
+    assert evaluate(small, two_nodes, t4, none).time == evaluate(small, two_nodes, t4, grad_op).time
+    for accounting in ("paper", "deepspeed"):
+        assert (plan_memory(M7, HW8, train, none, accounting=accounting).gpu
+                == plan_memory(M7, HW8, train, grad_op, accounting=accounting).gpu)
+
+
+def test_gathered_parameter_memory_by_resharding():
+    train = TrainSpec()
+    root = PSI - N * LAYER  # embeddings, final norm, lm_head
+    gathered = {r: plan_memory(M7, HW8, train, fsdp(reshard_after_forward=r)).gpu.gathered_params
+                for r in ("all", "not-last", "none")}
+    # "all" frees the last layer after forward but gathers it again as backward starts, with the
+    # next one prefetched: two layers and the root either way; "none" holds every layer
+    assert gathered["all"] == gathered["not-last"] == pytest.approx(2 * (2 * LAYER + root))
+    assert gathered["none"] == pytest.approx(2 * PSI)
+
+
+def test_stock_accumulation_holds_sharded_not_unsharded_grads():
+    train = TrainSpec(grad_accum=2)
+    ours = plan_memory(M7, HW8, train, fsdp()).gpu
+    stock = plan_memory(M7, HW8, train, fsdp(reshard_after_forward="all", reduce_every_micro_batch=True)).gpu
+    assert ours.held_grads == pytest.approx(4 * PSI)  # unsharded fp32 grads while sync is off
+    assert stock.held_grads == 0 and stock.grads_persist
+
+
+def test_layers_resharded_per_setting():
+    assert [fsdp(reshard_after_forward=r).reshards_layer(last=x) for r in ("all", "not-last", "none")
+            for x in (False, True)] == [True, True, True, False, False, False]
+    assert Strategy.from_name("fsdp").resharding == "not-last"  # the trainer's default
+    assert Strategy.from_name("zero3").resharding is None
+
+
+def test_grad_op_refuses_a_resharding_it_does_not_do_but_sweeps_skip_it():
+    with pytest.raises(ShardwiseError, match=r"reshard_after_forward 'all' with strategy 'fsdp-grad-op'"):
+        fsdp("fsdp-grad-op", reshard_after_forward="all")
+    assert fsdp("fsdp-grad-op", reshard_after_forward="none").resharding == "none"
+    knobs = StrategyKnobs(fsdp=FSDPKnobs(reshard_after_forward="all", reduce_every_micro_batch=True))
+    swept = Strategy.with_knobs("fsdp-grad-op", knobs)  # what `plan` applies to every row
+    assert swept.resharding == "none" and swept.fsdp.reduce_every_micro_batch
+    assert Strategy.with_knobs("fsdp", knobs).resharding == "all"
+
+
+def _plan(*flags: str):
+    return CliRunner().invoke(app, ["plan", "--json", "--model", "llama-2-7b", "--gpus", "8", *flags])
+
+
+def test_plan_flags_set_the_knobs():
+    r = _plan("-s", "fsdp", "--grad-accum", "2", "--fsdp-reshard-after-forward", "all",
+              "--fsdp-reduce-every-micro-batch")
+    assert r.exit_code == 0, r.output
+    row = json.loads(r.output)["strategies"][0]
+    assert row["comm"]["all_gather"] == pytest.approx(2 * 2 * (PSI + N * LAYER))
+    assert row["comm"]["reduce_scatter"] == pytest.approx(2 * 4 * PSI)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["-s", "zero3", "--fsdp-reshard-after-forward", "all"], "--fsdp-reshard-after-forward applies to"),
+    (["-s", "ddp", "-s", "zero2", "--fsdp-reduce-every-micro-batch"], "not to ddp, zero2"),
+    (["--emit-strategy", "zero3", "--fsdp-reduce-every-micro-batch"], "--fsdp-reduce-every-micro-batch"),
+    (["-s", "fsdp-grad-op", "--fsdp-reshard-after-forward", "all"], "fsdp-grad-op keeps every layer gathered"),
+    (["-s", "fsdp", "--fsdp-reshard-after-forward", "last"], "expected all, not-last, none"),
+])
+def test_plan_flags_without_a_strategy_they_change_are_refused(flags, says):
+    r = _plan(*flags)
+    assert r.exit_code == 2 and says in r.output, r.output
+
+
+def test_plan_flag_applies_to_the_fsdp_rows_of_a_mixed_selection():
+    r = _plan("-s", "zero3", "-s", "fsdp", "--fsdp-reshard-after-forward", "all")
+    assert r.exit_code == 0, r.output
+
+
+def test_trainer_yaml_and_set_take_the_knob(tmp_path):
+    from shardwise.run import run_spec
+    from shardwise.train.config import load_config
+
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("model: {name: tiny-llama-bench}\ndata: {kind: synthetic}\n"
+                    "strategy: {name: fsdp, fsdp: {reshard_after_forward: all}}\n")
+    run = run_spec(load_config(yaml, ["strategy.fsdp.reduce_every_micro_batch=true"]), 2, "cpu", environ={})
+    assert run.strategy.resharding == "all" and run.strategy.fsdp.reduce_every_micro_batch
+    assert run_spec(load_config(yaml, ["strategy.fsdp.reshard_after_forward=none"]), 2, "cpu",
+                    environ={}).strategy.resharding == "none"
+    with pytest.raises(ShardwiseError, match=r"strategy\.fsdp\.reshard_after_forward"):
+        load_config(yaml, ["strategy.fsdp.reshard_after_forward=last"])
+    with pytest.raises(ShardwiseError, match=r"c\.yaml: strategy: .*fsdp-grad-op"):
+        run_spec(load_config(yaml, ["strategy.name=fsdp-grad-op"]), 2, "cpu", environ={})
+
+
+@pytest.mark.parametrize("resharding, key", [("all", True), ("not-last", True), ("none", False)])
+def test_accelerate_key_and_trainer_config_follow_it(resharding, key):
+    from shardwise.emit import accelerate_config, emitted_run
+
+    s = fsdp(reshard_after_forward=resharding)
+    acc = accelerate_config(M7, HW8, TrainSpec(), s)
+    assert acc["fsdp_config"]["fsdp_reshard_after_forward"] is key  # accelerate takes one bool for every unit
+    run, _ = emitted_run(M7, HW8, TrainSpec(), s)
+    assert run.strategy.resharding == resharding  # shardwise.yaml round-trips the knob
