@@ -50,7 +50,6 @@ sys.path.insert(0, str(HERE))
 import accuracy  # noqa: E402  (benchmarks/ scripts)
 import h200_cases  # noqa: E402
 
-from shardwise import catalog  # noqa: E402
 from shardwise.errors import ShardwiseError  # noqa: E402
 from shardwise.plan.comm import plan_comm  # noqa: E402
 from shardwise.plan.memory import plan_memory  # noqa: E402
