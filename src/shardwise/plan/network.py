@@ -17,19 +17,19 @@ A collective of n ranks on N nodes (g = n/N per node), Simple protocol (large me
 Not modelled: NVLS/SHARP/CollNet, PAT (one GPU per node), LL/LL128 for small messages, tree
 correction factors by size, the ring's all-reduce "plateau" factor.
 
-Across nodes, each GPU gets its share of the node's NICs (NIC bandwidth × NICs / GPUs per node) and a
-group's ring carries through it only the 1/g of its traffic that leaves the node there, as a
-hierarchical ring does: bus bandwidth g × the per-GPU share. When every GPU of a node is in the
-group that is the node's aggregate (NCCL's model of a multi-node ring: busBw = nChannels × bwInter);
-when the node's GPUs are in several groups at once (the DP
-groups under TP, HSDP's replica groups) they share it. One NIC's bandwidth per GPU for every group
-instead is refuted by the published runs: it plans 27 of the 44 FSDP runs on 16-512 H100s 20-82%
-slow (benchmarks/accuracy.py), and llm-foundry's MPT-13B on 64 H100s moved ~102 GB of planned FSDP
-traffic per GPU in a 0.85 s step, ≥ 119 GB/s per GPU, over five times one NIC. The GPT-3 175B
-ZeRO-3 rows of the Megatron-LM paper (Table 2: 67-81 s a step on 384-1,536 A100s) stay planned
-fast: what made them slow is not in this model (DeepSpeed 0.3.x's ZeRO-3 of the time gathered and
-reduce-scattered parameter by parameter through list collectives, v0.3.15
-deepspeed/runtime/zero/partition_parameters.py; comm.py counts one gather per layer).
+Across nodes, each GPU gets its share of the node's NICs (NIC bandwidth × NICs / GPUs per node),
+and a group's ring carries through it only the 1/g of its traffic that leaves the node there, as
+a hierarchical ring does: bus bandwidth g × the per-GPU share. A group of all a node's GPUs gets
+the node's aggregate (NCCL's model of a multi-node ring: busBw = nChannels × bwInter); groups that
+share a node (the DP groups under TP, HSDP's replica groups) share it. One NIC per GPU for every
+group instead is refuted by the published runs: it plans 26 of the 44 FSDP runs on 16-512 H100s
+22-82% slow (benchmarks/accuracy.py), and llm-foundry's MPT-13B on 64 H100s moved ~102 GB of
+planned FSDP traffic per GPU in a 0.85 s step, ≥ 119 GB/s per GPU, over five times one NIC.
+The GPT-3 175B ZeRO-3 rows of the Megatron-LM paper (Table 2: 67-82 s a step on 384-1,536 A100s)
+stay planned fast here; the likely cause is the engine of the time, not the network (DeepSpeed
+0.3.x's ZeRO-3 gathered and reduce-scattered parameter by parameter through list collectives, a
+torch.cuda.synchronize() per prefetched parameter: v0.3.15 deepspeed/runtime/zero/
+partition_parameters.py; plan/comm.py counts one gather per layer).
 """
 
 from __future__ import annotations

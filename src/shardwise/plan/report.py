@@ -34,7 +34,7 @@ def gpu_own_link(hw: HardwareSpec) -> str | None:
 
 
 def links_line(hw: HardwareSpec) -> str:
-    """`1 node(s) × 4 GPUs; links: intra-node pcie4 20 GB/s (PCIe 4.0 x16, no NVLink: the
+    """`1 node(s) × 4 GPUs; links: intra-node pcie4 20 GB/s (PCIe 4.0 x16, no NVLink; the
     rtx-4090's own), inter-node ib-200 22 GB/s per NIC × 4 per node (unused)`."""
     def one(where: str, link, used: bool, extra: str = "") -> str:
         return f"{where} {link.name} {link.bus_bytes_per_s / 1e9:g} GB/s{extra}" + ("" if used else " (unused)")
