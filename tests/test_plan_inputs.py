@@ -136,10 +136,12 @@ def test_interconnect_assumed_is_printed():
     assert links["inter"]["used"] and links["intra"]["name"] == "nvlink3" and links["intra"]["used"]
     assert (doc["hardware"]["nodes"], doc["hardware"]["gpus_per_node"]) == (2, 8)
     out = flat(plan(*SLOW_NET).output)
-    assert "2 node(s) × 8 GPUs; links: intra-node nvlink3 230 GB/s, inter-node eth-10 1 GB/s" in out
-    # one node: the network link is named and marked unused
+    assert ("2 node(s) × 8 GPUs; links: intra-node nvlink3 230 GB/s (NVLink 3 + NVSwitch, A100 SXM; the "
+            "a100-80g's own), inter-node eth-10 1 GB/s") in out
+    # one node: the network link is named and marked unused; `pcie` is the GPU's generation (A100: 4.0)
     one = plan_json("--gpus", "4", "--gpus-per-node", "4", "--interconnect", "pcie")["hardware"]["links"]
-    assert one["intra"]["name"] == "pcie" and one["inter"]["used"] is False
+    assert one["intra"]["name"] == "pcie4" and one["inter"]["used"] is False
+    assert one["intra"]["gpu_default"] is False and one["intra"]["gpu_link"] == "nvlink3"
     assert "inter-node ib-200 22 GB/s per NIC × 8 per node (unused)" in flat(plan("--gpus", "8").output)
     ib = plan_json("--gpus", "16")["hardware"]["links"]["inter"]  # InfiniBand: a NIC per GPU
     assert ib["used"] and ib["node_bytes_per_s"] == pytest.approx(8 * ib["bus_bytes_per_s"])

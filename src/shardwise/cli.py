@@ -33,8 +33,9 @@ def plan(
     gpu: str = typer.Option("a100-80g", "--gpu", help="GPU preset."),
     gpus: int = typer.Option(8, "--gpus", help="Total GPUs."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="Default: min(gpus, 8)."),
-    interconnect: str | None = typer.Option(None, "--interconnect", help="Link inside a node (nvlink, pcie) or between "
-                                            "nodes (ib-*, roce-*, eth-*); needs --gpus-per-node."),
+    interconnect: str | None = typer.Option(None, "--interconnect", help="Link inside a node (default: the GPU's own; "
+                                            "nvlink/pcie: the GPU's generation, nvlink refused on a GPU without it) or "
+                                            "between nodes (ib-*, roce-*, eth-*); needs --gpus-per-node."),
     gpu_memory_gb: float | None = typer.Option(None, "--gpu-memory-gb", help="Override GPU memory (GB)."),
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(1, "--micro-batch"),

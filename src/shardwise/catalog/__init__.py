@@ -109,10 +109,47 @@ def _efficiencies(family: str) -> dict:
 
 
 @cache
-def get_link(name: str) -> LinkSpec:
+def get_link(name: str, gpu: str | None = None) -> LinkSpec:
+    """A link preset. `nvlink` and `pcie` mean a generation, the GPU's own (its `nvlink:` /
+    `pcie:` in hardware.yaml), so they need `gpu`; a GPU without NVLink is refused, naming the
+    link it has, rather than priced at some other generation."""
     key, link = _entry(_hardware()["interconnects"], name, "interconnect")
+    if "generic" in link:
+        key = _generation(key, link["generic"], gpu)
+        link = _hardware()["interconnects"][key]
     return LinkSpec(name=key, bus_bytes_per_s=link["bus_gbps"] * GB, latency_s=link["latency_us"] * 1e-6,
-                    nic_per_gpu=link.get("nic_per_gpu", True))
+                    nic_per_gpu=link.get("nic_per_gpu", True), what=link.get("what", ""))
+
+
+def _generation(key: str, family: str, gpu: str | None) -> str:
+    """The GPU's own generation of a link family (`nvlink` -> nvlink3 on an A100)."""
+    if gpu is None:
+        gens = sorted(k for k, v in _hardware()["interconnects"].items() if k.startswith(family) and "generic" not in v)
+        raise ShardwiseError(f"interconnect {key!r} means the GPU's own generation: name the GPU, or a "
+                             f"generation ({', '.join(gens)})")
+    gkey, g = _entry(_hardware()["gpus"], gpu, "GPU")
+    if family not in g:
+        own = g["link"]
+        raise ShardwiseError(
+            f"--interconnect {key}: {gkey} has no {'NVLink' if family == 'nvlink' else family} (its GPUs talk "
+            f"over {own}: {_hardware()['interconnects'][own].get('what', own)}); leave --interconnect out for "
+            f"that, or name a link inside a node: pcie (its own generation) or one of "
+            f"{', '.join(k for k in intra_link_names() if 'generic' not in _hardware()['interconnects'][k])}")
+    return g[family]
+
+
+def check_link_name(name: str) -> str:
+    """The catalog key of an interconnect name, or the error listing the valid ones."""
+    return _entry(_hardware()["interconnects"], name, "interconnect")[0]
+
+
+def intra_link_names() -> list[str]:
+    return [k for k, v in _hardware()["interconnects"].items() if v.get("scope", "intra") == "intra"]
+
+
+def gpu_link(gpu: str) -> str:
+    """The link a GPU's node talks over by default (hardware.yaml `link:`)."""
+    return _entry(_hardware()["gpus"], gpu, "GPU")[1]["link"]
 
 
 MAX_GPUS = 131_072  # --gpus above this is refused (the largest clusters today are ~100k GPUs)
@@ -154,12 +191,13 @@ def build_hardware(
     the command-line flag it comes from).
 
     `interconnect` names the slowest link the data-parallel traffic crosses: an intra-node
-    link (nvlink, pcie) replaces the link inside the node, a network (ib-*, roce-*, eth-*) the
+    link replaces the link inside the node (`nvlink`/`pcie`: the GPU's own generation; a GPU
+    without NVLink refuses `nvlink`), a network (ib-*, roce-*, eth-*) the
     link between nodes. Which one it is depends on how many GPUs share a node, so a network
     needs `gpus_per_node`, and so does an intra-node link on more than 8 GPUs (more than one
     node); only an intra-node link on up to 8 GPUs is unambiguous (one node, the default
-    `gpus_per_node` = gpus). `intra`/`inter` (default: the GPU's NVLink generation / ib-200)
-    name the links directly.
+    `gpus_per_node` = gpus). `intra`/`inter` (default: the GPU's own link, hardware.yaml
+    `link:` / ib-200) name the links directly.
     """
     gpus = check_count("--gpus", gpus, high=MAX_GPUS,
                        hint=f" (GPUs in total; {MAX_GPUS:,} is the largest plan shardwise makes)")
@@ -187,13 +225,13 @@ def build_hardware(
     g = get_gpu(gpu)
     if memory_gb is not None:
         g = g.model_copy(update={"memory_bytes": memory_gb * GB})
-    # the GPU's own NVLink generation where the catalog names one (A100: NVLink 3, H100/H200: 4)
-    intra_link = get_link(intra or _hardware()["gpus"][g.name].get("nvlink", "nvlink"))
+    # the link the GPU has (A100 SXM: NVLink 3, H100/H200 SXM: 4, RTX 4090: PCIe 4.0, MI300X: xGMI)
+    intra_link = get_link(intra or gpu_link(g.name), g.name)
     inter_link = get_link(inter or "ib-200")
     if interconnect:
         if scope == "inter":
             inter_link = get_link(interconnect)
         else:
-            intra_link = get_link(interconnect)
+            intra_link = get_link(interconnect, g.name)
     return HardwareSpec(gpu=g, gpus_per_node=per_node, nodes=nodes, intra=intra_link, inter=inter_link,
                         timing=timing_model(), **overrides)

@@ -54,7 +54,7 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
     if params is not None and model_config is None:
         check_params(params)
     if interconnect is not None and gpus_per_node is None:
-        catalog.get_link(interconnect)  # an unknown name first: the valid ones, closest first
+        catalog.check_link_name(interconnect)  # an unknown name first: the valid ones, closest first
         raise ShardwiseError(
             f"--interconnect {interconnect} needs --gpus-per-node: whether the link joins GPUs inside a node "
             f"or the nodes depends on how many of the {gpus} GPUs share one (e.g. --gpus-per-node "

@@ -4,33 +4,49 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise import catalog
 from shardwise.plan.evaluate import Evaluation
 from shardwise.plan.memory import MemoryPlan
+from shardwise.plan.network import nic_bytes_per_s_per_gpu
 from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
 
 def links(hw: HardwareSpec) -> dict:
-    """The links the plan assumed: inside a node and between nodes (unused on one node)."""
+    """The links the plan assumed: inside a node (`what` it is, and whether it is the GPU's own
+    link or one named by --interconnect / a profile) and between nodes (unused on one node)."""
+    own = gpu_own_link(hw)
     return {
-        "intra": {"name": hw.intra.name, "bus_bytes_per_s": hw.intra.bus_bytes_per_s,
+        "intra": {"name": hw.intra.name, "what": hw.intra.what, "gpu_default": own == hw.intra.name,
+                  "gpu_link": own, "bus_bytes_per_s": hw.intra.bus_bytes_per_s,
                   "latency_s": hw.intra.latency_s, "used": hw.gpus_per_node > 1},
-        "inter": {"name": hw.inter.name, "bus_bytes_per_s": hw.inter.bus_bytes_per_s,  # per NIC
+        "inter": {"name": hw.inter.name, "what": hw.inter.what, "bus_bytes_per_s": hw.inter.bus_bytes_per_s,  # per NIC
                   "latency_s": hw.inter.latency_s, "used": hw.nodes > 1,
-                  "node_bytes_per_s": hw.inter_node_bytes_per_s},  # all of a node's NICs
+                  "node_bytes_per_s": hw.inter_node_bytes_per_s,  # all of a node's NICs
+                  "gpu_bytes_per_s": nic_bytes_per_s_per_gpu(hw)},  # a GPU's share of them
     }  # fmt: skip
 
 
+def gpu_own_link(hw: HardwareSpec) -> str | None:
+    """The link the catalog gives the plan's GPU (None for a GPU the catalog does not know)."""
+    return catalog.gpu_link(hw.gpu.name) if hw.gpu.name in catalog.gpu_names() else None
+
+
 def links_line(hw: HardwareSpec) -> str:
-    """`links: intra-node nvlink 150 GB/s, inter-node ib-200 22 GB/s (unused: one node)`."""
+    """`1 node(s) × 4 GPUs; links: intra-node pcie4 20 GB/s (PCIe 4.0 x16, no NVLink; the
+    rtx-4090's own), inter-node ib-200 22 GB/s per NIC × 4 per node (unused)`."""
     def one(where: str, link, used: bool, extra: str = "") -> str:
         return f"{where} {link.name} {link.bus_bytes_per_s / 1e9:g} GB/s{extra}" + ("" if used else " (unused)")
 
+    own = gpu_own_link(hw)
+    whose = (f"the {hw.gpu.name}'s own" if own == hw.intra.name
+             else f"not the {hw.gpu.name}'s own {own}" if own else "")
+    about = "; ".join(x for x in (hw.intra.what, whose) if x)
     nics = round(hw.inter_node_bytes_per_s / hw.inter.bus_bytes_per_s)
     per_nic = f" per NIC × {nics} per node" if nics > 1 else ""
     return (f"{hw.nodes} node(s) × {hw.gpus_per_node} GPUs; links: "
-            f"{one('intra-node', hw.intra, hw.gpus_per_node > 1)}, "
+            f"{one('intra-node', hw.intra, hw.gpus_per_node > 1, f' ({about})' if about else '')}, "
             f"{one('inter-node', hw.inter, hw.nodes > 1, per_nic)}")
 
 

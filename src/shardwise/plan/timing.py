@@ -34,6 +34,7 @@ from shardwise.plan.kernels import (
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
 from shardwise.plan.memory import stage_layer_params, stage_params
 from shardwise.plan.memory_lora import NF4_BYTES
+from shardwise.plan.network import comm_time
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -282,36 +283,6 @@ def _matmul_params_per_layer(model: ModelSpec) -> float:
 
 
 # ----------------------------------------------------------------------------- communication
-
-
-def ring_time(volume: float, n: int, bus_bytes_per_s: float, latency_s: float, calls: int) -> float:
-    """nccl-tests bus bandwidth: an all-gather/reduce-scatter of S bytes over n ranks takes
-    S·(n−1)/n / B + (n−1)·latency per call; `volume` already counts an all-reduce twice."""
-    if n <= 1 or volume <= 0:
-        return 0.0
-    return volume * (n - 1) / n / bus_bytes_per_s + (n - 1) * latency_s * max(calls, 1)
-
-
-def comm_time(comm: CommBreakdown, hw: HardwareSpec, layout: ParallelLayout) -> float:
-    """Data-parallel collectives. Inside a node they run at the NVLink/PCIe bus bandwidth. A
-    group that spans nodes runs one ring per NIC in parallel, so its bus bandwidth is the
-    node's aggregate NIC bandwidth (capped by the link inside the node); latency grows with
-    the ranks per node and the nodes. Hybrid groups' cross-node all-reduce (one rank per
-    node, every GPU in its own group at once) share the node's NICs."""
-    dp = layout.dp
-    per_node_dp = max(1, min(dp, hw.gpus_per_node // layout.tp))
-    t = ring_time(comm.intra, per_node_dp, hw.intra.bus_bytes_per_s, hw.intra.latency_s, comm.calls)
-    if comm.inter:
-        nodes = max(2, -(-dp // per_node_dp))
-        if layout.dp_replicate > 1 and layout.dp_shard > 1:  # HSDP: one group per local rank
-            bw = min(hw.intra.bus_bytes_per_s, hw.inter_node_bytes_per_s / hw.gpus_per_node)
-            t += ring_time(comm.inter, nodes, bw, hw.inter.latency_s, comm.calls)
-        else:
-            bw = min(hw.intra.bus_bytes_per_s, hw.inter_node_bytes_per_s)
-            n = dp
-            t += (comm.inter * (n - 1) / n / bw
-                  + ((per_node_dp - 1) * hw.intra.latency_s + (nodes - 1) * hw.inter.latency_s) * max(comm.calls, 1))
-    return t
 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,

@@ -48,6 +48,7 @@ class LinkSpec(Spec):
     bus_bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
     nic_per_gpu: bool = True  # between nodes: one NIC per GPU (HGX/DGX rails), else one per node
+    what: str = ""  # what the link is, in words (catalog/hardware.yaml), for the plan's header
 
 
 class HardwareSpec(Spec):
@@ -65,6 +66,10 @@ class HardwareSpec(Spec):
     def _check(self) -> HardwareSpec:
         if self.gpus_per_node > 64:
             raise ShardwiseError(f"gpus_per_node {self.gpus_per_node} is implausible (expected 1..64)")
+        if self.nics_per_node is not None and self.nics_per_node > self.gpus_per_node:
+            raise ShardwiseError(
+                f"--nics-per-node {self.nics_per_node} exceeds the {self.gpus_per_node} GPUs per node: expected "
+                f"1..{self.gpus_per_node} (the planner gives each GPU at most one NIC; HGX/DGX nodes have one per GPU)")
         return self
 
     @property
