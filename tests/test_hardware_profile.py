@@ -88,3 +88,44 @@ def test_plan_cli_takes_a_profile_and_nics(tmp_path):
     assert tps("--nics-per-node", "1") < tps()
     res = CliRunner().invoke(app, ["plan", "--profile", str(tmp_path / "nope.json")])
     assert res.exit_code == 2 and "nope.json" in res.output
+
+
+def test_profile_timing_constants_override_the_catalog_and_say_measured():
+    """A profile's measured host constants replace the bundled time model's, and the provenance of
+    each (and of the GPU efficiencies it measured) says where: `shardwise calibrate` on that GPU."""
+    hw = catalog.build_hardware(gpu="h100-sxm", gpus=1)
+    prof = HardwareProfile(gpu_name="NVIDIA H100 80GB HBM3", measured_at="2026-12-02",
+                           timing={"launch_s": 25e-6, "fsdp2_hook_s": 1e-3},
+                           host_torch_adam_params_per_s=2e8, gpu={"gemm_efficiency": 0.5})
+    out = prof.apply(hw)
+    assert (out.timing.launch_s, out.timing.fsdp2_hook_s) == (25e-6, 1e-3)
+    assert out.timing.host_torch_adam_params_per_s == 2e8
+    for name in ("launch_s", "fsdp2_hook_s", "host_torch_adam_params_per_s"):
+        assert out.timing.provenance[name].kind == "measured"
+        assert "NVIDIA H100" in out.timing.provenance[name].basis
+    assert out.timing.provenance["elementwise_factor"] == hw.timing.provenance["elementwise_factor"]
+    assert out.gpu.efficiency_provenance["gemm_efficiency"].kind == "measured"
+    assert out.gpu.efficiency_provenance["hbm_efficiency"] == hw.gpu.efficiency_provenance["hbm_efficiency"]
+    # and the plan moves the way the measurement says: slower launches and hooks, a longer step
+    model = catalog.get_model("qwen2.5-0.5b")
+    train = TrainSpec(seq_len=1024, micro_batch=2)
+    s = Strategy.from_name("fsdp", fsdp={"single_rank": "fsdp"})
+    assert evaluate(model, out, train, s).time.step_s > evaluate(model, hw, train, s).time.step_s
+
+
+def test_profile_with_an_unknown_timing_constant_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"version": 1, "gpu_name": "x", "timing": {"launch_seconds": 1e-5}}))
+    with pytest.raises(ShardwiseError, match="launch_seconds"):
+        load_profile(path)
+
+
+def test_every_bundled_constant_has_a_provenance():
+    tm = catalog.timing_model()
+    for name, prov in tm.provenance.items():
+        assert prov.kind in ("fitted", "measured", "derived", "assumed") and prov.basis, name
+        if prov.kind == "fitted":
+            assert len(prov.cases) >= 3 and len(prov.sources) >= 2, name
+    for family in catalog.family_names():
+        _, provs = catalog.family_efficiencies(family)
+        assert set(provs) == {"gemm_efficiency", "attention_efficiency", "hbm_efficiency"}
