@@ -128,4 +128,4 @@ def test_every_bundled_constant_has_a_provenance():
             assert len(prov.cases) >= 3 and len(prov.sources) >= 2, name
     for family in catalog.family_names():
         _, provs = catalog.family_efficiencies(family)
-        assert set(provs) == {"gemm_efficiency", "attention_efficiency", "hbm_efficiency"}
+        assert set(provs) >= {"gemm_efficiency", "attention_efficiency", "hbm_efficiency"}

@@ -47,14 +47,16 @@ def timing_model() -> TimingModel:
 
 
 EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
+OPTIONAL_EFFICIENCIES = ("flash_attention_efficiency",)
 
 
 def family_efficiencies(family: str) -> tuple[dict[str, float], dict[str, Provenance]]:
     """A GPU family's kernel efficiencies and their provenance (catalog/timing.yaml `families`)."""
     fam = _timing()["families"][family]
     values, prov = {}, {}
-    for name in EFFICIENCIES:
-        values[name], prov[name] = _constant(fam[name])
+    for name in EFFICIENCIES + OPTIONAL_EFFICIENCIES:
+        if name in fam or name in EFFICIENCIES:
+            values[name], prov[name] = _constant(fam[name])
     return values, prov
 
 

@@ -192,7 +192,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
 
     # attention kernels (causal, flash/SDPA): the model FLOPs of scores and values (flops.py)
     attn_flops = attention_flops_per_token(model, train.seq_len) / model.num_layers / tp * tokens * layers
-    attn_eff = gpu.attention_efficiency
+    attn_eff = gpu.attention_efficiency_of(train.attention)
     replay_attn = 1.0 if train.checkpointing == "full" else 0.0
     attention = k * attn_flops * (1 + replay_attn / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
     eager = attention_kind(model, train) == "eager"

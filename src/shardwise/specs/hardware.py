@@ -28,6 +28,10 @@ class GPUSpec(Spec):
     gemm_efficiency: float = Field(gt=0, le=1, description="large bf16 GEMMs / dense peak")
     attention_efficiency: float = Field(gt=0, le=1, description="flash/SDPA fwd+bwd / dense peak")
     hbm_efficiency: float = Field(gt=0, le=1, description="streaming kernels (optimizer, copies) / HBM bandwidth")
+    # The flash-attn 2 package's kernels (`attention: flash`), where they differ from what SDPA runs
+    # on this GPU (on Hopper torch's SDPA runs cuDNN's kernels; FlashAttention-2 was written for
+    # Ampere). None: the same as attention_efficiency.
+    flash_attention_efficiency: float | None = Field(None, gt=0, le=1, description="flash-attn 2 fwd+bwd / dense peak")
     efficiency_provenance: dict[str, Provenance] = Field(default_factory=dict)
     # A measured AdamW step rate (`shardwise calibrate`): fp32 parameters updated per second by
     # the `adamw_impl` kernel. When set, the planner prices the optimizer step from it (timing.py
@@ -35,6 +39,12 @@ class GPUSpec(Spec):
     adamw_params_per_s: float | None = Field(None, gt=0, description="measured AdamW step rate, params/s")
     adamw_impl: Literal["fused", "foreach", "forloop"] | None = Field(
         None, description="the AdamW kernel adamw_params_per_s was measured with")
+
+    def attention_efficiency_of(self, kernel: str) -> float:
+        """Sustained fraction of peak of the attention kernel a run uses (TrainSpec.attention)."""
+        if kernel == "flash" and self.flash_attention_efficiency is not None:
+            return self.flash_attention_efficiency
+        return self.attention_efficiency
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak for the compute dtype; V100 has no bf16, so bf16 falls back to fp32 rate."""
