@@ -155,6 +155,12 @@ def build(run: dict):
         # Composer, fms-fsdp): gradients reduced every micro-batch, not held unsharded.
         # They also ran fully_shard whatever their shard group (none ran FSDP as DDP).
         knobs["fsdp"] = {"reduce_every_micro_batch": True, "single_rank": "fsdp", **knobs.get("fsdp", {})}
+        # and resharded after forward as their framework does (the source's `fsdp_reshard_after_forward`,
+        # with its evidence in the notes: FSDP1 FULL_SHARD and stock fully_shard reshard every layer,
+        # torchtitan all but the last); SHARD_GRAD_OP (fsdp-grad-op) never reshards
+        reshard = run.get("_source", {}).get("fsdp_reshard_after_forward")
+        if reshard and run["strategy"] != "fsdp-grad-op":
+            knobs["fsdp"].setdefault("reshard_after_forward", reshard)
     if Strategy.from_name(run["strategy"]).engine == "deepspeed":
         # and published DeepSpeed runs its default ZeRO-3 hooks: one per submodule
         knobs["ds"] = {"fetch_unit": "module", **knobs.get("ds", {})}
