@@ -53,6 +53,13 @@ def test_calibrate_runs_on_cpu_within_a_minute(profile):
     # the AdamW kernel the trainer uses on CPU (run/bridge.py optimizer_impl), measured and labelled
     assert doc["gpu"]["adamw_impl"] == "forloop" and doc["gpu"]["adamw_params_per_s"] > 0
     assert load_profile(path).apply(catalog.build_hardware(gpu="a100-80g", gpus=2)).gpu.adamw_impl == "forloop"
+    # the time model's host costs, measured here and carried into the plan as measured
+    timing = doc["timing"]
+    assert 1e-7 < timing["launch_s"] < 1e-3  # an eager op: microseconds, not nothing, not milliseconds
+    assert 1e-6 < timing["fsdp2_hook_s"] < 5e-2
+    hw = load_profile(path).apply(catalog.build_hardware(gpu="a100-80g", gpus=2))
+    assert hw.timing.fsdp2_hook_s == timing["fsdp2_hook_s"]
+    assert hw.timing.provenance["launch_s"].kind == "measured"
 
 
 def test_profile_moves_the_plan_the_way_it_was_measured(profile):

@@ -12,6 +12,11 @@ Measured, on CUDA when there is a GPU, else on the CPU (and then said so in the 
   for-loop on CPU) over tensors shaped like the model's, params/s: the planner's optimizer step;
 - torch AdamW on CPU tensors (the host step of FSDP2's CPU offload), params/s;
 - host→device copies from pinned memory (CUDA only);
+- the time model's host costs (specs/timing_model.py, the profile's `timing`): the gap per eager op
+  when ops are too short to hide the launch (`launch_s`), and FSDP2's hook cost per unit, pass and
+  hook on a one-rank group (`fsdp2_hook_s`; not when launched: rank 0 cannot make a group alone).
+  ZeRO's hooks, DeepSpeed's step and its CPU Adam are not measured here yet: the catalog's values
+  (measured on the H200 host, docs/accuracy.md) stay;
 - all-reduce / all-gather / reduce-scatter bus bandwidth per message size (NCCL on CUDA, gloo on
   CPU) and the latency of the smallest message: over `--gpus` local ranks, or, launched by
   torchrun / srun over several nodes, inside each node (`intra`: the node's ranks, all nodes at
@@ -127,7 +132,65 @@ def measure_device(model_name: str = "llama-2-7b", quick: bool = False) -> dict[
         host = torch.empty(numel, dtype=torch.float32).pin_memory()
         t = _timed(lambda: src.copy_(host, non_blocking=True), repeat, sync)
         out["pcie_bytes_per_s"] = 4 * numel / t
+
+    # the host's costs the time model carries (specs/timing_model.py): launch gaps, FSDP2's hooks
+    out["launch_s"] = _launch_gap(torch, dev, sync, quick)
+    hook = _fsdp2_hook_s(torch, dev, sync, quick)
+    if hook is not None:
+        out["fsdp2_hook_s"] = hook
     return out
+
+
+def _launch_gap(torch: Any, dev: Any, sync: Any, quick: bool) -> float:
+    """Seconds per eager op when the ops are too short to hide the host: back-to-back in-place
+    adds on a one-element tensor, so the device waits on each launch (the planner's `launch_s`)."""
+    x = torch.zeros(1, device=dev)
+    n = 500 if quick else 2000
+
+    def burst():
+        for _ in range(n):
+            x.add_(1.0)
+
+    return _timed(burst, 3 if quick else 5, sync) / n
+
+
+def _fsdp2_hook_s(torch: Any, dev: Any, sync: Any, quick: bool) -> float | None:
+    """Host seconds per FSDP2 hook (the planner's `fsdp2_hook_s`: per unit, per pass, per hook,
+    2 hooks a pass): forward + backward of a stack of narrow layers each under `fully_shard`
+    on a one-rank group, minus the same stack bare, over units × 2 passes × 2 hooks. Narrow
+    layers keep the copies and GEMMs negligible: what is left is the hooks. None when this
+    process already belongs to a process group (a launched calibration: its rank 0 cannot make a
+    group of its own without every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        return None
+    layers, width = (8, 32) if quick else (16, 32)
+    dist.init_process_group("gloo" if dev.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            **({"device_id": dev} if dev.type == "cuda" else {}))
+    try:
+        def stack():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
+
+        bare, sharded = stack(), stack()
+        for layer in sharded:
+            fully_shard(layer)
+        fully_shard(sharded)
+        x = torch.randn(4, width, device=dev)
+
+        def step(m):
+            def run():
+                m(x).sum().backward()
+            return run
+
+        repeat = 5 if quick else 20
+        t_bare = _timed(step(bare), repeat, sync)
+        t_fsdp = _timed(step(sharded), repeat, sync)
+    finally:
+        dist.destroy_process_group()
+    return max(t_fsdp - t_bare, 0.0) / ((layers + 1) * 2 * 2)
 
 
 def _adamw_rate(torch: Any, dev: Any, shapes: Sequence[tuple[int, ...]], target: int, repeat: int,
@@ -294,6 +357,8 @@ def build_profile(device: dict[str, Any], collectives: dict[str, Any] | None) ->
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu,
         "host_torch_adam_params_per_s": device["host_torch_adam_params_per_s"],
+        # the time model's host constants measured here (the rest keep the catalog's, with its provenance)
+        "timing": {k: device[k] for k in ("launch_s", "fsdp2_hook_s") if k in device},
         "raw": {"catalog_gpu": entry, **{k: v for k, v in device.items() if k != "device"}},
     }
     if "pcie_bytes_per_s" in device:
