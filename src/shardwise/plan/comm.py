@@ -43,6 +43,7 @@ class CommBreakdown:
     pcie: float = 0.0
     calls: int = 0  # collective launches per step (latency term)
     blocking: float = 0.0  # volume on the critical path (TP all-reduces, PP sends): never overlapped
+    blocking_calls: int = 0  # the launches of that volume (their latency is on the critical path too)
 
     @property
     def total(self) -> float:
@@ -52,7 +53,7 @@ class CommBreakdown:
     def as_dict(self) -> dict[str, float]:
         d = {k: getattr(self, k) for k in KINDS}
         d.update(intra=self.intra, inter=self.inter, pcie=self.pcie, blocking=self.blocking, calls=self.calls,
-                 total=self.total)
+                 blocking_calls=self.blocking_calls, total=self.total)
         return d
 
     def __add__(self, other: CommBreakdown) -> CommBreakdown:
@@ -208,8 +209,9 @@ def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
     if layout.tp > 1:
         per_layer = 4 + (2 if train.checkpointing == "full" else 0)
         ar = per_layer * act * layers * k
-        out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=per_layer * layers * k)
+        n = per_layer * layers * k
+        out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=n, blocking_calls=n)
     if layout.pp > 1:
         p2p = 2 * act / layout.tp * k * 2  # send + recv, forward activations and backward grads
-        out = out + CommBreakdown(p2p=p2p, calls=4 * k, blocking=p2p)
+        out = out + CommBreakdown(p2p=p2p, calls=4 * k, blocking=p2p, blocking_calls=4 * k)
     return out

@@ -309,7 +309,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             stages_span_nodes = layout.tp * layout.pp > hw.gpus_per_node and hw.nodes > 1
             link = hw.inter if stages_span_nodes else hw.intra
             blocking += comm.p2p / link.bus_bytes_per_s
-        blocking += comm.calls * hw.intra.latency_s
+        blocking += comm.blocking_calls * hw.intra.latency_s  # the DP calls' latency is in comm_time
     comm_s += blocking
     exposed += blocking
     offload = _offload_time(model, hw, strategy, layout, comm, train)
