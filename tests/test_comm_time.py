@@ -269,3 +269,23 @@ def test_lora_plan_json_comm_is_smaller():
     lora = json.loads(runner.invoke(app, ["plan", "--json", "-s", "ddp", "--lora-rank", "16"]).output)
     assert lora["strategies"][0]["comm"]["all_reduce"] == pytest.approx(4 * ADAPTERS_ATTN16)
     assert lora["strategies"][0]["comm"]["total"] < full["total"] / 100
+
+
+def test_tp_comm_overlap_hides_tp_collectives_behind_the_gemms():
+    """Megatron's --tp-comm-overlap / async TP: the TP collectives' time, up to
+    overlap_efficiency × the GEMM time, leaves the critical path; nothing else changes."""
+    from shardwise.plan.evaluate import evaluate
+
+    model = catalog.get_model("llama-2-70b")
+    hw = catalog.build_hardware(gpu="h100-sxm", gpus=64, gpus_per_node=8)
+    s = Strategy.from_name("fsdp", tp=8)
+    plain = TrainSpec(seq_len=4096, micro_batch=1, grad_accum=4, checkpointing="full")
+    e0 = evaluate(model, hw, plain, s)
+    e1 = evaluate(model, hw, plain.model_copy(update={"tp_comm_overlap": True}), s)
+    tp_bytes = e0.comm.blocking - e0.comm.p2p
+    tp_s = tp_bytes * 7 / 8 / hw.intra.bus_bytes_per_s  # ring: S·(n−1)/n over the bus bandwidth, n = 8
+    hidden = min(tp_s, hw.timing.overlap_efficiency * e0.time.gemm_s)
+    assert hidden > 0
+    assert e0.time.exposed_comm_s - e1.time.exposed_comm_s == pytest.approx(hidden, rel=1e-9)
+    assert e1.time.comm_s == pytest.approx(e0.time.comm_s)  # the bytes still move
+    assert e1.time.gemm_s == e0.time.gemm_s

@@ -300,18 +300,25 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm, hw.timing, units))
     # TP all-reduces stay inside the node (TP ranks are packed on NVLink); PP sends cross
     # nodes when the stages do. Both sit on the critical path.
-    blocking = 0.0
+    blocking = blocking_exposed = 0.0
     if comm.blocking:
         tp_bytes = comm.blocking - comm.p2p
+        tp_s = 0.0
         if layout.tp > 1:
-            blocking += tp_bytes * (layout.tp - 1) / layout.tp / hw.intra.bus_bytes_per_s
+            tp_s = tp_bytes * (layout.tp - 1) / layout.tp / hw.intra.bus_bytes_per_s
+        p2p_s = 0.0
         if comm.p2p:
             stages_span_nodes = layout.tp * layout.pp > hw.gpus_per_node and hw.nodes > 1
             link = hw.inter if stages_span_nodes else hw.intra
-            blocking += comm.p2p / link.bus_bytes_per_s
-        blocking += comm.blocking_calls * hw.intra.latency_s  # the DP calls' latency is in comm_time
+            p2p_s = comm.p2p / link.bus_bytes_per_s
+        latency = comm.blocking_calls * hw.intra.latency_s  # the DP calls' latency is in comm_time
+        blocking = tp_s + p2p_s + latency
+        # overlapped TP collectives (Megatron's --tp-comm-overlap, async TP) hide behind the GEMMs
+        # they feed, as well as compute hides any collective (overlap_efficiency)
+        hidden = min(tp_s, hw.timing.overlap_efficiency * ct.gemm_s) if train.tp_comm_overlap else 0.0
+        blocking_exposed = blocking - hidden
     comm_s += blocking
-    exposed += blocking
+    exposed += blocking_exposed
     offload = _offload_time(model, hw, strategy, layout, comm, train)
     bubble = 0.0
     if layout.pp > 1:  # 1F1B bubble (p−1)/(m+p−1) of the pipeline's time

@@ -57,6 +57,9 @@ class TrainSpec(Spec):
                                       "the caching allocator grows/shrinks segments (less reserved slack)")
     sequence_parallel: bool = Field(True, description="under TP, norms/residuals sharded over the TP ranks "
                                     "(Megatron-LM, torchtitan); no effect at tp 1")
+    tp_comm_overlap: bool = Field(False, description="TP's all-gathers/reduce-scatters overlapped with the "
+                                  "adjacent GEMMs (Megatron-LM --tp-comm-overlap, Transformer Engine userbuffers; "
+                                  "torchtitan's async TP); no effect at tp 1")
 
     @property
     def compute_dtype(self) -> str:
