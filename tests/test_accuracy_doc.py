@@ -148,7 +148,7 @@ def test_a_fitted_constant_at_its_bound_fails_the_fit():
              fit_timing.Candidate(c.name, 0.30, 0.31, 0.305, c.prior_kind, c.prior_basis, c.machine)
              for c in fit_timing.candidates()]
     cases = [k for k in fit_timing.all_cases() if k.hw.gpu.family == "ampere"][:40]
-    with pytest.raises(fit_timing.FitError, match="ampere.gemm_efficiency"):
+    with pytest.raises(fit_timing.FitError, match=r"ampere\.gemm_efficiency"):
         fit_timing.fit(cases, cands)
 
 
