@@ -84,9 +84,11 @@ def test_json_schema():
         assert {"name", "engine", "tp", "pp", "dp", "fits", "memory", "host_memory"} <= set(s)
         parts = {"params", "grads", "master_params", "optimizer_states", "step_buffers", "activations", "recompute",
                  "logits", "engine_buffers", "gathered_params", "held_grads", "grad_buffers", "cuda_context",
-                 "nccl", "allocator_slack", "runtime_overhead", "allocated", "reserved", "total"}
+                 "nccl", "allocator_slack", "allocator_unreclaimable", "runtime_overhead", "allocated", "reserved",
+                 "total", "required"}
         assert parts == set(s["memory"])
-        assert s["memory"]["total"] <= sum(v for k, v in s["memory"].items() if k != "total")
+        assert s["memory"]["total"] <= sum(v for k, v in s["memory"].items() if k not in ("total", "required"))
+        assert s["memory"]["allocated"] <= s["memory"]["required"] <= s["memory"]["total"]
         assert "total" in s["host_memory"]
         assert s["tp"] * s["pp"] * s["dp"] == 16
 

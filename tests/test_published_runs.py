@@ -4,6 +4,7 @@ calibrated against these numbers; benchmarks/accuracy.py reports them)."""
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import math
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_source_block(path):
         assert k in src, f"{path.name}: source lacks {k}"
     assert src["id"] == path.stem, "one file per source, named by its id"
     assert src["url"].startswith("https://")
-    assert str(src["retrieved"]) == "2026-12-01"
+    assert datetime.date.fromisoformat(str(src["retrieved"])) >= datetime.date(2026, 12, 1)  # when collected
     if "repo" in src:
         assert len(src["commit"]) == 40 and src.get("path")
     for extra in src.get("also", []):

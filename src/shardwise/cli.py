@@ -300,9 +300,10 @@ def _shortfall(e) -> str:
 
     mem = e.memory
     parts = []
-    if mem.gpu.total > mem.usable_bytes:
-        parts.append(f"{mem.gpu.total / GIB:.1f} GiB per GPU against {mem.usable_bytes / GIB:.1f} GiB usable "
-                     f"({mem.capacity_bytes / GIB:.1f} GiB less the {mem.margin:.0%} margin)")
+    if mem.gpu.required > mem.usable_bytes:
+        parts.append(f"{mem.gpu.required / GIB:.1f} GiB per GPU against {mem.usable_bytes / GIB:.1f} GiB usable "
+                     f"({mem.capacity_bytes / GIB:.1f} GiB less the {mem.margin:.0%} margin; needed: the allocated "
+                     "peak, allocator slack a cache flush cannot return, CUDA context, NCCL)")
     if mem.host.peak > mem.host_capacity_bytes:
         parts.append(f"{mem.host.peak / GIB:.0f} GiB of host memory per node against {mem.host_capacity_bytes / GIB:.0f}"
                      + (" (loading the weights)" if mem.host.load.per_node >= mem.host.training else ""))

@@ -29,7 +29,10 @@ class MemoryBreakdown:
     grads alias; ZeRO-3's flat gradient partition; accumulation into sharded grads).
 
     Outside the allocator's live bytes: cuda_context and nccl (not PyTorch allocations) and
-    allocator_slack (reserved − allocated, the caching allocator's cached-but-free blocks).
+    allocator_slack (reserved − allocated, the caching allocator's cached-but-free blocks), of
+    which allocator_unreclaimable is what a cache flush cannot return (free blocks inside segments
+    that still hold live ones); the rest is cache the allocator frees and retries with before it
+    raises out-of-memory.
     """
 
     params: float = 0.0
@@ -47,6 +50,7 @@ class MemoryBreakdown:
     cuda_context: float = 0.0
     nccl: float = 0.0
     allocator_slack: float = 0.0
+    allocator_unreclaimable: float = 0.0  # of allocator_slack: not returned by a cache flush
     grads_persist: bool = False
     # Of `grads`, the bytes not yet produced at the end-of-backward peak (FSDP2: the first
     # layer's and the root group's shards, reduce-scattered last); not a term of its own
@@ -99,8 +103,18 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         """Device memory at the peak (what nvidia-smi shows): reserved + CUDA context + NCCL.
-        `fits` compares this with the GPU's memory."""
+        For display and for comparing with nvidia-smi; `required` decides "fits"."""
         return self.reserved + self.cuda_context + self.nccl
+
+    @property
+    def required(self) -> float:
+        """Device memory that must exist for the step not to run out: the allocated peak, the
+        allocator's slack that a cache flush cannot return, the CUDA context and NCCL. The rest
+        of `reserved` is not an out-of-memory: before raising one, PyTorch's caching allocator
+        frees its cached unused segments and retries the allocation (c10/cuda/
+        CUDACachingAllocator.cpp `malloc`: `release_cached_blocks()` then `alloc_block` again).
+        `fits` compares this with the GPU's usable memory."""
+        return self.allocated + self.allocator_unreclaimable + self.cuda_context + self.nccl
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
@@ -110,6 +124,7 @@ class MemoryBreakdown:
         d["allocated"] = self.allocated
         d["reserved"] = self.reserved
         d["total"] = self.total
+        d["required"] = self.required
         return d
 
 

@@ -60,9 +60,11 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        """The GPU's peak within its usable bytes, and the host's (the load phase or the offloaded
-        training states, whichever is larger) within the node's memory."""
-        return self.gpu.total <= self.usable_bytes and self.host.peak <= self.host_capacity_bytes
+        """What the GPU's peak really needs (`MemoryBreakdown.required`: allocated, the allocator's
+        unreclaimable slack, CUDA context and NCCL; not the reclaimable cache in `total`) within
+        its usable bytes, and the host's (the load phase or the offloaded training states,
+        whichever is larger) within the node's memory."""
+        return self.gpu.required <= self.usable_bytes and self.host.peak <= self.host_capacity_bytes
 
 
 def stage_layer_params(model: ModelSpec, pp: int) -> int:
@@ -364,7 +366,14 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     shapes the end of backward and the step ask for (gradient shards, reduce copies), so the
     default allocator reserves new segments for both phases' transients (min(forward, step)
     on top of the larger one), plus `ALLOCATOR_SLACK` of the larger for splitting/rounding.
-    On one H200 this puts nvidia-smi's peak within the residuals in docs/accuracy.md."""
+    On one H200 this puts nvidia-smi's peak within the residuals in docs/accuracy.md.
+
+    Of the slack, the phase overlap is segments one phase's transients filled and freed whole:
+    the allocator releases those and retries before it raises out-of-memory. The splitting share
+    (`ALLOCATOR_SLACK`) is taken as free blocks inside segments that still hold live ones, which
+    a flush cannot return (assumed: the fit does not separate the two; CUDACachingAllocator's
+    `release_cached_blocks` frees only unsplit blocks). Expandable segments unmap freed pages
+    whatever their segment: nothing stays unreclaimable."""
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp))
     resident = (gpu.params + gpu.master_params + gpu.optimizer_states + gpu.engine_buffers
                 + (gpu.grads if gpu.grads_persist else 0.0))
@@ -373,8 +382,9 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     # expandable segments map freed pages back into one growing segment: the phases share
     # memory and only rounding remains (not measured here: the fraction is the default's)
     overlap = 0.0 if expandable else min(fwd, step)
+    splitting = ALLOCATOR_SLACK * max(fwd, step)
     return {"cuda_context": CUDA_CONTEXT, "nccl": NCCL_PER_GROUP * groups,
-            "allocator_slack": overlap + ALLOCATOR_SLACK * max(fwd, step)}
+            "allocator_slack": overlap + splitting, "allocator_unreclaimable": 0.0 if expandable else splitting}
 
 
 def plan_memory(

@@ -203,11 +203,11 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Reco
 
 
 def _nothing_fits(model: ModelSpec, hw: HardwareSpec, evals: list[Evaluation], plan_only: bool) -> str:
-    smallest = min(evals, key=lambda e: e.memory.gpu.total) if evals else None
+    smallest = min(evals, key=lambda e: e.memory.gpu.required) if evals else None
     need = ""
     if smallest:
         m = smallest.memory
-        need = (f"; the smallest, {_describe(smallest)}, needs {m.gpu.total / GIB:.1f} GiB per GPU "
+        need = (f"; the smallest, {_describe(smallest)}, needs {m.gpu.required / GIB:.1f} GiB per GPU "
                 f"(usable {m.usable_bytes / GIB:.1f}) and {m.host.peak / GIB:.0f} GiB of host memory per node "
                 f"(have {m.host_capacity_bytes / GIB:.0f})")
     what = "" if plan_only else " that shardwise can train"
@@ -276,7 +276,7 @@ def explain_choice(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner:
                      f"PCIe transfers and the CPU optimizer.")
     else:
         lines.append(f"Binding constraint: compute ({t.compute_s:.2f} s of a {t.step_s:.2f} s step); memory leaves "
-                     f"{(m.usable_bytes - m.gpu.total) / GIB:.1f} GiB of head room.")
+                     f"{(m.usable_bytes - m.gpu.required) / GIB:.1f} GiB of head room.")
     non_fit = {e.strategy.name for e in evals} - {e.strategy.name for e in evals if e.fits}
     if non_fit:
         lines.append(f"Do not fit in any swept setting: {', '.join(sorted(non_fit, key=lambda n: STRATEGIES[n].simplicity))}.")

@@ -126,10 +126,13 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
         + (f", {'QLoRA (NF4 base)' if train.base_quant == 'nf4' else 'LoRA'} rank {train.lora_rank} on "
            f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f"\n{links_line(hw)}"
     )
-    t = Table(title=title, caption="GiB per GPU; total = peak of the step (activations and "
-              "gradients do not peak together); host = CPU RAM per node at its peak: loading the weights, or offloaded states while training", title_justify="left")
+    t = Table(title=title, caption="GiB per GPU; total = peak of the step on the device, as nvidia-smi shows it "
+              "(activations and gradients do not peak together); need = what fits is decided on: the allocated "
+              "peak, allocator slack a cache flush cannot return, CUDA context and NCCL (the allocator frees its "
+              "cache before it raises OOM); host = CPU RAM per node at its peak: loading the weights, or "
+              "offloaded states while training", title_justify="left")
     cols = ["strategy", "params", "grads", "master", "optim", "step", "activ", "recomp", "logits",
-            "buffers", "grad buf", "overhead", "total", "host", "fits"]
+            "buffers", "grad buf", "overhead", "total", "need", "host", "fits"]
     for c in cols:
         t.add_column(c, justify="left" if c == "strategy" else "right")
     for p in plans:
@@ -141,6 +144,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
                                           g.step_buffers, g.activations, g.recompute, g.logits, g.engine_buffers, g.grad_buffers,
                                           g.runtime_overhead)),
             f"[bold]{g.total / GIB:.2f}[/]",
+            f"{g.required / GIB:.2f}",
             f"{p.host.peak / GIB:.1f}" if p.host.peak else "-",
             fits,
         )

@@ -180,7 +180,7 @@ def check_memory(run: RunSpec, force: bool = False) -> MemoryCheck:
     raise ShardwiseError(
         f"{cfg.source}: predicted not to fit: strategy {run.strategy.name!r}, micro_batch {cfg.run.micro_batch}, "
         f"seq_len {run.train.seq_len}, activation checkpointing {cfg.checkpointing.activation!r} needs "
-        f"{plan.gpu.total / GIB:.1f} GiB per GPU (model states {plan.gpu.model_states / GIB:.1f}, "
+        f"{plan.gpu.required / GIB:.1f} GiB per GPU (model states {plan.gpu.model_states / GIB:.1f}, "
         f"activations {(plan.gpu.activations + plan.gpu.logits) / GIB:.1f}) of "
         f"{plan.usable_bytes / GIB:.1f} GiB usable on {cfg.hardware.gpu}. "
         f"Nearest that fits: {hint}. Use --force to run anyway."
