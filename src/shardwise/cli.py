@@ -58,6 +58,10 @@ def plan(
     optimizer_impl: str = typer.Option("fused", "--optimizer-impl", help="AdamW kernel: fused | foreach | forloop."),
     fused_kernels: bool = typer.Option(False, "--fused-kernels", help="Elementwise work fused (torch.compile, Megatron-style kernels)."),
     expandable_segments: bool = typer.Option(False, "--expandable-segments", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less reserved slack)."),
+    sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel",
+                                           help="Under --tp > 1: norms, residuals and their elementwise work split "
+                                           "over the TP ranks (Megatron-LM --sequence-parallel, torchtitan); "
+                                           "off: replicated on every TP rank."),
     strategy: list[str] | None = typer.Option(None, "--strategy", "-s", help="Repeatable; default: all."),
     tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree of the table (default 1); given, the "
                                   "recommender keeps to it too (default: it sweeps 1, 2, 4, 8)."),
@@ -117,6 +121,7 @@ def plan(
             base_quant="nf4" if qlora else "none", cross_entropy=cross_entropy, ce_chunk=ce_chunk, host_memory_gb=host_memory_gb,
             nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
             fused_kernels=fused_kernels, expandable_segments=expandable_segments,
+            sequence_parallel=sequence_parallel,
         )
         check_margin(margin)
         if accounting not in ("engine", "paper", "deepspeed"):

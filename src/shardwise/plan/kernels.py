@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from shardwise.plan.activations import seq_shards
 from shardwise.plan.loss import head_trainable
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
@@ -66,16 +67,22 @@ def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: in
     RMSNorms with their fp32 upcast (HF `LlamaRMSNorm`: cast, pow, mean, rsqrt, mul, cast back,
     weight), two residual adds, RoPE on q and k, SiLU and the gate product, the attention
     output's reshape (GPT blocks: LayerNorm kernels, GeLU, no RoPE). Residual stream in fp32
-    under autocast. Backward moves about twice the forward's bytes."""
+    under autocast. Backward moves about twice the forward's bytes.
+
+    Under TP the head- and intermediate-wide work (RoPE, activation, reshape) is split; the
+    hidden-wide work (norms, residual adds, the casts of the norms' outputs) is split only under
+    sequence parallelism, where each rank holds s/tp of the tokens of those tensors: the same
+    split `activations.seq_shards` gives their saved bytes."""
     c = train.compute_bytes
     r = 4 if autocast else c
     h, q, kv, i = model.hidden_size, model.q_dim / tp, model.kv_dim / tp, model.intermediate_size / tp
+    sp = seq_shards(train, tp)
     if model.is_moe:
         i *= model.experts_per_token
     if model.is_gpt:  # LayerNorm (one fused kernel), no RoPE, GeLU, fused QKV fed once
         norms = 2 * h * (r + c)
         residual = 2 * 3 * r * h + (2 * (4 + c) * h if autocast else 0)
-        return norms + residual + 2 * c * i + 2 * c * q
+        return (norms + residual) / sp + 2 * c * i + 2 * c * q
     norms = 2 * h * (r + 28 + 3 * c)
     residual = 2 * 3 * r * h
     if autocast:  # each linear fed by a norm casts its fp32 input: q, k, v, gate, up
@@ -83,7 +90,7 @@ def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: in
     rope = 11 * c * (q + kv)
     act = 5 * c * i
     reshape = 2 * c * q
-    return norms + residual + rope + act + reshape
+    return (norms + residual) / sp + rope + act + reshape
 
 
 def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
