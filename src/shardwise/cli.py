@@ -57,6 +57,8 @@ def plan(
                                  "(the trainer's loss.chunk_tokens)."),
     optimizer_impl: str = typer.Option("fused", "--optimizer-impl", help="AdamW kernel: fused | foreach | forloop."),
     fused_kernels: bool = typer.Option(False, "--fused-kernels", help="Elementwise work fused (torch.compile, Megatron-style kernels)."),
+    fused_norm: bool = typer.Option(False, "--fused-norm", help="RMSNorm as one fused kernel (torchtitan's fused_rmsnorm, "
+                                    "Liger, apex; implied by --fused-kernels): its saved tensors and the bytes it moves."),
     expandable_segments: bool = typer.Option(False, "--expandable-segments", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less reserved slack)."),
     sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel",
                                            help="Under --tp > 1: norms, residuals and their elementwise work split "
@@ -120,7 +122,7 @@ def plan(
             lora_rank=lora_rank, lora_targets=_names(lora_targets), lora_modules_to_save=_names(lora_modules_to_save),
             base_quant="nf4" if qlora else "none", cross_entropy=cross_entropy, ce_chunk=ce_chunk, host_memory_gb=host_memory_gb,
             nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
-            fused_kernels=fused_kernels, expandable_segments=expandable_segments,
+            fused_kernels=fused_kernels, fused_norm=fused_norm, expandable_segments=expandable_segments,
             sequence_parallel=sequence_parallel,
         )
         check_margin(margin)

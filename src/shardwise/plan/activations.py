@@ -73,7 +73,7 @@ def layernorm_saved(c: int, h: float, consumers: int = 1, autocast: bool = False
 def _norm(model: ModelSpec, train: TrainSpec, consumers: int, autocast: bool) -> float:
     if model.is_gpt:
         return layernorm_saved(train.compute_bytes, model.hidden_size, min(consumers, 1), autocast)
-    if (train.fused_norm or train.fused_kernels) and not autocast:
+    if train.norm_fused and not autocast:
         # one fused kernel (torchtitan's fused_rmsnorm, Liger, torch.compile): its input and the
         # fp32 rstd per row are saved, not HF's fp32 upcast chain; the output as before
         c, h = train.compute_bytes, model.hidden_size

@@ -67,7 +67,10 @@ def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: in
     RMSNorms with their fp32 upcast (HF `LlamaRMSNorm`: cast, pow, mean, rsqrt, mul, cast back,
     weight), two residual adds, RoPE on q and k, SiLU and the gate product, the attention
     output's reshape (GPT blocks: LayerNorm kernels, GeLU, no RoPE). Residual stream in fp32
-    under autocast. Backward moves about twice the forward's bytes.
+    under autocast. Backward moves about twice the forward's bytes. A fused RMSNorm
+    (`TrainSpec.norm_fused`: torchtitan's fused_rmsnorm, Liger, apex, torch.compile) reads its
+    input and writes its output once, as GPT's LayerNorm kernel does (the per-row rstd and the
+    weight are negligible per token).
 
     Under TP the head- and intermediate-wide work (RoPE, activation, reshape) is split; the
     hidden-wide work (norms, residual adds, the casts of the norms' outputs) is split only under
@@ -83,7 +86,7 @@ def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: in
         norms = 2 * h * (r + c)
         residual = 2 * 3 * r * h + (2 * (4 + c) * h if autocast else 0)
         return (norms + residual) / sp + 2 * c * i + 2 * c * q
-    norms = 2 * h * (r + 28 + 3 * c)
+    norms = 2 * h * (r + c) if train.norm_fused else 2 * h * (r + 28 + 3 * c)
     residual = 2 * 3 * r * h
     if autocast:  # each linear fed by a norm casts its fp32 input: q, k, v, gate, up
         residual += 5 * (4 + c) * h

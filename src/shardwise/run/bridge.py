@@ -316,6 +316,9 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         raw["run"]["compile"] = train.fused_kernels and compiles
     if train.fused_kernels and not compiles:
         notes.append("planned fused kernels (torch.compile); the trainer runs DeepSpeed's engines eagerly")
+    if train.fused_norm and not (train.fused_kernels and compiles):
+        notes.append("planned a fused RMSNorm kernel; the trainer runs HF's eager RMSNorm unless its layers are "
+                     "compiled (run.compile)")
     raw["checkpointing"]["activation"] = activation
     raw["loss"] = {"implementation": "standard" if train.cross_entropy == "standard" else "chunked",
                    "chunk_tokens": train.ce_chunk}

@@ -62,6 +62,13 @@ class TrainSpec(Spec):
                                   "torchtitan's async TP); no effect at tp 1")
 
     @property
+    def norm_fused(self) -> bool:
+        """Each RMSNorm runs as one fused kernel: asked for (`fused_norm`), or implied by fused
+        elementwise work (torch.compile fuses the norm's chain; Megatron-LM's fused kernels).
+        activations.py (what it saves) and kernels.py (the bytes it moves) read it here."""
+        return self.fused_norm or self.fused_kernels
+
+    @property
     def compute_dtype(self) -> str:
         return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-pure": "bf16", "fp32": "fp32"}[self.precision]
 
