@@ -114,6 +114,8 @@ class _Claims:
         self.owner: dict[int, str] = {}
         self.census = Census()
         for t in exclude:
+            if not isinstance(t, torch.Tensor):  # a packed batch also carries plain numbers (max_seqlen)
+                continue
             k = storage_key(t)
             if k:
                 self.owner[k[0]] = "excluded"

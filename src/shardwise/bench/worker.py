@@ -27,6 +27,7 @@ WORLD = 2
 SEQ, BATCH = 64, 2
 BUCKET = 500_000  # elements; above the largest tensor (embedding 2048×128 = 262,144)
 BENCH_MODEL = "tiny-llama-bench"  # catalog: Ψ = 1,315,968 fp32 params (untied, MHA)
+BIG_BUCKET = 2_000_000  # elements: above Ψ, so one bucket holds every gradient (8 MB fp32 on CPU)
 
 # ZeRO-3's default persistence threshold (1e5 elements) keeps every decoder-layer tensor
 # (≤ 44,032) whole, so only embed_tokens and lm_head are partitioned there; "zero3-nopersist"
@@ -40,6 +41,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero1-nomrba": ("zero1", {"use_multi_rank_bucket_allreduce": False}),
     "zero2-nomrba": ("zero2", {"use_multi_rank_bucket_allreduce": False}),
     "zero3-nopersist": ("zero3", {"param_persistence_threshold": 0}),
+    # "-bigbucket": reduce and all-gather buckets above Ψ (the demo's DeepSpeed defaults, 5e8 ≥ Ψ)
+    "zero1-bigbucket": ("zero1", {"reduce_bucket_size": BIG_BUCKET, "allgather_bucket_size": BIG_BUCKET}),
+    "zero2-bigbucket": ("zero2", {"reduce_bucket_size": BIG_BUCKET, "allgather_bucket_size": BIG_BUCKET}),
     "zero3-allzero": ("zero3", _ALL_ZERO),
     # stock fully_shard, as accelerate, HF Trainer and torchtune run it: every decoder layer
     # resharded after forward, gradients reduce-scattered every micro-batch (sync left on)
@@ -52,7 +56,7 @@ for _s in ("ddp", "zero2", "zero3", "fsdp"):
     VARIANTS[f"{_s}-lora"] = VARIANTS[f"{_s}-lora-bf16"] = (_s, {})
 for _s in ("ddp", "zero2"):  # QLoRA: NF4 base (bitsandbytes), bf16 compute
     VARIANTS[f"{_s}-qlora-bf16"] = (_s, {})
-STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp",
+STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp", "zero1-bigbucket", "zero2-bigbucket",
               *(v for v in VARIANTS if "lora" in v))
 
 
