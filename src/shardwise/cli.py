@@ -53,8 +53,9 @@ def plan(
     cross_entropy: str = typer.Option(
         "standard", "--cross-entropy", help="standard (HF logits, fp32 upcast whole) | chunked (the trainer's "
         "default: lm_head + loss fused per --ce-chunk tokens) | fused (Liger's kernel) | inplace (flash-attn's)"),
-    ce_chunk: int = typer.Option(1024, "--ce-chunk", help="Tokens per chunk of the chunked cross-entropy "
-                                 "(the trainer's loss.chunk_tokens)."),
+    ce_chunk: int | None = typer.Option(None, "--ce-chunk", help="Tokens per chunk of the chunked cross-entropy "
+                                        "(the trainer's loss.chunk_tokens; default 1024); needs --cross-entropy "
+                                        "chunked."),
     optimizer_impl: str = typer.Option("fused", "--optimizer-impl", help="AdamW kernel: fused | foreach | forloop."),
     fused_kernels: bool = typer.Option(False, "--fused-kernels", help="Elementwise work fused (torch.compile, Megatron-style kernels)."),
     fused_norm: bool = typer.Option(False, "--fused-norm", help="RMSNorm as one fused kernel (torchtitan's fused_rmsnorm, "
@@ -113,19 +114,28 @@ def plan(
 
     rec = rec_error = None
     alternatives: tuple = ()
+    ds_flags = {"--ds-bucket": ds_bucket, "--ds-reduce-bucket": ds_reduce_bucket, "--ds-prefetch": ds_prefetch,
+                "--ds-persistence-threshold": ds_persistence_threshold, "--ds-max-live": ds_max_live,
+                "--ds-max-reuse": ds_max_reuse, "--ds-overlap-comm": ds_overlap_comm,
+                "--ds-multi-rank-allreduce": ds_multi_rank_allreduce, "--ds-comm-dtype": ds_comm_dtype,
+                "--ds-fetch-unit": ds_fetch_unit}
     try:
+        _check_flags_apply(strategy, emit_strategy, [f for f, v in ds_flags.items() if v is not None],
+                           ce_chunk, cross_entropy)
         m, hw, train = build_specs(
             model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
             gpus_per_node=gpus_per_node, interconnect=interconnect, gpu_memory_gb=gpu_memory_gb,
             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
             lora_rank=lora_rank, lora_targets=_names(lora_targets), lora_modules_to_save=_names(lora_modules_to_save),
-            base_quant="nf4" if qlora else "none", cross_entropy=cross_entropy, ce_chunk=ce_chunk, host_memory_gb=host_memory_gb,
+            base_quant="nf4" if qlora else "none", cross_entropy=cross_entropy, host_memory_gb=host_memory_gb,
+            **({} if ce_chunk is None else {"ce_chunk": ce_chunk}),
             nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
             fused_kernels=fused_kernels, fused_norm=fused_norm, expandable_segments=expandable_segments,
             sequence_parallel=sequence_parallel,
         )
         check_margin(margin)
+        warnings = _input_warnings(m, train)
         if accounting not in ("engine", "paper", "deepspeed"):
             raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
         _check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
@@ -155,8 +165,10 @@ def plan(
                                    accounting)
     except ShardwiseError as e:
         _fail(e)
+    _warn(warnings)
     if as_json:
-        doc = plan_json(m, hw, train, evals, accounting, rec, skipped=skipped)
+        doc = plan_json(m, hw, train, evals, accounting, rec, skipped=skipped, profile=profile)
+        doc["warnings"] = warnings
         if rec is None:
             doc["recommended"], doc["recommended_setting"], doc["runner_up"] = None, None, None
             doc["reason"] = rec_error
@@ -204,6 +216,62 @@ def plan(
             console.print(f"  note: {escape(n)}", highlight=False)
         for path in paths:
             console.print(f"wrote {escape(str(path))}", highlight=False)
+
+
+# ZeRO-3's knobs (stage3_* and the fetch unit) and ZeRO-1/2's (use_multi_rank_bucket_allreduce)
+_ZERO3_FLAGS = ("--ds-prefetch", "--ds-persistence-threshold", "--ds-max-live", "--ds-max-reuse", "--ds-fetch-unit")
+_ZERO12_FLAGS = ("--ds-multi-rank-allreduce",)
+
+
+def _check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, ds_given: list[str],
+                       ce_chunk: int | None, cross_entropy: str) -> None:
+    """Flags that would change nothing are refused, naming the flag: DeepSpeed knobs when no
+    planned strategy runs DeepSpeed (ZeRO-3's and ZeRO-1/2's own knobs when none is of that
+    stage), and a chunk size for a loss that is not chunked."""
+    from shardwise.specs import STRATEGY_NAMES, Strategy
+
+    if ce_chunk is not None and cross_entropy != "chunked":
+        raise ShardwiseError(f"--ce-chunk {ce_chunk} sets the chunk of the chunked cross-entropy, but --cross-entropy "
+                             f"is {cross_entropy!r}: add --cross-entropy chunked, or drop --ce-chunk")
+    if not ds_given:
+        return
+    names = list(strategies or STRATEGY_NAMES) + ([emit_strategy] if emit_strategy else [])
+    try:
+        planned = [Strategy.from_name(n) for n in names]
+    except ShardwiseError:
+        return  # an unknown strategy name is refused with its own message when it is planned
+    shown = ", ".join(names)
+    stages = {s.zero_stage for s in planned if s.engine == "deepspeed"}
+    for flag in ds_given:
+        if not stages:
+            raise ShardwiseError(f"{flag} is a DeepSpeed knob, but no strategy planned runs DeepSpeed (-s {shown}): "
+                                 "add a zero0..zero3 strategy with -s, or drop the flag")
+        for flags, wanted, what in ((_ZERO3_FLAGS, {3}, "ZeRO-3"), (_ZERO12_FLAGS, {1, 2}, "ZeRO-1/2")):
+            if flag in flags and not stages & wanted:
+                raise ShardwiseError(f"{flag} is a {what} knob, but no {what} strategy is planned (-s {shown}): "
+                                     "add one with -s, or drop the flag")
+
+
+def _input_warnings(model, train) -> list[str]:
+    """What is accepted but worth saying: a sequence beyond the model's trained context."""
+    out = []
+    if train.seq_len > model.max_position_embeddings:
+        out.append(f"--seq-len {train.seq_len} is beyond {model.name}'s max_position_embeddings "
+                   f"{model.max_position_embeddings}: planned as given (RoPE scaling or a longer-context "
+                   "variant can run it; the model was not trained that long)")
+    return out
+
+
+def _warn(warnings: list[str]) -> None:
+    """On stderr, so --json's stdout stays one JSON object."""
+    if not warnings:
+        return
+    from rich.console import Console
+    from rich.markup import escape
+
+    err = Console(stderr=True)
+    for w in warnings:
+        err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
 
 
 def _setting(e) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from shardwise import catalog
@@ -50,16 +51,30 @@ def links_line(hw: HardwareSpec) -> str:
             f"{one('inter-node', hw.inter, hw.nodes > 1, per_nic)}")
 
 
+def hardware_json(hw: HardwareSpec, profile: str | Path | None = None) -> dict[str, Any]:
+    """The hardware as planned: the catalog's figures with a profile's measured ones in place
+    (every GPUSpec rate and efficiency, PCIe, the time model's constants such as the host's Adam
+    rates), where each efficiency and constant comes from, and which profile that was."""
+    return {
+        "gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes, "gpus": hw.world_size,
+        "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes, "intra": hw.intra.name,
+        "inter": hw.inter.name, "links": links(hw), "host_memory_bytes": hw.host_memory_bytes,
+        "gpu_rates": hw.gpu.model_dump(mode="json", exclude={"name", "memory_bytes", "efficiency_provenance"}),
+        "gpu_rates_kind": {k: p.kind for k, p in hw.gpu.efficiency_provenance.items()},
+        "pcie_bytes_per_s": hw.pcie_bytes_per_s, "nics_per_node": hw.nics_per_node,
+        "timing": hw.timing.model_dump(mode="json", exclude={"provenance"}),
+        "timing_kind": {k: p.kind for k, p in hw.timing.provenance.items()},
+        "profile": None if profile is None else str(profile),
+    }
+
+
 def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[Evaluation],
-              accounting: str = "engine", recommended=None, *, skipped: dict[str, str] | None = None) -> dict:
+              accounting: str = "engine", recommended=None, *, skipped: dict[str, str] | None = None,
+              profile: str | Path | None = None) -> dict:
     plans = [e.memory for e in evals]
     doc: dict[str, Any] = {
         "model": {"name": model.name, "params": model.params, "active_params": model.active_params},
-        "hardware": {
-            "gpu": hw.gpu.name, "gpu_memory_bytes": hw.gpu.memory_bytes, "gpus": hw.world_size,
-            "gpus_per_node": hw.gpus_per_node, "nodes": hw.nodes, "intra": hw.intra.name,
-            "inter": hw.inter.name, "links": links(hw), "host_memory_bytes": hw.host_memory_bytes,
-        },
+        "hardware": hardware_json(hw, profile),
         "train": train.model_dump(mode="json"),
         "accounting": accounting,
         "strategies": [
