@@ -17,6 +17,7 @@ import pytest
 
 from shardwise.errors import ShardwiseError
 from shardwise.specs import ModelSpec
+from shardwise.specs.train import weight_decayed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -94,6 +95,7 @@ def measured(model, experts_per_token: int = 0, num_experts: int = 0) -> dict:
     return {
         "params": total,
         "hf_order": [p.numel() for p in model.parameters()],
+        "hf_decayed": [weight_decayed(n, p.ndim) for n, p in model.named_parameters()],
         "largest_module": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
         "layer_sizes": [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)],
         "active_params": total - idle,
@@ -104,7 +106,8 @@ def measured(model, experts_per_token: int = 0, num_experts: int = 0) -> dict:
 
 def spec_numbers(spec: ModelSpec) -> dict:
     return {
-        "params": spec.params, "hf_order": list(spec.hf_order), "largest_module": spec.largest_module,
+        "params": spec.params, "hf_order": list(spec.hf_order), "hf_decayed": list(spec.hf_decayed or ()),
+        "largest_module": spec.largest_module,
         "layer_sizes": list(spec.layer_sizes), "active_params": spec.active_params,
         "expert_params": spec.expert_params, "embedding_params": spec.embedding_params,
     }

@@ -40,6 +40,10 @@ def test_param_count_matches_transformers(name):
     assert spec.root_params == counted - sum(layers)
     # DeepSpeed ZeRO-1/2 flattens the parameters in this order
     assert list(spec.hf_order) == [p.numel() for p in model.parameters()]
+    # and groups them as the trainer's AdamW does (train/engines/base.decay_groups), by name and rank
+    from shardwise.specs.train import weight_decayed
+
+    assert spec.hf_decayed == tuple(weight_decayed(n, p.ndim) for n, p in model.named_parameters())
 
 
 def test_published_sizes_sanity():

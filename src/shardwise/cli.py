@@ -57,6 +57,9 @@ def plan(
                                         "(the trainer's loss.chunk_tokens; default 1024); needs --cross-entropy "
                                         "chunked."),
     optimizer_impl: str = typer.Option("fused", "--optimizer-impl", help="AdamW kernel: fused | foreach | forloop."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay (the trainer's "
+                                       "optimizer.weight_decay): above 0 norms, biases and embeddings form a second "
+                                       "optimizer group, which DeepSpeed ZeRO-1/2 partitions on its own."),
     fused_kernels: bool = typer.Option(False, "--fused-kernels", help="Elementwise work fused (torch.compile, Megatron-style kernels)."),
     fused_norm: bool = typer.Option(False, "--fused-norm", help="RMSNorm as one fused kernel (torchtitan's fused_rmsnorm, "
                                     "Liger, apex; implied by --fused-kernels): its saved tensors and the bytes it moves."),
@@ -132,7 +135,7 @@ def plan(
             **({} if ce_chunk is None else {"ce_chunk": ce_chunk}),
             nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
             fused_kernels=fused_kernels, fused_norm=fused_norm, expandable_segments=expandable_segments,
-            sequence_parallel=sequence_parallel,
+            sequence_parallel=sequence_parallel, weight_decay=weight_decay,
         )
         check_margin(margin)
         warnings = _input_warnings(m, train)

@@ -44,6 +44,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # "-bigbucket": reduce and all-gather buckets above Ψ (the demo's DeepSpeed defaults, 5e8 ≥ Ψ)
     "zero1-bigbucket": ("zero1", {"reduce_bucket_size": BIG_BUCKET, "allgather_bucket_size": BIG_BUCKET}),
     "zero2-bigbucket": ("zero2", {"reduce_bucket_size": BIG_BUCKET, "allgather_bucket_size": BIG_BUCKET}),
+    # "-wd": AdamW weight decay 0.1, so the trainer's two optimizer groups (DeepSpeed partitions each)
+    "zero1-wd": ("zero1", {}), "zero2-wd": ("zero2", {}),
     "zero3-allzero": ("zero3", _ALL_ZERO),
     # stock fully_shard, as accelerate, HF Trainer and torchtune run it: every decoder layer
     # resharded after forward, gradients reduce-scattered every micro-batch (sync left on)
@@ -56,7 +58,7 @@ for _s in ("ddp", "zero2", "zero3", "fsdp"):
     VARIANTS[f"{_s}-lora"] = VARIANTS[f"{_s}-lora-bf16"] = (_s, {})
 for _s in ("ddp", "zero2"):  # QLoRA: NF4 base (bitsandbytes), bf16 compute
     VARIANTS[f"{_s}-qlora-bf16"] = (_s, {})
-STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp", "zero1-bigbucket", "zero2-bigbucket",
+STRATEGIES = ("ddp", "zero0", "zero1", "zero2", "zero3", "zero3-nopersist", "fsdp", "zero1-bigbucket", "zero2-bigbucket", "zero1-wd", "zero2-wd",
               *(v for v in VARIANTS if "lora" in v))
 
 
@@ -88,7 +90,7 @@ def bench_config(variant: str, ga: int = 1):
         # as DeepSpeed's, so every engine reduces in several buckets
         "strategy": {"name": strategy, "deepspeed": ds | {"communication_data_type": "auto"}, "fsdp": fsdp,
                      "ddp": {"bucket_cap_mb": BUCKET * 4 / 2**20}},
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.0, "max_grad_norm": 0.0},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1 if variant.endswith("-wd") else 0.0, "max_grad_norm": 0.0},
         "precision": "bf16-mixed" if variant.endswith("-bf16") else "fp32",
         "run": {"micro_batch": BATCH, "grad_accum": ga, "device": "cpu", "seed": 0, "nproc": WORLD},
         "logging": {"progress": False, "tensorboard": False},

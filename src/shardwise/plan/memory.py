@@ -91,24 +91,39 @@ def _persistent_params(model: ModelSpec, threshold: int, tp: int) -> float:
     return sum(n * k for n, k in model.tensor_sizes() if n / tp < threshold) / tp
 
 
+def optimizer_groups(model: ModelSpec, weight_decay: float) -> tuple[tuple[int, ...], ...]:
+    """The trainer's AdamW groups as tensor sizes, each in `model.parameters()` order
+    (train/engines/base.decay_groups): the decayed tensors, then the rest (norms, biases,
+    embeddings: specs.train.weight_decayed) — one group without weight decay, two with it."""
+    flags = model.hf_decayed
+    if flags is None:  # an inventory that does not say: HF order, one group
+        return (model.hf_order,)
+    decayed = tuple(n for n, d in zip(model.hf_order, flags, strict=True) if d)
+    rest = tuple(n for n, d in zip(model.hf_order, flags, strict=True) if not d)
+    groups = (decayed + rest,) if weight_decay == 0 else (decayed, rest)
+    return tuple(g for g in groups if g)
+
+
 @lru_cache(maxsize=4096)
-def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1) -> float:
-    """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank: every tensor
-    that overlaps the rank's 1/N slice of the flat buffer is held whole
-    (stage_1_and_2.py: params_in_partition; measured +2.4% on a tiny Llama)."""
+def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight_decay: float = 0.0) -> float:
+    """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank: DeepSpeed
+    flattens each optimizer group (`optimizer_groups`) and splits it into N slices; every
+    tensor that overlaps the rank's slice of a group is held whole (stage_1_and_2.py:
+    params_in_partition). Measured exactly on both ranks of tiny Llamas, one group and two
+    (tests/test_measured_memory.py, tests/test_zero12_groups.py)."""
     if n <= 1:
         return stage_params(model, tp, pp)
     if tp > 1 or pp > 1:  # per-rank tensor order under TP/PP is engine-specific: use the ideal
         return stage_params(model, tp, pp) / n
-    sizes = model.hf_order
-    part = -(-sum(sizes) // n)
     held = [0] * n
-    start = 0
-    for size in sizes:
-        end = start + size
-        for r in range(start // part, min(n - 1, (end - 1) // part) + 1):
-            held[r] += size
-        start = end
+    for sizes in optimizer_groups(model, weight_decay):
+        part = -(-sum(sizes) // n)
+        start = 0
+        for size in sizes:
+            end = start + size
+            for r in range(start // part, min(n - 1, (end - 1) // part) + 1):
+                held[r] += size
+            start = end
     return max(held)
 
 
@@ -254,7 +269,7 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
     if stage in (1, 2):
         # ZeRO-1 under accumulation keeps full grads until the boundary; ZeRO-2 reduces each
         # micro-batch into the partition (docs/reference.md "What the engines allocate").
-        grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * partition_holding(model, n, layout.tp, layout.pp)
+        grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * partition_holding(model, n, layout.tp, layout.pp, train.weight_decay)
         # the reduce buckets are set up at the first backward hook and released after it
         # (stage_1_and_2.py setup_buckets; measured ~0 after backward)
         mem = MemoryBreakdown(

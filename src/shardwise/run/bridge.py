@@ -153,6 +153,7 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> Trai
         "fused_kernels": compiled(cfg, device),
         "cross_entropy": cfg.loss.implementation,
         "ce_chunk": cfg.loss.chunk_tokens,
+        "weight_decay": cfg.optimizer.weight_decay,
     }
     if cfg.lora is not None:
         t = cfg.lora.target_modules
@@ -308,6 +309,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         if train.optimizer_impl == "forloop" and device == "cuda":
             notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
+    raw["optimizer"]["weight_decay"] = train.weight_decay  # its optimizer groups are in the plan
     # fused kernels = compiled decoder layers; the DeepSpeed engines run eagerly here
     compiles = strategy.engine in ("fsdp2", "ddp")
     current = raw["run"].get("compile")

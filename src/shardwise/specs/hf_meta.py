@@ -17,6 +17,7 @@ from typing import Any
 from shardwise.errors import ShardwiseError
 from shardwise.specs.families import ANALYTIC_FAMILIES
 from shardwise.specs.model import HFInventory, ModelSpec, ParamTensor
+from shardwise.specs.train import weight_decayed
 
 # Config attributes (first one present wins) for the numbers the planner needs beyond the inventory.
 _FFN = ("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff")
@@ -148,6 +149,7 @@ def _read(model: Any, hf_cfg: Any, cfg: dict, name: str, source: str) -> ModelSp
             grouped[k] = grouped.get(k, 0) + 1
     tensors = tuple(ParamTensor(name=n, weight=w, bias=b, extra=x, count=c) for (n, w, b, x), c in grouped.items())
     hf_order = tuple(p.numel() for p in model.parameters())
+    hf_decayed = tuple(weight_decayed(n, p.ndim) for n, p in model.named_parameters())  # the same order
     total = sum(hf_order)
 
     tc = hf_cfg.get_text_config() if hasattr(hf_cfg, "get_text_config") else hf_cfg
@@ -172,7 +174,7 @@ def _read(model: Any, hf_cfg: Any, cfg: dict, name: str, source: str) -> ModelSp
     inventory = HFInventory(
         model_type=mt, layer_class=type(layers[0]).__name__, tensors=(*tensors, *root), hf_order=hf_order,
         layer_sizes=tuple(layer_sizes), largest_module=largest, active_params=active, expert_params=experts,
-        embedding_params=embedding, config_json=json.dumps(cfg, sort_keys=True),
+        embedding_params=embedding, config_json=json.dumps(cfg, sort_keys=True), hf_decayed=hf_decayed,
     )
     try:
         return ModelSpec(

@@ -33,6 +33,7 @@ from shardwise.specs.families import (
     layer_modules,
     root_modules,
 )
+from shardwise.specs.train import weight_decayed
 
 
 class ParamTensor(Spec):
@@ -71,6 +72,8 @@ class HFInventory(Spec):
     expert_params: int  # parameters under modules named "experts" (routed experts)
     embedding_params: int
     config_json: str  # the config.json it was built from (to_hf_dict)
+    # per hf_order tensor: whether the trainer's AdamW decays it (specs.train.weight_decayed)
+    hf_decayed: tuple[bool, ...] = ()
 
 
 class ModelSpec(Spec):
@@ -292,22 +295,37 @@ class ModelSpec(Spec):
     def hf_order(self) -> tuple[int, ...]:
         """Every parameter tensor's size in `model.parameters()` order of the HF model (embed,
         each decoder layer's modules in registration order [weight then bias], final norm,
-        lm_head). DeepSpeed ZeRO-1/2 flattens in this order and splits the flat buffer into N
-        partitions."""
+        lm_head). DeepSpeed ZeRO-1/2 flattens each optimizer group in this order and splits
+        its flat buffer into N partitions."""
         if self.inventory is not None:
             return self.inventory.hf_order
-        per_kind = {}
-        for moe in set(self.moe_layers):
-            sizes: list[int] = []
-            for _, w, b in layer_modules(self, moe):
-                sizes += [w] + ([b] if b else [])
-            per_kind[moe] = sizes
-        root = [[w] + ([b] if b else []) for _, w, b in root_modules(self)]
+        return tuple(n for n, _ in self._hf_tensors)
+
+    @cached_property
+    def hf_decayed(self) -> tuple[bool, ...] | None:
+        """Per `hf_order` tensor: whether the trainer's AdamW decays it (specs.train.weight_decayed:
+        biases and norm weights are 1-D, embeddings go by name); None where an inventory read
+        before this was recorded does not say."""
+        if self.inventory is not None:
+            return self.inventory.hf_decayed or None
+        return tuple(d for _, d in self._hf_tensors)
+
+    @cached_property
+    def _hf_tensors(self) -> tuple[tuple[int, bool], ...]:
+        """(size, decayed) of every parameter tensor in `model.parameters()` order."""
+        def tensors(name: str, w: int, b: int) -> list[tuple[int, bool]]:
+            if name == "experts":  # fused 3-D gate_up and down (families.moe_mlp_modules: the bias slot)
+                return [(w, weight_decayed("experts.gate_up_proj", 3)), (b, weight_decayed("experts.down_proj", 3))]
+            ndim = 1 if "norm" in name or name.startswith("ln_") else 2  # norms' weights are 1-D
+            return [(w, weight_decayed(f"{name}.weight", ndim))] + ([(b, False)] if b else [])
+
+        per_kind = {moe: [t for mod in layer_modules(self, moe) for t in tensors(*mod)] for moe in set(self.moe_layers)}
+        root = [tensors(*mod) for mod in root_modules(self)]
         n_embed = 2 if self.is_gpt and self.learned_pos_emb else 1  # wte (and wpe) come before the layers
-        out = [n for sizes in root[:n_embed] for n in sizes]
+        out = [t for mod in root[:n_embed] for t in mod]
         for moe in self.moe_layers:
             out += per_kind[moe]
-        out += [n for sizes in root[n_embed:] for n in sizes]
+        out += [t for mod in root[n_embed:] for t in mod]
         return tuple(out)
 
     @cached_property

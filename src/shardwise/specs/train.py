@@ -26,6 +26,14 @@ PackedAttention = Literal["none", "flash_varlen", "sdpa_varlen", "flex", "dense"
 BaseQuant = Literal["none", "nf4"]
 
 
+def weight_decayed(name: str, ndim: int) -> bool:
+    """Whether the trainer's AdamW decays a parameter (by its `named_parameters()` name and
+    rank): not 1-D tensors (norms, biases) nor embeddings. The trainer's optimizer groups
+    (train/engines/base.decay_groups) and the planner's ZeRO-1/2 gradient partitions
+    (plan/memory.partition_holding, through ModelSpec.hf_decayed) both read it here."""
+    return ndim >= 2 and "embed" not in name and "norm" not in name
+
+
 class TrainSpec(Spec):
 
     seq_len: int = Field(2048, gt=0, description="tokens per sample")
@@ -55,6 +63,10 @@ class TrainSpec(Spec):
                              "apex; implied by fused_kernels): it saves its input and rstd, not the fp32 chain")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
                                       "the caching allocator grows/shrinks segments (less reserved slack)")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                description="AdamW weight decay (the trainer's optimizer.weight_decay): above 0 the "
+                                "parameters form two optimizer groups (`weight_decayed` and the rest), which "
+                                "DeepSpeed ZeRO-1/2 partitions one by one")
     sequence_parallel: bool = Field(True, description="under TP, norms/residuals sharded over the TP ranks "
                                     "(Megatron-LM, torchtitan); no effect at tp 1")
     tp_comm_overlap: bool = Field(False, description="TP's all-gathers/reduce-scatters overlapped with the "

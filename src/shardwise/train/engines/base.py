@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.data.labels import IGNORE_INDEX
+from shardwise.specs.train import weight_decayed
 
 if TYPE_CHECKING:
     from shardwise.specs.train import TrainSpec
@@ -211,7 +212,7 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
+        (decay if weight_decayed(name, p.ndim) else no_decay).append(p)
     if weight_decay == 0:  # one group: the split changes nothing, and each group costs a loop
         return [{"params": decay + no_decay, "weight_decay": 0.0}]
     return [
