@@ -44,7 +44,7 @@ def test_plan_takes_fused_norm():
         res = CliRunner().invoke(app, ["plan", "--json", "-m", "llama-2-7b", "--gpu", "h100-sxm", "--gpus", "8",
                                        "-s", "fsdp", *flags])
         assert res.exit_code == 0, res.output
-        return json.loads(res.output)
+        return json.loads(res.stdout)
 
     eager, fused = plan(), plan("--fused-norm")
     assert fused["train"]["fused_norm"] is True and eager["train"]["fused_norm"] is False

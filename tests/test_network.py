@@ -28,7 +28,7 @@ runner = CliRunner()
 # What each GPU has between the GPUs of one node, from the vendors' product descriptions:
 # NVLink 2/3/4 on V100/A100/H100-H200 SXM, PCIe on the PCIe and consumer cards, xGMI on MI300X.
 OWN_LINK = {
-    "a100-40g": "nvlink3", "a100-80g": "nvlink3", "h100-sxm": "nvlink4", "h200": "nvlink4",
+    "a100-40g": "nvlink3", "a100-80g": "nvlink3", "a800-80g": "nvlink3-400", "h100-sxm": "nvlink4", "h200": "nvlink4",
     "v100-32g": "nvlink2", "h100-pcie": "pcie5", "l40s": "pcie4", "rtx-4090": "pcie4", "rtx-3090": "pcie4",
     "mi300x": "xgmi",
 }  # fmt: skip
