@@ -157,7 +157,9 @@ def readme_claims(fit: dict, published: dict | None = None) -> list[str]:
     s = summary(fit)
     h, p = s["h200"], s["published"]
     published = published or _load("accuracy_published.json")
-    return [f"{published['summary']['compared']} published runs", f"±25% for {h['loo']} of {h['n']} held out", f"(in-sample: {h['in_sample']} of {h['n']}",
+    mem = published["summary"]["memory"]
+    return [f"{published['summary']['compared']} published runs",
+            f"within ±10% for {mem['within_band']} of the {mem['n']} that publish one", f"±25% for {h['loo']} of {h['n']} held out", f"(in-sample: {h['in_sample']} of {h['n']}",
             f"±20% for {p['loso']} of {p['n']} with each source held", f"(in-sample: {p['in_sample']} of {p['n']})"]
 
 
