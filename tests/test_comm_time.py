@@ -289,3 +289,18 @@ def test_tp_comm_overlap_hides_tp_collectives_behind_the_gemms():
     assert e0.time.exposed_comm_s - e1.time.exposed_comm_s == pytest.approx(hidden, rel=1e-9)
     assert e1.time.comm_s == pytest.approx(e0.time.comm_s)  # the bytes still move
     assert e1.time.gemm_s == e0.time.gemm_s
+
+
+def test_plan_cli_takes_tp_comm_overlap():
+    args = ["plan", "--model", "llama-2-70b", "--gpu", "h100-sxm", "--gpus", "64", "--gpus-per-node", "8",
+            "--tp", "8", "-s", "fsdp", "--seq-len", "4096", "--json"]
+    runner = CliRunner()
+    plain, overlap = (runner.invoke(app, args + extra) for extra in ([], ["--tp-comm-overlap"]))
+    assert plain.exit_code == 0 and overlap.exit_code == 0, (plain.output, overlap.output)
+    import json
+
+    def exposed(res):
+        doc = json.loads(res.stdout)
+        return doc["strategies"][0]["time"]["exposed_comm_s"]
+
+    assert exposed(overlap) < exposed(plain)

@@ -68,6 +68,9 @@ def plan(
                                            help="Under --tp > 1: norms, residuals and their elementwise work split "
                                            "over the TP ranks (Megatron-LM --sequence-parallel, torchtitan); "
                                            "off: replicated on every TP rank."),
+    tp_comm_overlap: bool = typer.Option(False, "--tp-comm-overlap", help="Under --tp > 1: TP's collectives "
+                                         "overlapped with the GEMMs they feed (Megatron-LM --tp-comm-overlap, "
+                                         "torchtitan's async TP); off: on the critical path."),
     strategy: list[str] | None = typer.Option(None, "--strategy", "-s", help="Repeatable; default: all."),
     tp: int | None = typer.Option(None, "--tp", help="Tensor-parallel degree of the table (default 1); given, the "
                                   "recommender keeps to it too (default: it sweeps 1, 2, 4, 8)."),
@@ -135,7 +138,7 @@ def plan(
             **({} if ce_chunk is None else {"ce_chunk": ce_chunk}),
             nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
             fused_kernels=fused_kernels, fused_norm=fused_norm, expandable_segments=expandable_segments,
-            sequence_parallel=sequence_parallel, weight_decay=weight_decay,
+            sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap, weight_decay=weight_decay,
         )
         check_margin(margin)
         warnings = _input_warnings(m, train)
