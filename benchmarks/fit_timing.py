@@ -218,15 +218,21 @@ def fit(cases: list[Case], cands: list[Candidate] | None = None, strict: bool = 
     for _ in range(2):  # coordinate descent: machine constants can share cases (ZeRO-2: hooks and step)
         for c in machine:
             values[c.name] = _solve(c, inf[c.name], values)
+    machine_at_bound = []
     for c in machine:
         mine = sorted(k.name for k in inf[c.name])
+        u = (values[c.name] - c.lo) / (c.hi - c.lo)
+        edge = ""
+        if u < AT_BOUND or u > 1 - AT_BOUND:  # the cases do not resolve it within the physical range
+            machine_at_bound.append(c.name)
+            edge = f"; at its {'lower' if u < 0.5 else 'upper'} bound: these cases do not resolve it"
         prov[c.name] = {"kind": "measured", "cases": mine, "sources": sorted({k.source for k in inf[c.name]}),
                         "basis": f"solved from the step times of {', '.join(mine)} (in-sample for them; a property "
-                                 "of the host that ran them, measured there, not fitted across sources)"}
+                                 f"of the host that ran them, measured there, not fitted across sources){edge}"}
     if strict and at_bound:
         raise FitError(f"fitted constants at a bound: {at_bound} ({ {n: values[n] for n in at_bound} }); "
                        "the model or the bounds are wrong")
-    return {"values": values, "provenance": prov, "at_bound": at_bound,
+    return {"values": values, "provenance": prov, "at_bound": at_bound, "machine_at_bound": machine_at_bound,
             "fitted": [c.name for c in fitted], "machine": [c.name for c in machine]}
 
 
@@ -290,6 +296,7 @@ def run() -> dict:
         "inform_threshold": INFORM, "min_cases": MIN_CASES, "min_sources": MIN_SOURCES,
         "values": {k: float(f"{v:.4g}") for k, v in full["values"].items()},
         "provenance": full["provenance"], "fitted": full["fitted"], "machine": full["machine"],
+        "machine_at_bound": full["machine_at_bound"],
         "held_out_at_bound": {"loo": loo_bounds, "loso": loso_bounds},
         "cases": rows,
     }
