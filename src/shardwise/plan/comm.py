@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from shardwise.plan.lora import adapter_params, adapter_tensors
-from shardwise.plan.memory import _persistent_params, stage_layer_params, stage_params
+from shardwise.plan.stage import persistent_params, stage_layer_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -135,7 +135,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         ds = s.ds
         # Every parameter of the module is partitioned, adapters included; tensors under the
         # persistence threshold stay whole (LoRA's r × d matrices usually are).
-        persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+        persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
         if lora:
             layers = -(-model.num_layers // layout.pp)
             persist += sum(m * per * layers for m, per in adapter_tensors(model, train, layout.tp)

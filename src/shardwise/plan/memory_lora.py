@@ -14,13 +14,8 @@ from shardwise.plan.lora import (
     linear_weight_params,
     trainable_params,
 )
-from shardwise.plan.memory import (
-    _optimizer_bytes,
-    _persistent_params,
-    fsdp_gathered_params,
-    optimizer_temp,
-    zero3_gathered,
-)
+from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
+from shardwise.plan.stage import fsdp_gathered_params, persistent_params, zero3_gathered
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
@@ -42,7 +37,7 @@ def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Paralle
     c = train.compute_bytes
     a = trainable_params(model, train, layout.tp, layout.pp)
     base = base_bytes(model, train, layout, psi)  # frozen base, whole, as stored
-    os_ = _optimizer_bytes(train)
+    os_ = optimizer_bytes(train)
     temp = optimizer_temp(train, a, a)
     layer = model.params_per_layer / layout.tp
     host = HostBreakdown()
@@ -52,7 +47,7 @@ def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Paralle
         base_w = base * w / c  # DeepSpeed keeps the module in the compute dtype
         if stage == 3:
             # small tensors stay whole on every rank, base and adapters alike (QLoRA never runs here)
-            persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+            persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
             persist += sum(e * k * model.num_layers for e, k in adapter_tensors(model, train, layout.tp)
                            if e < ds.param_persistence_threshold)
             whole = w * persist
