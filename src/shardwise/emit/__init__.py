@@ -92,7 +92,7 @@ def emit_configs(
         write(name, text, executable=True)
 
     names = [*files, "README.md"]
-    write("README.md", readme(model, hw, train, strategy, plan, names, notes, run, holes))
+    write("README.md", readme(model, hw, train, strategy, plan, names=names, notes=notes, run=run, holes=holes))
     return publish(out_dir, files)
 
 
@@ -287,7 +287,7 @@ _FILES = {
 }  # fmt: skip
 
 
-def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, plan: MemoryPlan,
+def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, plan: MemoryPlan, *,
            names: list[str], notes: list[str], run: RunSpec,
            holes: dict[str, Placeholder] | None = None) -> str:  # fmt: skip
     g, host, lay = plan.gpu, plan.host, plan.layout

@@ -163,8 +163,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     # micro-batch (`reduce_every_micro_batch`, torch's default). LoRA adapters live in the
     # decoder-layer units and are gathered with them.
     p = c
-    mixed = train.precision in ("bf16-mixed", "fp16-mixed")
-    reduce = s.fsdp.reduce_bytes(c) if (mixed or lora) else (2 if train.precision == "bf16-pure" else 4)
+    reduce = s.fsdp.reduce_bytes(c) if (train.mixed_precision or lora) else (2 if train.precision == "bf16-pure" else 4)
     layers = stage_layer_params(model, layout.pp) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
     share = fsdp_regather_share(model, s, layout)
@@ -207,7 +206,7 @@ def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
     act = c * train.micro_batch * train.seq_len * model.hidden_size
     layers = -(-model.num_layers // layout.pp)
     if layout.tp > 1:
-        per_layer = 4 + (2 if train.checkpointing == "full" else 0)
+        per_layer = 2 * train.layer_passes  # 2 per pass: forward, backward (and recompute)
         ar = per_layer * act * layers * k
         n = per_layer * layers * k
         out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=n, blocking_calls=n)

@@ -22,6 +22,7 @@ from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_st
 from shardwise.plan.memory_lora import lora_states
 from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
 from shardwise.plan.stage import (
+    Replica,
     fsdp_gathered_params,
     partition_holding,
     persistent_params,
@@ -89,20 +90,18 @@ def model_states(
         return paper_model_states(psi, n, strategy), HostBreakdown()
     if accounting == "deepspeed":
         return deepspeed_estimator(model, psi, n, strategy, layout, per_node)
-    return _engine(model, train, strategy, layout, psi, n, per_node)
+    return _engine(Replica(model, train, strategy, layout, psi, n, per_node))
 
 
-def _engine(model, train: TrainSpec, s: Strategy, layout, psi, n, per_node) -> tuple[MemoryBreakdown, HostBreakdown]:
-    c = train.compute_bytes
+def _engine(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
+    if r.train.lora_rank:
+        return lora_states(r)
+    if r.strategy.engine == "deepspeed":
+        return _deepspeed(r)
+    if r.strategy.engine == "fsdp2":
+        return _fsdp2(r)
+    model, train, s, layout, psi = r.model, r.train, r.strategy, r.layout, r.psi
     os_ = optimizer_bytes(train)
-    mixed = train.precision in ("bf16-mixed", "fp16-mixed")
-    layer = model.params_per_layer / layout.tp
-    if train.lora_rank:
-        return lora_states(model, train, s, layout, psi, n)
-    if s.engine == "deepspeed":
-        return _deepspeed(model, train, s, layout, psi, n, per_node, c, os_, layer)
-    if s.engine == "fsdp2":
-        return _fsdp2(model, train, s, layout, psi, n, per_node, c, os_, layer, mixed)
     # DDP: the module stays fp32 under autocast (fp32 params, grads, optimizer; autocast's
     # cached weight casts are saved for backward, so `autocast_cache` books them with the
     # activations). With gradient_as_bucket_view the reducer's buckets *are* the grads and stay
@@ -127,7 +126,7 @@ def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -
     already freed. Returns (bytes saved by forward, change during recompute); measured exactly
     on tiny Llama/Qwen2 (benchmarks/results/measured_activations.json, bf16-autocast)."""
     c = train.compute_bytes
-    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    lm_head = model.lm_head_params / layout.tp
     # routed experts are fused 3-D parameters, not nn.Linear: autocast does not cast them
     n_moe = sum(model.moe_layers)
     experts_per_layer = model.expert_params / n_moe if n_moe else 0.0
@@ -138,11 +137,13 @@ def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -
     return c * (layers + lm_head), 0.0
 
 
-def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer):
+def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     """DeepSpeed keeps the module in the compute dtype (w bytes) and an fp32 master partition,
     even for an fp32 model (measured: docs/reference.md "What the engines allocate"); grads are partitioned in the compute dtype
     and copied to an fp32 partition inside step() (stage_1_and_2.py `single_partition_of_fp32_groups`).
     The optimizer runs on flat partitions, so a for-loop step's temporaries are partition-sized."""
+    model, train, s, layout, psi, n, per_node = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node
+    c, os_ = train.compute_bytes, optimizer_bytes(train)
     w = c
     stage = s.zero_stage
     ds = s.ds
@@ -208,7 +209,7 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
     return mem, host
 
 
-def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, mixed):
+def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     """FSDP2 (`fully_shard` per decoder layer + root): sharded fp32 params and grads (mixed
     precision casts to `param_dtype` when it all-gathers), optimizer on the shards. Gathered:
     the unsharded c-byte params of the layer in flight and the prefetched one, and the root
@@ -217,11 +218,13 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
     from forward to backward (fsdp_gathered_params). Backward buffers: a layer's unsharded grads plus their `reduce_dtype` copy for
     reduce-scatter, and lm_head's unsharded grad (the root reduce-scatters at the very end)
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
+    model, train, s, layout, psi, n, per_node, layer = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node, r.layer
+    c, os_ = train.compute_bytes, optimizer_bytes(train)
     w = 2 if train.precision == "bf16-pure" else 4
     root = psi - stage_layer_params(model, layout.pp) / layout.tp
-    reduce = s.fsdp.reduce_bytes(c) if mixed else w
+    reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
     gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
-    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    lm_head = model.lm_head_params / layout.tp
     rs = (c + reduce) * layer + c * lm_head
     # Accumulation. The trainer turns gradient sync off on non-final micro-batches: FSDP2 then
     # keeps every unsharded grad, upcast to reduce_dtype (`to_accumulated_grad_if_needed`,
@@ -296,7 +299,7 @@ def plan_memory(
     layout.check_model(model)
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
     # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
-    autocast = strategy.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
+    autocast = train.autocasts(strategy.engine)
     acts = activation_bytes(model, train, layout.tp, layout.pp, autocast)
     recompute = recompute_bytes(model, train, layout.tp, autocast)
     if autocast:

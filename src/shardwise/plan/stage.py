@@ -5,12 +5,33 @@ ZeRO-3 and FSDP2 keep gathered. Memory, communication, time and the load phase r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One GPU's share of the model under a strategy, as each engine's model-state rule reads it
+    (plan/memory.py, memory_lora.py): the specs, ψ (the replica's parameters, `stage_params`),
+    the shard group's size n and the GPUs sharing one host."""
+
+    model: ModelSpec
+    train: TrainSpec
+    strategy: Strategy
+    layout: ParallelLayout
+    psi: float
+    n: int
+    per_node: int
+
+    @property
+    def layer(self) -> float:
+        """One decoder layer's parameters on this TP rank."""
+        return self.model.params_per_layer / self.layout.tp
 
 
 def stage_layer_params(model: ModelSpec, pp: int) -> int:
@@ -81,10 +102,10 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
     layer = model.params_per_layer / layout.tp
     layers = -(-model.num_layers // layout.pp)
     tail = model.root_params / layout.tp  # embed, norm, lm_head
-    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    lm_head = model.lm_head_params / layout.tp
     gathered = (stage_layer_params(model, layout.pp) / layout.tp + tail
                 - persistent_params(model, ds.param_persistence_threshold, layout.tp))
-    passes = 3 if train.checkpointing == "full" else 2  # forward, (recompute,) backward of each later layer
+    passes = train.layer_passes  # forward, (recompute,) backward of each later layer
     kept_layers = 0
     for after in range(layers):  # `after` = layers that follow this one in forward
         if passes * after * layer + 2 * lm_head >= ds.max_reuse_distance:

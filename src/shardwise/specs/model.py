@@ -238,6 +238,11 @@ class ModelSpec(Spec):
             return self.inventory.expert_params
         return 3 * self.num_experts * self.expert_width * self.hidden_size * sum(self.moe_layers)
 
+    @property
+    def lm_head_params(self) -> int:
+        """The output projection hidden → vocab (its weight; tied or not, it is one matmul)."""
+        return self.vocab_size * self.hidden_size
+
     @cached_property
     def embedding_params(self) -> int:
         """Token embedding, untied lm_head and a learned position table (lookups and the output

@@ -346,8 +346,8 @@ def save_checkpoint(
         failures, gathered = [f for f, _ in outcomes], [e for _, e in outcomes]
     if rank == 0 and not any(failures):
         try:
-            _publish(tmp, final, root, state, gathered, config, strategy, world, lineage, keep_last,
-                     publish_own_tmp_dir, protect=protect)
+            _publish(tmp, final, root, state, gathered=gathered, config=config, strategy=strategy, world=world,
+                     lineage=lineage, keep_last=keep_last, publish=publish_own_tmp_dir, protect=protect)
         except OSError as e:
             failure = describe(e)
     failures = gather(failure)
@@ -360,7 +360,7 @@ def save_checkpoint(
     return final
 
 
-def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: list[Any], config: dict[str, Any],
+def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, *, gathered: list[Any], config: dict[str, Any],
              strategy: str, world: int, lineage: Any, keep_last: int, publish: Callable[[Path, Path], None],
              protect: int | None = None) -> None:
     """Rank 0: trainer state and manifest (last, fsynced), the atomic rename, then pruning."""
