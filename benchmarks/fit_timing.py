@@ -52,7 +52,7 @@ import h200_cases  # noqa: E402
 
 from shardwise.errors import ShardwiseError  # noqa: E402
 from shardwise.plan.comm import plan_comm  # noqa: E402
-from shardwise.plan.memory import plan_memory  # noqa: E402
+from shardwise.plan.evaluate import memory_as_run  # noqa: E402
 from shardwise.plan.timing import step_time  # noqa: E402
 
 TIMING_YAML = HERE.parent / "src" / "shardwise" / "catalog" / "timing.yaml"
@@ -81,7 +81,7 @@ class Case:
 
 
 def _case(name, source, measured, model, hw, train, strategy) -> Case:
-    mem = plan_memory(model, hw, train, strategy, margin=0.0)
+    mem = memory_as_run(model, hw, train, strategy, margin=0.0)
     runs = mem.engine_strategy
     return Case(name, source, measured, model, hw, train, runs, mem.layout,
                 plan_comm(model, hw, train, runs, mem.layout))

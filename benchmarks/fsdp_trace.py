@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from shardwise.bench.fsdp_trace import trace_fsdp
-from shardwise.plan.memory import plan_memory
+from shardwise.plan.evaluate import memory_as_run
 
 OUT = Path(__file__).parent / "results" / "fsdp_trace.json"
 CASES = [  # model, world, seq, micro-batch, checkpointing, strategy
@@ -32,7 +32,7 @@ CASES = [  # model, world, seq, micro-batch, checkpointing, strategy
 def compare(model_name, world, seq, mb, ckpt, strategy) -> dict:
     traced = trace_fsdp(model_name, world, seq, mb, ckpt, strategy)
     run = traced["run"]  # the planner sees exactly the run the trace built (the run bridge)
-    g = plan_memory(run.model, run.hardware, run.train, run.strategy).gpu
+    g = memory_as_run(run.model, run.hardware, run.train, run.strategy).gpu
     planned = g.total - g.runtime_overhead
     return {
         "model": model_name, "world": world, "seq_len": seq, "micro_batch": mb, "checkpointing": ckpt,

@@ -118,7 +118,7 @@ def test_a_slower_measured_adamw_lengthens_the_planned_step():
     assert slow.optimizer_s > fast.optimizer_s and slow.step_s > fast.step_s
     assert slow.tokens_per_s_per_gpu < fast.tokens_per_s_per_gpu
     # the update's share doubles; clipping and DeepSpeed's copies stay priced by bytes
-    from shardwise.plan.memory import stage_params
+    from shardwise.plan.stage import stage_params
 
     shard = stage_params(m, 1, 1) / 8  # ZeRO-2 shards the optimizer over the 8 ranks
     assert slow.optimizer_s - fast.optimizer_s == pytest.approx(shard / 2e10 - shard / 4e10, rel=1e-6)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.plan.memory import plan_memory
+from shardwise.plan.evaluate import memory_as_run
 
 pytest.importorskip("torch")
 from shardwise.bench.fsdp_trace import trace_fsdp
@@ -25,7 +25,7 @@ TOL = 0.10
 def test_planned_peak_matches_traced_fsdp2_step(model, world, seq, mb, ckpt, strategy):
     traced = trace_fsdp(model, world, seq, mb, ckpt, strategy)
     run = traced["run"]  # the planner sees exactly the run the trace built (the run bridge)
-    g = plan_memory(run.model, run.hardware, run.train, run.strategy).gpu
+    g = memory_as_run(run.model, run.hardware, run.train, run.strategy).gpu
     planned = g.total - g.runtime_overhead
     err = planned / traced["total"] - 1
     assert abs(err) <= TOL, (

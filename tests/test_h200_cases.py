@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardwise import catalog
-from shardwise.plan.evaluate import evaluate
-from shardwise.plan.memory import plan_memory
+from shardwise.plan.evaluate import evaluate, memory_as_run
 from shardwise.specs import Strategy, TrainSpec
 
 _spec = importlib.util.spec_from_file_location(
@@ -50,8 +49,8 @@ def test_llama2_7b_fits_one_h200_with_fused_adamw_not_with_foreach():
     """The false OOM of the issue: a foreach AdamW step allocates exp_avg_sq_sqrt for every
     parameter (4Ψ, 25 GiB at 6.74B), the fused step none. Measured peak: 101.88 GiB (fused)."""
     model, hw, train, strategy = h200.specs(CASES["llama2-7b-fsdp-ac"])
-    fused = plan_memory(model, hw, train, strategy)
-    foreach = plan_memory(model, hw, train.model_copy(update={"optimizer_impl": "foreach"}), strategy)
+    fused = memory_as_run(model, hw, train, strategy)
+    foreach = memory_as_run(model, hw, train.model_copy(update={"optimizer_impl": "foreach"}), strategy)
     assert fused.fits
     assert foreach.gpu.step_buffers == pytest.approx(4 * model.params)  # world size 1: the whole model
     assert fused.gpu.step_buffers < 0.1 * foreach.gpu.step_buffers  # the root's reduce-scatter copy only
@@ -61,7 +60,7 @@ def test_llama2_7b_fits_one_h200_with_fused_adamw_not_with_foreach():
 def test_phases_are_not_summed():
     """The loss's peak (logits) and the optimizer step never coexist: the peak is one phase."""
     model, hw, train, strategy = h200.specs(CASES["q05-fsdp"])
-    g = plan_memory(model, hw, train, strategy).gpu
+    g = memory_as_run(model, hw, train, strategy).gpu
     phases = g.phases
     assert g.allocated == max(phases.values())
     assert phases["forward"] > phases["step"]  # 151,936-token vocabulary: the loss dominates
@@ -74,12 +73,12 @@ def test_reserved_above_allocated_and_fits_uses_what_cannot_be_reclaimed():
     and retries with before an out-of-memory; fits is decided on `required`: the allocated peak,
     the unreclaimable slack, the CUDA context (and NCCL)."""
     model, hw, train, strategy = h200.specs(CASES["l7b8-fsdp"])
-    g = plan_memory(model, hw, train, strategy).gpu
+    g = memory_as_run(model, hw, train, strategy).gpu
     assert g.reserved > g.allocated and g.total > g.reserved
     assert g.allocated < g.required < g.total
 
     def on(gb):
-        return plan_memory(model, catalog.build_hardware(gpu="h200", gpus=1, gpus_per_node=1, memory_gb=gb),
+        return memory_as_run(model, catalog.build_hardware(gpu="h200", gpus=1, gpus_per_node=1, memory_gb=gb),
                            train, strategy)
 
     assert on((g.required + g.total) / 2 / 0.95 / 1e9).fits  # short of the device total: the cache goes
@@ -98,7 +97,7 @@ def test_fsdp2_accumulation_trainer_vs_stock():
     train = TrainSpec(grad_accum=4, seq_len=2048)
     trainer = Strategy.from_name("fsdp")
     stock = Strategy.from_name("fsdp", fsdp=FSDPKnobs(reduce_every_micro_batch=True))
-    a, b = plan_memory(m, hw, train, trainer).gpu, plan_memory(m, hw, train, stock).gpu
+    a, b = memory_as_run(m, hw, train, trainer).gpu, memory_as_run(m, hw, train, stock).gpu
     assert a.held_grads == pytest.approx(4 * m.params) and b.held_grads == 0
     assert b.grads_persist and not a.grads_persist
     assert plan_comm(m, hw, train, stock).reduce_scatter == pytest.approx(4 * plan_comm(m, hw, train, trainer).reduce_scatter)

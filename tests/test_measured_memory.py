@@ -81,10 +81,10 @@ def measured_states() -> dict:
 
 def _plan(variant: str):
     """The planner on the very RunSpec the measured engines were built from (the run bridge)."""
-    from shardwise.plan.memory import plan_memory
+    from shardwise.plan.evaluate import memory_as_run
 
     run = worker.bench_run(variant)
-    return plan_memory(run.model, run.hardware, run.train, run.strategy)
+    return memory_as_run(run.model, run.hardware, run.train, run.strategy)
 
 
 def _table(strategy: str, ranks: list[dict], plan) -> str:
@@ -178,7 +178,7 @@ ACT_CASES += [
 
 def _act_plan(shape: str, prec: str, attn: str, ckpt: str):
     from shardwise.catalog import build_hardware
-    from shardwise.plan.memory import plan_memory
+    from shardwise.plan.evaluate import memory_as_run
     from shardwise.specs import ModelSpec, Strategy, TrainSpec
 
     cfg = {**saved.SHAPES[shape], "num_hidden_layers": LAYERS}
@@ -188,7 +188,7 @@ def _act_plan(shape: str, prec: str, attn: str, ckpt: str):
     # "bf16" = a bf16 module (DeepSpeed bf16, FSDP2 param_dtype); "bf16-autocast" = an fp32
     # module under torch.autocast, which is how the DDP engine runs mixed precision.
     strategy = "ddp" if prec == "bf16-autocast" else "fsdp"
-    return plan_memory(model, build_hardware(gpu="a100-80g", gpus=2), train, Strategy.from_name(strategy))
+    return memory_as_run(model, build_hardware(gpu="a100-80g", gpus=2), train, Strategy.from_name(strategy))
 
 
 def _planned_saved(g, prec: str) -> float:

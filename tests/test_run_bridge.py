@@ -170,9 +170,9 @@ def test_preflight_plans_the_configured_buckets(tmp_path, monkeypatch, disk_free
     cfg = TrainConfig.model_validate({"model": {"name": "llama-2-7b"}, "strategy": {"name": "zero2", "deepspeed": {
         "reduce_bucket_size": 50_000_000}}, "hardware": {"check_memory": False}, "data": {"sft": {"packing": False}}})
     run, _ = preflight(cfg, 8, "cuda")
-    from shardwise.plan.memory import plan_memory
+    from shardwise.plan.evaluate import memory_as_run
 
-    g = plan_memory(run.model, run.hardware, run.train, run.strategy).gpu
+    g = memory_as_run(run.model, run.hardware, run.train, run.strategy).gpu
     # bf16 buckets, doubled by overlap_comm only when it is on (DeepSpeed: stage 3 by default)
     assert g.grad_buffers == 50_000_000 * 2
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from shardwise import catalog
-from shardwise.plan.memory import optimizer_groups, partition_holding, plan_memory
+from shardwise.plan.memory import plan_memory
+from shardwise.plan.stage import optimizer_groups, partition_holding
 from shardwise.specs import Strategy, TrainSpec
 
 TINY = catalog.get_model("tiny-llama")  # hidden 64, 2 layers, intermediate 176, vocab 2048, untied

@@ -17,7 +17,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from shardwise.catalog import build_hardware, get_model
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import evaluate
-from shardwise.plan.memory import zero3_gathered
+from shardwise.plan.stage import zero3_gathered
 from shardwise.run import deepspeed_config, run_spec
 from shardwise.specs import DeepSpeedKnobs, ParallelLayout, Strategy, TrainSpec
 from shardwise.train.config import TrainConfig

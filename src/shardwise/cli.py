@@ -167,8 +167,8 @@ def plan(
             rec_error, alternatives = str(no_fit), no_fit.alternatives
         emitted, notes = None, []
         if emit is not None:
-            emitted, notes = _emit(m, hw, train, rec, rec_error, emit, emit_strategy, tp, pp, knobs, margin,
-                                   accounting)
+            emitted, notes = _emit(m, hw, train, rec, rec_error=rec_error, out_dir=emit, name=emit_strategy, tp=tp,
+                                   pp=pp, knobs=knobs, margin=margin, accounting=accounting)
     except ShardwiseError as e:
         _fail(e)
     _warn(warnings)
@@ -338,7 +338,7 @@ def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):
                          shard_group=shard_group)
 
 
-def _emit(m, hw, train, rec, rec_error, out_dir, name, tp, pp, knobs, margin, accounting):
+def _emit(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, margin, accounting):
     """Write exactly the configuration the plan shows, or refuse and say why: the recommended
     one (strategy, micro-batch, accumulation, checkpointing), or with --emit-strategy that
     strategy's row of the table. Returns ((evaluation, paths), notes)."""

@@ -619,10 +619,11 @@ def test_sdpa_the_architecture_lacks_is_refused_naming_the_field(tmp_path, name,
 
 
 def test_no_sdpa_table_matches_transformers():
-    """train.model.NO_SDPA (the analytic families preflight refuses or maps under sdpa) is what
+    """run.resolve.NO_SDPA (the analytic families preflight refuses or maps under sdpa) is what
     the installed transformers' causal-LM classes say."""
+    from shardwise.run.resolve import NO_SDPA
     from shardwise.specs.families import ANALYTIC_FAMILIES
-    from shardwise.train.model import NO_SDPA, causal_lm_class
+    from shardwise.train.hf import causal_lm_class
 
     lacking = {f for f in ANALYTIC_FAMILIES if not causal_lm_class(f)._supports_sdpa}
     assert lacking == set(NO_SDPA)

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardwise.data.labels import count_target_tokens
 from shardwise.errors import ShardwiseError
-from shardwise.run import run_spec
+from shardwise.run import resolve, run_spec
 from shardwise.train import packed_attention as pa
 from shardwise.train.config import TrainConfig
 
@@ -244,9 +244,9 @@ def test_flex_attention_compile_failure_in_the_kernel_falls_back(monkeypatch, ca
     ("dense", "cpu", "sdpa", "llama", "fp32", False, "dense"),
 ])
 def test_resolve(choice, device, attention, family, precision, flash, runs):
-    assert pa.resolve(choice, data_kind="sft", device=device, attention=attention, family=family,
+    assert resolve.packed_attention(choice, data_kind="sft", device=device, attention=attention, family=family,
                       precision=precision, flash_attn=flash) == runs
-    assert pa.resolve(choice, data_kind="synthetic", device=device, attention=attention, family=family,
+    assert resolve.packed_attention(choice, data_kind="synthetic", device=device, attention=attention, family=family,
                       precision=precision, flash_attn=flash) == "none"
 
 
@@ -258,22 +258,21 @@ def test_resolve(choice, device, attention, family, precision, flash, runs):
 ])
 def test_resolve_refuses_what_cannot_run(choice, device, attention, family, says):
     with pytest.raises(ShardwiseError, match=r"data\.sft\.packed_attention") as e:
-        pa.resolve(choice, data_kind="sft", device=device, attention=attention, family=family, precision="fp32",
+        resolve.packed_attention(choice, data_kind="sft", device=device, attention=attention, family=family, precision="fp32",
                    flash_attn=False)
     assert says in str(e.value)
 
 
 def test_the_family_lists_match_the_installed_transformers():
     from shardwise.specs.families import ANALYTIC_FAMILIES
-    from shardwise.train.model import NO_SDPA, causal_lm_class
+    from shardwise.train.hf import causal_lm_class
 
-    assert set(pa.EAGER_ONLY) == set(NO_SDPA)
     for family in ANALYTIC_FAMILIES:
         cls = causal_lm_class(family)
         if cls is None:
             continue
-        assert (family in pa.NO_FLEX) == (not cls._supports_flex_attn), family
-        assert cls._supports_attention_backend or family in pa.EAGER_ONLY, family
+        assert (family in resolve.NO_FLEX) == (not cls._supports_flex_attn), family
+        assert cls._supports_attention_backend or family in resolve.NO_SDPA, family
 
 
 def test_dense_is_noted_with_its_cost_and_the_planned_value_round_trips():

@@ -110,7 +110,7 @@ def test_qlora_trains_on_gpu_within_plan(tmp_path, strategy):
     """qwen2.5-0.5b shape (random init: no hub), NF4 base, rank 16 on every linear, seq 512 ×
     micro-batch 4, 20 steps on one repeated batch: the loss falls and the peak allocated memory
     is within 15% of the planned allocated figure."""
-    from shardwise.plan.memory import plan_memory
+    from shardwise.plan.evaluate import memory_as_run
     from shardwise.run import run_spec
 
     out = tmp_path / "run"
@@ -133,6 +133,6 @@ def test_qlora_trains_on_gpu_within_plan(tmp_path, strategy):
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.5, losses
     summary = json.loads((out / "summary.json").read_text())
     run = run_spec(TrainConfig.model_validate(raw), 1, "cuda", environ={})
-    planned = plan_memory(run.model, run.hardware, run.train, run.strategy).gpu.allocated
+    planned = memory_as_run(run.model, run.hardware, run.train, run.strategy).gpu.allocated
     measured = summary["measured_memory_bytes"]
     assert abs(measured - planned) <= 0.15 * measured, (measured, planned)

@@ -102,7 +102,7 @@ def test_adapters_equal_on_every_engine(loaded):
 
 
 def test_key_mapping():
-    from shardwise.train.weights import checkpoint_key
+    from shardwise.train.weights_read import checkpoint_key
 
     assert checkpoint_key("model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
     assert checkpoint_key("model.layers.0.self_attn.q_proj.lora_A.default.weight") is None

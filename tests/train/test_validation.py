@@ -180,8 +180,8 @@ def test_prune_protects_only_the_named_step(tmp_path):
     tmp.mkdir()
     (tmp / ".metadata").write_bytes(b"x")  # _publish hashes DCP's index
     state = ckpt.TrainerState(step=4, samples_consumed=0, global_batch=1, train_time_s=0.0)
-    ckpt._publish(tmp, root / "step-00000004", root, state, [], {}, "ddp", 1, None, 1,
-                  lambda a, b: a.rename(b), protect=2)
+    ckpt._publish(tmp, root / "step-00000004", root, state, gathered=[], config={}, strategy="ddp", world=1,
+                  lineage=None, keep_last=1, publish=lambda a, b: a.rename(b), protect=2)
     assert [s for s, _ in published(root)] == [2, 4]
 
 

@@ -107,10 +107,10 @@ def compare(p: Any, ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """Predicted and measured side by side for one point."""
     from shardwise.bench.advice import comm_bound
     from shardwise.plan.comm import plan_comm
-    from shardwise.plan.memory import plan_memory
+    from shardwise.plan.evaluate import memory_as_run
 
     run = p.run
-    plan = plan_memory(run.model, run.hardware, run.train, run.strategy)
+    plan = memory_as_run(run.model, run.hardware, run.train, run.strategy)
     comm_plan = plan_comm(run.model, run.hardware, run.train, run.strategy)
     cuda = p.device == "cuda"
     # model states: the planner's per-GPU bytes against the largest rank's census

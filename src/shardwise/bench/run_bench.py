@@ -26,8 +26,6 @@ from typing import Any
 from shardwise.bench.probe import OUT_ENV, Probe
 
 _Probe = Probe
-# Re-exported for callers of the parent side (the CLI, tests).
-from shardwise.bench.points import BenchFailed, bench_points, parse_sweep  # noqa: E402, F401
 
 
 class _Instrumented:

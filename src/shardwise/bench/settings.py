@@ -61,7 +61,7 @@ def planned_settings(run) -> dict[str, Any]:
 def _fetch_unit(module) -> str:
     """What ZeRO-3 hooked: "layer" when the decoder layers carry its forward hooks and nothing
     inside them does, "module" when their submodules do too."""
-    from shardwise.train.engines.fsdp import decoder_layers
+    from shardwise.train.hf import decoder_layers
 
     layers = decoder_layers(module)
     inner = [m for layer in layers for m in layer.modules() if m is not layer and m._forward_pre_hooks]
@@ -93,7 +93,7 @@ def engine_settings(engine) -> dict[str, Any]:
                     "fetch_unit": _fetch_unit(module),
                     "zero3_hooked_modules": sum(1 for m in module.modules() if m._forward_pre_hooks)}
     elif engine.name == "fsdp2":
-        from shardwise.train.engines.fsdp import decoder_layers
+        from shardwise.train.hf import decoder_layers
 
         layer = decoder_layers(module)[0]._get_fsdp_state()._fsdp_param_group
         last = decoder_layers(module)[-1]._get_fsdp_state()._fsdp_param_group

@@ -32,7 +32,8 @@ import yaml
 from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable
 from shardwise.emit.launch import launch_scripts
 from shardwise.errors import ShardwiseError
-from shardwise.plan.memory import MemoryPlan, plan_memory
+from shardwise.plan.evaluate import memory_as_run
+from shardwise.plan.memory import MemoryPlan
 from shardwise.run import RunSpec, config_dict, deepspeed_config, run_spec, to_config
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
@@ -65,7 +66,7 @@ def emit_configs(
     out_dir = Path(out_dir)
     writable_dir(out_dir)
     root = out_dir.resolve()
-    plan = plan or plan_memory(model, hw, train, strategy)
+    plan = plan or memory_as_run(model, hw, train, strategy)
     files: dict[str, tuple[str, bool]] = {}  # name -> (text, executable), written at the end by `publish`
 
     def write(name: str, text: str, executable: bool = False) -> None:
@@ -91,7 +92,7 @@ def emit_configs(
         write(name, text, executable=True)
 
     names = [*files, "README.md"]
-    write("README.md", readme(model, hw, train, strategy, plan, names, notes, run, holes))
+    write("README.md", readme(model, hw, train, strategy, plan, names=names, notes=notes, run=run, holes=holes))
     return publish(out_dir, files)
 
 
@@ -286,7 +287,7 @@ _FILES = {
 }  # fmt: skip
 
 
-def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, plan: MemoryPlan,
+def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, plan: MemoryPlan, *,
            names: list[str], notes: list[str], run: RunSpec,
            holes: dict[str, Placeholder] | None = None) -> str:  # fmt: skip
     g, host, lay = plan.gpu, plan.host, plan.layout

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from shardwise.plan.lora import adapter_params, adapter_tensors
-from shardwise.plan.memory import _persistent_params, stage_layer_params, stage_params
+from shardwise.plan.stage import persistent_params, stage_layer_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -135,7 +135,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         ds = s.ds
         # Every parameter of the module is partitioned, adapters included; tensors under the
         # persistence threshold stay whole (LoRA's r × d matrices usually are).
-        persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+        persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
         if lora:
             layers = -(-model.num_layers // layout.pp)
             persist += sum(m * per * layers for m, per in adapter_tensors(model, train, layout.tp)
@@ -163,8 +163,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     # micro-batch (`reduce_every_micro_batch`, torch's default). LoRA adapters live in the
     # decoder-layer units and are gathered with them.
     p = c
-    mixed = train.precision in ("bf16-mixed", "fp16-mixed")
-    reduce = s.fsdp.reduce_bytes(c) if (mixed or lora) else (2 if train.precision == "bf16-pure" else 4)
+    reduce = s.fsdp.reduce_bytes(c) if (train.mixed_precision or lora) else (2 if train.precision == "bf16-pure" else 4)
     layers = stage_layer_params(model, layout.pp) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
     share = fsdp_regather_share(model, s, layout)
@@ -207,7 +206,7 @@ def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
     act = c * train.micro_batch * train.seq_len * model.hidden_size
     layers = -(-model.num_layers // layout.pp)
     if layout.tp > 1:
-        per_layer = 4 + (2 if train.checkpointing == "full" else 0)
+        per_layer = 2 * train.layer_passes  # 2 per pass: forward, backward (and recompute)
         ar = per_layer * act * layers * k
         n = per_layer * layers * k
         out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=n, blocking_calls=n)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.plan.comm import CommBreakdown, ideal_comm, plan_comm
-from shardwise.plan.memory import DEFAULT_MARGIN, MemoryPlan, plan_memory, stage_params
+from shardwise.plan.memory import DEFAULT_MARGIN, MemoryPlan, plan_memory
+from shardwise.plan.stage import stage_params
 from shardwise.plan.timing import TimeBreakdown, step_time
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
@@ -27,9 +28,19 @@ class Evaluation:
         return self.memory.fits
 
 
+def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+                  accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> MemoryPlan:
+    """The memory plan of what the engines run: FSDP2 with a one-rank shard group is planned as
+    the DDP it runs as, where it does (`single_rank_runs_as`; the plan names it in `runs_as`)."""
+    ddp = None
+    if accounting == "engine" and strategy.single_rank_ddp(hw.world_size, hw.gpus_per_node):
+        ddp = single_rank_runs_as(model, hw, train, strategy, margin)
+    return plan_memory(model, hw, train, strategy, accounting=accounting, margin=margin, runs_as=ddp)
+
+
 def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
              accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> Evaluation:
-    mem = plan_memory(model, hw, train, strategy, accounting=accounting, margin=margin)
+    mem = memory_as_run(model, hw, train, strategy, accounting=accounting, margin=margin)
     runs = mem.engine_strategy  # FSDP2 with a one-rank shard group may run as DDP
     comm = plan_comm(model, hw, train, runs, mem.layout)
     psi = stage_params(model, mem.layout.tp, mem.layout.pp)

@@ -24,6 +24,7 @@ from typing import Literal
 
 from shardwise.plan.breakdown import LoadBreakdown
 from shardwise.plan.lora import trainable_params
+from shardwise.plan.stage import stage_params
 from shardwise.specs.hardware import GIB
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -58,8 +59,6 @@ def load_path(strategy: Strategy, weights: str | None = "safetensors") -> LoadPa
 def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> tuple[float, float]:
     """(trainable, frozen) bytes of the model as the trainer builds it before the engine casts:
     trainable parameters in fp32, a LoRA base in the compute dtype."""
-    from shardwise.plan.memory import stage_params
-
     psi = stage_params(model, tp, pp)
     if not train.lora_rank:
         return 4 * psi, 0.0
@@ -85,8 +84,6 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
                              ranks_per_node=ranks_per_node)
     if path == "zero3":
         ds_bytes = train.compute_bytes  # zero.Init builds in DeepSpeed's dtype
-        from shardwise.plan.memory import stage_params
-
         part = ds_bytes * stage_params(model, layout.tp, layout.pp) / layout.dp_shard
         chunk = ZERO3_CHUNK_BYTES + ds_bytes * largest  # the chunk may overrun by one tensor
         # rank 0 reads one tensor at a time into the gathered chunk: its copy and its mapped pages
@@ -105,6 +102,4 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
 
 
 def _whole(model: ModelSpec, layout: ParallelLayout) -> float:
-    from shardwise.plan.memory import stage_params
-
     return 4 * stage_params(model, layout.tp, layout.pp)  # from_pretrained(dtype=float32)

@@ -12,13 +12,24 @@ Three accountings of model states:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Literal
 
 from shardwise.plan.activations import activation_bytes, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
+from shardwise.plan.load import load_phase
 from shardwise.plan.loss import logits_bytes
 from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_states
+from shardwise.plan.memory_lora import lora_states
+from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
+from shardwise.plan.stage import (
+    Replica,
+    fsdp_gathered_params,
+    partition_holding,
+    persistent_params,
+    stage_layer_params,
+    stage_params,
+    zero3_gathered,
+)
 from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -67,76 +78,6 @@ class MemoryPlan:
         return self.gpu.required <= self.usable_bytes and self.host.peak <= self.host_capacity_bytes
 
 
-def stage_layer_params(model: ModelSpec, pp: int) -> int:
-    """Decoder-layer parameters of the fullest pipeline stage (⌈L/pp⌉ consecutive layers each;
-    layers differ where dense layers sit among MoE layers)."""
-    sizes = model.layer_sizes
-    per = -(-len(sizes) // pp)
-    return max(sum(sizes[i:i + per]) for i in range(0, len(sizes), per))
-
-
-def stage_params(model: ModelSpec, tp: int, pp: int) -> float:
-    """Parameters held by one GPU's model replica: a pipeline stage's layers (worst stage: one
-    with the embedding or the lm_head) split over TP ranks (norms are replicated; negligible)."""
-    root = model.root_params
-    if pp > 1:
-        embed = model.vocab_size * model.hidden_size
-        root = max(embed, root - embed) if not model.tie_embeddings else embed
-    return (stage_layer_params(model, pp) + root) / tp
-
-
-def _persistent_params(model: ModelSpec, threshold: int, tp: int) -> float:
-    """ZeRO-3 keeps parameters with fewer than `stage3_param_persistence_threshold` elements
-    whole on every rank (partition_parameters.py: `ds_persist`)."""
-    return sum(n * k for n, k in model.tensor_sizes() if n / tp < threshold) / tp
-
-
-def optimizer_groups(model: ModelSpec, weight_decay: float) -> tuple[tuple[int, ...], ...]:
-    """The trainer's AdamW groups as tensor sizes, each in `model.parameters()` order
-    (train/engines/base.decay_groups): the decayed tensors, then the rest (norms, biases,
-    embeddings: specs.train.weight_decayed) — one group without weight decay, two with it."""
-    flags = model.hf_decayed
-    if flags is None:  # an inventory that does not say: HF order, one group
-        return (model.hf_order,)
-    decayed = tuple(n for n, d in zip(model.hf_order, flags, strict=True) if d)
-    rest = tuple(n for n, d in zip(model.hf_order, flags, strict=True) if not d)
-    groups = (decayed + rest,) if weight_decay == 0 else (decayed, rest)
-    return tuple(g for g in groups if g)
-
-
-@lru_cache(maxsize=4096)
-def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight_decay: float = 0.0) -> float:
-    """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank: DeepSpeed
-    flattens each optimizer group (`optimizer_groups`) and splits it into N slices; every
-    tensor that overlaps the rank's slice of a group is held whole (stage_1_and_2.py:
-    params_in_partition). Measured exactly on both ranks of tiny Llamas, one group and two
-    (tests/test_measured_memory.py, tests/test_zero12_groups.py)."""
-    if n <= 1:
-        return stage_params(model, tp, pp)
-    if tp > 1 or pp > 1:  # per-rank tensor order under TP/PP is engine-specific: use the ideal
-        return stage_params(model, tp, pp) / n
-    held = [0] * n
-    for sizes in optimizer_groups(model, weight_decay):
-        part = -(-sum(sizes) // n)
-        start = 0
-        for size in sizes:
-            end = start + size
-            for r in range(start // part, min(n - 1, (end - 1) // part) + 1):
-                held[r] += size
-            start = end
-    return max(held)
-
-
-def _optimizer_bytes(train: TrainSpec) -> float:
-    """Optimizer state bytes per parameter."""
-    pure = train.precision == "bf16-pure"
-    return {
-        "adamw": 4 if pure else 8,  # exp_avg + exp_avg_sq
-        "sgd": 2 if pure else 4,  # momentum buffer
-        "adam8bit": 2,  # bitsandbytes: two uint8 states (block absmax is ~1.6% extra, ignored)
-    }[train.optimizer]
-
-
 def model_states(
     model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
     accounting: Accounting = "engine", gpus_per_node: int = 8,
@@ -149,22 +90,18 @@ def model_states(
         return paper_model_states(psi, n, strategy), HostBreakdown()
     if accounting == "deepspeed":
         return deepspeed_estimator(model, psi, n, strategy, layout, per_node)
-    return _engine(model, train, strategy, layout, psi, n, per_node)
+    return _engine(Replica(model, train, strategy, layout, psi, n, per_node))
 
 
-def _engine(model, train: TrainSpec, s: Strategy, layout, psi, n, per_node) -> tuple[MemoryBreakdown, HostBreakdown]:
-    c = train.compute_bytes
-    os_ = _optimizer_bytes(train)
-    mixed = train.precision in ("bf16-mixed", "fp16-mixed")
-    layer = model.params_per_layer / layout.tp
-    if train.lora_rank:
-        from shardwise.plan.memory_lora import lora_states  # it builds on this module's engine rules
-
-        return lora_states(model, train, s, layout, psi, n)
-    if s.engine == "deepspeed":
-        return _deepspeed(model, train, s, layout, psi, n, per_node, c, os_, layer)
-    if s.engine == "fsdp2":
-        return _fsdp2(model, train, s, layout, psi, n, per_node, c, os_, layer, mixed)
+def _engine(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
+    if r.train.lora_rank:
+        return lora_states(r)
+    if r.strategy.engine == "deepspeed":
+        return _deepspeed(r)
+    if r.strategy.engine == "fsdp2":
+        return _fsdp2(r)
+    model, train, s, layout, psi = r.model, r.train, r.strategy, r.layout, r.psi
+    os_ = optimizer_bytes(train)
     # DDP: the module stays fp32 under autocast (fp32 params, grads, optimizer; autocast's
     # cached weight casts are saved for backward, so `autocast_cache` books them with the
     # activations). With gradient_as_bucket_view the reducer's buckets *are* the grads and stay
@@ -189,7 +126,7 @@ def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -
     already freed. Returns (bytes saved by forward, change during recompute); measured exactly
     on tiny Llama/Qwen2 (benchmarks/results/measured_activations.json, bf16-autocast)."""
     c = train.compute_bytes
-    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    lm_head = model.lm_head_params / layout.tp
     # routed experts are fused 3-D parameters, not nn.Linear: autocast does not cast them
     n_moe = sum(model.moe_layers)
     experts_per_layer = model.expert_params / n_moe if n_moe else 0.0
@@ -200,58 +137,13 @@ def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -
     return c * (layers + lm_head), 0.0
 
 
-def optimizer_temp(train: TrainSpec, n_params: float, largest: float) -> float:
-    """Temporaries of one optimizer step over `n_params` elements whose largest tensor has
-    `largest` (torch/optim/adam.py): fused AdamW (`_fused_adamw_`, one kernel) and
-    bitsandbytes' 8-bit Adam allocate none; foreach AdamW allocates `exp_avg_sq_sqrt` for
-    every parameter at once (state dtype); the for-loop version two per tensor while it
-    runs (`exp_avg_sq.sqrt()` and its division). SGD with momentum updates in place.
-    Measured: llama-2-7b FSDP2 on one H200 with fused AdamW peaks 25 GiB below a foreach
-    step's 4Ψ (docs/accuracy.md)."""
-    if train.optimizer != "adamw" or train.optimizer_impl == "fused":
-        return 0.0
-    state = 2 if train.precision == "bf16-pure" else 4
-    if train.optimizer_impl == "foreach":
-        return state * n_params
-    return 2 * state * min(largest, n_params)
-
-
-def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayout) -> float:
-    """Elements ZeRO-3 keeps gathered at the end of forward (partitioned_param_coordinator.py
-    `__params_to_release`): after a module's forward its params are released unless the trace
-    reuses them within `stage3_max_reuse_distance` elements of traversal. A decoder layer
-    reappears in backward after the rest of the forward (later layers, final norm, lm_head)
-    and the backward of those — with full checkpointing each later layer is also re-run — so
-    a suffix of the layers stays gathered, plus lm_head and the prefetch bucket. A model whose
-    gathered params are all within the distance is never released (no re-gather: comm.py).
-    Measured on one H200: 0.92 GiB for qwen2.5-0.5b (whole model), ~1.0 GiB for the 8-layer
-    7B-width model at 1e9 (docs/accuracy.md)."""
-    layer = model.params_per_layer / layout.tp
-    layers = -(-model.num_layers // layout.pp)
-    tail = model.root_params / layout.tp  # embed, norm, lm_head
-    lm_head = model.vocab_size * model.hidden_size / layout.tp
-    gathered = (stage_layer_params(model, layout.pp) / layout.tp + tail
-                - _persistent_params(model, ds.param_persistence_threshold, layout.tp))
-    passes = 3 if train.checkpointing == "full" else 2  # forward, (recompute,) backward of each later layer
-    kept_layers = 0
-    for after in range(layers):  # `after` = layers that follow this one in forward
-        if passes * after * layer + 2 * lm_head >= ds.max_reuse_distance:
-            break
-        kept_layers += 1
-    live = kept_layers * layer + lm_head + min(ds.prefetch_bucket_size, layer)
-    # never less than the fetch unit, gathered whole while it computes: the largest submodule,
-    # or a whole decoder layer when layers are ZeRO-3 leaves (DeepSpeedKnobs.fetch_unit)
-    unit = model.largest_module / layout.tp
-    if ds.zero3_unit(model, layout.tp) == "layer":
-        unit = max(unit, layer)
-    return max(0.0, min(gathered, max(live, unit + min(ds.prefetch_bucket_size, layer))))
-
-
-def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer):
+def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     """DeepSpeed keeps the module in the compute dtype (w bytes) and an fp32 master partition,
     even for an fp32 model (measured: docs/reference.md "What the engines allocate"); grads are partitioned in the compute dtype
     and copied to an fp32 partition inside step() (stage_1_and_2.py `single_partition_of_fp32_groups`).
     The optimizer runs on flat partitions, so a for-loop step's temporaries are partition-sized."""
+    model, train, s, layout, psi, n, per_node = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node
+    c, os_ = train.compute_bytes, optimizer_bytes(train)
     w = c
     stage = s.zero_stage
     ds = s.ds
@@ -293,7 +185,7 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
     # stays allocated across steps (measured: 1× reduce_bucket_size elements, also with its
     # default overlap_comm=True). The optimizer steps per sub-group of `sub_group_size` (1e9)
     # with an fp32 copy of that sub-group's gradients.
-    persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+    persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
     params = w * (persist + psi / n)
     sub_group = min(psi / n, SUB_GROUP_SIZE)
     mem = MemoryBreakdown(
@@ -317,19 +209,7 @@ def _deepspeed(model, train, s: Strategy, layout, psi, n, per_node, c, os_, laye
     return mem, host
 
 
-def fsdp_gathered_params(model: ModelSpec, s: Strategy, layout: ParallelLayout, c: float, psi: float,
-                         layer: float) -> float:
-    """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`).
-    "none": every unit stays gathered from its forward to its backward (c·Ψ). Else the layer in
-    flight, the prefetched one and the root (never resharded after forward). "all" and
-    "not-last" hold the same: "not-last" keeps the last layer from forward into backward; "all"
-    frees it and gathers it again as backward starts, while the next one is prefetched."""
-    if s.resharding == "none":
-        return c * psi
-    return c * (2 * layer + psi - stage_layer_params(model, layout.pp) / layout.tp)
-
-
-def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, mixed):
+def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     """FSDP2 (`fully_shard` per decoder layer + root): sharded fp32 params and grads (mixed
     precision casts to `param_dtype` when it all-gathers), optimizer on the shards. Gathered:
     the unsharded c-byte params of the layer in flight and the prefetched one, and the root
@@ -338,11 +218,13 @@ def _fsdp2(model, train, s: Strategy, layout, psi, n, per_node, c, os_, layer, m
     from forward to backward (fsdp_gathered_params). Backward buffers: a layer's unsharded grads plus their `reduce_dtype` copy for
     reduce-scatter, and lm_head's unsharded grad (the root reduce-scatters at the very end)
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
+    model, train, s, layout, psi, n, per_node, layer = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node, r.layer
+    c, os_ = train.compute_bytes, optimizer_bytes(train)
     w = 2 if train.precision == "bf16-pure" else 4
     root = psi - stage_layer_params(model, layout.pp) / layout.tp
-    reduce = s.fsdp.reduce_bytes(c) if mixed else w
+    reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
     gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
-    lm_head = model.vocab_size * model.hidden_size / layout.tp
+    lm_head = model.lm_head_params / layout.tp
     rs = (c + reduce) * layer + c * lm_head
     # Accumulation. The trainer turns gradient sync off on non-final micro-batches: FSDP2 then
     # keeps every unsharded grad, upcast to reduce_dtype (`to_accumulated_grad_if_needed`,
@@ -404,23 +286,20 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
 
 def plan_memory(
     model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-    accounting: Accounting = "engine", margin: float = DEFAULT_MARGIN,
+    accounting: Accounting = "engine", margin: float = DEFAULT_MARGIN, runs_as: Strategy | None = None,
 ) -> MemoryPlan:
     """Per-GPU (and per-host) memory of `strategy`, at the step's peak.
 
-    FSDP2 with a one-rank shard group is planned as the DDP it runs as, where it does
-    (plan.evaluate.single_rank_runs_as; the plan then names it in `runs_as`)."""
-    if accounting == "engine" and strategy.single_rank_ddp(hw.world_size, hw.gpus_per_node):
-        from shardwise.plan.evaluate import single_rank_runs_as
-
-        ddp = single_rank_runs_as(model, hw, train, strategy, margin)
-        if ddp is not None:
-            return replace(plan_memory(model, hw, train, ddp, accounting, margin), strategy=strategy, runs_as=ddp)
+    `runs_as`: the strategy the engines run instead, planned in its place and named in the
+    plan (FSDP2 with a one-rank shard group running as DDP; whether it does is decided from
+    memory and time together: plan.evaluate.memory_as_run)."""
+    if runs_as is not None:
+        return replace(plan_memory(model, hw, train, runs_as, accounting, margin), strategy=strategy, runs_as=runs_as)
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
     # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
-    autocast = strategy.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
+    autocast = train.autocasts(strategy.engine)
     acts = activation_bytes(model, train, layout.tp, layout.pp, autocast)
     recompute = recompute_bytes(model, train, layout.tp, autocast)
     if autocast:
@@ -431,8 +310,6 @@ def plan_memory(
     draft = replace(states, activations=acts, recompute=recompute, logits=logits)
     gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
     if accounting == "engine":  # the trainer's load phase (safetensors, on GPUs): plan/load.py
-        from shardwise.plan.load import load_phase
-
         per_node = max(1, min(layout.world_size, hw.gpus_per_node))
         host = replace(host, load=load_phase(model, train, strategy, layout, per_node))
     return MemoryPlan(

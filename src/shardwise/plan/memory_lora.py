@@ -14,21 +14,14 @@ from shardwise.plan.lora import (
     linear_weight_params,
     trainable_params,
 )
-from shardwise.plan.memory import (
-    _optimizer_bytes,
-    _persistent_params,
-    fsdp_gathered_params,
-    optimizer_temp,
-    zero3_gathered,
-)
+from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
+from shardwise.plan.stage import Replica, fsdp_gathered_params, persistent_params, zero3_gathered
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
-from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
 
-def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout, psi: float,
-                n: int) -> tuple[MemoryBreakdown, HostBreakdown]:
+def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     """LoRA/QLoRA (plan/lora.py counts the adapters A; `modules_to_save` adds trainable copies):
     the frozen base B is stored as the engine stores parameters and never gets grads or optimizer
     state; the trainable A get the engine's full treatment. Measured per rank on 2 gloo ranks
@@ -39,10 +32,11 @@ def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Paralle
       base and adapters alike (persistent small tensors whole) with its reduce bucket;
     - FSDP2 shards both, each in its stored dtype: (c·B + 4A)/N, grads 4A/N, AdamW A/N.
     QLoRA's base linears are NF4 (`base_bytes`)."""
+    model, train, s, layout, psi, n = r.model, r.train, r.strategy, r.layout, r.psi, r.n
     c = train.compute_bytes
     a = trainable_params(model, train, layout.tp, layout.pp)
     base = base_bytes(model, train, layout, psi)  # frozen base, whole, as stored
-    os_ = _optimizer_bytes(train)
+    os_ = optimizer_bytes(train)
     temp = optimizer_temp(train, a, a)
     layer = model.params_per_layer / layout.tp
     host = HostBreakdown()
@@ -52,7 +46,7 @@ def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Paralle
         base_w = base * w / c  # DeepSpeed keeps the module in the compute dtype
         if stage == 3:
             # small tensors stay whole on every rank, base and adapters alike (QLoRA never runs here)
-            persist = _persistent_params(model, ds.param_persistence_threshold, layout.tp)
+            persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
             persist += sum(e * k * model.num_layers for e, k in adapter_tensors(model, train, layout.tp)
                            if e < ds.param_persistence_threshold)
             whole = w * persist
@@ -73,8 +67,7 @@ def lora_states(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Paralle
             mem = replace(mem, master_params=0.0, optimizer_states=0.0, step_buffers=0.0)
         return mem, host
     if s.engine == "fsdp2":
-        mixed = train.precision in ("bf16-mixed", "fp16-mixed")
-        reduce = s.fsdp.reduce_bytes(c) if mixed else 4
+        reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else 4
         gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
         mem = MemoryBreakdown(
             params=(base + 4 * a) / n, grads=4 * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError
+from shardwise.run import resolve
 from shardwise.specs import (
     DDPKnobs,
     DeepSpeedKnobs,
@@ -27,7 +28,7 @@ from shardwise.specs import (
     Strategy,
     TrainSpec,
 )
-from shardwise.train.config import TrainConfig, validate
+from shardwise.train.config import OptimizerSection, TrainConfig, validate
 
 # DeepSpeed's 5e8-element default buckets allocate GBs per rank on CPU and slow tiny runs
 # 3-5× (docs/reference.md "DeepSpeed defaults and their memory effect"); on CPU the trainer uses 1e6.
@@ -93,7 +94,10 @@ def optimizer_impl(cfg: TrainConfig, device: str) -> str:
     DeepSpeed's `torch_adam` + `fused`): fused where asked (default: on CUDA), else torch's
     choice for the device — foreach on CUDA, the for-loop on CPU. Optimizer offload steps on
     the host (DeepSpeedCPUAdam): nothing on the GPU."""
-    fused = cfg.optimizer.fused if cfg.optimizer.fused is not None else device == "cuda"
+    return _adamw_impl(cfg.optimizer.fused_on(device), device)
+
+
+def _adamw_impl(fused: bool, device: str) -> str:
     if fused:
         return "fused"
     return "foreach" if device == "cuda" else "forloop"
@@ -102,13 +106,11 @@ def optimizer_impl(cfg: TrainConfig, device: str) -> str:
 def compiled(cfg: TrainConfig, device: str) -> bool:
     """Whether the trainer compiles the decoder layers (shardwise.train.compile): the planner
     prices and saves them as fused kernels (`TrainSpec.fused_kernels`)."""
-    from shardwise.train.compile import compile_enabled
-
     try:
         engine = Strategy.from_name(cfg.strategy.name).engine
     except ShardwiseError as e:
         raise ShardwiseError(f"{cfg.source}: strategy: {e}") from None
-    return compile_enabled(cfg, device, engine)
+    return resolve.compile_enabled(cfg, device, engine)
 
 
 def _model_type(cfg: TrainConfig) -> str:
@@ -129,10 +131,8 @@ def _model_type(cfg: TrainConfig) -> str:
 
 def packed_attention(cfg: TrainConfig, device: str) -> str:
     """What keeps the documents of an SFT row apart in this run (`data.sft.packed_attention`
-    resolved for the device and model: shardwise.train.packed_attention.resolve), planned and built."""
-    from shardwise.train.packed_attention import resolve
-
-    return resolve(cfg.data.sft.packed_attention, data_kind=cfg.data.kind, device=device,
+    resolved for the device and model: shardwise.run.resolve.packed_attention), planned and built."""
+    return resolve.packed_attention(cfg.data.sft.packed_attention, data_kind=cfg.data.kind, device=device,
                    attention=cfg.model.attention, family=_model_type(cfg), precision=cfg.precision, source=cfg.source)
 
 
@@ -234,12 +234,10 @@ def _set_packed_attention(raw: dict[str, Any], train: TrainSpec, model: ModelSpe
                           device: str) -> None:
     """`data.sft.packed_attention` for the planned kernel, where the base's choice would not run
     it (none, a plan without documents, keeps the base's)."""
-    from shardwise.train.packed_attention import resolve
-
     sft = raw["data"]["sft"]
     if train.packed_attention == "none":
         return
-    runs = resolve(sft.get("packed_attention", "auto"), data_kind="sft", device=device, attention=attention,
+    runs = resolve.packed_attention(sft.get("packed_attention", "auto"), data_kind="sft", device=device, attention=attention,
                    family=model.family, precision=precision)
     if runs != train.packed_attention:
         sft["packed_attention"] = {"flash_varlen": "varlen", "sdpa_varlen": "varlen"}.get(
@@ -304,14 +302,14 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         "ddp": _knob_overrides(strategy.ddp, knobs[2]),
     }
     raw["precision"] = precision
-    if train.optimizer_impl != ("fused" if device == "cuda" else "forloop"):
+    if train.optimizer_impl != _adamw_impl(OptimizerSection().fused_on(device), device):  # not the default
         raw["optimizer"]["fused"] = train.optimizer_impl == "fused"
         if train.optimizer_impl == "forloop" and device == "cuda":
             notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
     raw["optimizer"]["weight_decay"] = train.weight_decay  # its optimizer groups are in the plan
     # fused kernels = compiled decoder layers; the DeepSpeed engines run eagerly here
-    compiles = strategy.engine in ("fsdp2", "ddp")
+    compiles = strategy.engine in resolve.COMPILED_ENGINES
     current = raw["run"].get("compile")
     resolved = (device == "cuda" if current is None else bool(current)) and compiles
     if resolved != (train.fused_kernels and compiles):  # else the config already says it (None stays None)

@@ -1,7 +1,8 @@
 """Reading and writing Hugging Face config.json for `ModelSpec` (its `from_hf_config`,
-`from_hf_dict`, `to_hf_dict` delegate here): each family's fields, transformers' defaults for
+`from_hf_dict`, `to_hf_dict` call here): each family's fields, transformers' defaults for
 omitted ones, the aliases GPT-style configs use, and the errors naming the file and field.
-Torch-free; other architectures go to `shardwise.specs.hf_meta`."""
+It returns the spec's fields; ModelSpec builds itself from them. Torch-free; other
+architectures go to `shardwise.specs.hf_meta`."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ _HF_TOKEN_IDS = {"phi3": {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_i
 
 
 
-def from_hf_config(cls: type[ModelSpec], path: str | Path, name: str | None = None) -> ModelSpec:
-    """Read a local Hugging Face `config.json` (no code is loaded, no hub is asked)."""
+def read_config_json(path: str | Path) -> tuple[dict, Path]:
+    """A local Hugging Face `config.json` (a file or its directory) as a dict, and its path."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -53,20 +54,22 @@ def from_hf_config(cls: type[ModelSpec], path: str | Path, name: str | None = No
         raise ShardwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(cfg, dict):
         raise ShardwiseError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-    return from_hf_dict(cls, cfg, name=name or path.parent.name, source=str(path))
+    return cfg, path
 
-def from_hf_dict(cls: type[ModelSpec], cfg: dict, name: str = "custom", source: str = "config") -> ModelSpec:
-    """The spec of a config.json dict: analytic for the families above (torch-free), else
-    read on the meta device by `shardwise.specs.hf_meta` (needs torch + transformers)."""
+
+def spec_fields(cfg: dict, name: str = "custom", source: str = "config") -> tuple[dict, str]:
+    """The `ModelSpec` fields of a config.json dict, and the prefix its validation errors take:
+    analytic for the families above (torch-free), else read on the meta device by
+    `shardwise.specs.hf_meta` (needs torch + transformers)."""
     model_type = cfg.get("model_type", "llama")
     if not isinstance(model_type, str):
         raise ShardwiseError(f"{source}: field 'model_type' must be a string, got {model_type!r}")
     if model_type not in ANALYTIC_FAMILIES:
-        from shardwise.specs.hf_meta import spec_from_meta
+        from shardwise.specs.hf_meta import spec_fields_from_meta
 
-        return spec_from_meta(cfg, name=name, source=source)
+        return spec_fields_from_meta(cfg, name=name, source=source), f"{source} ({model_type})"
     if model_type in GPT_FAMILIES:
-        return _from_gpt_dict(cls, cfg, model_type, name, source)
+        return _from_gpt_dict(cfg, model_type, name, source), source
     required = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"]
     missing = [k for k in required if cfg.get(k) is None]
     if missing:
@@ -136,12 +139,9 @@ def from_hf_dict(cls: type[ModelSpec], cfg: dict, name: str = "custom", source: 
                   v_head_dim=need("v_head_dim"))
     elif model_type == "phi3":
         kw["attention_bias"] = False
-    try:
-        return cls(**kw)
-    except ShardwiseError as e:
-        raise ShardwiseError(f"{source}: {e}") from None
+    return kw, source
 
-def _from_gpt_dict(cls: type[ModelSpec], cfg: dict, model_type: str, name: str, source: str) -> ModelSpec:
+def _from_gpt_dict(cfg: dict, model_type: str, name: str, source: str) -> dict:
     """A GPT-style config.json (mpt, gpt2). Widths under their own names or transformers'
     aliases (d_model/n_embd = hidden_size, n_heads/n_head = num_attention_heads,
     n_layers/n_layer = num_hidden_layers, max_seq_len/n_positions = max_position_embeddings).
@@ -224,10 +224,7 @@ def _from_gpt_dict(cls: type[ModelSpec], cfg: dict, model_type: str, name: str, 
         learned = bool(d.get("learned_pos_emb", True)) and not attn.get("alibi", True) and not attn.get("rope")
         kw.update(intermediate_size=int(h * ratio), hidden_act="gelu", attention_bias=bias, mlp_bias=bias,
                   norm_bias=bias, learned_pos_emb=learned)
-    try:
-        return cls(**kw)
-    except ShardwiseError as e:
-        raise ShardwiseError(f"{source}: {e}") from None
+    return kw
 
 def _to_gpt_dict(self: ModelSpec) -> dict:
     h, i = self.hidden_size, self.intermediate_size

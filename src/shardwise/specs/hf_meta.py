@@ -16,7 +16,7 @@ from typing import Any
 
 from shardwise.errors import ShardwiseError
 from shardwise.specs.families import ANALYTIC_FAMILIES
-from shardwise.specs.model import HFInventory, ModelSpec, ParamTensor
+from shardwise.specs.inventory import HFInventory, ParamTensor
 from shardwise.specs.train import weight_decayed
 
 # Config attributes (first one present wins) for the numbers the planner needs beyond the inventory.
@@ -25,18 +25,18 @@ _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 
 
-def spec_from_meta(cfg: dict, name: str = "custom", source: str = "config") -> ModelSpec:
-    """The ModelSpec of `cfg` (a config.json dict) read from its meta-device model; a
+def spec_fields_from_meta(cfg: dict, name: str = "custom", source: str = "config") -> dict:
+    """The ModelSpec fields of `cfg` (a config.json dict) read from its meta-device model; a
     ShardwiseError naming `source`, the model_type and what is missing when that is impossible."""
     try:
         key = json.dumps(cfg, sort_keys=True)
     except (TypeError, ValueError):
         raise ShardwiseError(f"{source}: the config is not plain JSON data") from None
-    return _spec(key, name, source)
+    return dict(_spec(key, name, source))  # a copy: the cached one stays as read
 
 
 @lru_cache(maxsize=32)
-def _spec(key: str, name: str, source: str) -> ModelSpec:
+def _spec(key: str, name: str, source: str) -> dict:
     cfg = json.loads(key)
     mt = cfg.get("model_type")
     families = ", ".join(ANALYTIC_FAMILIES)
@@ -112,7 +112,7 @@ def _first(tc: Any, names: tuple[str, ...]) -> int:
     return 0
 
 
-def _read(model: Any, hf_cfg: Any, cfg: dict, name: str, source: str) -> ModelSpec:
+def _read(model: Any, hf_cfg: Any, cfg: dict, name: str, source: str) -> dict:
     mt = cfg["model_type"]
     layers = decoder_layers(model)
     if layers is None:
@@ -176,12 +176,9 @@ def _read(model: Any, hf_cfg: Any, cfg: dict, name: str, source: str) -> ModelSp
         layer_sizes=tuple(layer_sizes), largest_module=largest, active_params=active, expert_params=experts,
         embedding_params=embedding, config_json=json.dumps(cfg, sort_keys=True), hf_decayed=hf_decayed,
     )
-    try:
-        return ModelSpec(
-            name=name, family="hf", hidden_size=h, num_layers=len(layers), num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, intermediate_size=ffn, vocab_size=vocab, tie_embeddings=tied,
-            num_experts=n_exp, experts_per_token=top_k, moe_intermediate_size=_first(tc, ("moe_intermediate_size",)),
-            max_position_embeddings=_first(tc, ("max_position_embeddings",)) or 4096, inventory=inventory,
-        )
-    except ShardwiseError as e:
-        raise ShardwiseError(f"{source} ({mt}): {e}") from None
+    return dict(
+        name=name, family="hf", hidden_size=h, num_layers=len(layers), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=ffn, vocab_size=vocab, tie_embeddings=tied,
+        num_experts=n_exp, experts_per_token=top_k, moe_intermediate_size=_first(tc, ("moe_intermediate_size",)),
+        max_position_embeddings=_first(tc, ("max_position_embeddings",)) or 4096, inventory=inventory,
+    )

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from shardwise.errors import ShardwiseError
+from shardwise.specs import hf_config
 from shardwise.specs.base import Spec
 from shardwise.specs.families import (
     GPT_FAMILIES,
@@ -33,47 +34,8 @@ from shardwise.specs.families import (
     layer_modules,
     root_modules,
 )
+from shardwise.specs.inventory import HFInventory, ParamTensor
 from shardwise.specs.train import weight_decayed
-
-
-class ParamTensor(Spec):
-    """One module's direct parameters (weight, optional bias), `count` times (e.g. per layer).
-
-    Kept per module because DeepSpeed's estimators size "the largest layer" by a module's
-    direct parameters, and per tensor (`weight`, `bias`) because ZeRO-3 keeps tensors under
-    `stage3_param_persistence_threshold` elements whole on every rank. A fused-experts module
-    holds two 3-D tensors: gate_up in `weight`, down in `bias`; a module with more direct
-    parameters lists the rest in `extra`.
-    """
-
-    name: str
-    weight: int
-    bias: int = 0
-    count: int = 1
-    layer: bool = True  # inside a decoder layer (an FSDP/ZeRO-3 unit) or in the root group
-    extra: tuple[int, ...] = ()
-
-    @property
-    def numel(self) -> int:
-        return self.weight + self.bias + sum(self.extra)
-
-
-class HFInventory(Spec):
-    """What `shardwise.specs.hf_meta` read from a model built on the meta device: the exact
-    per-module inventory, `model.parameters()` order and the numbers derived from them."""
-
-    model_type: str
-    layer_class: str  # the decoder layer's class name (the FSDP wrap unit)
-    tensors: tuple[ParamTensor, ...]
-    hf_order: tuple[int, ...]
-    layer_sizes: tuple[int, ...]  # parameters of each decoder layer, in order
-    largest_module: int
-    active_params: int
-    expert_params: int  # parameters under modules named "experts" (routed experts)
-    embedding_params: int
-    config_json: str  # the config.json it was built from (to_hf_dict)
-    # per hf_order tensor: whether the trainer's AdamW decays it (specs.train.weight_decayed)
-    hf_decayed: tuple[bool, ...] = ()
 
 
 class ModelSpec(Spec):
@@ -276,6 +238,11 @@ class ModelSpec(Spec):
             return self.inventory.expert_params
         return 3 * self.num_experts * self.expert_width * self.hidden_size * sum(self.moe_layers)
 
+    @property
+    def lm_head_params(self) -> int:
+        """The output projection hidden → vocab (its weight; tied or not, it is one matmul)."""
+        return self.vocab_size * self.hidden_size
+
     @cached_property
     def embedding_params(self) -> int:
         """Token embedding, untied lm_head and a learned position table (lookups and the output
@@ -343,22 +310,21 @@ class ModelSpec(Spec):
     @classmethod
     def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
         """Read a local Hugging Face `config.json` (no code is loaded, no hub is asked)."""
-        from shardwise.specs import hf_config
-
-        return hf_config.from_hf_config(cls, path, name)
+        cfg, path = hf_config.read_config_json(path)
+        return cls.from_hf_dict(cfg, name=name or path.parent.name, source=str(path))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "custom", source: str = "config") -> ModelSpec:
         """The spec of a config.json dict: analytic for the families above (torch-free), else
         read on the meta device by `shardwise.specs.hf_meta` (needs torch + transformers)."""
-        from shardwise.specs import hf_config
-
-        return hf_config.from_hf_dict(cls, cfg, name, source)
+        fields, where = hf_config.spec_fields(cfg, name, source)
+        try:
+            return cls(**fields)
+        except ShardwiseError as e:
+            raise ShardwiseError(f"{where}: {e}") from None
 
     def to_hf_dict(self) -> dict:
         """The transformers config this spec describes (for meta-device checks and random init)."""
-        from shardwise.specs import hf_config
-
         return hf_config.to_hf_dict(self)
 
     @classmethod

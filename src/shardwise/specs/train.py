@@ -89,5 +89,22 @@ class TrainSpec(Spec):
         return 4 if self.precision == "fp32" else 2
 
     @property
+    def mixed_precision(self) -> bool:
+        """16-bit compute over fp32 weights (bf16-mixed, fp16-mixed): the engines keep fp32
+        parameters and cast for compute (FSDP2's MixedPrecisionPolicy, DDP's autocast)."""
+        return self.precision in ("bf16-mixed", "fp16-mixed")
+
+    def autocasts(self, engine: str) -> bool:
+        """Whether `engine` runs an fp32 module under torch.autocast: DDP in mixed precision,
+        except a LoRA base, which is already stored in the compute dtype (nothing to cast)."""
+        return engine == "ddp" and self.mixed_precision and not self.lora_rank
+
+    @property
+    def layer_passes(self) -> int:
+        """Times each decoder layer runs per micro-batch: forward and backward, plus its
+        recompute inside backward under full checkpointing."""
+        return 3 if self.checkpointing == "full" else 2
+
+    @property
     def tokens_per_micro_batch(self) -> int:
         return self.seq_len * self.micro_batch

@@ -50,24 +50,32 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.errors import ShardwiseError
+from shardwise.train.checkpoint_dir import (
+    _ANY,
+    FORMAT,
+    MANIFEST,
+    checkpoints_dir,
+    incomplete,
+    published,
+    read_manifest_json,
+    step_dir_name,
+)
 from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, read_index
+from shardwise.train.lineage import read_lineage
+from shardwise.train.outputs import (
+    TMP_PREFIX,
+    TMP_SUFFIX,
+    is_own_tmp,
+    make_own_tmp_dir,
+    publish_own_tmp_dir,
+    remove_own_tmp,
+)
 from shardwise.train.save_failure import describe, free_bytes, gather, raise_save_failure, space_errno
 
-FORMAT = "shardwise-checkpoint/1"
-MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
-TMP_PREFIX = ".tmp-"
 _HASH_CHUNK = 1 << 22
 
 Reader = Callable[[dict[str, torch.Tensor]], None]
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
 
 
 def tensor_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -121,24 +129,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def read_manifest_json(path: Path) -> dict[str, Any]:
-    """The manifest of `path` parsed and its format checked, nothing verified."""
-    mf = path / MANIFEST
-    if not path.is_dir():
-        raise ShardwiseError(f"{path}: checkpoint directory not found")
-    if not mf.is_file():
-        raise ShardwiseError(f"{path}: no {MANIFEST}: an incomplete checkpoint (a save that did not finish); "
-                             "it is never loaded")
-    try:
-        manifest = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ShardwiseError(f"{mf}: not valid JSON ({e}); the checkpoint is not loaded") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ShardwiseError(f"{mf}: field 'format': expected {FORMAT!r}, got "
-                             f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
-    return manifest
-
-
 def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
     """The manifest of a published checkpoint, after checking every file it lists (size, and
     sha256 unless `verify_hashes` is off) and reading DCP's index through the restricted
@@ -159,52 +149,12 @@ def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
     return manifest
 
 
-_ANY = object()
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    out = []
-    for d in root.glob("step-*") if root.is_dir() else ():
-        try:
-            step = int(d.name.removeprefix("step-"))
-        except ValueError:
-            continue
-        if d.is_dir():
-            out.append((step, d))
-    return sorted(out)
-
-
-def published(root: Path, lineage: Any = _ANY) -> list[tuple[int, Path]]:
-    """(step, dir) of every directory that looks published (a manifest is present), oldest
-    first; with `lineage`, only those whose manifest names that lineage (None: the legacy
-    checkpoints that name none; shardwise.train.lineage)."""
-    out = []
-    for step, d in step_dirs(root):
-        if not (d / MANIFEST).is_file():
-            continue
-        if lineage is not _ANY:
-            try:
-                if json.loads((d / MANIFEST).read_text()).get("lineage") != lineage:
-                    continue
-            except (OSError, ValueError, AttributeError):
-                continue  # unreadable: not this lineage's (resolve_resume names it)
-        out.append((step, d))
-    return out
-
-
-def incomplete(root: Path) -> list[Path]:
-    """`step-*` directories without a manifest: never loaded, always named."""
-    return [d for _, d in step_dirs(root) if not (d / MANIFEST).is_file()]
-
-
 def resolve_resume(spec: str | None, output_dir: str | Path, verify_hashes: bool = True) -> Path | None:
     """`latest` -> the newest valid checkpoint of the output dir's current lineage (damaged
     ones are skipped and named), the branch's parent when the lineage has saved nothing yet, or
     None when the directory holds no checkpoint at all; if it holds some and none is valid, a
     ShardwiseError naming each. An explicit checkpoint dir must verify; a run dir (or its
     `checkpoints/`) means its latest. A crafted index is refused, never skipped."""
-    from shardwise.train.lineage import read_lineage
-
     if spec is None:
         return None
     if spec != "latest":
@@ -264,8 +214,6 @@ def nonfinite_tensors(tensors: dict[str, Any]) -> list[str]:
 def clean_stale(root: Path) -> list[str]:
     """Remove what saves that never finished left in `checkpoints/` (shardwise's own temp
     directories only: shardwise.train.outputs.is_own_tmp); return their names."""
-    from shardwise.train.outputs import remove_own_tmp
-
     return remove_own_tmp(root)
 
 
@@ -353,8 +301,6 @@ def save_checkpoint(
     only that lineage's checkpoints; the checkpoint of step `protect` (the best evaluation's,
     `checkpointing.save_best`) is kept besides them."""
     from shardwise.errors import NonFiniteError
-    from shardwise.train.outputs import is_own_tmp, make_own_tmp_dir, publish_own_tmp_dir
-
     rank, world = _world()
     root = checkpoints_dir(output_dir)
     final = root / step_dir_name(state.step)
@@ -400,8 +346,8 @@ def save_checkpoint(
         failures, gathered = [f for f, _ in outcomes], [e for _, e in outcomes]
     if rank == 0 and not any(failures):
         try:
-            _publish(tmp, final, root, state, gathered, config, strategy, world, lineage, keep_last,
-                     publish_own_tmp_dir, protect=protect)
+            _publish(tmp, final, root, state, gathered=gathered, config=config, strategy=strategy, world=world,
+                     lineage=lineage, keep_last=keep_last, publish=publish_own_tmp_dir, protect=protect)
         except OSError as e:
             failure = describe(e)
     failures = gather(failure)
@@ -414,7 +360,7 @@ def save_checkpoint(
     return final
 
 
-def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, gathered: list[Any], config: dict[str, Any],
+def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, *, gathered: list[Any], config: dict[str, Any],
              strategy: str, world: int, lineage: Any, keep_last: int, publish: Callable[[Path, Path], None],
              protect: int | None = None) -> None:
     """Rank 0: trainer state and manifest (last, fsynced), the atomic rename, then pruning."""
@@ -459,8 +405,6 @@ BEST = "best.json"
 def write_best(output_dir: str | Path, step: int, eval_loss: float, lineage: Any = None) -> Path:
     """`checkpoints/best.json` (rank 0, atomic): the step whose checkpoint had the lowest eval
     loss so far (`checkpointing.save_best: eval_loss`); pruning keeps that checkpoint."""
-    from shardwise.train.outputs import TMP_SUFFIX
-
     root = checkpoints_dir(output_dir)
     record = {"metric": "eval_loss", "step": step, "eval_loss": eval_loss, "checkpoint": step_dir_name(step),
               "lineage": lineage.lineage if lineage is not None else None}

@@ -12,35 +12,17 @@ Shapes. The first batch compiles a static graph. The first batch of another sequ
 (dynamo's automatic dynamic shapes); after that no shape recompiles. So there are at most two
 compilations per run (tests/train/test_compile.py counts them).
 
-Where. `run.compile` (None: on for CUDA) applies to the FSDP2 and DDP engines. DeepSpeed's ZeRO
-hooks run inside each module's call and are not compiled here, so `run.compile: true` with a
-DeepSpeed strategy is refused at preflight. The planner models compiled layers as
-`TrainSpec.fused_kernels`: elementwise work priced as fused, and the norms' saved tensors as a
-fused kernel's. Measured on CPU with inductor, a compiled layer saves 31% less than eager; the
-plan is 11% above that (tests).
+Where. `run.compile` (None: on for CUDA; `shardwise.run.resolve.compile_enabled`) applies to
+the FSDP2 and DDP engines. DeepSpeed's ZeRO hooks run inside each module's call and are not
+compiled here, so `run.compile: true` with a DeepSpeed strategy is refused at preflight. The
+planner models compiled layers as `TrainSpec.fused_kernels`: elementwise work priced as fused,
+and the norms' saved tensors as a fused kernel's. Measured on CPU with inductor, a compiled
+layer saves 31% less than eager; the plan is 11% above that (tests).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from shardwise.errors import ShardwiseError
-from shardwise.train.config import TrainConfig
-
-COMPILED_ENGINES = ("fsdp2", "ddp")
-
-
-def compile_enabled(cfg: TrainConfig, device: str, engine: str) -> bool:
-    """Whether the run compiles its decoder layers (`run.compile`; None = on for CUDA with the
-    FSDP2 and DDP engines). Refuses an explicit request the engine cannot honour."""
-    want = cfg.run.compile
-    if want and engine not in COMPILED_ENGINES:
-        raise ShardwiseError(
-            f"{cfg.source}: run.compile is true, but strategy {cfg.strategy.name!r} runs on DeepSpeed, whose ZeRO "
-            "hooks are not compiled here; compile runs with fsdp* and ddp strategies (set run.compile: false)")
-    if want is None:
-        return device == "cuda" and engine in COMPILED_ENGINES
-    return bool(want)
 
 
 def compile_layers(model: Any, backend: str, run: Any = None) -> int:
@@ -54,7 +36,7 @@ def compile_layers(model: Any, backend: str, run: Any = None) -> int:
     (a real shape or memory error) then surfaces as itself."""
     import torch
 
-    from shardwise.train.engines.fsdp import decoder_layers
+    from shardwise.train.hf import decoder_layers
 
     layers = decoder_layers(model)
     state = {"eager": False}

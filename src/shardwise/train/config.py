@@ -123,6 +123,12 @@ class OptimizerSection(_Section):
     max_grad_norm: float = Field(1.0, ge=0, allow_inf_nan=False, description="global-norm clipping; 0 disables")
     fused: bool | None = Field(None, description="fused AdamW; None = on CUDA only")
 
+    def fused_on(self, device: str) -> bool:
+        """Whether AdamW runs torch's fused kernel on `device`: `fused` where set, else on CUDA
+        only. The engines build it (train/engines/_torch_common.build_adamw) and the plan prices
+        it (run.bridge.optimizer_impl) from this one rule."""
+        return self.fused if self.fused is not None else device == "cuda"
+
 
 class ScheduleSection(_Section):
     kind: Literal["cosine", "linear", "constant", "warmup_decay"] = "cosine"

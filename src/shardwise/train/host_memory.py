@@ -51,9 +51,9 @@ def check_host_memory(run: RunSpec, force: bool = False) -> None:
     load = planned_load(run)
     offload = 0.0
     if run.device == "cuda":
-        from shardwise.plan.memory import plan_memory
+        from shardwise.plan.evaluate import memory_as_run
 
-        offload = plan_memory(run.model, run.hardware, run.train, run.strategy).host.total
+        offload = memory_as_run(run.model, run.hardware, run.train, run.strategy).host.total
     training = offload + load.process * load.ranks_per_node
     need = max(load.per_node, training)
     if need <= available:

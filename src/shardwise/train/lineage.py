@@ -28,6 +28,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shardwise.train.checkpoint_dir import checkpoints_dir, published, read_manifest_json
+
 LINEAGE_FILE = "lineage.json"
 RUN_ID_ENV = "SHARDWISE_RUN_ID"  # the launcher's run id, passed to the ranks it starts
 
@@ -75,8 +77,6 @@ def manifest_lineage(manifest: dict) -> str | None:
 def start_lineage(output_dir: str | Path, resume: Path | None, run_id: str | None = None) -> Lineage:
     """This run's lineage: new for a fresh run; the checkpoint's own when it resumes the newest
     checkpoint of that lineage in this directory; otherwise a branch from `resume`."""
-    from shardwise.train.checkpoint import checkpoints_dir, published, read_manifest_json
-
     run_id = run_id or new_run_id()
     if resume is None:
         return Lineage(run_id, run_id)

@@ -138,6 +138,7 @@ class _MetaReduce:
 def train(
     run: RunSpec,
     env: DistEnv,
+    *,
     steps: Iterator[list[dict[str, torch.Tensor]]] | None = None,
     metrics: Any = None,
     export_weights: bool = False,

@@ -114,7 +114,7 @@ def quantize_base(model: Any, run: RunSpec) -> None:
 
 def apply_lora(model: Any, run: RunSpec) -> Any:
     """Inject the run's adapters into `model` (in place; returned): base frozen in the compute
-    dtype, adapters fp32, initialised from the run's seed (`weights.init_adapters`), so every
+    dtype, adapters fp32, initialised from the run's seed (`init_adapters`), so every
     rank (and a later resume or export) builds the same starting point. `model` may be on the
     meta device (a checkpoint read later by the engine: shardwise.train.weights)."""
     from peft import inject_adapter_in_model
@@ -129,8 +129,6 @@ def apply_lora(model: Any, run: RunSpec) -> Any:
         model = inject_adapter_in_model(peft_config(section), model, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
         raise ShardwiseError(f"{run.config.source}: lora.target_modules {section.target_modules!r}: {e}") from None
-    from shardwise.train.weights import init_adapters
-
     # Adapters drawn from the run's seed after injection, on CPU, whatever built the base (from
     # its config, from a checkpoint, on the meta device): equal on every rank, engine and resume.
     init_adapters(model, section, run.config.run.seed)
@@ -151,3 +149,25 @@ def peft_model(section: LoraSection, base: Any) -> Any:
     from peft import get_peft_model
 
     return get_peft_model(base, peft_config(section), adapter_name=ADAPTER_NAME)
+
+
+def init_adapters(model: Any, section: Any, seed: int) -> None:
+    """Initialise every LoRA adapter on CPU, as PEFT's `reset_lora_parameters` does, from a
+    generator seeded by `seed` in module order: the same values on every rank, engine and load
+    path (meta or whole). Meta adapters are allocated on CPU first."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    init = peft_config(section).init_lora_weights
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for holder in (module.lora_A, module.lora_B, module.lora_embedding_A, module.lora_embedding_B):
+                if ADAPTER_NAME in holder:
+                    entry = holder[ADAPTER_NAME]
+                    if isinstance(entry, torch.nn.Module):
+                        if any(p.device.type == "meta" for p in entry.parameters()):
+                            entry.to_empty(device="cpu")
+                    elif entry.device.type == "meta":
+                        entry.data = torch.empty_like(entry, device="cpu")
+            module.reset_lora_parameters(ADAPTER_NAME, init)

@@ -314,7 +314,7 @@ def check_run(run: Any) -> None:
     reproduce the model's logits: LoRA adapts lm_head, or the model's CausalLM class changes
     the logits after lm_head (other than Gemma's soft-cap). A class only a checkpoint's own code
     defines is checked when the model is built (`check_model`)."""
-    from shardwise.train.model import causal_lm_class
+    from shardwise.train.hf import causal_lm_class
 
     if run.train.cross_entropy != "chunked":
         return

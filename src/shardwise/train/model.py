@@ -10,7 +10,9 @@ from pathlib import Path
 
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
+from shardwise.run.resolve import NO_SDPA
 from shardwise.train.config import ModelSection
+from shardwise.train.hf import causal_lm_class
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -58,10 +60,6 @@ def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
         )
 
 
-# Analytic families whose transformers causal-LM class has no SDPA path (`_supports_sdpa` False
-# in transformers 5.24; tests/train/test_inputs_checked.py checks every family against the
-# installed transformers): gemma2 (attention logit softcapping), mpt (eager-only MptAttention).
-NO_SDPA = ("gemma2", "mpt")
 
 
 def attention_implementation(run: RunSpec) -> str:
@@ -109,16 +107,6 @@ def attention_note(run: RunSpec) -> str | None:
             f"{cfg.source}: model.attention is 'sdpa', but transformers has no SDPA path for {what}; set "
             "model.attention: eager (--set model.attention=eager), which plans and builds the eager attention")
     return packed
-
-
-def causal_lm_class(model_type: str):
-    """transformers' AutoModelForCausalLM class for `model_type` (None where it has none: a
-    checkpoint's own code decides)."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
 def build_model(run: RunSpec, *, deferred: bool = False):

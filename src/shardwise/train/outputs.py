@@ -26,6 +26,8 @@ from pathlib import Path
 
 from shardwise.errors import ShardwiseError
 from shardwise.specs.hardware import GIB
+from shardwise.train.checkpoint_dir import checkpoints_dir, step_dirs
+from shardwise.train.lineage import lineage_path
 
 LOCK_NAME = ".shardwise.lock"
 TMP_PREFIX = ".tmp-"
@@ -187,8 +189,6 @@ EARLIER_LOGS = ("metrics.jsonl", "summary.json", "tensorboard")
 def earlier_run_outputs(output_dir: str | Path) -> list[Path]:
     """What an earlier run left that a fresh run would delete or mix with its own: checkpoint
     directories (published or not) and exported models (`model/`, `model-merged/`)."""
-    from shardwise.train.checkpoint import checkpoints_dir, step_dirs
-
     d = Path(output_dir)
     found = [p for _, p in step_dirs(checkpoints_dir(d))]
     for name in ("model", "model-merged"):
@@ -222,8 +222,6 @@ def clear_earlier_run(output_dir: str | Path, *, overwrite: bool) -> list[str]:
     d = Path(output_dir)
     gone = []
     targets = [*(earlier_run_outputs(d) if overwrite else []), *(d / n for n in EARLIER_LOGS)]
-    from shardwise.train.lineage import lineage_path
-
     targets.append(lineage_path(d))
     for p in targets:
         if p.is_symlink() or p.is_file():

@@ -18,12 +18,12 @@ and no [B, 1, S, S] tensor is built. What runs (`TrainSpec.packed_attention`, pl
   eager attention (asked for, or Gemma2 and MPT, which have no SDPA path) or when asked for.
   The kernel computes the full S² and the mask costs B·S²·c bytes (both planned).
 
-`resolve` (torch-free) decides once, in the run bridge, for the plan and for the build.
+`shardwise.run.resolve.packed_attention` (torch-free) decides once, in the run bridge, for the plan and
+for the build.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import weakref
@@ -33,47 +33,8 @@ from typing import Any
 from shardwise.errors import ShardwiseError
 from shardwise.train.compile import is_compile_error
 
-CHOICES = ("auto", "varlen", "flex", "dense")
-# Analytic families whose transformers class has no FlexAttention path (`_supports_flex_attn`
-# False in transformers 5.24; tests/train/test_packed_attention.py checks them): packed rows
-# take sdpa_varlen there under `auto`.
-NO_FLEX = ("gpt2", "mpt")
-EAGER_ONLY = ("gemma2", "mpt")  # train.model.NO_SDPA: they run eager, so packed rows run dense
 SDPA_VARLEN, FLEX = "shardwise_sdpa_varlen", "shardwise_flex"
 IMPLEMENTATIONS = {"flash_varlen": "flash_attention_2", "sdpa_varlen": SDPA_VARLEN, "flex": FLEX}
-
-
-def resolve(choice: str, *, data_kind: str, device: str, attention: str, family: str, precision: str,
-            source: str = "<config>", flash_attn: bool | None = None) -> str:
-    """What packs documents apart for a run (a `TrainSpec.packed_attention` value). `flash_attn`:
-    whether flash-attn is importable (None: look). Refuses what cannot run, naming the field."""
-    if data_kind != "sft":
-        return "none"  # synthetic rows: one sequence each, positions 0..S-1, causal only
-    field = f"{source}: data.sft.packed_attention {choice!r}"
-    eager = attention == "eager" or family in EAGER_ONLY
-    if choice == "dense" or (choice == "auto" and eager):
-        return "dense"
-    if eager:
-        why = "model.attention is 'eager'" if attention == "eager" else f"{family} runs eager attention"
-        raise ShardwiseError(f"{field}: {why}, which attends packed rows through the dense mask; set "
-                             "data.sft.packed_attention: dense (or auto), or model.attention: sdpa")
-    if flash_attn is None:
-        flash_attn = importlib.util.find_spec("flash_attn") is not None
-    flash = device == "cuda" and flash_attn and precision != "fp32"  # flash-attn has no fp32 kernel
-    if choice == "flex":
-        if device != "cuda":
-            raise ShardwiseError(f"{field}: FlexAttention has no backward on {device} in torch 2.13 (\"FlexAttention "
-                                 "does not support backward on CPU\"); use auto or varlen (one SDPA call per document)")
-        if family in NO_FLEX:
-            raise ShardwiseError(f"{field}: transformers has no FlexAttention path for {family}; use auto or varlen")
-        return "flex"
-    if choice == "varlen":
-        return "flash_varlen" if flash else "sdpa_varlen"
-    if choice != "auto":
-        raise ShardwiseError(f"{field}: expected one of {', '.join(CHOICES)}")
-    if flash:
-        return "flash_varlen"
-    return "flex" if device == "cuda" and family not in NO_FLEX else "sdpa_varlen"
 
 
 def implementation(run: Any) -> str | None:
@@ -90,7 +51,7 @@ def note(run: Any) -> str | None:
     refusal where the model's class cannot take shardwise's attention functions (a meta-path
     architecture without `_supports_attention_backend` / `_supports_flex_attn`)."""
     from shardwise.plan.activations import attention_kind
-    from shardwise.train.model import causal_lm_class
+    from shardwise.train.hf import causal_lm_class
 
     cfg, kind = run.config, run.train.packed_attention
     if kind == "dense":

@@ -168,11 +168,11 @@ class MemoryCheck:
 def check_memory(run: RunSpec, force: bool = False) -> MemoryCheck:
     """The planner's verdict for this run (the same specs the engines build); refuses a
     non-fitting plan with the nearest one that fits."""
-    from shardwise.plan.memory import plan_memory
+    from shardwise.plan.evaluate import memory_as_run
 
     cfg = run.config
     enabled = cfg.hardware.check_memory if cfg.hardware.check_memory is not None else run.device == "cuda"
-    plan = plan_memory(run.model, run.hardware, run.train, run.strategy)
+    plan = memory_as_run(run.model, run.hardware, run.train, run.strategy)
     result = MemoryCheck(plan.gpu.total, plan.capacity_bytes, plan.fits, cfg.hardware.gpu)
     if plan.fits or not enabled or force:
         return result
@@ -218,7 +218,7 @@ def nearest_fit(run: RunSpec) -> str:
     """Fewest changes first: checkpointing, then smaller micro-batches (same global batch via
     accumulation), then other strategies (least offload first, the table's order) with the
     same engine knobs."""
-    from shardwise.plan.memory import plan_memory
+    from shardwise.plan.evaluate import memory_as_run
 
     cfg, s = run.config, run.strategy
     mb, ga = cfg.run.micro_batch, cfg.run.grad_accum
@@ -253,7 +253,7 @@ def nearest_fit(run: RunSpec) -> str:
             )
     for text, strat, over in options:
         try:
-            p = plan_memory(run.model, run.hardware, train_spec(cfg, run.device, **over), strat)
+            p = memory_as_run(run.model, run.hardware, train_spec(cfg, run.device, **over), strat)
         except ShardwiseError:
             continue
         if p.fits:

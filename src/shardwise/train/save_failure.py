@@ -17,6 +17,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardwise.train.outputs import size_text
+
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -75,7 +77,6 @@ def raise_save_failure(failures: list[Any], final: Path, need: int, free: int) -
     disk had less free than the checkpoint needs at the failure (torch's zip writer reports a
     full disk as "unexpected pos", without an errno)."""
     from shardwise.errors import OutOfSpaceError
-    from shardwise.train.outputs import size_text
 
     errors = {r: f["error"] for r, f in enumerate(failures) if f}
     if len(set(errors.values())) == 1 and len(errors) == len(failures) > 1:  # DCP's: every rank reports all

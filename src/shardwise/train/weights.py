@@ -27,22 +27,20 @@ paths with rank 0 reading each tensor and broadcasting it (shardwise.train.weigh
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.errors import ShardwiseError
 from shardwise.plan.load import ZERO3_CHUNK_BYTES as _PLANNED_CHUNK
+from shardwise.train.weights_read import (
+    bin_files,
+    copy_full,
+    load_broadcast,
+    load_safetensors,
+    safetensors_files,
+)
 
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-# Module-path segments PEFT and activation checkpointing insert: a model key without them is the
-# checkpoint's key (`q_proj.base_layer.weight` -> `q_proj.weight`; a `modules_to_save` copy starts
-# from the weights it copies).
-WRAPPER_SEGMENTS = ("base_layer", "original_module", "_checkpoint_wrapped_module", "_orig_mod")
-ADAPTER_MARK = "lora_"
 # Bytes of full tensors gathered on every rank at a time while ZeRO-3 partitions are filled: the
 # planner's figure (one fact, priced and used).
 ZERO3_CHUNK_BYTES = int(_PLANNED_CHUNK)
@@ -83,33 +81,10 @@ def _mallopt() -> Any:
     return getattr(libc, "mallopt", None) if libc is not None and hasattr(libc, "gnu_get_libc_version") else None
 
 
-def safetensors_files(path: str | Path) -> list[Path] | None:
-    """The checkpoint's safetensors files (the index's, in order), or None if it has none.
-    An index naming a file that is not there is an error naming both."""
-    root = Path(path)
-    index = root / SAFETENSORS_INDEX
-    if index.is_file():
-        try:
-            doc = json.loads(index.read_text(encoding="utf-8"))
-            names = sorted(set(doc["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ShardwiseError(f"{index}: cannot be read as a safetensors index ({exc}); expected JSON "
-                                 "with a 'weight_map' of tensor name -> file name") from None
-        files = [root / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ShardwiseError(f"{index}: weight_map names {missing[:3]} ({len(missing)} file(s)), not in {root}")
-        return files
-    single = root / SAFETENSORS
-    return [single] if single.is_file() else None
-
-
 def weights_format(path: str | Path) -> str | None:
     """"safetensors", "bin" (PyTorch pickles, read through torch's weights_only allow-list) or None."""
     if safetensors_files(path) is not None:
         return "safetensors"
-    from shardwise.train.weights_read import bin_files
-
     return "bin" if bin_files(path) is not None else None
 
 
@@ -122,23 +97,6 @@ def sharded_load(run: Any) -> bool:
 def zero3(run: Any) -> bool:
     s = run.engine_strategy
     return s.engine == "deepspeed" and (s.zero_stage or 0) == 3
-
-
-def checkpoint_key(fqn: str) -> str | None:
-    """The checkpoint key a model parameter or buffer is read from; None for an adapter."""
-    parts = fqn.split(".")
-    if any(p.startswith(ADAPTER_MARK) for p in parts):
-        return None
-    out, i = [], 0
-    while i < len(parts):
-        if parts[i] in WRAPPER_SEGMENTS:
-            i += 1
-        elif parts[i] == "modules_to_save" and i + 1 < len(parts):
-            i += 2  # `modules_to_save.<adapter>`
-        else:
-            out.append(parts[i])
-            i += 1
-    return ".".join(out)
 
 
 @dataclass
@@ -174,7 +132,7 @@ def meta_model(run: Any, attn_implementation: str) -> Any:
 
 def defer(model: Any, run: Any) -> Any:
     """Record what `materialize` needs on a meta-built model (after any adapters were injected
-    and initialised on CPU: `init_adapters`), and move those adapters to meta too, so that the
+    and initialised on CPU: `lora.init_adapters`), and move those adapters to meta too, so that the
     engine places one uniform meta model."""
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
     buffers = {n: b for n, b in model.named_buffers()}
@@ -187,30 +145,6 @@ def defer(model: Any, run: Any) -> Any:
     path = Path(run.config.model.path)
     setattr(model, PENDING_ATTR, Pending(path, weights_format(path) or "safetensors", init, buffers))
     return model
-
-
-def init_adapters(model: Any, section: Any, seed: int) -> None:
-    """Initialise every LoRA adapter on CPU, as PEFT's `reset_lora_parameters` does, from a
-    generator seeded by `seed` in module order: the same values on every rank, engine and load
-    path (meta or whole). Meta adapters are allocated on CPU first."""
-    import torch
-    from peft.tuners.lora import LoraLayer
-
-    from shardwise.train.lora import ADAPTER_NAME, peft_config
-
-    init = peft_config(section).init_lora_weights
-    torch.manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            for holder in (module.lora_A, module.lora_B, module.lora_embedding_A, module.lora_embedding_B):
-                if ADAPTER_NAME in holder:
-                    entry = holder[ADAPTER_NAME]
-                    if isinstance(entry, torch.nn.Module):
-                        if any(p.device.type == "meta" for p in entry.parameters()):
-                            entry.to_empty(device="cpu")
-                    elif entry.device.type == "meta":
-                        entry.data = torch.empty_like(entry, device="cpu")
-            module.reset_lora_parameters(ADAPTER_NAME, init)
 
 
 def materialize(module: Any, device: Any) -> None:
@@ -228,25 +162,11 @@ def materialize(module: Any, device: Any) -> None:
         for name, value in todo.buffers.items():
             if name in own_buffers:
                 own_buffers[name].copy_(value)
-        from shardwise.train.weights_read import load_broadcast, load_safetensors
-
         (load_broadcast if todo.format == "bin" else load_safetensors)(module, todo.path)
         params = dict(module.named_parameters())
         for name, full in todo.initial.items():
             copy_full(params[name], full)
     delattr(module, PENDING_ATTR)
-
-
-def copy_full(target: Any, full: Any) -> None:
-    """Copy a full tensor into `target`: a plain tensor, or this rank's shard of a DTensor (every
-    rank holds the same `full`: no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(target, DTensor):
-        part = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
-        target.to_local().copy_(part.to_local())
-    else:
-        target.data.copy_(full)
 
 
 def planned_load(run: Any) -> Any:
@@ -255,8 +175,6 @@ def planned_load(run: Any) -> Any:
     from shardwise.plan.load import load_path, load_phase
 
     cfg = run.config.model
-    from shardwise.train.weights_read import bin_files
-
     fmt = weights_format(cfg.path) if cfg.path is not None and not cfg.random_init else None
     files = (safetensors_files(cfg.path) if fmt == "safetensors" else bin_files(cfg.path)) if fmt else []
     largest = max((f.stat().st_size for f in files or []), default=0)  # built from the config: nothing read

@@ -19,11 +19,67 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError
-from shardwise.train.weights import checkpoint_key, copy_full, safetensors_files
 
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Module-path segments PEFT and activation checkpointing insert: a model key without them is the
+# checkpoint's key (`q_proj.base_layer.weight` -> `q_proj.weight`; a `modules_to_save` copy starts
+# from the weights it copies).
+WRAPPER_SEGMENTS = ("base_layer", "original_module", "_checkpoint_wrapped_module", "_orig_mod")
+ADAPTER_MARK = "lora_"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 Groups = dict[str, list[tuple[str, Any]]]
+
+
+def safetensors_files(path: str | Path) -> list[Path] | None:
+    """The checkpoint's safetensors files (the index's, in order), or None if it has none.
+    An index naming a file that is not there is an error naming both."""
+    root = Path(path)
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+            names = sorted(set(doc["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ShardwiseError(f"{index}: cannot be read as a safetensors index ({exc}); expected JSON "
+                                 "with a 'weight_map' of tensor name -> file name") from None
+        files = [root / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ShardwiseError(f"{index}: weight_map names {missing[:3]} ({len(missing)} file(s)), not in {root}")
+        return files
+    single = root / SAFETENSORS
+    return [single] if single.is_file() else None
+
+
+def checkpoint_key(fqn: str) -> str | None:
+    """The checkpoint key a model parameter or buffer is read from; None for an adapter."""
+    parts = fqn.split(".")
+    if any(p.startswith(ADAPTER_MARK) for p in parts):
+        return None
+    out, i = [], 0
+    while i < len(parts):
+        if parts[i] in WRAPPER_SEGMENTS:
+            i += 1
+        elif parts[i] == "modules_to_save" and i + 1 < len(parts):
+            i += 2  # `modules_to_save.<adapter>`
+        else:
+            out.append(parts[i])
+            i += 1
+    return ".".join(out)
+
+
+def copy_full(target: Any, full: Any) -> None:
+    """Copy a full tensor into `target`: a plain tensor, or this rank's shard of a DTensor (every
+    rank holds the same `full`: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        part = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(part.to_local())
+    else:
+        target.data.copy_(full)
 
 
 def bin_files(path: str | Path) -> list[Path] | None:

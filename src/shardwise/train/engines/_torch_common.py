@@ -30,8 +30,7 @@ def build_adamw(run: RunSpec, model: torch.nn.Module, env: DistEnv) -> torch.opt
     """AdamW with every default that matters stated: weight decay (torch's default is 0.01),
     betas, eps. Fused where the device has it (CUDA), else the for-loop/foreach reference."""
     o = run.config.optimizer
-    fused = o.fused if o.fused is not None else env.device == "cuda"
-    kw: dict[str, Any] = {"fused": True} if fused else {}
+    kw: dict[str, Any] = {"fused": True} if o.fused_on(env.device) else {}
     return torch.optim.AdamW(
         decay_groups(model, o.weight_decay),
         lr=o.lr,

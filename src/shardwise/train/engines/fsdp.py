@@ -20,7 +20,6 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
 from shardwise.train.engines._torch_common import (
     TorchOptimizerEngine,
@@ -30,17 +29,9 @@ from shardwise.train.engines._torch_common import (
     grad_scaler,
 )
 from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
+from shardwise.train.hf import decoder_layers
 from shardwise.train.parallel import build_mesh, data_parallel_mesh
 from shardwise.train.weights import materialize
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of an HF causal LM (`model.model.layers` for Llama/Qwen/Mistral)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ShardwiseError(f"{type(model).__name__}: no `model.layers` to wrap per decoder layer")
-    return list(layers)
 
 
 def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.device) -> torch.nn.Module:

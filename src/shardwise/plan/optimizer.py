@@ -1,0 +1,30 @@
+"""The optimizer's bytes per parameter and the temporaries of one step (pure, no torch)."""
+
+from __future__ import annotations
+
+from shardwise.specs.train import TrainSpec
+
+
+def optimizer_bytes(train: TrainSpec) -> float:
+    """Optimizer state bytes per parameter."""
+    pure = train.precision == "bf16-pure"
+    return {
+        "adamw": 4 if pure else 8,  # exp_avg + exp_avg_sq
+        "sgd": 2 if pure else 4,  # momentum buffer
+        "adam8bit": 2,  # bitsandbytes: two uint8 states (block absmax is ~1.6% extra, ignored)
+    }[train.optimizer]
+
+def optimizer_temp(train: TrainSpec, n_params: float, largest: float) -> float:
+    """Temporaries of one optimizer step over `n_params` elements whose largest tensor has
+    `largest` (torch/optim/adam.py): fused AdamW (`_fused_adamw_`, one kernel) and
+    bitsandbytes' 8-bit Adam allocate none; foreach AdamW allocates `exp_avg_sq_sqrt` for
+    every parameter at once (state dtype); the for-loop version two per tensor while it
+    runs (`exp_avg_sq.sqrt()` and its division). SGD with momentum updates in place.
+    Measured: llama-2-7b FSDP2 on one H200 with fused AdamW peaks 25 GiB below a foreach
+    step's 4Ψ (docs/accuracy.md)."""
+    if train.optimizer != "adamw" or train.optimizer_impl == "fused":
+        return 0.0
+    state = 2 if train.precision == "bf16-pure" else 4
+    if train.optimizer_impl == "foreach":
+        return state * n_params
+    return 2 * state * min(largest, n_params)

@@ -1,0 +1,131 @@
+"""The parameters one GPU's model replica holds (pure, no torch): a pipeline stage's layers
+and root split over TP, ZeRO-3's persistent tensors, ZeRO-1/2's gradient partition, and what
+ZeRO-3 and FSDP2 keep gathered. Memory, communication, time and the load phase read them here
+(plan/memory.py, memory_lora.py, comm.py, timing.py, load.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.specs.layout import ParallelLayout
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.strategy import Strategy
+from shardwise.specs.train import TrainSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One GPU's share of the model under a strategy, as each engine's model-state rule reads it
+    (plan/memory.py, memory_lora.py): the specs, ψ (the replica's parameters, `stage_params`),
+    the shard group's size n and the GPUs sharing one host."""
+
+    model: ModelSpec
+    train: TrainSpec
+    strategy: Strategy
+    layout: ParallelLayout
+    psi: float
+    n: int
+    per_node: int
+
+    @property
+    def layer(self) -> float:
+        """One decoder layer's parameters on this TP rank."""
+        return self.model.params_per_layer / self.layout.tp
+
+
+def stage_layer_params(model: ModelSpec, pp: int) -> int:
+    """Decoder-layer parameters of the fullest pipeline stage (⌈L/pp⌉ consecutive layers each;
+    layers differ where dense layers sit among MoE layers)."""
+    sizes = model.layer_sizes
+    per = -(-len(sizes) // pp)
+    return max(sum(sizes[i:i + per]) for i in range(0, len(sizes), per))
+
+def stage_params(model: ModelSpec, tp: int, pp: int) -> float:
+    """Parameters held by one GPU's model replica: a pipeline stage's layers (worst stage: one
+    with the embedding or the lm_head) split over TP ranks (norms are replicated; negligible)."""
+    root = model.root_params
+    if pp > 1:
+        embed = model.vocab_size * model.hidden_size
+        root = max(embed, root - embed) if not model.tie_embeddings else embed
+    return (stage_layer_params(model, pp) + root) / tp
+
+def persistent_params(model: ModelSpec, threshold: int, tp: int) -> float:
+    """ZeRO-3 keeps parameters with fewer than `stage3_param_persistence_threshold` elements
+    whole on every rank (partition_parameters.py: `ds_persist`)."""
+    return sum(n * k for n, k in model.tensor_sizes() if n / tp < threshold) / tp
+
+def optimizer_groups(model: ModelSpec, weight_decay: float) -> tuple[tuple[int, ...], ...]:
+    """The trainer's AdamW groups as tensor sizes, each in `model.parameters()` order
+    (train/engines/base.decay_groups): the decayed tensors, then the rest (norms, biases,
+    embeddings: specs.train.weight_decayed) — one group without weight decay, two with it."""
+    flags = model.hf_decayed
+    if flags is None:  # an inventory that does not say: HF order, one group
+        return (model.hf_order,)
+    decayed = tuple(n for n, d in zip(model.hf_order, flags, strict=True) if d)
+    rest = tuple(n for n, d in zip(model.hf_order, flags, strict=True) if not d)
+    groups = (decayed + rest,) if weight_decay == 0 else (decayed, rest)
+    return tuple(g for g in groups if g)
+
+@lru_cache(maxsize=4096)
+def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight_decay: float = 0.0) -> float:
+    """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank: DeepSpeed
+    flattens each optimizer group (`optimizer_groups`) and splits it into N slices; every
+    tensor that overlaps the rank's slice of a group is held whole (stage_1_and_2.py:
+    params_in_partition). Measured exactly on both ranks of tiny Llamas, one group and two
+    (tests/test_measured_memory.py, tests/test_zero12_groups.py)."""
+    if n <= 1:
+        return stage_params(model, tp, pp)
+    if tp > 1 or pp > 1:  # per-rank tensor order under TP/PP is engine-specific: use the ideal
+        return stage_params(model, tp, pp) / n
+    held = [0] * n
+    for sizes in optimizer_groups(model, weight_decay):
+        part = -(-sum(sizes) // n)
+        start = 0
+        for size in sizes:
+            end = start + size
+            for r in range(start // part, min(n - 1, (end - 1) // part) + 1):
+                held[r] += size
+            start = end
+    return max(held)
+
+def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayout) -> float:
+    """Elements ZeRO-3 keeps gathered at the end of forward (partitioned_param_coordinator.py
+    `__params_to_release`): after a module's forward its params are released unless the trace
+    reuses them within `stage3_max_reuse_distance` elements of traversal. A decoder layer
+    reappears in backward after the rest of the forward (later layers, final norm, lm_head)
+    and the backward of those — with full checkpointing each later layer is also re-run — so
+    a suffix of the layers stays gathered, plus lm_head and the prefetch bucket. A model whose
+    gathered params are all within the distance is never released (no re-gather: comm.py).
+    Measured on one H200: 0.92 GiB for qwen2.5-0.5b (whole model), ~1.0 GiB for the 8-layer
+    7B-width model at 1e9 (docs/accuracy.md)."""
+    layer = model.params_per_layer / layout.tp
+    layers = -(-model.num_layers // layout.pp)
+    tail = model.root_params / layout.tp  # embed, norm, lm_head
+    lm_head = model.lm_head_params / layout.tp
+    gathered = (stage_layer_params(model, layout.pp) / layout.tp + tail
+                - persistent_params(model, ds.param_persistence_threshold, layout.tp))
+    passes = train.layer_passes  # forward, (recompute,) backward of each later layer
+    kept_layers = 0
+    for after in range(layers):  # `after` = layers that follow this one in forward
+        if passes * after * layer + 2 * lm_head >= ds.max_reuse_distance:
+            break
+        kept_layers += 1
+    live = kept_layers * layer + lm_head + min(ds.prefetch_bucket_size, layer)
+    # never less than the fetch unit, gathered whole while it computes: the largest submodule,
+    # or a whole decoder layer when layers are ZeRO-3 leaves (DeepSpeedKnobs.fetch_unit)
+    unit = model.largest_module / layout.tp
+    if ds.zero3_unit(model, layout.tp) == "layer":
+        unit = max(unit, layer)
+    return max(0.0, min(gathered, max(live, unit + min(ds.prefetch_bucket_size, layer))))
+
+def fsdp_gathered_params(model: ModelSpec, s: Strategy, layout: ParallelLayout, c: float, psi: float,
+                         layer: float) -> float:
+    """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`).
+    "none": every unit stays gathered from its forward to its backward (c·Ψ). Else the layer in
+    flight, the prefetched one and the root (never resharded after forward). "all" and
+    "not-last" hold the same: "not-last" keeps the last layer from forward into backward; "all"
+    frees it and gathers it again as backward starts, while the next one is prefetched."""
+    if s.resharding == "none":
+        return c * psi
+    return c * (2 * layer + psi - stage_layer_params(model, layout.pp) / layout.tp)

@@ -1,0 +1,71 @@
+"""What a run decides from its config for the device, torch-free and once, in the run bridge
+(`shardwise.run.bridge`), so that the plan and the build agree: whether the decoder layers are
+compiled (shardwise.train.compile) and what keeps packed documents apart
+(shardwise.train.packed_attention)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from shardwise.errors import ShardwiseError
+from shardwise.train.config import TrainConfig
+
+COMPILED_ENGINES = ("fsdp2", "ddp")
+
+
+def compile_enabled(cfg: TrainConfig, device: str, engine: str) -> bool:
+    """Whether the run compiles its decoder layers (`run.compile`; None = on for CUDA with the
+    FSDP2 and DDP engines). Refuses an explicit request the engine cannot honour."""
+    want = cfg.run.compile
+    if want and engine not in COMPILED_ENGINES:
+        raise ShardwiseError(
+            f"{cfg.source}: run.compile is true, but strategy {cfg.strategy.name!r} runs on DeepSpeed, whose ZeRO "
+            "hooks are not compiled here; compile runs with fsdp* and ddp strategies (set run.compile: false)")
+    if want is None:
+        return device == "cuda" and engine in COMPILED_ENGINES
+    return bool(want)
+
+
+# Analytic families whose transformers causal-LM class has no SDPA path (`_supports_sdpa` False
+# in transformers 5.24; tests/train/test_inputs_checked.py checks every family against the
+# installed transformers): gemma2 (attention logit softcapping), mpt (eager-only MptAttention).
+# They run eager attention, so packed rows run dense.
+NO_SDPA = ("gemma2", "mpt")
+CHOICES = ("auto", "varlen", "flex", "dense")
+# Analytic families whose transformers class has no FlexAttention path (`_supports_flex_attn`
+# False in transformers 5.24; tests/train/test_packed_attention.py checks them): packed rows
+# take sdpa_varlen there under `auto`.
+NO_FLEX = ("gpt2", "mpt")
+
+
+def packed_attention(choice: str, *, data_kind: str, device: str, attention: str, family: str, precision: str,
+            source: str = "<config>", flash_attn: bool | None = None) -> str:
+    """What packs documents apart for a run (a `TrainSpec.packed_attention` value). `flash_attn`:
+    whether flash-attn is importable (None: look). Refuses what cannot run, naming the field."""
+    if data_kind != "sft":
+        return "none"  # synthetic rows: one sequence each, positions 0..S-1, causal only
+    field = f"{source}: data.sft.packed_attention {choice!r}"
+    eager = attention == "eager" or family in NO_SDPA
+    if choice == "dense" or (choice == "auto" and eager):
+        return "dense"
+    if eager:
+        why = "model.attention is 'eager'" if attention == "eager" else f"{family} runs eager attention"
+        raise ShardwiseError(f"{field}: {why}, which attends packed rows through the dense mask; set "
+                             "data.sft.packed_attention: dense (or auto), or model.attention: sdpa")
+    if flash_attn is None:
+        flash_attn = importlib.util.find_spec("flash_attn") is not None
+    flash = device == "cuda" and flash_attn and precision != "fp32"  # flash-attn has no fp32 kernel
+    if choice == "flex":
+        if device != "cuda":
+            raise ShardwiseError(f"{field}: FlexAttention has no backward on {device} in torch 2.13 (\"FlexAttention "
+                                 "does not support backward on CPU\"); use auto or varlen (one SDPA call per document)")
+        if family in NO_FLEX:
+            raise ShardwiseError(f"{field}: transformers has no FlexAttention path for {family}; use auto or varlen")
+        return "flex"
+    if choice == "varlen":
+        return "flash_varlen" if flash else "sdpa_varlen"
+    if choice != "auto":
+        raise ShardwiseError(f"{field}: expected one of {', '.join(CHOICES)}")
+    if flash:
+        return "flash_varlen"
+    return "flex" if device == "cuda" and family not in NO_FLEX else "sdpa_varlen"
