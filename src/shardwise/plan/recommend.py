@@ -94,7 +94,7 @@ class Alternative:
             "micro_batch": e.train.micro_batch, "grad_accum": e.train.grad_accum,
             "checkpointing": e.train.checkpointing, "tool": self.tool, "needs": list(self.gaps),
             "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "memory_total": e.memory.gpu.total,
-            "usable_bytes": e.memory.usable_bytes, "speedup": self.speedup, "why": self.why,
+            "memory_required": e.memory.gpu.required, "usable_bytes": e.memory.usable_bytes, "speedup": self.speedup, "why": self.why,
         }  # fmt: skip
 
 
@@ -127,6 +127,7 @@ class Recommendation:
             "checkpointing": b.train.checkpointing, "runnable": self.runnable, "tool": self.tool,
             "needs": trainer_gaps(b.strategy, b.train),
             "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
+            "memory_required": b.memory.gpu.required,
         }  # fmt: skip
 
 

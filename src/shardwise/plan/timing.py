@@ -32,9 +32,9 @@ from shardwise.plan.kernels import (
     update_bytes,
 )
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
-from shardwise.plan.memory import stage_layer_params, stage_params
 from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.plan.network import comm_time
+from shardwise.plan.stage import stage_layer_params, stage_params
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -117,20 +117,20 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     c, k, n = train.compute_bytes, train.grad_accum, max(layout.dp_shard, 1)
     layers = stage_layer_params(model, layout.pp) / layout.tp
     if s.engine == "fsdp2":
-        reduce = s.fsdp.reduce_bytes(c) if train.precision in ("bf16-mixed", "fp16-mixed") else c
+        reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else c
         gathered = psi + layers * fsdp_regather_share(model, s, layout)
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
     if s.engine == "deepspeed":
         if s.zero_stage == 3:
-            passes = 3 if train.checkpointing == "full" else 2
+            passes = train.layer_passes
             return k * psi * (passes * (c + c / n) + 2 * c + 2 * c / n)
         reductions = k if s.zero_stage == 2 else 1
         return psi * (reductions * (2 * c + 2 * c / n) + c + c / n)
     # LoRA's frozen base is stored in the compute dtype: autocast has nothing to cast
-    autocast = train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
-    passes = 2 if train.checkpointing == "full" else 1
+    autocast = train.autocasts(s.engine)
+    passes = train.layer_passes - 1  # the forward, and its recompute under full checkpointing
     cast = k * psi * (passes * (4 + c) + (c + 8)) if autocast else 0.0
     bucket = 0.0 if s.ddp.gradient_as_bucket_view or not s.ddp.wrapped(layout.dp_replicate) else 2 * 4 * psi
     return cast + bucket
@@ -202,7 +202,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         scores = model.num_heads / tp * tokens * train.seq_len * layers
         mem += k * scores * (3 * c + 24) * (1 + replay_attn / 3)
 
-    autocast = s.engine == "ddp" and train.precision in ("bf16-mixed", "fp16-mixed") and not train.lora_rank
+    autocast = train.autocasts(s.engine)
     factor = tm.fused_elementwise_factor if train.fused_kernels else tm.elementwise_factor
     per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * factor / pp)
@@ -211,7 +211,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         copies *= tm.lora_copy_share
     mem += copies * (tm.fsdp2_copy_exposed if s.engine == "fsdp2" else 1.0)
     if train.base_quant == "nf4":  # QLoRA: each 4-bit weight is dequantised to c bytes in every pass
-        passes_q = 3 if train.checkpointing == "full" else 2
+        passes_q = train.layer_passes
         mem += k * passes_q * linear_weight_params(model, tp, pp) * (NF4_BYTES + c)
     memory_bound = mem / bytes_s
 
