@@ -8,13 +8,13 @@ the doc differs. Then guards the held-out bands (regression guards at today's fi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -23,11 +23,7 @@ sys.path.insert(0, str(BENCH))
 
 
 def _module(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return sys.modules[name] if sys.modules[name] is not mod else mod
+    return load(name)
 
 
 fit_timing = _module("fit_timing")

@@ -6,10 +6,10 @@ reserved on 80 GiB GPUs, and trained."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_scripts import load
 
 from shardwise import catalog
 from shardwise.plan.memory import plan_memory
@@ -20,10 +20,7 @@ GIB = 2**30
 
 
 def _accuracy():
-    spec = importlib.util.spec_from_file_location("published_accuracy_fits", ROOT / "benchmarks" / "accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("accuracy")
 
 
 accuracy = _accuracy()

@@ -4,19 +4,14 @@ of 11 runs). The expected figures are the measurements, never the planner's own 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_scripts import load
 
 from shardwise import catalog
 from shardwise.plan.evaluate import evaluate, memory_as_run
 from shardwise.specs import Strategy, TrainSpec
 
-_spec = importlib.util.spec_from_file_location(
-    "h200_cases", Path(__file__).resolve().parents[1] / "benchmarks" / "h200_cases.py")
-h200 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(h200)
+h200 = load("h200_cases")
 CASES = {c["name"]: c for c in h200.load_cases()}
 
 

@@ -5,18 +5,16 @@ tests/train/test_load_memory.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from bench_scripts import load
 
 ROOT = Path(__file__).parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("load_memory", ROOT / "benchmarks" / "load_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("load_memory")
 
 
 def test_docs_table_is_the_committed_result():

@@ -6,12 +6,12 @@ at most the GPUs per node."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+from bench_scripts import load
 from typer.testing import CliRunner
 
 from shardwise import catalog
@@ -182,10 +182,7 @@ def test_latency_grows_with_ranks_and_nodes():
 
 
 def _accuracy():
-    spec = importlib.util.spec_from_file_location("published_accuracy", ROOT / "benchmarks" / "accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("accuracy")
 
 
 def test_gpt3_zero3_exposed_communication_grows_with_the_gpu_count():

@@ -5,12 +5,12 @@ calibrated against these numbers; benchmarks/accuracy.py reports them)."""
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import yaml
+from bench_scripts import load
 
 from shardwise.specs import ModelSpec
 
@@ -19,10 +19,7 @@ PUBLISHED = ROOT / "benchmarks" / "published"
 
 
 def _load_accuracy():
-    spec = importlib.util.spec_from_file_location("published_accuracy", ROOT / "benchmarks" / "accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("accuracy")
 
 
 accuracy = _load_accuracy()
