@@ -35,12 +35,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shardwise.bench.calibrate_host import fsdp2_hook_s, launch_gap, timed
 from shardwise.run.bridge import launcher_ranks_per_node
 
 SIZES_CPU = (1 << 12, 1 << 16, 1 << 20, 1 << 23)  # bytes per collective message
@@ -49,19 +49,6 @@ SIZES_CUDA = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28)
 GPU_NAMES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("A100-SXM4-40GB", "a100-40g"),
              ("A100-PCIE-40GB", "a100-40g"), ("A100", "a100-80g"), ("L40S", "l40s"), ("4090", "rtx-4090"),
              ("3090", "rtx-3090"), ("V100", "v100-32g"), ("MI300X", "mi300x"))
-
-
-def _timed(fn, repeat: int, sync) -> float:
-    """Median seconds of `fn` over `repeat` runs after one warm-up."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def catalog_gpu(device_name: str) -> str | None:
@@ -93,7 +80,7 @@ def measure_device(model_name: str = "llama-2-7b", quick: bool = False) -> dict[
     for n in widths:
         a = torch.randn(tokens, h, device=dev, dtype=dtype)
         b = torch.randn(h, n, device=dev, dtype=dtype)
-        t = _timed(lambda a=a, b=b: a @ b, repeat, sync)
+        t = timed(lambda a=a, b=b: a @ b, repeat, sync)
         gemm[f"{tokens}x{h}x{n}"] = 2 * tokens * h * n / t
     out["gemm_flops"] = gemm
     out["gemm_best_flops"] = max(gemm.values())
@@ -106,13 +93,13 @@ def measure_device(model_name: str = "llama-2-7b", quick: bool = False) -> dict[
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         o.sum().backward()
 
-    t = _timed(attention, repeat, sync)
+    t = timed(attention, repeat, sync)
     out["attention_flops"] = 6 * seq * seq * heads * d / t  # the planner's causal model FLOPs
 
     numel = (1 << 28 if cuda else 1 << 25) // (2 if quick else 1)
     src = torch.empty(numel, device=dev, dtype=torch.float32)
     dst = torch.empty_like(src)
-    t = _timed(lambda: dst.copy_(src), repeat, sync)
+    t = timed(lambda: dst.copy_(src), repeat, sync)
     out["memory_bytes_per_s"] = 2 * 4 * numel / t
 
     # the trainer's AdamW on this device, over the model's layer shapes (per-tensor costs count)
@@ -125,72 +112,20 @@ def measure_device(model_name: str = "llama-2-7b", quick: bool = False) -> dict[
     p = torch.nn.Parameter(torch.randn(n_params))
     p.grad = torch.randn(n_params)
     opt = torch.optim.AdamW([p], lr=1e-4)
-    t = _timed(opt.step, repeat, lambda: None)
+    t = timed(opt.step, repeat, lambda: None)
     out["host_torch_adam_params_per_s"] = n_params / t
 
     if cuda:
         host = torch.empty(numel, dtype=torch.float32).pin_memory()
-        t = _timed(lambda: src.copy_(host, non_blocking=True), repeat, sync)
+        t = timed(lambda: src.copy_(host, non_blocking=True), repeat, sync)
         out["pcie_bytes_per_s"] = 4 * numel / t
 
     # the host's costs the time model carries (specs/timing_model.py): launch gaps, FSDP2's hooks
-    out["launch_s"] = _launch_gap(torch, dev, sync, quick)
-    hook = _fsdp2_hook_s(torch, dev, sync, quick)
+    out["launch_s"] = launch_gap(torch, dev, sync, quick)
+    hook = fsdp2_hook_s(torch, dev, sync, quick)
     if hook is not None:
         out["fsdp2_hook_s"] = hook
     return out
-
-
-def _launch_gap(torch: Any, dev: Any, sync: Any, quick: bool) -> float:
-    """Seconds per eager op when the ops are too short to hide the host: back-to-back in-place
-    adds on a one-element tensor, so the device waits on each launch (the planner's `launch_s`)."""
-    x = torch.zeros(1, device=dev)
-    n = 500 if quick else 2000
-
-    def burst():
-        for _ in range(n):
-            x.add_(1.0)
-
-    return _timed(burst, 3 if quick else 5, sync) / n
-
-
-def _fsdp2_hook_s(torch: Any, dev: Any, sync: Any, quick: bool) -> float | None:
-    """Host seconds per FSDP2 hook (the planner's `fsdp2_hook_s`: per unit, per pass, per hook,
-    2 hooks a pass): forward + backward of a stack of narrow layers each under `fully_shard`
-    on a one-rank group, minus the same stack bare, over units × 2 passes × 2 hooks. Narrow
-    layers keep the copies and GEMMs negligible: what is left is the hooks. None when this
-    process already belongs to a process group (a launched calibration: its rank 0 cannot make a
-    group of its own without every rank)."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    if dist.is_initialized():
-        return None
-    layers, width = (8, 32) if quick else (16, 32)
-    dist.init_process_group("gloo" if dev.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1,
-                            **({"device_id": dev} if dev.type == "cuda" else {}))
-    try:
-        def stack():
-            torch.manual_seed(0)
-            return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
-
-        bare, sharded = stack(), stack()
-        for layer in sharded:
-            fully_shard(layer)
-        fully_shard(sharded)
-        x = torch.randn(4, width, device=dev)
-
-        def step(m):
-            def run():
-                m(x).sum().backward()
-            return run
-
-        repeat = 5 if quick else 20
-        t_bare = _timed(step(bare), repeat, sync)
-        t_fsdp = _timed(step(sharded), repeat, sync)
-    finally:
-        dist.destroy_process_group()
-    return max(t_fsdp - t_bare, 0.0) / ((layers + 1) * 2 * 2)
 
 
 def _adamw_rate(torch: Any, dev: Any, shapes: Sequence[tuple[int, ...]], target: int, repeat: int,
@@ -204,7 +139,7 @@ def _adamw_rate(torch: Any, dev: Any, shapes: Sequence[tuple[int, ...]], target:
         p.grad = torch.randn_like(p)
     impl = "fused" if dev.type == "cuda" else "forloop"
     opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if impl == "fused" else {"foreach": False}))
-    t = _timed(opt.step, repeat, sync)
+    t = timed(opt.step, repeat, sync)
     return sum(p.numel() for p in params) / t, impl
 
 
@@ -263,10 +198,10 @@ def _collectives_rank(out_path: str, quick: bool) -> None:
             k = max(n, size // 4 // n * n)
             full = torch.ones(k, device=dev)
             shard = torch.ones(k // n, device=dev)
-            results["all_reduce"][str(4 * k)] = _timed(lambda f=full, g=group: dist.all_reduce(f, group=g), repeat, sync)
-            results["all_gather"][str(4 * k)] = _timed(
+            results["all_reduce"][str(4 * k)] = timed(lambda f=full, g=group: dist.all_reduce(f, group=g), repeat, sync)
+            results["all_gather"][str(4 * k)] = timed(
                 lambda f=full, sh=shard, g=group: all_gather(f, sh, group=g), repeat, sync)
-            results["reduce_scatter"][str(4 * k)] = _timed(
+            results["reduce_scatter"][str(4 * k)] = timed(
                 lambda f=full, sh=shard, g=group: reduce_scatter(sh, f, group=g), repeat, sync)
         report[level] = {"group_size": n, "groups": len(groups), "seconds": results}
     if rank == 0:
