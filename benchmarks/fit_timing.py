@@ -13,12 +13,12 @@ tokens/s by more than INFORM (2%). Then, on a set of training cases:
 1. a candidate informed by at least 3 cases from at least 2 sources is **fitted**: least
    squares on log(planned / measured tokens/s), every source weighted equally, over the cases
    that no machine constant (below) informs; a fitted value at its bound fails the fit;
-2. a candidate informed by fewer (ZeRO-3's hook cost on the H200 host is informed by two runs
-   of one source) is a **machine constant**: it is measured on the cases that inform it (a
-   one-constant solve of their step times, the fitted constants fixed), labelled `measured`
-   with those cases, which are in-sample for it; with no training case left to inform it, it
-   keeps its prior;
-3. everything else keeps its prior.
+2. a host constant (`machine: true`: an engine's hooks, DeepSpeed's step, the host optimizer)
+   is a property of the machine that ran the case, never fitted across sources: it is measured
+   on the H200 host's cases that inform it (a one-constant solve of their step times, the
+   fitted constants fixed), labelled `measured` with those cases, which are in-sample for it;
+   with no training case left to inform it, it keeps its prior;
+3. everything else keeps its prior (measured elsewhere, derived or assumed, and labelled so).
 
 Held out by construction: leave-one-out (LOO) refits without each H200 case, leave-one-source-
 out (LOSO) without each source, and each held-out case is planned with constants that never saw
@@ -184,10 +184,11 @@ def fit(cases: list[Case], cands: list[Candidate] | None = None, strict: bool = 
     fitted = [c for c in cands if not c.machine and len(inf[c.name]) >= MIN_CASES
               and len({k.source for k in inf[c.name]}) >= MIN_SOURCES]
     # machine constants are measured on the one host whose runs we have (the H200's), and planned
-    # for every other source with that host's value
-    inf = {n: [k for k in hits if k.source == H200_SOURCE] if c.machine else hits
-           for c in cands for n, hits in [(c.name, inf[c.name])]}
-    machine = [c for c in cands if c not in fitted and inf[c.name]]
+    # for every other source with that host's value; any other candidate the cases do not
+    # inform enough keeps its prior
+    inf = {c.name: [k for k in inf[c.name] if k.source == H200_SOURCE] if c.machine else inf[c.name]
+           for c in cands}
+    machine = [c for c in cands if c.machine and inf[c.name]]
     machine_cases = {k.name for c in machine for k in inf[c.name]}
     train = [k for k in cases if k.name not in machine_cases]
     prov: dict[str, dict] = {c.name: {"kind": c.prior_kind, "basis": c.prior_basis} for c in cands}
