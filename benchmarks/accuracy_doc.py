@@ -99,16 +99,17 @@ def _failing_term(row: dict, fit: dict) -> str:
 
 def render_h200(fit: dict, h200: dict) -> str:
     by_name = {r["name"]: r for r in fit["cases"] if r["source"] == H200_SOURCE}
-    lines = ["| case | allocated GiB err | device GiB err | tokens/s measured | LOO err | in-sample err | fits | "
-             "held out, what fails it |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | allocated GiB err | device GiB err, LOO (in-sample) | tokens/s measured | LOO err | "
+             "in-sample err | fits, LOO | held out, what fails it |", "|---|---|---|---|---|---|---|---|"]
     for c in h200["cases"]:
         r = by_name[c["name"]]
         loo = _err(r["loo"], r["measured"])
         why = "" if abs(loo) <= LOO_BAND else _failing_term(r, fit)
-        lines.append(f"| {c['name']} | {_pct(c['allocated_gib']['rel_err'])} | {_pct(c['device_gib']['rel_err'])} | "
-                     f"{r['measured']:,.0f} | {'**' if why else ''}{_pct(loo)}{'**' if why else ''} | "
-                     f"{_pct(_err(r['in_sample'], r['measured']))} | {'yes' if c['fits']['predicted'] else 'NO'} | "
-                     f"{why} |")
+        d = c["device_gib"]
+        lines.append(f"| {c['name']} | {_pct(c['allocated_gib']['rel_err'])} | {_pct(d['held_out_rel_err'])} "
+                     f"({_pct(d['rel_err'])}) | {r['measured']:,.0f} | {'**' if why else ''}{_pct(loo)}"
+                     f"{'**' if why else ''} | {_pct(_err(r['in_sample'], r['measured']))} | "
+                     f"{'yes' if c['fits']['held_out_loo'] else 'NO'} | {why} |")
     return "\n".join(lines) + "\n"
 
 
