@@ -16,6 +16,21 @@ app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
 DEFAULT_MODEL = "llama-2-7b"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from shardwise import __version__
+
+        typer.echo(f"shardwise {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print shardwise's version and exit.")) -> None:
+    """shardwise: plan, train and measure multi-GPU SFT across DeepSpeed ZeRO, FSDP2 and DDP."""
+
+
+
 def _fail(err: Exception) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -503,6 +518,24 @@ _passthrough("shardwise.train.cli", "train", "Train with DeepSpeed, FSDP2 or DDP
 _passthrough("shardwise.train.export_cli", "export", "Export a checkpoint as a Hugging Face model directory.")
 _passthrough("shardwise.bench.calibrate_cli", "calibrate", "Measure this machine's GPUs and links into a hardware profile.")
 _passthrough("shardwise.bench.bench_cli", "bench", "Run a few trainer steps; measured memory, time and comm vs the plan.")
+
+
+@app.command(name="version")
+def version_cmd(full: bool = typer.Option(False, "--full", help="Also Python, torch (with its CUDA and NCCL), "
+                                          "DeepSpeed, transformers, accelerate, PEFT, datasets, safetensors, "
+                                          "bitsandbytes."),
+                as_json: bool = typer.Option(False, "--json", help="As a JSON object.")) -> None:
+    """shardwise's version; with --full, the libraries a run's numbers depend on."""
+    from shardwise import __version__
+    from shardwise.versions import full_report
+
+    report = full_report() if full else {"shardwise": __version__}
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    for name, value in report.items():
+        missing = "none (a CPU build)" if name.startswith("torch ") else "not installed"
+        typer.echo(f"{name} {value if value is not None else missing}")
 
 
 def main() -> None:

@@ -118,15 +118,10 @@ def _file_entries(d: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
+    """What the manifest records: the installed shardwise, torch, deepspeed, transformers."""
+    from shardwise.versions import MANIFEST_PACKAGES, package_versions
 
-    out = {}
-    for pkg in ("shardwise", "torch", "deepspeed", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            continue
-    return out
+    return {k: v for k, v in package_versions(MANIFEST_PACKAGES).items() if v is not None}
 
 
 def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
