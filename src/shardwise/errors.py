@@ -51,12 +51,15 @@ def did_you_mean(value: str, choices: list[str] | tuple[str, ...]) -> str:
 
 
 def user_error(err: Exception, where: str, *, model: type | None = None, lines: dict[tuple, int] | None = None,
-               prefix: tuple[str, ...] = (), header: str | None = None) -> ShardwiseError:
+               prefix: tuple[str, ...] = (), header: str | None = None,
+               overrides: dict[tuple, str] | None = None) -> ShardwiseError:
     """The one converter from a pydantic ValidationError to a ShardwiseError: one line per
     error naming `where` (with the YAML line when `lines` maps the key path), the dotted field
     (under `prefix`), the value given and what was expected; an unknown field lists the valid
     ones of `model`'s section, closest first. A ShardwiseError raised inside a validator
-    already says all that and comes back unchanged."""
+    already says all that and comes back unchanged. `overrides` maps the key paths a `--set`
+    gave to that assignment: an error there names the override, not the file's line, and a
+    list field says how to write a list."""
     errors = getattr(err, "errors", None)
     if errors is None:
         return ShardwiseError(f"{where}: {err}")
@@ -66,8 +69,11 @@ def user_error(err: Exception, where: str, *, model: type | None = None, lines: 
         if isinstance(inner, ShardwiseError):
             return inner
         loc = tuple(p for p in e.get("loc", ()) if not (isinstance(p, str) and p.startswith("function-")))
-        at = where
+        at, given = where, None
         for n in range(len(loc), 0, -1):
+            if overrides and loc[:n] in overrides:
+                at, given = f"--set {overrides[loc[:n]]}", overrides[loc[:n]]
+                break
             if lines and loc[:n] in lines:
                 at = f"{where}:{lines[loc[:n]]}"
                 break
@@ -78,6 +84,9 @@ def user_error(err: Exception, where: str, *, model: type | None = None, lines: 
             out.append(f"{at}: unknown field {dotted!r}. {did_you_mean(str(loc[-1]), allowed)}")
             continue
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        if given is not None and e.get("type") == "list_type":
+            key, _, value = given.partition("=")
+            msg += f" (a list on the command line: --set {key}='[{value}]')"
         out.append(f"{at}: field {dotted!r} = {e.get('input')!r}: {msg}")
     if header:
         return ShardwiseError(f"{header}:\n  " + "\n  ".join(out))

@@ -65,7 +65,8 @@ def assert_refused_before_ranks(r: subprocess.CompletedProcess, out: Path, *frag
 def test_out_of_bounds_field_is_refused_naming_it(tmp_path, config, setting, fragments):
     out = tmp_path / "out"
     r = train(config, out, setting)
-    assert_refused_before_ranks(r, out, f"{config}:", *fragments)
+    # the value came from --set: the error names the override, not a line of the file (issue 25)
+    assert_refused_before_ranks(r, out, f"--set {setting}:", *fragments)
     assert not out.exists()  # refused while reading the config: nothing was created
 
 

@@ -349,8 +349,8 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     """`a.b.c=value`: value parsed as YAML (so `1e-4`, `true`, `[1, 2]` get their types)."""
     if "=" not in assignment:
         raise ShardwiseError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set strategy.name=zero3")
-    key, value = assignment.split("=", 1)
-    parts = [p for p in key.strip().split(".") if p]
+    value = assignment.split("=", 1)[1]
+    parts = list(override_key(assignment))
     if not parts:
         raise ShardwiseError(f"--set {assignment!r}: empty key")
     node = raw
@@ -386,12 +386,20 @@ def _placeholders(raw: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
 
 
 def validate(
-    raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None
+    raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None,
+    overrides: dict[tuple, str] | None = None,
 ) -> TrainConfig:
+    """`overrides`: the key paths `--set` gave, each with its assignment (errors there name it)."""
     try:
         return TrainConfig.model_validate({**raw, "source": source})
     except ValidationError as exc:
-        raise user_error(exc, source, model=TrainConfig, lines=lines, header="invalid config") from None
+        raise user_error(exc, source, model=TrainConfig, lines=lines, header="invalid config",
+                         overrides=overrides) from None
+
+
+def override_key(assignment: str) -> tuple[str, ...]:
+    """The key path of a `--set a.b.c=value` assignment."""
+    return tuple(p for p in assignment.split("=", 1)[0].strip().split(".") if p)
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -419,4 +427,4 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
                         f"in the file, or pass --set {field}={example}"))  # fmt: skip
         raise ShardwiseError(f"{path}: placeholder values (written by `shardwise plan --emit`) to replace before "
                              "training:\n  " + "\n  ".join(m for _, m in sorted(out)))  # fmt: skip
-    return validate(raw, str(path), lines)
+    return validate(raw, str(path), lines, overrides={override_key(o): o for o in overrides})
