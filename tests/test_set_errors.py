@@ -32,23 +32,24 @@ def test_a_list_field_set_to_a_scalar_says_how_to_write_a_list():
     assert "--set data.sft.train_files='[/data/train.jsonl]'" in msg
 
 
-def test_a_bad_value_in_the_file_still_cites_its_line(tmp_path):
+def _bad_steps(tmp_path) -> tuple[Path, int]:
+    """The demo config with `run.steps: abc`, and that line's number (1-based)."""
     lines = DEMO.read_text().splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("steps:"))
     indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
     lines[at] = f"{indent}steps: abc"
     bad = tmp_path / "bad.yaml"
     bad.write_text("\n".join(lines) + "\n")
+    return bad, at + 1
+
+
+def test_a_bad_value_in_the_file_still_cites_its_line(tmp_path):
+    bad, line = _bad_steps(tmp_path)
     msg = _error(bad, [])
-    assert f"{bad}:{at + 1}: field 'run.steps' = 'abc'" in msg
+    assert f"{bad}:{line}: field 'run.steps' = 'abc'" in msg
     assert "--set" not in msg
 
 
 def test_an_override_that_fixes_the_file_wins(tmp_path):
-    lines = DEMO.read_text().splitlines()
-    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("steps:"))
-    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
-    lines[at] = f"{indent}steps: abc"
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("\n".join(lines) + "\n")
+    bad, _ = _bad_steps(tmp_path)
     assert load_config(bad, ["run.steps=7"]).run.steps == 7
