@@ -8,10 +8,11 @@ from pathlib import Path
 
 import typer
 
+from shardwise.cli_help import HELP
 from shardwise.errors import ShardwiseError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
-                  pretty_exceptions_enable=False)
+                  pretty_exceptions_enable=False, **HELP)
 
 DEFAULT_MODEL = "llama-2-7b"
 

@@ -8,9 +8,10 @@ from typing import Annotated
 
 import typer
 
+from shardwise.cli_help import HELP
 from shardwise.errors import ShardwiseError
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help=__doc__, **HELP)
 
 
 @app.command()

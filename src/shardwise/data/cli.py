@@ -8,9 +8,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from shardwise.cli_help import HELP
 from shardwise.errors import ShardwiseError
 
-app = typer.Typer(help="Inspect SFT data the way the trainer will see it.", no_args_is_help=True)
+app = typer.Typer(help="Inspect SFT data the way the trainer will see it.", no_args_is_help=True, **HELP)
 
 
 @app.callback()

@@ -15,12 +15,14 @@ from typing import Annotated
 
 import typer
 
+from shardwise.cli_help import HELP
 from shardwise.errors import ShardwiseError
 
 app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     help="Train with DeepSpeed ZeRO 0-3, FSDP2 or DDP from one YAML config.",
+    **HELP,
 )
 
 

@@ -11,10 +11,11 @@ from typing import Annotated
 
 import typer
 
+from shardwise.cli_help import HELP
 from shardwise.errors import ExitCode, NonFiniteError, ShardwiseError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                  help="Export a shardwise checkpoint as a Hugging Face model directory.")  # fmt: skip
+                  help="Export a shardwise checkpoint as a Hugging Face model directory.", **HELP)  # fmt: skip
 
 
 @app.command("export")
