@@ -43,7 +43,7 @@ def test_calibrate_runs_on_cpu_within_a_minute(profile):
     assert str(path) in " ".join(output.split())
     doc = json.loads(path.read_text())
     raw = doc["raw"]
-    assert doc["gpu_name"].startswith("cpu")  # says it measured a CPU, not a GPU
+    assert doc["gpu_name"].startswith("cpu") and doc["device"] == "cpu"  # says it measured a CPU, not a GPU
     for key in ("gemm_best_flops", "attention_flops", "memory_bytes_per_s"):
         assert raw[key] > 0
     assert doc["host_torch_adam_params_per_s"] > 0
@@ -52,20 +52,21 @@ def test_calibrate_runs_on_cpu_within_a_minute(profile):
     assert "inter" not in doc  # one node: nothing crosses nodes
     # the AdamW kernel the trainer uses on CPU (run/bridge.py optimizer_impl), measured and labelled
     assert doc["gpu"]["adamw_impl"] == "forloop" and doc["gpu"]["adamw_params_per_s"] > 0
-    assert load_profile(path).apply(catalog.build_hardware(gpu="a100-80g", gpus=2)).gpu.adamw_impl == "forloop"
+    assert load_profile(path, device="cpu").apply(catalog.build_hardware(gpu="a100-80g", gpus=2)).gpu.adamw_impl == "forloop"
     # the time model's host costs, measured here and carried into the plan as measured
     timing = doc["timing"]
     assert 1e-7 < timing["launch_s"] < 1e-3  # an eager op: microseconds, not nothing, not milliseconds
     assert 1e-6 < timing["fsdp2_hook_s"] < 5e-2
-    hw = load_profile(path).apply(catalog.build_hardware(gpu="a100-80g", gpus=2))
+    hw = load_profile(path, device="cpu").apply(catalog.build_hardware(gpu="a100-80g", gpus=2))
     assert hw.timing.fsdp2_hook_s == timing["fsdp2_hook_s"]
     assert hw.timing.provenance["launch_s"].kind == "measured"
 
 
 def test_profile_moves_the_plan_the_way_it_was_measured(profile):
     """A CPU's rates are orders of magnitude below an A100's datasheet: the same plan with the
-    profile predicts a far longer step; the communication uses the measured gloo bandwidth."""
-    prof = load_profile(profile[0])
+    profile predicts a far longer step; the communication uses the measured gloo bandwidth.
+    (Applied for a run on the CPU, its one use; a GPU plan refuses it: test_hardware_profile.py.)"""
+    prof = load_profile(profile[0], device="cpu")  # a CPU profile applies to a run on the CPU only
     m = catalog.get_model("llama-2-7b")
     hw = catalog.build_hardware(gpu="a100-80g", gpus=2, gpus_per_node=2)
     base = evaluate(m, hw, TrainSpec(), Strategy.from_name("fsdp")).time

@@ -129,3 +129,73 @@ def test_every_bundled_constant_has_a_provenance():
     for family in catalog.family_names():
         _, provs = catalog.family_efficiencies(family)
         assert set(provs) >= {"gemm_efficiency", "attention_efficiency", "hbm_efficiency"}
+
+
+def _cpu_profile_doc() -> dict:
+    """What `shardwise calibrate` writes on a machine without a GPU (bench/calibrate.py build_profile)."""
+    from shardwise.bench.calibrate import build_profile
+
+    device = {"device": "cpu", "gemm_best_flops": 2e11, "attention_flops": 5e10, "memory_bytes_per_s": 1e10,
+              "host_torch_adam_params_per_s": 1e8, "adamw_params_per_s": 1e8, "adamw_impl": "forloop"}
+    return build_profile(device, None)
+
+
+def test_a_cpu_profile_is_refused_for_a_gpu_plan_naming_the_file(tmp_path):
+    """Applied, a CPU's measured GEMM rate becomes the GPU's peak: the plan printed "MFU 90%",
+    "0 tokens/s per GPU". `plan --profile` refuses it, naming the file and why."""
+    from typer.testing import CliRunner
+
+    from shardwise.cli import app
+
+    path = _write(tmp_path, _cpu_profile_doc())
+    for args in (["plan", "--profile", path], ["plan", "--json", "--profile", path]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2, res.output
+        out = " ".join(res.output.split())
+        assert path in out and "measured on a CPU" in out and "shardwise calibrate" in out
+        assert "tokens/s" not in out and "MFU" not in out  # nothing planned with it
+    with pytest.raises(ShardwiseError, match="measured on a CPU"):
+        load_profile(path)
+    # an older CPU profile without `device`: its gpu_name says so
+    doc = _cpu_profile_doc()
+    del doc["device"]
+    with pytest.raises(ShardwiseError, match="measured on a CPU"):
+        load_profile(_write(tmp_path, doc))
+    # for a run on the CPU (the trainer's hardware.profile with device cpu) it is what was measured
+    hw = load_profile(path, device="cpu").apply(catalog.build_hardware(gpu="a100-80g", gpus=2))
+    assert hw.gpu.bf16_flops == 2e11
+
+
+def test_trainer_refuses_a_cpu_profile_on_cuda_only(tmp_path):
+    from shardwise.run import run_spec
+    from shardwise.train.config import validate
+
+    path = _write(tmp_path, _cpu_profile_doc())
+    cfg = validate({"model": {"name": "tiny-llama"}, "hardware": {"gpu": "h200", "profile": path}})
+    assert run_spec(cfg, 1, "cpu").hardware.gpu.bf16_flops == 2e11
+    with pytest.raises(ShardwiseError, match="measured on a CPU") as err:
+        run_spec(cfg, 1, "cuda")
+    assert path in str(err.value) and "cannot run" not in str(err.value)  # the profile's error, not a layout's
+
+
+def test_mfu_above_100_percent_is_refused_naming_the_inputs(monkeypatch):
+    """The step is priced at most at the peak, so MFU > 100% means inconsistent inputs: here a
+    model FLOP count 10x the one the step was priced with. Refused, naming peak and efficiencies."""
+    import shardwise.plan.timing as timing
+
+    hw = catalog.build_hardware(gpu="h100-sxm", gpus=8)
+    ok = evaluate(M, hw, TrainSpec(), Strategy.from_name("zero3")).time.mfu
+    assert 0 < ok < 1
+    real = timing.run_flops_per_token
+    monkeypatch.setattr(timing, "run_flops_per_token", lambda m, t: real(m, t) * 10)
+    with pytest.raises(ShardwiseError) as err:
+        evaluate(M, hw, TrainSpec(), Strategy.from_name("zero3"))
+    msg = str(err.value)
+    for name in ("above 100%", "h100-sxm", "bf16 peak", "gemm_efficiency", "attention_efficiency", M.name):
+        assert name in msg, (name, msg)
+
+
+def test_slow_rates_print_significant_digits_not_zero():
+    from shardwise.numfmt import rate
+
+    assert [rate(x) for x in (0.00123, 0.5, 42.46, 3204.2)] == ["0.00123", "0.5", "42.5", "3,204"]

@@ -10,6 +10,7 @@ import typer
 
 from shardwise.cli_help import HELP
 from shardwise.errors import ShardwiseError
+from shardwise.numfmt import rate
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
                   pretty_exceptions_enable=False, **HELP)
@@ -418,7 +419,7 @@ def _fitting_hint(m, hw, train, strategy, knobs, margin) -> str:
     b = max(found, key=lambda e: e.time.tokens_per_s_per_gpu)
     return (f". It fits with --micro-batch {b.train.micro_batch} --grad-accum {b.train.grad_accum} "
             f"--checkpointing {b.train.checkpointing} ({b.memory.gpu.total / 2**30:.1f} GiB, "
-            f"{b.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU).")
+            f"{rate(b.time.tokens_per_s_per_gpu)} tokens/s per GPU).")
 
 
 @app.command()

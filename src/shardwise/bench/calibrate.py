@@ -289,6 +289,7 @@ def build_profile(device: dict[str, Any], collectives: dict[str, Any] | None) ->
         gpu |= {"adamw_params_per_s": device["adamw_params_per_s"], "adamw_impl": device["adamw_impl"]}
     doc: dict[str, Any] = {
         "gpu_name": name if name != "cpu" else "cpu (no GPU: rates of this host's CPU)",
+        "device": "cpu" if name == "cpu" else "cuda",
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu,
         "host_torch_adam_params_per_s": device["host_torch_adam_params_per_s"],

@@ -4,6 +4,7 @@ seed material's three scenarios recomputed. Returns text; the CLI prints it."""
 from __future__ import annotations
 
 from shardwise import catalog
+from shardwise.numfmt import rate
 from shardwise.plan.evaluate import evaluate
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
@@ -65,7 +66,7 @@ def explain(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> str:
     out.append("|---|---|---|---|---|---|---|---|")
     for r in rows:
         out.append(f"| {r['name']} | {r['model_states_gb']:.1f} | {r['total_gb']:.1f} | {'yes' if r['fits'] else 'no'} | "
-                   f"{r['ideal_comm_gb']:.1f} | {r['engine_comm_gb']:.1f} | {r['step_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} |")
+                   f"{r['ideal_comm_gb']:.1f} | {r['engine_comm_gb']:.1f} | {r['step_s']:.2f} | {rate(r['tokens_per_s_per_gpu'])} |")
     out += [
         "",
         f"Communication per GPU per step (ZeRO paper): DDP, ZeRO-1 and ZeRO-2 all move 2Ψ = "

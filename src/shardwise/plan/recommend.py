@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from shardwise.errors import ShardwiseError
+from shardwise.numfmt import rate
 from shardwise.plan.evaluate import Evaluation, evaluate
 from shardwise.plan.planner import check_margin
 from shardwise.specs import STRATEGIES, STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
@@ -240,9 +241,9 @@ def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Al
         m = e.memory
         vs = ""
         if best is not None and speedup is not None:
-            vs = (f" ({speedup - 1:+.0%} vs the recommended {best.time.tokens_per_s_per_gpu:,.0f}, which uses "
+            vs = (f" ({speedup - 1:+.0%} vs the recommended {rate(best.time.tokens_per_s_per_gpu)}, which uses "
                   f"{best.memory.gpu.total / GIB:.1f} GiB)")
-        why = (f"{_describe(e)} with {tool}: {t:,.0f} tokens/s per GPU{vs}, {m.gpu.total / GIB:.1f} of "
+        why = (f"{_describe(e)} with {tool}: {rate(t)} tokens/s per GPU{vs}, {m.gpu.total / GIB:.1f} of "
                f"{m.usable_bytes / GIB:.1f} usable GiB per GPU; plan-only because shardwise train lacks "
                f"{' and '.join(gaps)}")
         out.append(Alternative(e, tool, gaps, speedup, why))
@@ -266,7 +267,7 @@ def explain_choice(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner:
                    evals: list[Evaluation]) -> str:
     m, t = best.memory, best.time
     lines = [
-        f"{_describe(best)}: {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {t.mfu:.0%}, "
+        f"{_describe(best)}: {rate(t.tokens_per_s_per_gpu)} tokens/s per GPU, MFU {t.mfu:.0%}, "
         f"{m.gpu.total / GIB:.1f} of {m.capacity_bytes / GIB:.1f} GiB per GPU.",
     ]
     if t.exposed_fraction > 0.3:
@@ -283,7 +284,7 @@ def explain_choice(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner:
         lines.append(f"Do not fit in any swept setting: {', '.join(sorted(non_fit, key=lambda n: STRATEGIES[n].simplicity))}.")
     if runner:
         r = runner.time
-        lines.append(f"Runner-up: {_describe(runner)} at {r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+        lines.append(f"Runner-up: {_describe(runner)} at {rate(r.tokens_per_s_per_gpu)} tokens/s per GPU "
                      f"({r.tokens_per_s_per_gpu / t.tokens_per_s_per_gpu - 1:+.1%}).")
         lines.append(_what_flips(model, hw, best, runner))
     return " ".join(lines)
@@ -304,5 +305,5 @@ def _what_flips(model: ModelSpec, hw: HardwareSpec, best: Evaluation, runner: Ev
         r = evaluate(model, scaled, runner.train, runner.strategy).time.tokens_per_s_per_gpu
         if r > b:
             return (f"With {factor:g}× the bandwidth, {runner.strategy.name} would win "
-                    f"({r:,.0f} vs {b:,.0f} tokens/s per GPU).")
+                    f"({rate(r)} vs {rate(b)} tokens/s per GPU).")
     return "No bandwidth between 0.1× and 16× flips the ranking."

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise import catalog
+from shardwise.numfmt import rate
 from shardwise.plan.evaluate import Evaluation
 from shardwise.plan.memory import MemoryPlan
 from shardwise.plan.network import nic_bytes_per_s_per_gpu
@@ -121,7 +122,7 @@ def time_table(evals: list[Evaluation]):
         tm = e.time
         t.add_row(label(e.memory), f"{e.ideal.total / 1e9:.1f}", f"{e.comm.total / 1e9:.1f}", f"{tm.compute_s:.2f}",
                   f"{tm.exposed_comm_s:.2f}", f"{tm.offload_s:.2f}", f"{tm.step_s:.2f}",
-                  f"{tm.tokens_per_s_per_gpu:,.0f}", f"{tm.mfu:.0%}")
+                  f"{rate(tm.tokens_per_s_per_gpu)}", f"{tm.mfu:.0%}")
     return t
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from shardwise.errors import ShardwiseError
 from shardwise.plan.activations import attention_kind
 from shardwise.plan.comm import CommBreakdown, fsdp_regather_share
 from shardwise.plan.flops import attention_flops_per_token, run_flops_per_token, selective_recompute_params
@@ -285,6 +286,23 @@ def _matmul_params_per_layer(model: ModelSpec) -> float:
 # ----------------------------------------------------------------------------- communication
 
 
+def _above_peak(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, tps: float,
+                mfu: float) -> ShardwiseError:
+    """MFU above 100% cannot happen: the step is priced at most at the GPU's peak. It would mean
+    the inputs disagree (a rate above the peak it is a fraction of, a FLOP count that is not
+    the one the step is priced with): refused, naming them, instead of printing it."""
+    gpu, dtype = hw.gpu, train.compute_dtype
+    kinds = {k: p.kind for k, p in gpu.efficiency_provenance.items()}
+    effs = ", ".join(f"{k} {getattr(gpu, k):.3g} ({kinds.get(k, 'catalog')})"
+                     for k in ("gemm_efficiency", "attention_efficiency", "hbm_efficiency"))
+    return ShardwiseError(
+        f"{strategy.name} on {gpu.name}: the planned step runs at MFU {mfu:.0%}, above 100% "
+        f"({run_flops_per_token(model, train):.3g} model FLOPs per token × {tps:.4g} tokens/s per GPU against a "
+        f"{dtype} peak of {gpu.peak_flops(dtype):.3g} FLOP/s): the inputs are inconsistent: the GPU's {dtype} peak "
+        f"({dtype}_flops), its efficiencies ({effs}) and the model's FLOP count ({model.name}) cannot all be "
+        "right; check a hardware profile's rates against the peak they are relative to")
+
+
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica per step
@@ -328,6 +346,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
     tps = tokens / share / step
     mfu = run_flops_per_token(model, train) * tps / hw.gpu.peak_flops(train.compute_dtype)
+    if mfu > 1:
+        raise _above_peak(model, hw, train, strategy, tps, mfu)
     return TimeBreakdown(compute, comm_s, exposed, offload, bubble, step, tps, mfu,
                          ct.gemm_s, ct.attention_s, ct.memory_bound_s, ct.optimizer_s,
                          work - compute)

@@ -207,12 +207,15 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
     per_node = gpus_per_node(cfg, world_size, environ)
     model = model_spec(cfg)
     strat = strategy(cfg, device)
+    profile = None
+    if cfg.hardware.profile:  # its own errors name the profile file (relative to the cwd, like the data paths)
+        from shardwise.specs.profile import load_profile
+
+        profile = load_profile(cfg.hardware.profile, device=device)
     try:
         hw = build_hardware(gpu=cfg.hardware.gpu, gpus=world_size, gpus_per_node=per_node)
-        if cfg.hardware.profile:
-            from shardwise.specs.profile import load_profile
-
-            hw = load_profile(cfg.hardware.profile).apply(hw)  # relative to the cwd, like the data paths
+        if profile is not None:
+            hw = profile.apply(hw)
         layout = ParallelLayout.for_strategy(strat, world_size, per_node)
         layout.check_model(model)
     except ShardwiseError as e:

@@ -53,6 +53,8 @@ class LinkProfile(_Part):
 class HardwareProfile(_Part):
     version: Literal[1] = PROFILE_VERSION
     gpu_name: str = Field(description="the device measured (torch.cuda.get_device_name)")
+    device: Literal["cuda", "cpu"] | None = Field(None, description="the kind of device measured (profiles "
+                                                  "without it: a gpu_name starting 'cpu' is a CPU)")
     measured_at: str | None = None
     gpu: GPUProfile = GPUProfile()
     intra: LinkProfile = LinkProfile()
@@ -71,6 +73,24 @@ class HardwareProfile(_Part):
         if unknown:
             raise ValueError(f"timing: unknown constants {unknown} (expected some of {list(constant_names())})")
         return self
+
+    @property
+    def measured_on_cpu(self) -> bool:
+        """Measured on a CPU (`shardwise calibrate` on a machine without a GPU)."""
+        if self.device is not None:
+            return self.device == "cpu"
+        return self.gpu_name.strip().lower().startswith("cpu")
+
+    def check_device(self, source: str | Path, device: str) -> None:
+        """A CPU's rates are not a GPU's: a profile measured on a CPU planning GPUs would put the
+        CPU's GEMM rate in the GPU's place as its peak (MFU relative to the CPU, a few tokens/s per
+        "GPU"). Refused for anything but a run on the CPU, naming the file."""
+        if self.measured_on_cpu and device != "cpu":
+            peak = f" (GEMM {self.gpu.bf16_flops / 1e9:.3g} GFLOP/s)" if self.gpu.bf16_flops else ""
+            raise ShardwiseError(
+                f"{source}: hardware profile measured on a CPU ({self.gpu_name}){peak}, not on a GPU: its rates "
+                "would replace the GPU's and plan a CPU's step. Run `shardwise calibrate` on the GPU machine "
+                "to measure its GPUs, or plan without this profile (--profile / hardware.profile)")
 
     def provenance(self) -> Provenance:
         when = f" at {self.measured_at}" if self.measured_at else ""
@@ -106,7 +126,9 @@ def default_profile_path() -> Path:
     return Path(base) / "shardwise" / "hardware-profile.json"
 
 
-def load_profile(path: str | Path) -> HardwareProfile:
+def load_profile(path: str | Path, *, device: str = "cuda") -> HardwareProfile:
+    """The profile at `path`, for planning `device` ("cuda": the planner's GPUs; "cpu": a
+    trainer run on the CPU, the one use a profile measured on a CPU has)."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -119,6 +141,8 @@ def load_profile(path: str | Path) -> HardwareProfile:
     if not isinstance(raw, dict):
         raise ShardwiseError(f"{path}: expected a JSON object (a hardware profile), got {type(raw).__name__}")
     try:
-        return HardwareProfile.model_validate(raw)
+        profile = HardwareProfile.model_validate(raw)
     except ValidationError as e:
         raise user_error(e, str(path), model=HardwareProfile, header=f"{path}: invalid hardware profile") from None
+    profile.check_device(path, device)
+    return profile

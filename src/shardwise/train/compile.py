@@ -94,12 +94,13 @@ def _warn_fallback(e: BaseException, run: Any) -> None:
 
 def replanned_without_compile(run: Any) -> str:
     """The plan of this run with and without compiled layers: what the fallback costs."""
+    from shardwise.numfmt import rate
     from shardwise.plan.evaluate import evaluate
     from shardwise.specs.hardware import GIB
 
     eager_train = run.train.model_copy(update={"fused_kernels": False})
     was = evaluate(run.model, run.hardware, run.train, run.strategy)
     now = evaluate(run.model, run.hardware, eager_train, run.strategy)
-    return (f"re-planned eager: {now.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU and "
-            f"{now.memory.gpu.total / GIB:.1f} GiB (compiled: {was.time.tokens_per_s_per_gpu:,.0f} and "
+    return (f"re-planned eager: {rate(now.time.tokens_per_s_per_gpu)} tokens/s per GPU and "
+            f"{now.memory.gpu.total / GIB:.1f} GiB (compiled: {rate(was.time.tokens_per_s_per_gpu)} and "
             f"{was.memory.gpu.total / GIB:.1f} GiB)")

@@ -31,6 +31,7 @@ from itertools import pairwise
 from typing import Any
 
 from shardwise.errors import ShardwiseError
+from shardwise.numfmt import rate
 from shardwise.train.compile import is_compile_error
 
 SDPA_VARLEN, FLEX = "shardwise_sdpa_varlen", "shardwise_flex"
@@ -212,6 +213,6 @@ def replanned_without_flex(run: Any) -> str:
     was = evaluate(run.model, run.hardware, run.train, run.strategy)
     now = evaluate(run.model, run.hardware, run.train.model_copy(update={"packed_attention": "sdpa_varlen"}),
                    run.strategy)
-    return (f"re-planned with one SDPA call per document: {now.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU and "
-            f"{now.memory.gpu.total / GIB:.1f} GiB (FlexAttention: {was.time.tokens_per_s_per_gpu:,.0f} and "
+    return (f"re-planned with one SDPA call per document: {rate(now.time.tokens_per_s_per_gpu)} tokens/s per GPU and "
+            f"{now.memory.gpu.total / GIB:.1f} GiB (FlexAttention: {rate(was.time.tokens_per_s_per_gpu)} and "
             f"{was.memory.gpu.total / GIB:.1f} GiB)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.errors import ShardwiseError
+from shardwise.numfmt import rate
 from shardwise.run import RunSpec, run_spec, train_spec
 from shardwise.specs import STRATEGY_NAMES, Strategy
 from shardwise.specs.hardware import GIB
@@ -201,8 +202,8 @@ def single_gpu_note(run: RunSpec) -> str | None:
         ddp, kept = (evaluate(run.model, run.hardware, run.train, x) for x in (s, pinned))
         return (f"{s.name} with a shard group of one rank shards nothing: it runs as ddp (no fully_shard casts "
                 f"and copies), planned {ddp.memory.gpu.total / GIB:.1f} GiB and "
-                f"{ddp.time.tokens_per_s_per_gpu:,.0f} tokens/s vs fully_shard's {kept.memory.gpu.total / GIB:.1f} GiB "
-                f"and {kept.time.tokens_per_s_per_gpu:,.0f} (strategy.fsdp.single_rank: fsdp keeps fully_shard)")
+                f"{rate(ddp.time.tokens_per_s_per_gpu)} tokens/s vs fully_shard's {kept.memory.gpu.total / GIB:.1f} GiB "
+                f"and {rate(kept.time.tokens_per_s_per_gpu)} (strategy.fsdp.single_rank: fsdp keeps fully_shard)")
     if run.device != "cuda" or run.world_size != 1 or not s.shards_optimizer or not s.trainable:
         return None
     mine = evaluate(run.model, run.hardware, run.train, s).time.tokens_per_s_per_gpu
@@ -211,7 +212,7 @@ def single_gpu_note(run: RunSpec) -> str | None:
     if not ddp.memory.fits or theirs < 1.05 * mine:
         return None
     return (f"{s.name} on one GPU shards nothing; ddp fits ({ddp.memory.gpu.total / GIB:.1f} GiB) and is planned "
-            f"{theirs / mine:.2f}x faster ({theirs:,.0f} vs {mine:,.0f} tokens/s): --set strategy.name=ddp")
+            f"{theirs / mine:.2f}x faster ({rate(theirs)} vs {rate(mine)} tokens/s): --set strategy.name=ddp")
 
 
 def nearest_fit(run: RunSpec) -> str:
