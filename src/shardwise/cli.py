@@ -98,7 +98,9 @@ def plan(
     host_memory_gb: float | None = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
     nics_per_node: int | None = typer.Option(None, "--nics-per-node", help="Network cards per node (default: one per GPU on InfiniBand, one per node on Ethernet)."),
     profile: Path | None = typer.Option(None, "--profile", help="Hardware profile measured on your GPUs (JSON); replaces the catalog's rates."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the same as --format json)."),
+    fmt: str = typer.Option("table", "--format", help="table (fits the terminal: COLUMNS when piped) | markdown | "
+                            "csv (one row per strategy, every column) | json."),
     emit: Path | None = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
     emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Emit this strategy's row of the table "
                                              "(your --micro-batch, --grad-accum, --checkpointing) instead of the "
@@ -133,7 +135,7 @@ def plan(
     """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
     from shardwise.plan.planner import build_specs, check_margin, plan_layouts
     from shardwise.plan.recommend import NothingFits, recommend
-    from shardwise.plan.report import load_line, plan_json, plan_table, time_table
+    from shardwise.render import PlanOutput, check_format, print_plan
 
     rec = rec_error = None
     alternatives: tuple = ()
@@ -143,6 +145,7 @@ def plan(
                 "--ds-multi-rank-allreduce": ds_multi_rank_allreduce, "--ds-comm-dtype": ds_comm_dtype,
                 "--ds-fetch-unit": ds_fetch_unit}
     try:
+        fmt = check_format(fmt, as_json)
         _check_flags_apply(strategy, emit_strategy, [f for f, v in ds_flags.items() if v is not None],
                            ce_chunk, cross_entropy)
         m, hw, train = build_specs(
@@ -189,56 +192,9 @@ def plan(
     except ShardwiseError as e:
         _fail(e)
     _warn(warnings)
-    if as_json:
-        doc = plan_json(m, hw, train, evals, accounting, rec, skipped=skipped, profile=profile)
-        doc["warnings"] = warnings
-        if rec is None:
-            doc["recommended"], doc["recommended_setting"], doc["runner_up"] = None, None, None
-            doc["reason"] = rec_error
-            doc["plan_only_alternatives"] = [a.as_dict() for a in alternatives]
-        if emitted:
-            chosen, paths = emitted
-            doc["emitted"] = [str(p) for p in paths]
-            doc["emitted_setting"] = _setting(chosen) | {"notes": notes}
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-        return
-    from rich.console import Console
-    from rich.markup import escape
-
-    console = Console()
-    if console.width < 150:  # the table has 14 columns; wrap nothing, let the terminal scroll
-        console = Console(width=150)
-    console.print(plan_table(m, hw, train, [e.memory for e in evals]))
-    line = load_line([e.memory for e in evals])
-    if line:
-        console.print(escape(line), highlight=False)
-    console.print(time_table(evals))
-    if skipped:
-        console.print(f"Not in the table (cannot run with tp {tp or 1}, pp {pp or 1} here):", highlight=False)
-        for name, why in skipped.items():
-            console.print(f"  - {escape(why if repr(name) in why or why.startswith(name) else f'{name}: {why}')}",
-                          highlight=False)
-    if rec is None:
-        console.print(f"[bold red]Nothing fits:[/] {escape(rec_error)}", highlight=False)
-    elif rec.runnable:
-        console.print(f"[bold green]Recommended:[/] {escape(rec.reason)}", highlight=False)
-    else:
-        console.print(f"[bold yellow]Recommended (plan-only: run it with {escape(rec.tool)}):[/] {escape(rec.reason)}",
-                      highlight=False)
-    if rec is not None and alternatives:
-        console.print("[bold]Plan-only alternatives[/] (faster, but shardwise train and --emit cannot run them):",
-                      highlight=False)
-        for a in alternatives:
-            console.print(f"  - {escape(a.why)}", highlight=False)
-    if emitted:
-        from shardwise.plan.recommend import describe
-
-        chosen, paths = emitted
-        console.print(f"Emitted {escape(describe(chosen))} to {escape(str(emit))}:", highlight=False)
-        for n in notes:
-            console.print(f"  note: {escape(n)}", highlight=False)
-        for path in paths:
-            console.print(f"wrote {escape(str(path))}", highlight=False)
+    print_plan(PlanOutput(m, hw, train, evals, accounting, rec=rec, rec_error=rec_error, alternatives=alternatives,
+                          skipped=skipped, profile=profile, warnings=warnings, emitted=emitted, notes=notes,
+                          emit_dir=emit, tp=tp, pp=pp), fmt)
 
 
 # ZeRO-3's knobs (stage3_* and the fetch unit) and ZeRO-1/2's (use_multi_rank_bucket_allreduce)
@@ -295,13 +251,6 @@ def _warn(warnings: list[str]) -> None:
     err = Console(stderr=True)
     for w in warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
-
-
-def _setting(e) -> dict:
-    lay = e.memory.layout
-    return {"strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, "micro_batch": e.train.micro_batch,
-            "grad_accum": e.train.grad_accum, "checkpointing": e.train.checkpointing,
-            "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "memory_total": e.memory.gpu.total}
 
 
 def _names(value: str) -> tuple[str, ...]:
@@ -434,25 +383,27 @@ def explain(
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(1, "--micro-batch"),
     checkpointing: str = typer.Option("none", "--checkpointing"),
+    as_json: bool = typer.Option(False, "--json", help="The comparison and the text as one JSON object (the same "
+                                 "as --format json)."),
+    fmt: str = typer.Option("table", "--format", help="table (wrapped to the terminal: COLUMNS when piped) | "
+                            "markdown (the text as Markdown) | csv (the comparison, one row per strategy) | json."),
 ) -> None:
     """ZeRO-1/2/3 vs FSDP for your model and hardware: what each shards, memory, traffic, crossovers."""
-    from rich.console import Console
-    from rich.markdown import Markdown
-
+    from shardwise.plan.explain import compare
     from shardwise.plan.explain import explain as explain_text
     from shardwise.plan.planner import build_specs
+    from shardwise.render import check_format, print_explain
 
     try:
+        fmt = check_format(fmt, as_json)
         m, hw, train = build_specs(model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
                                    gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
                                    micro_batch=micro_batch, checkpointing=checkpointing)
         text = explain_text(m, hw, train)
+        rows = compare(m, hw, train) if fmt in ("csv", "json") else []
     except ShardwiseError as e:
         _fail(e)
-    if sys.stdout.isatty():
-        Console().print(Markdown(text))
-    else:
-        sys.stdout.write(text + "\n")
+    print_explain(text, rows, fmt)
 
 
 # The extra of pyproject.toml that installs each third-party package the lazily mounted verbs
