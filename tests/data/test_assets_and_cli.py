@@ -85,3 +85,38 @@ def test_import_is_light():
             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def _first_reply(tok, ds, index):
+    ids, tgt = ds.document(index)
+    start = end = int(tgt.argmax())
+    while end < len(tgt) and tgt[end]:
+        end += 1
+    return tok.decode(ids[start:end].tolist())
+
+
+def test_inspect_marks_learned_tokens_in_plain_text_when_piped(tok, monkeypatch):
+    """Colour is all a pipe or a batch log loses: without --plain, output that is not a terminal
+    wraps the learned tokens in ⟦ ⟧ and says so; --color keeps colour only (on request)."""
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    args = ["inspect", str(sample_data_path()), "--max-length", "256", "--sample", "1"]
+    result = CliRunner().invoke(app, args)  # CliRunner's stdout is not a terminal
+    assert result.exit_code == 0, result.output
+    ds = build_dataset(DataConfig(train_files=[str(sample_data_path())], max_length=256), tok)
+    reply = _first_reply(tok, ds, 1)
+    assert f"⟦{reply}" in result.output
+    assert "learned tokens are wrapped in ⟦ ⟧" in " ".join(result.output.split())
+    colour = CliRunner().invoke(app, [*args, "--color"])
+    assert colour.exit_code == 0, colour.output
+    assert "⟦" not in colour.output and reply in colour.output
+
+
+def test_inspect_help_shows_the_flags_as_flags():
+    result = CliRunner().invoke(app, ["inspect", "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    out = result.output
+    for flag in ("--plain / --color", "--packing / --no-packing", "--train-on-prompt / --no-train-on-prompt",
+                 "--trust-remote-code / --no-trust-remote-code"):
+        assert flag in out, flag
+    assert "<bool>" not in out

@@ -31,12 +31,17 @@ def inspect_cmd(
     on_error: Annotated[str, typer.Option(help="raise or skip (counted) invalid records.")] = "raise",
     field: Annotated[Optional[list[str]], typer.Option(help="Rename: canonical=column, repeatable.")] = None,  # noqa: UP045
     sample: Annotated[int, typer.Option(help="Index of the sample to render.")] = 0,
-    plain: Annotated[bool, typer.Option(help="Mark learned tokens with ⟦ ⟧ instead of colour.")] = False,
+    plain: Annotated[Optional[bool], typer.Option(  # noqa: UP045
+        "--plain/--color", help="Learned tokens wrapped in ⟦ ⟧ (the default when stdout is not a terminal, "
+        "e.g. piped or in a batch log, or NO_COLOR is set) or marked by colour.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(
         help="Run Python code the tokenizer directory ships (auto_map), as model.trust_remote_code does "
              "for training. Off: such a tokenizer is refused.")] = False,
 ) -> None:
     """Statistics (samples, tokens, targets, lengths, truncation, packing) and one rendered sample."""
+    if plain is None:  # colour is lost in a pipe or a log: mark learned tokens in the text there
+        probe = Console()
+        plain = not probe.is_terminal or probe.no_color
     console = Console(no_color=plain, highlight=False, soft_wrap=True)
     try:
         fields = {}

@@ -1,4 +1,5 @@
-"""Turn plans into the `--json` object (schema: docs/plan-json.md) and the rich table."""
+"""Turn plans into the `--json` object (schema: docs/plan-json.md) and the lines printed around the
+tables (links, the load phase, a row's label); the tables and formats: shardwise/render.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from shardwise import catalog
-from shardwise.numfmt import rate
 from shardwise.plan.evaluate import Evaluation
 from shardwise.plan.memory import MemoryPlan
 from shardwise.plan.network import nic_bytes_per_s_per_gpu
@@ -110,61 +110,10 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
     return doc
 
 
-def time_table(evals: list[Evaluation]):
-    from rich.table import Table
-
-    t = Table(title="Communication and time per optimizer step", title_justify="left",
-              caption="comm: GB per GPU (ring volume; paper = ZeRO paper's ideal); exposed = not hidden by compute")
-    for c in ("strategy", "comm paper", "comm engine", "compute s", "exposed s", "offload s", "step s",
-              "tokens/s/GPU", "MFU"):
-        t.add_column(c, justify="left" if c == "strategy" else "right")
-    for e in evals:
-        tm = e.time
-        t.add_row(label(e.memory), f"{e.ideal.total / 1e9:.1f}", f"{e.comm.total / 1e9:.1f}", f"{tm.compute_s:.2f}",
-                  f"{tm.exposed_comm_s:.2f}", f"{tm.offload_s:.2f}", f"{tm.step_s:.2f}",
-                  f"{rate(tm.tokens_per_s_per_gpu)}", f"{tm.mfu:.0%}")
-    return t
-
-
 def label(p: MemoryPlan) -> str:
     """A table row's strategy: its name, and the engine it runs as when that differs (FSDP2 with
     a one-rank shard group runs as DDP: FSDPKnobs.single_rank)."""
     return p.strategy.name + (f" (as {p.runs_as.name})" if p.runs_as else "")
-
-
-def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[MemoryPlan]):
-    from rich.table import Table
-
-    title = (
-        f"{model.name} ({model.params / 1e9:.2f}B params) on {hw.world_size}× {hw.gpu.name} "
-        f"({hw.gpu.memory_bytes / GIB:.0f} GiB), seq {train.seq_len} × micro-batch {train.micro_batch}"
-        f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
-        + (f", {'QLoRA (NF4 base)' if train.base_quant == 'nf4' else 'LoRA'} rank {train.lora_rank} on "
-           f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f"\n{links_line(hw)}"
-    )
-    t = Table(title=title, caption="GiB per GPU; total = peak of the step on the device, as nvidia-smi shows it "
-              "(activations and gradients do not peak together); need = what fits is decided on: the allocated "
-              "peak, allocator slack a cache flush cannot return, CUDA context and NCCL (the allocator frees its "
-              "cache before it raises OOM); host = CPU RAM per node at its peak: loading the weights, or "
-              "offloaded states while training", title_justify="left")
-    cols = ["strategy", "params", "grads", "master", "optim", "step", "activ", "recomp", "logits",
-            "buffers", "grad buf", "overhead", "total", "need", "host", "fits"]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "strategy" else "right")
-    for p in plans:
-        g = p.gpu
-        fits = "[green]yes[/]" if p.fits else "[red]no[/]"
-        t.add_row(
-            label(p) + (f" tp{p.layout.tp}" if p.layout.tp > 1 else "") + (f" pp{p.layout.pp}" if p.layout.pp > 1 else ""),
-            *(f"{v / GIB:.2f}" for v in (g.params, g.grads, g.master_params, g.optimizer_states,
-                                          g.step_buffers, g.activations, g.recompute, g.logits, g.engine_buffers, g.grad_buffers,
-                                          g.runtime_overhead)),
-            f"[bold]{g.total / GIB:.2f}[/]",
-            f"{g.required / GIB:.2f}",
-            f"{p.host.peak / GIB:.1f}" if p.host.peak else "-",
-            fits,
-        )
-    return t
 
 
 def load_line(plans: list[MemoryPlan]) -> str | None:
