@@ -140,7 +140,7 @@ def test_plan_json_has_comm_time_and_recommendation():
 
 
 def _explain(*args):
-    res = runner.invoke(app, ["explain", *args])
+    res = runner.invoke(app, ["explain", "--format", "markdown", *args])  # the Markdown source: its table parses
     assert res.exit_code == 0, res.output
     return " ".join(res.output.split())
 
