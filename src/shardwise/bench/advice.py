@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise.numfmt import rate
+
 COMM_BOUND_SHARE = 0.40
 
 
@@ -73,7 +75,7 @@ def message(share: float, threshold: float, current: str, fix: dict[str, Any] | 
     if fix is None:
         return head + " No strategy that shardwise train runs fits this model on " + hardware + "."
     pred = (f"{_dur(fix['exposed_comm_s'])} of exposed communication, {fix['exposed_comm_share']:.1%} of a "
-            f"{_dur(fix['step_s'])} step, {fix['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+            f"{_dur(fix['step_s'])} step, {rate(fix['tokens_per_s_per_gpu'])} tokens/s per GPU, "
             f"{fix['memory_total_bytes'] / 2**30:.2f} GiB per GPU")
     vs = ""
     if now is not None:

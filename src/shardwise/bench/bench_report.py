@@ -15,6 +15,7 @@ from shardwise.bench.bench_plots import (
     plot_time,
     plot_timeline,
 )
+from shardwise.numfmt import rate
 
 TIME_TERMS = ("forward", "backward", "optimizer", "exposed_comm", "step")
 
@@ -48,7 +49,7 @@ def comm_bound_lines(p: dict[str, Any]) -> list[str]:
 def _time_section(p: dict[str, Any]) -> list[str]:
     t = p["time"]
     terms = t["terms"]
-    tps = f"{t['tokens_per_s']:,.0f}" if t["tokens_per_s"] else "-"
+    tps = rate(t["tokens_per_s"]) if t["tokens_per_s"] else "-"
     mfu = f"{t['mfu']:.1%}" if t.get("mfu") else "- (no GPU peak on CPU)"
     lines = [f"### Step time (median of steps {t['timed_steps']}; rank 0)", "",
              "| term | predicted ms | measured ms | error |", "|---|---:|---:|---:|"]
@@ -158,7 +159,7 @@ def print_table(doc: dict[str, Any]) -> None:
                   f"{_mib(cp)} / {_mib(cm)}", _pct(comm_total_error(p)),
                   " / ".join(f"{v * 1e3:.1f}" for v in m.values()),
                   f"{_share(sh['predicted'])} / {_share(sh['measured'])}{bound}",
-                  f"{tm['tokens_per_s']:,.0f}" if tm["tokens_per_s"] else "-")
+                  rate(tm["tokens_per_s"]) if tm["tokens_per_s"] else "-")
     Console().print(t)
     for p in doc["points"]:
         if (p.get("comm_bound") or {}).get("bound"):
