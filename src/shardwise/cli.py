@@ -391,7 +391,8 @@ def explain(
     from shardwise.plan.explain import compare
     from shardwise.plan.explain import explain as explain_text
     from shardwise.plan.planner import build_specs
-    from shardwise.render import check_format, print_explain
+    from shardwise.render import check_format
+    from shardwise.render_explain import print_explain
 
     try:
         fmt = check_format(fmt, as_json)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +63,7 @@ def _gb(v: float) -> str:
     return f"{v:.1f}"
 
 
-def _yes(v: bool) -> str:
+def yes_no(v: bool) -> str:
     return "yes" if v else "no"
 
 
@@ -78,7 +77,7 @@ MEMORY_COLS = (
     Col("buffers_gib", "buffers", _gib, 2), Col("grad_buf_gib", "grad buf", _gib, 2),
     Col("overhead_gib", "overhead", _gib, 3),
     Col("total_gib", "total", _gib, 98), Col("need_gib", "need", _gib, 90),
-    Col("host_gib", "host", _host, 50), Col("fits", "fits", _yes, 97),
+    Col("host_gib", "host", _host, 50), Col("fits", "fits", yes_no, 97),
 )  # fmt: skip
 # the same, its parts grouped (a narrower terminal)
 GROUPED_COLS = (
@@ -128,23 +127,26 @@ def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- fitting tables
 
 
-def _rich_table(cols: Sequence[Col], rows: list[dict], styled: bool):
+def _rich_table(cols: Sequence[Col], rows: list[dict]):
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     for c in cols:
         t.add_column(c.header, justify="left" if c.left else "right", no_wrap=True)
     for r in rows:
-        cells = [c.fmt(r[c.key]) for c in cols]
-        if styled:
-            cells = [f"[green]{v}[/]" if c.key == "fits" and r["fits"] else f"[red]{v}[/]" if c.key == "fits"
-                     else f"[bold]{v}[/]" if c.key == "total_gib" else v for c, v in zip(cols, cells, strict=True)]
-        t.add_row(*cells)
+        t.add_row(*(Text(c.fmt(r[c.key]), style=_style(c.key, r)) for c in cols))  # Text: a name is not markup
     return t
 
 
-def _width(console, table) -> int:
+def _style(key: str, row: dict) -> str:
+    if key == "fits":
+        return "green" if row["fits"] else "red"
+    return "bold" if key == "total_gib" else ""
+
+
+def table_width(console, table) -> int:
     from rich.measure import Measurement
 
     # unclamped: Measurement.get caps the answer at the width it is given
@@ -155,19 +157,19 @@ def fit_table(console, variants: Sequence[Sequence[Col]], rows: list[dict]):
     """The first column set of `variants` whose table fits the console, else the last with its
     least needed columns left out until it fits. Returns (table, columns left out)."""
     for cols in variants:
-        t = _rich_table(cols, rows, styled=True)
-        if _width(console, t) <= console.width:
+        t = _rich_table(cols, rows)
+        if table_width(console, t) <= console.width:
             return t, []
     cols = list(variants[-1])
     dropped: list[str] = []
     while len(cols) > 2:
-        t = _rich_table(cols, rows, styled=True)
-        if _width(console, t) <= console.width:
+        t = _rich_table(cols, rows)
+        if table_width(console, t) <= console.width:
             break
         worst = min(cols, key=lambda c: c.keep)
         cols.remove(worst)
         dropped.append(worst.header)
-    return _rich_table(cols, rows, styled=True), dropped
+    return _rich_table(cols, rows), dropped
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -277,7 +279,7 @@ def plan_csv(o: PlanOutput) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLS)
     for r in plan_rows(o.evals):
-        w.writerow([_yes(r[k]) if k == "fits" else f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]
+        w.writerow([yes_no(r[k]) if k == "fits" else f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]
                     for k in CSV_COLS])
     return buf.getvalue()
 
@@ -354,110 +356,3 @@ def _left_out(dropped: list[str]) -> str:
         return ""
     return (f". Left out at this width: {', '.join(dropped)} (a wider terminal, COLUMNS=160, or --format "
             "markdown/csv/json shows every column)")
-
-
-# ----------------------------------------------------------------------------- explain
-
-
-EXPLAIN_COLS = (
-    Col("name", "strategy", str, 99, left=True), Col("model_states_gb", "model states GB", _gb, 5),
-    Col("total_gb", "peak GB", _gb, 90), Col("fits", "fits", _yes, 95),
-    Col("ideal_comm_gb", "comm/step paper GB", _gb, 3), Col("engine_comm_gb", "comm/step engine GB", _gb, 4),
-    Col("step_s", "step s", _s, 60), Col("tokens_per_s_per_gpu", "tokens/s/GPU", rate, 80),
-)  # fmt: skip
-
-
-def explain_csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    keys = [c.key for c in EXPLAIN_COLS] + ["exposed"]
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(keys)
-    for r in rows:
-        w.writerow([_yes(r[k]) if k == "fits" else f"{r[k]:.6g}" if isinstance(r[k], float) else r[k] for k in keys])
-    return buf.getvalue()
-
-
-def wrap_markdown(text: str, width: int, console=None) -> str:
-    """Markdown text for a reader, not a renderer: paragraphs and list items wrapped to `width`
-    (hanging indent), tables as aligned columns that fit (rich), headings kept."""
-    from rich.console import Console
-
-    lines = text.split("\n")
-    out: list[str] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("|"):
-            block = []
-            while i < len(lines) and lines[i].startswith("|"):
-                block.append(lines[i])
-                i += 1
-            out.extend(_md_block_as_table(block, width, console or Console(width=width, highlight=False)))
-            continue
-        stripped = line.lstrip()
-        bullet = ""
-        for mark in ("- ", "* "):
-            if stripped.startswith(mark):
-                bullet = mark
-        if not bullet and stripped[:1].isdigit() and ". " in stripped[:5]:
-            bullet = stripped[: stripped.index(". ") + 2]
-        indent = " " * (len(line) - len(stripped))
-        out.extend(textwrap.wrap(line, width, subsequent_indent=indent + " " * len(bullet), break_on_hyphens=False,
-                                 break_long_words=False) or [""])
-        i += 1
-    return "\n".join(out)
-
-
-def _md_block_as_table(block: list[str], width: int, console) -> list[str]:
-    """A Markdown table for a reader at `width`: as written when it fits; else aligned columns
-    whose headers wrap but whose values never do; else stacked, one wrapped line per row."""
-    from rich import box
-    from rich.table import Table
-
-    def cells(row: str) -> list[str]:
-        return [c.strip() for c in row.strip().strip("|").split("|")]
-
-    if max(len(b) for b in block) <= width:
-        return block
-    header, *body = block
-    heads = cells(header)
-    rows = [cells(b) for b in body if set(b.replace("|", "").strip()) - set("-: ")]
-    # a column as wide as its widest value and its header's longest word: neither is cut
-    widest = [max([len(r[j]) for r in rows if j < len(r)] + [len(w) for w in h.split()]) for j, h in enumerate(heads)]
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    for j, h in enumerate(heads):
-        t.add_column(h, justify="left" if j == 0 else "right", min_width=widest[j], max_width=widest[j])
-    for r in rows:
-        t.add_row(*r)
-    if _width(console, t) <= width:
-        cap = console.__class__(width=width, file=io.StringIO(), highlight=False, color_system=None)
-        cap.print(t)
-        return [ln.rstrip() for ln in cap.file.getvalue().split("\n") if ln.strip()]
-    out = []
-    for r in rows:
-        text = f"- {r[0]}: " + ", ".join(f"{h} {v}" for h, v in zip(heads[1:], r[1:], strict=False))
-        out += textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False)
-    return out
-
-
-def print_explain(text: str, rows: list[dict], fmt: str) -> None:
-    """`shardwise explain` in `fmt`: the text (rich Markdown on a terminal, wrapped to the width
-    when piped), the Markdown source, the comparison as CSV, or both as JSON."""
-    import sys
-
-    if fmt == "json":
-        sys.stdout.write(json.dumps({"strategies": rows, "text": text}, indent=2) + "\n")
-    elif fmt == "csv":
-        sys.stdout.write(explain_csv(rows))
-    elif fmt == "markdown":
-        sys.stdout.write(text + "\n")
-    else:
-        from rich.console import Console
-
-        console = Console(highlight=False)
-        if console.is_terminal:
-            from rich.markdown import Markdown
-
-            console.print(Markdown(text))
-        else:
-            sys.stdout.write(wrap_markdown(text, console.width) + "\n")
