@@ -223,7 +223,7 @@ def _notes(o: PlanOutput) -> list[tuple[str, str, list[str]]]:
     out: list[tuple[str, str, list[str]]] = []
     if o.skipped:
         out.append(("", f"Not in the table (cannot run with tp {o.tp or 1}, pp {o.pp or 1} here):",
-                    [why if repr(name) in why or why.startswith(name) else f"{name}: {why}"
+                    ["  - " + (why if repr(name) in why or why.startswith(name) else f"{name}: {why}")
                      for name, why in o.skipped.items()]))
     if o.rec is None:
         out.append(("bold red", f"Nothing fits: {o.rec_error}", []))
@@ -233,13 +233,13 @@ def _notes(o: PlanOutput) -> list[tuple[str, str, list[str]]]:
         out.append(("bold yellow", f"Recommended (plan-only: run it with {o.rec.tool}): {o.rec.reason}", []))
     if o.rec is not None and o.alternatives:
         out.append(("", "Plan-only alternatives (faster, but shardwise train and --emit cannot run them):",
-                    [a.why for a in o.alternatives]))
+                    [f"  - {a.why}" for a in o.alternatives]))
     if o.emitted:
         from shardwise.plan.recommend import describe
 
         chosen, paths = o.emitted
         out.append(("", f"Emitted {describe(chosen)} to {o.emit_dir}:",
-                    [f"note: {n}" for n in o.notes] + [f"wrote {p}" for p in paths]))
+                    [f"  note: {n}" for n in o.notes] + [f"wrote {p}" for p in paths]))
     return out
 
 
@@ -302,7 +302,7 @@ def plan_markdown(o: PlanOutput) -> str:
     for style, head, items in _notes(o):
         label, _, rest = head.partition(": ")
         out.append(f"**{label}:** {rest}" if style else head)
-        out += [f"- {i}" for i in items]
+        out += [f"- {i.strip().removeprefix('- ')}" for i in items]
         out.append("")
     return "\n".join(out)
 
@@ -348,7 +348,7 @@ def print_plan(o: PlanOutput, fmt: str, console=None) -> None:
             console.print(escape(head))
         for i in items:
             # a written path stays whole on its line (copyable), everything else wraps
-            console.print(f"  - {escape(i)}", soft_wrap=i.startswith("wrote "))
+            console.print(escape(i), soft_wrap=i.startswith("wrote "))
 
 
 def _left_out(dropped: list[str]) -> str:
