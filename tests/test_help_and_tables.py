@@ -209,3 +209,11 @@ def test_explain_csv_and_json_carry_the_same_numbers():
     assert md.strip() == doc["text"].strip()
     (table,) = _md_tables(md)
     assert len({len(row) for row in table}) == 1
+
+
+def test_the_command_list_shows_each_summary_whole():
+    out = " ".join(_shardwise("--help", columns=80).stdout.split())
+    for name, cmd in get_command(app).commands.items():
+        first = " ".join((cmd.help or "").split("\n\n")[0].split())
+        assert f"{name} {first}" in out, name
+    assert "..." not in out.partition("Commands:")[2]  # click's default cut each to one line: "every..."

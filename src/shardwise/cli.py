@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from shardwise.cli_help import HELP
+from shardwise.cli_help import HELP, whole_short_help
 from shardwise.errors import ShardwiseError
 from shardwise.numfmt import rate
 
@@ -489,6 +489,9 @@ def version_cmd(full: bool = typer.Option(False, "--full", help="Also Python, to
     for name, value in report.items():
         missing = "none (a CPU build)" if name.startswith("torch ") else "not installed"
         typer.echo(f"{name} {value if value is not None else missing}")
+
+
+whole_short_help(app)
 
 
 def main() -> None:

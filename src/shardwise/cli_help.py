@@ -14,3 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 HELP: dict[str, Any] = {"rich_markup_mode": None, "context_settings": {"max_content_width": 120}}
+
+
+def whole_short_help(app: Any) -> None:
+    """The command list (`shardwise --help`) shows each command's first paragraph whole, wrapped,
+    instead of click's default of cutting it to fit one line ("every...")."""
+    import inspect
+
+    for info in app.registered_commands:
+        if info.short_help is None:
+            text = info.help or inspect.getdoc(info.callback) or ""
+            info.short_help = " ".join(text.split("\n\n")[0].split())
