@@ -28,6 +28,7 @@ def check_format(fmt: str, as_json: bool) -> str:
     """The format a `--format` / `--json` pair asks for (--json is --format json)."""
     from shardwise.errors import ShardwiseError
 
+    fmt = fmt.strip().lower()
     if fmt not in FORMATS:
         raise ShardwiseError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if as_json and fmt not in ("table", "json"):
