@@ -10,7 +10,6 @@ import textwrap
 
 from shardwise.render import table_width, yes_no
 
-
 # the comparison's columns (plan/explain.py compare), as CSV
 EXPLAIN_KEYS = ("name", "model_states_gb", "total_gb", "fits", "ideal_comm_gb", "engine_comm_gb", "step_s",
                 "tokens_per_s_per_gpu", "exposed")
