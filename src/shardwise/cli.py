@@ -14,6 +14,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
                   pretty_exceptions_enable=False)
 
 DEFAULT_MODEL = "llama-2-7b"
+# `shardwise plan` when nothing it can recommend fits (the table and the reason are still printed;
+# docs/planner.md): distinct from 2, a refused input, so scripts can tell the two apart.
+NOTHING_FITS_EXIT = 3
 
 
 def _print_version(value: bool) -> None:
@@ -176,7 +179,7 @@ def plan(
         # -s, --tp and --pp restrict the recommender as they restrict the table
         try:
             rec = recommend(m, hw, train, strategies=strategy or None, tps=(tp,) if tp else None,
-                            pps=(pp,) if pp else None, margin=margin, knobs=knobs)
+                            pps=(pp,) if pp else None, margin=margin, knobs=knobs, accounting=accounting)
             alternatives = rec.alternatives
         except NothingFits as no_fit:
             rec_error, alternatives = str(no_fit), no_fit.alternatives
@@ -199,6 +202,8 @@ def plan(
             doc["emitted"] = [str(p) for p in paths]
             doc["emitted_setting"] = _setting(chosen) | {"notes": notes}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        if rec is None:
+            raise typer.Exit(NOTHING_FITS_EXIT)
         return
     from rich.console import Console
     from rich.markup import escape
@@ -237,6 +242,8 @@ def plan(
             console.print(f"  note: {escape(n)}", highlight=False)
         for path in paths:
             console.print(f"wrote {escape(str(path))}", highlight=False)
+    if rec is None:
+        raise typer.Exit(NOTHING_FITS_EXIT)
 
 
 # ZeRO-3's knobs (stage3_* and the fetch unit) and ZeRO-1/2's (use_multi_rank_bucket_allreduce)
@@ -384,7 +391,7 @@ def _emit(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, margin,
             f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism only (tp 1, pp 1), "
             f"this has tp {s.tp}, pp {s.pp}. Run it with {tool_for(s, chosen.train)}, or {drop}.")
     if not chosen.fits:
-        raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin)}")
+        raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin, accounting)}")
     notes = emitted_run(m, hw, chosen.train, s)[1]
     paths = emit_configs(m, hw, chosen.train, s, Path(out_dir), plan=chosen.memory)
     return (chosen, paths), notes
@@ -406,12 +413,13 @@ def _shortfall(e) -> str:
     return " and ".join(parts)
 
 
-def _fitting_hint(m, hw, train, strategy, knobs, margin) -> str:
+def _fitting_hint(m, hw, train, strategy, knobs, margin, accounting="engine") -> str:
     """The fastest setting of the same strategy and layout that fits, as flags to pass."""
     from shardwise.plan.recommend import sweep
 
     found = [e for e in sweep(m, hw, train, strategies=[strategy.name], tps=(strategy.tp,), pps=(strategy.pp,),
-                              checkpointing=("none", "full"), margin=margin, knobs=knobs) if e.fits]
+                              checkpointing=("none", "full"), margin=margin, knobs=knobs, accounting=accounting)
+             if e.fits]
     if not found:
         return f". No micro-batch (1-8) or checkpointing makes {strategy.name} fit here."
     b = max(found, key=lambda e: e.time.tokens_per_s_per_gpu)

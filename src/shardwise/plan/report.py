@@ -131,6 +131,19 @@ def label(p: MemoryPlan) -> str:
     return p.strategy.name + (f" (as {p.runs_as.name})" if p.runs_as else "")
 
 
+TRAINER_LOSS = "chunked"  # shardwise train's default loss.implementation (train/config.LossSection)
+
+
+def loss_words(train: TrainSpec) -> str:
+    """The loss the plan assumed, and the trainer's default where they differ: the logits'
+    memory depends on it (`standard`: [tokens, vocab] fp32 whole; `chunked`: one chunk)."""
+    said = f"loss {train.cross_entropy}" + (f" ({train.ce_chunk} tokens a chunk)" if train.cross_entropy == "chunked"
+                                           else "")
+    if train.cross_entropy != TRAINER_LOSS:
+        said += f" (shardwise train's default is {TRAINER_LOSS}: plan it with --cross-entropy {TRAINER_LOSS})"
+    return said
+
+
 def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list[MemoryPlan]):
     from rich.table import Table
 
@@ -139,7 +152,7 @@ def plan_table(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, plans: list
         f"({hw.gpu.memory_bytes / GIB:.0f} GiB), seq {train.seq_len} × micro-batch {train.micro_batch}"
         f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
         + (f", {'QLoRA (NF4 base)' if train.base_quant == 'nf4' else 'LoRA'} rank {train.lora_rank} on "
-           f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f"\n{links_line(hw)}"
+           f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f", {loss_words(train)}\n{links_line(hw)}"
     )
     t = Table(title=title, caption="GiB per GPU; total = peak of the step on the device, as nvidia-smi shows it "
               "(activations and gradients do not peak together); need = what fits is decided on: the allocated "
