@@ -99,6 +99,9 @@ def plan(
     host_memory_gb: float | None = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
     nics_per_node: int | None = typer.Option(None, "--nics-per-node", help="Network cards per node (default: one per GPU on InfiniBand, one per node on Ethernet)."),
     profile: Path | None = typer.Option(None, "--profile", help="Hardware profile measured on your GPUs (JSON); replaces the catalog's rates."),
+    hardware: str | None = typer.Option(None, "--hardware", help="auto (read this machine, as shardwise doctor) "
+                                        "or a hardware spec file (shardwise doctor --write): GPU, GPUs per node, "
+                                        "links, NICs, host memory; --gpu/--gpus/... given too override it."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     emit: Path | None = typer.Option(None, "--emit", help="Write DeepSpeed/FSDP/accelerate configs and launch scripts here."),
     emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Emit this strategy's row of the table "
@@ -146,8 +149,12 @@ def plan(
     try:
         _check_flags_apply(strategy, emit_strategy, [f for f, v in ds_flags.items() if v is not None],
                            ce_chunk, cross_entropy)
+        machine = _machine(hardware)
+        if machine is not None:  # the spec's values, unless the flag is on the command line
+            given = _given_flags()
+            gpu, gpus = (gpu if "gpu" in given else None), (gpus if "gpus" in given else None)
         m, hw, train = build_specs(
-            model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
+            model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus, machine=machine,
             gpus_per_node=gpus_per_node, interconnect=interconnect, gpu_memory_gb=gpu_memory_gb,
             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
@@ -244,6 +251,37 @@ def plan(
             console.print(f"wrote {escape(str(path))}", highlight=False)
     if rec is None:
         raise typer.Exit(NOTHING_FITS_EXIT)
+
+
+def _machine(hardware: str | None):
+    """`--hardware auto|FILE` as a MachineHardware (None without the flag)."""
+    if hardware is None:
+        return None
+    if hardware.strip().lower() == "auto":
+        from shardwise.doctor import machine_hardware
+
+        spec = machine_hardware()
+        if spec.gpu is None:
+            raise ShardwiseError("--hardware auto: " + "; ".join(spec.notes) + " (shardwise doctor says more); "
+                                 "plan the GPUs you will run on with --gpu")
+        return spec
+    from shardwise.specs.machine import load_machine
+
+    return load_machine(hardware)
+
+
+def _given_flags() -> set[str]:
+    """The plan() parameters given on the command line (not their defaults). typer 0.29 runs on
+    its own copy of click (`typer._click`), whose context is not click's: read the one in use."""
+    try:
+        from typer._click.core import ParameterSource
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer on the click package
+        from click import get_current_context
+        from click.core import ParameterSource
+
+    ctx = get_current_context()
+    return {name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
 
 
 # ZeRO-3's knobs (stage3_* and the fetch unit) and ZeRO-1/2's (use_multi_rank_bucket_allreduce)
@@ -544,6 +582,59 @@ def version_cmd(full: bool = typer.Option(False, "--full", help="Also Python, to
     for name, value in report.items():
         missing = "none (a CPU build)" if name.startswith("torch ") else "not installed"
         typer.echo(f"{name} {value if value is not None else missing}")
+
+
+@app.command()
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the hardware spec, readings, "
+                                 "warnings)."),
+    write: Path | None = typer.Option(None, "--write", help="Write the hardware spec here (YAML) for plan "
+                                      "--hardware FILE and the trainer's hardware.machine."),
+    setup: list[Path] | None = typer.Option(None, "--setup", help="A training setup to check for known silent "
+                                            "failures: DeepSpeed JSON, accelerate YAML, shardwise/LLaMA-Factory/"
+                                            "axolotl YAML (repeatable)."),
+    strategy: str | None = typer.Option(None, "--strategy", "-s", help="The planned strategy (as in plan -s)."),
+    qlora: bool = typer.Option(False, "--qlora", help="The plan's base is 4-bit (bitsandbytes)."),
+    quant_storage: str | None = typer.Option(None, "--quant-storage", help="bnb_4bit_quant_storage of that base "
+                                             "(bitsandbytes' default: uint8)."),
+    disk: Path = typer.Option(Path("."), "--disk", help="Where checkpoints go: the filesystem whose free space "
+                              "is read."),
+) -> None:
+    """Read this machine (GPUs, topology, InfiniBand/RoCE, NCCL settings, host, versions), name what will
+    hurt, and write the hardware spec plan --hardware uses. Exit 1 when something is an error."""
+    import yaml
+
+    from shardwise.doctor import SystemReader, diagnose
+    from shardwise.doctor.setup import from_flags, read_setup
+
+    try:
+        setups = [read_setup(p) for p in setup or ()]
+        flagged = from_flags(strategy, qlora, quant_storage)
+        setups += [flagged] if flagged else []
+        reports = [diagnose(SystemReader(), s, disk_path=str(disk)) for s in setups] or [
+            diagnose(SystemReader(), None, disk_path=str(disk))]
+        if write is not None:
+            try:
+                write.write_text(yaml.safe_dump(reports[0].hardware.model_dump(mode="json"), sort_keys=False))
+            except OSError as e:
+                raise ShardwiseError(f"--write {write}: cannot write the hardware spec ({e.strerror})") from None
+    except ShardwiseError as e:
+        _fail(e)
+    first = reports[0]
+    if as_json:
+        doc = first.as_dict()
+        if len(reports) > 1:
+            doc["setups"] = [{"setup": r.as_dict()["setup"], "silent_failures": r.as_dict()["silent_failures"]}
+                             for r in reports]
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        typer.echo(first.text())
+        for r in reports[1:]:
+            typer.echo("\n".join(r.text().splitlines()[-1 - len(r.setup_findings):]))
+        if write is not None:
+            typer.echo(f"wrote {write}")
+    if any(r.worst == "error" for r in reports):
+        raise typer.Exit(1)
 
 
 def main() -> None:
