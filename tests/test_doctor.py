@@ -257,3 +257,24 @@ def test_doctor_imports_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_trainer_preflight_plans_the_spec(tmp_path, monkeypatch):
+    from shardwise.run import run_spec
+    from shardwise.train.config import validate
+
+    _doctor_json(monkeypatch, h100_node(), "--write", str(tmp_path / "h100.yaml"))
+    cfg = validate({"hardware": {"machine": str(tmp_path / "h100.yaml"), "gpus_per_node": 8}}, source="t.yaml")
+    hw = run_spec(cfg, 16, "cuda", environ={}).hardware
+    assert (hw.gpu.name, hw.nodes, hw.intra.name, hw.inter.name, hw.nics_per_node) == \
+        ("h100-sxm", 2, "nvlink4", "ib-400", 8)
+    assert hw.gpu.memory_bytes == pytest.approx(81559 * 2**20)
+    # hardware.gpu given too: that GPU, with its own memory and link inside the node
+    cfg = validate({"hardware": {"machine": str(tmp_path / "h100.yaml"), "gpu": "a100-80g"}}, source="t.yaml")
+    hw = run_spec(cfg, 8, "cuda", environ={}).hardware
+    assert (hw.gpu.name, hw.intra.name, hw.inter.name) == ("a100-80g", "nvlink3", "ib-400")
+    # auto on this machine: read now (no GPU here: the catalog GPU the config names)
+    cfg = validate({"hardware": {"machine": "auto"}}, source="t.yaml")
+    monkeypatch.setattr("shardwise.doctor.SystemReader", lambda: ib_disabled_node())
+    hw = run_spec(cfg, 8, "cuda", environ={}).hardware
+    assert (hw.gpu.name, hw.inter.name) == ("a100-80g", "eth-100")

@@ -201,19 +201,40 @@ def launcher_ranks_per_node(world_size: int, environ: dict[str, str] | None = No
     return world_size
 
 
+def _hardware(cfg: TrainConfig, world_size: int, per_node: int) -> HardwareSpec:
+    """The planned hardware: `hardware.machine` (a doctor spec file, or `auto`: this node read
+    now) with `hardware.gpu` overriding its GPU where set, else the catalog GPU `hardware.gpu`."""
+    from shardwise.catalog import build_hardware
+
+    h = cfg.hardware
+    gpu = h.gpu if "gpu" in h.model_fields_set or h.machine is None else None
+    if h.machine is None:
+        return build_hardware(gpu=h.gpu, gpus=world_size, gpus_per_node=per_node)
+    if h.machine.strip().lower() == "auto":
+        from shardwise.doctor import machine_hardware
+
+        spec = machine_hardware()
+        if spec.gpu is None and gpu is None:  # no GPU here (a CPU run): the catalog GPU it names
+            return build_hardware(gpu=h.gpu, gpus=world_size, gpus_per_node=per_node)
+    else:
+        from shardwise.specs.machine import load_machine
+
+        spec = load_machine(h.machine)  # relative to the cwd, like the data paths
+    return spec.hardware(gpus=world_size, gpus_per_node=per_node, gpu=gpu)
+
+
 def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[str, str] | None = None,
              model: ModelSpec | None = None) -> RunSpec:
     """The run `cfg` describes on `world_size` ranks of `device`; refuses impossible layouts
     with the config file in the message. `model`: the spec of the configured model when the
     caller already holds it (`plan --emit` of a config.json: its path in the emitted config is
     the user's to fill in, so nothing is read back from it)."""
-    from shardwise.catalog import build_hardware
 
     per_node = gpus_per_node(cfg, world_size, environ)
     model = model or model_spec(cfg)
     strat = strategy(cfg, device)
     try:
-        hw = build_hardware(gpu=cfg.hardware.gpu, gpus=world_size, gpus_per_node=per_node)
+        hw = _hardware(cfg, world_size, per_node)
         if cfg.hardware.profile:
             from shardwise.specs.profile import load_profile
 
