@@ -59,7 +59,8 @@ def read_setup(path: str | Path) -> Setup:
         leaf = key.rsplit(".", 1)[-1]
         if leaf in ("stage", "zero_hpz_partition_size", "bnb_4bit_quant_storage", "quant_storage",
                     "bnb_4bit_quant_storage_dtype", "load_in_4bit", "quantization_bit", "fsdp_version",
-                    "distributed_type", "deepspeed", "deepspeed_config_file", "fsdp", "quantization", "name"):
+                    "distributed_type", "deepspeed", "deepspeed_config_file", "fsdp", "quantization", "name",
+                    "zero_stage"):
             if leaf == "stage" and not key.endswith("zero_optimization.stage"):
                 continue
             if leaf == "name" and key != "strategy.name":
@@ -68,11 +69,14 @@ def read_setup(path: str | Path) -> Setup:
                 continue
             found[leaf] = value
             read.append(key)
-    engine, stage = None, found.get("stage")
+    engine, stage = None, found.get("stage", found.get("zero_stage"))  # accelerate's deepspeed_config.zero_stage
     ds_file = found.get("deepspeed_config_file") or (found.get("deepspeed") if isinstance(found.get("deepspeed"), str)
                                                       else None)
     if ds_file:
-        inner = read_setup(Path(ds_file) if Path(ds_file).is_absolute() else path.parent / ds_file)
+        # beside the file, else from the working directory (LLaMA-Factory's examples name
+        # examples/deepspeed/ds_z3_config.json from the repository root)
+        beside = Path(ds_file) if Path(ds_file).is_absolute() else path.parent / ds_file
+        inner = read_setup(beside if beside.is_file() or not Path(ds_file).is_file() else Path(ds_file))
         stage, read = inner.zero_stage, read + [f"{ds_file}: {k}" for k in inner.keys_read]
         found.setdefault("zero_hpz_partition_size", inner.hpz_partition_size)
         engine = "deepspeed"

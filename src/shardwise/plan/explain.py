@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.plan.evaluate import evaluate
+from shardwise.plan.report import loss_words
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
 GB = 1e9
@@ -198,7 +199,8 @@ def explain(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> str:
         "What each shards (mixed-precision Adam, ZeRO paper accounting: 2Ψ params + 2Ψ grads + 12Ψ optimizer):",
     ]
     out += [f"- {k}: {v}" for k, v in SHARDS.items()]
-    out += ["", f"Per GPU, seq {train.seq_len} × micro-batch {train.micro_batch}, {train.precision}:", ""]
+    out += ["", f"Per GPU, seq {train.seq_len} × micro-batch {train.micro_batch}, {train.precision}, "
+            f"{loss_words(train, flag=False)}:", ""]
     out.append("| strategy | model states GB | peak GB | fits | comm/step paper GB | comm/step engine GB | step s | tokens/s/GPU |")
     out.append("|---|---|---|---|---|---|---|---|")
     for r in rows.values():
