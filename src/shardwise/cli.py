@@ -564,6 +564,8 @@ _passthrough("shardwise.train.cli", "train", "Train with DeepSpeed, FSDP2 or DDP
 _passthrough("shardwise.train.export_cli", "export", "Export a checkpoint as a Hugging Face model directory.")
 _passthrough("shardwise.bench.calibrate_cli", "calibrate", "Measure this machine's GPUs and links into a hardware profile.")
 _passthrough("shardwise.bench.bench_cli", "bench", "Run a few trainer steps; measured memory, time and comm vs the plan.")
+_passthrough("shardwise.doctor.cli", "doctor", "This machine's GPUs, topology, network, NCCL settings and host: what "
+             "will hurt, and the hardware spec plan --hardware uses.")
 
 
 @app.command(name="version")
@@ -582,59 +584,6 @@ def version_cmd(full: bool = typer.Option(False, "--full", help="Also Python, to
     for name, value in report.items():
         missing = "none (a CPU build)" if name.startswith("torch ") else "not installed"
         typer.echo(f"{name} {value if value is not None else missing}")
-
-
-@app.command()
-def doctor(
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the hardware spec, readings, "
-                                 "warnings)."),
-    write: Path | None = typer.Option(None, "--write", help="Write the hardware spec here (YAML) for plan "
-                                      "--hardware FILE and the trainer's hardware.machine."),
-    setup: list[Path] | None = typer.Option(None, "--setup", help="A training setup to check for known silent "
-                                            "failures: DeepSpeed JSON, accelerate YAML, shardwise/LLaMA-Factory/"
-                                            "axolotl YAML (repeatable)."),
-    strategy: str | None = typer.Option(None, "--strategy", "-s", help="The planned strategy (as in plan -s)."),
-    qlora: bool = typer.Option(False, "--qlora", help="The plan's base is 4-bit (bitsandbytes)."),
-    quant_storage: str | None = typer.Option(None, "--quant-storage", help="bnb_4bit_quant_storage of that base "
-                                             "(bitsandbytes' default: uint8)."),
-    disk: Path = typer.Option(Path("."), "--disk", help="Where checkpoints go: the filesystem whose free space "
-                              "is read."),
-) -> None:
-    """Read this machine (GPUs, topology, InfiniBand/RoCE, NCCL settings, host, versions), name what will
-    hurt, and write the hardware spec plan --hardware uses. Exit 1 when something is an error."""
-    import yaml
-
-    from shardwise.doctor import SystemReader, diagnose
-    from shardwise.doctor.setup import from_flags, read_setup
-
-    try:
-        setups = [read_setup(p) for p in setup or ()]
-        flagged = from_flags(strategy, qlora, quant_storage)
-        setups += [flagged] if flagged else []
-        reports = [diagnose(SystemReader(), s, disk_path=str(disk)) for s in setups] or [
-            diagnose(SystemReader(), None, disk_path=str(disk))]
-        if write is not None:
-            try:
-                write.write_text(yaml.safe_dump(reports[0].hardware.model_dump(mode="json"), sort_keys=False))
-            except OSError as e:
-                raise ShardwiseError(f"--write {write}: cannot write the hardware spec ({e.strerror})") from None
-    except ShardwiseError as e:
-        _fail(e)
-    first = reports[0]
-    if as_json:
-        doc = first.as_dict()
-        if len(reports) > 1:
-            doc["setups"] = [{"setup": r.as_dict()["setup"], "silent_failures": r.as_dict()["silent_failures"]}
-                             for r in reports]
-        typer.echo(json.dumps(doc, indent=2))
-    else:
-        typer.echo(first.text())
-        for r in reports[1:]:
-            typer.echo("\n".join(r.text().splitlines()[-1 - len(r.setup_findings):]))
-        if write is not None:
-            typer.echo(f"wrote {write}")
-    if any(r.worst == "error" for r in reports):
-        raise typer.Exit(1)
 
 
 def main() -> None:

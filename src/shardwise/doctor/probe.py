@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardwise.doctor.readers import GPU_QUERY, IBV_DEVINFO, NVIDIA_SMI_GPUS, NVIDIA_SMI_TOPO, Reader
 
@@ -58,13 +58,13 @@ class Machine(_Reading):
     ports: tuple[Port, ...] = ()
     ports_source: Literal["ibv_devinfo", "sysfs", "none"] = "none"
     interfaces: tuple[Interface, ...] = ()
-    nccl_env: dict[str, str] = {}
+    nccl_env: dict[str, str] = Field(default_factory=dict)
     host_memory_bytes: int | None = None
     disk_path: str = "."
     disk_total_bytes: int | None = None
     disk_free_bytes: int | None = None
     cpus: int = 1
-    versions: dict[str, str | None] = {}
+    versions: dict[str, str | None] = Field(default_factory=dict)
 
 
 def parse_gpu_csv(text: str) -> tuple[list[GPU], str | None]:

@@ -77,7 +77,7 @@ def read_setup(path: str | Path) -> Setup:
         # examples/deepspeed/ds_z3_config.json from the repository root)
         beside = Path(ds_file) if Path(ds_file).is_absolute() else path.parent / ds_file
         inner = read_setup(beside if beside.is_file() or not Path(ds_file).is_file() else Path(ds_file))
-        stage, read = inner.zero_stage, read + [f"{ds_file}: {k}" for k in inner.keys_read]
+        stage, read = inner.zero_stage, [*read, *(f"{ds_file}: {k}" for k in inner.keys_read)]
         found.setdefault("zero_hpz_partition_size", inner.hpz_partition_size)
         engine = "deepspeed"
     if found.get("distributed_type") == "DEEPSPEED" or stage is not None:
