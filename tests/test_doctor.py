@@ -163,6 +163,7 @@ def test_plan_hardware_file_uses_the_spec(tmp_path, monkeypatch):
     assert (hw["gpu"], hw["gpus"], hw["intra"], hw["inter"], hw["nics_per_node"]) == \
         ("h100-sxm", 8, "nvlink4", "ib-400", 8)
     assert hw["gpu_memory_bytes"] == pytest.approx(81559 * 2**20)
+    assert hw["hardware_spec"] == str(tmp_path / "h100.yaml")
     # --gpus on the command line: 4 such nodes
     res = runner.invoke(app, ["plan", "--hardware", str(tmp_path / "h100.yaml"), "--gpus", "32", "--json",
                               "-s", "zero3"])

@@ -199,6 +199,7 @@ def plan(
     _warn(warnings)
     if as_json:
         doc = plan_json(m, hw, train, evals, accounting, rec, skipped=skipped, profile=profile)
+        doc["hardware"]["hardware_spec"] = hardware  # --hardware: auto or the doctor's file (None: flags)
         doc["warnings"] = warnings
         if rec is None:
             doc["recommended"], doc["recommended_setting"], doc["runner_up"] = None, None, None
