@@ -72,7 +72,8 @@ class Report:
                                               for name, n in counts.items())
                          + f" [{m.gpu_source}; driver {m.driver or '?'}]")
             if m.topology:
-                lines.append("Topology (nvidia-smi topo -m): " + " | ".join(
+                lines.append(f"Topology ({'nvidia-smi topo -m' if m.topology_source == 'nvidia-smi' else 'NVML'}): "
+                             + " | ".join(
                     f"GPU{i}: " + " ".join(r) for i, r in enumerate(m.topology)))
         else:
             lines.append("GPUs: none found")
