@@ -279,3 +279,75 @@ def test_trainer_preflight_plans_the_spec(tmp_path, monkeypatch):
     monkeypatch.setattr("shardwise.doctor.SystemReader", lambda: ib_disabled_node())
     hw = run_spec(cfg, 8, "cuda", environ={}).hardware
     assert (hw.gpu.name, hw.inter.name) == ("a100-80g", "eth-100")
+
+
+class _FakePynvml:
+    """pynvml's calls as the doctor makes them, over a described board: `buses` per GPU and the
+    PCI bus each active NVLink ends at (another GPU's, or an NVSwitch's)."""
+
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 18
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, names, buses, links, ancestor=50):
+        self.names, self.buses, self.links, self.ancestor = names, buses, links, ancestor
+        self.shut = False
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetCount(self):
+        return len(self.names)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return self.names[h].encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return type("Pci", (), {"busId": self.buses[h].lower()})()
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("Mem", (), {"total": 81559 * 2**20})()
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if link >= len(self.links[h]):
+            raise self.NVMLError("not supported")
+        return 1
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        return type("Pci", (), {"busId": self.links[h][link]})()
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return self.ancestor
+
+
+def test_nvml_reader_topology(monkeypatch):
+    import sys
+
+    from shardwise.doctor import SystemReader
+
+    buses = [f"00000000:{b}:00.0" for b in ("18", "2A", "3A", "5D")]
+    switch = "00000000:C5:00.0"
+    # NVSwitch board: every GPU's 18 links end at switches -> every pair NV
+    fake = _FakePynvml(["NVIDIA H100 80GB HBM3"] * 4, buses, [[switch] * 18] * 4)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    got = SystemReader().nvml()
+    assert [g["topology"] for g in got] == [["NV" if i != j else "X" for j in range(4)] for i in range(4)]
+    assert got[0]["nvlinks"] == 18 and got[0]["name"] == "NVIDIA H100 80GB HBM3" and fake.shut
+    # PCIe cards with NVLink bridges in pairs (0-1, 2-3): only the bridged pairs are NV
+    bridged = _FakePynvml(["NVIDIA A100 80GB PCIe"] * 4, buses, [[buses[1]] * 12, [buses[0]] * 12,
+                                                                 [buses[3]] * 12, [buses[2]] * 12], ancestor=40)
+    monkeypatch.setitem(sys.modules, "pynvml", bridged)
+    topo = [g["topology"] for g in SystemReader().nvml()]
+    assert topo[0] == ["X", "NV", "NODE", "NODE"] and topo[2] == ["NODE", "NODE", "X", "NV"]
+    reader = FakeReader(nvml_readings=SystemReader().nvml(), installed=VERSIONS)
+    spec = diagnose(reader).hardware
+    assert spec.gpu == "a100-80g" and spec.intra == "pcie4"  # a ring over 4 crosses PCIe
+    assert any("NVLink joins 2 of 6 GPU pairs" in n for n in spec.notes)

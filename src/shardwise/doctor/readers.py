@@ -119,34 +119,46 @@ _LEVEL_TO_TOPO = {"internal": "X", "single": "PIX", "multiple": "PXB", "hostbrid
                   "system": "SYS"}
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _nvml_readings(pynvml: Any) -> list[dict[str, Any]]:
+    """Each GPU's reading; a pair is NV when one's active NVLink ends at the other's PCI bus, or
+    both have links ending at something that is not a GPU (an NVSwitch): what `nvidia-smi topo
+    -m` calls NV#. Other pairs: NVML's common ancestor (PIX ... SYS)."""
     n = pynvml.nvmlDeviceGetCount()
     handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-    out = []
-    for i, h in enumerate(handles):
-        name = pynvml.nvmlDeviceGetName(h)
-        name = name.decode() if isinstance(name, bytes) else name
-        pci = pynvml.nvmlDeviceGetPciInfo(h).busId
-        pci = pci.decode() if isinstance(pci, bytes) else pci
-        links = 0
+    buses = [_text(pynvml.nvmlDeviceGetPciInfo(h).busId).upper() for h in handles]
+    remotes: list[set[str]] = []
+    links: list[int] = []
+    for h in handles:
+        ends, active = set(), 0
         for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
             try:
-                links += int(pynvml.nvmlDeviceGetNvLinkState(h, link) == pynvml.NVML_FEATURE_ENABLED)
-            except Exception:  # noqa: BLE001 - not supported / no such link
+                if pynvml.nvmlDeviceGetNvLinkState(h, link) != pynvml.NVML_FEATURE_ENABLED:
+                    continue
+                active += 1
+                ends.add(_text(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId).upper())
+            except Exception:  # noqa: BLE001 - NVMLError: no such link / not supported
                 break
+        remotes.append(ends)
+        links.append(active)
+    switched = [bool(ends - set(buses)) for ends in remotes]
+    out = []
+    for i, h in enumerate(handles):
         topo = []
         for j, other in enumerate(handles):
             if i == j:
                 topo.append("X")
-            elif links:
-                # NVLink between this pair: NVML has no pairwise call; a GPU with active links
-                # on an NVSwitch board reaches every peer (the topology matrix says NV#)
+            elif buses[j] in remotes[i] or buses[i] in remotes[j] or (switched[i] and switched[j]):
                 topo.append("NV")
             else:
-                level = pynvml.nvmlDeviceGetTopologyCommonAncestor(h, other)
-                topo.append(_LEVEL_TO_TOPO[_NVML_LEVELS.get(int(level), "system")])
-        out.append({"index": i, "name": name, "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
-                    "pci_bus_id": pci, "nvlinks": links, "topology": topo})
+                level = int(pynvml.nvmlDeviceGetTopologyCommonAncestor(h, other))
+                topo.append(_LEVEL_TO_TOPO[_NVML_LEVELS.get(level, "system")])
+        out.append({"index": i, "name": _text(pynvml.nvmlDeviceGetName(h)),
+                    "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total), "pci_bus_id": buses[i],
+                    "nvlinks": links[i], "topology": topo})
     return out
 
 
