@@ -351,3 +351,14 @@ def test_nvml_reader_topology(monkeypatch):
     spec = diagnose(reader).hardware
     assert spec.gpu == "a100-80g" and spec.intra == "pcie4"  # a ring over 4 crosses PCIe
     assert any("NVLink joins 2 of 6 GPU pairs" in n for n in spec.notes)
+
+
+def test_shardwise_yaml_qlora_on_a_sharding_strategy(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"strategy": {"name": "zero3"}, "lora": {"rank": 16, "quantization": "nf4"}}))
+    s = read_setup(cfg)
+    assert (s.strategy, s.engine, s.zero_stage, s.four_bit) == ("zero3", "deepspeed", 3, True)
+    [f] = silent_failures(s)
+    assert f.code == "qlora-sharded" and "refuses it before any rank starts" in f.message
+    cfg.write_text(yaml.safe_dump({"strategy": {"name": "zero2"}, "lora": {"rank": 16, "quantization": "nf4"}}))
+    assert silent_failures(read_setup(cfg)) == []  # a replicated base: what the trainer runs

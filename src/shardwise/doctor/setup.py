@@ -29,6 +29,8 @@ class Setup:
     hpz_partition_size: int | None = None  # ZeRO++ zero_hpz_partition_size
     source: str = "flags"
     keys_read: tuple[str, ...] = field(default_factory=tuple)
+    strategy: str | None = None  # a shardwise strategy name (its YAML's strategy.name, or -s)
+    shardwise: bool = False  # shardwise's own YAML: its trainer refuses QLoRA on a sharding strategy
 
 
 def _walk(doc: Any, prefix: str = ""):
@@ -98,10 +100,23 @@ def read_setup(path: str | Path) -> Setup:
     return Setup(engine=engine, zero_stage=int(stage) if isinstance(stage, int | str) and str(stage).isdigit()
                  else None, four_bit=four, quant_storage=str(storage) if storage else None,
                  hpz_partition_size=int(hpz) if isinstance(hpz, int) else None, source=str(path),
-                 keys_read=tuple(read))
+                 keys_read=tuple(read), strategy=name or None, shardwise=bool(name))
+
+
+def _shards_base(name: str) -> bool:
+    from shardwise.specs import Strategy
+
+    st = Strategy.from_name(name)
+    return st.shards_params or st.offload_params
 
 
 def silent_failures(s: Setup, deepspeed_version: str | None = None) -> list[Finding]:
+    if s.shardwise and s.four_bit and s.strategy and _shards_base(s.strategy):
+        # not silent in shardwise: train/lora.check_qlora refuses it before any rank starts
+        return [Finding("error", "qlora-sharded", (
+            f"{s.source}: lora.quantization nf4 with a strategy that shards or offloads parameters: shardwise "
+            "train refuses it before any rank starts (a replicated base: ddp, zero0, zero1, zero2); the same "
+            "setup in accelerate/DeepSpeed needs bnb_4bit_quant_storage set to the model's dtype."))]
     out = []
     storage = (s.quant_storage or "uint8").removeprefix("torch.")
     integer_storage = storage not in FLOAT_STORAGE
@@ -140,6 +155,6 @@ def from_flags(strategy: str | None, qlora: bool, quant_storage: str | None) -> 
 
         st = Strategy.from_name(strategy)
         engine, stage = st.engine, st.zero_stage if st.engine == "deepspeed" else None
-    return Setup(engine=engine, zero_stage=stage, four_bit=qlora, quant_storage=quant_storage,
+    return Setup(engine=engine, zero_stage=stage, four_bit=qlora, quant_storage=quant_storage, strategy=strategy,
                  keys_read=tuple(k for k, v in (("--strategy", strategy), ("--qlora", qlora),
                                                 ("--quant-storage", quant_storage)) if v))
