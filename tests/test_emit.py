@@ -121,7 +121,12 @@ def test_emitted_files_load_in_their_tools(name, tmp_path, monkeypatch):
     # accelerate: its loader, then its launcher's processing, then the plugin the processes build.
     acc = load_config_from_file(str(tmp_path / "accelerate.yaml"))
     assert acc.num_processes == hw.world_size and acc.num_machines == hw.nodes
-    extra = ["--mixed_precision", "bf16"] if ds else []  # what launch_accelerate.sh passes
+    # what launch_accelerate.sh passes: precision, and the JSON beside the script (accelerate.yaml
+    # names it relative to the launch directory: no emitted file carries the emit directory)
+    extra = ["--mixed_precision", "bf16", "--deepspeed_config_file", str(tmp_path / "ds_config_hf.json")] if ds else []
+    if ds:
+        assert acc.deepspeed_config["deepspeed_config_file"] == "ds_config_hf.json"
+        assert '--deepspeed_config_file "$HERE/ds_config_hf.json"' in (tmp_path / "launch_accelerate.sh").read_text()
     args, env = accelerate_env(tmp_path / "accelerate.yaml", extra)
     assert args.num_processes == hw.world_size
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"

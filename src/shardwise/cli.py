@@ -15,6 +15,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
                   pretty_exceptions_enable=False, **HELP)
 
 DEFAULT_MODEL = "llama-2-7b"
+# `shardwise plan` when nothing it can recommend fits (the table and the reason are still printed;
+# docs/planner.md): distinct from 2, a refused input, so scripts can tell the two apart.
+NOTHING_FITS_EXIT = 3
 
 
 def _print_version(value: bool) -> None:
@@ -97,6 +100,9 @@ def plan(
     host_memory_gb: float | None = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
     nics_per_node: int | None = typer.Option(None, "--nics-per-node", help="Network cards per node (default: one per GPU on InfiniBand, one per node on Ethernet)."),
     profile: Path | None = typer.Option(None, "--profile", help="Hardware profile measured on your GPUs (JSON); replaces the catalog's rates."),
+    hardware: str | None = typer.Option(None, "--hardware", help="auto (read this machine, as shardwise doctor) "
+                                        "or a hardware spec file (shardwise doctor --write): GPU, GPUs per node, "
+                                        "links, NICs, host memory; --gpu/--gpus/... given too override it."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the same as --format json)."),
     fmt: str = typer.Option("table", "--format", help="table (fits the terminal: COLUMNS when piped) | markdown | "
                             "csv (one row per strategy, every column) | json."),
@@ -147,8 +153,12 @@ def plan(
         fmt = check_format(fmt, as_json)
         _check_flags_apply(strategy, emit_strategy, [f for f, v in ds_flags.items() if v is not None],
                            ce_chunk, cross_entropy)
+        machine = _machine(hardware)
+        if machine is not None:  # the spec's values, unless the flag is on the command line
+            given = _given_flags()
+            gpu, gpus = (gpu if "gpu" in given else None), (gpus if "gpus" in given else None)
         m, hw, train = build_specs(
-            model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
+            model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus, machine=machine,
             gpus_per_node=gpus_per_node, interconnect=interconnect, gpu_memory_gb=gpu_memory_gb,
             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
             optimizer=optimizer, checkpointing=checkpointing, attention=attention,
@@ -180,7 +190,7 @@ def plan(
         # -s, --tp and --pp restrict the recommender as they restrict the table
         try:
             rec = recommend(m, hw, train, strategies=strategy or None, tps=(tp,) if tp else None,
-                            pps=(pp,) if pp else None, margin=margin, knobs=knobs)
+                            pps=(pp,) if pp else None, margin=margin, knobs=knobs, accounting=accounting)
             alternatives = rec.alternatives
         except NothingFits as no_fit:
             rec_error, alternatives = str(no_fit), no_fit.alternatives
@@ -193,7 +203,40 @@ def plan(
     _warn(warnings)
     print_plan(PlanOutput(m, hw, train, evals, accounting, rec=rec, rec_error=rec_error, alternatives=alternatives,
                           skipped=skipped, profile=profile, warnings=warnings, emitted=emitted, notes=notes,
-                          emit_dir=emit, tp=tp, pp=pp), fmt)
+                          emit_dir=emit, tp=tp, pp=pp, hardware=hardware), fmt)
+    if rec is None:
+        raise typer.Exit(NOTHING_FITS_EXIT)
+
+
+def _machine(hardware: str | None):
+    """`--hardware auto|FILE` as a MachineHardware (None without the flag)."""
+    if hardware is None:
+        return None
+    if hardware.strip().lower() == "auto":
+        from shardwise.doctor import machine_hardware
+
+        spec = machine_hardware()
+        if spec.gpu is None:
+            raise ShardwiseError("--hardware auto: " + "; ".join(spec.notes) + " (shardwise doctor says more); "
+                                 "plan the GPUs you will run on with --gpu")
+        return spec
+    from shardwise.specs.machine import load_machine
+
+    return load_machine(hardware)
+
+
+def _given_flags() -> set[str]:
+    """The plan() parameters given on the command line (not their defaults). typer 0.29 runs on
+    its own copy of click (`typer._click`), whose context is not click's: read the one in use."""
+    try:
+        from typer._click.core import ParameterSource
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer on the click package
+        from click import get_current_context
+        from click.core import ParameterSource
+
+    ctx = get_current_context()
+    return {name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
 
 
 # ZeRO-3's knobs (stage3_* and the fetch unit) and ZeRO-1/2's (use_multi_rank_bucket_allreduce)
@@ -334,7 +377,7 @@ def _emit(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, margin,
             f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism only (tp 1, pp 1), "
             f"this has tp {s.tp}, pp {s.pp}. Run it with {tool_for(s, chosen.train)}, or {drop}.")
     if not chosen.fits:
-        raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin)}")
+        raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin, accounting)}")
     notes = emitted_run(m, hw, chosen.train, s)[1]
     paths = emit_configs(m, hw, chosen.train, s, Path(out_dir), plan=chosen.memory)
     return (chosen, paths), notes
@@ -356,12 +399,13 @@ def _shortfall(e) -> str:
     return " and ".join(parts)
 
 
-def _fitting_hint(m, hw, train, strategy, knobs, margin) -> str:
+def _fitting_hint(m, hw, train, strategy, knobs, margin, accounting="engine") -> str:
     """The fastest setting of the same strategy and layout that fits, as flags to pass."""
     from shardwise.plan.recommend import sweep
 
     found = [e for e in sweep(m, hw, train, strategies=[strategy.name], tps=(strategy.tp,), pps=(strategy.pp,),
-                              checkpointing=("none", "full"), margin=margin, knobs=knobs) if e.fits]
+                              checkpointing=("none", "full"), margin=margin, knobs=knobs, accounting=accounting)
+             if e.fits]
     if not found:
         return f". No micro-batch (1-8) or checkpointing makes {strategy.name} fit here."
     b = max(found, key=lambda e: e.time.tokens_per_s_per_gpu)
@@ -471,6 +515,8 @@ _passthrough("shardwise.train.cli", "train", "Train with DeepSpeed, FSDP2 or DDP
 _passthrough("shardwise.train.export_cli", "export", "Export a checkpoint as a Hugging Face model directory.")
 _passthrough("shardwise.bench.calibrate_cli", "calibrate", "Measure this machine's GPUs and links into a hardware profile.")
 _passthrough("shardwise.bench.bench_cli", "bench", "Run a few trainer steps; measured memory, time and comm vs the plan.")
+_passthrough("shardwise.doctor.cli", "doctor", "This machine's GPUs, topology, network, NCCL settings and host: what "
+             "will hurt, and the hardware spec plan --hardware uses.")
 
 
 @app.command(name="version")

@@ -196,17 +196,18 @@ class PlanOutput:
     emit_dir: Path | None = None
     tp: int | None = None
     pp: int | None = None
+    hardware: str | None = None  # --hardware: auto or the doctor's spec file (None: the flags)
 
 
 def plan_title(o: PlanOutput) -> list[str]:
-    from shardwise.plan.report import links_line
+    from shardwise.plan.report import links_line, loss_words
 
     m, hw, train = o.model, o.hw, o.train
     line = (f"{m.name} ({m.params / 1e9:.2f}B params) on {hw.world_size}× {hw.gpu.name} "
             f"({hw.gpu.memory_bytes / GIB:.0f} GiB), seq {train.seq_len} × micro-batch {train.micro_batch}"
             f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
             + (f", {'QLoRA (NF4 base)' if train.base_quant == 'nf4' else 'LoRA'} rank {train.lora_rank} on "
-               f"{','.join(train.lora_targets)}" if train.lora_rank else ""))
+               f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f", {loss_words(train)}")
     return [line, links_line(hw)] + ([f"hardware profile: {o.profile}"] if o.profile else [])
 
 
@@ -257,6 +258,7 @@ def plan_doc(o: PlanOutput) -> dict:
     from shardwise.plan.report import plan_json
 
     doc = plan_json(o.model, o.hw, o.train, o.evals, o.accounting, o.rec, skipped=o.skipped, profile=o.profile)
+    doc["hardware"]["hardware_spec"] = o.hardware
     doc["warnings"] = list(o.warnings)
     if o.rec is None:
         doc["recommended"], doc["recommended_setting"], doc["runner_up"] = None, None, None

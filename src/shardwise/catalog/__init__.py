@@ -140,6 +140,11 @@ def _generation(key: str, family: str, gpu: str | None) -> str:
     return g[family]
 
 
+def gpu_nvlink(gpu: str) -> str | None:
+    """The GPU's NVLink generation (hardware.yaml `nvlink:`), None for a GPU without NVLink."""
+    return _entry(_hardware()["gpus"], gpu, "GPU")[1].get("nvlink")
+
+
 def check_link_name(name: str) -> str:
     """The catalog key of an interconnect name, or the error listing the valid ones."""
     return _entry(_hardware()["interconnects"], name, "interconnect")[0]

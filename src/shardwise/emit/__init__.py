@@ -24,7 +24,6 @@ import os
 import shutil
 import stat
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -49,11 +48,11 @@ def emitted_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: 
     inverse), read back through the bridge, so every file is built from the run that will train."""
     check_emittable(strategy)
     cfg, notes = to_config(model, hw, train, strategy, base=base, device="cuda")
-    run = run_spec(cfg, hw.world_size, "cuda", environ={})
-    # A catalog model round-trips by name; a user's config.json is written as a placeholder
-    # path, so the emitted run keeps the planned ModelSpec.
-    if cfg.model.path is not None and base is None:
-        run = replace(run, model=model)
+    # A catalog model round-trips by name; a user's config.json is written as a path for the
+    # user to fill in (placeholders), so the emitted run keeps the planned ModelSpec: nothing is
+    # read back from that path (whatever the config's directory is called).
+    keep = model if cfg.model.path is not None and base is None else None
+    run = run_spec(cfg, hw.world_size, "cuda", environ={}, model=keep)
     return run, notes
 
 
@@ -65,7 +64,6 @@ def emit_configs(
     run, notes = emitted_run(model, hw, train, strategy, base=base)
     out_dir = Path(out_dir)
     writable_dir(out_dir)
-    root = out_dir.resolve()
     plan = plan or memory_as_run(model, hw, train, strategy)
     files: dict[str, tuple[str, bool]] = {}  # name -> (text, executable), written at the end by `publish`
 
@@ -84,17 +82,23 @@ def emit_configs(
           + f"# Run: shardwise train shardwise.yaml   (or a launch_*.sh script beside it)\n{header}"
           + trainer_yaml(run.config, holes))  # fmt: skip
 
-    # An absolute path: accelerate resolves deepspeed_config_file against the launch directory.
-    acc = accelerate_config(model, hw, train, strategy, ds_config_file=str(root / DS_HF_FILE))
+    # Portable: no file names the directory it was emitted to. accelerate resolves
+    # deepspeed_config_file against the directory it is launched from, so the YAML holds the
+    # name and launch_accelerate.sh passes the path beside the script (--deepspeed_config_file).
+    acc = accelerate_config(model, hw, train, strategy, ds_config_file=DS_HF_FILE)
     write("accelerate.yaml", yaml.safe_dump(acc, sort_keys=False))
 
-    for name, text in launch_scripts(hw, train, strategy, str(root)).items():
+    for name, text in launch_scripts(hw, train, strategy).items():
         write(name, text, executable=True)
 
     names = [*files, "README.md"]
     write("README.md", readme(model, hw, train, strategy, plan, names=names, notes=notes, run=run, holes=holes))
     return publish(out_dir, files)
 
+
+# shardwise's schedule kinds as TrainingArguments' --lr_scheduler_type (transformers SchedulerType)
+_HF_SCHEDULER = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup",
+                 "warmup_decay": "linear"}
 
 EMIT_MANIFEST = ".shardwise-emit.json"
 EMIT_FORMAT = "shardwise-emit/1"
@@ -359,6 +363,7 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
                           "does with `--gradient_checkpointing`): DeepSpeed reduces a leaf's gradients from a backward "
                           "hook that fires too early on the first layer when the frozen embedding's output needs no grad."]
     if strategy.engine == "deepspeed":
+        opt = run.config.optimizer
         lines += [
             "",
             "## Hugging Face Trainer with `ds_config_hf.json`",
@@ -373,7 +378,12 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
             "```bash",
             f"deepspeed {_nodes(hw)}--num_gpus {hw.gpus_per_node} train_sft.py --deepspeed ds_config_hf.json \\",
             f"  --per_device_train_batch_size {train.micro_batch} --gradient_accumulation_steps {train.grad_accum} \\",
-            f"  --learning_rate {run.config.optimizer.lr} --max_grad_norm {run.config.optimizer.max_grad_norm} "
+            f"  --learning_rate {opt.lr} --max_grad_norm {opt.max_grad_norm} \\",
+            # the planned AdamW: Trainer's own defaults are betas (0.9, 0.999) and weight decay 0
+            f"  --adam_beta1 {opt.betas[0]} --adam_beta2 {opt.betas[1]} --adam_epsilon {opt.eps} "
+            f"--weight_decay {opt.weight_decay} \\",
+            f"  --lr_scheduler_type {_HF_SCHEDULER[run.config.schedule.kind]} --warmup_steps "
+            f"{run.config.schedule.warmup_steps} "
             + {"bf16": "--bf16", "fp16": "--fp16", "fp32": ""}[train.compute_dtype]
             + (" --gradient_checkpointing" if train.checkpointing != "none" else ""),
             "```",

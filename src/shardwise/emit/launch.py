@@ -8,7 +8,7 @@ environment, so the same file serves every node of a multi-node job.
 
 from __future__ import annotations
 
-from shardwise.emit.accelerate import MIXED_PRECISION
+from shardwise.emit.accelerate import DS_HF_FILE, MIXED_PRECISION
 from shardwise.specs import HardwareSpec, Strategy, TrainSpec
 
 TRAINER = "shardwise.train.cli"
@@ -67,6 +67,10 @@ exec deepspeed "${{args[@]}}" --no_local_rank --module {TRAINER} "$HERE/shardwis
 def accelerate_script(hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> str:
     # DeepSpeed: precision must come from the command line, not accelerate.yaml (see emit/accelerate.py).
     mp = f" --mixed_precision {MIXED_PRECISION[train.precision]}" if strategy.engine == "deepspeed" else ""
+    # accelerate.yaml names ds_config_hf.json relative to the launch directory: the path beside
+    # this script wins on the command line, wherever it is launched from
+    if strategy.engine == "deepspeed":
+        mp += f' --deepspeed_config_file "$HERE/{DS_HF_FILE}"'
     return _header("accelerate launch: run once on every node with its MACHINE_RANK.", hw, train, strategy) + f"""#
 # No arguments: shardwise's trainer on shardwise.yaml. With arguments: your own script under
 # accelerate.yaml, e.g. ./launch_accelerate.sh train_sft.py --bf16 ... (an HF Trainer script
@@ -86,11 +90,11 @@ exec accelerate launch --config_file "$HERE/accelerate.yaml" \\
 """
 
 
-def slurm_script(hw: HardwareSpec, train: TrainSpec, strategy: Strategy, emit_dir: str) -> str:
-    """sbatch copies the script to a spool directory, so the emitted directory is baked in."""
+def slurm_script(hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> str:
+    """sbatch runs a copy of the script from its spool directory, so the emitted directory is
+    found at run time (no path is baked in): EMIT_DIR, else the directory of the script as
+    submitted (`scontrol show job`'s Command), else the submit directory."""
     cpus = CPUS_PER_GPU * hw.gpus_per_node
-    for ch in '\\"$`':  # the path goes inside bash double quotes
-        emit_dir = emit_dir.replace(ch, "\\" + ch)
     return f"""#!/usr/bin/env bash
 #SBATCH --job-name=shardwise-{strategy.name.replace("+", "-")}
 #SBATCH --nodes={hw.nodes}
@@ -102,8 +106,20 @@ def slurm_script(hw: HardwareSpec, train: TrainSpec, strategy: Strategy, emit_di
 # rendezvous. Planned: {strategy.name} on {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) ({hw.gpu.name}).
 # Activation checkpointing: set in shardwise.yaml (checkpointing.activation={train.checkpointing}).
 # Activate the environment that has shardwise installed before `sbatch`, or here.
+# The emitted directory: EMIT_DIR, else where this script was submitted from (sbatch runs a copy).
 set -euo pipefail
-EMIT_DIR="${{EMIT_DIR:-{emit_dir}}}"
+if [ -z "${{EMIT_DIR:-}}" ]; then
+  submitted="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=//p' | head -n 1)"
+  case "$submitted" in
+    /*) EMIT_DIR="$(dirname "$submitted")" ;;
+    ?*) EMIT_DIR="${{SLURM_SUBMIT_DIR:-.}}/$(dirname "$submitted")" ;;
+    *) EMIT_DIR="${{SLURM_SUBMIT_DIR:-.}}" ;;
+  esac
+fi
+if [ ! -f "$EMIT_DIR/shardwise.yaml" ]; then
+  echo "slurm.sbatch: no shardwise.yaml in $EMIT_DIR: set EMIT_DIR=/path/to/the/emitted/directory" >&2
+  exit 2
+fi
 
 MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 MASTER_PORT="${{MASTER_PORT:-29500}}"
@@ -118,11 +134,11 @@ srun --kill-on-bad-exit=1 torchrun \\
 """
 
 
-def launch_scripts(hw: HardwareSpec, train: TrainSpec, strategy: Strategy, emit_dir: str) -> dict[str, str]:
+def launch_scripts(hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> dict[str, str]:
     """File name -> script text; the deepspeed launcher only for DeepSpeed strategies."""
     out = {"launch_torchrun.sh": torchrun_script(hw, train, strategy)}
     if strategy.engine == "deepspeed":
         out["launch_deepspeed.sh"] = deepspeed_script(hw, train, strategy)
     out["launch_accelerate.sh"] = accelerate_script(hw, train, strategy)
-    out["slurm.sbatch"] = slurm_script(hw, train, strategy, emit_dir)
+    out["slurm.sbatch"] = slurm_script(hw, train, strategy)
     return out

@@ -1,14 +1,20 @@
-"""`shardwise explain`: ZeRO 1–3 vs FSDP for the user's model and hardware, in numbers, and the
-seed material's three scenarios recomputed. Returns text; the CLI prints it."""
+"""`shardwise explain`: ZeRO 1–3 vs FSDP for the user's model and hardware, in numbers. Every
+comparison is read off the table it prints (or off the same evaluations at other GPU counts or
+link bandwidths, which it names); nothing is fixed text about some other setup. Returns text;
+the CLI prints it."""
 
 from __future__ import annotations
 
-from shardwise import catalog
+from dataclasses import dataclass
+
 from shardwise.numfmt import rate
 from shardwise.plan.evaluate import evaluate
+from shardwise.plan.report import loss_words
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
 GB = 1e9
+NAMES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+SHOWN = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP2"}
 SHARDS = {
     "ddp": "nothing: every GPU holds params, grads and optimizer states (16Ψ with mixed-precision Adam)",
     "zero1": "optimizer states (fp32 master + Adam moments, 12Ψ) over N GPUs",
@@ -16,133 +22,209 @@ SHARDS = {
     "zero3": "params, gradients and optimizer states (16Ψ); params all-gathered per layer when used",
     "fsdp": "like ZeRO-3 (FSDP2 full shard), per decoder layer, fp32 sharded params under bf16 compute",
 }
+TIE = 0.02  # tokens/s within 2% of each other: "about equal" (below the time model's resolution)
+MAX_GPUS = 4096  # the GPU-count sweep's end
+GRID = tuple(0.1e9 * 1.25**i for i in range(45))  # link bandwidths swept: 0.1 .. ~2,000 GB/s
 
 
-def _row(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, name: str) -> dict:
+@dataclass(frozen=True)
+class Row:
+    name: str
+    model_states_gb: float
+    total_gb: float
+    required_gb: float
+    usable_gb: float
+    params_gb: float
+    fits: bool
+    ideal_comm_gb: float
+    engine_comm_gb: float
+    step_s: float
+    tokens_per_s_per_gpu: float
+    exposed: float
+
+
+def _row(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, name: str) -> Row:
     e = evaluate(model, hw, train, Strategy.from_name(name))
     m = e.memory
-    return {
-        "name": name, "model_states_gb": m.gpu.model_states / GB, "total_gb": m.gpu.total / GB,
-        "fits": m.fits, "ideal_comm_gb": e.ideal.total / GB, "engine_comm_gb": e.comm.total / GB,
-        "step_s": e.time.step_s, "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu,
-        "exposed": e.time.exposed_fraction,
-    }
+    return Row(name=name, model_states_gb=m.gpu.model_states / GB, total_gb=m.gpu.total / GB,
+               required_gb=m.gpu.required / GB, usable_gb=m.usable_bytes / GB, params_gb=m.gpu.params / GB,
+               fits=m.fits, ideal_comm_gb=e.ideal.total / GB, engine_comm_gb=e.comm.total / GB,
+               step_s=e.time.step_s, tokens_per_s_per_gpu=e.time.tokens_per_s_per_gpu,
+               exposed=e.time.exposed_fraction)
 
 
-def compare(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> list[dict]:
-    return [_row(model, hw, train, n) for n in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
+def compare(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> dict[str, Row]:
+    return {n: _row(model, hw, train, n) for n in NAMES}
 
 
-def bandwidth_crossover(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, a: str = "zero2",
-                        b: str = "zero3") -> float | None:
-    """Bus bandwidth (bytes/s, on the link the DP traffic crosses) below which `a` beats `b`
-    in tokens/s, or None if the order never changes between 0.1 and 1000 GB/s."""
-    def speed(name: str, bw: float) -> float:
-        link = "inter" if hw.nodes > 1 else "intra"
-        faster = hw.model_copy(update={link: getattr(hw, link).model_copy(update={"bus_bytes_per_s": bw})})
-        return evaluate(model, faster, train, Strategy.from_name(name)).time.tokens_per_s_per_gpu
+def relative(a: float, b: float) -> float:
+    """a against b as a signed fraction (0.25: a is 25% above b)."""
+    return a / b - 1 if b else 0.0
 
-    grid = [0.1e9 * 1.25**i for i in range(45)]  # 0.1 .. ~2,000 GB/s
-    sign = [speed(a, bw) > speed(b, bw) for bw in grid]
-    for i in range(1, len(grid)):
-        if sign[i] != sign[i - 1]:
-            return grid[i]
-    return None
+
+def _order(a: float, b: float) -> int:
+    """+1 when a is faster than b by more than TIE, -1 when slower, 0 when within it."""
+    r = relative(a, b)
+    return 0 if abs(r) <= TIE else (1 if r > 0 else -1)
+
+
+def _versus(rows: dict[str, Row], a: str, b: str, verb: str = "is ") -> str:
+    """'FSDP2 is 25% slower than ZeRO-3 (44 vs 57 tokens/s per GPU)' from the table's rows."""
+    ta, tb = rows[a].tokens_per_s_per_gpu, rows[b].tokens_per_s_per_gpu
+    r = relative(ta, tb)
+    if abs(r) <= TIE:
+        how = f"within {TIE:.0%} of"
+    else:
+        how = f"{abs(r):.0%} {'faster' if r > 0 else 'slower'} than"
+    return f"{SHOWN[a]} {verb}{how} {SHOWN[b]} ({_tokens(ta)} vs {_tokens(tb)} tokens/s per GPU)"
+
+
+def _tokens(t: float) -> str:
+    return f"{t:.1f}" if t < 100 else f"{t:,.0f}"
+
+
+def _dp_link(hw: HardwareSpec) -> str:
+    return "inter" if hw.nodes > 1 else "intra"
+
+
+def bandwidth_segments(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, a: str = "zero2",
+                       b: str = "zero3") -> list[tuple[float, float, int, float]]:
+    """The order of `a` and `b` in tokens/s as the bus bandwidth of the link the data-parallel
+    traffic crosses sweeps GRID: (from, to, order, largest |difference|) per run of one order
+    (order as `_order`: +1 a faster, -1 b faster, 0 within TIE)."""
+    link = _dp_link(hw)
+    segments: list[list] = []
+    for bw in GRID:
+        h = hw.model_copy(update={link: getattr(hw, link).model_copy(update={"bus_bytes_per_s": bw})})
+        ta, tb = (evaluate(model, h, train, Strategy.from_name(n)).time.tokens_per_s_per_gpu for n in (a, b))
+        o = _order(ta, tb)
+        if segments and segments[-1][2] == o:
+            segments[-1][1] = bw
+            segments[-1][3] = max(segments[-1][3], abs(relative(ta, tb)))
+        else:
+            segments.append([bw, bw, o, abs(relative(ta, tb))])
+    return [tuple(s) for s in segments]
+
+
+def _bandwidth_text(model, hw, train, rows: dict[str, Row]) -> str:
+    link = getattr(hw, _dp_link(hw))
+    here = (f"On this {link.name} ({link.bus_bytes_per_s / GB:g} GB/s bus bandwidth per "
+            f"{'NIC' if hw.nodes > 1 else 'GPU'}) the table has {_versus(rows, 'zero3', 'zero2', verb='')}.")
+    segs = bandwidth_segments(model, hw, train)
+    if len(segs) == 1:
+        lo, hi, o, gap = segs[0]
+        if o == 0:
+            sweep = (f"Between {lo / GB:.1f} and {hi / GB:,.0f} GB/s the two stay within {TIE:.0%} of each other: "
+                     "bandwidth does not choose between them here.")
+        else:
+            win = SHOWN["zero2" if o > 0 else "zero3"]
+            sweep = (f"{win} stays faster (by up to {gap:.0%}) at every bandwidth from {lo / GB:.1f} to "
+                     f"{hi / GB:,.0f} GB/s: bandwidth does not change the order here.")
+    else:
+        words = {1: "ZeRO-2 faster", -1: "ZeRO-3 faster", 0: f"within {TIE:.0%}"}
+        parts = [f"{lo / GB:,.1f}–{hi / GB:,.1f} GB/s: {words[o]}" + (f" (by up to {gap:.0%})" if o else "")
+                 for lo, hi, o, gap in segs]
+        sweep = "Swept over the same link's bandwidth, ZeRO-2 vs ZeRO-3: " + "; ".join(parts) + "."
+    fit = [n for n in ("zero2", "zero3") if rows[n].fits]
+    if len(fit) == 1:
+        sweep += f" Only {SHOWN[fit[0]]} fits here, so memory decides before bandwidth does."
+    elif not fit:
+        sweep += " Neither fits here, so this order matters only once memory allows one."
+    return f"{here} {sweep}"
+
+
+def _gpus_to_fit(model, hw, train, name: str) -> tuple[int | None, Row]:
+    """The fewest GPUs (powers of two up to MAX_GPUS, the user's GPU, links and node size) at
+    which `name` fits, and the row at that count (at MAX_GPUS when none fits)."""
+    g, row = 1, None
+    while g <= MAX_GPUS:
+        per_node = min(g, hw.gpus_per_node)
+        h = hw.model_copy(update={"gpus_per_node": per_node, "nodes": g // per_node})
+        row = _row(model, h, train, name)
+        if row.fits:
+            return g, row
+        g *= 2
+    return None, row
+
+
+def _gpu_count_text(model, hw, train, rows: dict[str, Row]) -> list[str]:
+    out = []
+    for name in ("zero2", "zero3"):
+        r = rows[name]
+        if name == "zero2" and r.params_gb >= r.usable_gb:
+            out.append(
+                f"ZeRO-2 never fits on {hw.gpu.name}: it keeps the whole 16-bit params on every GPU, 2Ψ = "
+                f"{r.params_gb:.1f} GB, against {r.usable_gb:.1f} GB usable per GPU; its model states are 2Ψ + "
+                f"14Ψ/N, which stays above 2Ψ however many GPUs are added.")
+            continue
+        g, at = _gpus_to_fit(model, hw, train, name)
+        if g is None:
+            out.append(f"{SHOWN[name]} does not fit on up to {MAX_GPUS:,} GPUs: there it still needs "
+                       f"{at.required_gb:.1f} GB per GPU (model states {at.model_states_gb:.1f} GB"
+                       + (f", of which the whole 16-bit params {at.params_gb:.1f} GB" if name == "zero2" else "")
+                       + f") against {at.usable_gb:.1f} GB usable.")
+        elif r.fits:
+            out.append(f"{SHOWN[name]} fits on these {hw.world_size} GPUs ({r.required_gb:.1f} of "
+                       f"{r.usable_gb:.1f} GB usable) and first fits at {g} GPU{'s' if g > 1 else ''}.")
+        else:
+            out.append(f"{SHOWN[name]} needs {r.required_gb:.1f} GB per GPU here against {r.usable_gb:.1f} GB "
+                       f"usable; it first fits at {g} GPUs ({at.required_gb:.1f} GB).")
+    return out
+
+
+def _comm_text(rows: dict[str, Row], train: TrainSpec) -> list[str]:
+    if rows["ddp"].ideal_comm_gb == 0:
+        return ["One GPU: no data-parallel traffic."]
+    b = train.compute_bytes
+    two, three = rows["ddp"].ideal_comm_gb, rows["zero3"].ideal_comm_gb
+    same = [SHOWN[n] for n in ("zero1", "zero2") if abs(relative(rows[n].ideal_comm_gb, two)) < 0.01]
+    out = [f"Communication per GPU per step (ZeRO paper column): DDP{', ' + ' and '.join(same) if same else ''} "
+           f"move{'s' if not same else ''} 2Ψ = {two:.1f} GB ({b}-byte elements); ZeRO-3 and FSDP move 3Ψ = "
+           f"{three:.1f} GB ({relative(three, two) + 1:.2f}×)."
+           + (" Sharding gradients (ZeRO-2) costs no extra traffic: the popular '1× / 2× / 3×' for ZeRO-1/2/3 is "
+              "wrong." if "ZeRO-2" in same else "")]
+    engine = [f"{SHOWN[n]} {rows[n].engine_comm_gb:.1f} GB ({rows[n].engine_comm_gb / rows[n].ideal_comm_gb:.2f}× "
+              "the paper's)" for n in NAMES if rows[n].ideal_comm_gb]
+    out.append("What the engines issue (engine column): " + ", ".join(engine) + ".")
+    return out
 
 
 def explain(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> str:
     rows = compare(model, hw, train)
     psi = model.params
-    n = hw.world_size
+    link = hw.intra if hw.nodes == 1 else hw.inter
     out = [
-        f"# ZeRO stages vs FSDP for {model.name} (Ψ = {psi / 1e9:.2f}B) on {n}× {hw.gpu.name} "
-        f"({hw.gpu.memory_bytes / GB:.0f} GB), {hw.intra.name if hw.nodes == 1 else hw.inter.name} between GPUs",
+        f"# ZeRO stages vs FSDP for {model.name} (Ψ = {psi / 1e9:.2f}B) on {hw.world_size}× {hw.gpu.name} "
+        f"({hw.gpu.memory_bytes / GB:.0f} GB), {link.name} between GPUs",
         "",
         "What each shards (mixed-precision Adam, ZeRO paper accounting: 2Ψ params + 2Ψ grads + 12Ψ optimizer):",
     ]
     out += [f"- {k}: {v}" for k, v in SHARDS.items()]
-    out += ["", f"Per GPU, seq {train.seq_len} × micro-batch {train.micro_batch}, {train.precision}:", ""]
+    out += ["", f"Per GPU, seq {train.seq_len} × micro-batch {train.micro_batch}, {train.precision}, "
+            f"{loss_words(train, flag=False)}:", ""]
     out.append("| strategy | model states GB | peak GB | fits | comm/step paper GB | comm/step engine GB | step s | tokens/s/GPU |")
     out.append("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        out.append(f"| {r['name']} | {r['model_states_gb']:.1f} | {r['total_gb']:.1f} | {'yes' if r['fits'] else 'no'} | "
-                   f"{r['ideal_comm_gb']:.1f} | {r['engine_comm_gb']:.1f} | {r['step_s']:.2f} | {rate(r['tokens_per_s_per_gpu'])} |")
-    out += [
-        "",
-        f"Communication per GPU per step (ZeRO paper): DDP, ZeRO-1 and ZeRO-2 all move 2Ψ = "
-        f"{2 * 2 * psi / GB:.1f} GB in bf16; ZeRO-3 and FSDP move 3Ψ = {3 * 2 * psi / GB:.1f} GB (1.5×). "
-        "The popular '1× / 2× / 3×' for ZeRO-1/2/3 is wrong: sharding gradients costs no extra traffic.",
-        "What the engines issue differs: DeepSpeed ZeRO-1/2 all-reduce gradient buckets and then all-gather "
-        "the params (3Ψ-equivalent with default use_multi_rank_bucket_allreduce); FSDP2 reduce-scatters in fp32 "
-        "(reduce_dtype), so its bytes are 2Ψ·2 + Ψ·4 under bf16; under gradient accumulation k, DeepSpeed ZeRO-2/3 "
-        "reduce every micro-batch (k×) while DDP/FSDP2 with sync disabled reduce once.",
-    ]
-    cross = bandwidth_crossover(model, hw, train)
-    if cross:
-        out.append(f"Crossover: below ~{cross / GB:.1f} GB/s of bus bandwidth ZeRO-2 is faster than ZeRO-3 "
-                   "(ZeRO-3's extra all-gather can no longer hide behind compute); above it ZeRO-3 is faster.")
-    else:
-        out.append("Crossover: between 0.1 and 2,000 GB/s the ZeRO-2 vs ZeRO-3 order does not change here "
-                   "(memory, not bandwidth, decides).")
-    fit2 = next((g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256) if _fits(model, hw, train, "zero2", g)), None)
-    fit3 = next((g for g in (1, 2, 4, 8, 16, 32, 64, 128, 256) if _fits(model, hw, train, "zero3", g)), None)
-    out.append(f"GPU count: ZeRO-2 first fits at {fit2 or '>256'} GPUs, ZeRO-3 at {fit3 or '>256'} "
-               "(ZeRO-2 keeps 2Ψ of whole params per GPU however many GPUs you add).")
-    out += [
-        "When FSDP is better than ZeRO-3: same sharding and the same 3Ψ traffic in the paper; FSDP2 shards per "
-        "layer with no bucket knobs, keeps fp32 shards and composes with TP/PP through DTensor; DeepSpeed "
-        "ZeRO-3 adds optimizer/param offload to CPU/NVMe and needs no model wrapping code. On NVLink the two "
-        "are within a few percent here; pick FSDP2 for torch-native composability, ZeRO-3 for offload.",
-        "",
-        seed_scenarios(),
-    ]
+    for r in rows.values():
+        out.append(f"| {r.name} | {r.model_states_gb:.1f} | {r.total_gb:.1f} | {'yes' if r.fits else 'no'} | "
+                   f"{r.ideal_comm_gb:.1f} | {r.engine_comm_gb:.1f} | {r.step_s:.2f} | {rate(r.tokens_per_s_per_gpu)} |")
+    out.append("")
+    out += _comm_text(rows, train)
+    if hw.world_size > 1:
+        out.append(_bandwidth_text(model, hw, train, rows))
+    out += _gpu_count_text(model, hw, train, rows)
+    out.append(_fsdp_text(rows))
     return "\n".join(out)
 
 
-def _fits(model, hw, train, name, gpus) -> bool:
-    h = catalog.build_hardware(gpu=hw.gpu.name, gpus=gpus, gpus_per_node=min(gpus, hw.gpus_per_node))
-    return evaluate(model, h, train, Strategy.from_name(name)).fits
-
-
-def scenario_numbers() -> dict:
-    """The seed material's three scenarios, recomputed (bf16 mixed, AdamW, seq 2048, micro-batch 1)."""
-    train = TrainSpec(checkpointing="full")
-    m7, m13, m70 = (catalog.get_model(n) for n in ("llama-2-7b", "llama-2-13b", "llama-2-70b"))
-    h24 = catalog.build_hardware(gpu="rtx-4090", gpus=8, gpus_per_node=8, interconnect="pcie")
-    h80 = catalog.build_hardware(gpu="a100-80g", gpus=8)
-    res = {
-        "7b_states_gb": {"weights_bf16": 2 * m7.params / GB, "grads_bf16": 2 * m7.params / GB,
-                         "master_fp32": 4 * m7.params / GB, "adam": 8 * m7.params / GB},
-        "7b_24gb": {n: evaluate(m7, h24, train, Strategy.from_name(n)).memory.gpu.total / GB
-                    for n in ("zero2", "zero3", "zero3+opt-offload")},
-        "13b_zero2_80gb": evaluate(m13, h80, TrainSpec(), Strategy.from_name("zero2")).memory.gpu.total / GB,
-        "13b_zero2_states_gb": (2 * m13.params + 14 * m13.params / 8) / GB,
-        "70b_zero3_states_gb": 16 * m70.params / 8 / GB,
-        "70b_80gb": {n: evaluate(m70, h80, train, Strategy.from_name(n)).memory.gpu.total / GB
-                     for n in ("zero3", "zero3+opt-offload", "zero3+full-offload")},
-        "70b_lora_zero3": evaluate(m70, h80, TrainSpec(lora_rank=16, checkpointing="full"),
-                                   Strategy.from_name("zero3")).memory.gpu.total / GB,
-    }
-    return res
-
-
-def seed_scenarios() -> str:
-    s = scenario_numbers()
-    st = s["7b_states_gb"]
-    return "\n".join([
-        "## The seed material's scenarios, recomputed",
-        f"1. 7B on 24 GB cards (8× RTX 4090, PCIe, full checkpointing): weights are {st['weights_bf16']:.1f} GB in bf16 "
-        f"(not 28: that is fp32), fp32 master {st['master_fp32']:.1f} GB and Adam moments {st['adam']:.1f} GB (the "
-        f"seed's '56 GB of Adam states' counts moments only and forgets the {st['master_fp32']:.1f} GB master copy). "
-        f"Per GPU: ZeRO-2 {s['7b_24gb']['zero2']:.1f} GB (does not fit: 2Ψ of whole bf16 params alone is "
-        f"{st['weights_bf16']:.1f} GB), ZeRO-3 {s['7b_24gb']['zero3']:.1f} GB, ZeRO-3 + optimizer offload "
-        f"{s['7b_24gb']['zero3+opt-offload']:.1f} GB.",
-        f"2. 13B on 8×80 GB with ZeRO-2: model states 2Ψ + 14Ψ/8 = {s['13b_zero2_states_gb']:.1f} GB, peak "
-        f"{s['13b_zero2_80gb']:.1f} GB with activations at seq 2048 — it fits; ZeRO-3 is not needed, and ZeRO-2 "
-        "moves no more data than DDP (2Ψ), not '2×'.",
-        f"3. 70B on 8×80 GB: full fine-tuning with Adam needs 16Ψ/8 = {s['70b_zero3_states_gb']:.0f} GB per GPU of "
-        f"model states even with ZeRO-3, so it does not fit (peak {s['70b_80gb']['zero3']:.0f} GB). Optimizer offload "
-        f"brings the GPU to {s['70b_80gb']['zero3+opt-offload']:.1f} GB, full offload to "
-        f"{s['70b_80gb']['zero3+full-offload']:.1f} GB (at the price of a CPU-bound step and >1 TB of host RAM); "
-        f"LoRA (r=16) under ZeRO-3 needs {s['70b_lora_zero3']:.1f} GB.",
-    ])
+def _fsdp_text(rows: dict[str, Row]) -> str:
+    z3, fs = rows["zero3"], rows["fsdp"]
+    said = f"FSDP2 vs ZeRO-3 here: {_versus(rows, 'fsdp', 'zero3')}"
+    r = relative(fs.tokens_per_s_per_gpu, z3.tokens_per_s_per_gpu)
+    if r < -TIE and fs.engine_comm_gb > 1.05 * z3.engine_comm_gb and fs.exposed > 0.05:
+        said += (f": it issues {fs.engine_comm_gb:.1f} GB per step against ZeRO-3's {z3.engine_comm_gb:.1f} GB, and "
+                 f"{fs.exposed:.0%} of its communication is exposed (ZeRO-3: {z3.exposed:.0%})")
+    said += "."
+    if fs.fits != z3.fits:
+        said += f" Only {'FSDP2' if fs.fits else 'ZeRO-3'} fits ({fs.required_gb:.1f} vs {z3.required_gb:.1f} GB)."
+    return (said + " Beyond speed: FSDP2 composes with TP/PP through DTensor; DeepSpeed ZeRO-3 adds optimizer/param "
+            "offload to CPU/NVMe.")

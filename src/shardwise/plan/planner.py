@@ -47,13 +47,17 @@ def resolve_model(model: str | None = None, model_config: str | Path | None = No
 
 def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", gpus=8,
                 gpus_per_node=None, interconnect=None, gpu_memory_gb=None, host_memory_gb=None,
-                nics_per_node=None, profile=None,
+                nics_per_node=None, profile=None, machine=None,
                 **train_fields) -> tuple[ModelSpec, HardwareSpec, TrainSpec]:
     """The specs of `shardwise plan`/`explain` flags. Checks first, in flag order, so a bad
-    number is refused before anything is built or planned."""
+    number is refused before anything is built or planned. `machine` (a MachineHardware:
+    `plan --hardware`) gives the GPU, node size, links, NICs and host memory; the hardware
+    flags given with it (not None) override its values, and `gpus` defaults to one node."""
     if params is not None and model_config is None:
         check_params(params)
-    if interconnect is not None and gpus_per_node is None:
+    if machine is None and (gpu is None or gpus is None):
+        gpu, gpus = gpu or "a100-80g", gpus or 8
+    if interconnect is not None and gpus_per_node is None and machine is None:
         catalog.check_link_name(interconnect)  # an unknown name first: the valid ones, closest first
         raise ShardwiseError(
             f"--interconnect {interconnect} needs --gpus-per-node: whether the link joins GPUs inside a node "
@@ -70,8 +74,12 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
         extra["host_memory_bytes"] = check_number("--host-memory-gb", host_memory_gb, high=1e6, unit=" of GB") * 1e9
     if nics_per_node is not None:
         extra["nics_per_node"] = check_count("--nics-per-node", nics_per_node, high=64)
-    hw = catalog.build_hardware(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node,
-                                interconnect=interconnect, memory_gb=gpu_memory_gb, **extra)
+    if machine is not None:
+        hw = machine.hardware(gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, interconnect=interconnect,
+                              memory_gb=gpu_memory_gb, **extra)
+    else:
+        hw = catalog.build_hardware(gpu=gpu, gpus=gpus, gpus_per_node=gpus_per_node,
+                                    interconnect=interconnect, memory_gb=gpu_memory_gb, **extra)
     if profile is not None:  # rates measured on the user's GPUs replace the catalog's
         from shardwise.specs.profile import load_profile
 

@@ -147,9 +147,11 @@ def _complexity(e: Evaluation) -> tuple:
 
 def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=None,
           micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
-          tps=None, pps=None, margin: float = 0.05, knobs: StrategyKnobs | None = None) -> list[Evaluation]:
+          tps=None, pps=None, margin: float = 0.05, knobs: StrategyKnobs | None = None,
+          accounting: str = "engine") -> list[Evaluation]:
     """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
-    where it divides, so that candidates train the same thing."""
+    where it divides, so that candidates train the same thing. `accounting` (`plan
+    --accounting`) decides the model states, so what fits and the recommendation's memory."""
     check_margin(margin)
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
     pps = pps or tuple(p for p in (1, 2, 4) if p <= model.num_layers and hw.world_size % p == 0)
@@ -164,7 +166,7 @@ def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=Non
             if ga < 1:
                 continue
             train = base.model_copy(update={"micro_batch": mb, "grad_accum": ga, "checkpointing": ck})
-            out.append(evaluate(model, hw, train, s, margin=margin))
+            out.append(evaluate(model, hw, train, s, accounting=accounting, margin=margin))
         except ShardwiseError:
             continue  # layout impossible for this model/hardware: not a candidate
     return out

@@ -116,6 +116,20 @@ def label(p: MemoryPlan) -> str:
     return p.strategy.name + (f" (as {p.runs_as.name})" if p.runs_as else "")
 
 
+TRAINER_LOSS = "chunked"  # shardwise train's default loss.implementation (train/config.LossSection)
+
+
+def loss_words(train: TrainSpec, flag: bool = True) -> str:
+    """The loss the plan assumed, and the trainer's default where they differ: the logits'
+    memory depends on it (`standard`: [tokens, vocab] fp32 whole; `chunked`: one chunk)."""
+    said = f"loss {train.cross_entropy}" + (f" ({train.ce_chunk} tokens a chunk)" if train.cross_entropy == "chunked"
+                                           else "")
+    if train.cross_entropy != TRAINER_LOSS:
+        said += f" (shardwise train's default is {TRAINER_LOSS}" + (
+            f": plan it with --cross-entropy {TRAINER_LOSS})" if flag else ")")
+    return said
+
+
 def load_line(plans: list[MemoryPlan]) -> str | None:
     """The load phase on the host, per rank and per node, for each load path the plans take
     (shardwise.plan.load): one line under the memory table."""

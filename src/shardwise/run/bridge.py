@@ -129,14 +129,16 @@ def _model_type(cfg: TrainConfig) -> str:
     return str(doc.get("model_type", "hf")) if isinstance(doc, dict) else "hf"
 
 
-def packed_attention(cfg: TrainConfig, device: str) -> str:
+def packed_attention(cfg: TrainConfig, device: str, family: str | None = None) -> str:
     """What keeps the documents of an SFT row apart in this run (`data.sft.packed_attention`
-    resolved for the device and model: shardwise.run.resolve.packed_attention), planned and built."""
+    resolved for the device and model: shardwise.run.resolve.packed_attention), planned and built.
+    `family`: the model's, when the caller holds its spec (else read from the config)."""
     return resolve.packed_attention(cfg.data.sft.packed_attention, data_kind=cfg.data.kind, device=device,
-                   attention=cfg.model.attention, family=_model_type(cfg), precision=cfg.precision, source=cfg.source)
+                   attention=cfg.model.attention, family=family or _model_type(cfg), precision=cfg.precision,
+                   source=cfg.source)
 
 
-def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> TrainSpec:
+def train_spec(cfg: TrainConfig, device: str = "cuda", *, family: str | None = None, **overrides: Any) -> TrainSpec:
     fields = {
         "optimizer_impl": optimizer_impl(cfg, device),
         # the allocator setting the ranks inherit from this process's environment
@@ -149,7 +151,7 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", **overrides: Any) -> Trai
         "optimizer": cfg.optimizer.name,
         "checkpointing": cfg.checkpointing.activation,
         "attention": cfg.model.attention,
-        "packed_attention": packed_attention(cfg, device),
+        "packed_attention": packed_attention(cfg, device, family),
         "fused_kernels": compiled(cfg, device),
         "cross_entropy": cfg.loss.implementation,
         "ce_chunk": cfg.loss.chunk_tokens,
@@ -199,13 +201,37 @@ def launcher_ranks_per_node(world_size: int, environ: dict[str, str] | None = No
     return world_size
 
 
-def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[str, str] | None = None) -> RunSpec:
-    """The run `cfg` describes on `world_size` ranks of `device`; refuses impossible layouts
-    with the config file in the message."""
+def _hardware(cfg: TrainConfig, world_size: int, per_node: int) -> HardwareSpec:
+    """The planned hardware: `hardware.machine` (a doctor spec file, or `auto`: this node read
+    now) with `hardware.gpu` overriding its GPU where set, else the catalog GPU `hardware.gpu`."""
     from shardwise.catalog import build_hardware
 
+    h = cfg.hardware
+    gpu = h.gpu if "gpu" in h.model_fields_set or h.machine is None else None
+    if h.machine is None:
+        return build_hardware(gpu=h.gpu, gpus=world_size, gpus_per_node=per_node)
+    if h.machine.strip().lower() == "auto":
+        from shardwise.doctor import machine_hardware
+
+        spec = machine_hardware()
+        if spec.gpu is None and gpu is None:  # no GPU here (a CPU run): the catalog GPU it names
+            return build_hardware(gpu=h.gpu, gpus=world_size, gpus_per_node=per_node)
+    else:
+        from shardwise.specs.machine import load_machine
+
+        spec = load_machine(h.machine)  # relative to the cwd, like the data paths
+    return spec.hardware(gpus=world_size, gpus_per_node=per_node, gpu=gpu)
+
+
+def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[str, str] | None = None,
+             model: ModelSpec | None = None) -> RunSpec:
+    """The run `cfg` describes on `world_size` ranks of `device`; refuses impossible layouts
+    with the config file in the message. `model`: the spec of the configured model when the
+    caller already holds it (`plan --emit` of a config.json: its path in the emitted config is
+    the user's to fill in, so nothing is read back from it)."""
+
     per_node = gpus_per_node(cfg, world_size, environ)
-    model = model_spec(cfg)
+    model = model or model_spec(cfg)
     strat = strategy(cfg, device)
     profile = None
     if cfg.hardware.profile:  # its own errors name the profile file (relative to the cwd, like the data paths)
@@ -213,7 +239,7 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
 
         profile = load_profile(cfg.hardware.profile, device=device)
     try:
-        hw = build_hardware(gpu=cfg.hardware.gpu, gpus=world_size, gpus_per_node=per_node)
+        hw = _hardware(cfg, world_size, per_node)
         if profile is not None:
             hw = profile.apply(hw)
         layout = ParallelLayout.for_strategy(strat, world_size, per_node)
@@ -221,7 +247,7 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
     except ShardwiseError as e:
         raise ShardwiseError(
             f"{cfg.source}: strategy.name {strat.name!r} cannot run on {world_size} rank(s): {e}") from None
-    return RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg, device),
+    return RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg, device, family=model.family),
                    strategy=strat, layout=layout)
 
 

@@ -41,6 +41,19 @@ _HF_TOKEN_IDS = {"phi3": {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_i
 
 
 
+def config_name(cfg: dict) -> str | None:
+    """The model's name as its config.json records it: the last part of the hub id that
+    transformers writes into `_name_or_path` (`meta-llama/Llama-2-7b-hf` -> `Llama-2-7b-hf`);
+    None for a local path there (a directory's name says nothing about the model) or none."""
+    value = cfg.get("_name_or_path")
+    if not isinstance(value, str):
+        return None
+    value = value.strip()
+    if not value or value.startswith(("/", ".", "~")) or "\\" in value or ":" in value or value.count("/") > 1:
+        return None
+    return value.rsplit("/", 1)[-1] or None
+
+
 def read_config_json(path: str | Path) -> tuple[dict, Path]:
     """A local Hugging Face `config.json` (a file or its directory) as a dict, and its path."""
     path = Path(path)

@@ -309,9 +309,15 @@ class ModelSpec(Spec):
     # --- constructors (config.json reading/writing: shardwise.specs.hf_config) ------------
     @classmethod
     def from_hf_config(cls, path: str | Path, name: str | None = None) -> ModelSpec:
-        """Read a local Hugging Face `config.json` (no code is loaded, no hub is asked)."""
+        """Read a local Hugging Face `config.json` (no code is loaded, no hub is asked). The model
+        is named from the config, not from its directory: `name`, else the hub id transformers
+        records in `_name_or_path` (its last part), else its model_type and size (`llama-1.1b`)."""
         cfg, path = hf_config.read_config_json(path)
-        return cls.from_hf_dict(cfg, name=name or path.parent.name, source=str(path))
+        given = name or hf_config.config_name(cfg)
+        spec = cls.from_hf_dict(cfg, name=given or "custom", source=str(path))
+        if given:
+            return spec
+        return spec.model_copy(update={"name": f"{cfg.get('model_type', 'hf')}-{spec.params / 1e9:.3g}b"})
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "custom", source: str = "config") -> ModelSpec:

@@ -315,6 +315,10 @@ class HardwareSection(_Section):
         None, gt=0, le=1e6, allow_inf_nan=False,
         description="host RAM per node (GB) the preflight checks the weight load against (default: MemAvailable "
                     "of /proc/meminfo on the launching node)")
+    machine: str | None = Field(
+        None, min_length=1, description="the hardware spec the plan uses (`shardwise doctor --write FILE`): GPU, "
+        "links, NICs, host RAM; `auto` reads the launching node as `shardwise doctor` does; `gpu`, when set too, "
+        "overrides its GPU")
 
 
 class TrainConfig(_Section):
