@@ -19,7 +19,8 @@ PCIE_4090 = ("--gpu", "rtx-4090", "--gpus-per-node", "8", "--interconnect", "pci
 
 
 def _explain(*args) -> str:
-    res = runner.invoke(app, ["explain", *args])
+    """explain's text as written (markdown: its table whole, whatever the terminal's width)."""
+    res = runner.invoke(app, ["explain", "--format", "markdown", *args])
     assert res.exit_code == 0, res.output
     return res.output
 

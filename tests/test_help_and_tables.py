@@ -35,14 +35,16 @@ def _commands() -> dict[str, tuple[typer.Typer, list[str], object]]:
     from shardwise.bench.bench_cli import app as bench
     from shardwise.bench.calibrate_cli import app as calibrate
     from shardwise.data.cli import app as data
+    from shardwise.doctor.cli import app as doctor
     from shardwise.train.cli import app as train
     from shardwise.train.export_cli import app as export
 
     root = get_command(app)
     out = {f"shardwise {n}": (app, [n], c) for n, c in root.commands.items()
-           if n not in ("data", "train", "export", "calibrate", "bench")}  # these: their own apps, below
+           if n not in ("data", "train", "export", "calibrate", "bench", "doctor")}  # these: their own apps, below
     out["shardwise"] = (app, [], root)
-    for name, sub in (("train", train), ("export", export), ("calibrate", calibrate), ("bench", bench)):
+    for name, sub in (("train", train), ("export", export), ("calibrate", calibrate), ("bench", bench),
+                      ("doctor", doctor)):
         out[f"shardwise {name}"] = (sub, [], get_command(sub))
     group = get_command(data)
     out["shardwise data"] = (data, [], group)

@@ -432,6 +432,8 @@ def explain(
                             "markdown (the text as Markdown) | csv (the comparison, one row per strategy) | json."),
 ) -> None:
     """ZeRO-1/2/3 vs FSDP for your model and hardware: what each shards, memory, traffic, crossovers."""
+    from dataclasses import asdict
+
     from shardwise.plan.explain import compare
     from shardwise.plan.explain import explain as explain_text
     from shardwise.plan.planner import build_specs
@@ -444,7 +446,7 @@ def explain(
                                    gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
                                    micro_batch=micro_batch, checkpointing=checkpointing)
         text = explain_text(m, hw, train)
-        rows = compare(m, hw, train) if fmt in ("csv", "json") else []
+        rows = [asdict(r) for r in compare(m, hw, train).values()] if fmt in ("csv", "json") else []
     except ShardwiseError as e:
         _fail(e)
     print_explain(text, rows, fmt)

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import typer
 
+from shardwise.cli_help import HELP
 from shardwise.errors import ShardwiseError
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, **HELP)
 
 
 def _fail(err: Exception) -> None:
