@@ -182,8 +182,16 @@ def test_a_tracker_failing_mid_run_is_dropped_and_the_others_go_on(capsys):
 # --- a real run -----------------------------------------------------------------------------
 
 
+def _rows(out: Path) -> tuple[dict, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return ({r["step"]: r for r in rows if r.get("kind") != "eval"},
+            {r["step"]: r for r in rows if r.get("kind") == "eval"})  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def tracked_run(tmp_path_factory):
+def tracked(tmp_path_factory):
+    """The run (6 steps, a checkpoint at step 6), then `--resume latest` to step 8: what each
+    left (metrics.jsonl's rows and summary.json after the first, and after the resume)."""
     tmp = tmp_path_factory.mktemp("tracked")
     out = tmp / "run"
     env = {k: v for k, v in os.environ.items()
@@ -191,19 +199,28 @@ def tracked_run(tmp_path_factory):
     env |= {"WANDB_MODE": "offline", "WANDB_CONFIG_DIR": str(tmp / "wandb-config"),
             "WANDB_CACHE_DIR": str(tmp / "wandb-cache"), "WANDB_DATA_DIR": str(tmp / "wandb-data"),
             "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"}  # fmt: skip
-    sets = [f"run.steps={STEPS}", f"run.eval_every_steps={EVAL_EVERY}", "data.sft.validation_fraction=0.25",
+    sets = [f"run.eval_every_steps={EVAL_EVERY}", "data.sft.validation_fraction=0.25",
             "logging.every=2", "logging.progress=false", "logging.trackers=[tensorboard, wandb, mlflow]",
             f"checkpointing.output_dir={out}", "checkpointing.save_final=false",
             "checkpointing.save_every_minutes=null", f"checkpointing.save_every_steps={STEPS}"]  # fmt: skip
-    cmd = [sys.executable, "-m", "shardwise.train.cli", str(REPO / "examples/demo.yaml"), "--nproc", "2",
-           *[a for s in sets for a in ("--set", s)]]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    train = {r["step"]: r for r in rows if r.get("kind") != "eval"}
-    evals = {r["step"]: r for r in rows if r.get("kind") == "eval"}
+    runs = {}
+    for name, extra in (("first", [f"run.steps={STEPS}"]), ("resumed", [f"run.steps={STEPS + 2}"])):
+        cmd = [sys.executable, "-m", "shardwise.train.cli", str(REPO / "examples/demo.yaml"), "--nproc", "2",
+               *[a for s in [*sets, *extra] for a in ("--set", s)]]  # fmt: skip
+        cmd += ["--resume", "latest"] if name == "resumed" else []
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, env=env)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        runs[name] = (*_rows(out), json.loads((out / "summary.json").read_text()))
+    return out, runs
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tracked):
+    """The first run: output dir, metrics.jsonl's train and eval rows by step, its summary.json."""
+    out, runs = tracked
+    train, evals, summary = runs["first"]
     assert sorted(train) == list(range(1, STEPS + 1)) and sorted(evals) == [3, 6]
-    return out, train, evals, json.loads((out / "summary.json").read_text())
+    return out, train, evals, summary
 
 
 def expected(train: dict, evals: dict) -> dict[int, dict[str, float]]:
@@ -218,9 +235,13 @@ def expected(train: dict, evals: dict) -> dict[int, dict[str, float]]:
     return want
 
 
+def _manifest(out: Path) -> dict:
+    """The manifest of the first run's checkpoint (step 6): its config, run id and lineage."""
+    return json.loads((out / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").read_text())
+
+
 def _manifest_config(out: Path) -> dict:
-    (ckpt,) = sorted((out / "checkpoints").glob("step-*"))
-    return json.loads((ckpt / "manifest.json").read_text())["config"]
+    return _manifest(out)["config"]
 
 
 @pytest.mark.distributed
@@ -228,8 +249,8 @@ def test_wandb_offline_run_has_metrics_jsonl_config_and_plan(tracked_run):
     import wandb_log
 
     out, train, evals, summary = tracked_run
-    (run_dir,) = (out / "wandb").glob("offline-run-*")  # W&B's dir defaults to the output dir
-    assert summary["trackers"]["wandb"]["dir"] == str(run_dir)
+    run_dir = Path(summary["trackers"]["wandb"]["dir"])
+    assert run_dir.parent == out / "wandb" and run_dir.name.startswith("offline-run-")  # in the output dir
     (log,) = run_dir.glob("run-*.wandb")
     want = expected(train, evals)
     got = wandb_log.history(log)
@@ -247,8 +268,8 @@ def test_wandb_offline_run_has_metrics_jsonl_config_and_plan(tracked_run):
     assert config["logging"]["trackers"] == ["tensorboard", "wandb", "mlflow"]
     assert config["plan"]["strategy"] == "fsdp" and config["plan"]["gpus"] == 2
     assert config["plan"]["gpu_bytes"] == summary["planned_gpu_bytes"]  # preflight's number, through the plan
-    assert config["shardwise"]["shardwise.lineage"] == json.loads((out / ".shardwise/lineage.json").read_text())[
-        "lineage"]
+    assert config["shardwise"]["shardwise.run_id"] == _manifest(out)["run_id"]
+    assert config["shardwise"]["shardwise.lineage"] == _manifest(out)["lineage"]
     (art,) = wandb_log.of_type(log, "artifact")
     assert art.type == "shardwise-run"
     files = {e.path: e for e in art.manifest.contents}
@@ -273,8 +294,8 @@ def test_mlflow_file_store_has_metrics_jsonl_config_and_plan(tracked_run, monkey
     assert summary["trackers"]["mlflow"]["tracking_uri"] == uri
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("shardwise")
-    (run,) = client.search_runs([exp.experiment_id])
-    assert run.info.run_id == summary["trackers"]["mlflow"]["run_id"]
+    run = client.get_run(summary["trackers"]["mlflow"]["run_id"])
+    assert run.info.experiment_id == exp.experiment_id
     assert run.info.status == "FINISHED" and run.info.run_name == "demo"
     want = expected(train, evals)
     keys = {k for m in want.values() for k in m}
@@ -287,7 +308,7 @@ def test_mlflow_file_store_has_metrics_jsonl_config_and_plan(tracked_run, monkey
     assert params["strategy.name"] == "fsdp" and params["run.steps"] == str(STEPS)
     assert params["logging.trackers"] == json.dumps(manifest["logging"]["trackers"])
     assert float(params["plan.gpu_bytes"]) == summary["planned_gpu_bytes"]
-    assert run.data.tags["shardwise.run_id"] == json.loads((out / ".shardwise/lineage.json").read_text())["run_id"]
+    assert run.data.tags["shardwise.run_id"] == _manifest(out)["run_id"]
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert names == {"config.yaml", "plan.json", "summary.json"}
     local = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(out.parent / "dl")))
@@ -300,10 +321,12 @@ def test_mlflow_file_store_has_metrics_jsonl_config_and_plan(tracked_run, monkey
 
 
 @pytest.mark.distributed
-def test_tensorboard_has_every_step_and_eval(tracked_run):
+def test_tensorboard_has_every_step_and_eval(tracked):
+    """Both runs wrote into one logdir: together, metrics.jsonl's steps 1..8."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, train, evals, _ = tracked_run
+    out, runs = tracked
+    train, evals, _ = runs["resumed"]
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     want = expected(train, evals)
@@ -313,3 +336,37 @@ def test_tensorboard_has_every_step_and_eval(tracked_run):
         assert [s for s, _ in got] == [s for s, _ in ref], key
         assert all(abs(a - b) <= 1e-6 * abs(b) for (_, a), (_, b) in zip(got, ref, strict=True)), key  # float32
     assert {"config/text_summary", "plan/text_summary"} <= set(acc.Tags()["tensors"])
+
+
+@pytest.mark.distributed
+def test_a_resumed_run_is_a_new_tracker_run_of_the_same_lineage(tracked, monkeypatch):
+    """--resume latest at step 6 to step 8: a second W&B run and a second MLflow run, holding
+    steps 7 and 8 (and the evaluation after the last step) exactly as metrics.jsonl has them,
+    in the first run's lineage (W&B group, MLflow tag); the first runs keep steps 1..6."""
+    import wandb_log
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    out, runs = tracked
+    first, second = runs["first"][2], runs["resumed"][2]
+    train, evals, _ = runs["resumed"]
+    assert sorted(train) == list(range(1, STEPS + 3)) and sorted(evals) == [3, 6, STEPS + 2]
+    want = {s: m for s, m in expected(train, evals).items() if s > STEPS}
+    lineage = json.loads((out / ".shardwise/lineage.json").read_text())
+    assert first["trackers"]["wandb"]["id"] != second["trackers"]["wandb"]["id"]
+    logs = {k: next(Path(s["trackers"]["wandb"]["dir"]).glob("run-*.wandb")) for k, s in
+            (("first", first), ("resumed", second))}  # fmt: skip
+    assert wandb_log.history(logs["resumed"]) == want
+    assert sorted(wandb_log.history(logs["first"])) == list(range(1, STEPS + 1))
+    for log in logs.values():
+        (run_rec,) = wandb_log.of_type(log, "run")
+        assert run_rec.run_group == lineage["lineage"]
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    a, b = (client.get_run(s["trackers"]["mlflow"]["run_id"]) for s in (first, second))
+    assert a.info.run_id != b.info.run_id
+    assert a.data.tags["shardwise.lineage"] == b.data.tags["shardwise.lineage"] == lineage["lineage"]
+    for key in ("train/loss", "train/lr", "eval/loss"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(b.info.run_id, key))
+        assert history == [(s, float(m[key])) for s, m in sorted(want.items()) if key in m], key
+    assert [m.step for m in client.get_metric_history(a.info.run_id, "train/loss")] == list(range(1, STEPS + 1))

@@ -179,8 +179,11 @@ class WandbTracker:
         self.run = wandb.init(
             project=o.project, entity=o.entity, mode=o.mode, dir=str(d), name=info.name,
             group=o.group or info.tags.get("shardwise.lineage"), tags=o.tags or None, job_type="train",
-            config={**info.config, "plan": info.plan_summary()})  # fmt: skip
-        self.run.config.update({"shardwise": info.tags}, allow_val_change=True)
+            config={**info.config, "plan": info.plan_summary(), "shardwise": info.tags})  # fmt: skip
+        if self.run.settings.mode == "disabled":  # a stand-in run: nothing is recorded, nor are files
+            self.location = {"mode": "disabled"}
+            return
+        self.location = {"id": self.run.id, "dir": str(Path(self.run.dir).parent), "mode": self.run.settings.mode}
         # The files sit in the run's own directory (synced with it, even from another machine);
         # the artifact references them in place.
         files = {"config.yaml": info.config_yaml()}
@@ -193,7 +196,6 @@ class WandbTracker:
             path.write_text(text)
             art.add_file(str(path), name=name, policy="immutable")
         self.run.log_artifact(art)
-        self.location = {"id": self.run.id, "dir": str(Path(self.run.dir).parent), "mode": self.run.settings.mode}
         if self.run.settings.mode == "online":  # (offline, wandb warns that there is none)
             self.location["url"] = str(self.run.url)
 
