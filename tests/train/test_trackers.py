@@ -370,3 +370,42 @@ def test_a_resumed_run_is_a_new_tracker_run_of_the_same_lineage(tracked, monkeyp
         history = sorted((m.step, m.value) for m in client.get_metric_history(b.info.run_id, key))
         assert history == [(s, float(m[key])) for s, m in sorted(want.items()) if key in m], key
     assert [m.step for m in client.get_metric_history(a.info.run_id, "train/loss")] == list(range(1, STEPS + 1))
+
+
+def _cfg(tmp_path: Path, trackers: list[str], **logging) -> TrainConfig:
+    return TrainConfig.model_validate({"name": "unit", "checkpointing": {"output_dir": str(tmp_path / "out")},
+                                       "logging": {"trackers": trackers, **logging}})  # fmt: skip
+
+
+def test_an_interrupted_run_is_killed_in_mlflow_and_preempted_in_wandb(tmp_path, monkeypatch):
+    import wandb_log
+
+    for k in [k for k in os.environ if k.startswith(("WANDB_", "MLFLOW_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    from shardwise.train.trackers import Trackers
+
+    t = Trackers()
+    t.start(_cfg(tmp_path, ["wandb", "mlflow"], wandb={"mode": "offline"}))  # offline from the config
+    t.log({"step": 1, "loss": 2.5})
+    where = t.locations()
+    t.close("interrupted", {"status": "interrupted"})
+    (log,) = Path(where["wandb"]["dir"]).glob("run-*.wandb")
+    assert where["wandb"]["mode"] == "offline" and wandb_log.history(log) == {1: {"train/loss": 2.5}}
+    assert wandb_log.of_type(log, "preempting") and wandb_log.of_type(log, "exit")[0].exit_code == 1
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(tracking_uri=where["mlflow"]["tracking_uri"]).get_run(where["mlflow"]["run_id"])
+    assert run.info.status == "KILLED" and run.data.metrics == {"train/loss": 2.5}
+
+
+def test_a_tracker_that_cannot_start_fails_the_start_and_closes_the_others(tmp_path):
+    from shardwise.train.trackers import Trackers
+
+    t = Trackers()
+    with pytest.raises(RuntimeError, match=r"logging.trackers: mlflow could not start: .*nosuch"):
+        t.start(_cfg(tmp_path, ["tensorboard", "mlflow"], mlflow={"tracking_uri": "nosuch://host"}))
+    assert t.open == []  # TensorBoard, opened first, was closed
+    assert any((tmp_path / "out" / "tensorboard").iterdir())

@@ -33,21 +33,22 @@ from typing import Any, Protocol
 
 from shardwise.errors import ShardwiseError
 
-INSTALL = "pip install 'shardwise[tracking]'"
-# tracker -> (module it imports, the distribution that provides it)
-REQUIRES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-            "mlflow": ("mlflow", "mlflow-skinny")}  # fmt: skip
+# tracker -> (module it imports, the distribution that provides it, the extra that installs it)
+REQUIRES = {"tensorboard": ("tensorboard", "tensorboard", "train"), "wandb": ("wandb", "wandb", "tracking"),
+            "mlflow": ("mlflow", "mlflow-skinny", "tracking")}  # fmt: skip
 MLFLOW_STATUS = {"completed": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
 
 def check_installed(cfg: Any) -> None:
     """Every tracker `logging.trackers` lists can be imported: refused here, before any rank
     starts, naming the install command (not one traceback per rank after the model is built)."""
-    missing = [(t, REQUIRES[t][1]) for t in cfg.logging.trackers if not _found(REQUIRES[t][0])]
+    missing = [t for t in cfg.logging.trackers if not _found(REQUIRES[t][0])]
     if missing:
-        names = ", ".join(f"{t} (needs {dist})" for t, dist in missing)
-        raise ShardwiseError(f"{cfg.source}: logging.trackers lists {names}, not installed: {INSTALL} (or pip "
-                             f"install {' '.join(d for _, d in missing)}), or remove it from logging.trackers")
+        names = ", ".join(f"{t} (needs {REQUIRES[t][1]})" for t in missing)
+        extras = ",".join(sorted({REQUIRES[t][2] for t in missing}))
+        raise ShardwiseError(f"{cfg.source}: logging.trackers lists {names}, not installed: pip install "
+                             f"'shardwise[{extras}]' (or pip install {' '.join(REQUIRES[t][1] for t in missing)}), "
+                             "or remove it from logging.trackers")
 
 
 def _found(module: str) -> bool:
@@ -205,6 +206,8 @@ class WandbTracker:
     def close(self, status: str, summary: dict[str, Any]) -> None:
         self.run.summary.update({f"shardwise/{k}": v for k, v in summary.items()
                                  if isinstance(v, str | int | float | type(None))})  # fmt: skip
+        if status == "interrupted":  # stopped by a signal after a checkpoint: W&B shows it preempted
+            self.run.mark_preempting()
         self.run.finish(exit_code=0 if status == "completed" else 1)
 
 
