@@ -175,8 +175,9 @@ def test_a_tracker_failing_mid_run_is_dropped_and_the_others_go_on(capsys):
     assert [s for s, _ in ok.logged] == [1, 2, 3] and [s for s, _ in bad.logged] == [1]
     assert t.failed == {"mlflow": "step 2: ConnectionError: server went away"}
     assert "mlflow failed at step 2 and is dropped" in capsys.readouterr().err
+    assert t.locations() == {}  # (these were not opened by start)
     t.close("completed", {})
-    assert ok.closed == "completed" and bad.closed is None
+    assert ok.closed == bad.closed == "completed"  # the dropped one is still ended where it can be
 
 
 # --- a real run -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Observability: rich progress bar, JSONL (always), the experiment trackers of
 `logging.trackers` (TensorBoard, W&B, MLflow: shardwise.train.trackers, fed every JSONL row),
-and the end summary comparing measured peak memory and throughput with the plan. Rank 0 writes; other
-ranks hold a no-op instance so the loop never branches on the rank.
+and the end summary comparing measured peak memory and throughput with the plan. Rank 0
+writes; other ranks hold a no-op instance so the loop never branches on the rank.
 
 `summary.json` always says where the run is: `running` from the moment it starts (written by
 the launcher, `run_started`), then `completed`, `interrupted` or `failed` with the reason

@@ -266,7 +266,9 @@ class Trackers:
 
     def __init__(self) -> None:
         self.open: list[Tracker] = []
+        self.where: dict[str, dict[str, str]] = {}  # tracker -> where its run is (kept if it fails later)
         self.failed: dict[str, str] = {}  # tracker -> what made it stop
+        self.dropped: list[Tracker] = []  # failed while logging: still closed at the end (best effort)
 
     def start(self, cfg: Any, run: Any = None) -> None:
         """Open every tracker of `cfg.logging.trackers`; one that cannot start closes the others
@@ -277,12 +279,13 @@ class Trackers:
         for name in cfg.logging.trackers:
             try:
                 self.open.append(open_tracker(name, cfg.logging, info))
+                self.where[name] = dict(self.open[-1].location)
             except Exception as e:
                 self.close("failed", {})
                 raise RuntimeError(f"logging.trackers: {name} could not start: {type(e).__name__}: {e}") from e
 
     def locations(self) -> dict[str, dict[str, str]]:
-        return {t.name: t.location for t in self.open}
+        return dict(self.where)
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics.jsonl row (a train record or an evaluation) to every tracker."""
@@ -294,12 +297,18 @@ class Trackers:
                 t.log(metrics, step)
             except Exception as e:  # the run goes on: metrics.jsonl has every record
                 self.open.remove(t)
+                self.dropped.append(t)
                 self.failed[t.name] = f"step {step}: {type(e).__name__}: {e}"
                 print(f"shardwise: logging.trackers: {t.name} failed at step {step} and is dropped for the rest "
                       f"of the run ({type(e).__name__}: {e}); metrics.jsonl keeps every record",
                       file=sys.stderr, flush=True)  # fmt: skip
 
     def close(self, status: str, summary: dict[str, Any]) -> None:
+        while self.dropped:  # its run ends with the others' status where its server lets it
+            try:
+                self.dropped.pop(0).close(status, summary)
+            except Exception:
+                pass  # said when it was dropped
         while self.open:
             t = self.open.pop(0)
             try:
