@@ -109,6 +109,26 @@ def test_missing_tracker_package_refused_by_preflight(monkeypatch):
     assert "pip install 'shardwise[tracking]'" in msg and "tensorboard" not in msg.split("lists")[1].split(",")[0]
 
 
+def test_wandb_online_without_credentials_refused_by_preflight(tmp_path, monkeypatch):
+    from shardwise.train.trackers import check_installed
+
+    for k in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    cfg = _cfg(tmp_path, ["wandb"])
+    with pytest.raises(ShardwiseError, match=r"lists wandb, online .* no W&B credentials are set up: run `wandb "
+                       r"login` or set WANDB_API_KEY, or log offline \(logging.wandb.mode: offline"):
+        check_installed(cfg)
+    check_installed(_cfg(tmp_path, ["wandb"], wandb={"mode": "offline"}))  # offline needs none
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_installed(cfg)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # found, not verified: no network
+    check_installed(cfg)
+
+
 BLOCKER = """
 import importlib.abc, sys
 

@@ -49,6 +49,34 @@ def check_installed(cfg: Any) -> None:
         raise ShardwiseError(f"{cfg.source}: logging.trackers lists {names}, not installed: pip install "
                              f"'shardwise[{extras}]' (or pip install {' '.join(REQUIRES[t][1] for t in missing)}), "
                              "or remove it from logging.trackers")
+    if "wandb" in cfg.logging.trackers:
+        check_wandb_credentials(cfg)
+
+
+def check_wandb_credentials(cfg: Any) -> None:
+    """W&B online needs credentials before the ranks start: without them wandb.init asks on
+    rank 0's terminal (while the other ranks wait in their first collective) or fails there.
+    `wandb.login(prompt=False, verify=False)` looks (environment, .netrc, settings) without
+    asking and without the network."""
+    mode = cfg.logging.wandb.mode or os.environ.get("WANDB_MODE") or "online"
+    if mode not in ("online", "run"):
+        return
+    import contextlib
+    import io
+
+    import wandb
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # its "API key is configured" lines
+            found = wandb.login(prompt=False, verify=False)
+    except Exception as e:  # e.g. a malformed WANDB_API_KEY
+        raise ShardwiseError(f"{cfg.source}: logging.trackers lists wandb: its credentials were refused "
+                             f"({type(e).__name__}: {e})") from None
+    if not found:
+        raise ShardwiseError(f"{cfg.source}: logging.trackers lists wandb, online (logging.wandb.mode "
+                             f"{cfg.logging.wandb.mode!r}, WANDB_MODE {os.environ.get('WANDB_MODE')!r}), but no W&B "
+                             "credentials are set up: run `wandb login` or set WANDB_API_KEY, or log offline "
+                             "(logging.wandb.mode: offline; `wandb sync` uploads the run later)")
 
 
 def _found(module: str) -> bool:
