@@ -213,7 +213,7 @@ class WandbTracker:
             self.location = {"mode": "disabled"}
             return
         self.location = {"id": self.run.id, "dir": str(Path(self.run.dir).parent), "mode": self.run.settings.mode}
-        # The files sit in the run's own directory (synced with it, even from another machine);
+        # The files sit in the run's own directory (synced with it, not in wandb's staging cache);
         # the artifact references them in place.
         files = {"config.yaml": info.config_yaml()}
         if info.plan is not None:
