@@ -15,8 +15,9 @@ message on stderr and the run goes on (metrics.jsonl keeps every record).
 
 Offline by default where it can be: MLflow writes a file store under the output directory
 unless a tracking URI is given; W&B honours `logging.wandb.mode: offline` / WANDB_MODE=offline
-(the run stays under `dir` until `wandb sync`). Which packages a listed tracker needs is checked
-before any rank starts (`check_installed`, called by preflight).
+(the run stays under `dir` until `wandb sync`). Which packages a listed tracker needs, and W&B's
+credentials when it logs online, are checked before any rank starts (`check_installed`, called by
+preflight).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def run_plan(run: Any) -> dict[str, Any]:
     from shardwise.plan.report import plan_json
 
     e = evaluate(run.model, run.hardware, run.train, run.strategy)
-    return plan_json(run.model, run.hardware, run.train, [e])
+    return plan_json(run.model, run.hardware, run.train, [e], profile=run.config.hardware.profile)
 
 
 def run_info(cfg: Any, run: Any = None) -> RunInfo:
