@@ -42,7 +42,7 @@ def start(out: Path, *extra: str, steps: int = STEPS) -> subprocess.Popen:
     """The CLI in its own process (so it can be signalled), 2 ranks, checkpoints every 4 steps."""
     sets = [f"checkpointing.output_dir={out}", f"run.steps={steps}", "checkpointing.save_every_steps=4",
             "checkpointing.keep_last=3", "checkpointing.save_final=true", "logging.progress=false",
-            "logging.tensorboard=false", "run.timeout_s=20"]  # fmt: skip
+            "logging.trackers=[]", "run.timeout_s=20"]  # fmt: skip
     argv = [sys.executable, "-m", "shardwise.train.cli", str(CONFIG), "--nproc", "2"]
     for s in sets:
         argv += ["--set", s]

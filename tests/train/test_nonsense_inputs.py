@@ -33,7 +33,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, 
 
 def train(config: Path, out: Path, *sets: str, nproc: int = 2, resume: str | None = None):
     argv = [sys.executable, "-m", "shardwise.train.cli", str(config), "--nproc", str(nproc)]
-    for s in (f"checkpointing.output_dir={out}", "logging.progress=false", "logging.tensorboard=false", *sets):
+    for s in (f"checkpointing.output_dir={out}", "logging.progress=false", "logging.trackers=[]", *sets):
         argv += ["--set", s]
     argv += ["--resume", resume] if resume else []
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

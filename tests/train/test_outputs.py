@@ -21,7 +21,7 @@ CONFIG = REPO / "examples" / "fsdp-synthetic-cpu.yaml"
 def train(out: Path, *sets: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "shardwise.train.cli", str(CONFIG), "--nproc", "1"]
     for s in (f"checkpointing.output_dir={out}", "run.steps=2", "logging.progress=false",
-              "logging.tensorboard=false", *sets):  # fmt: skip
+              "logging.trackers=[]", *sets):  # fmt: skip
         argv += ["--set", s]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)

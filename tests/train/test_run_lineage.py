@@ -26,7 +26,7 @@ def train(out: Path, *extra: str, steps: int, every: int, keep: int) -> subproce
     argv = [sys.executable, "-m", "shardwise.train.cli", str(CONFIG), "--nproc", "1"]
     for s in (f"checkpointing.output_dir={out}", f"run.steps={steps}", f"checkpointing.save_every_steps={every}",
               f"checkpointing.keep_last={keep}", "checkpointing.save_final=true", "logging.progress=false",
-              "logging.tensorboard=false", "data.synthetic.seq_len=16"):  # fmt: skip
+              "logging.trackers=[]", "data.synthetic.seq_len=16"):  # fmt: skip
         argv += ["--set", s]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.run([*argv, *extra], env=env, capture_output=True, text=True, timeout=240)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.distributed
 
 def start(out: Path, *extra: str, steps: int = 12, ignore_hup: bool = False) -> subprocess.Popen:
     sets = [f"checkpointing.output_dir={out}", f"run.steps={steps}", "checkpointing.save_every_steps=4",
-            "logging.progress=false", "logging.tensorboard=false", "run.timeout_s=20"]  # fmt: skip
+            "logging.progress=false", "logging.trackers=[]", "run.timeout_s=20"]  # fmt: skip
     argv = [sys.executable, "-m", "shardwise.train.cli", str(CONFIG), "--nproc", "2"]
     for s in sets:
         argv += ["--set", s]

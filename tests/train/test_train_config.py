@@ -50,13 +50,13 @@ def test_unknown_field_is_refused_with_suggestion(tmp_path):
 def test_set_overrides_are_typed_and_validated(tmp_path):
     p = write(tmp_path, "strategy:\n  name: fsdp\n")
     cfg = load_config(
-        p, ["strategy.name=zero3", "optimizer.lr=3e-4", "run.steps=7", "logging.tensorboard=false"]
+        p, ["strategy.name=zero3", "optimizer.lr=3e-4", "run.steps=7", "logging.trackers=[wandb, mlflow]"]
     )
-    assert (cfg.strategy.name, cfg.optimizer.lr, cfg.run.steps, cfg.logging.tensorboard) == (
+    assert (cfg.strategy.name, cfg.optimizer.lr, cfg.run.steps, cfg.logging.trackers) == (
         "zero3",
         3e-4,
         7,
-        False,
+        ["wandb", "mlflow"],
     )
     with pytest.raises(ShardwiseError, match=r"run\.steps"):
         load_config(p, ["run.steps=-1"])

@@ -34,8 +34,7 @@ from shardwise.errors import ExitCode, ShardwiseError
 # an interrupted point is not resumed, it is left out of the report), quiet ranks.
 FORCED = ("checkpointing.save_final=false", "checkpointing.save_every_steps=null",
           "checkpointing.save_every_minutes=null", "checkpointing.save_on_interrupt=false",
-          "checkpointing.resume=null", "logging.progress=false", "logging.tensorboard=false",
-          "logging.wandb=false")
+          "checkpointing.resume=null", "logging.progress=false", "logging.trackers=[]")
 # Stops that end a bench early with the points measured so far reported (and exit code 75).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
 

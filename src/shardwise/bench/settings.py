@@ -145,7 +145,7 @@ def settings_config(case: str, world: int | None = None):
         "precision": "bf16-mixed" if "bf16" in flags else "fp32",
         "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
         "run": {"micro_batch": BATCH, "device": "cpu", "nproc": world or WORLD},
-        "logging": {"progress": False, "tensorboard": False},
+        "logging": {"progress": False, "trackers": []},
     })
 
 

@@ -93,7 +93,7 @@ def bench_config(variant: str, ga: int = 1):
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1 if variant.endswith("-wd") else 0.0, "max_grad_norm": 0.0},
         "precision": "bf16-mixed" if variant.endswith("-bf16") else "fp32",
         "run": {"micro_batch": BATCH, "grad_accum": ga, "device": "cpu", "seed": 0, "nproc": WORLD},
-        "logging": {"progress": False, "tensorboard": False},
+        "logging": {"progress": False, "trackers": []},
         "lora": {"rank": LORA_RANK, "target_modules": "all-linear",
                  "quantization": "nf4" if "-qlora" in variant else "none"} if "lora" in variant else None,
     })

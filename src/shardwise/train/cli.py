@@ -78,6 +78,9 @@ def train_cmd(
         owner = rank == 0 and not by_us  # takes the output dir's lock, cleans, verifies hashes
         if owner:  # in a second, before the data cache is built
             _check_fresh(cfg)
+            note = cfg.logging.deprecation(cfg.source)
+            if note:
+                print(f"shardwise: {note}", file=sys.stderr, flush=True)
         run, check = preflight(cfg, world, device, force=force)
         resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
         if owner:
@@ -194,7 +197,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
         resume_dir = Path(choice[0]) if choice[0] else None
     # MFU against the planned GPU's dense peak for the compute dtype; no CPU peak to compare
     peak = run.hardware.gpu.peak_flops(run.train.compute_dtype) if device == "cuda" else None
-    metrics = Metrics(cfg, planned_bytes, run_flops_per_token(run.model, run.train), peak)
+    metrics = Metrics(cfg, planned_bytes, run_flops_per_token(run.model, run.train), peak, run=run)
     status, reason, code = "failed", None, ExitCode.FAILED
     # the engine that ran: FSDP2 with a one-rank shard group may run as DDP (FSDPKnobs.single_rank)
     extra: dict = {"strategy": run.strategy.name, "engine": run.engine_strategy.engine}

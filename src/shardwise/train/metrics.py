@@ -1,6 +1,7 @@
-"""Observability: rich progress bar, JSONL (always), TensorBoard, optional W&B, and the end
-summary comparing measured peak memory and throughput with the plan. Rank 0 writes; other
-ranks hold a no-op instance so the loop never branches on the rank.
+"""Observability: rich progress bar, JSONL (always), the experiment trackers of
+`logging.trackers` (TensorBoard, W&B, MLflow: shardwise.train.trackers, fed every JSONL row),
+and the end summary comparing measured peak memory and throughput with the plan. Rank 0
+writes; other ranks hold a no-op instance so the loop never branches on the rank.
 
 `summary.json` always says where the run is: `running` from the moment it starts (written by
 the launcher, `run_started`), then `completed`, `interrupted` or `failed` with the reason
@@ -111,8 +112,10 @@ class Metrics:
         planned_bytes: float | None = None,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
+        run: Any = None,
     ):
-        self.cfg, self.planned_bytes = cfg, planned_bytes
+        """`run`: the RunSpec, whose plan the trackers attach (none without it)."""
+        self.cfg, self.planned_bytes, self.run = cfg, planned_bytes, run
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.records: list[Any] = []
         self.summary: dict[str, Any] = {}
@@ -139,20 +142,10 @@ class Metrics:
         self.jsonl = open(path, "w")
         self.jsonl.writelines(line + "\n" for line in kept)
         self.jsonl.flush()
-        self.tb = self.wandb = self.progress = None
-        if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.progress = None
+        from shardwise.train.trackers import Trackers
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
-        if cfg.logging.wandb:
-            try:
-                import wandb
-
-                self.wandb = wandb.init(
-                    project=cfg.logging.wandb_project, name=cfg.name, config=cfg.model_dump(mode="json")
-                )
-            except ImportError:
-                print("logging.wandb: wandb is not installed; logging to JSONL/TensorBoard only")
+        self.trackers = Trackers()
         if cfg.logging.progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -166,6 +159,7 @@ class Metrics:
             self.task = self.progress.add_task("train", total=cfg.run.steps, info="")
             self.progress.start()
         self.t0 = time.perf_counter()
+        self.trackers.start(cfg, self.run)  # last: a tracker that cannot start fails a run that can close
 
     def memory_bytes(self) -> tuple[float, str]:
         if self.env.device == "cuda":
@@ -184,14 +178,9 @@ class Metrics:
                 row["mfu"] = tps * self.flops_per_token / (self.peak_flops * self.env.world_size)
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
+        self.trackers.log(row)
         if rec.step % self.cfg.logging.every and rec.step != self.cfg.run.steps:
             return
-        if self.tb:
-            for k in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "memory_bytes"):
-                if k in row:
-                    self.tb.add_scalar(f"train/{k}", row[k], rec.step)
-        if self.wandb:
-            self.wandb.log(row, step=rec.step)
         if self.progress:
             mfu = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
             info = (
@@ -202,7 +191,7 @@ class Metrics:
 
     def log_eval(self, rec: Any) -> None:
         """An evaluation (shardwise.train.loop.EvalRecord): a `"kind": "eval"` line in
-        metrics.jsonl, `eval/loss` and `eval/ppl` in TensorBoard, the progress line, and the best
+        metrics.jsonl, `eval/loss`, `eval/ppl`, ... in the trackers, the progress line, and the best
         and last eval loss for summary.json. Every rank keeps the numbers (they are all-reduced)."""
         self.evals = [*getattr(self, "evals", []), rec]
         if not self._on:
@@ -210,11 +199,7 @@ class Metrics:
         row = {"kind": "eval", **asdict(rec)}
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
-        if self.tb:
-            self.tb.add_scalar("eval/loss", rec.eval_loss, rec.step)
-            self.tb.add_scalar("eval/ppl", rec.eval_ppl, rec.step)
-        if self.wandb:
-            self.wandb.log({"eval/loss": rec.eval_loss, "eval/ppl": rec.eval_ppl}, step=rec.step)
+        self.trackers.log(row)
         if self.progress:  # kept on the line until the next evaluation
             self._eval_info = f" | eval {rec.eval_loss:.4f} (ppl {rec.eval_ppl:.2f}, step {rec.step})"
             self.progress.update(self.task, info=f"eval loss {rec.eval_loss:.4f} ppl {rec.eval_ppl:.2f} "
@@ -262,12 +247,13 @@ class Metrics:
         if run is not None:
             self.summary["run"] = run
         self.summary.update(extra)
+        if self.cfg.logging.trackers:  # where each tracker's run is, and any that failed
+            self.summary["trackers"] = self.trackers.locations()
+            if self.trackers.failed:
+                self.summary["trackers_failed"] = dict(self.trackers.failed)
         write_summary(self.dir, self.summary)
         self.jsonl.close()
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
+        self.trackers.close(status, self.summary)
         print_summary(self.summary)
         return self.summary
 

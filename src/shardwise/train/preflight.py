@@ -21,6 +21,7 @@ from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
 from shardwise.train.lora import check_qlora
 from shardwise.train.model import attention_note, check_model_source
+from shardwise.train.trackers import check_installed
 
 
 def check_launch(world_size: int, device: str, source: str = "<config>") -> None:
@@ -271,6 +272,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_device(cfg, device, world_size)
     check_model_source(cfg.model, cfg.source)
     check_qlora(cfg, device)
+    check_installed(cfg)  # the packages logging.trackers needs
     check_data(cfg)
     check_eval(cfg)
     run = run_spec(cfg, world_size, device)
