@@ -1,0 +1,4 @@
+"""placeholder"""
+
+def is_axolotl(data):
+    return False

@@ -1,0 +1,4 @@
+"""placeholder"""
+
+def is_llama_factory(data):
+    return False

@@ -1,0 +1,4 @@
+"""placeholder"""
+
+def is_training_args(data):
+    return False
