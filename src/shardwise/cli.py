@@ -237,14 +237,12 @@ def _inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
     flag was given (a flag on the command line overrides the file). Returns (values, the file's
     reading or None); values["knobs"] are the engine knobs planned, values["cli_knobs"] those the
     command line gave."""
-    from click.core import ParameterSource
-
     from shardwise.knob_flags import given_knobs
 
     values = dict(ctx.params)
     cli_knobs = given_knobs(knob_values)
-    given = {k for k in values if ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE,
-                                                                    ParameterSource.ENVIRONMENT)}
+    # by name: typer ships its own click (typer._click), whose ParameterSource is not click's
+    given = {k for k in values if getattr(ctx.get_parameter_source(k), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
     path = values.pop("from_file")
     if values.get("config") is not None:
         if path is not None:
@@ -259,7 +257,7 @@ def _inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
         return values, None
     from shardwise.ingest import read_source
 
-    source = read_source(Path(path), given={k: values[k] for k in given}, defaults=values, sets=sets,
+    source = read_source(Path(path), given={k: values[k] for k in given if k in values}, defaults=values, sets=sets,
                          cli_knobs=cli_knobs)
     for k, v in source.values.items():
         if k not in given:
