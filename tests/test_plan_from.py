@@ -196,3 +196,17 @@ def test_generated_flags_keep_the_old_names_and_take_the_spec_defaults():
     assert {(f.section, f.field) for f in FLAGS} == every  # one flag per knob field, nothing hand-listed
     r = CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "250"})
     assert "Default: 5e8" in r.output and "strategy.deepspeed.reduce_bucket_size" in r.output
+
+
+def test_from_runs_on_the_planner_only_install(tmp_path):
+    """Every reader is torch-free: `plan --from` works where torch, transformers, deepspeed and
+    accelerate cannot be imported (the core install)."""
+    from tests.test_cli_extras import planner_only
+
+    example = ROOT / "examples" / "fsdp-synthetic-cpu.yaml"
+    # (the LLaMA-Factory example names its DeepSpeed JSON relative to the repository root, and
+    # this subprocess runs elsewhere: the other readers cover the imports)
+    for f in [*(DATA / n for n in ("hf_ds_zero3.json", "accelerate_fsdp2.yaml", "axolotl_qlora.yaml")), example]:
+        r = planner_only(["plan", "--from", str(f), "--json"], tmp_path)
+        assert r.returncode == 0, (f, r.stderr[-3000:])
+        assert json.loads(r.stdout)["from"]["file"] == str(f)
