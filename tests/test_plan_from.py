@@ -101,6 +101,14 @@ def test_training_args_json_with_inline_deepspeed(tmp_path):
                               "--checkpointing", "full", "--weight-decay", "0.1", "--ds-reduce-bucket", str(H7 * H7)])
 
 
+def test_a_deepspeed_json_that_contradicts_the_trainer_arguments_is_refused(tmp_path):
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({"output_dir": "o", "per_device_train_batch_size": 2,
+                             "deepspeed": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}}))
+    r = CliRunner().invoke(app, ["plan", "--from", str(f)])
+    assert r.exit_code == 2 and "deepspeed.train_micro_batch_size_per_gpu = 4: expected 2" in r.output, r.output
+
+
 def test_flags_beside_the_file_override_it():
     got = plan("--from", str(DATA / "accelerate_fsdp2.yaml"), "--checkpointing", "none", "--gpus", "16",
                "--gpus-per-node", "8")

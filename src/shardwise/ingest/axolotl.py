@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.ingest.common import Context, Doc, Source, as_bool, as_count, hub_model
-from shardwise.ingest.training_args import NO_EFFECT, _fsdp, read_trainer_args, rest
+from shardwise.ingest.training_args import NO_EFFECT, read_trainer_args, rest
 
 AX_KEYS = {"base_model", "micro_batch_size", "sequence_len", "adapter", "lora_r"}
 AX_NO_EFFECT = NO_EFFECT | {"model_type", "tokenizer_type", "datasets", "dataset_prepared_path", "val_set_size",
@@ -75,5 +75,4 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.values["cross_entropy"] = "fused"
         src.read.append(("liger_fused_linear_cross_entropy", "--cross-entropy fused"))
     rest(doc, doc.data, src, seen, AX_NO_EFFECT)
-    _ = _fsdp
     return src

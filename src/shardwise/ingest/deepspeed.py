@@ -216,6 +216,10 @@ def _batch(doc: Doc, flat, src: Source, ctx: Context, got, key, under: str) -> N
                 src.read.append((dotted(key(file_key)), f"\"auto\": --{name.replace('_', '-')} from {under}"))
             continue
         vals[name] = as_count(doc, key(file_key), value)
+        trainer = src.values.get(name)
+        if trainer is not None and trainer != vals[name]:  # HF Trainer refuses it the same way
+            raise doc.error(key(file_key), value, f"{trainer}, the trainer's value (HF Trainer: \"Please correct the "
+                            "following DeepSpeed config values that mismatch TrainingArguments values\"); or \"auto\"")
         src.values[name] = vals[name]
         src.read.append((dotted(key(file_key)), f"--{name.replace('_', '-')} {vals[name]}"))
     if total is None or _is_auto(total):

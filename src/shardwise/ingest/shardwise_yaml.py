@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ingest.common import Context, Doc, Setting, Source, dotted, flatten
+from shardwise.ingest.common import Context, Doc, Source, dotted, flatten
 
 TOP = {"name", "model", "data", "strategy", "optimizer", "schedule", "precision", "run", "checkpointing", "logging",
        "hardware", "lora", "loss", "export"}
