@@ -14,6 +14,7 @@ from shardwise.ingest.common import FORMAT_NAMES, Setting, Source
 from shardwise.specs.hardware import GIB
 
 MAX_SHOWN = 3
+NO_CHANGE = ("no change to memory or time", "(no change to the plan)")  # how readers mark keys that change nothing
 
 
 def _value(v: Any, fmt: str) -> str:
@@ -114,8 +115,12 @@ def print_source(console, src: Source) -> None:
 
     p = lambda s="": console.print(escape(s), highlight=False, soft_wrap=True)  # noqa: E731
     p(f"Read from {src.path} ({FORMAT_NAMES[src.format]}):")
+    quiet = [k for k, v in src.read if v.endswith(NO_CHANGE)]
     for k, v in src.read:
-        p(f"  {k}: {v}")
+        if k not in quiet:
+            p(f"  {k}: {v}")
+    if quiet:
+        p(f"  read, no change to memory or time: {', '.join(quiet)}")
     if src.ignored:
         p("Ignored (not planned):")
         for k, v in src.ignored:

@@ -63,8 +63,8 @@ IGNORED = {
     "zero_optimization.offload_param.nvme_path": "NVMe offload is planned as CPU offload",
     "zero_optimization.offload_optimizer.fast_init": "initialisation only",
     "zero_optimization.offload_optimizer.ratio": "partial offload is not planned",
-    "scheduler": "learning-rate schedule: no change to memory or time",
 }
+NO_EFFECT_PREFIXES = ("scheduler.",)  # the learning-rate schedule
 
 
 def is_deepspeed(data: dict[str, Any]) -> bool:
@@ -195,8 +195,8 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
             continue
         d = ".".join(k)
         why = next((w for p, w in IGNORED.items() if d == p or d.startswith(p + ".")), None)
-        if d in NO_EFFECT:
-            src.read.append((dotted(key(*k)), f"{NO_EFFECT[d]} (no change to the plan)"))
+        if d in NO_EFFECT or d.startswith(NO_EFFECT_PREFIXES):
+            src.read.append((dotted(key(*k)), f"{NO_EFFECT.get(d, 'learning-rate schedule')} (no change to the plan)"))
         elif why:
             src.ignored.append((dotted(key(*k)), why))
         else:
