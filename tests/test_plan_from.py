@@ -34,10 +34,13 @@ def plan(*args: str) -> dict:
 
 
 def same(from_args: list[str], flag_args: list[str]) -> dict:
+    """The file's plan equals the hand-written flags' plan, and the flags it says it equals."""
     got = plan(*from_args)
     source = got.pop("from")
     want = plan(*flag_args)
     assert got == want
+    extra = [a for a in from_args[2:]]  # the flags given beside the file
+    assert plan(*source["as_flags"], *extra) == want
     return source
 
 

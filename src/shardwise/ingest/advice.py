@@ -127,6 +127,7 @@ def print_source(console, src: Source) -> None:
             p(f"  {k}: {v}")
     for n in src.notes:
         p(f"  note: {n}")
+    p(f"The same plan as flags: shardwise plan {' '.join(src.as_flags())}")
     a = src.advice
     if not a:
         return

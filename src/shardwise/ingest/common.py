@@ -44,8 +44,29 @@ class Source:
     keys_of: Callable[[Setting], dict[str, Any]] | None = None
     advice: dict[str, Any] | None = None  # filled by shardwise.ingest.advice.advise
 
+    def as_flags(self) -> list[str]:
+        """The `shardwise plan` words that plan what this file plans (without the flags given beside it)."""
+        from shardwise.knob_flags import as_flags
+
+        words: list[str] = []
+        for name, v in self.values.items():
+            flag = "--" + name.replace("_", "-")
+            if name == "strategy":
+                words += [w for s in v for w in ("-s", s)]
+            elif isinstance(v, bool):
+                words += [flag] if v else ([f"--no-{flag[2:]}"] if name == "sequence_parallel" else [])
+            elif v is not None:
+                words += [flag, str(v)]
+        for section, knobs in self.knobs.items():
+            for field_name, v in knobs.items():
+                words += as_flags(section, field_name, v)
+        if self.shard_group is not None:
+            words += ["--shard-group", str(self.shard_group)]
+        return words
+
     def as_dict(self) -> dict[str, Any]:
         return {"file": str(self.path), "format": self.format, "format_name": FORMAT_NAMES[self.format],
+                "as_flags": self.as_flags(),
                 "read": [{"key": k, "as": v} for k, v in self.read],
                 "ignored": [{"key": k, "why": v} for k, v in self.ignored],
                 "notes": list(self.notes), "values": {k: _jsonable(v) for k, v in self.values.items()},
