@@ -22,13 +22,35 @@ def is_shardwise(data: dict[str, Any]) -> bool:
     return bool(data) and set(data) <= TOP and bool(set(data) & {"strategy", "run", "model", "data"})
 
 
+def _fill_placeholders(doc: Doc, sets: list[str], src: Source) -> list[str]:
+    """`plan --emit`'s placeholders (the real weights, the training data) that no --set replaces:
+    the trainer refuses them, the plan does not need them. The model's path left empty plans
+    model.name (the catalog architecture); the data files, the bundled sample (what is planned is
+    their length, data.sft.max_length)."""
+    from shardwise.train.config import _placeholders, override_key
+
+    given = {override_key(o) for o in sets}
+    out = []
+    for key, _ in _placeholders(doc.data):
+        path = tuple(k for k in key if not isinstance(k, int))
+        if path in given:
+            continue
+        value = "[]" if isinstance(key[-1], int) else ""
+        assignment = f"{'.'.join(path)}={value}"
+        if assignment not in out:
+            out.append(assignment)
+            src.notes.append(f"{'.'.join(path)}: a plan --emit placeholder; planned without it (--set {assignment})"
+                             " — shardwise train still refuses it until it is replaced")
+    return out
+
+
 def read(doc: Doc, ctx: Context) -> Source:
     from shardwise.run import run_spec
     from shardwise.specs import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
     from shardwise.train.config import load_config
 
-    cfg = load_config(doc.path, ctx.sets)
     src = Source("shardwise", doc.path, family=STRATEGY_NAMES)
+    cfg = load_config(doc.path, [*_fill_placeholders(doc, ctx.sets, src), *ctx.sets])
     world = ctx.given.get("gpus", cfg.run.nproc)
     run = run_spec(cfg, world, "cuda", environ={})
     t, hw, s = run.train, run.hardware, run.strategy
