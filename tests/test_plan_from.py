@@ -184,8 +184,9 @@ def test_fsdp_emit_round_trip_through_shardwise_yaml_and_stock_accelerate(tmp_pa
     setup = ["-m", "llama-2-7b", "-s", "fsdp", "--micro-batch", "2"]
     assert CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "fsdp"]).exit_code == 0
     got = plan(str(out / "shardwise.yaml"), "--set", "model.path=", "--packed-attention", "none")
-    got.pop("from")
+    src = got.pop("from")
     assert got == plan(*setup)
+    assert plan(*src["as_flags"], "--packed-attention", "none") == got  # the trainer's knob defaults as flags
     # accelerate runs stock fully_shard: every layer resharded, gradients reduced in bf16
     got = plan("--from", str(out / "accelerate.yaml"), "-m", "llama-2-7b", "--micro-batch", "2")
     got.pop("from")

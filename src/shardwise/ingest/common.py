@@ -47,9 +47,13 @@ class Source:
     def as_flags(self) -> list[str]:
         """The `shardwise plan` words that plan what this file plans (without the flags given beside it)."""
         from shardwise.knob_flags import as_flags
+        from shardwise.specs import STRATEGIES
 
         words: list[str] = []
+        engines = {STRATEGIES[s].engine for s in self.values.get("strategy") or STRATEGIES if s in STRATEGIES}
         for name, v in self.values.items():
+            if v == "":  # an empty list flag: its default
+                continue
             flag = "--" + name.replace("_", "-")
             if name == "strategy":
                 words += [w for s in v for w in ("-s", s)]
@@ -58,6 +62,8 @@ class Source:
             elif v is not None:
                 words += [flag, str(v)]
         for section, knobs in self.knobs.items():
+            if {"ds": "deepspeed", "fsdp": "fsdp2"}.get(section, "ddp") not in engines | {"ddp"}:
+                continue  # knobs of an engine nothing planned runs (plan refuses them as flags)
             for field_name, v in knobs.items():
                 words += as_flags(section, field_name, v)
         if self.shard_group is not None:
