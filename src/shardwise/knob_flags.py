@@ -91,7 +91,7 @@ def _default_text(cls: type[BaseModel], field: str) -> str:
         return ""
     if isinstance(d, bool):
         return f" Default: {'on' if d else 'off'}."
-    if isinstance(d, int) and d >= 10_000:
+    if isinstance(d, int) and d >= 10_000 and float(f"{d:.0e}") == d:  # 500000000 as 5e8, exactly
         return f" Default: {d:.0e}".replace("e+0", "e").replace("e+", "e") + "."
     return f" Default: {d}."
 
