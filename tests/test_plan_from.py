@@ -247,3 +247,26 @@ def test_training_args_fsdp_through_accelerates_plugin(tmp_path):
     same(["--from", str(f)], ["-s", "fsdp", "--micro-batch", "2", "--checkpointing", "full",
                               "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
                               "--fsdp-single-rank", "fsdp"])
+
+
+def test_shardwise_yaml_with_set_is_the_trainers_runspec():
+    """`plan CONFIG.yaml --set` takes the trainer's syntax and errors, and plans its RunSpec."""
+    from shardwise.plan.planner import plan_strategies
+    from shardwise.run import run_spec
+    from shardwise.train.config import load_config
+
+    example = ROOT / "examples" / "fsdp-synthetic-cpu.yaml"
+    got = plan(str(example), "--set", "run.micro_batch=3", "--set", "strategy.name=zero2")
+    run = run_spec(load_config(example, ["run.micro_batch=3", "strategy.name=zero2"]), got["hardware"]["gpus"],
+                   "cuda", environ={})
+    from shardwise.specs.strategy import StrategyKnobs
+
+    knobs = StrategyKnobs(ds=run.strategy.ds, fsdp=run.strategy.fsdp, ddp=run.strategy.ddp)
+    [want] = plan_strategies(run.model, run.hardware, run.train, [run.strategy.name], knobs=knobs)
+    row = got["strategies"][0]
+    assert (row["name"], got["train"]["micro_batch"]) == ("zero2", 3)
+    assert row["memory"]["total"] == pytest.approx(want.memory.gpu.total)
+    assert row["time"]["step_s"] == pytest.approx(want.time.step_s)
+    assert row["knobs"]["communication_data_type"] == "fp32"  # the trainer's default, not DeepSpeed's
+    bad = CliRunner().invoke(app, ["plan", str(example), "--set", "run.micro_batch=abc"])
+    assert bad.exit_code == 2 and "--set run.micro_batch=abc" in bad.output and "'run.micro_batch'" in bad.output
