@@ -3,14 +3,15 @@ given as flags plans (the --json documents compared, less the "from" section), k
 understood are listed, bad files are refused naming file, line and key, and `plan --emit` ->
 `plan --from` the emitted files gives the plan that was emitted.
 
-The example files in tests/data/from/ are written from each tool's documented schema:
-hf_ds_zero2.json / hf_ds_zero3.json: the ZeRO-2 and ZeRO-3 example configs of Hugging Face's
-DeepSpeed integration docs (transformers docs "DeepSpeed", "auto" values as given there);
-accelerate_fsdp2.yaml: the file `accelerate config` writes for FSDP2 (accelerate's
-commands/config/cluster.py keys; activation checkpointing on); llama_factory_full_sft.yaml +
-lf_ds_z3_config.json: LLaMA-Factory's examples/train_full/llama3_full_sft.yaml layout and its
-examples/deepspeed/ds_z3_config.json (model swapped to Qwen2.5-7B-Instruct, a catalog model);
-axolotl_qlora.yaml: axolotl's examples/llama-2/qlora.yml.
+The example files in tests/data/from/ come from each tool's own documentation or repository:
+hf_ds_zero2.json / hf_ds_zero3.json: the ZeRO-2 and ZeRO-3 example configs of the transformers docs
+("DeepSpeed" integration page, "auto" values as given there; written from those docs);
+accelerate_fsdp2.yaml: the file `accelerate config` writes for FSDP2 (keys of accelerate 1.15's
+commands/config/cluster.py; activation checkpointing answered yes); llama_factory_full_sft.yaml:
+hiyouga/LLaMA-Factory examples/train_full/llama3_full_sft.yaml (commit 03da9a7) with its
+`deepspeed:` path pointed here, and lf_ds_z3_config.json: its examples/deepspeed/ds_z3_config.json
+(commit 1d6e8b2), verbatim; axolotl_qlora.yaml: axolotl-ai-cloud/axolotl examples/llama-2/qlora.yml
+(commit 013495e), verbatim.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ def same(from_args: list[str], flag_args: list[str]) -> dict:
 
 
 H7 = 4096  # llama-2-7b hidden_size
-HQ = 3584  # qwen2.5-7b hidden_size
 
 
 def test_hf_zero3_example_with_auto_values():
@@ -77,14 +77,20 @@ def test_accelerate_fsdp2_is_stock_fully_shard():
 
 def test_llama_factory_example_and_its_deepspeed_json(monkeypatch):
     monkeypatch.chdir(ROOT)  # LLaMA-Factory resolves `deepspeed:` against the working directory
-    src = same(["--from", str(DATA / "llama_factory_full_sft.yaml")],
-               ["-m", "qwen2.5-7b", "-s", "zero3", "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "2048",
-                "--checkpointing", "full", "--ds-reduce-bucket", str(HQ * HQ), "--ds-prefetch",
-                str(int(0.9 * HQ * HQ)), "--ds-persistence-threshold", str(10 * HQ), "--ds-max-live", "1e9",
+    # Meta-Llama-3-8B is not in the catalog: --model names the shape (Llama-3.1-8B's, same layers)
+    src = same(["--from", str(DATA / "llama_factory_full_sft.yaml"), "-m", "llama-3.1-8b"],
+               ["-m", "llama-3.1-8b", "-s", "zero3", "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "2048",
+                "--checkpointing", "full", "--ds-reduce-bucket", str(H7 * H7), "--ds-prefetch",
+                str(int(0.9 * H7 * H7)), "--ds-persistence-threshold", str(10 * H7), "--ds-max-live", "1e9",
                 "--ds-max-reuse", "1e9", "--no-ds-overlap-comm", "--ds-contiguous-gradients",
                 "--ds-fetch-unit", "module"])
     read = dict((i["key"], i["as"]) for i in src["read"])
     assert "LLaMA-Factory checkpoints by default" in read["disable_gradient_checkpointing"]
+    ignored = {i["key"] for i in src["ignored"]}
+    assert {"lf_ds_z3_config.json: comms_config.verbose", "lf_ds_z3_config.json: monitor_config.enabled"} <= ignored
+    r = CliRunner().invoke(app, ["plan", "--from", str(DATA / "llama_factory_full_sft.yaml")])
+    assert r.exit_code == 2 and "llama_factory_full_sft.yaml:2: model_name_or_path" in r.output, r.output
+    assert "--model NAME" in r.output
 
 
 def test_axolotl_qlora_example():
