@@ -4,8 +4,9 @@ One schema: the pydantic fields of `DeepSpeedKnobs`, `FSDPKnobs` and `DDPKnobs`
 (shardwise.specs.strategy) give the trainer's YAML sections (`train/config._overrides`), `--set`,
 these flags and what `plan --from` reads. Each field is the flag `--ds-FIELD` / `--fsdp-FIELD` /
 `--ddp-FIELD` (underscores as dashes), its help is the field's description and its default the
-field's default, stated once, there. Older short names stay as aliases (`ALIASES`), and
-`--ds-bucket` sets both DeepSpeed buckets at once. Torch-free (the planner's CLI imports it).
+field's default, stated once, there. Knobs that had a shorter flag before keep that name
+(`ALIASES`: `--ds-reduce-bucket` is reduce_bucket_size), and `--ds-bucket` sets both DeepSpeed
+buckets at once. Torch-free (the planner's CLI imports it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ SECTIONS: tuple[tuple[str, str, str, type[BaseModel]], ...] = (
     ("fsdp", "fsdp", "fsdp", FSDPKnobs),
     ("ddp", "ddp", "ddp", DDPKnobs),
 )
-# The short names the flags had before they were generated (kept working, shown beside the long one).
+# The names the flags had before they were generated: these knobs keep them (the help names the field).
 ALIASES: dict[tuple[str, str], str] = {
     ("ds", "reduce_bucket_size"): "--ds-reduce-bucket",
     ("ds", "prefetch_bucket_size"): "--ds-prefetch",
@@ -53,12 +54,11 @@ class KnobFlag:
     section: str  # ds | fsdp | ddp
     field: str
     param: str  # the Python parameter typer passes it as
-    names: tuple[str, ...]  # the flag and its alias
+    names: tuple[str, ...]  # the flag's name (one)
 
     @property
     def flag(self) -> str:
-        """The name a message uses: the alias users know where there is one, else the long name."""
-        return self.names[-1]
+        return self.names[0]
 
 
 def _flag_name(prefix: str, field: str) -> str:
@@ -70,8 +70,8 @@ def knob_flags() -> list[KnobFlag]:
     for section, prefix, _, cls in SECTIONS:
         for field in cls.model_fields:
             alias = ALIASES.get((section, field))
-            out.append(KnobFlag(section, field, f"{section}__{field}",
-                                (_flag_name(prefix, field), *((alias,) if alias else ()))))
+            # one name per flag (help lines stay short): the short name users know where there is one
+            out.append(KnobFlag(section, field, f"{section}__{field}", (alias or _flag_name(prefix, field),)))
     return out
 
 
