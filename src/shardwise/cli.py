@@ -9,6 +9,7 @@ import typer
 
 from shardwise.cli_help import HELP, whole_short_help
 from shardwise.errors import ShardwiseError
+from shardwise.knob_flags import build_knobs, with_knob_flags
 from shardwise.numfmt import rate
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
@@ -45,7 +46,18 @@ def _fail(err: Exception) -> None:
 
 
 @app.command()
+@with_knob_flags
 def plan(
+    ctx: typer.Context,
+    config: Path | None = typer.Argument(None, help="A shardwise training YAML to plan (the RunSpec `shardwise "
+                                         "train` plans; with --set as there); the same as --from CONFIG."),
+    from_file: Path | None = typer.Option(None, "--from", help="Plan the run a file describes, read by its content: "
+                                          "a DeepSpeed JSON (HF's \"auto\" values resolved as HF/accelerate do), an "
+                                          "accelerate config YAML, a shardwise training YAML, a TrainingArguments "
+                                          "JSON, a LLaMA-Factory or an axolotl YAML (docs/from.md). Flags given beside "
+                                          "it override the file."),
+    set_: list[str] | None = typer.Option(None, "--set", help="With a shardwise YAML: KEY=VALUE override, the "
+                                          "trainer's syntax (repeatable)."),
     model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model name."),
     model_config: Path | None = typer.Option(None, "--model-config", help="Local HF config.json (overrides --model)."),
     params: float | None = typer.Option(None, "--params", help="Parameter count, e.g. 7e9 (Llama shape; overrides --model)."),
@@ -63,6 +75,8 @@ def plan(
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | sgd | adam8bit"),
     checkpointing: str = typer.Option("none", "--checkpointing", help="none | full | selective"),
     attention: str = typer.Option("sdpa", "--attention", help="eager | sdpa | flash"),
+    packed_attention: str = typer.Option("none", "--packed-attention", help="How documents packed into one row are "
+                                         "kept apart: none | flash_varlen | sdpa_varlen | flex | dense."),
     lora_rank: int = typer.Option(0, "--lora-rank", help="0 = full fine-tuning."),
     lora_targets: str = typer.Option("q_proj,k_proj,v_proj,o_proj", "--lora-targets",
                                      help="Comma-separated module names, or all-linear."),
@@ -110,81 +124,50 @@ def plan(
     emit_strategy: str | None = typer.Option(None, "--emit-strategy", help="Emit this strategy's row of the table "
                                              "(your --micro-batch, --grad-accum, --checkpointing) instead of the "
                                              "recommended configuration."),
-    ds_bucket: float | None = typer.Option(None, "--ds-bucket", help="DeepSpeed reduce + all-gather bucket (elements; default 5e8)."),
-    ds_reduce_bucket: float | None = typer.Option(None, "--ds-reduce-bucket", help="DeepSpeed reduce_bucket_size only (elements)."),
-    ds_prefetch: float | None = typer.Option(None, "--ds-prefetch", help="ZeRO-3 stage3_prefetch_bucket_size (elements)."),
-    ds_persistence_threshold: float | None = typer.Option(None, "--ds-persistence-threshold", help="ZeRO-3 stage3_param_persistence_threshold (elements)."),
-    ds_max_live: float | None = typer.Option(None, "--ds-max-live", help="ZeRO-3 stage3_max_live_parameters."),
-    ds_max_reuse: float | None = typer.Option(None, "--ds-max-reuse", help="ZeRO-3 stage3_max_reuse_distance."),
-    ds_overlap_comm: bool | None = typer.Option(None, "--ds-overlap-comm/--no-ds-overlap-comm", help="Default: on for ZeRO-3 only."),
-    ds_multi_rank_allreduce: bool | None = typer.Option(None, "--ds-multi-rank-allreduce/--no-ds-multi-rank-allreduce", help="ZeRO-1/2 use_multi_rank_bucket_allreduce (default on)."),
-    ds_comm_dtype: str | None = typer.Option(None, "--ds-comm-dtype", help="DeepSpeed communication_data_type: auto | fp32 | bf16 | fp16."),
-    ds_fetch_unit: str | None = typer.Option(None, "--ds-fetch-unit", help="ZeRO-3 fetch unit: auto (a decoder layer "
-                                             "when it fits the gathered-parameter caps) | layer | module (DeepSpeed's default)."),
-    fsdp_reduce_dtype: str | None = typer.Option(None, "--fsdp-reduce-dtype", help="FSDP2 gradient reduce dtype: fp32 (default) | param."),
-    fsdp_single_rank: str | None = typer.Option(None, "--fsdp-single-rank", help="FSDP2 with a one-rank shard group "
-                                                "(one GPU) runs as: auto (ddp where it fits and is no slower) | ddp | fsdp."),
-    fsdp_reshard_after_forward: str | None = typer.Option(
-        None, "--fsdp-reshard-after-forward", help="FSDP2 decoder layers freed after forward (gathered again in "
-        "backward): not-last (the trainer's default) | all (stock fully_shard: accelerate, HF Trainer, torchtune) "
-        "| none (every layer kept gathered, as fsdp-grad-op)."),
-    fsdp_reduce_every_micro_batch: bool = typer.Option(
-        False, "--fsdp-reduce-every-micro-batch", help="FSDP2 with --grad-accum: reduce-scatter every micro-batch "
-        "(torch's default, stock trainers) instead of once per step (the trainer's)."),
-    ddp_bucket_mb: float | None = typer.Option(None, "--ddp-bucket-mb", help="DDP bucket_cap_mb (default 25)."),
-    ddp_wrap_one_rank: bool | None = typer.Option(None, "--ddp-wrap-one-rank/--no-ddp-wrap-one-rank",
-                                                  help="DDP with one replica: keep DistributedDataParallel "
-                                                  "(default: the bare module, no gradient buckets)."),
-    shard_group: int | None = typer.Option(None, "--shard-group", help="fsdp-hybrid: GPUs per shard group (default: a node)."),
+    knob_values: dict | None = None,
 ) -> None:
-    """Per-GPU memory, communication and step time of every strategy; the recommended one and why."""
+    """Per-GPU memory, communication and step time of every strategy; the recommended one and why.
+    The engine knobs (--ds-*, --fsdp-*, --ddp-*) are generated from shardwise.specs' knob classes:
+    each is the trainer YAML's strategy.deepspeed/fsdp/ddp field of the same name."""
     from shardwise.plan.planner import build_specs, check_margin, plan_layouts
     from shardwise.plan.recommend import NothingFits, recommend
     from shardwise.render import PlanOutput, check_format, print_plan
 
     rec = rec_error = None
     alternatives: tuple = ()
-    ds_flags = {"--ds-bucket": ds_bucket, "--ds-reduce-bucket": ds_reduce_bucket, "--ds-prefetch": ds_prefetch,
-                "--ds-persistence-threshold": ds_persistence_threshold, "--ds-max-live": ds_max_live,
-                "--ds-max-reuse": ds_max_reuse, "--ds-overlap-comm": ds_overlap_comm,
-                "--ds-multi-rank-allreduce": ds_multi_rank_allreduce, "--ds-comm-dtype": ds_comm_dtype,
-                "--ds-fetch-unit": ds_fetch_unit}
+    source = None
     try:
-        fmt = check_format(fmt, as_json)
-        _check_flags_apply(strategy, emit_strategy, [f for f, v in ds_flags.items() if v is not None],
-                           ce_chunk, cross_entropy)
-        machine = _machine(hardware)
-        if machine is not None:  # the spec's values, unless the flag is on the command line
-            given = _given_flags()
+        a, source = _inputs(ctx, knob_values or {})
+        tp, pp, profile, accounting, margin, emit = a["tp"], a["pp"], a["profile"], a["accounting"], a["margin"], a["emit"]
+        strategy, emit_strategy = a["strategy"], a["emit_strategy"]
+        fmt = check_format(a["fmt"], a["as_json"])
+        _check_flags_apply(strategy, emit_strategy, a["cli_knobs"], a["ce_chunk"], a["cross_entropy"])
+        gpu, gpus, machine = a["gpu"], a["gpus"], _machine(a["hardware"])
+        if machine is not None:  # the spec's values, unless the command line (or the --from file) gave them
+            given = _given_flags() | set(source.values if source is not None else ())
             gpu, gpus = (gpu if "gpu" in given else None), (gpus if "gpus" in given else None)
         m, hw, train = build_specs(
-            model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus, machine=machine,
-            gpus_per_node=gpus_per_node, interconnect=interconnect, gpu_memory_gb=gpu_memory_gb,
-            seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, precision=precision,
-            optimizer=optimizer, checkpointing=checkpointing, attention=attention,
-            lora_rank=lora_rank, lora_targets=_names(lora_targets), lora_modules_to_save=_names(lora_modules_to_save),
-            base_quant="nf4" if qlora else "none", cross_entropy=cross_entropy, host_memory_gb=host_memory_gb,
-            **({} if ce_chunk is None else {"ce_chunk": ce_chunk}),
-            nics_per_node=nics_per_node, profile=profile, optimizer_impl=optimizer_impl,
-            fused_kernels=fused_kernels, fused_norm=fused_norm, expandable_segments=expandable_segments,
-            sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap, weight_decay=weight_decay,
+            model=a["model"], model_config=a["model_config"], params=a["params"], gpu=gpu, gpus=gpus, machine=machine,
+            gpus_per_node=a["gpus_per_node"], interconnect=a["interconnect"], gpu_memory_gb=a["gpu_memory_gb"],
+            seq_len=a["seq_len"], micro_batch=a["micro_batch"], grad_accum=a["grad_accum"], precision=a["precision"],
+            optimizer=a["optimizer"], checkpointing=a["checkpointing"], attention=a["attention"],
+            packed_attention=a["packed_attention"], lora_rank=a["lora_rank"], lora_targets=_names(a["lora_targets"]),
+            lora_modules_to_save=_names(a["lora_modules_to_save"]), base_quant="nf4" if a["qlora"] else "none",
+            cross_entropy=a["cross_entropy"], host_memory_gb=a["host_memory_gb"],
+            **({} if a["ce_chunk"] is None else {"ce_chunk": a["ce_chunk"]}),
+            nics_per_node=a["nics_per_node"], profile=profile, optimizer_impl=a["optimizer_impl"],
+            fused_kernels=a["fused_kernels"], fused_norm=a["fused_norm"], expandable_segments=a["expandable_segments"],
+            sequence_parallel=a["sequence_parallel"], tp_comm_overlap=a["tp_comm_overlap"],
+            weight_decay=a["weight_decay"],
         )
         check_margin(margin)
         warnings = _input_warnings(m, train)
         if accounting not in ("engine", "paper", "deepspeed"):
             raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
+        fsdp_given = a["cli_knobs"]["fsdp"]
         _check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
-                          fsdp_reshard_after_forward, fsdp_reduce_every_micro_batch)
-        knobs = _knobs(
-            ds={"reduce_bucket_size": ds_reduce_bucket or ds_bucket, "allgather_bucket_size": ds_bucket,
-                "prefetch_bucket_size": ds_prefetch, "param_persistence_threshold": ds_persistence_threshold,
-                "max_live_parameters": ds_max_live, "max_reuse_distance": ds_max_reuse,
-                "overlap_comm": ds_overlap_comm, "use_multi_rank_bucket_allreduce": ds_multi_rank_allreduce,
-                "communication_data_type": ds_comm_dtype, "fetch_unit": ds_fetch_unit},
-            fsdp={"reduce_dtype": fsdp_reduce_dtype, "single_rank": fsdp_single_rank,
-                  "reshard_after_forward": fsdp_reshard_after_forward,
-                  "reduce_every_micro_batch": fsdp_reduce_every_micro_batch or None},
-            ddp={"bucket_cap_mb": ddp_bucket_mb, "wrap_one_rank": ddp_wrap_one_rank}, shard_group=shard_group)
+                          fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given)
+        knobs = build_knobs(a["knobs"], a["shard_group"])
         evals, skipped = plan_layouts(m, hw, train, strategy, tp=1 if tp is None else tp,
                                       pp=1 if pp is None else pp, accounting=accounting, margin=margin, knobs=knobs)
         # -s, --tp and --pp restrict the recommender as they restrict the table
@@ -198,12 +181,16 @@ def plan(
         if emit is not None:
             emitted, notes = _emit(m, hw, train, rec, rec_error=rec_error, out_dir=emit, name=emit_strategy, tp=tp,
                                    pp=pp, knobs=knobs, margin=margin, accounting=accounting)
+        if source is not None:
+            from shardwise.ingest.advice import advise
+
+            source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting)
     except ShardwiseError as e:
         _fail(e)
     _warn(warnings)
     print_plan(PlanOutput(m, hw, train, evals, accounting, rec=rec, rec_error=rec_error, alternatives=alternatives,
                           skipped=skipped, profile=profile, warnings=warnings, emitted=emitted, notes=notes,
-                          emit_dir=emit, tp=tp, pp=pp, hardware=hardware), fmt)
+                          emit_dir=emit, tp=tp, pp=pp, hardware=a["hardware"], source=source), fmt)
     if rec is None:
         raise typer.Exit(NOTHING_FITS_EXIT)
 
@@ -239,23 +226,61 @@ def _given_flags() -> set[str]:
     return {name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
 
 
-# ZeRO-3's knobs (stage3_* and the fetch unit) and ZeRO-1/2's (use_multi_rank_bucket_allreduce)
-_ZERO3_FLAGS = ("--ds-prefetch", "--ds-persistence-threshold", "--ds-max-live", "--ds-max-reuse", "--ds-fetch-unit")
-_ZERO12_FLAGS = ("--ds-multi-rank-allreduce",)
+def _inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
+    """plan()'s inputs: the flags, and with --from FILE (or CONFIG) the file's values wherever no
+    flag was given (a flag on the command line overrides the file). Returns (values, the file's
+    reading or None); values["knobs"] are the engine knobs planned, values["cli_knobs"] those the
+    command line gave."""
+    from shardwise.knob_flags import given_knobs
+
+    values = dict(ctx.params)
+    cli_knobs = given_knobs(knob_values)
+    # by name: typer ships its own click (typer._click), whose ParameterSource is not click's
+    given = {k for k in values if getattr(ctx.get_parameter_source(k), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
+    path = values.pop("from_file")
+    if values.get("config") is not None:
+        if path is not None:
+            raise ShardwiseError(f"plan {values['config']} --from {path}: give one file, as CONFIG or with --from")
+        path = values["config"]
+    sets = values.pop("set_") or []
+    values["knobs"], values["cli_knobs"], values["shard_group"] = cli_knobs, cli_knobs, knob_values.get("shard_group")
+    if path is None:
+        if sets:
+            raise ShardwiseError(f"--set {sets[0]}: --set overrides a shardwise training YAML; give one "
+                                 "(shardwise plan CONFIG.yaml --set KEY=VALUE)")
+        return values, None
+    from shardwise.ingest import read_source
+
+    source = read_source(Path(path), given={k: values[k] for k in given if k in values}, defaults=values, sets=sets,
+                         cli_knobs=cli_knobs)
+    for k, v in source.values.items():
+        if k not in given:
+            values[k] = v
+    knobs = {sec: {**source.knobs.get(sec, {}), **cli_knobs[sec]} for sec in ("ds", "fsdp", "ddp")}
+    values["knobs"] = knobs
+    if knob_values.get("shard_group") is None and source.shard_group is not None:
+        values["shard_group"] = source.shard_group
+    return values, source
 
 
-def _check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, ds_given: list[str],
+def _check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, given: dict[str, dict],
                        ce_chunk: int | None, cross_entropy: str) -> None:
     """Flags that would change nothing are refused, naming the flag: DeepSpeed knobs when no
     planned strategy runs DeepSpeed (ZeRO-3's and ZeRO-1/2's own knobs when none is of that
-    stage), and a chunk size for a loss that is not chunked."""
+    stage), and a chunk size for a loss that is not chunked. `given`: the knob flags given
+    (shardwise.knob_flags.given_knobs)."""
+    from shardwise.knob_flags import BOTH_BUCKETS, ZERO3_ONLY, ZERO12_ONLY, flag_of
     from shardwise.specs import STRATEGY_NAMES, Strategy
 
     if ce_chunk is not None and cross_entropy != "chunked":
         raise ShardwiseError(f"--ce-chunk {ce_chunk} sets the chunk of the chunked cross-entropy, but --cross-entropy "
                              f"is {cross_entropy!r}: add --cross-entropy chunked, or drop --ce-chunk")
-    if not ds_given:
+    ds = dict(given["ds"])
+    if not ds:
         return
+    both = ds.get("reduce_bucket_size") == ds.get("allgather_bucket_size") and "allgather_bucket_size" in ds
+    flags = {f: (BOTH_BUCKETS if both and f in ("reduce_bucket_size", "allgather_bucket_size") else flag_of("ds", f))
+             for f in ds}
     names = list(strategies or STRATEGY_NAMES) + ([emit_strategy] if emit_strategy else [])
     try:
         planned = [Strategy.from_name(n) for n in names]
@@ -263,12 +288,14 @@ def _check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, 
         return  # an unknown strategy name is refused with its own message when it is planned
     shown = ", ".join(names)
     stages = {s.zero_stage for s in planned if s.engine == "deepspeed"}
-    for flag in ds_given:
+    for field, flag in flags.items():
         if not stages:
             raise ShardwiseError(f"{flag} is a DeepSpeed knob, but no strategy planned runs DeepSpeed (-s {shown}): "
                                  "add a zero0..zero3 strategy with -s, or drop the flag")
-        for flags, wanted, what in ((_ZERO3_FLAGS, {3}, "ZeRO-3"), (_ZERO12_FLAGS, {1, 2}, "ZeRO-1/2")):
-            if flag in flags and not stages & wanted:
+        if flag == BOTH_BUCKETS:
+            continue
+        for fields, wanted, what in ((ZERO3_ONLY, {3}, "ZeRO-3"), (ZERO12_ONLY, {1, 2}, "ZeRO-1/2")):
+            if field in fields and not stages & wanted:
                 raise ShardwiseError(f"{flag} is a {what} knob, but no {what} strategy is planned (-s {shown}): "
                                      "add one with -s, or drop the flag")
 
@@ -320,30 +347,6 @@ def _check_fsdp_flags(named: list[str], reshard: str | None, reduce_every: bool)
             raise ShardwiseError(f"{flag} applies to {', '.join(applies)}; not to {', '.join(names)}"
                                  + (" (fsdp-grad-op keeps every layer gathered: none)"
                                     if "fsdp-grad-op" in names and flag.endswith("forward") else ""))
-
-
-def _knobs(ds: dict, fsdp: dict, ddp: dict, shard_group: int | None):
-    """The engine knobs the --ds-*/--fsdp-*/--ddp-* flags set (unset flags: the engines' defaults)."""
-    from shardwise.catalog import check_count
-    from shardwise.specs import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
-    from shardwise.specs.strategy import StrategyKnobs
-
-    if shard_group is not None:
-        check_count("--shard-group", shard_group, hint=" (GPUs per fsdp-hybrid shard group)")
-
-    def given(d: dict) -> dict:
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, float) and k != "bucket_cap_mb":  # element counts, given as 5e7 or 50000000
-                if v != int(v):
-                    raise ShardwiseError(f"DeepSpeed {k} = {v}: expected a whole number of elements (e.g. 5e7)")
-                v = int(v)
-            if v is not None:
-                out[k] = v
-        return out
-
-    return StrategyKnobs(ds=DeepSpeedKnobs(**given(ds)), fsdp=FSDPKnobs(**given(fsdp)), ddp=DDPKnobs(**given(ddp)),
-                         shard_group=shard_group)
 
 
 def _emit(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, margin, accounting):

@@ -197,6 +197,7 @@ class PlanOutput:
     tp: int | None = None
     pp: int | None = None
     hardware: str | None = None  # --hardware: auto or the doctor's spec file (None: the flags)
+    source: Any = None  # --from FILE's reading (shardwise.ingest.Source): keys read, ignored, advice
 
 
 def plan_title(o: PlanOutput) -> list[str]:
@@ -260,6 +261,8 @@ def plan_doc(o: PlanOutput) -> dict:
     doc = plan_json(o.model, o.hw, o.train, o.evals, o.accounting, o.rec, skipped=o.skipped, profile=o.profile)
     doc["hardware"]["hardware_spec"] = o.hardware
     doc["warnings"] = list(o.warnings)
+    if o.source is not None:
+        doc["from"] = o.source.as_dict()
     if o.rec is None:
         doc["recommended"], doc["recommended_setting"], doc["runner_up"] = None, None, None
         doc["reason"] = o.rec_error
@@ -352,6 +355,10 @@ def print_plan(o: PlanOutput, fmt: str, console=None) -> None:
         for i in items:
             # a written path stays whole on its line (copyable), everything else wraps
             console.print(escape(i), soft_wrap=i.startswith("wrote "))
+    if o.source is not None:  # --from FILE: the keys read and ignored, and what to change in it
+        from shardwise.ingest.advice import print_source
+
+        print_source(console, o.source)
 
 
 def _left_out(dropped: list[str]) -> str:

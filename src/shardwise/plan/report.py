@@ -69,6 +69,22 @@ def hardware_json(hw: HardwareSpec, profile: str | Path | None = None) -> dict[s
     }
 
 
+def engine_knobs(strategy, model: ModelSpec) -> dict[str, Any]:
+    """The engine settings a row was planned with: its engine's knob class, every field (the
+    names of the trainer YAML's strategy.deepspeed / fsdp / ddp sections and plan's --ds-* /
+    --fsdp-* / --ddp-* flags), DeepSpeed's defaulted ones as they resolve (overlap_comm by stage,
+    ZeRO-3's fetch unit for this model)."""
+    knobs = {"deepspeed": strategy.ds, "fsdp2": strategy.fsdp, "ddp": strategy.ddp}[strategy.engine]
+    out = knobs.model_dump(mode="json")
+    if strategy.engine == "deepspeed":
+        out["overlap_comm"] = knobs.overlap(strategy.zero_stage or 0)
+        if strategy.zero_stage == 3:
+            out["fetch_unit"] = knobs.zero3_unit(model, strategy.tp)
+    if strategy.shard_group is not None:
+        out["shard_group"] = strategy.shard_group
+    return out
+
+
 def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[Evaluation],
               accounting: str = "engine", recommended=None, *, skipped: dict[str, str] | None = None,
               profile: str | Path | None = None) -> dict:
@@ -83,6 +99,7 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 "name": p.strategy.name,
                 "engine": p.engine_strategy.engine,
                 "runs_as": p.runs_as.name if p.runs_as else None,
+                "knobs": engine_knobs(p.strategy, model),
                 "tp": p.layout.tp,
                 "pp": p.layout.pp,
                 "dp": p.layout.dp,

@@ -1,0 +1,246 @@
+"""An `accelerate config` YAML (what `accelerate config` writes and `accelerate launch
+--config_file` reads; key names from accelerate's commands/config/cluster.py and launch.py as
+installed): MULTI_GPU, FSDP (versions 1 and 2) or DEEPSPEED (a deepspeed_config_file, or the
+plugin's own keys).
+
+Stock semantics, from accelerate's source: FSDP2 `fsdp_reshard_after_forward: true` frees every
+unit after forward (`fully_shard(reshard_after_forward=True)`: FSDPKnobs reshard_after_forward
+"all"), false keeps them gathered (fsdp-grad-op); with mixed precision the plugin's
+MixedPrecisionPolicy reduces gradients in the compute dtype (`reduce_dtype = param_dtype`,
+utils/dataclasses.py: reduce_dtype "param"); under gradient accumulation `Accelerator.no_sync`
+turns gradient sync off on FSDP2 (`set_requires_gradient_sync(False)`), so gradients are
+reduced once per step; a one-process group is still `fully_shard`ed (single_rank "fsdp").
+FSDP1's sharding strategies are planned as the FSDP2 sharding they equal (FULL_SHARD: fsdp,
+SHARD_GRAD_OP: fsdp-grad-op, HYBRID_SHARD: fsdp-hybrid, NO_SHARD: ddp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.errors import ShardwiseError
+from shardwise.ingest import deepspeed as ds_reader
+from shardwise.ingest.common import Context, Doc, Setting, Source, as_bool, as_count, dotted, flatten, load, resolve_path
+
+PRECISION = {"no": "fp32", "fp16": "fp16-mixed", "bf16": "bf16-mixed"}
+FSDP1 = {"FULL_SHARD": ("fsdp", "all"), "SHARD_GRAD_OP": ("fsdp-grad-op", None), "NO_SHARD": ("ddp", None),
+         "HYBRID_SHARD": ("fsdp-hybrid", "all"), "HYBRID_SHARD_ZERO2": ("fsdp-hybrid", "none")}
+FSDP1_NUM = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2"}
+NO_EFFECT = {"compute_environment", "debug", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend",
+             "same_network", "main_training_function", "enable_cpu_affinity", "use_cpu", "gpu_ids", "downcast_bf16",
+             "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "dynamo_config", "fsdp_config.fsdp_state_dict_type",
+             "fsdp_config.fsdp_sync_module_states", "fsdp_config.fsdp_use_orig_params",
+             "fsdp_config.fsdp_transformer_layer_cls_to_wrap", "deepspeed_config.deepspeed_multinode_launcher",
+             "deepspeed_config.zero3_init_flag", "deepspeed_config.zero3_save_16bit_model",
+             "deepspeed_config.gradient_clipping", "deepspeed_config.deepspeed_hostfile"}
+FSDP_FAMILY = ("fsdp", "fsdp-grad-op", "fsdp+offload", "fsdp-hybrid")
+
+
+def read(doc: Doc, ctx: Context) -> Source:
+    d = doc.data
+    kind = str(d.get("distributed_type", "NO")).upper()
+    src = Source("accelerate", doc.path)
+    seen = {("distributed_type",)}
+    src.read.append(("distributed_type", kind))
+    if "num_processes" in d:
+        seen.add(("num_processes",))
+        n = as_count(doc, ("num_processes",), d["num_processes"])
+        src.values["gpus"] = n
+        src.read.append(("num_processes", f"--gpus {n}"))
+        machines = as_count(doc, ("num_machines",), d.get("num_machines", 1))
+        seen.add(("num_machines",))
+        if n % machines:
+            raise doc.error(("num_processes",), n, f"a multiple of num_machines {machines}")
+        src.values["gpus_per_node"] = n // machines
+        src.read.append(("num_machines", f"--gpus-per-node {n // machines}"))
+    mp = d.get("mixed_precision")
+    if mp is not None:
+        seen.add(("mixed_precision",))
+        if str(mp) not in PRECISION:
+            raise doc.error(("mixed_precision",), mp, "no, fp16 or bf16 (fp8 is not planned)")
+        src.values["precision"] = PRECISION[str(mp)]
+        src.read.append(("mixed_precision", f"--precision {PRECISION[str(mp)]}"))
+    if kind == "FSDP":
+        seen |= _fsdp(doc, d.get("fsdp_config") or {}, src)
+        if isinstance(d.get("parallelism_config"), dict):
+            seen |= _hybrid(doc, d["parallelism_config"], src)
+    elif kind == "DEEPSPEED":
+        seen |= _deepspeed(doc, d.get("deepspeed_config") or {}, src, ctx)
+    elif kind in ("MULTI_GPU", "NO"):
+        src.values["strategy"] = ["ddp"]
+        src.family = ("ddp",)
+        src.read[-1] = ("distributed_type", f"{kind}: -s ddp")
+        src.keys_of = lambda s: _batch_keys(s)
+    else:
+        raise doc.error(("distributed_type",), kind, "NO, MULTI_GPU, FSDP or DEEPSPEED (the GPU data-parallel modes)")
+    for key, _ in flatten(d).items():
+        if key in seen:
+            continue
+        dk = dotted(key)
+        if dk in NO_EFFECT:
+            src.read.append((dk, "no change to memory or time"))
+        else:
+            src.ignored.append((dk, "not a key shardwise plans"))
+    return src
+
+
+def _fsdp(doc: Doc, f: dict, src: Source) -> set:
+    if not isinstance(f, dict):
+        raise doc.error(("fsdp_config",), f, "a mapping of fsdp_* keys")
+    seen = set()
+
+    def get(name: str, default: Any = None) -> Any:
+        seen.add(("fsdp_config", name))
+        return f.get(name, default)
+
+    version = get("fsdp_version", 1)
+    if str(version) not in ("1", "2"):
+        raise doc.error(("fsdp_config", "fsdp_version"), version, "1 or 2")
+    version = int(version)
+    fsdp = src.knobs["fsdp"]
+    fsdp["single_rank"] = "fsdp"  # accelerate fully_shards a one-process group too
+    fsdp["reduce_every_micro_batch"] = False  # Accelerator.no_sync: set_requires_gradient_sync(False)
+    reshard = get("fsdp_reshard_after_forward", True if version == 2 else None)
+    if version == 2:
+        keep = not as_bool(doc, ("fsdp_config", "fsdp_reshard_after_forward"), reshard)
+        name, how = ("fsdp-grad-op", None) if keep else ("fsdp", "all")
+        src.read.append(("fsdp_config.fsdp_version", "2: torch fully_shard"))
+        src.read.append(("fsdp_config.fsdp_reshard_after_forward",
+                         f"{not keep}: " + ("-s fsdp-grad-op (every unit kept gathered)" if keep else
+                                            "-s fsdp --fsdp-reshard-after-forward all (stock fully_shard)")))
+    else:
+        strat = reshard if reshard is not None else get("fsdp_sharding_strategy", "FULL_SHARD")
+        strat = FSDP1_NUM.get(str(strat), str(strat).upper())
+        if strat not in FSDP1:
+            raise doc.error(("fsdp_config", "fsdp_reshard_after_forward"), strat, ", ".join(FSDP1))
+        name, how = FSDP1[strat]
+        seen.add(("fsdp_config", "fsdp_sharding_strategy"))
+        src.read.append(("fsdp_config.fsdp_version", "1 (FSDP1): planned as the FSDP2 sharding it equals"))
+        src.read.append(("fsdp_config.fsdp_reshard_after_forward", f"{strat}: -s {name}"))
+        src.notes.append("FSDP1 planned as FSDP2 with the same sharding (FSDP1's flat parameters, its "
+                         "limit_all_gathers and prefetch policies are not modelled)")
+    if how:
+        fsdp["reshard_after_forward"] = how
+    if as_bool(doc, ("fsdp_config", "fsdp_offload_params"), get("fsdp_offload_params", False)):
+        if name != "fsdp":
+            raise doc.error(("fsdp_config", "fsdp_offload_params"), True, f"false with {name} (shardwise plans "
+                            "offload with full sharding: fsdp+offload)")
+        name = "fsdp+offload"
+        src.read.append(("fsdp_config.fsdp_offload_params", "true: -s fsdp+offload (CPUOffloadPolicy)"))
+    if as_bool(doc, ("fsdp_config", "fsdp_activation_checkpointing"), get("fsdp_activation_checkpointing", False)):
+        src.values["checkpointing"] = "full"
+        src.read.append(("fsdp_config.fsdp_activation_checkpointing", "true: --checkpointing full"))
+    elif ("fsdp_config", "fsdp_activation_checkpointing") in seen and "fsdp_activation_checkpointing" in f:
+        src.values["checkpointing"] = "none"
+        src.read.append(("fsdp_config.fsdp_activation_checkpointing", "false: --checkpointing none"))
+    policy = get("fsdp_auto_wrap_policy")
+    if policy is not None:
+        if policy == "TRANSFORMER_BASED_WRAP":
+            src.read.append(("fsdp_config.fsdp_auto_wrap_policy", "one unit per decoder layer (the plan's unit)"))
+        else:
+            src.ignored.append(("fsdp_config.fsdp_auto_wrap_policy", f"{policy}: planned with one unit per decoder "
+                                "layer (TRANSFORMER_BASED_WRAP)"))
+    for k in ("fsdp_min_num_params", "fsdp_forward_prefetch", "fsdp_backward_prefetch",
+              "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing_offload"):
+        if k in f:
+            seen.add(("fsdp_config", k))
+            if k == "fsdp_cpu_ram_efficient_loading":
+                src.read.append((f"fsdp_config.{k}", "weights loaded by rank 0 only: host memory (planned as the "
+                                 "sharded load)"))
+            else:
+                src.ignored.append((f"fsdp_config.{k}", "not planned (FSDP prefetch and wrap-size details)"))
+    src.values["strategy"] = [name]
+    fsdp["reduce_dtype"] = "param" if src.values.get("precision", "bf16-mixed") != "fp32" else "fp32"
+    src.read.append(("mixed_precision", f"FSDP MixedPrecisionPolicy reduce_dtype = the compute dtype "
+                     f"(--fsdp-reduce-dtype {fsdp['reduce_dtype']})"))
+    src.family = FSDP_FAMILY
+    src.keys_of = lambda s: {**_fsdp_keys(s, version), **_batch_keys(s)}
+    return seen
+
+
+def _hybrid(doc: Doc, p: dict, src: Source) -> set:
+    shard = p.get("parallelism_config_dp_shard_size")
+    if shard is None:
+        return {("parallelism_config",)}
+    n = as_count(doc, ("parallelism_config", "parallelism_config_dp_shard_size"), shard)
+    src.values["strategy"] = ["fsdp-hybrid"]
+    src.shard_group = n
+    src.read.append(("parallelism_config.parallelism_config_dp_shard_size", f"-s fsdp-hybrid --shard-group {n}"))
+    return {("parallelism_config", k) for k in p}
+
+
+def _fsdp_keys(s: Setting, version: int) -> dict[str, Any]:
+    from shardwise.specs import STRATEGIES
+
+    f = STRATEGIES.get(s.strategy)
+    out: dict[str, Any] = {}
+    if f is not None and f.engine == "fsdp2":
+        if version == 2:
+            out["fsdp_config.fsdp_reshard_after_forward"] = f.fsdp_sharding != "grad-op"
+        else:
+            out["fsdp_config.fsdp_reshard_after_forward"] = {"full": "FULL_SHARD", "grad-op": "SHARD_GRAD_OP",
+                                                             "hybrid": "HYBRID_SHARD"}[f.fsdp_sharding]
+        out["fsdp_config.fsdp_offload_params"] = f.offload_params
+    out["fsdp_config.fsdp_activation_checkpointing"] = s.checkpointing != "none"
+    return out
+
+
+def _batch_keys(s: Setting) -> dict[str, Any]:
+    return {"TrainingArguments per_device_train_batch_size (or your script's batch size)": s.micro_batch,
+            "TrainingArguments gradient_accumulation_steps (or Accelerator(gradient_accumulation_steps=))":
+                s.grad_accum}
+
+
+def _deepspeed(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
+    if not isinstance(p, dict):
+        raise doc.error(("deepspeed_config",), p, "a mapping of deepspeed_* keys")
+    seen = {("deepspeed_config", k) for k in ("deepspeed_config_file", "zero_stage", "offload_optimizer_device",
+                                              "offload_param_device", "gradient_accumulation_steps") if k in p}
+    src.family = ds_reader.DS_FAMILY
+    file = p.get("deepspeed_config_file")
+    if file:
+        path = resolve_path(doc, ("deepspeed_config", "deepspeed_config_file"), file)
+        inner = load(path)
+        src.read.append(("deepspeed_config.deepspeed_config_file", f"{path} (read below; \"auto\" filled as "
+                         "accelerate fills it)"))
+        flat = ds_reader.read_into(inner, inner.data, src, ctx, under="accelerate launch / the flags")
+        src.read = [(f"{path.name}: {k}" if not k.startswith("deepspeed_config") and k not in (
+            "distributed_type", "num_processes", "num_machines", "mixed_precision") else k, v) for k, v in src.read]
+        src.ignored = [(f"{path.name}: {k}", v) for k, v in src.ignored]
+        src.keys_of = lambda s: {**ds_reader.zero_keys(s, flat, ctx, src, where=f"in {path.name}: "),
+                                 **ds_reader.trainer_keys(s, flat)}
+        return seen
+    stage = as_count(doc, ("deepspeed_config", "zero_stage"), p.get("zero_stage", 2), zero=True)
+    if stage > 3:
+        raise doc.error(("deepspeed_config", "zero_stage"), stage, "0, 1, 2 or 3")
+    opt = str(p.get("offload_optimizer_device", "none")).lower()
+    par = str(p.get("offload_param_device", "none")).lower()
+    name = f"zero{stage}"
+    if par in ("cpu", "nvme"):
+        name = "zero3+full-offload"
+    elif opt in ("cpu", "nvme"):
+        name = f"zero{stage}+opt-offload"
+    try:
+        from shardwise.specs import Strategy
+
+        Strategy.from_name(name)
+    except ShardwiseError:
+        raise doc.error(("deepspeed_config", "zero_stage"), stage, f"a stage that offload runs with ({name} is not "
+                        "a DeepSpeed configuration)") from None
+    src.values["strategy"] = [name]
+    src.read.append(("deepspeed_config.zero_stage", f"-s {name}"))
+    if "gradient_accumulation_steps" in p:
+        src.values["grad_accum"] = as_count(doc, ("deepspeed_config", "gradient_accumulation_steps"),
+                                            p["gradient_accumulation_steps"])
+        src.read.append(("deepspeed_config.gradient_accumulation_steps", f"--grad-accum {src.values['grad_accum']}"))
+    src.knobs["ds"]["fetch_unit"] = "module"  # no leaf_module: DeepSpeed hooks every submodule
+    src.keys_of = lambda s: {
+        "deepspeed_config.zero_stage": int(s.strategy[4]) if s.strategy.startswith("zero") else None,
+        "deepspeed_config.offload_optimizer_device": "cpu" if "offload" in s.strategy else "none",
+        "deepspeed_config.offload_param_device": "cpu" if "full-offload" in s.strategy else "none",
+        "deepspeed_config.gradient_accumulation_steps": s.grad_accum,
+        "TrainingArguments per_device_train_batch_size (or your script's batch size)": s.micro_batch}
+    for k in ("offload_optimizer_device", "offload_param_device"):
+        if k in p:
+            src.read.append((f"deepspeed_config.{k}", f"{p[k]}"))
+    return seen

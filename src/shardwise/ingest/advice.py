@@ -1,0 +1,152 @@
+"""`plan --from`'s last section: what to change in that file. The file's setting is planned,
+then the recommender's sweep (shardwise.plan.recommend.sweep: micro-batch × checkpointing over
+the strategies that file's format switches between, the global batch kept) gives the candidates;
+each is written as the key: value edits of that format, and the fewest edits that make it fit,
+then those that make it faster (each faster than any with fewer edits), are shown with their
+planned memory and tokens/s."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from shardwise.ingest.common import FORMAT_NAMES, Setting, Source
+from shardwise.specs.hardware import GIB
+
+MAX_SHOWN = 3
+NO_CHANGE = ("no change to memory or time", "(no change to the plan)")  # how readers mark keys that change nothing
+
+
+def _value(v: Any, fmt: str) -> str:
+    if fmt in ("deepspeed", "training_args"):
+        return json.dumps(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def _setting(e) -> Setting:
+    return Setting(e.strategy.name, e.train.micro_batch, e.train.grad_accum, e.train.checkpointing)
+
+
+def _item(e, edits: dict[str, Any], base_tps: float | None, fmt: str) -> dict[str, Any]:
+    t = e.time.tokens_per_s_per_gpu
+    return {"edits": {k: v for k, v in edits.items()},
+            "edits_text": [f"{k}: {_value(v, fmt)}" for k, v in edits.items()],
+            "strategy": e.strategy.name, "micro_batch": e.train.micro_batch, "grad_accum": e.train.grad_accum,
+            "checkpointing": e.train.checkpointing, "fits": e.fits,
+            "memory_total": e.memory.gpu.total, "memory_required": e.memory.gpu.required,
+            "usable_bytes": e.memory.usable_bytes, "tokens_per_s_per_gpu": t,
+            "speedup": t / base_tps if base_tps else None}
+
+
+def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str = "engine") -> Source:
+    """Fill `src.advice` (and return `src`)."""
+    from shardwise.errors import ShardwiseError
+    from shardwise.plan.evaluate import evaluate
+    from shardwise.plan.recommend import NEAR_TIE, sweep
+    from shardwise.specs import Strategy
+
+    name = (src.values.get("strategy") or [None])[0]
+    if src.keys_of is None or name is None:
+        src.advice = None
+        return src
+    current = evaluate(m, hw, train, Strategy.with_knobs(name, knobs), accounting=accounting, margin=margin)
+    base_keys = src.keys_of(_setting(current))
+    family = [n for n in (src.family or (name,))]
+    cands = sweep(m, hw, train, strategies=family, micro_batches=tuple(sorted({1, 2, 4, 8, train.micro_batch})),
+                  checkpointing=tuple(dict.fromkeys((train.checkpointing, "none", "full"))), tps=(1,), pps=(1,),
+                  margin=margin, knobs=knobs)
+    rows = []
+    for e in cands:
+        try:
+            keys = src.keys_of(_setting(e))
+        except (ShardwiseError, KeyError, ValueError):
+            continue
+        edits = {k: v for k, v in keys.items() if base_keys.get(k) != v and v is not None}
+        if edits and e.fits:
+            rows.append((len(edits), e, edits))
+    cur_tps = current.time.tokens_per_s_per_gpu
+    out: dict[str, Any] = {"current": _item(current, {}, None, src.format), "to_fit": [], "faster": []}
+    if not current.fits:
+        out["shortfall"] = (f"{current.memory.gpu.required / GIB:.1f} GiB per GPU needed, "
+                            f"{current.memory.usable_bytes / GIB:.1f} usable")
+        fit = sorted(rows, key=lambda r: (r[0], -r[1].time.tokens_per_s_per_gpu))
+        shown: list = []
+        for n, e, edits in fit:
+            if len(shown) == MAX_SHOWN:
+                break
+            if all(s[2] != edits for s in shown):
+                shown.append((n, e, edits))
+        out["to_fit"] = [_item(e, ed, None, src.format) for _, e, ed in shown]
+        floor = max((e.time.tokens_per_s_per_gpu for _, e, _ in shown[:1]), default=0.0)
+        base = shown[0][1].time.tokens_per_s_per_gpu if shown else None
+    else:
+        floor, base = cur_tps, cur_tps
+    best_by_n: dict[int, tuple] = {}
+    for n, e, edits in rows:
+        t = e.time.tokens_per_s_per_gpu
+        if t > floor * (1 + NEAR_TIE) and (n not in best_by_n or t > best_by_n[n][1].time.tokens_per_s_per_gpu):
+            best_by_n[n] = (n, e, edits)
+    frontier, top = [], floor
+    for n in sorted(best_by_n):
+        e = best_by_n[n][1]
+        if e.time.tokens_per_s_per_gpu > top * (1 + NEAR_TIE):
+            frontier.append(best_by_n[n])
+            top = e.time.tokens_per_s_per_gpu
+    out["faster"] = [_item(e, ed, base, src.format) for _, e, ed in frontier[:MAX_SHOWN]]
+    src.advice = out
+    return src
+
+
+def _line(item: dict, fmt: str) -> str:
+    nums = (f"{item['memory_total'] / GIB:.1f} of {item['usable_bytes'] / GIB:.1f} usable GiB per GPU, "
+            f"{item['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
+    if item.get("speedup"):
+        nums += f" ({item['speedup'] - 1:+.0%})"
+    what = (f"{item['strategy']}, micro-batch {item['micro_batch']} × accum {item['grad_accum']}, "
+            f"checkpointing {item['checkpointing']}")
+    return f"{'; '.join(item['edits_text'])}  → {what}: {nums}"
+
+
+def print_source(console, src: Source) -> None:
+    """The file's reading and the advice, after the plan's tables."""
+    from rich.markup import escape
+
+    p = lambda s="": console.print(escape(s), highlight=False, soft_wrap=True)  # noqa: E731
+    p(f"Read from {src.path} ({FORMAT_NAMES[src.format]}):")
+    quiet = [k for k, v in src.read if v.endswith(NO_CHANGE)]
+    for k, v in src.read:
+        if k not in quiet:
+            p(f"  {k}: {v}")
+    if quiet:
+        p(f"  read, no change to memory or time: {', '.join(quiet)}")
+    if src.ignored:
+        p("Ignored (not planned):")
+        for k, v in src.ignored:
+            p(f"  {k}: {v}")
+    for n in src.notes:
+        p(f"  note: {n}")
+    p(f"The same plan as flags: shardwise plan {' '.join(src.as_flags())}")
+    a = src.advice
+    if not a:
+        return
+    p(f"What to change in {src.path.name}:")
+    cur = a["current"]
+    if "shortfall" in a:
+        p(f"  As written it does not fit ({a['shortfall']}).")
+        if a["to_fit"]:
+            p("  To fit (fewest edits first):")
+            for item in a["to_fit"]:
+                p(f"    - {_line(item, src.format)}")
+        else:
+            p("  No edit of this file's strategy, micro-batch or checkpointing makes it fit here.")
+    else:
+        p(f"  As written: {cur['memory_total'] / GIB:.1f} of {cur['usable_bytes'] / GIB:.1f} usable GiB per GPU, "
+          f"{cur['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU.")
+    if a["faster"]:
+        p("  To run faster:")
+        for item in a["faster"]:
+            p(f"    - {_line(item, src.format)}")
+    elif "shortfall" not in a:
+        p("  Nothing this file can switch to is more than 3% faster.")

@@ -1,0 +1,259 @@
+"""What every `plan --from` reader returns, and the file handling they share.
+
+A reader turns one file into a `Source`: the plan's inputs under `shardwise plan`'s parameter
+names (`values`: what a flag of that name would set; a flag given on the command line wins),
+the engine knobs (`knobs`, by the fields of shardwise.specs' knob classes), and the keys it
+read (with what each became) and ignored (with why). `edits` turns a planned setting into the
+key: value lines of that file's format (shardwise.ingest.advice ranks them). Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ShardwiseError
+from shardwise.safe_yaml import key_lines, read_yaml
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the advice changes: a strategy and its batch split and checkpointing."""
+
+    strategy: str
+    micro_batch: int
+    grad_accum: int
+    checkpointing: str
+
+
+@dataclass
+class Source:
+    format: str  # one of FORMATS' keys
+    path: Path
+    values: dict[str, Any] = field(default_factory=dict)
+    knobs: dict[str, dict[str, Any]] = field(default_factory=lambda: {"ds": {}, "fsdp": {}, "ddp": {}})
+    shard_group: int | None = None
+    read: list[tuple[str, str]] = field(default_factory=list)  # (key, what it set)
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
+    notes: list[str] = field(default_factory=list)
+    # (strategies this file's format can switch to, setting -> {key: value} in its format)
+    family: tuple[str, ...] = ()
+    keys_of: Callable[[Setting], dict[str, Any]] | None = None
+    advice: dict[str, Any] | None = None  # filled by shardwise.ingest.advice.advise
+
+    def as_flags(self) -> list[str]:
+        """The `shardwise plan` words that plan what this file plans (without the flags given beside it)."""
+        from shardwise.knob_flags import as_flags
+        from shardwise.specs import STRATEGIES
+
+        words: list[str] = []
+        engines = {STRATEGIES[s].engine for s in self.values.get("strategy") or STRATEGIES if s in STRATEGIES}
+        for name, v in self.values.items():
+            if v == "":  # an empty list flag: its default
+                continue
+            flag = "--" + name.replace("_", "-")
+            if name == "strategy":
+                words += [w for s in v for w in ("-s", s)]
+            elif isinstance(v, bool):
+                words += [flag] if v else ([f"--no-{flag[2:]}"] if name == "sequence_parallel" else [])
+            elif v is not None:
+                words += [flag, str(v)]
+        for section, knobs in self.knobs.items():
+            if {"ds": "deepspeed", "fsdp": "fsdp2"}.get(section, "ddp") not in engines | {"ddp"}:
+                continue  # knobs of an engine nothing planned runs (plan refuses them as flags)
+            for field_name, v in knobs.items():
+                words += as_flags(section, field_name, v)
+        if self.shard_group is not None:
+            words += ["--shard-group", str(self.shard_group)]
+        return words
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": str(self.path), "format": self.format, "format_name": FORMAT_NAMES[self.format],
+                "as_flags": self.as_flags(),
+                "read": [{"key": k, "as": v} for k, v in self.read],
+                "ignored": [{"key": k, "why": v} for k, v in self.ignored],
+                "notes": list(self.notes), "values": {k: _jsonable(v) for k, v in self.values.items()},
+                "knobs": self.knobs, "what_to_change": self.advice}
+
+
+def _jsonable(v: Any) -> Any:
+    return str(v) if isinstance(v, Path) else v
+
+
+FORMAT_NAMES = {
+    "deepspeed": "DeepSpeed config JSON",
+    "accelerate": "accelerate config YAML",
+    "shardwise": "shardwise training YAML",
+    "training_args": "Hugging Face TrainingArguments JSON",
+    "llama_factory": "LLaMA-Factory training YAML",
+    "axolotl": "axolotl config YAML",
+}
+
+
+@dataclass
+class Doc:
+    """One parsed file: its mapping and the line of each key path."""
+
+    path: Path
+    data: dict[str, Any]
+    lines: dict[tuple, int]
+    kind: str  # "json" | "yaml"
+
+    def where(self, *key: str | int) -> str:
+        """`FILE:LINE` of a key path (its nearest enclosing key in the file)."""
+        for n in range(len(key), 0, -1):
+            if tuple(key[:n]) in self.lines:
+                return f"{self.path}:{self.lines[tuple(key[:n])]}"
+        return str(self.path)
+
+    def error(self, key: tuple | str, value: Any, expected: str) -> ShardwiseError:
+        key = (key,) if isinstance(key, str) else key
+        dotted = ".".join(str(k) for k in key)
+        return ShardwiseError(f"{self.where(*key)}: {dotted} = {value!r}: expected {expected}")
+
+
+def load(path: Path) -> Doc:
+    """The file as a mapping with key lines: JSON (json's own error with line and column when it
+    does not parse), else YAML through shardwise.safe_yaml (no aliases bombs, bad bytes)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise ShardwiseError(f"--from {path}: file not found") from None
+    except IsADirectoryError:
+        raise ShardwiseError(f"--from {path}: is a directory (expected a config file)") from None
+    except UnicodeDecodeError as e:
+        raise ShardwiseError(f"--from {path}: not UTF-8 text (offset {e.start})") from None
+    except OSError as e:
+        raise ShardwiseError(f"--from {path}: cannot read it ({e.strerror})") from None
+    looks_json = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
+    if looks_json:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ShardwiseError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+        lines: dict[tuple, int] = {}
+        try:  # JSON is YAML: the same reader gives each key's line
+            node, _ = read_yaml(path)
+            lines = key_lines(node) if node is not None else {}
+        except ShardwiseError:
+            pass
+        kind = "json"
+    else:
+        node, data = read_yaml(path)
+        lines = key_lines(node) if node is not None else {}
+        kind = "yaml"
+    if not isinstance(data, dict):
+        raise ShardwiseError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
+    return Doc(path, data, lines, kind)
+
+
+def flatten(d: dict[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
+    """{key path: leaf value} of nested mappings (lists are leaves)."""
+    out: dict[tuple, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out |= flatten(v, (*prefix, k))
+        else:
+            out[(*prefix, k)] = v
+    return out
+
+
+def dotted(key: tuple) -> str:
+    return ".".join(str(k) for k in key)
+
+
+def as_bool(doc: Doc, key: tuple, value: Any) -> bool:
+    """A boolean the way the tools read one: YAML/JSON true/false, or accelerate/HF's strings."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "yes", "1", "on", "y", "t"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "no", "0", "off", "n", "f"):
+        return False
+    raise doc.error(key, value, "true or false")
+
+
+def as_count(doc: Doc, key: tuple, value: Any, *, zero: bool = False) -> int:
+    """A whole number (5e8 and 500000000 alike), at least 1 (0 allowed with `zero`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < (0 if zero else 1):
+        raise doc.error(key, value, f"a whole number{'' if zero else ' ≥ 1'}")
+    return int(value)
+
+
+def resolve_path(doc: Doc, key: tuple, value: Any) -> Path:
+    """A file the config names: as the tools resolve it (the working directory), else beside the config."""
+    if not isinstance(value, str) or not value.strip():
+        raise doc.error(key, value, "a path to a file")
+    p = Path(value).expanduser()
+    for cand in (p, doc.path.parent / p) if not p.is_absolute() else (p,):
+        if cand.is_file():
+            return cand
+    raise ShardwiseError(f"{doc.where(*key)}: {dotted(key)} = {value!r}: file not found (looked in the working "
+                         f"directory and beside {doc.path.name})")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a reader knows beside the file: the flags given (they win), every flag's value
+    (defaults included), the --set overrides (shardwise YAML only) and the knob flags given."""
+
+    given: dict[str, Any]
+    defaults: dict[str, Any]
+    sets: list[str]
+    cli_knobs: dict[str, dict[str, Any]]
+
+    def value(self, name: str, src: Source) -> Any:
+        """The value a parameter will be planned with: the flag's, else the file's, else the default."""
+        if name in self.given:
+            return self.given[name]
+        return src.values.get(name, self.defaults.get(name))
+
+    def hidden_size(self, src: Source) -> int:
+        """hidden_size of the model being planned (HF's "auto" buckets are derived from it)."""
+        from shardwise.plan.planner import resolve_model
+
+        names = ("model", "model_config", "params")
+        m = resolve_model(*(self.value(n, src) for n in names))
+        return m.hidden_size
+
+
+def hub_model(doc: Doc, key: tuple, value: Any, src: Source, ctx: Context) -> None:
+    """A model named as the tools name it (`model_name_or_path`, `base_model`): a local directory
+    with config.json is read; a Hub id is matched to the catalog (Llama-2-7b-hf -> llama-2-7b);
+    otherwise --model / --model-config must say which model it is."""
+    from shardwise import catalog
+
+    if not isinstance(value, str) or not value.strip():
+        raise doc.error(key, value, "a model id or a local directory")
+    if any(k in ctx.given for k in ("model", "model_config", "params")):
+        src.read.append((dotted(key), f"{value} (overridden by the --model/--model-config/--params given)"))
+        return
+    local = Path(value).expanduser()
+    if (local / "config.json").is_file():
+        src.values["model_config"] = local
+        src.read.append((dotted(key), f"--model-config {local}"))
+        return
+    name = catalog_name(value)
+    if name in catalog.model_names():
+        src.values["model"] = name
+        src.read.append((dotted(key), f"--model {name}"))
+        return
+    from shardwise.errors import did_you_mean
+
+    raise ShardwiseError(f"{doc.where(*key)}: {dotted(key)} = {value!r}: not a local directory with a config.json, "
+                         f"and no catalog model is named like it; pass --model NAME or --model-config "
+                         f"DIR/config.json. {did_you_mean(name, catalog.model_names())}")
+
+
+def catalog_name(hub_id: str) -> str:
+    """`meta-llama/Llama-2-7b-hf` -> `llama-2-7b`, `Qwen/Qwen2.5-7B-Instruct` -> `qwen2.5-7b`."""
+    import re
+
+    n = hub_id.rstrip("/").split("/")[-1].lower()
+    n = re.sub(r"^meta-", "", n)
+    n = re.sub(r"-(hf|instruct|chat|base|it)$", "", n)
+    n = re.sub(r"-(hf|instruct|chat|base|it)$", "", n)
+    return re.sub(r"-v\d+(\.\d+)*$", "", n)

@@ -1,0 +1,335 @@
+"""A DeepSpeed config JSON (`ds_config.json`, HF's ZeRO-2/ZeRO-3 examples with "auto" values).
+
+Stock semantics: DeepSpeed's own defaults for every key the file leaves out (DeepSpeedKnobs'
+defaults are DeepSpeed's; ZeRO-3 fetches per submodule unless `leaf_module` names the layer), and
+HF Trainer's / accelerate's fill of "auto" (transformers/integrations/deepspeed.py
+`HfTrainerDeepSpeedConfig.trainer_config_process` / `trainer_config_finalize`, accelerate's
+`Accelerator._prepare_deepspeed`, both as installed): batch, accumulation, clipping, precision and
+optimizer values from the trainer's arguments (here: the flags, or the TrainingArguments /
+LLaMA-Factory / axolotl file that names this JSON), and from the model's hidden size h
+`reduce_bucket_size` = h², `stage3_prefetch_bucket_size` = int(0.9·h²),
+`stage3_param_persistence_threshold` = 10·h (the last two under ZeRO-3 only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.ingest.common import Context, Doc, Setting, Source, as_bool, as_count, dotted, flatten
+
+AUTO = "auto"
+DS_FAMILY = ("zero0", "zero1", "zero2", "zero3", "zero1+opt-offload", "zero2+opt-offload", "zero3+opt-offload",
+             "zero3+full-offload")
+# file key -> DeepSpeedKnobs field (integers)
+COUNT_KNOBS = {
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+}
+BOOL_KNOBS = {"overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
+              "reduce_scatter": "reduce_scatter", "use_multi_rank_bucket_allreduce": "use_multi_rank_bucket_allreduce"}
+# Keys read that change nothing the plan counts (memory, traffic, time).
+NO_EFFECT = {
+    "gradient_clipping": "clipping: no change to memory or time",
+    "steps_per_print": "logging", "wall_clock_breakdown": "logging", "zero_allow_untested_optimizer": "a check",
+    "zero_force_ds_cpu_optimizer": "a check", "prescale_gradients": "scaling, not bytes",
+    "gradient_predivide_factor": "scaling, not bytes", "optimizer.params.lr": "learning rate",
+    "optimizer.params.betas": "Adam betas", "optimizer.params.eps": "Adam eps",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "at save time only",
+    "zero_optimization.offload_optimizer.pin_memory": "pinned host buffers (the plan assumes pinned)",
+    "zero_optimization.offload_param.pin_memory": "pinned host buffers (the plan assumes pinned)",
+    "zero_optimization.allgather_partitions": "DeepSpeed's default all-gather",
+    "optimizer.params.adam_w_mode": "AdamW's decoupled decay",
+    "fp16.loss_scale": "loss scaling", "fp16.initial_scale_power": "loss scaling",
+    "fp16.loss_scale_window": "loss scaling", "fp16.hysteresis": "loss scaling", "fp16.min_loss_scale": "loss scaling",
+    "fp16.auto_cast": "autocast of inputs", "bf16.immediate_grad_update": "fp32 grad accumulation timing",
+}
+IGNORED = {
+    "activation_checkpointing": "DeepSpeed's checkpointing API, used only by models that call "
+    "deepspeed.checkpointing (Megatron-style); HF models checkpoint through gradient_checkpointing (--checkpointing)",
+    "zero_optimization.sub_group_size": "the optimizer step's sub-groups (offload memory) are not planned",
+    "zero_optimization.round_robin_gradients": "not planned",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not planned",
+    "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights are not planned",
+    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients are not planned",
+    "zero_optimization.offload_optimizer.buffer_count": "NVMe buffers are not planned",
+    "zero_optimization.offload_param.buffer_count": "NVMe buffers are not planned",
+    "zero_optimization.offload_param.buffer_size": "NVMe buffers are not planned",
+    "zero_optimization.offload_param.max_in_cpu": "NVMe buffers are not planned",
+    "zero_optimization.offload_optimizer.nvme_path": "NVMe offload is planned as CPU offload",
+    "zero_optimization.offload_param.nvme_path": "NVMe offload is planned as CPU offload",
+    "zero_optimization.offload_optimizer.fast_init": "initialisation only",
+    "zero_optimization.offload_optimizer.ratio": "partial offload is not planned",
+}
+NO_EFFECT_PREFIXES = ("scheduler.",)  # the learning-rate schedule
+
+
+def is_deepspeed(data: dict[str, Any]) -> bool:
+    return any(k in data for k in ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
+                                   "zero_allow_untested_optimizer", "fp16", "bf16")) and "output_dir" not in data
+
+
+def read(doc: Doc, ctx: Context) -> Source:
+    src = Source("deepspeed", doc.path, family=DS_FAMILY)
+    flat = read_into(doc, doc.data, src, ctx, under="HF Trainer / accelerate (flags)")
+    src.keys_of = lambda s: {**zero_keys(s, flat, ctx, src), **trainer_keys(s, flat)}
+    return src
+
+
+def _is_auto(v: Any) -> bool:
+    return isinstance(v, str) and v.strip().lower() == AUTO
+
+
+def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, under: str,
+              prefix: tuple = ()) -> dict[tuple, Any]:
+    """Read a DeepSpeed config (`data`, at `prefix` inside `doc`) into `src`: the strategy, ZeRO
+    knobs, and batch / precision / optimizer where concrete ("auto": the trainer's value, already in
+    `src.values` or the flags). `under`: who fills "auto" (for the read list)."""
+    flat = flatten(data)
+    seen: set[tuple] = set()
+
+    def key(*k: str) -> tuple:
+        return (*prefix, *k)
+
+    def got(*k: str) -> Any:
+        seen.add(tuple(k))
+        return flat.get(tuple(k))
+
+    zero = data.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise doc.error(key("zero_optimization"), zero, "a mapping of ZeRO settings")
+    stage = got("zero_optimization", "stage")
+    stage = 0 if stage is None else as_count(doc, key("zero_optimization", "stage"), stage, zero=True)
+    if stage > 3:
+        raise doc.error(key("zero_optimization", "stage"), stage, "0, 1, 2 or 3")
+    off: dict[str, bool] = {}
+    for part in ("offload_optimizer", "offload_param"):
+        device = got("zero_optimization", part, "device")
+        if part in zero and not isinstance(zero[part], dict):
+            raise doc.error(key("zero_optimization", part), zero[part], "a mapping with device: cpu | nvme | none")
+        if device is None or device == "none":
+            off[part] = False
+            continue
+        if device not in ("cpu", "nvme"):
+            raise doc.error(key("zero_optimization", part, "device"), device, "cpu, nvme or none")
+        off[part] = True
+        if device == "nvme":
+            src.notes.append(f"{dotted(key('zero_optimization', part, 'device'))}: nvme planned as CPU offload "
+                             "(host memory and PCIe; the NVMe reads are not priced)")
+    name = f"zero{stage}"
+    if off["offload_param"]:
+        if stage != 3:
+            raise doc.error(key("zero_optimization", "offload_param", "device"), "cpu",
+                            f"offload_param needs ZeRO stage 3 (this file has stage {stage})")
+        name = "zero3+full-offload"
+        if not off["offload_optimizer"]:
+            src.notes.append("offload_param without offload_optimizer: planned as zero3+full-offload (both offloaded)")
+    elif off["offload_optimizer"]:
+        if stage == 0:
+            raise doc.error(key("zero_optimization", "offload_optimizer", "device"), "cpu",
+                            "optimizer offload needs ZeRO stage 1, 2 or 3 (this file has stage 0)")
+        name = f"zero{stage}+opt-offload"
+    src.values["strategy"] = [name]
+    src.read.append((dotted(key("zero_optimization", "stage")), f"-s {name}"))
+
+    ds = src.knobs["ds"]
+    hidden: int | None = None
+    for file_key, field in COUNT_KNOBS.items():
+        v = got("zero_optimization", file_key)
+        if v is None:
+            continue
+        k = dotted(key("zero_optimization", file_key))
+        if _is_auto(v):
+            if file_key not in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+                                "stage3_param_persistence_threshold"):
+                raise doc.error(key("zero_optimization", file_key), v, "a number (HF fills \"auto\" here only for "
+                                "reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold)")
+            if file_key != "reduce_bucket_size" and stage != 3:
+                src.ignored.append((k, f"\"auto\" under stage {stage}: HF fills it for ZeRO-3 only"))
+                continue
+            hidden = hidden or ctx.hidden_size(src)
+            n = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                 "stage3_param_persistence_threshold": 10 * hidden}[file_key]
+            formula = {"reduce_bucket_size": "h²", "stage3_prefetch_bucket_size": "0.9·h²",
+                       "stage3_param_persistence_threshold": "10·h"}[file_key]
+            ds[field] = n
+            src.read.append((k, f"\"auto\" = {formula} = {n:,} (h = hidden_size {hidden}, as HF Trainer/accelerate "
+                             "fill it)"))
+            continue
+        ds[field] = as_count(doc, key("zero_optimization", file_key), v, zero=file_key.startswith("stage3"))
+        src.read.append((k, f"{field} {ds[field]:,}"))
+    for file_key, field in BOOL_KNOBS.items():
+        v = got("zero_optimization", file_key)
+        if v is not None:
+            ds[field] = as_bool(doc, key("zero_optimization", file_key), v)
+            src.read.append((dotted(key("zero_optimization", file_key)), f"{field} {ds[field]}"))
+    leaf = zero.get("leaf_module")
+    for k in [k for k in flat if k[:2] == ("zero_optimization", "leaf_module")]:
+        seen.add(k)
+    if stage == 3:
+        if leaf:
+            classes = leaf.get("classes", []) if isinstance(leaf, dict) else []
+            ds["fetch_unit"] = "layer" if classes else "module"
+            src.read.append((dotted(key("zero_optimization", "leaf_module")),
+                             f"fetch_unit {ds['fetch_unit']} (ZeRO-3 fetches each {', '.join(classes) or 'module'})"))
+        else:
+            ds["fetch_unit"] = "module"  # DeepSpeed's default: hooks on every submodule
+            src.notes.append("ZeRO-3 without leaf_module: DeepSpeed fetches every submodule (fetch_unit module)")
+    comm = got("communication_data_type")
+    if comm is not None:
+        dtype = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16",
+                 "bfloat16": "bf16"}.get(str(comm).lower())
+        if dtype is None:
+            raise doc.error(key("communication_data_type"), comm, "fp32, fp16 or bf16")
+        ds["communication_data_type"] = dtype
+        src.read.append((dotted(key("communication_data_type")), f"communication_data_type {dtype}"))
+
+    _batch(doc, flat, src, ctx, got, key, under)
+    _precision(doc, src, got, key, under)
+    _optimizer(doc, data, src, got, key, under)
+    for k in flat:
+        if k in seen:
+            continue
+        d = ".".join(k)
+        why = next((w for p, w in IGNORED.items() if d == p or d.startswith(p + ".")), None)
+        if d in NO_EFFECT or d.startswith(NO_EFFECT_PREFIXES):
+            src.read.append((dotted(key(*k)), f"{NO_EFFECT.get(d, 'learning-rate schedule')} (no change to the plan)"))
+        elif why:
+            src.ignored.append((dotted(key(*k)), why))
+        else:
+            src.ignored.append((dotted(key(*k)), "not a key shardwise plans"))
+
+    return flat
+
+
+def _batch(doc: Doc, flat, src: Source, ctx: Context, got, key, under: str) -> None:
+    micro, ga, total = (got(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                         "train_batch_size"))
+    vals = {}
+    for file_key, value, name in (("train_micro_batch_size_per_gpu", micro, "micro_batch"),
+                                  ("gradient_accumulation_steps", ga, "grad_accum")):
+        if value is None or _is_auto(value):
+            if value is not None:
+                src.read.append((dotted(key(file_key)), f"\"auto\": --{name.replace('_', '-')} from {under}"))
+            continue
+        vals[name] = as_count(doc, key(file_key), value)
+        trainer = src.values.get(name)
+        if trainer is not None and trainer != vals[name]:  # HF Trainer refuses it the same way
+            raise doc.error(key(file_key), value, f"{trainer}, the trainer's value (HF Trainer: \"Please correct the "
+                            "following DeepSpeed config values that mismatch TrainingArguments values\"); or \"auto\"")
+        src.values[name] = vals[name]
+        src.read.append((dotted(key(file_key)), f"--{name.replace('_', '-')} {vals[name]}"))
+    if total is None or _is_auto(total):
+        if total is not None:
+            src.read.append((dotted(key("train_batch_size")), f"\"auto\": micro-batch × accumulation × GPUs ({under})"))
+        return
+    total = as_count(doc, key("train_batch_size"), total)
+    gpus = ctx.value("gpus", src)
+    mb, acc = ctx.value("micro_batch", src), ctx.value("grad_accum", src)
+    if "micro_batch" in vals and "grad_accum" not in vals and "grad_accum" not in ctx.given:
+        acc, rem = divmod(total, mb * gpus)
+        if rem or acc < 1:
+            raise doc.error(key("train_batch_size"), total, f"a multiple of train_micro_batch_size_per_gpu {mb} × "
+                            f"{gpus} GPUs (DeepSpeed derives gradient_accumulation_steps from it)")
+        src.values["grad_accum"] = acc
+        src.read.append((dotted(key("train_batch_size")), f"--grad-accum {acc} (= {total} / ({mb} × {gpus} GPUs))"))
+        return
+    if "grad_accum" in vals and "micro_batch" not in vals and "micro_batch" not in ctx.given:
+        mb, rem = divmod(total, acc * gpus)
+        if rem or mb < 1:
+            raise doc.error(key("train_batch_size"), total, f"a multiple of gradient_accumulation_steps {acc} × {gpus} GPUs")
+        src.values["micro_batch"] = mb
+        src.read.append((dotted(key("train_batch_size")), f"--micro-batch {mb} (= {total} / ({acc} × {gpus} GPUs))"))
+        return
+    if mb * acc * gpus != total:
+        raise doc.error(key("train_batch_size"), total, f"micro-batch {mb} × accumulation {acc} × {gpus} GPUs = "
+                        f"{mb * acc * gpus} (DeepSpeed asserts train_batch_size = micro × accumulation × "
+                        "data-parallel ranks); fix the file or --gpus")
+    src.read.append((dotted(key("train_batch_size")), f"checked: {mb} × {acc} × {gpus} GPUs"))
+
+
+def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
+    on = {}
+    for sec in ("bf16", "fp16", "bfloat16"):
+        v = got(sec, "enabled")
+        if v is None:
+            continue
+        if _is_auto(v):
+            src.read.append((dotted(key(sec, "enabled")), f"\"auto\": --precision from {under}"))
+            continue
+        on[sec] = as_bool(doc, key(sec, "enabled"), v)
+    if on.get("bf16") or on.get("bfloat16"):
+        src.values["precision"] = "bf16-mixed"
+    elif on.get("fp16"):
+        src.values["precision"] = "fp16-mixed"
+    elif on:
+        src.values["precision"] = "fp32"
+    else:
+        return
+    src.read.append(("/".join(dotted(key(s, "enabled")) for s in on), f"--precision {src.values['precision']}"))
+
+
+def _optimizer(doc: Doc, data: dict, src: Source, got, key, under: str) -> None:
+    opt = data.get("optimizer")
+    if opt is None:
+        return
+    kind = str(got("optimizer", "type") or "")
+    if kind.lower() in ("adam", "adamw", "fusedadam", "cpuadam"):
+        src.values["optimizer"] = "adamw"
+        src.read.append((dotted(key("optimizer", "type")), "--optimizer adamw"))
+    elif kind:
+        src.ignored.append((dotted(key("optimizer", "type")), f"{kind}: planned as AdamW (its state bytes)"))
+    wd = got("optimizer", "params", "weight_decay")
+    if wd is not None and not _is_auto(wd):
+        if isinstance(wd, bool) or not isinstance(wd, int | float) or wd < 0:
+            raise doc.error(key("optimizer", "params", "weight_decay"), wd, "a number ≥ 0")
+        src.values["weight_decay"] = float(wd)
+        src.read.append((dotted(key("optimizer", "params", "weight_decay")), f"--weight-decay {float(wd):g}"))
+    elif wd is not None:
+        src.read.append((dotted(key("optimizer", "params", "weight_decay")), f"\"auto\": --weight-decay from {under}"))
+    torch_adam = got("optimizer", "params", "torch_adam")
+    fused = got("optimizer", "params", "fused")
+    if torch_adam is not None:
+        impl = "fused" if (not as_bool(doc, key("optimizer", "params", "torch_adam"), torch_adam)
+                           or (fused is not None and as_bool(doc, key("optimizer", "params", "fused"), fused))) \
+            else "foreach"
+        src.values["optimizer_impl"] = impl
+        src.read.append((dotted(key("optimizer", "params", "torch_adam")), f"--optimizer-impl {impl}"))
+    if fused is not None and torch_adam is None:
+        src.read.append((dotted(key("optimizer", "params", "fused")), "no effect without torch_adam"))
+
+
+def stage_keys(name: str) -> dict[str, Any]:
+    from shardwise.specs import STRATEGIES
+
+    f = STRATEGIES[name]
+    return {"zero_optimization.stage": f.zero_stage,
+            "zero_optimization.offload_optimizer.device": "cpu" if f.offload_optimizer else "none",
+            "zero_optimization.offload_param.device": "cpu" if f.offload_params else "none"}
+
+
+def zero_keys(s: Setting, flat: dict, ctx: Context, src: Source, where: str = "") -> dict[str, Any]:
+    """A setting's DeepSpeed JSON keys (`where`: "in FILE: " when the JSON is named by another
+    config); batch keys only where the JSON gives a number (an "auto" one is the trainer's)."""
+    out = {where + k: v for k, v in stage_keys(s.strategy).items()} if s.strategy in DS_FAMILY else {}
+    for file_key, value in (("train_micro_batch_size_per_gpu", s.micro_batch),
+                            ("gradient_accumulation_steps", s.grad_accum)):
+        if flat.get((file_key,)) is not None and not _is_auto(flat[(file_key,)]):
+            out[where + file_key] = value
+    if flat.get(("train_batch_size",)) is not None and not _is_auto(flat[("train_batch_size",)]):
+        out[where + "train_batch_size"] = s.micro_batch * s.grad_accum * ctx.value("gpus", src)
+    return out
+
+
+def trainer_keys(s: Setting, flat: dict) -> dict[str, Any]:
+    """What HF TrainingArguments sets for a DeepSpeed JSON used through HF Trainer."""
+    out = {}
+    for file_key, value, trainer in (("train_micro_batch_size_per_gpu", s.micro_batch, "per_device_train_batch_size"),
+                                     ("gradient_accumulation_steps", s.grad_accum, "gradient_accumulation_steps")):
+        if flat.get((file_key,)) is None or _is_auto(flat[(file_key,)]):
+            out[f"TrainingArguments {trainer}"] = value
+    out["TrainingArguments gradient_checkpointing"] = s.checkpointing != "none"
+    return out

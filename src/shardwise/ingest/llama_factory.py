@@ -1,0 +1,73 @@
+"""A LLaMA-Factory training YAML (`llamafactory-cli train FILE`; keys from its examples/ and
+hparams: ModelArguments, DataArguments, FinetuningArguments, TrainingArguments). Stock
+semantics: gradient checkpointing is ON unless `disable_gradient_checkpointing: true`
+(llamafactory/model/model_utils/checkpointing.py), `cutoff_len` is the sequence (default 2048),
+`finetuning_type: lora` with `lora_rank` (default 8) and `lora_target` (default all: every
+linear), QLoRA with `quantization_bit: 4` (bitsandbytes NF4), `deepspeed:` a DeepSpeed JSON
+("auto" filled from these arguments), `enable_liger_kernel`, `pure_bf16`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.ingest.common import Context, Doc, Source, as_bool, as_count, hub_model
+from shardwise.ingest.training_args import NO_EFFECT, read_trainer_args, rest
+
+LF_KEYS = {"stage", "finetuning_type", "cutoff_len", "template", "lora_target", "dataset"}
+LF_NO_EFFECT = NO_EFFECT | {"stage", "template", "dataset", "dataset_dir", "max_samples", "overwrite_cache",
+                            "preprocessing_num_workers", "trust_remote_code", "val_size", "lora_alpha",
+                            "lora_dropout", "quantization_method", "flash_attn", "eval_dataset", "image_max_pixels",
+                            "video_max_pixels", "mix_strategy", "neat_packing", "tokenized_path", "report_to",
+                            "do_predict", "predict_with_generate", "infer_backend", "quantization_type"}
+
+
+def is_llama_factory(data: dict[str, Any]) -> bool:
+    return "model_name_or_path" in data and bool(set(data) & LF_KEYS)
+
+
+def read(doc: Doc, ctx: Context) -> Source:
+    d = doc.data
+    src = Source("llama_factory", doc.path)
+    # the model first: a DeepSpeed JSON's "auto" buckets are derived from its hidden size
+    hub_model(doc, ("model_name_or_path",), d.get("model_name_or_path"), src, ctx)
+    seen = read_trainer_args(doc, d, src, ctx, ckpt_key=None)
+    seen |= {"model_name_or_path", "cutoff_len", "finetuning_type", "lora_rank", "lora_target", "quantization_bit",
+             "disable_gradient_checkpointing", "additional_target", "packing", "enable_liger_kernel", "pure_bf16"}
+    src.values["seq_len"] = as_count(doc, ("cutoff_len",), d.get("cutoff_len", 2048))
+    src.read.append(("cutoff_len", f"--seq-len {src.values['seq_len']}" + ("" if "cutoff_len" in d else
+                                                                          " (LLaMA-Factory's default 2048)")))
+    off = as_bool(doc, ("disable_gradient_checkpointing",), d.get("disable_gradient_checkpointing", False))
+    src.values["checkpointing"] = "none" if off else "full"
+    src.read.append(("disable_gradient_checkpointing", f"{off}: --checkpointing {src.values['checkpointing']}"
+                     + ("" if "disable_gradient_checkpointing" in d else " (LLaMA-Factory checkpoints by default)")))
+    kind = str(d.get("finetuning_type", "lora"))
+    if kind == "lora":
+        rank = as_count(doc, ("lora_rank",), d.get("lora_rank", 8))
+        target = d.get("lora_target", "all")
+        targets = "all-linear" if str(target).strip() == "all" else ",".join(
+            t.strip() for t in (target if isinstance(target, list) else str(target).split(",")))
+        src.values |= {"lora_rank": rank, "lora_targets": targets}
+        src.read.append(("finetuning_type", f"lora: --lora-rank {rank} --lora-targets {targets}"))
+        extra = d.get("additional_target")
+        if extra:
+            src.values["lora_modules_to_save"] = extra if isinstance(extra, str) else ",".join(extra)
+            src.read.append(("additional_target", f"--lora-modules-to-save {src.values['lora_modules_to_save']}"))
+        bits = d.get("quantization_bit")
+        if bits is not None:
+            if int(bits) == 4:
+                src.values["qlora"] = True
+                src.read.append(("quantization_bit", "4: --qlora (bitsandbytes NF4 base)"))
+            else:
+                src.ignored.append(("quantization_bit", f"{bits}-bit base: not planned (planned in the compute dtype)"))
+    elif kind == "full":
+        src.values["lora_rank"] = 0
+        src.read.append(("finetuning_type", "full: --lora-rank 0"))
+    else:
+        src.ignored.append(("finetuning_type", f"{kind}: planned as full fine-tuning"))
+    if d.get("packing"):
+        src.values["packed_attention"] = "sdpa_varlen"
+        src.read.append(("packing", "true: documents packed (--packed-attention sdpa_varlen)"))
+    engine_keys = src.keys_of
+    src.keys_of = lambda s: {**engine_keys(s), "disable_gradient_checkpointing": s.checkpointing == "none"}
+    rest(doc, d, src, seen, LF_NO_EFFECT)
+    return src

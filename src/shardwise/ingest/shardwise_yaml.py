@@ -1,0 +1,95 @@
+"""shardwise's own training YAML: the RunSpec `shardwise train` plans (shardwise.run.run_spec),
+with `--set KEY=VALUE` applied as the trainer applies it (shardwise.train.config.load_config).
+Plan and train share one config surface: the specs planned are the trainer's preflight's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.ingest.common import Context, Doc, Source, dotted, flatten
+
+TOP = {"name", "model", "data", "strategy", "optimizer", "schedule", "precision", "run", "checkpointing", "logging",
+       "hardware", "lora", "loss", "export"}
+# Keys (dotted prefixes) that change the plan; the rest are the trainer's own business.
+PLANNED = ("model", "data.kind", "data.sft.max_length", "data.sft.packing", "data.sft.packed_attention",
+           "data.synthetic.seq_len", "strategy", "optimizer.weight_decay", "optimizer.fused", "optimizer.name",
+           "precision", "run.micro_batch", "run.grad_accum", "run.nproc", "run.compile", "checkpointing.activation",
+           "hardware.gpu", "hardware.gpus_per_node", "hardware.profile", "hardware.host_memory_gb", "lora", "loss")
+UNUSED = {"lora.alpha", "lora.dropout", "lora.save_merged", "model.trust_remote_code", "model.random_init"}
+
+
+def is_shardwise(data: dict[str, Any]) -> bool:
+    return bool(data) and set(data) <= TOP and bool(set(data) & {"strategy", "run", "model", "data"})
+
+
+def _fill_placeholders(doc: Doc, sets: list[str], src: Source) -> list[str]:
+    """`plan --emit`'s placeholders (the real weights, the training data) that no --set replaces:
+    the trainer refuses them, the plan does not need them. The model's path left empty plans
+    model.name (the catalog architecture); the data files, the bundled sample (what is planned is
+    their length, data.sft.max_length)."""
+    from shardwise.train.config import _placeholders, override_key
+
+    given = {override_key(o) for o in sets}
+    out = []
+    for key, _ in _placeholders(doc.data):
+        path = tuple(k for k in key if not isinstance(k, int))
+        if path in given:
+            continue
+        value = "[]" if isinstance(key[-1], int) else ""
+        assignment = f"{'.'.join(path)}={value}"
+        if assignment not in out:
+            out.append(assignment)
+            src.notes.append(f"{'.'.join(path)}: a plan --emit placeholder; planned without it (--set {assignment})"
+                             " — shardwise train still refuses it until it is replaced")
+    return out
+
+
+def read(doc: Doc, ctx: Context) -> Source:
+    from shardwise.run import run_spec
+    from shardwise.specs import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
+    from shardwise.train.config import load_config
+
+    src = Source("shardwise", doc.path, family=STRATEGY_NAMES)
+    cfg = load_config(doc.path, [*_fill_placeholders(doc, ctx.sets, src), *ctx.sets])
+    world = ctx.given.get("gpus", cfg.run.nproc)
+    run = run_spec(cfg, world, "cuda", environ={})
+    t, hw, s = run.train, run.hardware, run.strategy
+    v = src.values
+    if cfg.model.path is not None:
+        v["model_config"] = cfg.model.path
+    else:
+        v["model"] = cfg.model.name
+    v |= {"gpu": cfg.hardware.gpu, "gpus": world, "gpus_per_node": hw.gpus_per_node,
+          "profile": cfg.hardware.profile, "host_memory_gb": cfg.hardware.host_memory_gb,
+          "seq_len": t.seq_len, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "precision": t.precision,
+          "optimizer": t.optimizer, "checkpointing": t.checkpointing, "attention": t.attention,
+          "packed_attention": t.packed_attention, "lora_rank": t.lora_rank, "lora_targets": ",".join(t.lora_targets),
+          "lora_modules_to_save": ",".join(t.lora_modules_to_save), "qlora": t.base_quant == "nf4",
+          "cross_entropy": t.cross_entropy, "optimizer_impl": t.optimizer_impl, "weight_decay": t.weight_decay,
+          "fused_kernels": t.fused_kernels, "fused_norm": t.fused_norm, "expandable_segments": t.expandable_segments,
+          "strategy": [s.name]}
+    if t.cross_entropy == "chunked":
+        v["ce_chunk"] = t.ce_chunk
+    for sec, knobs, cls in (("ds", s.ds, DeepSpeedKnobs), ("fsdp", s.fsdp, FSDPKnobs), ("ddp", s.ddp, DDPKnobs)):
+        default = cls()
+        src.knobs[sec] = {k: x for k, x in knobs.model_dump().items() if x != getattr(default, k)}
+    if s.shard_group is not None:
+        src.shard_group = s.shard_group
+    for key, value in flatten(doc.data).items():
+        d = dotted(key)
+        if d in UNUSED or not any(d == p or d.startswith(p + ".") for p in PLANNED):
+            src.ignored.append((d, "the trainer's setting; no change to memory or time"))
+        else:
+            src.read.append((d, f"{value!r} (the trainer's RunSpec)"))
+    for o in ctx.sets:
+        src.read.append((f"--set {o}", "applied as shardwise train applies it"))
+    if "gpus" not in ctx.given:
+        src.notes.append(f"planned on run.nproc = {cfg.run.nproc} GPU(s); pass --gpus for more nodes")
+    src.notes.append("planned as the trainer plans it on CUDA (run.device, compile and packed attention resolved "
+                     "for a GPU)")
+    src.keys_of = lambda st: {"strategy.name": st.strategy, "run.micro_batch": st.micro_batch,
+                              "run.grad_accum": st.grad_accum,
+                              "checkpointing.activation": "none" if st.checkpointing == "none" else "full"}
+    return src
+
+

@@ -1,0 +1,218 @@
+"""A Hugging Face TrainingArguments JSON (`TrainingArguments.to_json_string()`, or the JSON an
+HfArgumentParser script reads, TRL's SFTConfig included). HF Trainer's stock semantics: its
+`deepspeed` JSON (path or inline) with "auto" filled from these arguments
+(transformers/integrations/deepspeed.py), or its FSDP through accelerate's plugin
+(training_args.py `_process_fsdp_args`: fsdp_config version 2 by default, reshard_after_forward
+true, cpu_offload, activation_checkpointing; the legacy `fsdp: "full_shard auto_wrap"` string),
+else DDP. LLaMA-Factory and axolotl reuse these readers for their TrainingArguments keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.ingest import deepspeed as ds_reader
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Setting,
+    Source,
+    as_bool,
+    as_count,
+    hub_model,
+    load,
+    resolve_path,
+)
+
+# HF optim names -> the planner's optimizer
+OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_apex_fused": "adamw",
+         "adamw_torch_xla": "adamw", "adamw_8bit": "adam8bit", "adamw_bnb_8bit": "adam8bit",
+         "paged_adamw_8bit": "adam8bit", "paged_adamw_32bit": "adamw", "sgd": "sgd"}
+OPTIM_IMPL = {"adamw_torch_fused": "fused", "adamw_torch": "foreach"}
+NO_EFFECT = {"output_dir", "learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio",
+             "warmup_steps", "logging_steps", "save_steps", "save_strategy", "eval_strategy", "evaluation_strategy",
+             "eval_steps", "report_to", "seed", "data_seed", "overwrite_output_dir", "save_total_limit",
+             "resume_from_checkpoint", "ddp_timeout", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+             "logging_dir", "run_name", "do_train", "do_eval", "push_to_hub", "save_only_model", "dataloader_num_workers",
+             "remove_unused_columns", "plot_loss", "logging_first_step", "per_device_eval_batch_size", "tf32",
+             "save_safetensors", "dataset_text_field", "packing", "gradient_checkpointing_kwargs"}
+TA_KEYS = {"per_device_train_batch_size", "gradient_accumulation_steps", "output_dir", "learning_rate",
+           "num_train_epochs", "bf16", "fp16", "gradient_checkpointing", "deepspeed", "fsdp"}
+
+
+def is_training_args(data: dict[str, Any]) -> bool:
+    return "per_device_train_batch_size" in data or len(set(data) & TA_KEYS) >= 3
+
+
+def read(doc: Doc, ctx: Context) -> Source:
+    src = Source("training_args", doc.path)
+    if "model_name_or_path" in doc.data:  # first: a DeepSpeed JSON's "auto" buckets need its hidden size
+        hub_model(doc, ("model_name_or_path",), doc.data["model_name_or_path"], src, ctx)
+    seen = read_trainer_args(doc, doc.data, src, ctx) | {"model_name_or_path"}
+    for k in ("max_length", "max_seq_length"):
+        if k in doc.data and doc.data[k] is not None:
+            seen.add(k)
+            src.values["seq_len"] = as_count(doc, (k,), doc.data[k])
+            src.read.append((k, f"--seq-len {src.values['seq_len']}"))
+    rest(doc, doc.data, src, seen, NO_EFFECT)
+    return src
+
+
+def rest(doc: Doc, data: dict, src: Source, seen: set, no_effect: set) -> None:
+    """List every top-level key not read: no effect on the plan, or ignored."""
+    for k, v in data.items():
+        if k in seen:
+            continue
+        if k in no_effect:
+            src.read.append((k, "no change to memory or time"))
+        else:
+            src.ignored.append((k, "not a key shardwise plans"))
+
+
+def read_trainer_args(doc: Doc, d: dict, src: Source, ctx: Context, *, batch_key: str = "per_device_train_batch_size",
+                      ga_key: str = "gradient_accumulation_steps", ckpt_key: str | None = "gradient_checkpointing",
+                      ckpt_default: bool = False) -> set:
+    """The TrainingArguments keys (batch, accumulation, precision, optimizer, checkpointing,
+    deepspeed / fsdp); the names of the first three can differ (axolotl). Returns the keys read."""
+    seen: set = set()
+
+    def take(k: str) -> Any:
+        seen.add(k)
+        return d.get(k)
+
+    micro = take(batch_key)
+    src.values["micro_batch"] = as_count(doc, (batch_key,), micro) if micro is not None else 8  # HF's default
+    src.read.append((batch_key, f"--micro-batch {src.values['micro_batch']}" + ("" if micro is not None else
+                                                                                 " (HF's default 8)")))
+    ga = take(ga_key)
+    if ga is not None:
+        src.values["grad_accum"] = as_count(doc, (ga_key,), ga)
+        src.read.append((ga_key, f"--grad-accum {src.values['grad_accum']}"))
+    bf16, fp16 = take("bf16"), take("fp16")
+    pure = take("pure_bf16")
+    if pure is not None and as_bool(doc, ("pure_bf16",), pure):
+        src.values["precision"] = "bf16-pure"
+        src.read.append(("pure_bf16", "--precision bf16-pure"))
+    elif bf16 is not None and bf16 != "auto" and as_bool(doc, ("bf16",), bf16):
+        src.values["precision"] = "bf16-mixed"
+        src.read.append(("bf16", "--precision bf16-mixed"))
+    elif fp16 is not None and as_bool(doc, ("fp16",), fp16):
+        src.values["precision"] = "fp16-mixed"
+        src.read.append(("fp16", "--precision fp16-mixed"))
+    elif bf16 == "auto":
+        src.values["precision"] = "bf16-mixed"
+        src.read.append(("bf16", "auto: --precision bf16-mixed (on a GPU with bf16)"))
+    else:
+        src.values["precision"] = "fp32"
+        src.read.append(("bf16/fp16", "neither set: --precision fp32 (HF Trainer's default)"))
+    optim = take("optim") or take("optimizer")
+    if optim is not None:
+        key = "optim" if "optim" in d else "optimizer"
+        if str(optim) in OPTIM:
+            src.values["optimizer"] = OPTIM[str(optim)]
+            if str(optim) in OPTIM_IMPL:
+                src.values["optimizer_impl"] = OPTIM_IMPL[str(optim)]
+            src.read.append((key, f"--optimizer {OPTIM[str(optim)]}"))
+        else:
+            src.ignored.append((key, f"{optim}: planned as AdamW"))
+    wd = take("weight_decay")
+    if wd is not None:
+        src.values["weight_decay"] = float(wd)
+        src.read.append(("weight_decay", f"--weight-decay {float(wd):g}"))
+    if ckpt_key:
+        ck = take(ckpt_key)
+        on = ckpt_default if ck is None else as_bool(doc, (ckpt_key,), ck)
+        src.values["checkpointing"] = "full" if on else "none"
+        src.read.append((ckpt_key, f"--checkpointing {src.values['checkpointing']}" + (
+            "" if ck is not None else " (the default)")))
+    liger = take("use_liger_kernel") or take("enable_liger_kernel")
+    if liger:
+        src.values["cross_entropy"] = "fused"
+        src.read.append(("use_liger_kernel" if "use_liger_kernel" in d else "enable_liger_kernel",
+                         "--cross-entropy fused (Liger's fused linear cross-entropy)"))
+    if take("torch_compile"):
+        src.values["fused_kernels"] = True
+        src.read.append(("torch_compile", "--fused-kernels"))
+    ds = take("deepspeed")
+    fsdp, fsdp_config = take("fsdp"), take("fsdp_config")
+    if ds:
+        _deepspeed(doc, ds, src, ctx)
+    elif fsdp:
+        _fsdp(doc, fsdp, fsdp_config, src, ctx)
+    else:
+        src.values["strategy"] = ["ddp"]
+        src.family = ("ddp",)
+        src.read.append(("(no deepspeed, no fsdp)", "-s ddp (HF Trainer's DistributedDataParallel)"))
+    engine_keys = src.keys_of
+    src.keys_of = lambda s: {**(engine_keys(s) if engine_keys else {}), **_keys(s, batch_key, ga_key, ckpt_key)}
+    return seen
+
+
+def _keys(s: Setting, batch_key: str, ga_key: str, ckpt_key: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {batch_key: s.micro_batch, ga_key: s.grad_accum}
+    if ckpt_key:
+        out[ckpt_key] = s.checkpointing != "none"
+    return out
+
+
+def _deepspeed(doc: Doc, ds: Any, src: Source, ctx: Context) -> None:
+    if isinstance(ds, dict):
+        where = "deepspeed."
+        flat = ds_reader.read_into(doc, ds, src, ctx, under="these arguments", prefix=("deepspeed",))
+    else:
+        path = resolve_path(doc, ("deepspeed",), ds)
+        inner = load(path)
+        src.read.append(("deepspeed", f"{path} (read below; \"auto\" filled from these arguments)"))
+        n = len(src.read)
+        flat = ds_reader.read_into(inner, inner.data, src, ctx, under="these arguments")
+        src.read[n:] = [(f"{path.name}: {k}", v) for k, v in src.read[n:]]
+        src.ignored = [(k if ":" in k else f"{path.name}: {k}", v) for k, v in src.ignored]
+        where = f"in {path.name}: "
+    src.family = ds_reader.DS_FAMILY
+    src.keys_of = lambda s: ds_reader.zero_keys(s, flat, ctx, src, where=where)
+
+
+def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
+    if isinstance(cfg, str):
+        cfg = load(resolve_path(doc, ("fsdp_config",), cfg)).data
+    cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (cfg or {}).items()}
+    items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
+    version = int(cfg.get("version", 2))
+    for item in items:
+        if item in ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard", "hybrid_shard_zero2"):
+            cfg.setdefault("reshard_after_forward", item if version == 1 else item == "full_shard")
+        elif item == "offload":
+            cfg.setdefault("cpu_offload", True)
+        elif item != "auto_wrap":
+            raise doc.error(("fsdp",), fsdp, "full_shard, shard_grad_op, hybrid_shard, no_shard, offload, auto_wrap")
+    fsdp_knobs = src.knobs["fsdp"]
+    fsdp_knobs |= {"single_rank": "fsdp", "reduce_every_micro_batch": False}
+    reshard = cfg.get("reshard_after_forward", True if version == 2 else "full_shard")
+    if version == 2:
+        on = as_bool(doc, ("fsdp_config", "reshard_after_forward"), reshard)
+        name = "fsdp" if on else "fsdp-grad-op"
+        if on:
+            fsdp_knobs["reshard_after_forward"] = "all"
+    else:
+        from shardwise.ingest.accelerate import FSDP1
+
+        name, how = FSDP1.get(str(reshard).upper(), (None, None))
+        if name is None:
+            raise doc.error(("fsdp_config", "reshard_after_forward"), reshard, ", ".join(FSDP1).lower())
+        if how:
+            fsdp_knobs["reshard_after_forward"] = how
+        src.notes.append("FSDP1 planned as FSDP2 with the same sharding")
+    if as_bool(doc, ("fsdp_config", "cpu_offload"), cfg.get("cpu_offload", False)):
+        name = "fsdp+offload"
+    if "activation_checkpointing" in cfg and as_bool(doc, ("fsdp_config", "activation_checkpointing"),
+                                                      cfg["activation_checkpointing"]):
+        src.values["checkpointing"] = "full"
+    precision = src.values.get("precision", "fp32")
+    fsdp_knobs["reduce_dtype"] = "fp32" if precision == "fp32" else "param"
+    src.values["strategy"] = [name]
+    src.read.append(("fsdp/fsdp_config", f"-s {name}, FSDP{version} through accelerate's plugin "
+                     f"(reshard_after_forward {reshard}, reduce in the compute dtype)"))
+    from shardwise.ingest.accelerate import FSDP_FAMILY
+
+    src.family = FSDP_FAMILY
+    src.keys_of = lambda s: {"fsdp_config.reshard_after_forward": s.strategy != "fsdp-grad-op",
+                             "fsdp_config.cpu_offload": s.strategy == "fsdp+offload"}

@@ -1,0 +1,213 @@
+"""`shardwise plan`'s engine-knob flags, generated from the spec classes.
+
+One schema: the pydantic fields of `DeepSpeedKnobs`, `FSDPKnobs` and `DDPKnobs`
+(shardwise.specs.strategy) give the trainer's YAML sections (`train/config._overrides`), `--set`,
+these flags and what `plan --from` reads. Each field is the flag `--ds-FIELD` / `--fsdp-FIELD` /
+`--ddp-FIELD` (underscores as dashes), its help is the field's description and its default the
+field's default, stated once, there. Knobs that had a shorter flag before keep that name
+(`ALIASES`: `--ds-reduce-bucket` is reduce_bucket_size), and `--ds-bucket` sets both DeepSpeed
+buckets at once. Torch-free (the planner's CLI imports it).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, get_args, get_origin
+
+import typer
+from pydantic import BaseModel
+
+from shardwise.errors import ShardwiseError
+from shardwise.specs.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs, StrategyKnobs
+
+# (StrategyKnobs attribute, flag prefix, the section's name in the trainer YAML, class)
+SECTIONS: tuple[tuple[str, str, str, type[BaseModel]], ...] = (
+    ("ds", "ds", "deepspeed", DeepSpeedKnobs),
+    ("fsdp", "fsdp", "fsdp", FSDPKnobs),
+    ("ddp", "ddp", "ddp", DDPKnobs),
+)
+# The names the flags had before they were generated: these knobs keep them (the help names the field).
+ALIASES: dict[tuple[str, str], str] = {
+    ("ds", "reduce_bucket_size"): "--ds-reduce-bucket",
+    ("ds", "prefetch_bucket_size"): "--ds-prefetch",
+    ("ds", "param_persistence_threshold"): "--ds-persistence-threshold",
+    ("ds", "max_live_parameters"): "--ds-max-live",
+    ("ds", "max_reuse_distance"): "--ds-max-reuse",
+    ("ds", "use_multi_rank_bucket_allreduce"): "--ds-multi-rank-allreduce",
+    ("ds", "communication_data_type"): "--ds-comm-dtype",
+    ("ddp", "bucket_cap_mb"): "--ddp-bucket-mb",
+}
+BOTH_BUCKETS = "--ds-bucket"  # reduce_bucket_size and allgather_bucket_size together
+# DeepSpeed knobs that only ZeRO-3 reads, and those only ZeRO-1/2 read (a flag for a stage nothing
+# planned runs changes nothing and is refused).
+ZERO3_ONLY = ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+              "fetch_unit")
+ZERO12_ONLY = ("use_multi_rank_bucket_allreduce", "allgather_bucket_size", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class KnobFlag:
+    section: str  # ds | fsdp | ddp
+    field: str
+    param: str  # the Python parameter typer passes it as
+    names: tuple[str, ...]  # the flag's name (one)
+
+    @property
+    def flag(self) -> str:
+        return self.names[0]
+
+
+def _flag_name(prefix: str, field: str) -> str:
+    return f"--{prefix}-{field.replace('_', '-')}"
+
+
+def knob_flags() -> list[KnobFlag]:
+    out = []
+    for section, prefix, _, cls in SECTIONS:
+        for field in cls.model_fields:
+            alias = ALIASES.get((section, field))
+            # one name per flag (help lines stay short): the short name users know where there is one
+            out.append(KnobFlag(section, field, f"{section}__{field}", (alias or _flag_name(prefix, field),)))
+    return out
+
+
+FLAGS: tuple[KnobFlag, ...] = tuple(knob_flags())
+BY_PARAM = {f.param: f for f in FLAGS}
+
+
+def _base(annotation: Any) -> Any:
+    """`X | None` -> X."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 else annotation
+
+
+def _default_text(cls: type[BaseModel], field: str) -> str:
+    d = cls.model_fields[field].default
+    if d is None:
+        return ""
+    if isinstance(d, bool):
+        return f" Default: {'on' if d else 'off'}."
+    if isinstance(d, int) and d >= 10_000 and float(f"{d:.0e}") == d:  # 500000000 as 5e8, exactly
+        return f" Default: {d:.0e}".replace("e+0", "e").replace("e+", "e") + "."
+    return f" Default: {d}."
+
+
+def _option(flag: KnobFlag) -> tuple[Any, Any]:
+    """(annotation, typer.Option) of one knob flag: defaults None (the field's default applies)."""
+    cls = dict((s, c) for s, _, _, c in SECTIONS)[flag.section]
+    f = cls.model_fields[flag.field]
+    kind = _base(f.annotation)
+    section_yaml = dict((s, y) for s, _, y, _ in SECTIONS)[flag.section]
+    desc = (f.description or "").rstrip(".")
+    where = f" (YAML strategy.{section_yaml}.{flag.field})"
+    if kind is bool:
+        names = [f"{n}/--no-{n[2:]}" for n in flag.names]
+        return bool | None, typer.Option(None, *names, help=f"{desc}{where}.{_default_text(cls, flag.field)}",
+                                         show_default=False)
+    if get_origin(kind) is Literal:
+        choices = " | ".join(str(c) for c in get_args(kind))
+        return str | None, typer.Option(None, *flag.names, help=f"{desc}: {choices}{where}."
+                                        f"{_default_text(cls, flag.field)}", show_default=False)
+    # numbers as floats: element counts are given as 5e7 or 50000000 (checked whole in given_knobs)
+    return float | None, typer.Option(None, *flag.names, help=f"{desc}{where}.{_default_text(cls, flag.field)}",
+                                      show_default=False)
+
+
+def generated_parameters() -> list[inspect.Parameter]:
+    params = []
+    for flag in FLAGS:
+        annotation, option = _option(flag)
+        params.append(inspect.Parameter(flag.param, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=annotation))
+    params.append(inspect.Parameter(
+        "ds_bucket", inspect.Parameter.KEYWORD_ONLY, annotation=float | None,
+        default=typer.Option(None, BOTH_BUCKETS, show_default=False,
+                             help="reduce_bucket_size and allgather_bucket_size at once (elements); a --ds-reduce-"
+                             "bucket-size given beside it sets the reduce bucket.")))
+    params.append(inspect.Parameter(
+        "shard_group", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
+        default=typer.Option(None, "--shard-group", help="fsdp-hybrid: GPUs per shard group (default: a node).")))
+    return params
+
+
+def with_knob_flags(func):
+    """Add the generated knob flags to a typer command: `func` receives them as one dict,
+    `knob_values` (parameter name -> value, None where not given)."""
+    hints = typing.get_type_hints(func, include_extras=True)
+    sig = inspect.signature(func)
+    own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+           if p.name != "knob_values"]
+    generated = generated_parameters()
+    names = [p.name for p in generated]
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        values = {n: kwargs.pop(n, None) for n in names}
+        return func(*args, **kwargs, knob_values=values)
+
+    wrapper.__signature__ = sig.replace(parameters=[*own, *generated])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in (*own, *generated)}
+    del wrapper.__wrapped__  # typer must read the signature above, not the wrapped function's
+    return wrapper
+
+
+def _whole(flag: str, v: float) -> int:
+    if v != int(v):
+        raise ShardwiseError(f"{flag} {v}: expected a whole number of elements (e.g. 5e7)")
+    return int(v)
+
+
+def given_knobs(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{section: {field: value}} of the knob flags given (checked against their types; element
+    counts as whole numbers), with --ds-bucket spread over both buckets."""
+    out: dict[str, dict[str, Any]] = {"ds": {}, "fsdp": {}, "ddp": {}}
+    if values.get("ds_bucket") is not None:
+        n = _whole(BOTH_BUCKETS, values["ds_bucket"])
+        out["ds"] |= {"reduce_bucket_size": n, "allgather_bucket_size": n}
+    for param, v in values.items():
+        flag = BY_PARAM.get(param)
+        if flag is None or v is None:
+            continue
+        cls = dict((s, c) for s, _, _, c in SECTIONS)[flag.section]
+        kind = _base(cls.model_fields[flag.field].annotation)
+        if get_origin(kind) is Literal and v not in get_args(kind):
+            raise ShardwiseError(f"{flag.flag} {v!r}: expected {', '.join(str(c) for c in get_args(kind))} "
+                                 f"({flag.section}.{flag.field}: {cls.model_fields[flag.field].description})")
+        if kind is int:
+            v = _whole(flag.flag, v)
+        out[flag.section][flag.field] = v
+    return out
+
+
+def flag_of(section: str, field: str) -> str:
+    """The flag name of a knob (its alias where it has one), for messages and equivalent command lines."""
+    return ALIASES.get((section, field)) or _flag_name({"ds": "ds", "fsdp": "fsdp", "ddp": "ddp"}[section], field)
+
+
+def as_flags(section: str, field: str, value: Any) -> list[str]:
+    """The command-line words that set one knob."""
+    name = flag_of(section, field)
+    if isinstance(value, bool):
+        return [name if value else f"--no-{name[2:]}"]
+    return [name, str(value)]
+
+
+def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None) -> StrategyKnobs:
+    """StrategyKnobs of {section: {field: value}} (the rest at the classes' defaults); a bad value
+    names its flag."""
+    from shardwise.catalog import check_count
+
+    if shard_group is not None:
+        check_count("--shard-group", shard_group, hint=" (GPUs per fsdp-hybrid shard group)")
+    built = {}
+    for section, _, _, cls in SECTIONS:
+        try:
+            built[section] = cls(**knobs.get(section, {}))
+        except ShardwiseError as e:
+            fields = ", ".join(flag_of(section, f) for f in knobs.get(section, {}))
+            raise ShardwiseError(f"{fields}: {e}") from None
+    return StrategyKnobs(**built, shard_group=shard_group)

@@ -1,0 +1,278 @@
+"""`shardwise plan --from FILE`: each format's example file plans exactly what the same setup
+given as flags plans (the --json documents compared, less the "from" section), keys not
+understood are listed, bad files are refused naming file, line and key, and `plan --emit` ->
+`plan --from` the emitted files gives the plan that was emitted.
+
+The example files in tests/data/from/ come from each tool's own documentation or repository:
+hf_ds_zero2.json / hf_ds_zero3.json: the ZeRO-2 and ZeRO-3 example configs of the transformers docs
+("DeepSpeed" integration page, "auto" values as given there; written from those docs);
+accelerate_fsdp2.yaml: the file `accelerate config` writes for FSDP2 (keys of accelerate 1.15's
+commands/config/cluster.py; activation checkpointing answered yes); llama_factory_full_sft.yaml:
+hiyouga/LLaMA-Factory examples/train_full/llama3_full_sft.yaml (commit 03da9a7) with its
+`deepspeed:` path pointed here, and lf_ds_z3_config.json: its examples/deepspeed/ds_z3_config.json
+(commit 1d6e8b2), verbatim; axolotl_qlora.yaml: axolotl-ai-cloud/axolotl examples/llama-2/qlora.yml
+(commit 013495e), verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from shardwise.cli import app
+
+DATA = Path(__file__).parent / "data" / "from"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan(*args: str) -> dict:
+    r = CliRunner().invoke(app, ["plan", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def same(from_args: list[str], flag_args: list[str]) -> dict:
+    """The file's plan equals the hand-written flags' plan, and the flags it says it equals."""
+    got = plan(*from_args)
+    source = got.pop("from")
+    want = plan(*flag_args)
+    assert got == want
+    extra = [a for a in from_args[2:]]  # the flags given beside the file
+    assert plan(*source["as_flags"], *extra) == want
+    return source
+
+
+H7 = 4096  # llama-2-7b hidden_size
+
+
+def test_hf_zero3_example_with_auto_values():
+    src = same(["--from", str(DATA / "hf_ds_zero3.json"), "-m", "llama-2-7b", "--micro-batch", "2"],
+               ["-m", "llama-2-7b", "--micro-batch", "2", "-s", "zero3+full-offload",
+                "--ds-reduce-bucket", str(H7 * H7), "--ds-prefetch", str(int(0.9 * H7 * H7)),
+                "--ds-persistence-threshold", str(10 * H7), "--ds-max-live", "1e9", "--ds-max-reuse", "1e9",
+                "--ds-overlap-comm", "--ds-contiguous-gradients", "--ds-fetch-unit", "module"])
+    assert src["format"] == "deepspeed"
+    assert src["knobs"]["ds"]["reduce_bucket_size"] == 16_777_216  # h², as HF fills "auto"
+    assert "zero_optimization.sub_group_size" in {i["key"] for i in src["ignored"]}
+    assert "scheduler.type" in {i["key"] for i in src["read"]}  # understood: it changes nothing planned
+    assert src["what_to_change"]["faster"]  # dropping the offload is faster here, and it says so
+
+
+def test_hf_zero2_example():
+    same(["--from", str(DATA / "hf_ds_zero2.json")],
+         ["-s", "zero2+opt-offload", "--ds-bucket", "2e8", "--ds-overlap-comm", "--ds-reduce-scatter",
+          "--ds-contiguous-gradients"])
+
+
+def test_accelerate_fsdp2_is_stock_fully_shard():
+    src = same(["--from", str(DATA / "accelerate_fsdp2.yaml")],
+               ["-s", "fsdp", "--gpus", "8", "--gpus-per-node", "8", "--checkpointing", "full",
+                "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp"])
+    edits = [e for item in src["what_to_change"]["faster"] for e in item["edits"]]
+    assert "fsdp_config.fsdp_activation_checkpointing" in edits
+
+
+def test_llama_factory_example_and_its_deepspeed_json(monkeypatch):
+    monkeypatch.chdir(ROOT)  # LLaMA-Factory resolves `deepspeed:` against the working directory
+    # Meta-Llama-3-8B is not in the catalog: --model names the shape (Llama-3.1-8B's, same layers)
+    src = same(["--from", str(DATA / "llama_factory_full_sft.yaml"), "-m", "llama-3.1-8b"],
+               ["-m", "llama-3.1-8b", "-s", "zero3", "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "2048",
+                "--checkpointing", "full", "--ds-reduce-bucket", str(H7 * H7), "--ds-prefetch",
+                str(int(0.9 * H7 * H7)), "--ds-persistence-threshold", str(10 * H7), "--ds-max-live", "1e9",
+                "--ds-max-reuse", "1e9", "--no-ds-overlap-comm", "--ds-contiguous-gradients",
+                "--ds-fetch-unit", "module"])
+    read = dict((i["key"], i["as"]) for i in src["read"])
+    assert "LLaMA-Factory checkpoints by default" in read["disable_gradient_checkpointing"]
+    ignored = {i["key"] for i in src["ignored"]}
+    assert {"lf_ds_z3_config.json: comms_config.verbose", "lf_ds_z3_config.json: monitor_config.enabled"} <= ignored
+    r = CliRunner().invoke(app, ["plan", "--from", str(DATA / "llama_factory_full_sft.yaml")])
+    assert r.exit_code == 2 and "llama_factory_full_sft.yaml:2: model_name_or_path" in r.output, r.output
+    assert "--model NAME" in r.output
+
+
+def test_axolotl_qlora_example():
+    same(["--from", str(DATA / "axolotl_qlora.yaml")],
+         ["-m", "llama-2-7b", "-s", "ddp", "--micro-batch", "2", "--grad-accum", "4", "--seq-len", "4096",
+          "--lora-rank", "32", "--lora-targets", "all-linear", "--qlora", "--checkpointing", "full",
+          "--packed-attention", "flash_varlen", "--attention", "flash", "--weight-decay", "0"])
+
+
+def test_training_args_json_with_inline_deepspeed(tmp_path):
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({"output_dir": "out", "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                             "bf16": True, "gradient_checkpointing": True, "weight_decay": 0.1,
+                             "model_name_or_path": "meta-llama/Llama-2-7b-hf",
+                             "deepspeed": {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                                           "train_micro_batch_size_per_gpu": "auto"}}))
+    same(["--from", str(f)], ["-m", "llama-2-7b", "-s", "zero2", "--micro-batch", "4", "--grad-accum", "2",
+                              "--checkpointing", "full", "--weight-decay", "0.1", "--ds-reduce-bucket", str(H7 * H7)])
+
+
+def test_a_deepspeed_json_that_contradicts_the_trainer_arguments_is_refused(tmp_path):
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({"output_dir": "o", "per_device_train_batch_size": 2,
+                             "deepspeed": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}}))
+    r = CliRunner().invoke(app, ["plan", "--from", str(f)])
+    assert r.exit_code == 2 and "deepspeed.train_micro_batch_size_per_gpu = 4: expected 2" in r.output, r.output
+
+
+def test_flags_beside_the_file_override_it():
+    got = plan("--from", str(DATA / "accelerate_fsdp2.yaml"), "--checkpointing", "none", "--gpus", "16",
+               "--gpus-per-node", "8")
+    assert got["train"]["checkpointing"] == "none" and got["hardware"]["gpus"] == 16
+
+
+def test_keys_not_understood_are_listed(tmp_path):
+    f = tmp_path / "acc.yaml"
+    f.write_text((DATA / "accelerate_fsdp2.yaml").read_text() + "my_new_key: 3\n")
+    src = plan("--from", str(f))["from"]
+    assert {"key": "my_new_key", "why": "not a key shardwise plans"} in src["ignored"]
+    d = json.loads((DATA / "hf_ds_zero3.json").read_text())
+    d["zero_optimization"]["zero_hpz_partition_size"] = 8
+    (tmp_path / "ds.json").write_text(json.dumps(d))
+    ignored = {i["key"]: i["why"] for i in plan("--from", str(tmp_path / "ds.json"))["from"]["ignored"]}
+    assert "ZeRO++" in ignored["zero_optimization.zero_hpz_partition_size"]
+    table = CliRunner().invoke(app, ["plan", "--from", str(tmp_path / "ds.json")])
+    assert "Ignored (not planned):" in table.output and "What to change in ds.json:" in table.output
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"zero_optimization": {"stage": 5}}', ":1: zero_optimization.stage = 5: expected 0, 1, 2 or 3"),
+    ('{\n  "zero_optimization": {\n    "stage": 3,\n    "overlap_comm": "maybe"\n  }\n}',
+     ":4: zero_optimization.overlap_comm = 'maybe': expected true or false"),
+    ('{"zero_optimization": {"stage": 3,}', "not valid JSON"),
+    ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 3\n", ":3: fsdp_config.fsdp_version = 3: expected 1 or 2"),
+    ("foo: 1\nbar: 2\n", "not a format plan --from reads"),
+    ('{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}',
+     "train_batch_size = 7"),
+])
+def test_bad_files_name_file_line_and_key(tmp_path, text, says):
+    f = tmp_path / ("c.json" if text.startswith("{") else "c.yaml")
+    f.write_text(text)
+    r = CliRunner().invoke(app, ["plan", "--from", str(f)])
+    assert r.exit_code == 2 and says in r.output and str(f.name) in r.output, r.output
+
+
+def test_set_needs_a_shardwise_yaml():
+    r = CliRunner().invoke(app, ["plan", "--from", str(DATA / "hf_ds_zero2.json"), "--set", "run.steps=3"])
+    assert r.exit_code == 2 and "--set overrides a shardwise training YAML" in r.output
+
+
+def test_emit_then_from_gives_the_plan_emitted(tmp_path):
+    """plan --emit -> plan --from the emitted DeepSpeed JSON, accelerate YAML and shardwise YAML."""
+    out = tmp_path / "emit"
+    setup = ["-m", "llama-2-7b", "-s", "zero3", "--micro-batch", "2", "--checkpointing", "full"]
+    r = CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "zero3"])
+    assert r.exit_code == 0, r.output
+    want = plan(*setup)
+    got = plan("--from", str(out / "ds_config.json"), "-m", "llama-2-7b", "--checkpointing", "full")
+    got.pop("from")
+    assert got == want  # batch, precision, ZeRO knobs and the layer fetch unit all come from the JSON
+    # accelerate.yaml names ds_config_hf.json, whose batch is "auto" (from the flags, as accelerate does)
+    got = plan("--from", str(out / "accelerate.yaml"), "-m", "llama-2-7b", "--checkpointing", "full",
+               "--micro-batch", "2")
+    got.pop("from")
+    assert got == want
+    # shardwise.yaml: its placeholders (the real weights and data) are planned without (and said);
+    # the trainer packs SFT documents into rows by default (data.sft.packing), which the emitted
+    # file keeps: the trainer's RunSpec plans FlexAttention over packed rows where the flags planned none
+    got = plan(str(out / "shardwise.yaml"))
+    assert any("placeholder" in n for n in got.pop("from")["notes"])
+    assert got["train"].pop("packed_attention") == "flex" and want["train"].pop("packed_attention") == "none"
+    assert got == want | {"train": got["train"]} and got["train"] == want["train"]
+
+
+def test_fsdp_emit_round_trip_through_shardwise_yaml_and_stock_accelerate(tmp_path):
+    out = tmp_path / "emit"
+    setup = ["-m", "llama-2-7b", "-s", "fsdp", "--micro-batch", "2"]
+    assert CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "fsdp"]).exit_code == 0
+    got = plan(str(out / "shardwise.yaml"), "--set", "model.path=", "--packed-attention", "none")
+    src = got.pop("from")
+    assert got == plan(*setup)
+    assert plan(*src["as_flags"], "--packed-attention", "none") == got  # the trainer's knob defaults as flags
+    # accelerate runs stock fully_shard: every layer resharded, gradients reduced in bf16
+    got = plan("--from", str(out / "accelerate.yaml"), "-m", "llama-2-7b", "--micro-batch", "2")
+    got.pop("from")
+    assert got == plan(*setup, "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
+                       "--fsdp-single-rank", "fsdp")
+
+
+def test_generated_flags_keep_the_old_names_and_take_the_spec_defaults():
+    from shardwise.knob_flags import FLAGS
+    from shardwise.specs import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
+
+    names = {n for f in FLAGS for n in f.names}
+    assert {"--ds-reduce-bucket", "--ds-prefetch", "--ds-persistence-threshold", "--ds-max-live", "--ds-max-reuse",
+            "--ds-overlap-comm", "--ds-multi-rank-allreduce", "--ds-comm-dtype", "--ds-fetch-unit",
+            "--fsdp-reduce-dtype", "--fsdp-single-rank", "--fsdp-reshard-after-forward",
+            "--fsdp-reduce-every-micro-batch", "--ddp-bucket-mb", "--ddp-wrap-one-rank"} <= names
+    every = {(s, f) for s, cls in (("ds", DeepSpeedKnobs), ("fsdp", FSDPKnobs), ("ddp", DDPKnobs))
+             for f in cls.model_fields}
+    assert {(f.section, f.field) for f in FLAGS} == every  # one flag per knob field, nothing hand-listed
+    r = CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "250"})
+    assert "Default: 5e8" in r.output and "strategy.deepspeed.reduce_bucket_size" in r.output
+
+
+def test_from_runs_on_the_planner_only_install(tmp_path):
+    """Every reader is torch-free: `plan --from` works where torch, transformers, deepspeed and
+    accelerate cannot be imported (the core install)."""
+    from tests.test_cli_extras import planner_only
+
+    example = ROOT / "examples" / "fsdp-synthetic-cpu.yaml"
+    # (the LLaMA-Factory example names its DeepSpeed JSON relative to the repository root, and
+    # this subprocess runs elsewhere: the other readers cover the imports)
+    for f in [*(DATA / n for n in ("hf_ds_zero3.json", "accelerate_fsdp2.yaml", "axolotl_qlora.yaml")), example]:
+        r = planner_only(["plan", "--from", str(f), "--json"], tmp_path)
+        assert r.returncode == 0, (f, r.stderr[-3000:])
+        assert json.loads(r.stdout)["from"]["file"] == str(f)
+
+
+def test_accelerate_fsdp1_and_deepspeed_plugin(tmp_path):
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text("distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 16\nnum_machines: 2\n"
+                     "fsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+                     "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_backward_prefetch: BACKWARD_PRE\n")
+    src = same(["--from", str(fsdp1)], ["-s", "fsdp-grad-op", "--gpus", "16", "--gpus-per-node", "8",
+                                        "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp"])
+    assert "fsdp_config.fsdp_backward_prefetch" in {i["key"] for i in src["ignored"]}
+    plugin = tmp_path / "ds.yaml"
+    plugin.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n  zero_stage: 3\n"
+                      "  offload_optimizer_device: cpu\n  gradient_accumulation_steps: 4\n  zero3_init_flag: true\n")
+    same(["--from", str(plugin)], ["-s", "zero3+opt-offload", "--gpus", "8", "--gpus-per-node", "8",
+                                   "--grad-accum", "4", "--ds-fetch-unit", "module"])
+
+
+def test_training_args_fsdp_through_accelerates_plugin(tmp_path):
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({"output_dir": "o", "per_device_train_batch_size": 2, "bf16": True,
+                             "fsdp": "full_shard auto_wrap",
+                             "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}}))
+    same(["--from", str(f)], ["-s", "fsdp", "--micro-batch", "2", "--checkpointing", "full",
+                              "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
+                              "--fsdp-single-rank", "fsdp"])
+
+
+def test_shardwise_yaml_with_set_is_the_trainers_runspec():
+    """`plan CONFIG.yaml --set` takes the trainer's syntax and errors, and plans its RunSpec."""
+    from shardwise.plan.planner import plan_strategies
+    from shardwise.run import run_spec
+    from shardwise.train.config import load_config
+
+    example = ROOT / "examples" / "fsdp-synthetic-cpu.yaml"
+    got = plan(str(example), "--set", "run.micro_batch=3", "--set", "strategy.name=zero2")
+    run = run_spec(load_config(example, ["run.micro_batch=3", "strategy.name=zero2"]), got["hardware"]["gpus"],
+                   "cuda", environ={})
+    from shardwise.specs.strategy import StrategyKnobs
+
+    knobs = StrategyKnobs(ds=run.strategy.ds, fsdp=run.strategy.fsdp, ddp=run.strategy.ddp)
+    [want] = plan_strategies(run.model, run.hardware, run.train, [run.strategy.name], knobs=knobs)
+    row = got["strategies"][0]
+    assert (row["name"], got["train"]["micro_batch"]) == ("zero2", 3)
+    assert row["memory"]["total"] == pytest.approx(want.memory.gpu.total)
+    assert row["time"]["step_s"] == pytest.approx(want.time.step_s)
+    assert row["knobs"]["communication_data_type"] == "fp32"  # the trainer's default, not DeepSpeed's
+    bad = CliRunner().invoke(app, ["plan", str(example), "--set", "run.micro_batch=abc"])
+    assert bad.exit_code == 2 and "--set run.micro_batch=abc" in bad.output and "'run.micro_batch'" in bad.output
