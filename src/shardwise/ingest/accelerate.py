@@ -20,7 +20,18 @@ from typing import Any
 
 from shardwise.errors import ShardwiseError
 from shardwise.ingest import deepspeed as ds_reader
-from shardwise.ingest.common import Context, Doc, Setting, Source, as_bool, as_count, dotted, flatten, load, resolve_path
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Setting,
+    Source,
+    as_bool,
+    as_count,
+    dotted,
+    flatten,
+    load,
+    resolve_path,
+)
 
 PRECISION = {"no": "fp32", "fp16": "fp16-mixed", "bf16": "bf16-mixed"}
 FSDP1 = {"FULL_SHARD": ("fsdp", "all"), "SHARD_GRAD_OP": ("fsdp-grad-op", None), "NO_SHARD": ("ddp", None),

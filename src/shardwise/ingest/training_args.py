@@ -59,7 +59,7 @@ def read(doc: Doc, ctx: Context) -> Source:
 
 def rest(doc: Doc, data: dict, src: Source, seen: set, no_effect: set) -> None:
     """List every top-level key not read: no effect on the plan, or ignored."""
-    for k, v in data.items():
+    for k in data:
         if k in seen:
             continue
         if k in no_effect:
