@@ -199,10 +199,21 @@ class LoggingSection(_Section):
     every: int = Field(10, gt=0, description="log every N steps: the losses and gradient norms reach the host "
                        "once per N steps (a step does not wait for the device in between); TensorBoard, W&B and "
                        "the progress line get every N-th step, metrics.jsonl every step (written then)")
-    progress: bool = True
+    every_seconds: float | None = Field(60.0, gt=0, description="also log once this many seconds passed since "
+                                        "the last logged step (whichever of every / every_seconds comes first): "
+                                        "a batch log shows progress however slow a step is; null: steps only")
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        "auto", description="auto: a rich progress bar on a terminal, plain timestamped lines (never redrawn or "
+        "cut) when stdout is not one (sbatch, nohup, a pipe); bar, lines, off force one (true = auto, "
+        "false = off)")
     tensorboard: bool = True
     wandb: bool = Field(False, description="also log to Weights & Biases when installed")
     wandb_project: str = "shardwise"
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _progress_bool(cls, v: Any) -> Any:
+        return {True: "auto", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class LoraSection(_Section):
