@@ -311,6 +311,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         memory = (f"{measured}; the plan ({s['planned_gpu_bytes'] / gib:.2f} GiB per GPU) is for a GPU "
                   "and not comparable")
     rows.append(("peak memory", memory))
+    rows += [(k, str(s[k])) for k in ("checkpoint", "export") if s.get(k)]
     if s.get("wall_s") is not None:
         from shardwise.console import duration
 

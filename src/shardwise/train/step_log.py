@@ -121,10 +121,10 @@ class StepLog:
         return step % self.every == 0
 
     def time_due(self) -> bool:
-        """`logging.every_seconds` have passed since the last flush (on this rank's clock) and
-        records are waiting."""
-        return (self.every_seconds is not None and bool(self.pending)
-                and self.clock() - self.flushed_at >= self.every_seconds)
+        """`logging.every_seconds` have passed since the last flush (on this rank's clock). The loop
+        asks during a step, before that step's record is added: the flush at the boundary after
+        it completes that step too."""
+        return self.every_seconds is not None and self.clock() - self.flushed_at >= self.every_seconds
 
     def flush(self) -> bool:
         """Complete, log and check every pending record; True when the newest step is finite
