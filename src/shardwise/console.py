@@ -120,6 +120,18 @@ def library_bars(enabled: bool) -> None:
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
 
 
+def _bar(name: str, *columns: Any, stream: TextIO | None) -> Any:
+    """A rich Progress: name, a 16-cell bar, `columns`, then the info text, which takes the rest
+    of the width and wraps onto more lines rather than squeezing the counts or being cut."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+    from rich.table import Column
+
+    return Progress(TextColumn(f"[bold]{name}"), BarColumn(bar_width=16), *columns,
+                    TextColumn("{task.fields[info]}", table_column=Column(ratio=1, overflow="fold")),
+                    console=Console(file=stream), expand=True)
+
+
 class TrainProgress:
     """The training run's progress: a rich bar (`bar`), plain lines (`lines`) or nothing (`off`).
     `update` is called with the newest step of every logging flush; ETA from the wall clock
@@ -134,11 +146,9 @@ class TrainProgress:
         self.first: tuple[float, int] | None = None  # (clock, step) of the first update
         self.bar: Any = None
         if mode == "bar":
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import MofNCompleteColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                TextColumn("{task.fields[info]}"), console=Console(file=stream))
+            self.bar = _bar("train", MofNCompleteColumn(), TimeRemainingColumn(), stream=stream)
             self.task = self.bar.add_task("train", total=total, completed=start_step, info="")
             self.bar.start()
 
@@ -154,7 +164,7 @@ class TrainProgress:
         if self.mode == "off":
             return
         if self.mode == "bar":
-            self.bar.update(self.task, completed=line.step, info=" ".join(step_fields(line)))
+            self.bar.update(self.task, completed=line.step, info=" | ".join(step_fields(line)))
             return
         say(format_step(line), self.stream, self.wall())
 
@@ -182,11 +192,9 @@ class PointsProgress:
         self.n, self.t = 0, clock()
         self.bar: Any = None
         if mode == "bar":
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import MofNCompleteColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.fields[info]}"), console=Console(file=stream))
+            self.bar = _bar("bench", MofNCompleteColumn(), TimeElapsedColumn(), stream=stream)
             self.task = self.bar.add_task("bench", total=total, info="")
             self.bar.start()
 
