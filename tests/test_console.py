@@ -171,3 +171,21 @@ def test_verbose_is_inherited_and_shows_every_warning(monkeypatch):
         quiet.apply(None)
         for name, level, why in quiet.QUIET_LOGGERS:
             assert logging.getLogger(name).level == level and why
+
+
+def test_transformers_bars_are_off_in_a_log():
+    """from_pretrained's "Loading weights" tqdm bar (redrawn per tensor into a log) follows the
+    console mode: off in a log and on ranks > 0, on for rank 0 on a terminal."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    from shardwise.console import library_bars
+
+    before = hf_logging.is_progress_bar_enabled()
+    try:
+        library_bars(False)
+        assert not hf_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+        library_bars(True)
+        assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+    finally:
+        library_bars(before)
