@@ -98,7 +98,7 @@ def step_fields(s: StepLine) -> list[str]:
 
 def format_step(s: StepLine) -> str:
     """A training step as one plain line (without the timestamp):
-    `train step 10/60 (17%) | loss 6.1234 | eval 6.2 (step 5) | lr 9.87e-04 | gnorm 1.440 |
+    `train step 10/60 (17%) | loss 6.1234 | eval 6.2000 (step 5) | lr 9.87e-04 | gnorm 1.440 |
     26,708 tok/s | mfu 41.2% | mem 0.55 GiB | elapsed 0:00:02 | eta 0:00:08`."""
     pct = f" ({s.step / s.total:.0%})" if s.total else ""
     parts = [f"train step {s.step}/{s.total}{pct}", *step_fields(s)]
@@ -142,7 +142,6 @@ class TrainProgress:
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.mode, self.total, self.start_step = mode, total, start_step
         self.stream, self.clock, self.wall = stream, clock, wall
-        self.t0 = clock()
         self.first: tuple[float, int] | None = None  # (clock, step) of the first update
         self.bar: Any = None
         if mode == "bar":
