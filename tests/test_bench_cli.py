@@ -66,6 +66,7 @@ def swept(tiny_config, tmp_path_factory) -> tuple[Path, dict]:
                 "--sweep", "strategy.name=" + ",".join(STRATEGIES))
     assert r.exit_code == 0, r.output
     assert "predicted vs measured" in r.output, r.output
+    (out / "cli-output.txt").write_text(r.output)  # not a TTY: the progress is plain lines
     return out, json.loads((out / "bench.json").read_text())
 
 
@@ -174,6 +175,18 @@ def test_bench_json_has_every_term_side_by_side(swept) -> None:
 
 
 @pytest.mark.distributed
+def test_bench_progress_in_a_log_is_a_line_per_point_start_and_end(swept) -> None:
+    out, _ = swept
+    text = (out / "cli-output.txt").read_text()
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+    for i, s in enumerate(STRATEGIES, 1):
+        point = f"bench point {i}/{len(STRATEGIES)} strategy.name={s}"
+        assert re.search(rf"^{stamp} {point}: running \(2 rank\(s\), 3 steps\)$", text, re.M), text
+        assert re.search(rf"^{stamp} {point}: done in \d+:\d\d:\d\d$", text, re.M), text
+    assert "\r" not in text and "\x1b" not in text
+    assert not [line for line in text.splitlines() if "bench point" in line and "…" in line]
+
+
 def test_measured_model_states_match_the_plan(swept) -> None:
     _, doc = swept
     bad = []

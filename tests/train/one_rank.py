@@ -18,7 +18,7 @@ def loop_config(tmp_path: Path, every: int, steps: int = 7, data: str = "synthet
         "run": {"steps": steps, "micro_batch": 2, "grad_accum": 2, "seed": 3, "device": "cpu"},
         "checkpointing": {"output_dir": str(tmp_path), "save_every_steps": save_every, "save_every_minutes": None,
                           "keep_last": 5},
-        "logging": {"every": every, "progress": False, "tensorboard": False},
+        "logging": {"every": every, "every_seconds": None, "progress": False, "tensorboard": False},
     })
 
 

@@ -41,7 +41,7 @@ def config(strategy: str, fused: bool, out: Path) -> TrainConfig:
         "precision": "fp32",
         "run": {"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "seed": 3, "device": "cpu"},
         "checkpointing": {"output_dir": str(out), "save_every_minutes": None},
-        "logging": {"every": EVERY, "progress": False, "tensorboard": False},
+        "logging": {"every": EVERY, "every_seconds": None, "progress": False, "tensorboard": False},
     })
 
 

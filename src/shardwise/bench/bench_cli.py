@@ -26,6 +26,9 @@ def bench(
         "--sweep", help="section.field=v1,v2 or strategy= / micro_batch= / grad_accum= / seq_len= / "
                         "checkpointing= (repeatable; the cartesian product is run, one launch per point).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Run even if the planner predicts OOM.")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", help="Show every third-party warning and log line (shardwise.quiet lists what is "
+        "otherwise silenced, and why).")] = False,
 ) -> None:
     """Per rank: model-state bytes by term (census of the live engine) vs the planner, memory after
     forward / backward / optimizer step (CUDA allocator peaks; host RSS on CPU, never compared with
@@ -35,7 +38,11 @@ def bench(
     expects to fix it. Under torchrun / deepspeed / srun each process is a rank (--nproc does not
     apply) and rank 0 writes the outputs. Exit codes: 0 done, 2 bad input (nothing ran), 75 stopped
     by SIGTERM/SIGINT/SIGHUP/SIGUSR1, else the failed point's (when stopped or failed, bench.json and
-    report.md hold the points measured before)."""
+    report.md hold the points measured before). Progress: a bar on a terminal, a timestamped line
+    per point start and end otherwise."""
+    from shardwise import quiet
+
+    quiet.apply(verbose or None)  # the ranks inherit --verbose through the environment
     from rich.console import Console
     from rich.markup import escape
 

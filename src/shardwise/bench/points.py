@@ -31,10 +31,12 @@ from typing import Any
 from shardwise.errors import ExitCode, ShardwiseError
 
 # What a bench point forces on the config: N steps, no checkpoints or exports (not even on SIGTERM:
-# an interrupted point is not resumed, it is left out of the report), quiet ranks.
+# an interrupted point is not resumed, it is left out of the report), quiet ranks, host syncs at the
+# logging steps only (none on a clock: the measured steps are the same whatever their speed).
 FORCED = ("checkpointing.save_final=false", "checkpointing.save_every_steps=null",
           "checkpointing.save_every_minutes=null", "checkpointing.save_on_interrupt=false",
-          "checkpointing.resume=null", "logging.progress=false", "logging.trackers=[]")
+          "checkpointing.resume=null", "logging.progress=false", "logging.every_seconds=null",
+          "logging.trackers=[]")
 # Stops that end a bench early with the points measured so far reported (and exit code 75).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
 
@@ -183,18 +185,16 @@ def launch_here(p: Point, out: Path, rank: int, last: bool = True) -> list[dict[
 
 
 def bench_points(config: Path, overrides: list[str], steps: int, nproc: int | None, out: Path,
-                 sweep: list[str] | None, force: bool, progress: bool = True) -> dict[str, Any] | None:
+                 sweep: list[str] | None, force: bool, progress: bool | str = True) -> dict[str, Any] | None:
     """Validate, run and compare every point; write bench.json and report.md under `out`.
-    Under an outer launcher only rank 0 writes and returns the document (the others: None)."""
+    Under an outer launcher only rank 0 writes and returns the document (the others: None).
+    `progress`: as logging.progress (a bar on a terminal, a line per point start and end
+    otherwise; False: nothing)."""
     from shardwise.bench.bench_report import write_report
     from shardwise.bench.compare import compare, memory_note
 
     launched = outer_launcher()
     rank = int(launched["rank"]) if launched else 0
-    if launched:  # as the spawned ranks do (run_bench.rank_main): torch's deprecation notes, once per call
-        import warnings
-
-        warnings.filterwarnings("ignore", category=FutureWarning)
     out.mkdir(parents=True, exist_ok=True)
     points = prepare(config, overrides, steps, nproc, out, sweep, force,
                      world=int(launched["world_size"]) if launched else None)
@@ -208,32 +208,29 @@ def bench_points(config: Path, overrides: list[str], steps: int, nproc: int | No
     results: list[dict[str, Any] | None] = []
     failed: BenchFailed | None = None
 
-    def run_all(before: Any = None, after: Any = None) -> None:
+    from shardwise.console import PointsProgress, resolve_mode
+
+    shown = PointsProgress(resolve_mode(progress) if rank == 0 else "off", len(points))
+
+    def run_all() -> None:
         nonlocal failed
         for p in points:
             if watch():
                 return
-            if before is not None:
-                before(p)
+            shown.started(p.label, f"{p.world} rank(s), {steps} steps")
             try:
                 results.append(run_point(p))
             except BenchFailed as e:  # a point that failed or was interrupted: report those before it
+                shown.finished(p.label, ok=False)
                 failed = e
                 return
-            if after is not None:
-                after(p)
+            shown.finished(p.label)
 
     with _stops_recorded(stops, enabled=not launched) as watch:
-        if progress and rank == 0:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("{task.fields[info]}"))
-            task = bar.add_task("bench", total=len(points), info="")
-            with bar:
-                run_all(lambda p: bar.update(task, info=p.label), lambda p: bar.advance(task))
-        else:
+        try:
             run_all()
+        finally:
+            shown.close()
     if rank != 0:
         if failed is not None:
             raise failed

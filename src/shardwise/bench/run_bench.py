@@ -94,7 +94,7 @@ def _installed(probe: _Probe):
         probe.records.append(asdict(rec))
 
     loop.build_engine, engine_mod.forward_loss_sum, metrics.Metrics.log_step = build_engine, forward_loss_sum, log_step
-    metrics.print_summary = lambda s: None  # the parent prints one table for the bench
+    metrics.print_summary = lambda *args, **kwargs: None  # the parent prints one table for the bench
     try:
         yield
     finally:
@@ -156,13 +156,13 @@ def run_rank(run: Any, planned_bytes: float | None, rank: int, gather: bool = Fa
 def rank_main(argv: list[str] | None = None) -> int:
     """One rank of a bench point (started by `spawn`): the trainer's rank body, measured."""
     import argparse
-    import warnings
 
+    from shardwise import quiet
     from shardwise.train.config import load_config
     from shardwise.train.launch import detect_env
     from shardwise.train.preflight import preflight
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet.apply()  # `shardwise bench --verbose` reaches the ranks through the environment
     ap = argparse.ArgumentParser(prog="shardwise.bench.run_bench")
     ap.add_argument("config")
     ap.add_argument("--set", action="append", default=[])

@@ -283,7 +283,9 @@ def build_model(shape: str, layers: int, precision: str, attention: str, checkpo
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if checkpointing == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        from shardwise.train.hf import enable_checkpointing
+
+        enable_checkpointing(model, use_reentrant=reentrant)
     elif checkpointing == "selective":  # per decoder layer, as torchtitan wraps its blocks
         from functools import partial
 

@@ -73,7 +73,9 @@ def _fetch_unit(module) -> str:
 def engine_settings(engine) -> dict[str, Any]:
     """The same keys as `planned_settings`, read from the live engine."""
     module = engine.module
-    out: dict[str, Any] = {"activation_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False))}
+    from shardwise.train.hf import checkpointing_enabled
+
+    out: dict[str, Any] = {"activation_checkpointing": checkpointing_enabled(module)}
     if engine.name == "deepspeed":
         ds = engine.ds
         stage = ds.zero_optimization_stage()

@@ -51,6 +51,9 @@ def train_cmd(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Start fresh in an output_dir that holds an earlier run's checkpoints or model "
         "(they are deleted; refused without this or --resume).")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", help="Show every third-party warning and log line (shardwise.quiet lists what is "
+        "otherwise silenced, and why).")] = False,
 ) -> None:
     """Train a causal LM on SFT data; the strategy changes memory and speed, never the result.
 
@@ -59,7 +62,12 @@ def train_cmd(
     previous checkpoint is intact), 75 interrupted by SIGTERM/SIGUSR1/SIGINT/SIGHUP after
     saving a checkpoint (`--resume latest` continues), 1 anything else; a rank killed by a
     signal: 128 + signal. docs/training.md lists what each leaves in the output dir.
+
+    Progress: a bar on a terminal, timestamped lines when stdout is not one (logging.progress).
     """
+    from shardwise import quiet
+
+    quiet.apply(verbose or None)  # spawned ranks inherit --verbose through the environment
     from shardwise.train.config import load_config
     from shardwise.train.launch import detect_env
     from shardwise.train.preflight import preflight, resolve_checkpoint
@@ -181,6 +189,10 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     if device == "cpu" and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     found = detect_env() or {"rank": 0, "world_size": 1}
+    from shardwise.console import library_bars, resolve_mode
+
+    # transformers' own bars ("Loading weights", downloads): rank 0's on a terminal only
+    library_bars(int(found["rank"]) == 0 and resolve_mode(cfg.logging.progress) == "bar")
     from shardwise.train.signals import hold_at_start, share
 
     hold_at_start()  # (done already by a spawned rank's entry point, and by the in-process caller)

@@ -234,7 +234,13 @@ class LoggingSection(_Section):
                        "once per N steps (a step does not wait for the device in between) and the progress line "
                        "gets every N-th step; metrics.jsonl and the trackers get every step's record (written "
                        "then)")
-    progress: bool = True
+    every_seconds: float | None = Field(60.0, gt=0, description="also log once this many seconds passed since "
+                                        "the last logged step (whichever of every / every_seconds comes first): "
+                                        "a batch log shows progress however slow a step is; null: steps only")
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        "auto", description="auto: a rich progress bar on a terminal, plain timestamped lines (never redrawn or "
+        "cut) when stdout is not one (sbatch, nohup, a pipe); bar, lines, off force one (true = auto, "
+        "false = off)")
     trackers: list[str] = Field(
         default_factory=lambda: ["tensorboard"],
         description=f"experiment trackers that get metrics.jsonl's records (train and eval), the run config "
@@ -244,6 +250,11 @@ class LoggingSection(_Section):
     mlflow: MlflowSection = Field(default_factory=MlflowSection, description="MLflow options")
     # the deprecated keys this section was written with (set by _legacy_keys; not a field)
     _legacy: tuple[str, ...] = PrivateAttr(default=())
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _progress_bool(cls, v: Any) -> Any:
+        return {True: "auto", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("trackers")
     @classmethod

@@ -36,9 +36,13 @@ def export_cmd(
     Written beside OUT and renamed when complete."""
     from rich.console import Console
 
+    from shardwise import quiet
+    from shardwise.console import library_bars, resolve_mode
     from shardwise.train.checkpoint import resolve_resume
     from shardwise.train.export import export_checkpoint
 
+    quiet.apply()
+    library_bars(resolve_mode("auto") == "bar")  # from_pretrained's bar: on a terminal only
     try:
         if out.exists() and not out.is_dir():
             raise ShardwiseError(f"OUT {str(out)!r} is a file, not a directory")

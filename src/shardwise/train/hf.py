@@ -26,3 +26,23 @@ def decoder_layers(model: Any) -> list[Any]:
     if layers is None:
         raise ShardwiseError(f"{type(model).__name__}: no `model.layers` to wrap per decoder layer")
     return list(layers)
+
+
+def enable_checkpointing(model: Any, use_reentrant: bool = False) -> None:
+    """Activation checkpointing of every decoder layer, through transformers' current name
+    (`activation_checkpointing_enable`; `gradient_checkpointing_enable` before transformers 5.2x,
+    a deprecated alias since, warning on every call)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
+def checkpointing_enabled(model: Any) -> bool:
+    """Whether activation checkpointing is on (`is_activation_checkpointing`, or its deprecated
+    alias `is_gradient_checkpointing` on older transformers)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False

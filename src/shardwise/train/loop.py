@@ -7,9 +7,9 @@ Per optimizer step:
    the loss sums stay on the device;
 3. take the next step's micro-batches (already read, collated and counted by the prefetch
    thread, shardwise.train.data.Prefetcher) and start one host-side all-reduce of [their counts,
-   a stop vote, a timed-save vote]; then `step()` (clip + update, returns the global grad norm,
-   left on the device) and `zero_grad()` overlap it;
-4. at a logging step (`logging.every`), and before anything that needs the numbers (a save, an
+   a stop vote, a timed-save vote, a timed-log vote]; then `step()` (clip + update, returns the
+   global grad norm, left on the device) and `zero_grad()` overlap it;
+4. at a logging step (`logging.every` steps or `logging.every_seconds`), and before anything that needs the numbers (a save, an
    evaluation, a stop, the end), the pending records are completed at once
    (shardwise.train.step_log): the logged loss of a step is its all-reduced loss sum over its
    global count, the exact mean over the step's targets, equal to what one process computes on
@@ -167,9 +167,16 @@ def train(
     cfg = run.config
     cp = cfg.checkpointing
     seed_everything(cfg.run.seed)
+    t_build = time.perf_counter()
+    if env.is_main and cfg.model.path and not cfg.model.random_init:
+        from shardwise.console import resolve_mode, say
+
+        if resolve_mode(cfg.logging.progress) != "off":  # one line for the load, not a bar per tensor
+            say(f"model: reading {cfg.model.path} ({run.strategy.name} on {env.world_size} rank(s))")
     model = build_model(run, deferred=True)  # a checkpoint is read by the engine, into each rank's part
     num_params = sum(p.numel() for p in model.parameters())
     engine = build_engine(model, run, env)
+    build_s = time.perf_counter() - t_build
     global_batch = cfg.run.micro_batch * cfg.run.grad_accum * env.world_size
     phase = watchdog.phase if watchdog is not None else (lambda name, step: None)
     start, train_time = 0, 0.0
@@ -203,7 +210,7 @@ def train(
     lr_at = build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.run.steps)
     result = TrainResult(num_params=num_params, start_step=start)
     if metrics is not None:
-        metrics.start(cfg, env, num_params, start_step=start)
+        metrics.start(cfg, env, num_params, start_step=start, build_s=build_s)
     periodic = cp.save_every_steps is not None or cp.save_every_minutes is not None
     guard = Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16",
                   say=(lambda msg: print(msg, flush=True)) if env.is_main else (lambda msg: None))
@@ -219,17 +226,21 @@ def train(
         if metrics is not None:
             metrics.log_step(rec)
 
-    records = StepLog(cfg.logging.every, guard, lambda sums: meta.wait(meta.start(sums)), log_record)
+    records = StepLog(cfg.logging.every, guard, lambda sums: meta.wait(meta.start(sums)), log_record,
+                      every_seconds=cfg.logging.every_seconds, show=getattr(metrics, "show", None))
 
     def save(step: int) -> Path:
         nonlocal last_save
         phase("checkpoint save", step)
+        t_save = time.perf_counter()
         state = ckpt.TrainerState(step=step, samples_consumed=step * global_batch, global_batch=global_batch,
                                   train_time_s=train_time)  # fmt: skip
         path = ckpt.save_checkpoint(engine, state, cp.output_dir, config=cfg.model_dump(mode="json"),
                                     strategy=run.strategy.name, keep_last=cp.keep_last, lineage=lineage,
                                     protect=best_step if cp.save_best else None)  # fmt: skip
         result.checkpoint, last_save = path, time.monotonic()
+        if getattr(metrics, "log_checkpoint", None) is not None:
+            metrics.log_checkpoint(step, path, time.perf_counter() - t_save)
         if cp.save_best and best_step == step and env.is_main:
             ckpt.write_best(cp.output_dir, step, best_loss, lineage)
         return path
@@ -264,22 +275,24 @@ def train(
 
     def votes() -> list[float]:
         timed = cp.save_every_minutes is not None and time.monotonic() - last_save >= cp.save_every_minutes * 60
-        return [float(stop is not None and stop.requested), float(timed)]
+        return [float(stop is not None and stop.requested), float(timed), float(records.time_due())]
 
     # The next steps' batches are read, collated and counted on a background thread.
     source = Prefetcher(steps, first=start + 1, count=cfg.run.steps - start)
     try:
         nxt = source.next() if start < cfg.run.steps else None
-        reduce = meta.start([nxt.targets, nxt.tokens, 0.0, 0.0]) if nxt is not None else None
+        reduce = meta.start([nxt.targets, nxt.tokens, 0.0, 0.0, 0.0]) if nxt is not None else None
         for step in range(start, cfg.run.steps):
             t0, c0 = time.perf_counter(), time.thread_time()
             phase("all_reduce(step counts)", step)
-            targets, tokens, stop_vote, time_vote = meta.wait(reduce)
+            targets, tokens, stop_vote, time_vote, log_vote = meta.wait(reduce)
             if step > start:  # a boundary: `step` optimizer steps are done and applied
-                # The records reach the host at a logging step and before any decision that needs
+                # The records reach the host at a logging step (every N steps, or once any rank's
+                # clock says logging.every_seconds passed) and before any decision that needs
                 # them; nothing below is due at any other boundary.
                 finite = True
-                if stop_vote or time_vote or eval_due(step) or save_due(step) or records.due(step):
+                if (stop_vote or time_vote or log_vote or eval_due(step) or save_due(step)
+                        or records.due(step)):  # fmt: skip
                     phase("host sync (losses, grad norms)", step)
                     finite = records.flush()
                 # a stop request skips a due evaluation: the stop must be prompt

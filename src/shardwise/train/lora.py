@@ -146,9 +146,19 @@ def apply_lora(model: Any, run: RunSpec) -> Any:
 def peft_model(section: LoraSection, base: Any) -> Any:
     """A `peft.PeftModel` around `base` with a `lora:` section's adapter config (fresh adapters),
     for export: `save_pretrained` writes PEFT's adapter format, `merge_and_unload` the merged model."""
+    import warnings
+
     from peft import get_peft_model
 
-    return get_peft_model(base, peft_config(section), adapter_name=ADAPTER_NAME)
+    from shardwise.quiet import verbose
+
+    with warnings.catch_warnings():
+        # PeftModel.__init__ reads `base.is_gradient_checkpointing` (getattr), a property transformers 5
+        # deprecated for `is_activation_checkpointing`: a FutureWarning about PEFT's code, not the run's.
+        if not verbose():
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+        return get_peft_model(base, peft_config(section), adapter_name=ADAPTER_NAME)
 
 
 def init_adapters(model: Any, section: Any, seed: int) -> None:

@@ -1,7 +1,7 @@
-"""Observability: rich progress bar, JSONL (always), the experiment trackers of
-`logging.trackers` (TensorBoard, W&B, MLflow: shardwise.train.trackers, fed every JSONL row),
-and the end summary comparing measured peak memory and throughput with the plan. Rank 0
-writes; other ranks hold a no-op instance so the loop never branches on the rank.
+"""Observability: the progress bar or lines (shardwise.console), JSONL (always), the experiment
+trackers of `logging.trackers` (TensorBoard, W&B, MLflow: shardwise.train.trackers, fed every
+JSONL row), and the end summary comparing measured peak memory and throughput with the plan.
+Rank 0 writes; other ranks hold a no-op instance so the loop never branches on the rank.
 
 `summary.json` always says where the run is: `running` from the moment it starts (written by
 the launcher, `run_started`), then `completed`, `interrupted` or `failed` with the reason
@@ -119,11 +119,14 @@ class Metrics:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.records: list[Any] = []
         self.summary: dict[str, Any] = {}
+        self.progress: Any = None  # shardwise.console.TrainProgress, on rank 0 once started
         self._on = False
 
-    def start(self, cfg: TrainConfig, env: DistEnv, num_params: int, start_step: int = 0) -> None:
+    def start(self, cfg: TrainConfig, env: DistEnv, num_params: int, start_step: int = 0,
+              build_s: float | None = None) -> None:
         """Open the logs; a run resumed at `start_step` keeps the earlier run's lines up to that
-        step and drops any it logged after its last checkpoint (they are trained again)."""
+        step and drops any it logged after its last checkpoint (they are trained again).
+        `build_s`: how long the model and engine took to build (and load), for the start line."""
         self.env, self.num_params, self.start_step = env, num_params, start_step
         self._on = env.is_main
         if not self._on:
@@ -142,23 +145,21 @@ class Metrics:
         self.jsonl = open(path, "w")
         self.jsonl.writelines(line + "\n" for line in kept)
         self.jsonl.flush()
-        self.progress = None
+        from shardwise.console import TrainProgress, resolve_mode
         from shardwise.train.trackers import Trackers
 
         self.trackers = Trackers()
-        if cfg.logging.progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-            )
-            self.task = self.progress.add_task("train", total=cfg.run.steps, info="")
-            self.progress.start()
+        self.progress = TrainProgress(resolve_mode(cfg.logging.progress), cfg.run.steps, start_step)
         self.t0 = time.perf_counter()
+        if self.progress.mode != "off":
+            m = cfg.model
+            self.progress.note(
+                f"train {cfg.name} | {m.path or m.name} ({num_params:,} parameters) | {cfg.strategy.name} on "
+                f"{env.world_size} rank(s), {env.device} | steps {start_step + 1}-{cfg.run.steps}"
+                + (f" (resumed after {start_step})" if start_step else "")
+                + (f" | model and engine ready in {build_s:.1f} s" if build_s is not None else "")
+                + f" | output {self.dir}")
         self.trackers.start(cfg, self.run)  # last: a tracker that cannot start fails a run that can close
 
     def memory_bytes(self) -> tuple[float, str]:
@@ -166,28 +167,42 @@ class Metrics:
             return float(torch.cuda.max_memory_allocated()), "GPU max allocated"
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "host peak RSS"
 
-    def log_step(self, rec: Any) -> None:
-        self.records.append(rec)
-        if not self._on:
-            return
+    def _row(self, rec: Any) -> dict[str, Any]:
         tps = rec.tokens / rec.step_time_s
         row = asdict(rec) | {"tokens_per_s": tps, "memory_bytes": self.memory_bytes()[0]}
         if self.flops_per_token:
             row["tflops"] = tps * self.flops_per_token / 1e12
             if self.peak_flops:
                 row["mfu"] = tps * self.flops_per_token / (self.peak_flops * self.env.world_size)
+        return row
+
+    def log_step(self, rec: Any) -> None:
+        self.records.append(rec)
+        if not self._on:
+            return
+        row = self._row(rec)
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         self.trackers.log(row)
-        if rec.step % self.cfg.logging.every and rec.step != self.cfg.run.steps:
+
+    def show(self, rec: Any) -> None:
+        """The progress bar or line for `rec`, the newest step of a logging flush
+        (shardwise.train.step_log: every `logging.every` steps or `logging.every_seconds`)."""
+        if not self._on:
             return
-        if self.progress:
-            mfu = f" mfu {row['mfu']:.1%}" if "mfu" in row else ""
-            info = (
-                f"loss {rec.loss:.4f} lr {rec.lr:.2e} gnorm {rec.grad_norm:.3f} {tps:,.0f} tok/s{mfu} "
-                f"mem {row['memory_bytes'] / GIB:.2f} GiB{getattr(self, '_eval_info', '')}"
-            )
-            self.progress.update(self.task, completed=rec.step, info=info)
+        from shardwise.console import StepLine
+
+        row, last = self._row(rec), getattr(self, "evals", [None])[-1]
+        self.progress.update(StepLine(
+            step=rec.step, total=self.cfg.run.steps, loss=rec.loss, lr=rec.lr, grad_norm=rec.grad_norm,
+            tokens_per_s=row["tokens_per_s"], memory_bytes=row["memory_bytes"], memory_kind=self.memory_bytes()[1],
+            mfu=row.get("mfu"), eval_loss=last.eval_loss if last else None, eval_step=last.step if last else None,
+            elapsed_s=time.perf_counter() - self.t0, eta_s=self.progress.eta(rec.step, rec.step_time_s)))
+
+    def log_checkpoint(self, step: int, path: Any, seconds: float) -> None:
+        """A line (or a note above the bar) for a published checkpoint."""
+        if self._on and self.progress.mode != "off":
+            self.progress.note(f"checkpoint step {step} | {path} | {seconds:.1f} s")
 
     def log_eval(self, rec: Any) -> None:
         """An evaluation (shardwise.train.loop.EvalRecord): a `"kind": "eval"` line in
@@ -200,13 +215,9 @@ class Metrics:
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
         self.trackers.log(row)
-        if self.progress:  # kept on the line until the next evaluation
-            self._eval_info = f" | eval {rec.eval_loss:.4f} (ppl {rec.eval_ppl:.2f}, step {rec.step})"
-            self.progress.update(self.task, info=f"eval loss {rec.eval_loss:.4f} ppl {rec.eval_ppl:.2f} "
-                                 f"(step {rec.step}, {rec.eval_tokens:,} targets)")
-        else:
-            print(f"shardwise: step {rec.step}: eval loss {rec.eval_loss:.4f}, ppl {rec.eval_ppl:.3f} "
-                  f"over {rec.eval_tokens:,} target tokens", flush=True)
+        # its own line (above the bar); the progress updates after it carry the latest eval loss
+        self.progress.note(f"eval step {rec.step}/{self.cfg.run.steps} | loss {rec.eval_loss:.4f} | ppl "
+                           f"{rec.eval_ppl:.3f} | {rec.eval_tokens:,} target tokens | {rec.eval_time_s:.1f} s")
 
     def close(self, status: str = "completed", reason: str | None = None, **extra: Any) -> dict[str, Any]:
         """Write `summary.json` (atomically) with the run's final `status`: completed,
@@ -214,8 +225,10 @@ class Metrics:
         if not getattr(self, "_on", False):
             return {}
         self._on = False
-        if self.progress:
-            self.progress.stop()
+        mode = None
+        if self.progress is not None:
+            self.progress.close()
+            mode = None if self.progress.mode == "off" else self.progress.mode
         times = [r.step_time_s for r in self.records[1:]] or [r.step_time_s for r in self.records]
         step_s = statistics.median(times) if times else float("nan")
         tokens = self.records[-1].tokens if self.records else 0
@@ -254,30 +267,24 @@ class Metrics:
         write_summary(self.dir, self.summary)
         self.jsonl.close()
         self.trackers.close(status, self.summary)
-        print_summary(self.summary)
+        print_summary(self.summary, mode)
         return self.summary
 
 
-def print_summary(s: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="shardwise train: summary", show_header=False)
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """summary.json as the end-of-run block's rows (shardwise.console.summary_block)."""
     gib = GIB
-    t.add_row("status", s["status"] + (f" ({s['reason']})" if s.get("reason") else ""))
-    t.add_row("steps", str(s["steps"]) + (f" (resumed after step {s['start_step']})" if s.get("start_step") else ""))
+    rows = [("status", s["status"] + (f" ({s['reason']})" if s.get("reason") else "")),
+            ("steps", str(s["steps"]) + (f" (resumed after step {s['start_step']})" if s.get("start_step") else ""))]
     if not s["steps"]:
-        Console().print(t)
-        return
-    t.add_row("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}")
+        return rows
+    rows.append(("loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"))
     if s.get("final_eval_loss") is not None:
-        t.add_row("eval loss", f"{s['final_eval_loss']:.4f} final, {s['best_eval_loss']:.4f} best "
-                  f"(step {s['best_eval_step']})")
-    t.add_row("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms")
-    t.add_row(
-        "throughput",
-        f"{s['tokens_per_s']:,.0f} tokens/s" + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else ""),
-    )
+        rows.append(("eval loss", f"{s['final_eval_loss']:.4f} final, {s['best_eval_loss']:.4f} best "
+                     f"(step {s['best_eval_step']})"))
+    rows.append(("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms"))
+    rows.append(("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"
+                 + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else "")))
     measured = f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']})"
     if not s["planned_gpu_bytes"]:
         memory = f"{measured}; no plan"
@@ -286,5 +293,18 @@ def print_summary(s: dict[str, Any]) -> None:
     else:  # a CPU run: host RSS holds the interpreter and libraries; the plan is a GPU's memory
         memory = (f"{measured}; the plan ({s['planned_gpu_bytes'] / gib:.2f} GiB per GPU) is for a GPU "
                   "and not comparable")
-    t.add_row("peak memory", memory)
-    Console().print(t)
+    rows.append(("peak memory", memory))
+    rows += [(k, str(s[k])) for k in ("checkpoint", "export") if s.get(k)]
+    if s.get("wall_s") is not None:
+        from shardwise.console import duration
+
+        rows.append(("wall time", duration(s["wall_s"])))
+    return rows
+
+
+def print_summary(s: dict[str, Any], mode: Any = None) -> None:
+    """The end-of-run block: a table on a terminal, `key: value` lines in a log (`mode`: the
+    progress mode; None: by stdout)."""
+    from shardwise.console import summary_block
+
+    summary_block("shardwise train: summary", summary_rows(s), mode)

@@ -149,7 +149,9 @@ def build_model(run: RunSpec, *, deferred: bool = False):
     model.config.use_cache = False  # no KV cache in training
     if run.train.checkpointing == "full":
         # Non-reentrant: works under FSDP2 and ZeRO-3 hooks and with frozen inputs.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from shardwise.train.hf import enable_checkpointing
+
+        enable_checkpointing(model, use_reentrant=False)
     lora = run.config.lora
     if meta and (not deferred or (lora is not None and lora.quantization == "nf4")):
         # Filled here, on CPU: for a caller that wants weights, or for QLoRA, which quantises the

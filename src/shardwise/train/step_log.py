@@ -13,6 +13,7 @@ changes (torchtitan reads its loss on logging steps only, for the same reason).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,15 +93,23 @@ class StepLog:
     """Pending step records (their loss sum and gradient norm still on the device) until `flush`.
 
     `reduce_sums` sums a list of host floats over ranks (the loop's host-side group); `log`
-    receives each completed record, in step order. Every rank must flush at the same steps: the
-    flush is a collective."""
+    receives each completed record, in step order, and `show` the newest record of each flush
+    (the progress bar or line: shardwise.console). Every rank must flush at the same steps: the
+    flush is a collective.
+
+    The logging interval is `every` steps or `every_seconds` (`logging.every_seconds`), whichever
+    comes first: `due(step)` is the step rule, `time_due()` this rank's clock (the loop sums it
+    over ranks with its other votes, so every rank flushes at the same boundary)."""
 
     def __init__(self, every: int, guard: Guard, reduce_sums: Callable[[list[float]], list[float]],
-                 log: Callable[[StepRecord], None]):
+                 log: Callable[[StepRecord], None], *, every_seconds: float | None = None,
+                 show: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.every, self.guard, self.reduce_sums, self.log = every, guard, reduce_sums, log
+        self.every_seconds, self.show, self.clock = every_seconds, show, clock
         self.pending: list[tuple[StepRecord, torch.Tensor, torch.Tensor | float]] = []
         self.last: StepRecord | None = None  # the newest completed record
         self.finite = True  # the guard's verdict on `last`
+        self.flushed_at = clock()  # the last flush (or the start)
 
     def add(self, rec: StepRecord, loss_sum: torch.Tensor, grad_norm: torch.Tensor | float) -> None:
         """`rec` with its loss and grad_norm to come: this rank's loss sum (all-reduced at the
@@ -110,6 +119,12 @@ class StepLog:
     def due(self, step: int) -> bool:
         """The boundary after `step` is a logging step (`logging.every`)."""
         return step % self.every == 0
+
+    def time_due(self) -> bool:
+        """`logging.every_seconds` have passed since the last flush (on this rank's clock). The loop
+        asks during a step, before that step's record is added: the flush at the boundary after
+        it completes that step too."""
+        return self.every_seconds is not None and self.clock() - self.flushed_at >= self.every_seconds
 
     def flush(self) -> bool:
         """Complete, log and check every pending record; True when the newest step is finite
@@ -126,7 +141,9 @@ class StepLog:
         for rec, total, norm in zip(recs, totals, host[k:], strict=True):
             rec.loss, rec.grad_norm = total / rec.target_tokens, norm
             self.log(rec)
-        self.last = recs[-1]
+        self.last, self.flushed_at = recs[-1], self.clock()
+        if self.show is not None:
+            self.show(recs[-1])
         for rec in recs:
             self.finite = self.guard.check(rec)
         return self.finite

@@ -19,8 +19,6 @@ def zero3_model(run: Any, attn_implementation: str) -> Any:
     `zero.Init` model; fp32 masters of trainable parameters are made from these values)."""
     import os
 
-    import torch
-
     if run.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -28,18 +26,18 @@ def zero3_model(run: Any, attn_implementation: str) -> Any:
 
     from shardwise.run import deepspeed_config
     from shardwise.train.engines._torch_common import compute_dtype
+    from shardwise.train.engines.deepspeed import deepspeed_comm
 
     cfg = run.config.model
     hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     dtype = compute_dtype(run)
     # zero.Init patches tensor construction: modules imported lazily inside it (transformers'
     # modeling and masking code, which imports torch._dynamo) must be imported before.
-    import torch._dynamo
+    import torch._dynamo  # noqa: F401
     import transformers.masking_utils  # noqa: F401
 
     AutoModelForCausalLM._model_mapping[type(hf_cfg)]  # imports the architecture's modeling module
-    if torch.distributed.is_initialized():  # zero.Init reads the world size off deepspeed.comm
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    deepspeed_comm()  # zero.Init reads the world size off deepspeed.comm
     # The dtype comes from the config (bf16/fp16/fp32 as DeepSpeed trains): an explicit `dtype=`
     # is ignored where the accelerator lacks fp16 (DeepSpeed 0.19 `_set_dtype` precedence: bf16 on CPU).
     with deepspeed.zero.Init(config_dict_or_path=deepspeed_config(run)):

@@ -21,6 +21,38 @@ from shardwise.run import RunSpec, deepspeed_config
 from shardwise.train.engines.base import DistEnv, decay_groups, evaluate_loss_sum, forward_loss_sum
 
 
+def _no_scheduler(optimizer: Any) -> None:
+    """`deepspeed.initialize(lr_scheduler=...)`: no DeepSpeed scheduler (see DeepSpeedEngine)."""
+    return None
+
+
+def deepspeed_comm() -> None:
+    """DeepSpeed's communication backend on the process group this rank joined, calling torch's
+    current collectives. DeepSpeed 0.19's TorchBackend picks `torch.distributed.all_gather_into_tensor`
+    and `reduce_scatter_tensor` by name (`get_all_gather_function`); torch 2.13 deprecated both for
+    `all_gather_single` / `reduce_scatter_single`, which take the same arguments (the old names
+    now only warn and call them). Under ZeRO-3 every layer's fetch and every gradient
+    reduce-scatter went through the old names: a FutureWarning per call, 480 lines in a 60-step
+    demo. Only DeepSpeed's own choice of the deprecated function is replaced; a DeepSpeed or torch
+    that does anything else is left alone. No process group yet: nothing to do (DeepSpeed makes
+    its own, and the engine calls this again after)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return
+    import deepspeed
+    from deepspeed import comm
+
+    if comm.comm.cdb is None:
+        deepspeed.init_distributed(dist_backend=tdist.get_backend())
+    cdb = comm.comm.cdb
+    for attr, old, new in (("all_gather_function", "all_gather_into_tensor", "all_gather_single"),
+                           ("reduce_scatter_function", "reduce_scatter_tensor", "reduce_scatter_single")):
+        if (hasattr(tdist, new) and getattr(tdist, old, None) is not None
+                and getattr(cdb, attr, None) is getattr(tdist, old)):
+            setattr(cdb, attr, getattr(tdist, new))
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
 
@@ -41,10 +73,18 @@ class DeepSpeedEngine:
             # frozen embedding: LoRA) — before its adapters' gradients exist. Making the embedding's
             # output require grad (PEFT's recipe for checkpointing) moves it to the end of the layer.
             model.enable_input_require_grads()
+        deepspeed_comm()
+        # The loop is the schedule (`set_lr` before every step, on every engine alike). The JSON's
+        # `scheduler` block stays (it is `plan --emit`'s ds_config.json, for scripts of your own),
+        # but DeepSpeed must not build it here: its constructor reads the lr before step 0 (DeepSpeed
+        # logs "Attempting to get learning rate from scheduler before it has started", once per
+        # rank, and sets every group's lr to 0), and each update would then write its own lr into
+        # the param groups. A client scheduler factory that returns None wins over the config's.
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=decay_groups(model, run.config.optimizer.weight_decay),
-            config=self.config,
+            config=self.config, lr_scheduler=_no_scheduler,
         )
+        deepspeed_comm()  # a backend DeepSpeed initialised itself (no process group before)
         self.module = self.ds.module
         self._check_fetch_unit()
         self._boundary = True

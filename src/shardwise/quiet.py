@@ -1,0 +1,51 @@
+"""Third-party warnings, handled where they come from; `--verbose` shows them all.
+
+What used to flood a run's log was fixed at its source, not filtered:
+- DeepSpeed's backend called torch's deprecated `all_gather_into_tensor` / `reduce_scatter_tensor`
+  (a FutureWarning per call: 480 lines in a 60-step ZeRO-3 demo): it now calls their successors
+  (shardwise.train.engines.deepspeed.deepspeed_comm);
+- DeepSpeed built the JSON's lr scheduler beside the loop's and read it before step 0
+  ("Attempting to get learning rate from scheduler before it has started", once per rank): the
+  engine no longer has DeepSpeed build one (shardwise.train.engines.deepspeed);
+- PEFT's `PeftModel` reads transformers' deprecated `is_gradient_checkpointing`: the one call
+  that wraps a model in it ignores that one warning (shardwise.train.lora.peft_model).
+
+What is left here cannot be fixed from shardwise: messages a library prints on import that say
+nothing about the run. Each entry names exactly what it silences and why. `--verbose` on `train`
+and `bench` (the environment variable SHARDWISE_VERBOSE=1, which spawned ranks inherit) installs
+none of them and shows every warning, DeprecationWarnings included (Python's "default" action).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+VERBOSE_ENV = "SHARDWISE_VERBOSE"
+
+# (logger, level it is set to, why)
+QUIET_LOGGERS: tuple[tuple[str, int, str], ...] = (
+    ("bitsandbytes.backends.cpu.ops", logging.ERROR,
+     "bitsandbytes logs 'Failed to load CPU gemm_4bit_forward from kernels-community' on every rank "
+     "whenever PEFT imports it on a CPU with AVX512-BF16, unless the optional `kernels` package is "
+     "installed; that CPU 4-bit kernel is never used here (lora.quantization nf4 is CUDA-only)"),
+)
+
+
+def verbose() -> bool:
+    """`--verbose` was given here or to the process that spawned this rank."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def apply(verbose_flag: bool | None = None) -> None:
+    """Set this process's warning policy (call it first thing in every entry point: the train
+    and bench CLIs, a bench rank). `verbose_flag` True also exports SHARDWISE_VERBOSE=1 for the
+    ranks this process starts; None reads it from the environment."""
+    if verbose_flag:
+        os.environ[VERBOSE_ENV] = "1"
+    if verbose() if verbose_flag is None else verbose_flag:
+        warnings.simplefilter("default")  # every warning, once per location (DeprecationWarning too)
+        return
+    for name, level, _why in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(level)
