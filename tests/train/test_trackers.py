@@ -78,7 +78,7 @@ def test_old_keys_are_read_into_trackers_and_named(tmp_path):
     # the new spelling has no note, and what is written back (manifests, plan --emit) is new
     cfg = TrainConfig.model_validate({"logging": {"trackers": ["mlflow"]}})
     assert cfg.logging.deprecation("x") is None
-    assert set(cfg.model_dump()["logging"]) == {"every", "progress", "trackers", "wandb", "mlflow"}
+    assert set(cfg.model_dump()["logging"]) == {"every", "every_seconds", "progress", "trackers", "wandb", "mlflow"}
 
 
 def test_train_prints_the_deprecation_once_before_anything_runs(tmp_path):
