@@ -240,3 +240,22 @@ def test_report_and_plots(swept) -> None:
         assert len(data) > 5_000, (name, len(data))
         img = mpimg.imread(path)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, (name, img.shape)
+
+
+@pytest.mark.parametrize("columns", [80, 250])
+def test_bench_table_is_never_cut_at_the_log_width(swept, columns, monkeypatch, capsys) -> None:
+    """Narrower than the table (a batch log at 80 columns): a block per point, every value whole;
+    wide enough: the table."""
+    from shardwise.bench.bench_report import print_table
+
+    _, doc = swept
+    monkeypatch.setenv("COLUMNS", str(columns))
+    print_table(doc)
+    text = capsys.readouterr().out
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= columns
+    for p in doc["points"]:
+        assert p["short"] in text
+        ms = p["model_states"]["model_states"]
+        assert f"{ms['measured'] / 2**20:,.2f}" in text  # the measured MiB, whole
+    assert ("model states err:" in text) == (columns == 80)

@@ -143,10 +143,9 @@ def print_table(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     sweep = ", ".join(s.partition("=")[0] for s in doc["sweep"]) or "point"
-    t = Table(title=f"shardwise bench: predicted vs measured ({doc['device']})")
-    for col in (sweep, "model states MiB (pred / meas)", "err", "comm MiB (pred / meas)", "err",
-                "fwd / bwd / opt / comm ms", "exposed comm (pred / meas)", "tokens/s"):
-        t.add_column(col, justify="left" if col == sweep else "right")
+    cols = (sweep, "model states MiB (pred / meas)", "err", "comm MiB (pred / meas)", "err",
+            "fwd / bwd / opt / comm ms", "exposed comm (pred / meas)", "tokens/s")
+    rows = []
     for p in doc["points"]:
         ms = p["model_states"]["model_states"]
         cp = sum(v["predicted"] or 0 for v in p["comm"].values())
@@ -155,12 +154,28 @@ def print_table(doc: dict[str, Any]) -> None:
         m = {k: tm["terms"][k]["measured"] for k in ("forward", "backward", "optimizer", "exposed_comm")}
         sh = tm["terms"]["exposed_comm_share"]
         bound = " !" if (p.get("comm_bound") or {}).get("bound") else ""
-        t.add_row(p["short"], f"{_mib(ms['predicted'])} / {_mib(ms['measured'])}", _pct(ms["rel_error"]),
-                  f"{_mib(cp)} / {_mib(cm)}", _pct(comm_total_error(p)),
-                  " / ".join(f"{v * 1e3:.1f}" for v in m.values()),
-                  f"{_share(sh['predicted'])} / {_share(sh['measured'])}{bound}",
-                  rate(tm["tokens_per_s"]) if tm["tokens_per_s"] else "-")
-    Console().print(t)
+        rows.append((p["short"], f"{_mib(ms['predicted'])} / {_mib(ms['measured'])}", _pct(ms["rel_error"]),
+                     f"{_mib(cp)} / {_mib(cm)}", _pct(comm_total_error(p)),
+                     " / ".join(f"{v * 1e3:.1f}" for v in m.values()),
+                     f"{_share(sh['predicted'])} / {_share(sh['measured'])}{bound}",
+                     rate(tm["tokens_per_s"]) if tm["tokens_per_s"] else "-"))
+    title = f"shardwise bench: predicted vs measured ({doc['device']})"
+    t = Table(title=title)
+    for col in cols:
+        t.add_column(col, justify="left" if col == sweep else "right")
+    for r in rows:
+        t.add_row(*r)
+    console = Console()
+    if console.measure(t, options=console.options.update_width(10**4)).maximum <= console.width:
+        console.print(t)
+    else:  # narrower than the table (a batch log without COLUMNS): one block per point, nothing cut
+        console.print(escape(title), highlight=False)
+        for r in rows:
+            console.print(escape(r[0]), highlight=False, soft_wrap=True)
+            labels = ("model states MiB (pred / meas)", "model states err", "comm MiB (pred / meas)", "comm err",
+                      *cols[5:])
+            for label, value in zip(labels, r[1:], strict=True):
+                console.print(f"  {escape(label)}: {escape(value)}", highlight=False, soft_wrap=True)
     for p in doc["points"]:
         if (p.get("comm_bound") or {}).get("bound"):
             Console().print(f"[yellow]{escape(p['short'])}:[/] {escape(p['comm_bound']['message'])}", highlight=False)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shardwise.numfmt import rate
 from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
 from shardwise.train.engines.base import DistEnv
@@ -283,7 +284,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("eval loss", f"{s['final_eval_loss']:.4f} final, {s['best_eval_loss']:.4f} best "
                      f"(step {s['best_eval_step']})"))
     rows.append(("step time (median)", f"{s['median_step_s'] * 1e3:.1f} ms"))
-    rows.append(("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"
+    rows.append(("throughput", f"{rate(s['tokens_per_s'])} tokens/s"
                  + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else "")))
     measured = f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']})"
     if not s["planned_gpu_bytes"]:
