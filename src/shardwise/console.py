@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
+from shardwise.numfmt import rate
+
 Mode = Literal["bar", "lines", "off"]
 PROGRESS_SETTINGS = ("auto", "bar", "lines", "off")
 GIB = 1024**3
@@ -89,7 +91,7 @@ def step_fields(s: StepLine) -> list[str]:
     out = [f"loss {s.loss:.4f}"]
     if s.eval_loss is not None:
         out.append(f"eval {s.eval_loss:.4f}" + (f" (step {s.eval_step})" if s.eval_step is not None else ""))
-    out += [f"lr {s.lr:.2e}", f"gnorm {s.grad_norm:.3f}", f"{s.tokens_per_s:,.0f} tok/s"]
+    out += [f"lr {s.lr:.2e}", f"gnorm {s.grad_norm:.3f}", f"{rate(s.tokens_per_s)} tok/s"]
     if s.mfu is not None:
         out.append(f"mfu {s.mfu:.1%}")
     out.append(f"{mem} {s.memory_bytes / GIB:.2f} GiB")

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from shardwise.ingest.common import FORMAT_NAMES, Setting, Source
+from shardwise.numfmt import rate
 from shardwise.specs.hardware import GIB
 
 MAX_SHOWN = 3
@@ -101,7 +102,7 @@ def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str =
 
 def _line(item: dict, fmt: str) -> str:
     nums = (f"{item['memory_total'] / GIB:.1f} of {item['usable_bytes'] / GIB:.1f} usable GiB per GPU, "
-            f"{item['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU")
+            f"{rate(item['tokens_per_s_per_gpu'])} tokens/s per GPU")
     if item.get("speedup"):
         nums += f" ({item['speedup'] - 1:+.0%})"
     what = (f"{item['strategy']}, micro-batch {item['micro_batch']} × accum {item['grad_accum']}, "
@@ -143,7 +144,7 @@ def print_source(console, src: Source) -> None:
             p("  No edit of this file's strategy, micro-batch or checkpointing makes it fit here.")
     else:
         p(f"  As written: {cur['memory_total'] / GIB:.1f} of {cur['usable_bytes'] / GIB:.1f} usable GiB per GPU, "
-          f"{cur['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU.")
+          f"{rate(cur['tokens_per_s_per_gpu'])} tokens/s per GPU.")
     if a["faster"]:
         p("  To run faster:")
         for item in a["faster"]:
