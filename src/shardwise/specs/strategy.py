@@ -304,5 +304,7 @@ class Strategy(Spec):
 
     @property
     def trainable(self) -> bool:
-        """`shardwise train` runs it: its data-parallel engines, without TP or PP."""
-        return self.facts.trainer and self.tp == 1 and self.pp == 1
+        """`shardwise train` runs it: its data-parallel engines without PP; TP (with sequence
+        parallelism) with FSDP2 without offload (shardwise.train.tensor_parallel)."""
+        tp_ok = self.tp == 1 or (self.engine == "fsdp2" and not (self.offload_params or self.offload_optimizer))
+        return self.facts.trainer and tp_ok and self.pp == 1
