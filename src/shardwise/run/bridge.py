@@ -351,6 +351,6 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     raw = cfg.model_dump(mode="json", exclude={"source"})
     raw["strategy"] = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
                        for k, v in raw["strategy"].items()}
-    raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None)}
+    raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None) and (k, v) != ("tp", 1)}
     raw["data"]["sft"] = cfg.data.sft.model_dump(mode="json", exclude_defaults=True)
     return raw
