@@ -84,12 +84,16 @@ def emit_configs(
           + f"# Run: shardwise train shardwise.yaml   (or a launch_*.sh script beside it)\n{header}"
           + trainer_yaml(run.config, holes))  # fmt: skip
 
-    # An absolute path: accelerate resolves deepspeed_config_file against the launch directory.
-    acc = accelerate_config(model, hw, train, strategy, ds_config_file=str(root / DS_HF_FILE))
-    write("accelerate.yaml", yaml.safe_dump(acc, sort_keys=False))
+    # TP runs through `shardwise train` only: accelerate launches a user's script on its own
+    # FSDP, which does not apply the trainer's tensor-parallel plan.
+    if strategy.tp == 1:
+        # An absolute path: accelerate resolves deepspeed_config_file against the launch directory.
+        acc = accelerate_config(model, hw, train, strategy, ds_config_file=str(root / DS_HF_FILE))
+        write("accelerate.yaml", yaml.safe_dump(acc, sort_keys=False))
 
     for name, text in launch_scripts(hw, train, strategy, str(root)).items():
-        write(name, text, executable=True)
+        if strategy.tp == 1 or name != "launch_accelerate.sh":
+            write(name, text, executable=True)
 
     names = [*files, "README.md"]
     write("README.md", readme(model, hw, train, strategy, plan, names=names, notes=notes, run=run, holes=holes))

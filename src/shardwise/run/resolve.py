@@ -72,11 +72,6 @@ def packed_attention(choice: str, *, data_kind: str, device: str, attention: str
     return "flex" if device == "cuda" and family not in NO_FLEX else "sdpa_varlen"
 
 
-# Families whose decoder layers carry exactly these module names and an attention that reshapes
-# with -1 heads (checked on transformers 5.24's modeling_llama / modeling_qwen2 / modeling_mistral).
-TP_FAMILIES = ("llama", "qwen2", "mistral")
-
-
 def check_tensor_parallel(run: Any) -> None:
     """Refuse, before any rank starts, what the trainer's TP plan (shardwise.train.tensor_parallel)
     cannot split or does not run."""
@@ -85,9 +80,11 @@ def check_tensor_parallel(run: Any) -> None:
         return
     cfg, m = run.config, run.model
     where = f"{cfg.source}: strategy.tp {tp}"
-    if m.family not in TP_FAMILIES:
-        raise ShardwiseError(f"{where}: the trainer's tensor-parallel plan covers families {', '.join(TP_FAMILIES)}, "
-                             f"not {m.family!r}; set strategy.tp: 1")
+    from shardwise.specs.layout import trainer_tp_gap
+
+    gap = trainer_tp_gap(m, tp)
+    if gap:
+        raise ShardwiseError(f"{where}: {gap}; set strategy.tp: 1")
     if run.strategy.engine != "fsdp2":
         raise ShardwiseError(f"{where} with strategy {run.strategy.name!r}: tensor parallelism runs with FSDP2 "
                              "(strategy fsdp, fsdp-grad-op or fsdp-hybrid; with tp = world size it is TP alone). "
@@ -95,12 +92,6 @@ def check_tensor_parallel(run: Any) -> None:
                              "on this install (docs/training.md)")
     if run.strategy.offload_params or run.strategy.offload_optimizer:
         raise ShardwiseError(f"{where}: CPU offload with tensor parallelism is not supported; use strategy fsdp")
-    if m.num_kv_heads % tp:
-        raise ShardwiseError(f"{where}: tp must divide the {m.num_kv_heads} key/value heads of {m.name} "
-                             "(replicating KV heads across TP ranks is not implemented)")
-    if m.vocab_size % tp:
-        raise ShardwiseError(f"{where}: tp must divide the vocabulary ({m.vocab_size}): the embedding and "
-                             "lm_head are sharded over it")
     if cfg.lora is not None:
         kind = "QLoRA (an nf4 base)" if cfg.lora.quantization == "nf4" else "LoRA"
         raise ShardwiseError(f"{where}: {kind} with tensor parallelism is not supported: PEFT's adapters are plain "

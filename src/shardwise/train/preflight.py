@@ -197,6 +197,11 @@ def single_gpu_note(run: RunSpec) -> str | None:
     from shardwise.plan.evaluate import evaluate
 
     s = run.strategy
+    if run.layout.tp > 1:
+        if run.layout.dp == 1:
+            return (f"{s.name} with tp {run.layout.tp} on {run.world_size} ranks: tensor parallelism alone (one "
+                    "data-parallel rank: no fully_shard), planned as such")
+        return None
     if run.engine_strategy is not s:  # FSDP2 with a one-rank shard group runs as DDP: say so
         pinned = s.model_copy(update={"fsdp": s.fsdp.model_copy(update={"single_rank": "fsdp"})})
         ddp, kept = (evaluate(run.model, run.hardware, run.train, x) for x in (s, pinned))

@@ -43,7 +43,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardwise.errors import ShardwiseError
-from shardwise.run.resolve import TP_FAMILIES  # noqa: F401 - the families this plan covers
 
 class VocabParallelHead(ColwiseParallel):
     """ColwiseParallel lm_head whose forward may return the chunked loss sum (a plain 0-d tensor,
