@@ -88,8 +88,9 @@ def check_tensor_parallel(run: Any) -> None:
     if run.strategy.engine != "fsdp2":
         raise ShardwiseError(f"{where} with strategy {run.strategy.name!r}: tensor parallelism runs with FSDP2 "
                              "(strategy fsdp, fsdp-grad-op or fsdp-hybrid; with tp = world size it is TP alone). "
-                             "DDP does not take DTensor parameters and DeepSpeed's AutoTP training does not run "
-                             "on this install (docs/training.md)")
+                             "DDP does not take DTensor parameters, and DeepSpeed's AutoTP "
+                             "(tensor_parallel.autotp_size) is not wired into shardwise's DeepSpeed engine: its "
+                             "checkpoint mapping and vocab-parallel loss are not built (docs/training.md)")
     if run.strategy.offload_params or run.strategy.offload_optimizer:
         raise ShardwiseError(f"{where}: CPU offload with tensor parallelism is not supported; use strategy fsdp")
     if cfg.lora is not None:
