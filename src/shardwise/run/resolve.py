@@ -93,6 +93,9 @@ def check_tensor_parallel(run: Any) -> None:
                              "checkpoint mapping and vocab-parallel loss are not built (docs/training.md)")
     if run.strategy.offload_params or run.strategy.offload_optimizer:
         raise ShardwiseError(f"{where}: CPU offload with tensor parallelism is not supported; use strategy fsdp")
+    if run.train.compute_dtype == "fp16":
+        raise ShardwiseError(f"{where}: fp16-mixed with tensor parallelism is not supported (its GradScaler "
+                             "does not unscale DTensor gradients across TP ranks); use precision bf16-mixed")
     if cfg.lora is not None:
         kind = "QLoRA (an nf4 base)" if cfg.lora.quantization == "nf4" else "LoRA"
         raise ShardwiseError(f"{where}: {kind} with tensor parallelism is not supported: PEFT's adapters are plain "

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from shardwise.run import RunSpec
 from shardwise.train.engines._torch_common import (
     TorchOptimizerEngine,
+    autocast,
     build_adamw,
     compute_dtype,
     full_state_dict,
@@ -95,6 +96,14 @@ class FSDP2Engine(TorchOptimizerEngine):
             self.module.set_requires_gradient_sync(enabled or self.run.strategy.fsdp.reduce_every_micro_batch)
         return contextlib.nullcontext()
 
+    def _amp(self):
+        # TP alone has no fully_shard, so no MixedPrecisionPolicy: low precision comes from
+        # autocast over fp32 weights, as in the DDP engine (and torchtitan's TP-only runs); the
+        # plan is DDP's at that tp (Strategy.single_rank_ddp)
+        if self.run.layout.tp > 1 and self.run.layout.dp == 1:
+            return autocast(self.run, self.env)
+        return None
+
     def _loss_parallel(self):
         # TP with the standard loss: the logits stay a vocabulary shard (Shard(-1)); torch's
         # loss_parallel computes F.cross_entropy on it, forward and backward inside the context.
@@ -108,7 +117,8 @@ class FSDP2Engine(TorchOptimizerEngine):
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         self._reshard_after_eval()
         with self._loss_parallel():
-            loss_sum = forward_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train)
+            loss_sum = forward_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train,
+                                        amp=self._amp())
             loss = loss_sum * loss_scale
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         return _whole(loss_sum).detach()
@@ -119,7 +129,8 @@ class FSDP2Engine(TorchOptimizerEngine):
         # needs the sharded parameters (the next training forward, a checkpoint, an export).
         self._evaluated = True
         with self._loss_parallel():
-            return _whole(evaluate_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train))
+            return _whole(evaluate_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train,
+                                            amp=self._amp()))
 
     def _reshard_after_eval(self) -> None:
         if getattr(self, "_evaluated", False):
