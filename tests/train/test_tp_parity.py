@@ -40,7 +40,7 @@ def _flags(data: str) -> str:
 
 ONE = [f"{m}:ddp:2{_flags(d)}" for m in MODELS for d in DATA] + ["tiny-llama:ddp:2:std", "tiny-llama:ddp:1:repeat:bf16"]
 TP = [f"{m}:fsdp:2{_flags(d)}:tp2" for m in MODELS for d in DATA]
-TWO = [*TP, "tiny-llama:fsdp:2:tp2:std", "tiny-llama:fsdp:1:repeat:bf16:tp2"]
+TWO = [*TP, "tiny-llama:fsdp:2:tp2:std", "tiny-llama:fsdp:1:repeat:bf16:tp2", "tiny-llama:fsdp:2:ckpt:tp2"]
 # What AdamW makes of the rounding floor on packed SFT rows (module docstring)
 SFT_BOUNDS = {"model.embed_tokens.weight": 2e-3, "other": 1e-3}
 
@@ -97,6 +97,11 @@ def test_tensor_parallel_matches_one_process(world, model, data, one_process, tp
     # TP alone (one data rank) is planned as DDP at tp 2: no fully_shard (Strategy.single_rank_ddp)
     assert got["engine"] == ("ddp" if world == 2 else "fsdp2")
     _compare(got, ref, exact=data == "synthetic", model=model)
+
+
+def test_activation_checkpointing_under_tp(one_process, tp2):
+    got = result(tp2, "tiny-llama:fsdp:2:ckpt:tp2", 2)
+    _compare(got, result(one_process, "tiny-llama:ddp:2", 1), exact=True, model="tiny-llama")
 
 
 def test_standard_loss_runs_loss_parallel(one_process, tp2):
