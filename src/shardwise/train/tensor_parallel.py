@@ -20,9 +20,10 @@ parallelism as torchtitan writes it:
   torch's `loss_parallel()`.
 
 Between layers the hidden states stay DTensors of the global shape (Shard(1)), so transformers'
-mask and position code, which reads `inputs_embeds.shape[1]`, sees the whole sequence. Inside
-attention and the MLP the tensors are local, full-sequence, local-heads: packed documents
-(position_ids, the per-document SDPA, a dense mask) work unchanged.
+mask and position code, which reads `inputs_embeds.shape[1]`, sees the whole sequence. The
+attention's and the MLP's input is a replicated DTensor (the whole sequence); the projections'
+outputs are local tensors (local heads), so the attention kernels, packed documents
+(position_ids, the per-document SDPA, a dense mask) and RoPE work unchanged.
 
 A tied lm_head (Qwen2's tie_word_embeddings) is sharded like the embedding (dim 0 over tp) and
 tied again after the plan distributed each module's copy.
