@@ -198,7 +198,7 @@ def test_fp16_and_unsupported_plan_settings_are_mapped_and_noted(tmp_path):
 
 def test_emission_refuses_what_it_cannot_express(tmp_path):
     hw = build_hardware(gpus=8)
-    with pytest.raises(ShardwiseError, match=r"data parallelism only.*plan-only, run it with Megatron-DeepSpeed"):
+    with pytest.raises(ShardwiseError, match=r"data parallelism, and tensor parallelism with FSDP2.*plan-only, run it with Megatron-DeepSpeed"):
         emit_configs(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("zero3", tp=2), tmp_path)
     with pytest.raises(ShardwiseError, match="run it with torchtitan"):
         emit_configs(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("fsdp", pp=2), tmp_path)

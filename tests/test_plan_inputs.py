@@ -167,7 +167,8 @@ def test_recommendation_is_runnable(args):
     doc = plan_json(*args)
     r = doc["recommended_setting"]
     assert r["runnable"] is True and r["tool"] == "shardwise train" and r["needs"] == []
-    assert (r["tp"], r["pp"]) == (1, 1) and r["checkpointing"] in ("none", "full")
+    assert r["pp"] == 1 and r["checkpointing"] in ("none", "full")
+    assert r["tp"] == 1 or r["strategy"] in ("fsdp", "fsdp-grad-op", "fsdp-hybrid")  # the trainer's TP: FSDP2
     row = next(s for s in doc["strategies"] if s["name"] == r["strategy"])
     assert row["engine"] in ("ddp", "deepspeed", "fsdp2")
     for a in doc["plan_only_alternatives"]:
@@ -206,12 +207,16 @@ def test_strategy_flag_restricts_the_recommendation():
 
 
 def test_tp_flag_restricts_the_recommendation_and_says_plan_only():
-    doc = plan_json("--tp", "2")
+    doc = plan_json("--tp", "2")  # FSDP2 x TP runs in shardwise train (issue 26)
+    r = doc["recommended_setting"]
+    assert r["tp"] == 2 and r["runnable"] is True and r["tool"] == "shardwise train" and r["needs"] == []
+    assert r["strategy"] in ("fsdp", "fsdp-grad-op", "fsdp-hybrid")
+    assert all(s["tp"] == 2 for s in doc["strategies"])
+    doc = plan_json("--tp", "2", "-s", "zero2")  # ZeRO with TP: still plan-only
     r = doc["recommended_setting"]
     assert r["tp"] == 2 and r["runnable"] is False and r["tool"] in TOOLS - {"shardwise train"}
     assert "tensor parallelism (tp 2)" in r["needs"] and "Plan-only" in doc["reason"]
-    assert all(s["tp"] == 2 for s in doc["strategies"])
-    out = flat(plan("--tp", "2").output)
+    out = flat(plan("--tp", "2", "-s", "zero2").output)
     assert f"Recommended (plan-only: run it with {r['tool']})" in out
     # an explicit tp 1 keeps the sweep to tp 1: no TP alternatives
     doc = plan_json("--tp", "1", *SLOW_NET)
@@ -233,7 +238,9 @@ def test_pipeline_table_leaves_out_what_cannot_combine():
 
 def test_library_recommend_honours_pinned_layouts():
     m, hw = catalog.get_model("llama-2-7b"), catalog.build_hardware(gpus=8)
-    r = recommend(m, hw, TrainSpec(), tps=(2,))
+    r = recommend(m, hw, TrainSpec(), tps=(2,))  # FSDP2 x TP runs in shardwise train (issue 26)
+    assert r.best.memory.layout.tp == 2 and r.runnable and r.tool == "shardwise train"
+    r = recommend(m, hw, TrainSpec(), tps=(2,), strategies=["zero2", "ddp"])
     assert r.best.memory.layout.tp == 2 and not r.runnable and r.tool != "shardwise train"
     r = recommend(m, hw, TrainSpec(), strategies=["zero2"])
     assert r.best.strategy.name == "zero2" and r.runnable and r.best.strategy.trainable
@@ -290,7 +297,7 @@ def test_emit_strategy_writes_its_row(tmp_path):
     (["--emit-strategy", "zero3", "--pp", "2"], ["--emit-strategy zero3 --pp 2", "cannot run with pipeline parallelism"]),
     (["--emit-strategy", "zero1", "--tp", "2"], ["plan-only", "tp 2", "Megatron-DeepSpeed"]),
     (["--emit-strategy", "fsdp", "--pp", "2"], ["plan-only", "torchtitan"]),
-    (["--tp", "2"], ["--emit: the recommended", "plan-only", "Run it with", "drop --tp/--pp"]),
+    (["--tp", "2", "-s", "zero2"], ["--emit: the recommended", "plan-only", "Run it with", "drop --tp/--pp"]),
     (["--emit-strategy", "ddp"], ["--emit-strategy ddp", "does not fit", "GiB per GPU against", "GiB usable"]),
     (["-m", "llama-2-70b", "-s", "zero2", "--gpu", "rtx-4090"], ["--emit: nothing to write", "no configuration"]),
 ])  # fmt: skip

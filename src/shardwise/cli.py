@@ -377,8 +377,9 @@ def _emit(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, margin,
     s = chosen.strategy
     if not s.trainable:
         raise ShardwiseError(
-            f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism only (tp 1, pp 1), "
-            f"this has tp {s.tp}, pp {s.pp}. Run it with {tool_for(s, chosen.train)}, or {drop}.")
+            f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism, and tensor "
+            f"parallelism with FSDP2 (pp 1), this has tp {s.tp}, pp {s.pp}. Run it with "
+            f"{tool_for(s, chosen.train, m)}, or {drop}.")
     if not chosen.fits:
         raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin, accounting)}")
     notes = emitted_run(m, hw, chosen.train, s)[1]

@@ -30,10 +30,12 @@ def parity_config(
     trained in full (PEFT modules_to_save); `std` = the standard cross-entropy instead of the
     chunked default; `ce<N>` = chunks of N tokens; `sft` = the bundled SFT data packed into rows
     of 128 tokens, SDPA (the packed rows' default attention: one SDPA call per document on CPU);
-    `dense` = with `sft`, the dense [B, 1, S, S] mask instead."""
+    `dense` = with `sft`, the dense [B, 1, S, S] mask instead; `tp<N>` = tensor parallel degree N
+    (`strategy.tp`; the data-parallel degree is world / N)."""
     repeat = "repeat" in flags
     chunk = [int(f[2:]) for f in flags if f.startswith("ce") and f[2:].isdigit()]
-    micro, rest = divmod(GLOBAL_BATCH, world * grad_accum)
+    tp = next((int(f[2:]) for f in flags if f.startswith("tp") and f[2:].isdigit()), 1)
+    micro, rest = divmod(GLOBAL_BATCH, world // tp * grad_accum)
     assert rest == 0, "global batch must split evenly"
     samples = GLOBAL_BATCH if repeat else GLOBAL_BATCH * STEPS
     data = {"kind": "synthetic", "synthetic": {"samples": samples, "seq_len": 32, "seed": 7}}
@@ -43,7 +45,7 @@ def parity_config(
         {
             "model": {"name": model, "attention": "sdpa" if "sft" in flags else "eager"},
             "data": data,
-            "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None,
+            "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None, "tp": tp,
                          "fsdp": ({"reduce_every_micro_batch": True} if "stock" in flags else {})
                          | ({"single_rank": "fsdp"} if "fully_shard" in flags else {})},
             # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).

@@ -30,9 +30,11 @@ SAVE_EVERY = 3
 
 
 def resume_config(strategy: str, world: int, out: Path) -> TrainConfig:
-    """`strategy` may end in `+lora` (the parity runs' LoRA: adapters only in the checkpoint)."""
-    name, _, lora = strategy.partition("+")
-    raw = parity_config(name, world, 1, flags=(lora,) if lora else ()).model_dump()
+    """`strategy` may end in `+lora` (the parity runs' LoRA: adapters only in the checkpoint) or
+    `@tp<N>` (tensor parallel degree N, `strategy.tp`)."""
+    name, _, tp = strategy.partition("@")
+    name, _, lora = name.partition("+")
+    raw = parity_config(name, world, 1, flags=tuple(f for f in (lora, tp) if f)).model_dump()
     raw["run"]["steps"] = STEPS
     raw["checkpointing"].update(output_dir=str(out), save_every_steps=SAVE_EVERY, keep_last=10)
     return TrainConfig.model_validate(raw)

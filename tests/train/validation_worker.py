@@ -4,7 +4,7 @@ rank 0 writes `<name>-w<world>.pt` with the eval records, step losses and final 
 
 Flags: `best` = checkpointing.save_best: eval_loss with keep_last 1 and an lr that makes the
 eval loss rise after its first evaluation (so the best checkpoint is an old one); `part` =
-run.eval_batches 3 (a prefix of the split).
+run.eval_batches 3 (a prefix of the split); `tp2` = strategy.tp 2 (a TP group reads one batch).
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ MAX_LENGTH = 64
 
 def validation_config(strategy: str, world: int, out: Path, flags: tuple[str, ...] = ()) -> TrainConfig:
     best = "best" in flags
+    tp = 2 if "tp2" in flags else 1
     return TrainConfig.model_validate({
         "model": {"name": "tiny-llama", "attention": "eager"},
         "data": {"kind": "sft", "sft": {"validation_fraction": VAL_FRACTION, "max_length": MAX_LENGTH}},
-        "strategy": {"name": strategy},
+        "strategy": {"name": strategy, "tp": tp},
         "optimizer": {"lr": 0.5 if best else 3e-3, "weight_decay": 0.0, "max_grad_norm": 0.0 if best else 1.0},
         "schedule": {"kind": "constant"},
         "precision": "fp32",
-        "run": {"steps": STEPS + (2 if best else 0), "micro_batch": GLOBAL_BATCH // world, "grad_accum": 1,
+        "run": {"steps": STEPS + (2 if best else 0), "micro_batch": GLOBAL_BATCH // (world // tp), "grad_accum": 1,
                 "seed": 3, "device": "cpu", "eval_every_steps": 1 if best else EVAL_EVERY,
                 "eval_batches": 3 if "part" in flags else None},
         "checkpointing": {"output_dir": str(out), "save_every_minutes": None,

@@ -77,9 +77,14 @@ class Census:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's bytes live in its `_local_tensor`; other tensors are their own storage."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+    """A DTensor's bytes live in its `_local_tensor`, a functional collective's result
+    (AsyncCollectiveTensor, under tensor parallelism) in its `elem`; other tensors are their own
+    storage."""
+    for attr in ("_local_tensor", "elem"):
+        inner = getattr(t, attr, None)
+        if isinstance(inner, torch.Tensor) and inner is not t:
+            return _local(inner)
+    return t
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int] | None:

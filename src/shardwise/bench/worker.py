@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # stock fully_shard, as accelerate, HF Trainer and torchtune run it: every decoder layer
     # resharded after forward, gradients reduce-scattered every micro-batch (sync left on)
     "fsdp-stock": ("fsdp", {"reshard_after_forward": "all", "reduce_every_micro_batch": True}),
+    # tensor + sequence parallelism over both ranks (`strategy.tp: 2`, TP alone: one data rank)
+    "fsdp-tp2": ("fsdp", {}),
 }
 # LoRA variants: rank LORA_RANK on every decoder linear (`<strategy>-lora`), fp32 or, with
 # `-bf16`, bf16-mixed (the frozen base in bf16, adapters fp32).
@@ -88,7 +90,8 @@ def bench_config(variant: str, ga: int = 1):
         "data": {"kind": "synthetic", "synthetic": {"samples": BATCH * ga * WORLD, "seq_len": SEQ}},
         # DeepSpeed's default reduce dtype (the param dtype: fp32 here) and DDP buckets as small
         # as DeepSpeed's, so every engine reduces in several buckets
-        "strategy": {"name": strategy, "deepspeed": ds | {"communication_data_type": "auto"}, "fsdp": fsdp,
+        "strategy": {"name": strategy, "tp": 2 if variant.endswith("-tp2") else 1,
+                     "deepspeed": ds | {"communication_data_type": "auto"}, "fsdp": fsdp,
                      "ddp": {"bucket_cap_mb": BUCKET * 4 / 2**20}},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1 if variant.endswith("-wd") else 0.0, "max_grad_norm": 0.0},
         "precision": "bf16-mixed" if variant.endswith("-bf16") else "fp32",

@@ -85,11 +85,15 @@ def emit_configs(
     # Portable: no file names the directory it was emitted to. accelerate resolves
     # deepspeed_config_file against the directory it is launched from, so the YAML holds the
     # name and launch_accelerate.sh passes the path beside the script (--deepspeed_config_file).
-    acc = accelerate_config(model, hw, train, strategy, ds_config_file=DS_HF_FILE)
-    write("accelerate.yaml", yaml.safe_dump(acc, sort_keys=False))
+    # TP runs through `shardwise train` only: accelerate launches a user's script on its own
+    # FSDP, which does not apply the trainer's tensor-parallel plan.
+    if strategy.tp == 1:
+        acc = accelerate_config(model, hw, train, strategy, ds_config_file=DS_HF_FILE)
+        write("accelerate.yaml", yaml.safe_dump(acc, sort_keys=False))
 
     for name, text in launch_scripts(hw, train, strategy).items():
-        write(name, text, executable=True)
+        if strategy.tp == 1 or name != "launch_accelerate.sh":
+            write(name, text, executable=True)
 
     names = [*files, "README.md"]
     write("README.md", readme(model, hw, train, strategy, plan, names=names, notes=notes, run=run, holes=holes))

@@ -21,13 +21,13 @@ MIXED_PRECISION = {"bf16-mixed": "bf16", "bf16-pure": "bf16", "fp16-mixed": "fp1
 
 
 def check_emittable(strategy: Strategy) -> None:
-    """Emission covers data parallelism only: none of the emitted launchers does TP/PP. The
-    refusal names the tool that runs the configuration instead."""
+    """Emission covers what `shardwise train` runs: data parallelism, and TP with FSDP2 (no PP).
+    The refusal names the tool that runs the configuration instead."""
     if not strategy.trainable:
         from shardwise.plan.recommend import tool_for
 
         raise ShardwiseError(
-            f"config emission supports data parallelism only (tp 1, pp 1); {strategy.name} has "
+            f"config emission supports data parallelism, and tensor parallelism with FSDP2 (pp 1); {strategy.name} has "
             f"tp {strategy.tp}, pp {strategy.pp}: it is plan-only, run it with {tool_for(strategy, TrainSpec())}"
         )
 

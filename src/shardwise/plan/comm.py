@@ -201,14 +201,22 @@ def fsdp_regather_share(model: ModelSpec, s: Strategy, layout: ParallelLayout) -
 
 def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
     """Megatron TP: 2 all-reduces of b·s·h in forward and 2 in backward per layer (+2 with full
-    recompute); PP: activations forward and their grads backward across each stage boundary."""
+    recompute); with sequence parallelism each is an all-gather + reduce-scatter pair of the same
+    ring volume (counted here as the all-reduce it equals). The vocabulary-parallel root adds one
+    such pair per pass, forward and backward (never recomputed): the embedding's reduce-scatter
+    (all-gather in backward) and lm_head's all-gather (reduce-scatter in backward). The
+    vocab-parallel loss all-reduces two fp32 per token (the row max, the sum of exponentials)
+    and the loss sum. PP: activations forward and their grads backward across each stage boundary.
+    Measured on 2 gloo ranks (`strategy.tp: 2`, tests/test_measured_comm.py)."""
     out = CommBreakdown()
     act = c * train.micro_batch * train.seq_len * model.hidden_size
     layers = -(-model.num_layers // layout.pp)
     if layout.tp > 1:
         per_layer = 2 * train.layer_passes  # 2 per pass: forward, backward (and recompute)
-        ar = per_layer * act * layers * k
-        n = per_layer * layers * k
+        root = 2 if layout.pp == 1 else 1  # embedding and lm_head: one stage each under PP
+        loss = 4 * (2 * train.micro_batch * train.seq_len + 1)  # fp32 max, sum-exp per token; the sum
+        ar = (per_layer * layers + root) * act * k + loss * k
+        n = (per_layer * layers + root) * k
         out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=n, blocking_calls=n)
     if layout.pp > 1:
         p2p = 2 * act / layout.tp * k * 2  # send + recv, forward activations and backward grads

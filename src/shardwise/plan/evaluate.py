@@ -18,6 +18,7 @@ class Evaluation:
     comm: CommBreakdown
     ideal: CommBreakdown
     time: TimeBreakdown
+    model: ModelSpec | None = None  # what was planned (the recommender's TP checks read its shape)
 
     @property
     def strategy(self) -> Strategy:
@@ -45,7 +46,7 @@ def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Str
     comm = plan_comm(model, hw, train, runs, mem.layout)
     psi = stage_params(model, mem.layout.tp, mem.layout.pp)
     ideal = ideal_comm(psi, runs, train.compute_bytes) if mem.layout.dp > 1 else CommBreakdown()
-    return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, runs, mem.layout, comm))
+    return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, runs, mem.layout, comm), model)
 
 
 def single_rank_runs_as(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
@@ -57,7 +58,7 @@ def single_rank_runs_as(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, st
     gather (docs/reference.md "One-rank shard groups"). The trainer's engine factory asks the
     same question of the same specs, so what is planned is what runs."""
     ddp = strategy.single_rank_ddp(hw.world_size, hw.gpus_per_node)
-    if ddp is None or strategy.fsdp.single_rank == "ddp":
+    if ddp is None or strategy.fsdp.single_rank == "ddp" or strategy.tp > 1:  # TP alone: never fully_shard
         return ddp
     as_ddp = evaluate(model, hw, train, ddp, margin=margin)
     if not as_ddp.fits:

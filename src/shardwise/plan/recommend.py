@@ -2,8 +2,9 @@
 fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain in numbers.
 
 Only configurations that `shardwise train` and `plan --emit` run exactly are ranked
-(`runnable`: a data-parallel strategy at tp 1, pp 1, with no or full activation
-checkpointing). The others are plan-only: when one would be faster (or is the only thing that
+(`runnable`: a data-parallel strategy at pp 1 with no or full activation checkpointing, at tp 1
+or, for FSDP2 without offload, TP with sequence parallelism on a family the trainer's TP plan
+covers: shardwise.train.tensor_parallel). The others are plan-only: when one would be faster (or is the only thing that
 fits) it is named as an `Alternative`, with the tool that runs it and the numbers. A user who
 pins `--tp`/`--pp` above 1 gets the best of those layouts, marked plan-only.
 """
@@ -19,6 +20,7 @@ from shardwise.plan.evaluate import Evaluation, evaluate
 from shardwise.plan.planner import check_margin
 from shardwise.specs import STRATEGIES, STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
+from shardwise.specs.layout import trainer_tp_gap
 from shardwise.specs.strategy import StrategyKnobs
 
 NEAR_TIE = 0.03  # within 3% tokens/s, the simpler strategy wins
@@ -35,7 +37,7 @@ QLORA_SHARDED = "QLoRA with sharded parameters"
 FSDP_QLORA = "HF accelerate (FSDP-QLoRA, bnb_4bit_quant_storage)"
 
 
-def trainer_gaps(strategy: Strategy, train: TrainSpec) -> list[str]:
+def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = None) -> list[str]:
     """What `shardwise train` (and `plan --emit`) lacks to run this configuration exactly; empty
     when it runs it. The sweep's own choices only: settings the user gave (precision, optimizer,
     LoRA, ...) are theirs, and --emit notes how it writes them."""
@@ -43,7 +45,12 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec) -> list[str]:
     if not strategy.facts.trainer:
         gaps.append(f"the {strategy.name} engine")
     if strategy.tp > 1:
-        gaps.append(f"tensor parallelism (tp {strategy.tp})")
+        if strategy.engine != "fsdp2" or strategy.offload_params or strategy.offload_optimizer:
+            gaps.append(f"tensor parallelism (tp {strategy.tp})")  # the trainer's TP runs with FSDP2 only
+        elif model is not None and (why := trainer_tp_gap(model, strategy.tp)):
+            gaps.append(f"tensor parallelism (tp {strategy.tp}) for this model: {why}")
+        if train.lora_rank:
+            gaps.append(f"LoRA with tensor parallelism (tp {strategy.tp})")
     if strategy.pp > 1:
         gaps.append(f"pipeline parallelism (pp {strategy.pp})")
     if train.checkpointing not in TRAINER_CHECKPOINTING:
@@ -54,15 +61,15 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec) -> list[str]:
 
 
 def runnable(e: Evaluation) -> bool:
-    return not trainer_gaps(e.strategy, e.train)
+    return not trainer_gaps(e.strategy, e.train, e.model)
 
 
-def tool_for(strategy: Strategy, train: TrainSpec) -> str:
+def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = None) -> str:
     """The tool that runs a configuration: shardwise's trainer, or for plan-only ones
     torchtitan (FSDP2 with TP/PP/selective checkpointing), DeepSpeed's pipeline engine
     (ZeRO-0/1 with PP alone), Megatron-DeepSpeed (DeepSpeed ZeRO with Megatron's TP, or
     selective recompute), Megatron-LM (its DDP with TP/PP or selective recompute)."""
-    gaps = trainer_gaps(strategy, train)
+    gaps = trainer_gaps(strategy, train, model)
     if not gaps:
         return TRAINER
     if gaps == [QLORA_SHARDED]:
@@ -117,7 +124,7 @@ class Recommendation:
 
     @property
     def tool(self) -> str:
-        return tool_for(self.best.strategy, self.best.train)
+        return tool_for(self.best.strategy, self.best.train, self.best.model)
 
     def setting(self) -> dict:
         """The recommended configuration, as `--json` prints it (`recommended_setting`)."""
@@ -126,7 +133,7 @@ class Recommendation:
             "strategy": b.strategy.name, "tp": b.memory.layout.tp, "pp": b.memory.layout.pp,
             "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
             "checkpointing": b.train.checkpointing, "runnable": self.runnable, "tool": self.tool,
-            "needs": trainer_gaps(b.strategy, b.train),
+            "needs": trainer_gaps(b.strategy, b.train, b.model),
             "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
             "memory_required": b.memory.gpu.required,
         }  # fmt: skip
@@ -200,9 +207,10 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Reco
     alts = _alternatives(best, others)
     reason = explain_choice(model, hw, best, runner, eligible)
     if not ours:
-        reason += (f" Plan-only: shardwise train and --emit run data parallelism only (tp 1, pp 1, no or full "
-                   f"checkpointing); {_describe(best)} needs {' and '.join(trainer_gaps(best.strategy, best.train))}: "
-                   f"run it with {tool_for(best.strategy, best.train)}.")
+        reason += (f" Plan-only: shardwise train and --emit run data parallelism, and tensor parallelism with "
+                   f"FSDP2 (pp 1, no or full checkpointing); {_describe(best)} needs "
+                   f"{' and '.join(trainer_gaps(best.strategy, best.train, model))}: "
+                   f"run it with {tool_for(best.strategy, best.train, model)}.")
     return Recommendation(best, runner, len(eligible), len(fitting), reason, alts)
 
 
@@ -231,7 +239,7 @@ def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Al
     by_tool: dict[str, list[Evaluation]] = {}
     for e in others:
         if e.fits:
-            by_tool.setdefault(tool_for(e.strategy, e.train), []).append(e)
+            by_tool.setdefault(tool_for(e.strategy, e.train, e.model), []).append(e)
     out = []
     for tool, group in by_tool.items():
         e = _rank(group)
@@ -239,7 +247,7 @@ def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Al
         speedup = t / best.time.tokens_per_s_per_gpu if best else None
         if speedup is not None and speedup <= 1 + NEAR_TIE:
             continue
-        gaps = tuple(trainer_gaps(e.strategy, e.train))
+        gaps = tuple(trainer_gaps(e.strategy, e.train, e.model))
         m = e.memory
         vs = ""
         if best is not None and speedup is not None:

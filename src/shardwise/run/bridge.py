@@ -176,6 +176,8 @@ def strategy(cfg: TrainConfig, device: str) -> Strategy:
     kw: dict[str, Any] = {"ds": ds, "fsdp": fsdp, "ddp": ddp}
     if s.shard_group is not None:
         kw["shard_group"] = s.shard_group
+    if s.tp != 1:
+        kw["tp"] = s.tp
     try:
         return Strategy.from_name(s.name, **kw)
     except ShardwiseError as e:
@@ -245,10 +247,12 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
         layout = ParallelLayout.for_strategy(strat, world_size, per_node)
         layout.check_model(model)
     except ShardwiseError as e:
-        raise ShardwiseError(
-            f"{cfg.source}: strategy.name {strat.name!r} cannot run on {world_size} rank(s): {e}") from None
-    return RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg, device, family=model.family),
-                   strategy=strat, layout=layout)
+        what = f"strategy.name {strat.name!r}" + (f" with strategy.tp {strat.tp}" if strat.tp > 1 else "")
+        raise ShardwiseError(f"{cfg.source}: {what} cannot run on {world_size} rank(s): {e}") from None
+    run = RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg, device, family=model.family),
+                  strategy=strat, layout=layout)
+    resolve.check_tensor_parallel(run)
+    return run
 
 
 # --- the inverse: specs -> TrainConfig -----------------------------------------------------
@@ -287,8 +291,8 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 
     if not strategy.trainable:
         raise ShardwiseError(
-            f"the trainer runs data parallelism only (tp 1, pp 1); {strategy.name} has tp {strategy.tp}, "
-            f"pp {strategy.pp}")
+            f"the trainer runs data parallelism, and tensor parallelism with FSDP2 (pp 1); {strategy.name} has "
+            f"tp {strategy.tp}, pp {strategy.pp}")
     notes: list[str] = []
     precision = train.precision
     if precision == "bf16-pure":
@@ -326,6 +330,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     raw["strategy"] = {
         "name": strategy.name,
         "shard_group": strategy.shard_group,
+        "tp": strategy.tp,
         "deepspeed": _knob_overrides(strategy.ds, knobs[0]),
         "fsdp": _knob_overrides(strategy.fsdp, knobs[1]),
         "ddp": _knob_overrides(strategy.ddp, knobs[2]),
@@ -375,6 +380,6 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     raw = cfg.model_dump(mode="json", exclude={"source"})
     raw["strategy"] = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
                        for k, v in raw["strategy"].items()}
-    raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None)}
+    raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None) and (k, v) != ("tp", 1)}
     raw["data"]["sft"] = cfg.data.sft.model_dump(mode="json", exclude_defaults=True)
     return raw

@@ -6,6 +6,7 @@ compiled (shardwise.train.compile) and what keeps packed documents apart
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 from shardwise.errors import ShardwiseError
 from shardwise.train.config import TrainConfig
@@ -69,3 +70,35 @@ def packed_attention(choice: str, *, data_kind: str, device: str, attention: str
     if flash:
         return "flash_varlen"
     return "flex" if device == "cuda" and family not in NO_FLEX else "sdpa_varlen"
+
+
+def check_tensor_parallel(run: Any) -> None:
+    """Refuse, before any rank starts, what the trainer's TP plan (shardwise.train.tensor_parallel)
+    cannot split or does not run."""
+    tp = run.layout.tp
+    if tp == 1:
+        return
+    cfg, m = run.config, run.model
+    where = f"{cfg.source}: strategy.tp {tp}"
+    from shardwise.specs.layout import trainer_tp_gap
+
+    gap = trainer_tp_gap(m, tp)
+    if gap:
+        raise ShardwiseError(f"{where}: {gap}; set strategy.tp: 1")
+    if run.strategy.engine != "fsdp2":
+        raise ShardwiseError(f"{where} with strategy {run.strategy.name!r}: tensor parallelism runs with FSDP2 "
+                             "(strategy fsdp, fsdp-grad-op or fsdp-hybrid; with tp = world size it is TP alone). "
+                             "DDP does not take DTensor parameters, and DeepSpeed's AutoTP "
+                             "(tensor_parallel.autotp_size) is not wired into shardwise's DeepSpeed engine: its "
+                             "checkpoint mapping and vocab-parallel loss are not built (docs/training.md)")
+    if run.strategy.offload_params or run.strategy.offload_optimizer:
+        raise ShardwiseError(f"{where}: CPU offload with tensor parallelism is not supported; use strategy fsdp")
+    if run.train.compute_dtype == "fp16":
+        raise ShardwiseError(f"{where}: fp16-mixed with tensor parallelism is not supported (its GradScaler "
+                             "does not unscale DTensor gradients across TP ranks); use precision bf16-mixed")
+    if cfg.lora is not None:
+        kind = "QLoRA (an nf4 base)" if cfg.lora.quantization == "nf4" else "LoRA"
+        raise ShardwiseError(f"{where}: {kind} with tensor parallelism is not supported: PEFT's adapters are plain "
+                             "tensors beside the DTensor-sharded base linears, and sharding them to match "
+                             "(A column-wise of a row-wise base, B row-wise of a column-wise one) is not built; "
+                             "set strategy.tp: 1")

@@ -10,6 +10,25 @@ from pydantic import Field, model_validator
 from shardwise.errors import ShardwiseError
 from shardwise.specs.base import Spec
 
+# The families `shardwise train` runs with tensor parallelism (shardwise.train.tensor_parallel's
+# plan: transformers' Llama/Qwen2/Mistral module names, attention reshaped with -1 local heads).
+TRAINER_TP_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def trainer_tp_gap(model, tp: int) -> str | None:
+    """Why the trainer's TP plan cannot split `model` over `tp` ranks (None: it can)."""
+    if tp == 1:
+        return None
+    if model.family not in TRAINER_TP_FAMILIES:
+        return (f"the trainer's tensor-parallel plan covers families {', '.join(TRAINER_TP_FAMILIES)}, "
+                f"not {model.family!r}")
+    if model.num_kv_heads % tp:
+        return (f"tp {tp} must divide the {model.num_kv_heads} key/value heads of {model.name} (replicating KV "
+                "heads across TP ranks is not implemented)")
+    if model.vocab_size % tp:
+        return f"tp {tp} must divide the vocabulary ({model.vocab_size}): the embedding and lm_head are sharded over it"
+    return None
+
 
 class ParallelLayout(Spec):
 

@@ -295,14 +295,21 @@ class Strategy(Spec):
     def single_rank_ddp(self, world_size: int, gpus_per_node: int) -> Strategy | None:
         """The DDP strategy this FSDP2 strategy may run as: its data-parallel shard group is
         one rank, nothing is offloaded, no TP/PP, and `fsdp.single_rank` is not "fsdp" (whether
-        "auto" takes it is the plan's call: plan.evaluate.single_rank_runs_as). Else None."""
-        if self.engine != "fsdp2" or self.fsdp.single_rank == "fsdp" or self.offload_params or self.tp * self.pp > 1:
+        "auto" takes it is the plan's call: plan.evaluate.single_rank_runs_as). With TP and one
+        data-parallel rank (TP alone) always: the trainer shards nothing over data ranks then
+        (shardwise.train.engines.fsdp.shard_model). Else None."""
+        if self.engine != "fsdp2" or self.offload_params or self.pp > 1:
             return None
-        if ParallelLayout.for_strategy(self, world_size, gpus_per_node).dp_shard != 1:
+        layout = ParallelLayout.for_strategy(self, world_size, gpus_per_node)
+        if self.tp > 1:  # TP alone (one data-parallel rank): the trainer applies no FSDP2 at all
+            return Strategy.from_name("ddp", ddp=self.ddp, tp=self.tp) if layout.dp == 1 else None
+        if self.fsdp.single_rank == "fsdp" or layout.dp_shard != 1:
             return None
         return Strategy.from_name("ddp", ddp=self.ddp)
 
     @property
     def trainable(self) -> bool:
-        """`shardwise train` runs it: its data-parallel engines, without TP or PP."""
-        return self.facts.trainer and self.tp == 1 and self.pp == 1
+        """`shardwise train` runs it: its data-parallel engines without PP; TP (with sequence
+        parallelism) with FSDP2 without offload (shardwise.train.tensor_parallel)."""
+        tp_ok = self.tp == 1 or (self.engine == "fsdp2" and not (self.offload_params or self.offload_optimizer))
+        return self.facts.trainer and tp_ok and self.pp == 1

@@ -97,6 +97,8 @@ DDPSection = _overrides(DDPKnobs, "DDPSection")
 class StrategySection(_Section):
     name: str = Field("fsdp", description=f"one of {', '.join(STRATEGY_NAMES)}")
     shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: ranks per shard group (default: a node)")
+    tp: int = Field(1, gt=0, description="tensor-parallel degree (sequence parallel on; FSDP2 strategies; "
+                                         "world size = data-parallel degree × tp)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
     fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]

@@ -177,7 +177,11 @@ def train(
     num_params = sum(p.numel() for p in model.parameters())
     engine = build_engine(model, run, env)
     build_s = time.perf_counter() - t_build
-    global_batch = cfg.run.micro_batch * cfg.run.grad_accum * env.world_size
+    # Data parallelism is over the TP groups: a group's ranks read one batch, and only one of
+    # them adds its counts and loss sums to the global ones (`w`), so each batch counts once.
+    denv = env.data_parallel(run.layout.tp)
+    w = 1.0 if env.counts_data(run.layout.tp) else 0.0
+    global_batch = cfg.run.micro_batch * cfg.run.grad_accum * denv.world_size
     phase = watchdog.phase if watchdog is not None else (lambda name, step: None)
     start, train_time = 0, 0.0
     if lineage is None and env.is_main:  # only rank 0 writes manifests and prunes
@@ -194,13 +198,13 @@ def train(
     if steps is None:
         from shardwise.train.data import build_source
 
-        steps = build_source(run, env, model.config.vocab_size, consumed=start * global_batch)
+        steps = build_source(run, denv, model.config.vocab_size, consumed=start * global_batch)
     every = cfg.run.eval_every_steps
     eval_batches: list[dict[str, torch.Tensor]] = []
     if every is not None:
         from shardwise.train.data import build_eval_batches
 
-        eval_batches = build_eval_batches(run, env)
+        eval_batches = build_eval_batches(run, denv)
     eval_targets = sum(count_target_tokens(b) for b in eval_batches)
     best_loss, best_step = math.inf, None
     if cp.save_best and resume is not None and env.is_main:  # rank 0 prunes: it alone needs the best
@@ -253,7 +257,7 @@ def train(
         t0 = time.perf_counter()
         sums = [engine.evaluate(b) for b in eval_batches]
         local = float(torch.stack(sums).double().sum()) if sums else 0.0
-        loss_sum, targets = meta.wait(meta.start([local, float(eval_targets)]))
+        loss_sum, targets = meta.wait(meta.start([local * w, float(eval_targets) * w]))
         if targets == 0:
             raise RuntimeError(f"step {step}: the validation split has no target tokens")
         loss = loss_sum / targets
@@ -281,7 +285,7 @@ def train(
     source = Prefetcher(steps, first=start + 1, count=cfg.run.steps - start)
     try:
         nxt = source.next() if start < cfg.run.steps else None
-        reduce = meta.start([nxt.targets, nxt.tokens, 0.0, 0.0, 0.0]) if nxt is not None else None
+        reduce = meta.start([nxt.targets * w, nxt.tokens * w, 0.0, 0.0, 0.0]) if nxt is not None else None
         for step in range(start, cfg.run.steps):
             t0, c0 = time.perf_counter(), time.thread_time()
             phase("all_reduce(step counts)", step)
@@ -308,7 +312,7 @@ def train(
             global_targets, global_tokens = int(targets), int(tokens)
             if global_targets == 0:
                 raise RuntimeError(f"step {step + 1}: the global batch has no target tokens")
-            loss_scale = env.world_size / global_targets
+            loss_scale = denv.world_size / global_targets  # engines average over data ranks
             engine.set_lr(lr_at(step))
             assert nxt is not None and nxt.step == step + 1, (nxt, step)
             micro = nxt.micro
@@ -323,7 +327,7 @@ def train(
                 nxt = source.next()
             else:
                 nxt = None
-            reduce = meta.start([*((nxt.targets, nxt.tokens) if nxt is not None else (0.0, 0.0)), *votes()])
+            reduce = meta.start([*((nxt.targets * w, nxt.tokens * w) if nxt is not None else (0.0, 0.0)), *votes()])
             phase("optimizer step", step + 1)
             grad_norm = engine.step()
             engine.zero_grad()
@@ -337,7 +341,7 @@ def train(
                 step_time_s=time.perf_counter() - t0,
                 cpu_time_s=time.thread_time() - c0,
             )
-            records.add(rec, loss_sum, grad_norm)
+            records.add(rec, loss_sum * w, grad_norm)
             train_time += rec.step_time_s
         if reduce is not None:
             phase("all_reduce(step counts)", cfg.run.steps)

@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial
 
 from shardwise.data.labels import IGNORE_INDEX
 from shardwise.errors import ShardwiseError
@@ -88,13 +89,41 @@ def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
 
 
+def _vocab_log_softmax(z: torch.Tensor, group: Any, keep: bool) -> torch.Tensor:
+    """log_softmax over a vocabulary split across `group` (z: this rank's [c, V/tp] columns): the
+    row max and the sum of exponentials all-reduced (MAX, SUM), as torch's loss_parallel does.
+    In place on z unless `keep` (the soft-cap's slope still needs the capped logits)."""
+    import torch.distributed as dist
+
+    m = z.amax(dim=-1, keepdim=True)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    ls = z.sub(m) if keep else z.sub_(m)
+    se = torch.exp(ls).sum(dim=-1, keepdim=True)
+    dist.all_reduce(se, group=group)
+    return ls.sub_(se.log_())
+
+
 def _chunks(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-            chunk: int, softcap: float | None, need: tuple[bool, bool, bool]):
-    """The loop of the module docstring. Returns (loss sum fp32, grad_h, grad_W, grad_b)."""
+            chunk: int, softcap: float | None, need: tuple[bool, bool, bool], group: Any = None,
+            vocab_start: int = 0):
+    """The loop of the module docstring. Returns (loss sum fp32, grad_h, grad_W, grad_b).
+
+    Vocab-parallel (`group`, tensor parallelism): `weight`/`bias` are this rank's rows
+    [vocab_start, vocab_start + V/tp) of lm_head; the log-softmax is reduced over the group, a
+    target outside the shard contributes nothing here (its rank adds it: the loss sum is
+    all-reduced once at the end), and grad_h is this rank's partial sum (g_shard · W_shard), which
+    the caller's DTensor (Partial) reduces over the group."""
     need_h, need_w, need_b = need
     n = h.size(0)
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, torch.zeros_like(targets))
+    if group is not None:  # this shard's column of each target; rows whose target lives elsewhere masked
+        local = safe - vocab_start
+        mine = (local >= 0) & (local < weight.size(0))
+        safe = torch.where(mine, local, torch.zeros_like(local))
+        here = valid & mine
+    else:
+        here = valid
     rows_idx = torch.arange(min(chunk, n), device=h.device)
     rows = valid.to(h.dtype).unsqueeze(1)  # [n, 1]: masks ignored rows of h-sized tensors only
     total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -104,21 +133,23 @@ def _chunks(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ta
     gdtype = weight.dtype
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        hc, tc, vc = h[s:e], safe[s:e], valid[s:e]
+        hc, tc = h[s:e], safe[s:e]
         at = (rows_idx[: e - s], tc)  # each row's target entry (index_put_: bf16 scatter_ is slow on CPU)
         z = F.linear(hc, weight, bias)
         if softcap is not None:  # cap·tanh(z / cap) in place, in the compute dtype as HF does it
             z.div_(softcap).tanh_().mul_(softcap)
         z = z.float()  # fp32 compute: the GEMM output itself; kept with a soft-cap (its slope)
-        ls = torch.log_softmax(z, dim=-1)
+        ls = torch.log_softmax(z, dim=-1) if group is None else _vocab_log_softmax(z, group, softcap is not None)
         if softcap is None:
             del z
         picked = ls[at]  # [c] log-probability of each row's target
-        total += torch.where(vc, picked, torch.zeros_like(total)).sum().neg()
+        hr = here[s:e]
+        total += torch.where(hr, picked, torch.zeros_like(total)).sum().neg()
         if not (need_h or need_w or need_b):
             continue
-        # g = softmax − onehot, rounded once to the compute dtype (as the standard backward)
-        target_grad = picked.exp() - 1.0
+        # g = softmax − onehot, rounded once to the compute dtype (as the standard backward);
+        # vocab-parallel: a row whose target is on another rank keeps its softmax entry here
+        target_grad = picked.exp() - 1.0 if group is None else picked.exp() - hr.to(picked.dtype)
         if softcap is not None:  # d(cap·tanh(x/cap))/dx = 1 − tanh² = 1 − (z/cap)²: g = p − p·z²/cap²
             p = ls.exp_().index_put_(at, target_grad)
             z.square_()
@@ -147,6 +178,10 @@ def _chunks(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ta
         del g
     if need_w and grad_w is None:  # no tokens: still a gradient, so every rank's hooks fire alike
         grad_w = torch.zeros_like(weight)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=group)  # each target's term lives on one rank
     return total, grad_h, grad_w, grad_b
 
 
@@ -154,9 +189,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and every gradient; backward scales them by grad_output."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk, softcap):  # type: ignore[override]
+    def forward(ctx, h, weight, bias, targets, chunk, softcap, group=None, vocab_start=0):  # type: ignore[override]
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        total, gh, gw, gb = _chunks(h, weight, bias, targets, chunk, softcap, need)
+        total, gh, gw, gb = _chunks(h, weight, bias, targets, chunk, softcap, need, group, vocab_start)
         ctx.grads = (gh, gw, None if gb is None else gb.to(bias.dtype))
         return total
 
@@ -165,13 +200,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         grads, ctx.grads = ctx.grads, None  # handed over: autograd may steal them as .grad
         out = [None if g is None else g.mul_(grad_out) for g in grads]
-        return (*out, None, None, None)
+        return (*out, None, None, None, None, None)
 
 
 def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              targets: torch.Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                             softcap: float | None = None) -> torch.Tensor:
+                             softcap: float | None = None, *, group: Any = None,
+                             vocab_start: int = 0) -> torch.Tensor:
     """Σ over targets != IGNORE_INDEX of cross_entropy(h · Wᵀ + b, target), fp32, chunked.
+
+    With `group` (tensor parallelism), W and b are this rank's vocabulary rows starting at
+    `vocab_start` and the loss is the whole one on every rank (`_chunks`).
 
     h: [N, H] hidden states (the lm_head input), targets: [N] already shifted. Under
     torch.autocast, h, W and b are cast to the autocast dtype (as autocast casts F.linear's
@@ -191,8 +230,9 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (h, weight, bias))
         if not grads:
-            return _chunks(h, weight, bias, targets, chunk_tokens, softcap, (False, False, False))[0]
-        return _FusedLinearCrossEntropy.apply(h, weight, bias, targets, chunk_tokens, softcap)
+            return _chunks(h, weight, bias, targets, chunk_tokens, softcap, (False, False, False), group,
+                           vocab_start)[0]
+        return _FusedLinearCrossEntropy.apply(h, weight, bias, targets, chunk_tokens, softcap, group, vocab_start)
 
 
 # --------------------------------------------------------------------------- the model side
@@ -208,11 +248,20 @@ def _head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     req = self.__dict__.get(_REQUEST)
     if req is None:
         return type(self).forward(self, x)
+    weight, bias, tp = self.weight, self.bias, {}
+    if isinstance(weight, DTensor):  # tensor parallelism: lm_head holds a vocabulary shard
+        mesh = weight.device_mesh
+        # x arrives all-gathered (Replicate); its gradient here is this rank's partial sum, which
+        # DTensor reduce-scatters back over the sequence (Partial → Shard(1))
+        x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+        weight = weight.to_local()
+        bias = bias.to_local() if bias is not None else None
+        tp = {"group": mesh.get_group(), "vocab_start": mesh.get_local_rank() * weight.size(0)}
     h = x.reshape(-1, x.size(-1))
     if h.size(0) != req.targets.numel():
         raise RuntimeError(f"chunked cross-entropy: lm_head got {h.size(0)} positions for {req.targets.numel()} "
                            "targets (the model sliced its hidden states: logits_to_keep?)")
-    return linear_cross_entropy_sum(h, self.weight, self.bias, req.targets, req.chunk_tokens, req.softcap)
+    return linear_cross_entropy_sum(h, weight, bias, req.targets, req.chunk_tokens, req.softcap, **tp)
 
 
 def _plain_linear(m: object) -> bool:

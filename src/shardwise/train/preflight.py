@@ -129,11 +129,12 @@ def check_data_size(run: RunSpec, cache: Path | None) -> int:
     batch`) or repeat rows within one step. Returns the number of samples."""
     cfg = run.config
     r = cfg.run
-    world = run.world_size
+    world = run.layout.dp  # data-parallel ranks: a TP group reads one batch
     per_rank = r.micro_batch * r.grad_accum
     need = per_rank * world
-    batch = (f"one global batch of {need} sequences (run.micro_batch {r.micro_batch} × run.grad_accum "
-             f"{r.grad_accum} × {world} rank{'s' if world != 1 else ''})")
+    ranks = f"{world} data-parallel rank{'s' if world != 1 else ''}" if run.layout.tp > 1 else \
+        f"{world} rank{'s' if world != 1 else ''}"
+    batch = f"one global batch of {need} sequences (run.micro_batch {r.micro_batch} × run.grad_accum {r.grad_accum} × {ranks})"
     if cache is None:
         n = cfg.data.synthetic.samples
         if n < need:
@@ -198,6 +199,11 @@ def single_gpu_note(run: RunSpec) -> str | None:
     from shardwise.plan.evaluate import evaluate
 
     s = run.strategy
+    if run.layout.tp > 1:
+        if run.layout.dp == 1:
+            return (f"{s.name} with tp {run.layout.tp} on {run.world_size} ranks: tensor parallelism alone (one "
+                    "data-parallel rank: no fully_shard), planned as such")
+        return None
     if run.engine_strategy is not s:  # FSDP2 with a one-rank shard group runs as DDP: say so
         pinned = s.model_copy(update={"fsdp": s.fsdp.model_copy(update={"single_rank": "fsdp"})})
         ddp, kept = (evaluate(run.model, run.hardware, run.train, x) for x in (s, pinned))
@@ -392,8 +398,9 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
         raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
                              f"{manifest['step']}; raise run.steps to train on")
     r = saved.get("run", {})
-    old_batch = r.get("micro_batch", 0) * r.get("grad_accum", 0) * manifest.get("world_size", 0)
-    new_batch = cfg.run.micro_batch * cfg.run.grad_accum * run.world_size
+    old_tp = int((saved.get("strategy") or {}).get("tp", 1) or 1)
+    old_batch = r.get("micro_batch", 0) * r.get("grad_accum", 0) * (manifest.get("world_size", 0) // old_tp)
+    new_batch = cfg.run.micro_batch * cfg.run.grad_accum * run.layout.dp
     if old_batch != new_batch:
         print(f"shardwise: resuming {checkpoint} with a global batch of {new_batch} sequences (it was trained with "
               f"{old_batch}): the data continues from the same sample, the curve is not the uninterrupted one")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -47,6 +47,18 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def data_parallel(self, tp: int) -> DistEnv:
+        """The data-parallel view of this rank: with tensor parallelism the `tp` consecutive ranks
+        of a TP group (the mesh's innermost dimension) read the same batch, as one data rank."""
+        if tp == 1:
+            return self
+        return replace(self, rank=self.rank // tp, world_size=self.world_size // tp)
+
+    def counts_data(self, tp: int) -> bool:
+        """Whether this rank's batch counts in global sums (targets, tokens, loss): one rank per
+        TP group, so each data-parallel batch counts once."""
+        return self.rank % tp == 0
 
 
 @runtime_checkable

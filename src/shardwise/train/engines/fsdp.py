@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from shardwise.run import RunSpec
 from shardwise.train.engines._torch_common import (
     TorchOptimizerEngine,
+    autocast,
     build_adamw,
     compute_dtype,
     full_state_dict,
@@ -49,6 +50,12 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
         kw["offload_policy"] = CPUOffloadPolicy()
     elif next(model.parameters()).device not in (device, torch.device("meta")):
         model = model.to(device)  # a meta model is allocated after sharding (weights.materialize)
+    if run.layout.tp > 1:  # TP first, then FSDP2 over dp_shard (torchtitan's order): 2-D DTensors
+        from shardwise.train.tensor_parallel import parallelize, tp_mesh_of
+
+        parallelize(model, tp_mesh_of(mesh))
+        if run.layout.dp == 1:  # TP alone: no data-parallel group to shard over
+            return model
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last layer is the first one backward needs: resharding it after forward would only
@@ -60,6 +67,11 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
     # it is needed right after forward anyway, so it never reshards in between.
     fully_shard(model, reshard_after_forward=False, **kw)
     return model
+
+
+def _whole(loss: torch.Tensor) -> torch.Tensor:
+    """loss_parallel's loss is a replicated DTensor: its (equal) local value."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class FSDP2Engine(TorchOptimizerEngine):
@@ -80,22 +92,45 @@ class FSDP2Engine(TorchOptimizerEngine):
         # FSDP2 accumulates unsharded grads locally while sync is off; the last micro-batch
         # reduce-scatters the sum once. `reduce_every_micro_batch` keeps torch's default
         # instead: a reduce-scatter per micro-batch into the sharded grads.
-        self.module.set_requires_gradient_sync(enabled or self.run.strategy.fsdp.reduce_every_micro_batch)
+        if isinstance(self.module, FSDPModule):  # not under TP alone (no data-parallel group)
+            self.module.set_requires_gradient_sync(enabled or self.run.strategy.fsdp.reduce_every_micro_batch)
+        return contextlib.nullcontext()
+
+    def _amp(self):
+        # TP alone has no fully_shard, so no MixedPrecisionPolicy: low precision comes from
+        # autocast over fp32 weights, as in the DDP engine (and torchtitan's TP-only runs); the
+        # plan is DDP's at that tp (Strategy.single_rank_ddp)
+        if self.run.layout.tp > 1 and self.run.layout.dp == 1:
+            return autocast(self.run, self.env)
+        return None
+
+    def _loss_parallel(self):
+        # TP with the standard loss: the logits stay a vocabulary shard (Shard(-1)); torch's
+        # loss_parallel computes F.cross_entropy on it, forward and backward inside the context.
+        # (The chunked loss is vocab-parallel itself: shardwise.train.loss.)
+        if self.run.layout.tp > 1 and self.run.train.cross_entropy == "standard":
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
         return contextlib.nullcontext()
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         self._reshard_after_eval()
-        loss_sum = forward_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train)
-        loss = loss_sum * loss_scale
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-        return loss_sum.detach()
+        with self._loss_parallel():
+            loss_sum = forward_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train,
+                                        amp=self._amp())
+            loss = loss_sum * loss_scale
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return _whole(loss_sum).detach()
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # A forward without backward leaves the root (reshard_after_forward=False) and the last
         # layer unsharded: kept so for the pass's next batch, resharded before anything that
         # needs the sharded parameters (the next training forward, a checkpoint, an export).
         self._evaluated = True
-        return evaluate_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train)
+        with self._loss_parallel():
+            return _whole(evaluate_loss_sum(self.module, self.module, batch, self.env.torch_device, self.run.train,
+                                            amp=self._amp()))
 
     def _reshard_after_eval(self) -> None:
         if getattr(self, "_evaluated", False):
