@@ -187,7 +187,7 @@ def test_to_config_refuses_tp_and_notes_what_the_trainer_cannot_run():
     hw = build_hardware(gpus=8)
     from shardwise.errors import ShardwiseError
 
-    with pytest.raises(ShardwiseError, match="tensor parallelism with FSDP2 .pp 1.; zero2 has tp 2"):
+    with pytest.raises(ShardwiseError, match=r"tensor parallelism with FSDP2 .pp 1.; zero2 has tp 2"):
         to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name("zero2", tp=2))
     cfg, _ = to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name("fsdp", tp=2))
     assert cfg.strategy.tp == 2  # FSDP2 x TP: the trainer runs it

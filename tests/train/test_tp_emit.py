@@ -65,6 +65,6 @@ def _run(tmp_path, strategy: str, world: int, **extra):
     ("fsdp", 3, {}, "tp 2 × pp 1 = 2 does not divide the 3 GPUs"),
 ])  # fmt: skip
 def test_what_tp_does_not_run_is_refused_before_any_rank(tmp_path, strategy, world, extra, needle):
-    with pytest.raises(ShardwiseError, match="strategy.tp 2") as e:
+    with pytest.raises(ShardwiseError, match=r"strategy\.tp 2") as e:
         _run(tmp_path, strategy, world, **extra)
     assert needle in str(e.value)
