@@ -2,14 +2,13 @@
 ranks, the activation bench's tiny Llama and Qwen2 (shardwise.bench.saved, 2 layers, 2 × 128
 tokens), measured with the same storage-deduped hook as tests/test_measured_memory.py.
 
-What is known and not yet in the planner: plan/activations.py models Megatron-LM's sequence
-parallelism, whose column-parallel linears save their *sharded* input and all-gather it again in
-backward (Korthikanti et al. 2022). DTensor's ColwiseParallel (the trainer's plan, and
-torchtitan's) saves the *all-gathered* input instead: per token, c·h·(1 − 1/tp) more per block
-(the attention's and the MLP's shared input) and at lm_head. The planner's figure is therefore
-below the measured one (−11% for both shapes today, outside the issue's 10%); this test holds the
-measured bytes to the planner's plus that first-principles difference, within 2% (the rest: RoPE's
-cos/sin tables, [s, head_dim] on every rank, which the plan divides by tp).
+Megatron-LM's sequence parallelism has its column-parallel linears save their *sharded* input
+and all-gather it again in backward (Korthikanti et al. 2022); DTensor's ColwiseParallel (the
+trainer's plan, and torchtitan's) saves the *all-gathered* input instead: per token,
+c·h·(1 − 1/tp) more per block (the attention's and the MLP's shared input) and at lm_head. The
+planner books that for torch's engines (plan.activations.gathered_inputs); without it the plan
+was 11% under the measurement for both shapes. The issue's bar is 10%; what is left (about 2%)
+is RoPE's cos/sin tables, [s, head_dim] on every rank, which the plan divides by tp.
 """
 
 from __future__ import annotations
@@ -31,9 +30,10 @@ def measured(shared_dir) -> Path:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_saved_bytes_are_the_plan_plus_the_gathered_linear_inputs(shape, measured):
+def test_saved_bytes_per_rank_are_the_plan(shape, measured):
     from shardwise.bench import saved
     from shardwise.catalog import build_hardware
+    from shardwise.plan.activations import activation_bytes
     from shardwise.plan.evaluate import memory_as_run
     from shardwise.specs import ModelSpec, Strategy, TrainSpec
 
@@ -43,7 +43,10 @@ def test_saved_bytes_are_the_plan_plus_the_gathered_linear_inputs(shape, measure
     train = TrainSpec(precision="fp32", seq_len=saved.SEQ, micro_batch=saved.BATCH, attention="sdpa")
     plan = memory_as_run(model, build_hardware(gpu="a100-80g", gpus=2), train,
                          Strategy.from_name("fsdp", tp=2)).gpu.activations
+    assert abs(plan - got) <= 0.03 * got, (plan, got)  # the issue asks 10%
+    # what DTensor adds over Megatron-SP is the gathered linear inputs, from first principles:
+    # fp32, (1 - 1/tp) of h per token, two blocks a layer and lm_head's input
+    megatron = activation_bytes(model, train, tp=2, gathered=False)
     tokens, tp = saved.SEQ * saved.BATCH, 2
-    gathered = tokens * 4 * model.hidden_size * (1 - 1 / tp) * (2 * model.num_layers + 1)
-    assert abs(plan + gathered - got) <= 0.02 * got, (plan, gathered, got)
-    assert (plan - got) / got < -0.05  # the known gap (module docstring): fixed, this test should change
+    assert plan - megatron == pytest.approx(tokens * 4 * model.hidden_size * (1 - 1 / tp) * (2 * model.num_layers + 1))
+    assert (megatron - got) / got < -0.05  # Megatron's accounting would be the 11% under

@@ -319,11 +319,32 @@ def _stages(model: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(out))
 
 
+def gathered_inputs(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = False) -> tuple[float, float]:
+    """Per token, what DTensor's tensor parallelism saves beyond Megatron-LM's sequence
+    parallelism: (per decoder layer, at lm_head). ColwiseParallel (the trainer's TP plan,
+    shardwise.train.tensor_parallel, and torchtitan's `parallelize_llama`) all-gathers a block's
+    input before its linears, which then save that gathered input; Megatron-SP's linears save
+    the sequence-sharded input and all-gather it again in backward (Korthikanti et al. 2022
+    §4.2.2), which is what `_norms` counts. The difference is (1 − 1/tp) of the linears' saved
+    input: once per block (q/k/v share one tensor, gate/up another), or under autocast each
+    linear's own cast (q, k, v; gate, up). Measured: tests/train/test_tp_saved.py."""
+    if seq_shards(train, tp) == 1:
+        return 0.0, 0.0
+    c, h, rest = train.compute_bytes, model.hidden_size, 1 - 1 / tp
+    if autocast:
+        qkv = 1 if model.family == "phi3" else 2 if model.is_mla else 3
+        mlp = 1 if model.family == "phi3" else 2
+        return c * h * (qkv + mlp) * rest, c * h * rest
+    return 2 * c * h * rest, c * h * rest
+
+
 def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
-                     autocast: bool = False) -> float:
+                     autocast: bool = False, gathered: bool = False) -> float:
     """Saved-for-backward bytes per GPU at the end of forward (the activation peak).
     `autocast`: an fp32 module under torch.autocast (DDP mixed precision) instead of a module
-    in the compute dtype (DeepSpeed bf16/fp16, FSDP2 param_dtype)."""
+    in the compute dtype (DeepSpeed bf16/fp16, FSDP2 param_dtype). `gathered`: tensor parallelism
+    through DTensor (FSDP2 and DDP engines: the trainer's, torchtitan's), whose linears save their
+    all-gathered input (`gathered_inputs`); False: Megatron-LM's sequence parallelism."""
     tokens = train.micro_batch * train.seq_len
     stages = _stages(model, pp)
     c, h = train.compute_bytes, model.hidden_size
@@ -340,6 +361,11 @@ def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 
     body = max(dense * layer.get(False, 0.0) + moe * layer.get(True, 0.0) for dense, moe in stages)  # worst stage
     final_norm = final_norm_saved(model, train, autocast, tp)  # its output feeds lm_head
     # 1F1B keeps up to pp micro-batches in flight on the first stage (Megatron's 1F1B schedule).
+    if gathered:  # DTensor TP: the linears save their gathered input (full checkpointing: only at lm_head)
+        per_layer_extra, head_extra = gathered_inputs(model, train, tp, autocast)
+        if train.checkpointing == "none":
+            body += max(dense + moe for dense, moe in stages) * per_layer_extra
+        final_norm += head_extra
     in_flight = pp if pp > 1 else 1
     return (tokens * (body + final_norm) + mask_bytes(train)) * in_flight
 

@@ -300,7 +300,10 @@ def plan_memory(
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
     # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
     autocast = train.autocasts(strategy.engine)
-    acts = activation_bytes(model, train, layout.tp, layout.pp, autocast)
+    # torch's engines take TP from DTensor (its linears save their gathered input); the DeepSpeed
+    # strategies' TP rows are Megatron-LM's sequence parallelism (plan.activations.gathered_inputs)
+    acts = activation_bytes(model, train, layout.tp, layout.pp, autocast,
+                            gathered=strategy.engine in ("fsdp2", "ddp"))
     recompute = recompute_bytes(model, train, layout.tp, autocast)
     if autocast:
         cached, recast = autocast_cache(model, train, layout)
