@@ -31,10 +31,13 @@ def parity_config(
     chunked default; `ce<N>` = chunks of N tokens; `sft` = the bundled SFT data packed into rows
     of 128 tokens, SDPA (the packed rows' default attention: one SDPA call per document on CPU);
     `dense` = with `sft`, the dense [B, 1, S, S] mask instead; `tp<N>` = tensor parallel degree N
-    (`strategy.tp`; the data-parallel degree is world / N)."""
+    (`strategy.tp`; the data-parallel degree is world / N); `eps<X>` = AdamW's eps X (e.g.
+    `eps1e-5`: bounds the gain of AdamW's update on a gradient element near zero,
+    tests/train/test_packed_parity.py's docstring)."""
     repeat = "repeat" in flags
     chunk = [int(f[2:]) for f in flags if f.startswith("ce") and f[2:].isdigit()]
     tp = next((int(f[2:]) for f in flags if f.startswith("tp") and f[2:].isdigit()), 1)
+    eps = [float(f[3:]) for f in flags if f.startswith("eps")]
     micro, rest = divmod(GLOBAL_BATCH, world // tp * grad_accum)
     assert rest == 0, "global batch must split evenly"
     samples = GLOBAL_BATCH if repeat else GLOBAL_BATCH * STEPS
@@ -49,7 +52,7 @@ def parity_config(
                          "fsdp": ({"reduce_every_micro_batch": True} if "stock" in flags else {})
                          | ({"single_rank": "fsdp"} if "fully_shard" in flags else {})},
             # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
-            "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0},
+            "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0} | ({"eps": eps[0]} if eps else {}),
             "schedule": {"kind": "cosine", "warmup_steps": 2},
             "precision": "bf16-mixed" if {"bf16", "qlora"} & set(flags) else "fp32",
             "checkpointing": {"activation": "full" if "ckpt" in flags else "none"},
