@@ -15,24 +15,30 @@ which on CPU attends one SDPA call per document on padding-free [1, T] micro-bat
       gradient, worst layer       3.4e-7  3.5e-5  3.0e-3  6.6e-4
       weights, embedding          1.0e-9  6.0e-4  6.0e-4  1.1e-3
       weights, worst layer        6.0e-6  1.0e-5  1.5e-4  3.7e-4
-      weights, eps 1e-6 (emb/layer)  1e-9/4e-7 ... 1.6e-6/1.3e-6 at step 8
-      weights, eps 1e-5 (emb/layer)  4e-9/8e-8 ... 1.7e-7/2.0e-7 at step 8
+      weights, embedding, eps 1e-6    1.2e-9  2.4e-7  4.6e-7  1.6e-6
+      weights, worst layer, eps 1e-6  4.0e-7  8.7e-7  1.1e-6  1.3e-6
+      weights, embedding, eps 1e-5    4.2e-9  3.5e-8  6.4e-8  1.7e-7
+      weights, worst layer, eps 1e-5  7.7e-8  1.3e-7  1.6e-7  2.0e-7
 
   No layout or normalisation bug: both world sizes feed the same 508 tokens per step (one [1, 508]
   micro-batch, or [1, 253] + [1, 255]), the same loss scale (1/179 per target token), and the
   step-1 gradients agree to the summation-order floor (max |Δg| 4.5e-8 where max |g| is 0.15).
   AdamW amplifies that floor: its update lr·m̂/(√v̂ + eps) is sign-like in any element whose
   gradient is small next to its perturbation. At step 1 a down_proj element has g = 9.3e-10
-  vs 7.6e-10 (rounding), below eps, so its update differs by lr·Δg/eps ≈ 1.3e-5. At step 2,
-  where the weights already differ at ~1e-5, the first gradient of embedding row 543 (a token the
-  first step did not hold) has one element at 1.2e-6 vs −3.6e-6: both far above eps, so AdamW
-  steps ±0.735·lr (the bias-corrected m̂/√v̂ of a first gradient) and the weight differs by
-  1.47·lr = 4.4e-3 (measured 4.35e-3); that one element is the embedding's 6e-4 at step 2, and
-  the layers it feeds follow. Synthetic data holds 1e-5 with the default eps (tests/train/
-  test_parity.py) because every token row gets its first gradient at step 1, when the weights
-  are still equal. The gap shrinks continuously with eps (the table), the signature of
-  amplification rather than of a difference in what is computed; at eps 1e-5, 99.6% of the
-  elements with a gradient still have √v̂ > eps, so these runs exercise AdamW's normalisation.
+  vs 7.6e-10 (rounding; 4.9e-10 vs 4.0e-10 after clipping by 0.53), below eps, so at lr 1.5e-3
+  its updates are 7.05e-5 and 5.78e-5: 1.27e-5 apart, as measured. At step 2, where the weights
+  already differ at ~1e-5 and the gradients at ~2e-5, the first gradient of embedding row 543 (a
+  token the first step did not hold) has one element at 6.3e-7 vs −1.9e-6 (clipped): both far
+  above eps, so AdamW steps ±0.73·lr (the bias-corrected m̂/√v̂ of a first gradient) and that
+  weight differs by 4.346e-3, predicted from the recorded gradients to 7 digits. That one
+  element is the embedding's 6e-4 at step 2; the layers it feeds follow. Nothing in it is
+  specific to packing or SFT: the synthetic runs meet the same mechanism with smaller draws
+  (their step-1 near-zero elements move the weights by 9.4e-7, their step-2 gradients differ by
+  3.6e-7 and flip no first-gradient sign) and hold 1e-5 at eps 1e-8 (tests/train/
+  test_parity.py), Qwen's SFT runs too (9.8e-6 under TP today). The gap shrinks continuously
+  with eps (the table), the signature of amplification rather than of a difference in what is
+  computed; at eps 1e-5, 99.6% of the elements with a gradient still have √v̂ > eps, so these
+  runs exercise AdamW's normalisation.
 - Qwen's k_proj bias is left out of the 1e-5 check: its gradient is zero in exact arithmetic (it
   adds q·b to every score of a query, which softmax ignores), so AdamW steps on rounding noise.
 """

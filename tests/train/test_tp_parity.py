@@ -8,14 +8,14 @@ per document, one SDPA call per document) and on synthetic rows. The chunked los
 vocab-parallel on lm_head's shard; one run takes the standard loss through `loss_parallel`.
 
 - Loss curves agree within 1e-5 relative everywhere.
-- Final weights agree within 1e-5 relative on synthetic data (every token frequent). On packed
-  SFT data (Qwen's within 1.2e-5 today, Llama's below) the tiny Llama's embedding rows of tokens the data holds once or
-  twice get gradients at the rounding floor in some elements, which AdamW's per-element
-  normalisation turns into lr-sized steps: ~1e-3 relative in the embedding and ~4e-4 in the
-  layers it feeds after 8 steps (torch 2.13, transformers 5.24), the gap every data-parallel
-  strategy shows across world sizes on this data (tests/train/test_packed_parity.py's docstring
-  measures it for DDP). TP changes only the order of the row-parallel and vocab-parallel sums,
-  so it hits the same floor; the synthetic runs, same code path, hold 1e-5.
+- Final weights agree within 1e-5 relative on synthetic data, and on packed SFT data in runs
+  with AdamW eps 1e-5 (`eps1e-5`, every other setting the same). With eps 1e-8 the SFT weights
+  are no parity measure: AdamW's update is sign-like in an element whose gradient is small next
+  to its perturbation, so the summation-order floor (which TP's row-parallel and vocab-parallel
+  sums change, as the all-reduce does across data ranks) grows into lr-sized steps, e.g. in the
+  first gradient of an embedding row a later step brings: ~1e-3 relative in the tiny Llama's
+  embedding after 8 steps. tests/train/test_packed_parity.py's docstring measures it, per step,
+  for DDP across world sizes. At eps 1e-5 the TP runs hold 4.7e-7 (Llama) and 2.3e-6 (Qwen).
 - Qwen's k_proj bias is left out: its gradient is zero in exact arithmetic (test_packed_parity).
 """
 
@@ -38,11 +38,11 @@ def _flags(data: str) -> str:
     return ":sft" if data == "sft" else ""
 
 
-ONE = [f"{m}:ddp:2{_flags(d)}" for m in MODELS for d in DATA] + ["tiny-llama:ddp:2:std", "tiny-llama:ddp:1:repeat:bf16"]
-TP = [f"{m}:fsdp:2{_flags(d)}:tp2" for m in MODELS for d in DATA]
+EPS = ":sft:eps1e-5"  # the SFT runs' weights are compared at AdamW eps 1e-5 (module docstring)
+ONE = ([f"{m}:ddp:2{_flags(d)}" for m in MODELS for d in DATA] + [f"{m}:ddp:2{EPS}" for m in MODELS]
+       + ["tiny-llama:ddp:2:std", "tiny-llama:ddp:1:repeat:bf16"])
+TP = [f"{m}:fsdp:2{f}:tp2" for m in MODELS for f in [*map(_flags, DATA), EPS]]
 TWO = [*TP, "tiny-llama:fsdp:2:tp2:std", "tiny-llama:fsdp:1:repeat:bf16:tp2", "tiny-llama:fsdp:2:ckpt:tp2"]
-# What AdamW makes of the rounding floor on packed SFT rows (module docstring)
-SFT_BOUNDS = {"model.embed_tokens.weight": 2e-3, "other": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +70,14 @@ def _initial(model: str) -> dict[str, torch.Tensor]:
     return build_model(run_spec(parity_config("ddp", 1, 1, model), 1, "cpu")).state_dict()
 
 
-def _compare(got: dict, ref: dict, exact: bool, model: str) -> None:
+def _compare(got: dict, ref: dict, model: str, weights: bool = True) -> None:
     loss = rel_loss_diff(got["losses"], ref["losses"])
     assert len(got["losses"]) == 8
     assert loss <= RTOL, f"loss curve off by {loss:.2e} relative"
-    w = {k: v for k, v in rel_weight_diff(got["weights"], ref["weights"]).items() if not k.endswith("k_proj.bias")}
-    worst = max(w, key=w.get)
-    if exact:
+    if weights:
+        w = {k: v for k, v in rel_weight_diff(got["weights"], ref["weights"]).items() if not k.endswith("k_proj.bias")}
+        worst = max(w, key=w.get)
         assert w[worst] <= RTOL, (worst, w[worst])
-    else:
-        for k, v in w.items():
-            assert v <= SFT_BOUNDS.get(k, SFT_BOUNDS["other"]), (k, v)
     init = _initial(model)
     keys = [k for k in ref["weights"] if k in init and "norm" not in k]
     moved = rel_weight_diff({k: init[k] for k in keys}, {k: got["weights"][k] for k in keys})
@@ -96,17 +93,19 @@ def test_tensor_parallel_matches_one_process(world, model, data, one_process, tp
     ref = result(one_process, f"{model}:ddp:2{_flags(data)}", 1)
     # TP alone (one data rank) is planned as DDP at tp 2: no fully_shard (Strategy.single_rank_ddp)
     assert got["engine"] == ("ddp" if world == 2 else "fsdp2")
-    _compare(got, ref, exact=data == "synthetic", model=model)
+    _compare(got, ref, model, weights=data == "synthetic")
+    if data == "sft":  # the weights where AdamW does not amplify the rounding floor (module docstring)
+        _compare(result(out, f"{model}:fsdp:2{EPS}:tp2", world), result(one_process, f"{model}:ddp:2{EPS}", 1), model)
 
 
 def test_activation_checkpointing_under_tp(one_process, tp2):
     got = result(tp2, "tiny-llama:fsdp:2:ckpt:tp2", 2)
-    _compare(got, result(one_process, "tiny-llama:ddp:2", 1), exact=True, model="tiny-llama")
+    _compare(got, result(one_process, "tiny-llama:ddp:2", 1), "tiny-llama")
 
 
 def test_standard_loss_runs_loss_parallel(one_process, tp2):
     got = result(tp2, "tiny-llama:fsdp:2:tp2:std", 2)
-    _compare(got, result(one_process, "tiny-llama:ddp:2:std", 1), exact=True, model="tiny-llama")
+    _compare(got, result(one_process, "tiny-llama:ddp:2:std", 1), "tiny-llama")
 
 
 def test_bf16_tp_alone_trains_as_ddp_does(one_process, tp2):
