@@ -14,6 +14,12 @@ LIBRARIES = ("torch", "deepspeed", "transformers", "accelerate", "peft", "datase
 MANIFEST_PACKAGES = ("shardwise", "torch", "deepspeed", "transformers")
 
 
+def run_versions() -> dict[str, str]:
+    """What a run records (checkpoint manifests, summary.json): the installed shardwise, torch,
+    deepspeed and transformers (those not installed are left out)."""
+    return {k: v for k, v in package_versions(MANIFEST_PACKAGES).items() if v is not None}
+
+
 def package_versions(packages: tuple[str, ...]) -> dict[str, str | None]:
     """Each package's installed version, None where it is not installed."""
     out: dict[str, str | None] = {}

@@ -47,6 +47,13 @@ def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
     assert all(row["tokens_per_s"] > 0 and row["grad_norm"] > 0 for row in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["planned_gpu_bytes"] > 0 and summary["measured_memory_bytes"] > 0
+    # what ran it, as the checkpoint manifest and `shardwise --version` say
+    from importlib.metadata import version
+
+    assert summary["versions"]["shardwise"] == version("shardwise")
+    assert summary["versions"]["torch"] == version("torch")
+    manifests = sorted((out / "checkpoints").glob("step-*/manifest.json"))
+    assert manifests and json.loads(manifests[-1].read_text())["versions"] == summary["versions"]
     assert any((out / "tensorboard").iterdir())
     from safetensors.torch import load_file
 

@@ -118,10 +118,10 @@ def _file_entries(d: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def versions() -> dict[str, str]:
-    """What the manifest records: the installed shardwise, torch, deepspeed, transformers."""
-    from shardwise.versions import MANIFEST_PACKAGES, package_versions
+    """What the manifest records (shardwise.versions.run_versions)."""
+    from shardwise.versions import run_versions
 
-    return {k: v for k, v in package_versions(MANIFEST_PACKAGES).items() if v is not None}
+    return run_versions()
 
 
 def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:

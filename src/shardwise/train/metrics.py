@@ -28,6 +28,7 @@ from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
 from shardwise.train.engines.base import DistEnv
 from shardwise.train.outputs import TMP_PREFIX, TMP_SUFFIX
+from shardwise.versions import run_versions
 
 SUMMARY_NAME = "summary.json"
 RUNNING = "running"
@@ -248,6 +249,8 @@ class Metrics:
             "planned_gpu_bytes": self.planned_bytes,
             "wall_s": time.perf_counter() - self.t0,
             "params": self.num_params,
+            # what ran it (the checkpoint manifest records the same; `shardwise version --full`)
+            "versions": run_versions(),
         }
         evals = getattr(self, "evals", [])
         if evals:
