@@ -176,6 +176,14 @@ def test_plan_hardware_file_uses_the_spec(tmp_path, monkeypatch):
                                 "--json", "-s", "zero3"])
     a, b = json.loads(res.output), json.loads(flags.output)
     assert a["strategies"] == b["strategies"]
+    # explain reads the same spec: its comparison is the one the flags give
+    res = runner.invoke(app, ["explain", "--hardware", str(tmp_path / "h100.yaml"), "--gpus", "32", "--json"])
+    flags = runner.invoke(app, ["explain", "--gpu", "h100-sxm", "--gpus", "32", "--gpus-per-node", "8",
+                                "--interconnect", "ib-400", "--json"])
+    assert res.exit_code == 0 and flags.exit_code == 0, (res.output, flags.output)
+    a, b = json.loads(res.output), json.loads(flags.output)
+    assert "on 32× h100-sxm" in a["text"]
+    assert [r["step_s"] for r in a["strategies"]] == pytest.approx([r["step_s"] for r in b["strategies"]], rel=0.02)
 
 
 def test_bad_hardware_files_name_the_field(tmp_path):

@@ -430,6 +430,9 @@ def explain(
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(1, "--micro-batch"),
     checkpointing: str = typer.Option("none", "--checkpointing"),
+    hardware: str | None = typer.Option(None, "--hardware", help="auto (this machine, as shardwise doctor reads "
+                                        "it) or a hardware spec file (shardwise doctor --write); --gpu/--gpus given "
+                                        "too override it."),
     as_json: bool = typer.Option(False, "--json", help="The comparison and the text as one JSON object (the same "
                                  "as --format json)."),
     fmt: str = typer.Option("table", "--format", help="table (wrapped to the terminal: COLUMNS when piped) | "
@@ -446,8 +449,12 @@ def explain(
 
     try:
         fmt = check_format(fmt, as_json)
+        machine = _machine(hardware)
+        if machine is not None:  # the spec's values, unless the command line gave them
+            given = _given_flags()
+            gpu, gpus = (gpu if "gpu" in given else None), (gpus if "gpus" in given else None)
         m, hw, train = build_specs(model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
-                                   gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
+                                   machine=machine, gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
                                    micro_batch=micro_batch, checkpointing=checkpointing)
         text = explain_text(m, hw, train)
         rows = [asdict(r) for r in compare(m, hw, train).values()] if fmt in ("csv", "json") else []
