@@ -137,6 +137,8 @@ def test_keys_not_understood_are_listed(tmp_path):
     assert "ZeRO++" in ignored["zero_optimization.zero_hpz_partition_size"]
     table = CliRunner().invoke(app, ["plan", "--from", str(tmp_path / "ds.json")])
     assert "Ignored (not planned):" in table.output and "What to change in ds.json:" in table.output
+    md = CliRunner().invoke(app, ["plan", "--from", str(tmp_path / "ds.json"), "--format", "markdown"])
+    assert "zero_optimization.zero_hpz_partition_size" in md.output and "What to change in ds.json:" in md.output
 
 
 @pytest.mark.parametrize("text, says", [

@@ -310,6 +310,14 @@ def plan_markdown(o: PlanOutput) -> str:
         out.append(f"**{label}:** {rest}" if style else head)
         out += [f"- {i.strip().removeprefix('- ')}" for i in items]
         out.append("")
+    if o.source is not None:  # --from FILE: its reading and what to change in it, as printed
+        from rich.console import Console
+
+        from shardwise.ingest.advice import print_source
+
+        buf = io.StringIO()
+        print_source(Console(file=buf, width=10**4, color_system=None, highlight=False), o.source)
+        out += [f"### From {o.source.path.name}", "", "```", buf.getvalue().rstrip("\n"), "```", ""]
     return "\n".join(out)
 
 
