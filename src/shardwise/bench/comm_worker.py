@@ -95,13 +95,14 @@ def _run_case(rank: int, case: str) -> dict[str, Any]:
 def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
     import logging
-    import warnings
 
     import torch
     import torch.distributed as dist
 
+    from shardwise import quiet
+
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
+    quiet.apply()  # the trainer's warning policy; `--verbose` / SHARDWISE_VERBOSE=1 shows every warning
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:

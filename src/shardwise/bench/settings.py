@@ -153,17 +153,16 @@ def settings_config(case: str, world: int | None = None):
 
 def _rank_main(rank: int, cases: list[str], out_dir: str, world: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    import warnings
-
     import torch.distributed as dist
 
+    from shardwise import quiet
     from shardwise.train.engines import build_engine
     from shardwise.train.engines.base import DistEnv
     from shardwise.train.model import build_model
     from shardwise.train.preflight import preflight
 
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
+    quiet.apply()  # the trainer's warning policy; `--verbose` / SHARDWISE_VERBOSE=1 shows every warning
     os.chdir(out_dir)  # preflight creates each case's (relative, default) output_dir: keep it out of the caller's cwd
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

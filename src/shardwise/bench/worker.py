@@ -171,13 +171,13 @@ def _run_one(rank: int, variant: str) -> dict[str, Any]:
 
 def _rank_main(rank: int, strategies: list[str], out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
-    import warnings
-
     import torch
     import torch.distributed as dist
 
+    from shardwise import quiet
+
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet.apply()  # the trainer's warning policy; `--verbose` / SHARDWISE_VERBOSE=1 shows every warning
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         # One process pair runs every strategy in turn: start-up (imports, DeepSpeed's
