@@ -85,7 +85,7 @@ def check_tensor_parallel(run: Any) -> None:
     gap = trainer_tp_gap(m, tp)
     if gap:
         raise ShardwiseError(f"{where}: {gap}; set strategy.tp: 1")
-    if run.strategy.engine != "fsdp2":
+    if run.strategy.engine != "fsdp2" and not (run.strategy.engine == "deepspeed" and run.strategy.zero_stage in (1, 2)):
         raise ShardwiseError(f"{where} with strategy {run.strategy.name!r}: tensor parallelism runs with FSDP2 "
                              "(strategy fsdp, fsdp-grad-op or fsdp-hybrid; with tp = world size it is TP alone). "
                              "DDP does not take DTensor parameters, and DeepSpeed's AutoTP "
