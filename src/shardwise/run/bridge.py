@@ -157,6 +157,10 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", *, family: str | None = N
         "ce_chunk": cfg.loss.chunk_tokens,
         "weight_decay": cfg.optimizer.weight_decay,
     }
+    if cfg.strategy.tp > 1 and cfg.strategy.name in ("zero1", "zero2"):
+        # DeepSpeed's AutoTP (ZeRO × TP) has no sequence parallelism: the norms, residuals and the
+        # linears' (replicated) inputs are whole on every TP rank (plan.activations.seq_shards)
+        fields["sequence_parallel"] = False
     if cfg.lora is not None:
         t = cfg.lora.target_modules
         fields |= {"lora_rank": cfg.lora.rank, "lora_targets": ("all-linear",) if t == "all-linear" else tuple(t),
