@@ -296,7 +296,10 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     if not strategy.trainable:
         raise ShardwiseError(
             f"the trainer runs data parallelism, and tensor parallelism with FSDP2 (pp 1); {strategy.name} has "
-            f"tp {strategy.tp}, pp {strategy.pp}")
+            f"tp {strategy.tp}, pp {strategy.pp}" + (
+                " (shardwise train runs ZeRO-1/2 × TP through DeepSpeed's AutoTP, which this plan does not model: "
+                "the planner's ZeRO × TP row is Megatron-DeepSpeed's, docs/training.md)"
+                if strategy.engine == "deepspeed" and strategy.tp > 1 and strategy.pp == 1 else ""))
     notes: list[str] = []
     precision = train.precision
     if precision == "bf16-pure":
