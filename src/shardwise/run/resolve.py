@@ -73,8 +73,8 @@ def packed_attention(choice: str, *, data_kind: str, device: str, attention: str
 
 
 def check_tensor_parallel(run: Any) -> None:
-    """Refuse, before any rank starts, what the trainer's TP plan (shardwise.train.tensor_parallel)
-    cannot split or does not run."""
+    """Refuse, before any rank starts, what the trainer's TP (FSDP2: shardwise.train.tensor_parallel;
+    ZeRO-1/2: DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section) cannot split or does not run."""
     tp = run.layout.tp
     if tp == 1:
         return

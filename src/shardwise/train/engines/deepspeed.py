@@ -1,4 +1,7 @@
-"""DeepSpeed ZeRO stages 0-3 via `deepspeed.initialize`, with optimizer/parameter offload.
+"""DeepSpeed ZeRO stages 0-3 via `deepspeed.initialize`, with optimizer/parameter offload, and
+ZeRO-1/2 × TP through DeepSpeed's AutoTP training (the config's `tensor_parallel` block: AutoTP
+shards the decoder linears inside `deepspeed.initialize`; `autotp_shards` maps each shard onto
+its canonical full tensor for checkpoints and the final weights).
 
 The JSON config is `shardwise.run.deepspeed_config(run)`: the same builder `plan --emit` and
 the benches use (its docstring lists the settings made explicit for parity). Two settings
