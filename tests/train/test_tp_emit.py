@@ -58,7 +58,10 @@ def _run(tmp_path, strategy: str, world: int, **extra):
 @pytest.mark.parametrize(("strategy", "world", "extra", "needle"), [
     ("fsdp", 2, {"lora": {"rank": 4}}, "LoRA with tensor parallelism is not supported"),
     ("fsdp", 2, {"lora": {"rank": 4, "quantization": "nf4"}}, "QLoRA (an nf4 base) with tensor parallelism"),
-    ("zero2", 4, {}, "tensor parallelism runs with FSDP2"),
+    ("zero3", 4, {}, "AutoTP with ZeRO-1 or ZeRO-2"),
+    ("zero2+opt-offload", 4, {}, "CPU offload with tensor parallelism is not supported; use strategy zero1 or zero2"),
+    ("zero1", 2, {"precision": "fp16-mixed"}, "fp16 loss scaler under AutoTP"),
+    ("zero2", 4, {"lora": {"rank": 4}}, "LoRA with tensor parallelism is not supported"),
     ("ddp", 4, {}, "DDP does not take DTensor parameters"),
     ("fsdp+offload", 2, {}, "CPU offload with tensor parallelism"),
     ("fsdp", 2, {"model": "tiny-mixtral"}, "covers families llama, qwen2, mistral, not 'mixtral'"),

@@ -4,7 +4,8 @@ fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain
 Only configurations that `shardwise train` and `plan --emit` run exactly are ranked
 (`runnable`: a data-parallel strategy at pp 1 with no or full activation checkpointing, at tp 1
 or, for FSDP2 without offload, TP with sequence parallelism on a family the trainer's TP plan
-covers: shardwise.train.tensor_parallel). The others are plan-only: when one would be faster (or is the only thing that
+covers: shardwise.train.tensor_parallel; ZeRO-1/2 × TP rows model Megatron-DeepSpeed's TP, not
+the DeepSpeed AutoTP the trainer runs for them, so they stay plan-only). The others are plan-only: when one would be faster (or is the only thing that
 fits) it is named as an `Alternative`, with the tool that runs it and the numbers. A user who
 pins `--tp`/`--pp` above 1 gets the best of those layouts, marked plan-only.
 """
@@ -45,8 +46,15 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
     if not strategy.facts.trainer:
         gaps.append(f"the {strategy.name} engine")
     if strategy.tp > 1:
-        if strategy.engine != "fsdp2" or strategy.offload_params or strategy.offload_optimizer:
-            gaps.append(f"tensor parallelism (tp {strategy.tp})")  # the trainer's TP runs with FSDP2 only
+        if (strategy.engine == "deepspeed" and strategy.zero_stage in (1, 2)
+                and not (strategy.offload_params or strategy.offload_optimizer)):
+            # The trainer runs these through DeepSpeed's AutoTP (no sequence parallelism, embedding
+            # and lm_head replicated); this row is Megatron-DeepSpeed's TP, which it does not run.
+            gaps.append(f"tensor parallelism (tp {strategy.tp}) as planned here (Megatron's, with sequence "
+                        "parallelism and a vocabulary-parallel embedding and lm_head; shardwise train's "
+                        f"{strategy.name} × TP is DeepSpeed's AutoTP, which has neither)")
+        elif strategy.engine != "fsdp2" or strategy.offload_params or strategy.offload_optimizer:
+            gaps.append(f"tensor parallelism (tp {strategy.tp})")  # the trainer's TP plan runs with FSDP2
         elif model is not None and (why := trainer_tp_gap(model, strategy.tp)):
             gaps.append(f"tensor parallelism (tp {strategy.tp}) for this model: {why}")
         if train.lora_rank:

@@ -87,6 +87,34 @@ def uses_torch_adam(run: RunSpec) -> bool:
     return run.device == "cpu" or not run.strategy.offload_optimizer
 
 
+# AutoTP's partition of a Llama/Qwen2/Mistral decoder layer (the families specs.layout's
+# trainer_tp_gap lets through): Megatron's column-wise q/k/v and gate/up, row-wise o/down, by
+# the parameter name of the linear. `use_default_specs: false`: with a partition_config AutoTP
+# shards only what a spec names (module_inject/auto_tp.py, "rely only on explicit specs and skip
+# unmatched layers"), so the embedding, the norms and lm_head stay whole on every TP rank and
+# the chunked loss runs on the replicated lm_head as without TP.
+AUTOTP_LAYER_SPECS = (
+    {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$", r".*\.mlp\.(gate|up)_proj\.weight$"],
+     "partition_type": "column"},
+    {"patterns": [r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$"],
+     "partition_type": "row"},
+)
+
+
+def autotp_section(tp: int) -> dict[str, Any]:
+    """The `tensor_parallel` block of ZeRO-1/2 × TP (DeepSpeed's AutoTP training, >= 0.16.4)."""
+    return {"autotp_size": tp, "vocab_parallel_lm_head": False,
+            "partition_config": {"use_default_specs": False, "layer_specs": [dict(s) for s in AUTOTP_LAYER_SPECS]}}
+
+
+def _tp_batch(run: RunSpec) -> int:
+    """DeepSpeed 0.19 asserts `train_batch_size` against the world size of the default group
+    (`DeepSpeedConfig` without an mpu: runtime/config.py `_batch_assertion`), not against the
+    data-parallel degree AutoTP leaves: with `tensor_parallel.autotp_size` the "batch" it checks
+    counts every TP rank's copy of its group's batch."""
+    return run.layout.tp
+
+
 def deepspeed_config(run: RunSpec, *, hf_auto: bool = False) -> dict[str, Any]:
     """The DeepSpeed config of `run`; `hf_auto` puts "auto" where Hugging Face Trainer fills the
     value from TrainingArguments (batch, optimizer, scheduler, precision, clipping). The ZeRO
@@ -113,7 +141,7 @@ def deepspeed_config(run: RunSpec, *, hf_auto: bool = False) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": pick(train.micro_batch),
         "gradient_accumulation_steps": pick(train.grad_accum),
         # DeepSpeed asserts train = micro × accumulation × data-parallel ranks
-        "train_batch_size": pick(train.micro_batch * train.grad_accum * run.layout.dp),
+        "train_batch_size": pick(train.micro_batch * train.grad_accum * run.layout.dp * _tp_batch(run)),
         "gradient_clipping": pick(o.max_grad_norm),
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
@@ -126,6 +154,7 @@ def deepspeed_config(run: RunSpec, *, hf_auto: bool = False) -> dict[str, Any]:
         "fp16": {"enabled": pick(dtype == "fp16"), "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         **({} if comm == "auto" else {"communication_data_type": comm}),
+        **({"tensor_parallel": autotp_section(run.layout.tp)} if run.layout.tp > 1 else {}),
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }

@@ -73,8 +73,8 @@ def packed_attention(choice: str, *, data_kind: str, device: str, attention: str
 
 
 def check_tensor_parallel(run: Any) -> None:
-    """Refuse, before any rank starts, what the trainer's TP plan (shardwise.train.tensor_parallel)
-    cannot split or does not run."""
+    """Refuse, before any rank starts, what the trainer's TP (FSDP2: shardwise.train.tensor_parallel;
+    ZeRO-1/2: DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section) cannot split or does not run."""
     tp = run.layout.tp
     if tp == 1:
         return
@@ -85,20 +85,26 @@ def check_tensor_parallel(run: Any) -> None:
     gap = trainer_tp_gap(m, tp)
     if gap:
         raise ShardwiseError(f"{where}: {gap}; set strategy.tp: 1")
-    if run.strategy.engine != "fsdp2":
+    engine, stage = run.strategy.engine, run.strategy.zero_stage
+    if engine == "deepspeed" and stage not in (1, 2):
+        raise ShardwiseError(f"{where} with strategy {run.strategy.name!r}: ZeRO × TP runs through DeepSpeed's "
+                             "AutoTP with ZeRO-1 or ZeRO-2 (strategy zero1 or zero2; the checkpoint mapping of "
+                             "AutoTP's shards is built and tested for those stages only), or use strategy fsdp")
+    if engine not in ("fsdp2", "deepspeed"):
         raise ShardwiseError(f"{where} with strategy {run.strategy.name!r}: tensor parallelism runs with FSDP2 "
-                             "(strategy fsdp, fsdp-grad-op or fsdp-hybrid; with tp = world size it is TP alone). "
-                             "DDP does not take DTensor parameters, and DeepSpeed's AutoTP "
-                             "(tensor_parallel.autotp_size) is not wired into shardwise's DeepSpeed engine: its "
-                             "checkpoint mapping and vocab-parallel loss are not built (docs/training.md)")
+                             "(strategy fsdp, fsdp-grad-op or fsdp-hybrid; with tp = world size it is TP alone) "
+                             "or DeepSpeed's AutoTP (zero1, zero2); DDP does not take DTensor parameters")
     if run.strategy.offload_params or run.strategy.offload_optimizer:
-        raise ShardwiseError(f"{where}: CPU offload with tensor parallelism is not supported; use strategy fsdp")
+        raise ShardwiseError(f"{where}: CPU offload with tensor parallelism is not supported; use strategy "
+                             + ("zero1 or zero2" if engine == "deepspeed" else "fsdp"))
     if run.train.compute_dtype == "fp16":
-        raise ShardwiseError(f"{where}: fp16-mixed with tensor parallelism is not supported (its GradScaler "
-                             "does not unscale DTensor gradients across TP ranks); use precision bf16-mixed")
+        why = ("its GradScaler does not unscale DTensor gradients across TP ranks" if engine == "fsdp2" else
+               "DeepSpeed's fp16 loss scaler under AutoTP is not verified by shardwise's parity tests")
+        raise ShardwiseError(f"{where}: fp16-mixed with tensor parallelism is not supported ({why}); "
+                             "use precision bf16-mixed")
     if cfg.lora is not None:
         kind = "QLoRA (an nf4 base)" if cfg.lora.quantization == "nf4" else "LoRA"
         raise ShardwiseError(f"{where}: {kind} with tensor parallelism is not supported: PEFT's adapters are plain "
-                             "tensors beside the DTensor-sharded base linears, and sharding them to match "
+                             "tensors beside the TP-sharded base linears (DTensors, or AutoTP's LinearLayer), and sharding them to match "
                              "(A column-wise of a row-wise base, B row-wise of a column-wise one) is not built; "
                              "set strategy.tp: 1")

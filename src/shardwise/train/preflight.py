@@ -200,6 +200,10 @@ def single_gpu_note(run: RunSpec) -> str | None:
 
     s = run.strategy
     if run.layout.tp > 1:
+        if s.engine == "deepspeed":
+            return (f"{s.name} with tp {run.layout.tp}: DeepSpeed's AutoTP over {run.layout.tp} ranks, ZeRO over "
+                    f"{run.layout.dp} data-parallel rank(s); the plan books the embedding and lm_head as "
+                    "vocabulary-parallel (Megatron's), AutoTP keeps them whole on every TP rank (docs/training.md)")
         if run.layout.dp == 1:
             return (f"{s.name} with tp {run.layout.tp} on {run.world_size} ranks: tensor parallelism alone (one "
                     "data-parallel rank: no fully_shard), planned as such")

@@ -15,8 +15,8 @@ def build_engine(model, run: RunSpec, env: DistEnv, *, mesh: Any = None) -> Engi
     if env.world_size != run.world_size:
         raise ValueError(f"the run was planned for {run.world_size} ranks but {env.world_size} joined")
     engine = run.engine_strategy.engine  # FSDP2 with a one-rank shard group may run as DDP
-    if run.layout.tp > 1:  # TP (alone: planned as DDP at tp, one data rank) runs in the FSDP2 engine
-        engine = "fsdp2"
+    if run.layout.tp > 1 and engine != "deepspeed":
+        engine = "fsdp2"  # TP (alone: planned as DDP at tp, one data rank) runs in the FSDP2 engine; ZeRO × TP in AutoTP
     if engine == "deepspeed":
         from shardwise.train.engines.deepspeed import DeepSpeedEngine
 

@@ -1,4 +1,7 @@
-"""DeepSpeed ZeRO stages 0-3 via `deepspeed.initialize`, with optimizer/parameter offload.
+"""DeepSpeed ZeRO stages 0-3 via `deepspeed.initialize`, with optimizer/parameter offload, and
+ZeRO-1/2 × TP through DeepSpeed's AutoTP training (the config's `tensor_parallel` block: AutoTP
+shards the decoder linears inside `deepspeed.initialize`; `autotp_shards` maps each shard onto
+its canonical full tensor for checkpoints and the final weights).
 
 The JSON config is `shardwise.run.deepspeed_config(run)`: the same builder `plan --emit` and
 the benches use (its docstring lists the settings made explicit for parity). Two settings
@@ -53,6 +56,28 @@ def deepspeed_comm() -> None:
             setattr(cdb, attr, getattr(tdist, new))
 
 
+def autotp_shards(module: torch.nn.Module) -> dict[int, tuple[Any, int]]:
+    """id(parameter) -> (its AutoTP layer, the dimension AutoTP split it along) for every
+    TP-sharded parameter: a column-parallel `LinearLayer`'s weight and bias (dim 0), a
+    row-parallel `LinearAllreduce`'s weight (dim 1; its bias stays whole). Parameters not listed
+    are replicated over the TP group. The split sizes and this rank's index are the layer's
+    (`_partition_sizes`, `tp_index`): DeepSpeed's own `gather_params` gathers with them."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, TensorParallel_Layer
+
+    out: dict[int, tuple[Any, int]] = {}
+    for name, m in module.named_modules():
+        if not isinstance(m, TensorParallel_Layer) or not getattr(m, "is_tp_parallel", True):
+            continue
+        if type(m) is LinearLayer:
+            out |= {id(t): (m, 0) for t in (m.weight, m.bias) if t is not None}
+        elif type(m) is LinearAllreduce:
+            out[id(m.weight)] = (m, 1)
+        else:
+            raise ShardwiseError(f"AutoTP replaced {name} with {type(m).__name__}: shardwise maps only "
+                                 "LinearLayer / LinearAllreduce shards onto the canonical checkpoint")
+    return out
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
 
@@ -86,6 +111,7 @@ class DeepSpeedEngine:
         )
         deepspeed_comm()  # a backend DeepSpeed initialised itself (no process group before)
         self.module = self.ds.module
+        self._tp = autotp_shards(self.module) if run.layout.tp > 1 else {}
         self._check_fetch_unit()
         self._boundary = True
 
@@ -183,9 +209,26 @@ class DeepSpeedEngine:
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=None):  # collective
                     if self.env.is_main:
                         out[name] = p.detach().cpu().clone()
+            elif id(p) in self._tp:  # collective over the TP group
+                full = self._gather_tp(p, p.detach())
+                if self.env.is_main:
+                    out[name] = full.cpu().clone()
             elif self.env.is_main:
                 out[name] = p.detach().cpu().clone()
         return out if self.env.is_main else None
+
+    # --- AutoTP: a sharded linear's slice <-> its full tensor (the canonical checkpoint's) --------
+
+    def _gather_tp(self, p: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+        """The full tensor of `value` (this rank's TP slice of `p`, or a moment of that slice):
+        all-gathered over the TP group along the dimension AutoTP split (collective)."""
+        module, dim = self._tp[id(p)]
+        return module._all_gather_shards(value, module._partition_sizes, dim)
+
+    def _slice_tp(self, p: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP slice of a full tensor of `p` (the split AutoTP made at initialize)."""
+        module, dim = self._tp[id(p)]
+        return full.split(module._partition_sizes, dim=dim)[module.tp_index].contiguous()
 
     # --- checkpoints: DeepSpeed's flat partitions mapped onto the canonical names -------------
     # deepspeed.utils' tensor-fragment API assembles (get) or scatters (set) one parameter's fp32
@@ -209,6 +252,11 @@ class DeepSpeedEngine:
         return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
     def _full_shape(self, p: torch.nn.Parameter) -> torch.Size:
+        if id(p) in self._tp:
+            module, dim = self._tp[id(p)]
+            shape = list(p.shape)
+            shape[dim] = sum(module._partition_sizes)
+            return torch.Size(shape)
         return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
     def _owners(self, sizes: list[int]) -> list[int]:
@@ -270,6 +318,8 @@ class DeepSpeedEngine:
                 st = base.state.get(p, {})
                 values = [p.detach().float()] + [st.get(k, torch.zeros_like(p, dtype=torch.float32))
                                                  for k in self._MOMENTS]
+            if id(p) in self._tp:  # collective over the TP group: the full tensors, by name
+                values = [self._gather_tp(p, v) for v in values]
             if owner[i] == self.env.rank:
                 # DCP writes synchronously: no copy beyond the one off the device (none on CPU)
                 for key, v in zip(("model", *(f"optim.{k}" for k in self._MOMENTS)), values, strict=True):
@@ -301,6 +351,9 @@ class DeepSpeedEngine:
             for n, q in chunk:
                 value = tensors[f"model.{n}"].to(q.device)
                 moments = {m: tensors[f"optim.{m}.{n}"].to(q.device) for m in self._MOMENTS}
+                if id(q) in self._tp:
+                    value = self._slice_tp(q, value)
+                    moments = {m: self._slice_tp(q, t) for m, t in moments.items()}
                 if self._partitioned(q):
                     safe_set_full_fp32_param(q, value)
                     for m, t in moments.items():
