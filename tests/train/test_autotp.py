@@ -9,9 +9,10 @@ and leaves the embedding, the norms and lm_head replicated, so the chunked loss 
 whole lm_head as without TP.
 
 - Loss curves within 1e-5 relative; final weights (the TP shards gathered by name) within 1e-5
-  on synthetic rows, and within the bounds of tests/train/test_tp_parity.py on packed SFT rows
-  (the rounding floor AdamW amplifies in the embedding rows of rare tokens; its docstring).
-  Qwen's k_proj bias is left out (its gradient is zero in exact arithmetic).
+  on synthetic rows, and on packed SFT rows in runs with AdamW eps 1e-5 (every other setting the
+  same): at eps 1e-8 AdamW's sign-like update of near-zero gradient elements turns the
+  summation-order floor into lr-sized weight differences (tests/train/test_packed_parity.py's
+  docstring measures it). Qwen's k_proj bias is left out (its gradient is zero in exact arithmetic).
 - Activation checkpointing under AutoTP holds the same 1e-5; bf16-mixed learns and follows
   DDP's bf16 curve within 2e-3.
 - Checkpoints hold full tensors by name: ZeRO-2 × TP 2 × 2 resumes bit-exact on its own layout,
@@ -37,19 +38,18 @@ RESUME = HERE / "resume_worker.py"
 SAVE_EVERY = 3
 MODELS = ["tiny-llama", "tiny-qwen"]
 DATA = ["sft", "synthetic"]
-# What AdamW (eps 1e-8) makes of the summation-order floor on packed SFT rows in the rare tokens'
-# embedding rows (tests/train/test_packed_parity.py's docstring measures it for DDP)
-SFT_BOUNDS = {"model.embed_tokens.weight": 2e-3, "other": 1e-3}
+EPS = ":sft:eps1e-5"  # the packed-SFT runs whose weights are compared (module docstring)
 
 
 def _flags(data: str) -> str:
     return ":sft" if data == "sft" else ""
 
 
-ONE = [f"{m}:ddp:2{_flags(d)}" for m in MODELS for d in DATA] + ["tiny-llama:ddp:1:repeat:bf16"]
-TWO = [f"{m}:zero1:2{_flags(d)}:tp2" for m in MODELS for d in DATA] + [
+ONE = ([f"{m}:ddp:2{f}" for m in MODELS for f in [*map(_flags, DATA), EPS]]
+       + ["tiny-llama:ddp:1:repeat:bf16"])
+TWO = [f"{m}:zero1:2{f}:tp2" for m in MODELS for f in [*map(_flags, DATA), EPS]] + [
     "tiny-llama:zero1:2:ckpt:tp2", "tiny-llama:zero2:1:repeat:bf16:tp2"]
-FOUR = [f"{m}:zero2:2{_flags(d)}:tp2" for m in MODELS for d in DATA]
+FOUR = [f"{m}:zero2:2{f}:tp2" for m in MODELS for f in [*map(_flags, DATA), EPS]]
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +67,15 @@ def _initial(model: str) -> dict[str, torch.Tensor]:
     return build_model(run_spec(parity_config("ddp", 1, 1, model), 1, "cpu")).state_dict()
 
 
-def _compare(got: dict, ref: dict, exact: bool, model: str) -> None:
+def _compare(got: dict, ref: dict, weights: bool, model: str) -> None:
     loss = rel_loss_diff(got["losses"], ref["losses"])
     assert len(got["losses"]) == 8
     assert loss <= RTOL, f"loss curve off by {loss:.2e} relative"
-    w = {k: v for k, v in rel_weight_diff(got["weights"], ref["weights"]).items() if not k.endswith("k_proj.bias")}
-    for k, v in w.items():
-        assert v <= (RTOL if exact else SFT_BOUNDS.get(k, SFT_BOUNDS["other"])), (k, v)
+    if weights:
+        w = {k: v for k, v in rel_weight_diff(got["weights"], ref["weights"]).items()
+             if not k.endswith("k_proj.bias")}
+        worst = max(w, key=w.get)
+        assert w[worst] <= RTOL, (worst, w[worst])
     init = _initial(model)
     keys = [k for k in ref["weights"] if k in init and "norm" not in k]
     moved = rel_weight_diff({k: init[k] for k in keys}, {k: got["weights"][k] for k in keys})
@@ -98,12 +100,15 @@ def test_autotp_matches_one_process(world, stage, model, data, one_process, zero
     got = result(out, f"{model}:{stage}:2{_flags(data)}:tp2", world)
     assert got["engine"] == "deepspeed"
     assert got["weights"]["model.layers.0.mlp.gate_proj.weight"].shape[0] == 176  # gathered, not a shard
-    _compare(got, result(one_process, f"{model}:ddp:2{_flags(data)}", 1), exact=data == "synthetic", model=model)
+    _compare(got, result(one_process, f"{model}:ddp:2{_flags(data)}", 1), weights=data == "synthetic", model=model)
+    if data == "sft":  # the weights where AdamW does not amplify the rounding floor (module docstring)
+        _compare(result(out, f"{model}:{stage}:2{EPS}:tp2", world), result(one_process, f"{model}:ddp:2{EPS}", 1),
+                 weights=True, model=model)
 
 
 def test_activation_checkpointing_under_autotp(one_process, zero1_tp2):
     got = result(zero1_tp2, "tiny-llama:zero1:2:ckpt:tp2", 2)
-    _compare(got, result(one_process, "tiny-llama:ddp:2", 1), exact=True, model="tiny-llama")
+    _compare(got, result(one_process, "tiny-llama:ddp:2", 1), weights=True, model="tiny-llama")
 
 
 def test_bf16_autotp_trains_as_ddp_does(one_process, zero1_tp2):
