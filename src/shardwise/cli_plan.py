@@ -1,0 +1,235 @@
+"""The `plan` and `explain` commands' input handling (shardwise.cli): the hardware spec and the
+flags given beside it, a --from file's values under the flags, flags that would change nothing,
+the input warnings, and --emit with its fitting hint. Torch-free, as the planner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from shardwise.errors import ShardwiseError
+from shardwise.numfmt import rate
+
+
+def hardware_spec(hardware: str | None):
+    """`--hardware auto|FILE` as a MachineHardware (None without the flag)."""
+    if hardware is None:
+        return None
+    if hardware.strip().lower() == "auto":
+        from shardwise.doctor import machine_hardware
+
+        spec = machine_hardware()
+        if spec.gpu is None:
+            raise ShardwiseError("--hardware auto: " + "; ".join(spec.notes) + " (shardwise doctor says more); "
+                                 "plan the GPUs you will run on with --gpu")
+        return spec
+    from shardwise.specs.machine import load_machine
+
+    return load_machine(hardware)
+
+
+def given_flags() -> set[str]:
+    """The plan() parameters given on the command line (not their defaults). typer 0.29 runs on
+    its own copy of click (`typer._click`), whose context is not click's: read the one in use."""
+    try:
+        from typer._click.core import ParameterSource
+        from typer._click.globals import get_current_context
+    except ImportError:  # a typer on the click package
+        from click import get_current_context
+        from click.core import ParameterSource
+
+    ctx = get_current_context()
+    return {name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+
+
+def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
+    """plan()'s inputs: the flags, and with --from FILE (or CONFIG) the file's values wherever no
+    flag was given (a flag on the command line overrides the file). Returns (values, the file's
+    reading or None); values["knobs"] are the engine knobs planned, values["cli_knobs"] those the
+    command line gave."""
+    from shardwise.knob_flags import given_knobs
+
+    values = dict(ctx.params)
+    cli_knobs = given_knobs(knob_values)
+    # by name: typer ships its own click (typer._click), whose ParameterSource is not click's
+    given = {k for k in values if getattr(ctx.get_parameter_source(k), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
+    path = values.pop("from_file")
+    if values.get("config") is not None:
+        if path is not None:
+            raise ShardwiseError(f"plan {values['config']} --from {path}: give one file, as CONFIG or with --from")
+        path = values["config"]
+    sets = values.pop("set_") or []
+    values["knobs"], values["cli_knobs"], values["shard_group"] = cli_knobs, cli_knobs, knob_values.get("shard_group")
+    if path is None:
+        if sets:
+            raise ShardwiseError(f"--set {sets[0]}: --set overrides a shardwise training YAML; give one "
+                                 "(shardwise plan CONFIG.yaml --set KEY=VALUE)")
+        return values, None
+    from shardwise.ingest import read_source
+
+    source = read_source(Path(path), given={k: values[k] for k in given if k in values}, defaults=values, sets=sets,
+                         cli_knobs=cli_knobs)
+    for k, v in source.values.items():
+        if k not in given:
+            values[k] = v
+    knobs = {sec: {**source.knobs.get(sec, {}), **cli_knobs[sec]} for sec in ("ds", "fsdp", "ddp")}
+    values["knobs"] = knobs
+    if knob_values.get("shard_group") is None and source.shard_group is not None:
+        values["shard_group"] = source.shard_group
+    return values, source
+
+
+def check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, given: dict[str, dict],
+                       ce_chunk: int | None, cross_entropy: str) -> None:
+    """Flags that would change nothing are refused, naming the flag: DeepSpeed knobs when no
+    planned strategy runs DeepSpeed (ZeRO-3's and ZeRO-1/2's own knobs when none is of that
+    stage), and a chunk size for a loss that is not chunked. `given`: the knob flags given
+    (shardwise.knob_flags.given_knobs)."""
+    from shardwise.knob_flags import BOTH_BUCKETS, ZERO3_ONLY, ZERO12_ONLY, flag_of
+    from shardwise.specs import STRATEGY_NAMES, Strategy
+
+    if ce_chunk is not None and cross_entropy != "chunked":
+        raise ShardwiseError(f"--ce-chunk {ce_chunk} sets the chunk of the chunked cross-entropy, but --cross-entropy "
+                             f"is {cross_entropy!r}: add --cross-entropy chunked, or drop --ce-chunk")
+    ds = dict(given["ds"])
+    if not ds:
+        return
+    both = ds.get("reduce_bucket_size") == ds.get("allgather_bucket_size") and "allgather_bucket_size" in ds
+    flags = {f: (BOTH_BUCKETS if both and f in ("reduce_bucket_size", "allgather_bucket_size") else flag_of("ds", f))
+             for f in ds}
+    names = list(strategies or STRATEGY_NAMES) + ([emit_strategy] if emit_strategy else [])
+    try:
+        planned = [Strategy.from_name(n) for n in names]
+    except ShardwiseError:
+        return  # an unknown strategy name is refused with its own message when it is planned
+    shown = ", ".join(names)
+    stages = {s.zero_stage for s in planned if s.engine == "deepspeed"}
+    for field, flag in flags.items():
+        if not stages:
+            raise ShardwiseError(f"{flag} is a DeepSpeed knob, but no strategy planned runs DeepSpeed (-s {shown}): "
+                                 "add a zero0..zero3 strategy with -s, or drop the flag")
+        if flag == BOTH_BUCKETS:
+            continue
+        for fields, wanted, what in ((ZERO3_ONLY, {3}, "ZeRO-3"), (ZERO12_ONLY, {1, 2}, "ZeRO-1/2")):
+            if field in fields and not stages & wanted:
+                raise ShardwiseError(f"{flag} is a {what} knob, but no {what} strategy is planned (-s {shown}): "
+                                     "add one with -s, or drop the flag")
+
+
+def input_warnings(model, train) -> list[str]:
+    """What is accepted but worth saying: a sequence beyond the model's trained context."""
+    out = []
+    if train.seq_len > model.max_position_embeddings:
+        out.append(f"--seq-len {train.seq_len} is beyond {model.name}'s max_position_embeddings "
+                   f"{model.max_position_embeddings}: planned as given (RoPE scaling or a longer-context "
+                   "variant can run it; the model was not trained that long)")
+    return out
+
+
+def print_warnings(warnings: list[str]) -> None:
+    """On stderr, so --json's stdout stays one JSON object."""
+    if not warnings:
+        return
+    from rich.console import Console
+    from rich.markup import escape
+
+    err = Console(stderr=True)
+    for w in warnings:
+        err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+
+
+def comma_names(value: str) -> tuple[str, ...]:
+    """A comma-separated flag value as names (empty parts dropped)."""
+    return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
+def check_fsdp_flags(named: list[str], reshard: str | None, reduce_every: bool) -> None:
+    """--fsdp-reshard-after-forward / --fsdp-reduce-every-micro-batch need a strategy they change:
+    with -s / --emit-strategy, one of those named (without, they apply to the FSDP2 rows)."""
+    from typing import get_args
+
+    from shardwise.specs.strategy import STRATEGIES, Resharding
+
+    if reshard is not None and reshard not in get_args(Resharding):
+        raise ShardwiseError(f"--fsdp-reshard-after-forward {reshard!r}: expected {', '.join(get_args(Resharding))}")
+    names = [n.strip().lower() for n in named if n.strip().lower() in STRATEGIES]  # unknown: refused elsewhere
+    if not names:
+        return
+    fsdp = [n for n in STRATEGIES if STRATEGIES[n].engine == "fsdp2"]
+    resharded = [n for n in fsdp if STRATEGIES[n].fsdp_sharding != "grad-op" or reshard == "none"]
+    for flag, given, applies in (("--fsdp-reshard-after-forward", reshard is not None, resharded),
+                                 ("--fsdp-reduce-every-micro-batch", reduce_every, fsdp)):
+        if given and not set(names) & set(applies):
+            raise ShardwiseError(f"{flag} applies to {', '.join(applies)}; not to {', '.join(names)}"
+                                 + (" (fsdp-grad-op keeps every layer gathered: none)"
+                                    if "fsdp-grad-op" in names and flag.endswith("forward") else ""))
+
+
+def emit_plan(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, margin, accounting):
+    """Write exactly the configuration the plan shows, or refuse and say why: the recommended
+    one (strategy, micro-batch, accumulation, checkpointing), or with --emit-strategy that
+    strategy's row of the table. Returns ((evaluation, paths), notes)."""
+    from shardwise.emit import emit_configs, emitted_run
+    from shardwise.plan.evaluate import evaluate
+    from shardwise.plan.recommend import describe, tool_for
+    from shardwise.specs import Strategy
+
+    if name:
+        flags = f"--emit-strategy {name}" + (f" --tp {tp}" if tp and tp > 1 else "") + (
+            f" --pp {pp}" if pp and pp > 1 else "")
+        try:
+            strategy = Strategy.with_knobs(name, knobs, tp=tp or 1, pp=pp or 1)
+            chosen = evaluate(m, hw, train, strategy, accounting=accounting, margin=margin)
+        except ShardwiseError as e:
+            raise ShardwiseError(f"{flags}: {e}") from None
+        what = f"{flags}: {describe(chosen)}"
+        drop = "drop --tp/--pp"
+    elif rec is None:
+        raise ShardwiseError(f"--emit: nothing to write, no configuration shardwise can train fits: {rec_error}")
+    else:
+        chosen = rec.best
+        what = f"--emit: the recommended {describe(chosen)}"
+        drop = "drop --tp/--pp for a recommendation it can run"
+    s = chosen.strategy
+    if not s.trainable:
+        raise ShardwiseError(
+            f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism, and tensor "
+            f"parallelism with FSDP2 (pp 1), this has tp {s.tp}, pp {s.pp}. Run it with "
+            f"{tool_for(s, chosen.train, m)}, or {drop}.")
+    if not chosen.fits:
+        raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin, accounting)}")
+    notes = emitted_run(m, hw, chosen.train, s)[1]
+    paths = emit_configs(m, hw, chosen.train, s, Path(out_dir), plan=chosen.memory)
+    return (chosen, paths), notes
+
+
+def _shortfall(e) -> str:
+    """Why an evaluation does not fit, in numbers."""
+    from shardwise.specs.hardware import GIB
+
+    mem = e.memory
+    parts = []
+    if mem.gpu.required > mem.usable_bytes:
+        parts.append(f"{mem.gpu.required / GIB:.1f} GiB per GPU against {mem.usable_bytes / GIB:.1f} GiB usable "
+                     f"({mem.capacity_bytes / GIB:.1f} GiB less the {mem.margin:.0%} margin; needed: the allocated "
+                     "peak, allocator slack a cache flush cannot return, CUDA context, NCCL)")
+    if mem.host.peak > mem.host_capacity_bytes:
+        parts.append(f"{mem.host.peak / GIB:.0f} GiB of host memory per node against {mem.host_capacity_bytes / GIB:.0f}"
+                     + (" (loading the weights)" if mem.host.load.per_node >= mem.host.training else ""))
+    return " and ".join(parts)
+
+
+def _fitting_hint(m, hw, train, strategy, knobs, margin, accounting="engine") -> str:
+    """The fastest setting of the same strategy and layout that fits, as flags to pass."""
+    from shardwise.plan.recommend import sweep
+
+    found = [e for e in sweep(m, hw, train, strategies=[strategy.name], tps=(strategy.tp,), pps=(strategy.pp,),
+                              checkpointing=("none", "full"), margin=margin, knobs=knobs, accounting=accounting)
+             if e.fits]
+    if not found:
+        return f". No micro-batch (1-8) or checkpointing makes {strategy.name} fit here."
+    b = max(found, key=lambda e: e.time.tokens_per_s_per_gpu)
+    return (f". It fits with --micro-batch {b.train.micro_batch} --grad-accum {b.train.grad_accum} "
+            f"--checkpointing {b.train.checkpointing} ({b.memory.gpu.total / 2**30:.1f} GiB, "
+            f"{rate(b.time.tokens_per_s_per_gpu)} tokens/s per GPU).")
