@@ -164,6 +164,9 @@ def build(run: dict):
     if Strategy.from_name(run["strategy"]).engine == "deepspeed":
         # and published DeepSpeed runs its default ZeRO-3 hooks: one per submodule
         knobs["ds"] = {"fetch_unit": "module", **knobs.get("ds", {})}
+    # the TP its framework runs (a source's `tp_impl`, evidence in its notes: Megatron-LM's for the
+    # Megatron rows; else the engine's own, specs.strategy.TP_SCHEMES)
+    knobs.setdefault("tp_impl", run.get("tp_impl") or run.get("_source", {}).get("tp_impl") or "auto")
     strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), **knobs)
     return model, hw, train, strategy
 

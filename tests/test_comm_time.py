@@ -78,13 +78,22 @@ def test_hybrid_splits_link_levels():
 
 
 def test_tensor_parallel_all_reduces():
-    c = plan_comm(M7, HW8, TrainSpec(seq_len=2048, micro_batch=1), Strategy.from_name("zero1", tp=2))
+    train = TrainSpec(seq_len=2048, micro_batch=1)
+    c = plan_comm(M7, HW8, train, Strategy.from_name("zero1", tp=2, tp_impl="megatron"))
     # Megatron: 2 all-reduces of b·s·h (bf16) forward and 2 backward per layer, plus the
     # vocabulary-parallel root's one per pass (embedding, lm_head) and the vocab-parallel loss's
     # two fp32 per token and its sum (measured: tests/test_measured_tp_comm.py)
     act = 2 * 2048 * M7.hidden_size
     tp_bytes = (4 * M7.num_layers + 2) * act + 4 * (2 * 2048 + 1)
     assert c.all_reduce - 2 * (M7.params / 2) == pytest.approx(tp_bytes, rel=1e-6)
+    # DeepSpeed's AutoTP (zero1's own TP): 2 forward all-reduces per layer (o, down) and one per
+    # column-parallel linear in backward (q, k, v, gate, up); embedding, lm_head and loss whole
+    auto = plan_comm(M7, HW8, train, Strategy.from_name("zero1", tp=2))
+    root = M7.params - M7.layer_params
+    dp_grads = 2 * (M7.layer_params / 2 + root)  # bf16 gradients of the rank's replica
+    assert auto.all_reduce - dp_grads == pytest.approx((2 + 5) * M7.num_layers * act, rel=1e-6)
+    full = plan_comm(M7, HW8, train.model_copy(update={"checkpointing": "full"}), Strategy.from_name("zero1", tp=2))
+    assert full.all_reduce - auto.all_reduce == pytest.approx(2 * M7.num_layers * act, rel=1e-6)  # the recompute
 
 
 def test_pipeline_bubble():

@@ -11,6 +11,13 @@ planner counts each pair as the all-reduce of the same ring volume; its total mu
 of the measured volume (2·all_reduce + all_gather + reduce_scatter, test_measured_comm's unit).
 Not seen by the counter: the implicit reductions DTensor makes inside an op's dispatch (the
 SequenceParallel norms' weight gradients, Partial until the optimizer reads them: 9 × h fp32).
+
+ZeRO-1/2 × tp 2 through DeepSpeed's AutoTP (`zero1-tp2`, `zero2-tp2`: one data rank) all-reduces
+each row-parallel output in forward (o_proj, down_proj) and each column-parallel linear's input
+gradient in backward (q, k, v, gate, up): 7 all-reduces of [b, s, h] per layer and micro-batch;
+the whole embedding and lm_head move nothing, and neither does the loss. One fp32 scalar per
+step on top (DeepSpeed's step-time check over the TP group). Its gradient reductions run over
+the one-rank data-parallel group, which the counter leaves out (they move nothing).
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from shardwise.bench import comm_worker as w  # noqa: E402 (after importorskip)
 
 pytestmark = pytest.mark.distributed
 CASES = [w.case_name("fsdp-tp2", ga) for ga in w.GAS]
+AUTOTP = [w.case_name(v, ga) for v in ("zero1-tp2", "zero2-tp2") for ga in w.GAS]
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, list[dict]]:
-    return w.measure_comm(CASES, timeout_s=420)
+    return w.measure_comm(CASES + AUTOTP, timeout_s=420)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -43,12 +51,24 @@ def test_sequence_parallel_collectives_per_step(case, measured):
         assert b["all_reduce"] == ga * (2 * 4 * w.BATCH * w.SEQ + 4), b  # the loss's max, sum-exp, sum
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", AUTOTP)
+def test_autotp_collectives_per_step(case, measured):
+    _, ga = w.parse_case(case)
+    run = w.bench_run("zero1-tp2", ga)
+    layers, act = run.model.num_layers, w.BATCH * w.SEQ * run.model.hidden_size * 4
+    for r in measured[case]:
+        assert "error" not in r, r
+        b = r["bytes_per_step"]
+        assert set(b) == {"all_reduce"}, b
+        assert b["all_reduce"] == (2 + 5) * layers * ga * act + 4, b
+
+
+@pytest.mark.parametrize("case", CASES + AUTOTP)
 def test_planned_tp_comm_matches_measured(case, measured):
     from shardwise.plan.comm import plan_comm
 
-    _, ga = w.parse_case(case)
-    run = w.bench_run("fsdp-tp2", ga)
+    variant, ga = w.parse_case(case)
+    run = w.bench_run(variant, ga)
     comm = plan_comm(run.model, run.hardware, run.train, run.engine_strategy)
     for r in measured[case]:
         b = r["bytes_per_step"]

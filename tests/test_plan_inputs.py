@@ -23,7 +23,7 @@ from shardwise.specs import TrainSpec
 runner = CliRunner()
 SLOW_NET = ["--gpus", "16", "--gpus-per-node", "8", "--interconnect", "eth-10"]  # DP across 1 GB/s links
 TOOLS = {"shardwise train", "Megatron-LM", "Megatron-DeepSpeed", "torchtitan",
-         "DeepSpeed's pipeline engine (deepspeed.pipe)"}  # fmt: skip
+         "DeepSpeed's pipeline engine (deepspeed.pipe)", "DeepSpeed AutoTP training (tensor_parallel.autotp_size)"}  # fmt: skip
 
 
 def plan(*args):
@@ -159,6 +159,8 @@ def expected_tool(a: dict) -> str:
         return "Megatron-LM"
     if a["tp"] == 1 and a["pp"] > 1 and a["checkpointing"] != "selective":
         return "DeepSpeed's pipeline engine (deepspeed.pipe)"
+    if a["tp"] > 1 and a["pp"] == 1 and not a["strategy"].startswith("zero3") and a["checkpointing"] != "selective":
+        return "DeepSpeed AutoTP training (tensor_parallel.autotp_size)"
     return "Megatron-DeepSpeed"
 
 
@@ -168,7 +170,7 @@ def test_recommendation_is_runnable(args):
     r = doc["recommended_setting"]
     assert r["runnable"] is True and r["tool"] == "shardwise train" and r["needs"] == []
     assert r["pp"] == 1 and r["checkpointing"] in ("none", "full")
-    assert r["tp"] == 1 or r["strategy"] in ("fsdp", "fsdp-grad-op", "fsdp-hybrid")  # the trainer's TP: FSDP2
+    assert r["tp"] == 1 or r["strategy"] in ("fsdp", "fsdp-grad-op", "fsdp-hybrid", "zero1", "zero2")  # FSDP2, AutoTP
     row = next(s for s in doc["strategies"] if s["name"] == r["strategy"])
     assert row["engine"] in ("ddp", "deepspeed", "fsdp2")
     for a in doc["plan_only_alternatives"]:
@@ -212,13 +214,15 @@ def test_tp_flag_restricts_the_recommendation_and_says_plan_only():
     assert r["tp"] == 2 and r["runnable"] is True and r["tool"] == "shardwise train" and r["needs"] == []
     assert r["strategy"] in ("fsdp", "fsdp-grad-op", "fsdp-hybrid")
     assert all(s["tp"] == 2 for s in doc["strategies"])
-    doc = plan_json("--tp", "2", "-s", "zero2")  # ZeRO with TP: still plan-only
+    doc = plan_json("--tp", "2", "-s", "zero2")  # ZeRO-2 x TP: DeepSpeed's AutoTP, planned as the trainer runs it
     r = doc["recommended_setting"]
-    assert r["tp"] == 2 and r["runnable"] is False and r["tool"] in TOOLS - {"shardwise train"}
-    # the trainer's zero2 x TP is DeepSpeed's AutoTP, which this Megatron-DeepSpeed row does not describe
-    assert any(n.startswith("tensor parallelism (tp 2) as planned here") and "AutoTP" in n for n in r["needs"])
+    assert (r["strategy"], r["tp"], r["runnable"], r["tool"], r["needs"]) == ("zero2", 2, True, "shardwise train", [])
+    doc = plan_json("--tp", "2", "-s", "zero3")  # ZeRO-3 x TP: AutoTP does not run it; Megatron-DeepSpeed's TP
+    r = doc["recommended_setting"]
+    assert r["tp"] == 2 and r["runnable"] is False and r["tool"] == "Megatron-DeepSpeed"
+    assert r["needs"] == ["Megatron's tensor parallelism (tp 2)"]
     assert "Plan-only" in doc["reason"]
-    out = flat(plan("--tp", "2", "-s", "zero2").output)
+    out = flat(plan("--tp", "2", "-s", "zero3").output)
     assert f"Recommended (plan-only: run it with {r['tool']})" in out
     # an explicit tp 1 keeps the sweep to tp 1: no TP alternatives
     doc = plan_json("--tp", "1", *SLOW_NET)
@@ -242,8 +246,10 @@ def test_library_recommend_honours_pinned_layouts():
     m, hw = catalog.get_model("llama-2-7b"), catalog.build_hardware(gpus=8)
     r = recommend(m, hw, TrainSpec(), tps=(2,))  # FSDP2 x TP runs in shardwise train (issue 26)
     assert r.best.memory.layout.tp == 2 and r.runnable and r.tool == "shardwise train"
-    r = recommend(m, hw, TrainSpec(), tps=(2,), strategies=["zero2", "ddp"])
+    r = recommend(m, hw, TrainSpec(), tps=(2,), strategies=["zero3", "ddp"])
     assert r.best.memory.layout.tp == 2 and not r.runnable and r.tool != "shardwise train"
+    r = recommend(m, hw, TrainSpec(), tps=(2,), strategies=["zero2"])  # DeepSpeed's AutoTP runs in shardwise train
+    assert r.best.memory.layout.tp == 2 and r.runnable and r.tool == "shardwise train"
     r = recommend(m, hw, TrainSpec(), strategies=["zero2"])
     assert r.best.strategy.name == "zero2" and r.runnable and r.best.strategy.trainable
 
@@ -297,9 +303,10 @@ def test_emit_strategy_writes_its_row(tmp_path):
 
 @pytest.mark.parametrize(("args", "needles"), [
     (["--emit-strategy", "zero3", "--pp", "2"], ["--emit-strategy zero3 --pp 2", "cannot run with pipeline parallelism"]),
-    (["--emit-strategy", "zero1", "--tp", "2"], ["plan-only", "tp 2", "Megatron-DeepSpeed"]),
+    (["--emit-strategy", "zero3", "--tp", "2"], ["plan-only", "tp 2", "Megatron-DeepSpeed"]),
+    (["--emit-strategy", "zero0", "--tp", "2"], ["plan-only", "tp 2", "DeepSpeed AutoTP training"]),
     (["--emit-strategy", "fsdp", "--pp", "2"], ["plan-only", "torchtitan"]),
-    (["--tp", "2", "-s", "zero2"], ["--emit: the recommended", "plan-only", "Run it with", "drop --tp/--pp"]),
+    (["--tp", "2", "-s", "zero3"], ["--emit: the recommended", "plan-only", "Run it with", "drop --tp/--pp"]),
     (["--emit-strategy", "ddp"], ["--emit-strategy ddp", "does not fit", "GiB per GPU against", "GiB usable"]),
     (["-m", "llama-2-70b", "-s", "zero2", "--gpu", "rtx-4090"], ["--emit: nothing to write", "no configuration"]),
 ])  # fmt: skip

@@ -187,10 +187,12 @@ def test_to_config_refuses_tp_and_notes_what_the_trainer_cannot_run():
     hw = build_hardware(gpus=8)
     from shardwise.errors import ShardwiseError
 
-    with pytest.raises(ShardwiseError, match=r"tensor parallelism with FSDP2 .pp 1.; zero2 has tp 2"):
-        to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name("zero2", tp=2))
-    cfg, _ = to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name("fsdp", tp=2))
-    assert cfg.strategy.tp == 2  # FSDP2 x TP: the trainer runs it
+    with pytest.raises(ShardwiseError, match=r"with ZeRO-1/2 through DeepSpeed's AutoTP; zero3 has tp 2, pp 1, "
+                                             r"TP scheme megatron"):
+        to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name("zero3", tp=2))
+    for name in ("fsdp", "zero2"):  # FSDP2 x TP and ZeRO-2 x AutoTP: the trainer runs them
+        cfg, _ = to_config(get_model("llama-2-7b"), hw, TrainSpec(), Strategy.from_name(name, tp=2))
+        assert (cfg.strategy.name, cfg.strategy.tp) == (name, 2)
     cfg, notes = to_config(get_model("llama-2-7b"), hw, TrainSpec(precision="bf16-pure", lora_rank=8),
                            Strategy.from_name("zero3"))
     assert cfg.precision == "bf16-mixed" and len(notes) == 1

@@ -16,7 +16,12 @@ from shardwise.errors import ShardwiseError
 pytestmark = pytest.mark.distributed
 
 
-def test_plan_tp_emit_then_train_on_two_ranks(tmp_path):
+# (the sweep's own pick: FSDP2 × TP, run as TP alone on one data rank), and ZeRO-2 × TP: DeepSpeed's AutoTP
+@pytest.mark.parametrize(("strategies", "note"), [
+    ([], "tensor parallelism alone"),
+    (["-s", "zero2"], "DeepSpeed's AutoTP over 2 ranks, ZeRO over 1 data-parallel rank(s), planned as such"),
+])  # fmt: skip
+def test_plan_tp_emit_then_train_on_two_ranks(tmp_path, strategies, note):
     from typer.testing import CliRunner
 
     from shardwise.cli import app
@@ -24,13 +29,13 @@ def test_plan_tp_emit_then_train_on_two_ranks(tmp_path):
 
     emit = tmp_path / "emit"
     r = CliRunner().invoke(app, ["plan", "--json", "-m", "tiny-llama", "--gpu", "h100-sxm", "--gpus", "2", "--tp", "2",
-                                 "--seq-len", "128", "--emit", str(emit)])  # fmt: skip
+                                 "--seq-len", "128", *strategies, "--emit", str(emit)])  # fmt: skip
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output[r.output.index("{"):])
     setting = doc["recommended_setting"]
     assert setting["tp"] == 2 and setting["runnable"] is True and setting["tool"] == "shardwise train"
     cfg = yaml.safe_load((emit / "shardwise.yaml").read_text())
-    assert cfg["strategy"]["tp"] == 2 and cfg["strategy"]["name"].startswith("fsdp")
+    assert cfg["strategy"]["tp"] == 2 and cfg["strategy"]["name"].startswith("zero2" if strategies else "fsdp")
     assert not (emit / "accelerate.yaml").exists()  # accelerate would not apply the TP plan
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "shardwise.train.cli", str(emit / "shardwise.yaml"), "--nproc", "2",
@@ -40,7 +45,7 @@ def test_plan_tp_emit_then_train_on_two_ranks(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
                          env={**os.environ, "PYTHONWARNINGS": "ignore", "DS_ACCELERATOR": "cpu"})
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "tensor parallelism alone" in res.stdout + res.stderr
+    assert note in " ".join((res.stdout + res.stderr).split())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["grad_norm"] > 0 for row in rows)

@@ -15,7 +15,9 @@ Counting unit (shared with shardwise.plan.comm):
   p2p            bytes sent plus bytes received
   all_to_all     bytes of the input sent
   gather/scatter bytes of the full (gathered / scattered) side
-Barriers carry a dummy tensor and are ignored.
+Barriers carry a dummy tensor and are ignored. `one_rank_groups=False` also leaves out the
+collectives over a group of one rank (they move nothing; DeepSpeed still reduces its gradients
+over a one-rank data-parallel group when AutoTP spans every rank).
 """
 
 from __future__ import annotations
@@ -85,6 +87,17 @@ _FUNCTIONAL: dict[str, tuple[str, str]] = {
 }
 
 
+def _group_size(args: tuple) -> int | None:
+    """Ranks in the process group a c10d op runs on (its ProcessGroup argument), None if unseen."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return torch._C._distributed_c10d.ProcessGroup.unbox(a).size()
+            except (AttributeError, RuntimeError, TypeError):
+                return None
+    return None
+
+
 @dataclass
 class CommCounts:
     """Bytes, call counts and dtypes per collective kind, plus a per-call log if asked."""
@@ -119,8 +132,9 @@ class CommCounter(TorchDispatchMode):
     """`with CommCounter() as c: ...` then read `c.counts`. Set `enabled=False` to pause
     counting without leaving the mode (e.g. around steps that should not be measured)."""
 
-    def __init__(self, keep_log: bool = False) -> None:
+    def __init__(self, keep_log: bool = False, one_rank_groups: bool = True) -> None:
         super().__init__()
+        self.one_rank_groups = one_rank_groups  # False: leave out collectives over a group of one rank
         self.counts = CommCounts(log=[] if keep_log else None)
         self.enabled = True
 
@@ -133,7 +147,9 @@ class CommCounter(TorchDispatchMode):
         if self.enabled:
             ns = func.namespace
             name = func._schema.name.split("::", 1)[1]
-            if ns == "c10d" and name in _C10D:
+            if ns == "c10d" and name in _C10D and not self.one_rank_groups and _group_size(args) == 1:
+                pass  # a group of one rank moves nothing (DeepSpeed reduces over its 1-rank DP group under TP)
+            elif ns == "c10d" and name in _C10D:
                 kind, idx = _C10D[name]
                 self.counts.add(name, kind, args[idx] if idx < len(args) else None)
             elif ns == "_c10d_functional" and name in _FUNCTIONAL:

@@ -4,7 +4,8 @@ through the trainer's own engines.
 `measure_comm(cases)` spawns 2 processes; each builds the bench run of shardwise.bench.worker
 (the catalog's tiny-llama-bench, fp32, untied, MHA; Ψ = 1,315,968) through the run bridge and
 `build_engine`, runs 4 optimizer steps of GA micro-batches each, as the training loop does
-(`sync_grads(last)` + `forward_backward`, then `step`), under a `CommCounter`, and keeps the
+(`sync_grads(last)` + `forward_backward`, then `step`), under a `CommCounter` (collectives over
+a one-rank group left out: they move nothing), and keeps the
 counts of steps 3 and 4 only, averaged per step. Steps 1-2 hold one-off traffic that is set-up,
 not steady state: DDP rebuilds its buckets at the start of step 2 (broadcasting int32 bucket
 indices from rank 0), ZeRO-3 records its trace in step 1 and checks it in step 2. Their bytes
@@ -47,7 +48,7 @@ VARIANTS = ("ddp", "zero0", "zero1", "zero1-nomrba", "zero2", "zero2-nomrba", "z
 GAS = (1, 2)
 # Tensor + sequence parallel cases (tests/test_measured_tp_comm.py): their collectives are of
 # activations, so they are held to the planner's total volume, not to test_measured_comm's kinds.
-TP_VARIANTS = ("fsdp-tp2",)
+TP_VARIANTS = ("fsdp-tp2", "zero1-tp2", "zero2-tp2")
 
 
 def case_name(variant: str, ga: int) -> str:
@@ -69,7 +70,7 @@ def _run_case(rank: int, case: str) -> dict[str, Any]:
 
     variant, ga = parse_case(case)
     engine, batch = start_engine(variant, rank, ga)
-    counter = CommCounter(keep_log=True)
+    counter = CommCounter(keep_log=True, one_rank_groups=False)  # those move nothing (module docstring)
     per_step: list[dict[str, Any]] = []
     with counter:
         for _step in range(STEPS):

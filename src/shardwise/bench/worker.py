@@ -52,6 +52,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp-stock": ("fsdp", {"reshard_after_forward": "all", "reduce_every_micro_batch": True}),
     # tensor + sequence parallelism over both ranks (`strategy.tp: 2`, TP alone: one data rank)
     "fsdp-tp2": ("fsdp", {}),
+    # ZeRO × TP through DeepSpeed's AutoTP over both ranks (one data rank)
+    "zero1-tp2": ("zero1", {}), "zero2-tp2": ("zero2", {}),
 }
 # LoRA variants: rank LORA_RANK on every decoder linear (`<strategy>-lora`), fp32 or, with
 # `-bf16`, bf16-mixed (the frozen base in bf16, adapters fp32).
@@ -126,7 +128,7 @@ def start_engine(variant: str, rank: int, ga: int = 1):
 
     run = bench_run(variant, ga)
     model = build_model(run)
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator().manual_seed(1000 + rank // run.layout.tp)  # a TP group reads one batch
     ids = torch.randint(0, run.model.vocab_size, (BATCH, SEQ), generator=g)
     env = DistEnv(rank=rank, world_size=WORLD, local_rank=rank, device="cpu")
     return build_engine(model, run, env), {"input_ids": ids, "labels": ids.clone()}

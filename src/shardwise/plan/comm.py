@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from shardwise.plan.lora import adapter_params, adapter_tensors
-from shardwise.plan.stage import persistent_params, stage_layer_params, stage_params
+from shardwise.plan.stage import persistent_params, replica_params, stage_layer_params, tp_train
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -85,11 +85,12 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
               layout: ParallelLayout | None = None) -> CommBreakdown:
     """Bytes each GPU asks collectives to move per optimizer step, as the engines do it."""
     layout = layout or ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
-    psi = stage_params(model, layout.tp, layout.pp)
+    train = tp_train(train, strategy)
+    psi = replica_params(model, strategy, layout)
     k = train.grad_accum
     c = train.compute_bytes
     out = _dp_comm(model, train, strategy, layout, hw, psi, k, c)
-    out = out + _tp_pp_comm(model, train, layout, k, c)
+    out = out + _tp_pp_comm(model, train, layout, k, c, strategy.tp_scheme)
     return out
 
 
@@ -199,7 +200,16 @@ def fsdp_regather_share(model: ModelSpec, s: Strategy, layout: ParallelLayout) -
     return (per_stage - 1) / per_stage
 
 
-def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
+def column_linears(model: ModelSpec) -> int:
+    """Column-parallel linears of a decoder layer that read the block inputs (q, k, v and gate,
+    up in Llama's layout; one fused QKV / fc1 in GPT's and Phi-3's; MLA's q_a and kv_a)."""
+    if model.is_gpt:
+        return 2
+    qkv = 1 if model.family == "phi3" else 2 if model.is_mla else 3
+    return qkv + (1 if model.family == "phi3" else 2)
+
+
+def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
     """Megatron TP: 2 all-reduces of b·s·h in forward and 2 in backward per layer (+2 with full
     recompute); with sequence parallelism each is an all-gather + reduce-scatter pair of the same
     ring volume (counted here as the all-reduce it equals). The vocabulary-parallel root adds one
@@ -207,14 +217,25 @@ def _tp_pp_comm(model, train, layout, k, c) -> CommBreakdown:
     (all-gather in backward) and lm_head's all-gather (reduce-scatter in backward). The
     vocab-parallel loss all-reduces two fp32 per token (the row max, the sum of exponentials)
     and the loss sum. PP: activations forward and their grads backward across each stage boundary.
-    Measured on 2 gloo ranks (`strategy.tp: 2`, tests/test_measured_comm.py)."""
+    Measured on 2 gloo ranks (`strategy.tp: 2`, tests/test_measured_tp_comm.py).
+
+    DeepSpeed's AutoTP (`scheme.reduces_per_linear`, no vocabulary parallelism) all-reduces each
+    row-parallel output in forward (o, down: 2 per layer and forward pass) and each
+    column-parallel linear's input gradient in backward, one per linear (`column_linears`: 5 for
+    Llama; DeepSpeed 0.19 module_inject/layers.py: `LinearAllreduce` through `RowParallel`,
+    `LinearLayer` through `ColumnParallel`, whose backward all-reduces); the embedding, lm_head
+    and loss are whole on every rank and move nothing. Measured
+    on 2 gloo ranks (zero1/zero2 × tp 2, tests/test_measured_tp_comm.py)."""
     out = CommBreakdown()
     act = c * train.micro_batch * train.seq_len * model.hidden_size
     layers = -(-model.num_layers // layout.pp)
     if layout.tp > 1:
-        per_layer = 2 * train.layer_passes  # 2 per pass: forward, backward (and recompute)
-        root = 2 if layout.pp == 1 else 1  # embedding and lm_head: one stage each under PP
-        loss = 4 * (2 * train.micro_batch * train.seq_len + 1)  # fp32 max, sum-exp per token; the sum
+        if scheme.reduces_per_linear:
+            per_layer = 2 * (train.layer_passes - 1) + column_linears(model)  # forward passes, backward
+        else:
+            per_layer = 2 * train.layer_passes  # 2 per pass: forward, backward (and recompute)
+        root = (2 if layout.pp == 1 else 1) if scheme.vocab_parallel else 0  # embedding, lm_head: a stage each under PP
+        loss = 4 * (2 * train.micro_batch * train.seq_len + 1) if scheme.vocab_parallel else 0  # fp32 max, sum-exp; the sum
         ar = (per_layer * layers + root) * act * k + loss * k
         n = (per_layer * layers + root) * k
         out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=n, blocking_calls=n)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shardwise.plan.comm import CommBreakdown, ideal_comm, plan_comm
 from shardwise.plan.memory import DEFAULT_MARGIN, MemoryPlan, plan_memory
-from shardwise.plan.stage import stage_params
+from shardwise.plan.stage import replica_params
 from shardwise.plan.timing import TimeBreakdown, step_time
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
@@ -44,7 +44,7 @@ def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Str
     mem = memory_as_run(model, hw, train, strategy, accounting=accounting, margin=margin)
     runs = mem.engine_strategy  # FSDP2 with a one-rank shard group may run as DDP
     comm = plan_comm(model, hw, train, runs, mem.layout)
-    psi = stage_params(model, mem.layout.tp, mem.layout.pp)
+    psi = replica_params(model, runs, mem.layout)
     ideal = ideal_comm(psi, runs, train.compute_bytes) if mem.layout.dp > 1 else CommBreakdown()
     return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, runs, mem.layout, comm), model)
 

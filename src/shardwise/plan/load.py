@@ -24,7 +24,7 @@ from typing import Literal
 
 from shardwise.plan.breakdown import LoadBreakdown
 from shardwise.plan.lora import trainable_params
-from shardwise.plan.stage import stage_params
+from shardwise.plan.stage import stage_params, vocab_shards
 from shardwise.specs.hardware import GIB
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -56,10 +56,11 @@ def load_path(strategy: Strategy, weights: str | None = "safetensors") -> LoadPa
     return "sharded" if weights == "safetensors" else "broadcast"
 
 
-def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> tuple[float, float]:
+def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
+                vocab_tp: int | None = None) -> tuple[float, float]:
     """(trainable, frozen) bytes of the model as the trainer builds it before the engine casts:
     trainable parameters in fp32, a LoRA base in the compute dtype."""
-    psi = stage_params(model, tp, pp)
+    psi = stage_params(model, tp, pp, vocab_tp)
     if not train.lora_rank:
         return 4 * psi, 0.0
     adapters = trainable_params(model, train, tp, pp)
@@ -72,19 +73,22 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     """The load phase of one rank (the fullest: rank 0 under ZeRO-3) for `path` (default: the
     safetensors path `strategy` takes). `max_file_bytes`: the checkpoint's largest file."""
     path = path or load_path(strategy)
-    trainable, frozen = model_bytes(model, train, layout.tp, layout.pp)
+    vocab_tp = vocab_shards(strategy, layout.tp)
+    trainable, frozen = model_bytes(model, train, layout.tp, layout.pp, vocab_tp)
     n = layout.dp_shard if strategy.shards_params else 1
     on_host = device == "cpu" or strategy.offload_params
     largest = max((size for size, _ in model.tensor_sizes()), default=0) / layout.tp
     stored = 2.0  # bytes per element in the files: bf16/fp16 checkpoints (an fp32 one doubles `read`)
     process = PROCESS_BYTES["cpu" if device == "cpu" else "cuda"]
     if path == "whole":
-        # the whole fp32 model on the host (on every device: the engine moves it afterwards)
-        return LoadBreakdown("whole", resident=_whole(model, layout), read=max_file_bytes, process=process,
+        # the whole fp32 model on the host (on every device: the engine moves it afterwards;
+        # from_pretrained(dtype=float32): a LoRA base too)
+        whole = 4 * stage_params(model, layout.tp, layout.pp, vocab_tp)
+        return LoadBreakdown("whole", resident=whole, read=max_file_bytes, process=process,
                              ranks_per_node=ranks_per_node)
     if path == "zero3":
         ds_bytes = train.compute_bytes  # zero.Init builds in DeepSpeed's dtype
-        part = ds_bytes * stage_params(model, layout.tp, layout.pp) / layout.dp_shard
+        part = ds_bytes * stage_params(model, layout.tp, layout.pp, vocab_tp) / layout.dp_shard
         chunk = ZERO3_CHUNK_BYTES + ds_bytes * largest  # the chunk may overrun by one tensor
         # rank 0 reads one tensor at a time into the gathered chunk: its copy and its mapped pages
         read = 2 * stored * largest
@@ -100,6 +104,3 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     read = max_file_bytes / n + stored * largest / n
     return LoadBreakdown("sharded", resident=resident, read=read, process=process, ranks_per_node=ranks_per_node)
 
-
-def _whole(model: ModelSpec, layout: ParallelLayout) -> float:
-    return 4 * stage_params(model, layout.tp, layout.pp)  # from_pretrained(dtype=float32)

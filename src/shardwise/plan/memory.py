@@ -26,8 +26,10 @@ from shardwise.plan.stage import (
     fsdp_gathered_params,
     partition_holding,
     persistent_params,
+    replica_params,
     stage_layer_params,
-    stage_params,
+    tp_train,
+    vocab_shards,
     zero3_gathered,
 )
 from shardwise.specs.hardware import GIB, HardwareSpec
@@ -83,7 +85,7 @@ def model_states(
     accounting: Accounting = "engine", gpus_per_node: int = 8,
 ) -> tuple[MemoryBreakdown, HostBreakdown]:
     """Model states (params, grads, master, optimizer) and engine buffers on GPU and host."""
-    psi = stage_params(model, layout.tp, layout.pp)
+    psi = replica_params(model, strategy, layout)
     n = layout.dp_shard
     per_node = max(1, min(layout.world_size, gpus_per_node))  # GPUs sharing one host
     if accounting == "paper":
@@ -161,7 +163,8 @@ def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     if stage in (1, 2):
         # ZeRO-1 under accumulation keeps full grads until the boundary; ZeRO-2 reduces each
         # micro-batch into the partition (docs/reference.md "What the engines allocate").
-        grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * partition_holding(model, n, layout.tp, layout.pp, train.weight_decay)
+        grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * partition_holding(
+            model, n, layout.tp, layout.pp, train.weight_decay, vocab_shards(r.strategy, layout.tp))
         # the reduce buckets are set up at the first backward hook and released after it
         # (stage_1_and_2.py setup_buckets; measured ~0 after backward)
         mem = MemoryBreakdown(
@@ -297,19 +300,20 @@ def plan_memory(
         return replace(plan_memory(model, hw, train, runs_as, accounting, margin), strategy=strategy, runs_as=runs_as)
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
+    train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
     # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
     autocast = train.autocasts(strategy.engine)
-    # torch's engines take TP from DTensor (its linears save their gathered input); the DeepSpeed
-    # strategies' TP rows are Megatron-LM's sequence parallelism (plan.activations.gathered_inputs)
+    # DTensor's column-parallel linears save their gathered input, Megatron-SP's their sharded one
+    # (plan.activations.gathered_inputs); AutoTP has no sequence parallelism (`tp_train`)
     acts = activation_bytes(model, train, layout.tp, layout.pp, autocast,
-                            gathered=strategy.engine in ("fsdp2", "ddp"))
+                            gathered=strategy.tp_scheme.saves_gathered_input)
     recompute = recompute_bytes(model, train, layout.tp, autocast)
     if autocast:
         cached, recast = autocast_cache(model, train, layout)
         acts += cached
         recompute = max(0.0, recompute + recast)
-    logits = logits_bytes(model, train, layout.tp)
+    logits = logits_bytes(model, train, vocab_shards(strategy, layout.tp))
     draft = replace(states, activations=acts, recompute=recompute, logits=logits)
     gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
     if accounting == "engine":  # the trainer's load phase (safetensors, on GPUs): plan/load.py

@@ -3,9 +3,10 @@ fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain
 
 Only configurations that `shardwise train` and `plan --emit` run exactly are ranked
 (`runnable`: a data-parallel strategy at pp 1 with no or full activation checkpointing, at tp 1
-or, for FSDP2 without offload, TP with sequence parallelism on a family the trainer's TP plan
-covers: shardwise.train.tensor_parallel; ZeRO-1/2 × TP rows model Megatron-DeepSpeed's TP, not
-the DeepSpeed AutoTP the trainer runs for them, so they stay plan-only). The others are plan-only: when one would be faster (or is the only thing that
+or with TP on a family the trainer's TP plan covers: FSDP2 without offload through DTensor with
+sequence parallelism (shardwise.train.tensor_parallel), ZeRO-1/2 without offload through
+DeepSpeed's AutoTP; each planned as its own TP scheme, specs.strategy.TP_SCHEMES). The others
+are plan-only: when one would be faster (or is the only thing that
 fits) it is named as an `Alternative`, with the tool that runs it and the numbers. A user who
 pins `--tp`/`--pp` above 1 gets the best of those layouts, marked plan-only.
 """
@@ -31,6 +32,7 @@ MEGATRON = "Megatron-LM"
 MEGATRON_DS = "Megatron-DeepSpeed"
 TORCHTITAN = "torchtitan"
 DS_PIPE = "DeepSpeed's pipeline engine (deepspeed.pipe)"
+DS_AUTOTP = "DeepSpeed AutoTP training (tensor_parallel.autotp_size)"
 TRAINER_CHECKPOINTING = ("none", "full")  # what `shardwise train` offers (checkpointing.activation)
 # QLoRA with sharded parameters: bitsandbytes' 4-bit weights stored in a float dtype
 # (`bnb_4bit_quant_storage`) so FSDP can flatten them: HF accelerate/Trainer (Answer.AI's FSDP-QLoRA).
@@ -46,16 +48,12 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
     if not strategy.facts.trainer:
         gaps.append(f"the {strategy.name} engine")
     if strategy.tp > 1:
-        if (strategy.engine == "deepspeed" and strategy.zero_stage in (1, 2)
-                and not (strategy.offload_params or strategy.offload_optimizer)):
-            # The trainer runs these through DeepSpeed's AutoTP (no sequence parallelism, embedding
-            # and lm_head replicated); this row is Megatron-DeepSpeed's TP, which it does not run.
-            gaps.append(f"tensor parallelism (tp {strategy.tp}) as planned here (Megatron's, with sequence "
-                        "parallelism and a vocabulary-parallel embedding and lm_head; shardwise train's "
-                        f"{strategy.name} × TP is DeepSpeed's AutoTP, which has neither)")
-        elif strategy.engine != "fsdp2" or strategy.offload_params or strategy.offload_optimizer:
-            gaps.append(f"tensor parallelism (tp {strategy.tp})")  # the trainer's TP plan runs with FSDP2
-        elif model is not None and (why := trainer_tp_gap(model, strategy.tp)):
+        scheme = strategy.tp_scheme.name
+        if scheme == "megatron":
+            gaps.append(f"Megatron's tensor parallelism (tp {strategy.tp})")
+        elif not strategy.trainable:  # offload, or ZeRO-0 under AutoTP: the trainer runs FSDP2 and ZeRO-1/2
+            gaps.append(f"tensor parallelism (tp {strategy.tp}) with {strategy.name}")
+        elif model is not None and (why := trainer_tp_gap(model, strategy.tp, strategy.tp_scheme.vocab_parallel)):
             gaps.append(f"tensor parallelism (tp {strategy.tp}) for this model: {why}")
         if train.lora_rank:
             gaps.append(f"LoRA with tensor parallelism (tp {strategy.tp})")
@@ -87,6 +85,8 @@ def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = Non
     if strategy.engine == "deepspeed":
         if strategy.tp == 1 and strategy.pp > 1 and train.checkpointing in TRAINER_CHECKPOINTING:
             return DS_PIPE
+        if strategy.tp > 1 and strategy.tp_scheme.name == "autotp" and train.checkpointing in TRAINER_CHECKPOINTING:
+            return DS_AUTOTP
         return MEGATRON_DS
     return MEGATRON
 

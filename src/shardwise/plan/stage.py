@@ -41,14 +41,34 @@ def stage_layer_params(model: ModelSpec, pp: int) -> int:
     per = -(-len(sizes) // pp)
     return max(sum(sizes[i:i + per]) for i in range(0, len(sizes), per))
 
-def stage_params(model: ModelSpec, tp: int, pp: int) -> float:
+def vocab_shards(strategy: Strategy, tp: int) -> int:
+    """How many ways the embedding, lm_head and logits are split: tp where the strategy's TP is
+    vocabulary-parallel (Megatron's, DTensor's), else 1 (AutoTP keeps them whole)."""
+    return tp if strategy.tp_scheme.vocab_parallel else 1
+
+
+def tp_train(train: TrainSpec, strategy: Strategy) -> TrainSpec:
+    """`train` as the strategy's TP runs it: without sequence parallelism where its scheme has
+    none (AutoTP), whatever `train.sequence_parallel` asks (plan.activations.seq_shards)."""
+    if strategy.tp > 1 and train.sequence_parallel and not strategy.tp_scheme.sequence_parallel:
+        return train.model_copy(update={"sequence_parallel": False})
+    return train
+
+
+def stage_params(model: ModelSpec, tp: int, pp: int, vocab_tp: int | None = None) -> float:
     """Parameters held by one GPU's model replica: a pipeline stage's layers (worst stage: one
-    with the embedding or the lm_head) split over TP ranks (norms are replicated; negligible)."""
+    with the embedding or the lm_head) split over TP ranks (norms are replicated; negligible),
+    the embedding and lm_head over `vocab_tp` of them (default tp; `vocab_shards`)."""
     root = model.root_params
     if pp > 1:
         embed = model.vocab_size * model.hidden_size
         root = max(embed, root - embed) if not model.tie_embeddings else embed
-    return (stage_layer_params(model, pp) + root) / tp
+    return stage_layer_params(model, pp) / tp + root / (tp if vocab_tp is None else vocab_tp)
+
+def replica_params(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> float:
+    """ψ of one GPU's model replica under `strategy`'s TP scheme (`stage_params`, `vocab_shards`)."""
+    return stage_params(model, layout.tp, layout.pp, vocab_shards(strategy, layout.tp))
+
 
 def persistent_params(model: ModelSpec, threshold: int, tp: int) -> float:
     """ZeRO-3 keeps parameters with fewer than `stage3_param_persistence_threshold` elements
@@ -68,16 +88,17 @@ def optimizer_groups(model: ModelSpec, weight_decay: float) -> tuple[tuple[int, 
     return tuple(g for g in groups if g)
 
 @lru_cache(maxsize=4096)
-def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight_decay: float = 0.0) -> float:
+def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight_decay: float = 0.0,
+                      vocab_tp: int | None = None) -> float:
     """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank: DeepSpeed
     flattens each optimizer group (`optimizer_groups`) and splits it into N slices; every
     tensor that overlaps the rank's slice of a group is held whole (stage_1_and_2.py:
     params_in_partition). Measured exactly on both ranks of tiny Llamas, one group and two
     (tests/test_measured_memory.py, tests/test_zero12_groups.py)."""
     if n <= 1:
-        return stage_params(model, tp, pp)
+        return stage_params(model, tp, pp, vocab_tp)
     if tp > 1 or pp > 1:  # per-rank tensor order under TP/PP is engine-specific: use the ideal
-        return stage_params(model, tp, pp) / n
+        return stage_params(model, tp, pp, vocab_tp) / n
     held = [0] * n
     for sizes in optimizer_groups(model, weight_decay):
         part = -(-sum(sizes) // n)

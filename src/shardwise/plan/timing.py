@@ -35,7 +35,7 @@ from shardwise.plan.kernels import (
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
 from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.plan.network import comm_time
-from shardwise.plan.stage import stage_layer_params, stage_params
+from shardwise.plan.stage import replica_params, stage_layer_params, tp_train, vocab_shards
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -166,6 +166,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     flops_s = gpu.peak_flops(train.compute_dtype) * gpu.gemm_efficiency
     bytes_s = gpu.hbm_bytes_per_s * gpu.hbm_efficiency
     tp, pp, k = layout.tp, layout.pp, train.grad_accum
+    vocab_tp = vocab_shards(s, tp)  # lm_head and the loss: whole on every TP rank under AutoTP
     tokens = train.micro_batch * train.seq_len
     layers = -(-model.num_layers // pp)
     # replayed in backward: full checkpointing replays the whole forward; torchtitan's per-op
@@ -184,7 +185,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     # LoRA: the base is frozen, so no weight-gradient GEMMs (forward + input-gradient only);
     # the adapters' own GEMMs are r-wide, bandwidth-bound on the activations they read
     passes = 2 if train.lora_rank else 3
-    gemm = k * ((passes + replay_mm) * layer_t * layers + head_gemm_time(model, train, tp, flops_s, bytes_s) / pp)
+    gemm = k * ((passes + replay_mm) * layer_t * layers + head_gemm_time(model, train, vocab_tp, flops_s, bytes_s) / pp)
     if train.lora_rank:
         for d_in, d_out in _lora_dims(model, train, tp):
             gemm += k * layers * (3 + replay_mm) * (
@@ -206,7 +207,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     autocast = train.autocasts(s.engine)
     factor = tm.fused_elementwise_factor if train.fused_kernels else tm.elementwise_factor
     per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
-    mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, tp) * factor / pp)
+    mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, vocab_tp) * factor / pp)
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
         copies *= tm.lora_copy_share
@@ -305,8 +306,9 @@ def _above_peak(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
+    train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica per step
-    psi = stage_params(model, layout.tp, layout.pp)
+    psi = replica_params(model, strategy, layout)
     ct = compute_time(model, hw, train, strategy, layout, psi)
     compute = ct.gpu_s
     work = ct.wall_s  # GPU-bound or hook-bound: the window collectives can hide in
@@ -383,8 +385,8 @@ def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: Tr
         return 0.0
     per_node = min(layout.world_size, hw.gpus_per_node)
     pcie = comm.pcie / hw.pcie_bytes_per_s
-    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else stage_params(
-        model, layout.tp, layout.pp)
+    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else replica_params(
+        model, s, layout)
     params_on_node = trainable / max(layout.dp_shard, 1) * per_node
     rate = hw.timing.host_adam_params_per_s if s.engine == "deepspeed" else hw.timing.host_torch_adam_params_per_s
     return pcie + params_on_node / rate

@@ -157,10 +157,6 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", *, family: str | None = N
         "ce_chunk": cfg.loss.chunk_tokens,
         "weight_decay": cfg.optimizer.weight_decay,
     }
-    if cfg.strategy.tp > 1 and cfg.strategy.name in ("zero1", "zero2"):
-        # DeepSpeed's AutoTP (ZeRO × TP) has no sequence parallelism: the norms, residuals and the
-        # linears' (replicated) inputs are whole on every TP rank (plan.activations.seq_shards)
-        fields["sequence_parallel"] = False
     if cfg.lora is not None:
         t = cfg.lora.target_modules
         fields |= {"lora_rank": cfg.lora.rank, "lora_targets": ("all-linear",) if t == "all-linear" else tuple(t),
@@ -295,11 +291,9 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 
     if not strategy.trainable:
         raise ShardwiseError(
-            f"the trainer runs data parallelism, and tensor parallelism with FSDP2 (pp 1); {strategy.name} has "
-            f"tp {strategy.tp}, pp {strategy.pp}" + (
-                " (shardwise train runs ZeRO-1/2 × TP through DeepSpeed's AutoTP, which this plan does not model: "
-                "the planner's ZeRO × TP row is Megatron-DeepSpeed's, docs/training.md)"
-                if strategy.engine == "deepspeed" and strategy.tp > 1 and strategy.pp == 1 else ""))
+            f"the trainer runs data parallelism, and tensor parallelism (pp 1, no offload) with FSDP2 through "
+            f"DTensor or with ZeRO-1/2 through DeepSpeed's AutoTP; {strategy.name} has tp {strategy.tp}, pp "
+            f"{strategy.pp}, TP scheme {strategy.tp_scheme.name}")
     notes: list[str] = []
     precision = train.precision
     if precision == "bf16-pure":

@@ -82,7 +82,7 @@ def check_tensor_parallel(run: Any) -> None:
     where = f"{cfg.source}: strategy.tp {tp}"
     from shardwise.specs.layout import trainer_tp_gap
 
-    gap = trainer_tp_gap(m, tp)
+    gap = trainer_tp_gap(m, tp, run.strategy.tp_scheme.vocab_parallel)
     if gap:
         raise ShardwiseError(f"{where}: {gap}; set strategy.tp: 1")
     engine, stage = run.strategy.engine, run.strategy.zero_stage

@@ -15,8 +15,9 @@ from shardwise.specs.base import Spec
 TRAINER_TP_FAMILIES = ("llama", "qwen2", "mistral")
 
 
-def trainer_tp_gap(model, tp: int) -> str | None:
-    """Why the trainer's TP plan cannot split `model` over `tp` ranks (None: it can)."""
+def trainer_tp_gap(model, tp: int, vocab_parallel: bool = True) -> str | None:
+    """Why the trainer's TP plan cannot split `model` over `tp` ranks (None: it can).
+    `vocab_parallel`: the embedding and lm_head are split too (DTensor's plan; AutoTP keeps them whole)."""
     if tp == 1:
         return None
     if model.family not in TRAINER_TP_FAMILIES:
@@ -25,7 +26,7 @@ def trainer_tp_gap(model, tp: int) -> str | None:
     if model.num_kv_heads % tp:
         return (f"tp {tp} must divide the {model.num_kv_heads} key/value heads of {model.name} (replicating KV "
                 "heads across TP ranks is not implemented)")
-    if model.vocab_size % tp:
+    if vocab_parallel and model.vocab_size % tp:
         return f"tp {tp} must divide the vocabulary ({model.vocab_size}): the embedding and lm_head are sharded over it"
     return None
 

@@ -28,6 +28,46 @@ FsdpSharding = Literal["full", "grad-op", "hybrid"]
 Resharding = Literal["all", "not-last", "none"]
 
 
+# How the TP dimension splits the model (`TPScheme`): "auto" takes the engine's own (`Strategy.tp_scheme`).
+TPImpl = Literal["auto", "dtensor", "megatron", "autotp"]
+
+
+@dataclass(frozen=True, slots=True)
+class TPScheme:
+    """What a tensor-parallel implementation splits, and how, as memory, traffic and time read it.
+
+    sequence_parallel: the norms and residual stream are split over the TP ranks along the
+    sequence (Korthikanti et al. 2022 §4.2.2), the blocks' all-reduces become all-gather +
+    reduce-scatter pairs. vocab_parallel: the embedding and lm_head are split over the vocabulary
+    and the loss reduces across the shards (Megatron's vocab-parallel cross-entropy, torch's
+    `loss_parallel`); else they are whole on every TP rank, and so are the logits.
+    saves_gathered_input: a column-parallel linear saves its all-gathered input (DTensor's
+    ColwiseParallel) instead of its sequence-sharded one (Megatron-SP re-gathers it in backward).
+    reduces_per_linear: backward all-reduces each column-parallel linear's input gradient on its
+    own (AutoTP's `LinearLayer`: q, k, v, gate and up each), not once per block (Megatron's
+    `copy_to_tensor_model_parallel_region` ahead of the fused projections)."""
+
+    name: str
+    sequence_parallel: bool
+    vocab_parallel: bool
+    saves_gathered_input: bool
+    reduces_per_linear: bool
+
+
+TP_SCHEMES: dict[str, TPScheme] = {
+    # torch DTensor `parallelize_module` (shardwise.train.tensor_parallel, torchtitan's parallelize_llama)
+    "dtensor": TPScheme("dtensor", sequence_parallel=True, vocab_parallel=True, saves_gathered_input=True,
+                        reduces_per_linear=False),
+    # Megatron-LM (and Megatron-DeepSpeed) with --sequence-parallel: the published Megatron rows
+    "megatron": TPScheme("megatron", sequence_parallel=True, vocab_parallel=True, saves_gathered_input=False,
+                         reduces_per_linear=False),
+    # DeepSpeed AutoTP training (`tensor_parallel.autotp_size`, shardwise.run.deepspeed.autotp_section):
+    # the decoder linears only; no sequence parallelism; embedding, norms and lm_head whole
+    "autotp": TPScheme("autotp", sequence_parallel=False, vocab_parallel=False, saves_gathered_input=False,
+                       reduces_per_linear=True),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class StrategyFacts:
     """One row of the strategy table.
@@ -201,6 +241,9 @@ class Strategy(Spec):
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
     shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: GPUs per shard group (default: a node)")
+    tp_impl: TPImpl = Field("auto", description="tensor-parallel implementation planned (TP_SCHEMES): auto = "
+                            "the engine's (torch's engines: dtensor; DeepSpeed ZeRO-0/1/2 at pp 1: autotp; "
+                            "else megatron)")
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()
@@ -215,6 +258,13 @@ class Strategy(Spec):
                 "pipeline engine supports ZeRO stage 0 and 1 only")
         if self.shard_group is not None and self.fsdp_sharding != "hybrid":
             raise ShardwiseError(f"shard_group {self.shard_group} applies to fsdp-hybrid only, not {self.name!r}")
+        if self.tp_impl == "autotp" and (self.engine != "deepspeed" or self.pp > 1 or self.zero_stage == 3):
+            raise ShardwiseError(
+                f"tp_impl 'autotp' with strategy {self.name!r}{f' and pp {self.pp}' if self.pp > 1 else ''}: "
+                "DeepSpeed's AutoTP training runs with ZeRO stage 0, 1 or 2 without pipeline stages")
+        if self.tp_impl == "dtensor" and self.engine == "deepspeed":
+            raise ShardwiseError(f"tp_impl 'dtensor' with strategy {self.name!r}: DeepSpeed takes no DTensor "
+                                 "parameters (its TP is autotp, or Megatron-DeepSpeed's: megatron)")
         given = self.fsdp.reshard_after_forward
         if self.fsdp_sharding == "grad-op" and "reshard_after_forward" in self.fsdp.model_fields_set and given != "none":
             raise ShardwiseError(
@@ -275,6 +325,16 @@ class Strategy(Spec):
         return self.facts.shards_optimizer
 
     @property
+    def tp_scheme(self) -> TPScheme:
+        """How this strategy's TP splits the model (`tp_impl`; "auto": DTensor for torch's engines,
+        DeepSpeed's AutoTP for ZeRO-0/1/2 at pp 1, Megatron's for ZeRO-3 and for TP × PP)."""
+        if self.tp_impl != "auto":
+            return TP_SCHEMES[self.tp_impl]
+        if self.engine != "deepspeed":
+            return TP_SCHEMES["dtensor"]
+        return TP_SCHEMES["autotp" if self.zero_stage != 3 and self.pp == 1 else "megatron"]
+
+    @property
     def resharding(self) -> Resharding | None:
         """Which FSDP2 decoder-layer units free their gathered params after forward (gathered
         again in backward): the knob, "none" for fsdp-grad-op; None for other engines."""
@@ -309,7 +369,11 @@ class Strategy(Spec):
 
     @property
     def trainable(self) -> bool:
-        """`shardwise train` runs it: its data-parallel engines without PP; TP (with sequence
-        parallelism) with FSDP2 without offload (shardwise.train.tensor_parallel)."""
-        tp_ok = self.tp == 1 or (self.engine == "fsdp2" and not (self.offload_params or self.offload_optimizer))
+        """`shardwise train` runs it: its data-parallel engines without PP; TP with FSDP2 without
+        offload (DTensor, shardwise.train.tensor_parallel) or with ZeRO-1/2 without offload
+        (DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section), as its own scheme."""
+        offload = self.offload_params or self.offload_optimizer
+        tp_ok = self.tp == 1 or (not offload and (
+            (self.engine == "fsdp2" and self.tp_scheme.name == "dtensor")
+            or (self.zero_stage in (1, 2) and self.tp_scheme.name == "autotp")))
         return self.facts.trainer and tp_ok and self.pp == 1

@@ -202,8 +202,8 @@ def single_gpu_note(run: RunSpec) -> str | None:
     if run.layout.tp > 1:
         if s.engine == "deepspeed":
             return (f"{s.name} with tp {run.layout.tp}: DeepSpeed's AutoTP over {run.layout.tp} ranks, ZeRO over "
-                    f"{run.layout.dp} data-parallel rank(s); the plan books the embedding and lm_head as "
-                    "vocabulary-parallel (Megatron's), AutoTP keeps them whole on every TP rank (docs/training.md)")
+                    f"{run.layout.dp} data-parallel rank(s), planned as such (the embedding, lm_head, norms and "
+                    "logits whole on every TP rank, no sequence parallelism)")
         if run.layout.dp == 1:
             return (f"{s.name} with tp {run.layout.tp} on {run.world_size} ranks: tensor parallelism alone (one "
                     "data-parallel rank: no fully_shard), planned as such")
