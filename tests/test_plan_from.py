@@ -278,3 +278,29 @@ def test_shardwise_yaml_with_set_is_the_trainers_runspec():
     assert row["knobs"]["communication_data_type"] == "fp32"  # the trainer's default, not DeepSpeed's
     bad = CliRunner().invoke(app, ["plan", str(example), "--set", "run.micro_batch=abc"])
     assert bad.exit_code == 2 and "--set run.micro_batch=abc" in bad.output and "'run.micro_batch'" in bad.output
+
+
+def test_autotp_emit_round_trip_through_the_deepspeed_json_and_shardwise_yaml(tmp_path):
+    """ZeRO-2 x tp 2 (DeepSpeed's AutoTP): --emit writes `tensor_parallel.autotp_size` and
+    `strategy.tp`, and --from either file plans the same TP run."""
+    out = tmp_path / "emit"
+    setup = ["-m", "llama-2-7b", "-s", "zero2", "--tp", "2", "--micro-batch", "2"]
+    r = CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "zero2"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "ds_config.json").read_text())["tensor_parallel"]["autotp_size"] == 2
+    want = plan(*setup)
+    got = plan("--from", str(out / "ds_config.json"), "-m", "llama-2-7b")
+    src = got.pop("from")
+    assert got == want and "--tp" in src["as_flags"]
+    assert "tensor_parallel.autotp_size" in {i["key"] for i in src["read"]}
+    got = plan(str(out / "shardwise.yaml"), "--set", "model.path=", "--packed-attention", "none")
+    got.pop("from")
+    assert got == want
+
+
+def test_autotp_under_zero3_is_refused_naming_the_key(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}}))
+    r = CliRunner().invoke(app, ["plan", "--from", str(f)])
+    assert r.exit_code == 2
+    assert "tensor_parallel.autotp_size" in r.output and "ZeRO stage 0, 1 or 2" in " ".join(r.output.split())

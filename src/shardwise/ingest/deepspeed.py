@@ -187,6 +187,7 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
         ds["communication_data_type"] = dtype
         src.read.append((dotted(key("communication_data_type")), f"communication_data_type {dtype}"))
 
+    _tensor_parallel(doc, data, src, got, key, stage)
     _batch(doc, flat, src, ctx, got, key, under)
     _precision(doc, src, got, key, under)
     _optimizer(doc, data, src, got, key, under)
@@ -203,6 +204,40 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
             src.ignored.append((dotted(key(*k)), "not a key shardwise plans"))
 
     return flat
+
+
+def _tensor_parallel(doc: Doc, data: dict[str, Any], src: Source, got, key, stage: int) -> None:
+    """`tensor_parallel.autotp_size` (DeepSpeed's AutoTP training, >= 0.16.4; ZeRO 0-2): planned as
+    AutoTP (`--tp N`; the autotp TP scheme: decoder linears split, no sequence parallelism)."""
+    tp = data.get("tensor_parallel")
+    if tp is None:
+        return
+    if not isinstance(tp, dict):
+        raise doc.error(key("tensor_parallel"), tp, "a mapping with autotp_size")
+    for k in flatten(tp):
+        got("tensor_parallel", *k)  # read here: what is not planned is named below
+    size = tp.get("autotp_size")
+    if size is None or _is_auto(size):
+        src.ignored.append((dotted(key("tensor_parallel")), "no autotp_size: AutoTP training is off"))
+        return
+    size = as_count(doc, key("tensor_parallel", "autotp_size"), size, zero=True)
+    if size <= 1:
+        src.read.append((dotted(key("tensor_parallel", "autotp_size")), f"{size}: no tensor parallelism"))
+        return
+    if stage == 3:
+        raise doc.error(key("tensor_parallel", "autotp_size"), size,
+                        "ZeRO stage 0, 1 or 2 with autotp_size (DeepSpeed's AutoTP training does not run under ZeRO-3)")
+    src.values["tp"] = size
+    src.read.append((dotted(key("tensor_parallel", "autotp_size")), f"--tp {size} (DeepSpeed's AutoTP: the decoder "
+                     "linears split, embedding, lm_head and norms whole, no sequence parallelism)"))
+    if tp.get("vocab_parallel_lm_head") is not False:
+        src.notes.append(f"{dotted(key('tensor_parallel'))}: lm_head planned whole on every TP rank (as with "
+                         "vocab_parallel_lm_head: false, what shardwise train writes); DeepSpeed may shard a tied "
+                         "lm_head over the vocabulary when the key is left out")
+    for k in tp:
+        if k not in ("autotp_size", "vocab_parallel_lm_head"):
+            src.ignored.append((dotted(key("tensor_parallel", k)), "AutoTP's layer specs are planned as the "
+                                "standard q/k/v, gate/up column-wise and o/down row-wise split"))
 
 
 def _batch(doc: Doc, flat, src: Source, ctx: Context, got, key, under: str) -> None:

@@ -70,6 +70,8 @@ def read(doc: Doc, ctx: Context) -> Source:
           "strategy": [s.name]}
     if t.cross_entropy == "chunked":
         v["ce_chunk"] = t.ce_chunk
+    if s.tp > 1:  # FSDP2 x TP (DTensor) or ZeRO-1/2 x AutoTP, planned as the trainer runs it
+        v["tp"] = s.tp
     for sec, knobs, cls in (("ds", s.ds, DeepSpeedKnobs), ("fsdp", s.fsdp, FSDPKnobs), ("ddp", s.ddp, DDPKnobs)):
         default = cls()
         src.knobs[sec] = {k: x for k, x in knobs.model_dump().items() if x != getattr(default, k)}
