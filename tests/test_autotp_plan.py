@@ -58,3 +58,26 @@ def test_tp_impl_is_checked_against_the_engine():
     assert Strategy.from_name("zero1", tp=2, pp=2).tp_scheme.name == "megatron"
     assert Strategy.from_name("fsdp", tp=2).tp_scheme.name == "dtensor"
     assert not Strategy.from_name("zero2", tp=2, tp_impl="megatron").trainable
+
+
+def test_plan_tp_impl_megatron_plans_megatron_deepspeed():
+    import json
+
+    from typer.testing import CliRunner
+
+    from shardwise.cli import app
+
+    def plan(*args):
+        r = CliRunner().invoke(app, ["plan", "--json", "-m", "llama-3.1-8b", "--tp", "2", "-s", "zero2", *args])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)
+
+    auto, mega = plan(), plan("--tp-impl", "megatron")
+    a, m = auto["recommended_setting"], mega["recommended_setting"]
+    assert (a["runnable"], a["tool"]) == (True, "shardwise train")
+    assert (m["runnable"], m["tool"], m["needs"]) == (False, "Megatron-DeepSpeed", ["Megatron's tensor parallelism (tp 2)"])
+    # the vocabulary-parallel, sequence-parallel row books less memory than AutoTP's
+    row = {d["name"]: d for d in auto["strategies"]}["zero2"], {d["name"]: d for d in mega["strategies"]}["zero2"]
+    assert row[1]["memory"]["total"] < row[0]["memory"]["total"]
+    r = CliRunner().invoke(app, ["plan", "--tp-impl", "dtensor"])
+    assert r.exit_code == 2 and "--tp-impl 'dtensor': expected auto or megatron" in r.output

@@ -177,7 +177,7 @@ def plan(
         fsdp_given = a["cli_knobs"]["fsdp"]
         check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
                           fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given)
-        knobs = build_knobs(a["knobs"], a["shard_group"])
+        knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"])
         evals, skipped = plan_layouts(m, hw, train, strategy, tp=1 if tp is None else tp,
                                       pp=1 if pp is None else pp, accounting=accounting, margin=margin, knobs=knobs)
         # -s, --tp and --pp restrict the recommender as they restrict the table

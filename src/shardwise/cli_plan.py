@@ -61,6 +61,7 @@ def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
         path = values["config"]
     sets = values.pop("set_") or []
     values["knobs"], values["cli_knobs"], values["shard_group"] = cli_knobs, cli_knobs, knob_values.get("shard_group")
+    values["tp_impl"] = knob_values.get("tp_impl")
     if path is None:
         if sets:
             raise ShardwiseError(f"--set {sets[0]}: --set overrides a shardwise training YAML; give one "

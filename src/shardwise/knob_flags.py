@@ -131,6 +131,12 @@ def generated_parameters() -> list[inspect.Parameter]:
     params.append(inspect.Parameter(
         "shard_group", inspect.Parameter.KEYWORD_ONLY, annotation=int | None,
         default=typer.Option(None, "--shard-group", help="fsdp-hybrid: GPUs per shard group (default: a node).")))
+    params.append(inspect.Parameter(
+        "tp_impl", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+        default=typer.Option(None, "--tp-impl", help="TP rows of DeepSpeed and DDP strategies as: auto (each "
+                             "engine's own: DeepSpeed's AutoTP for ZeRO-0/1/2, DTensor for DDP) or megatron "
+                             "(Megatron-LM / Megatron-DeepSpeed: sequence parallel, vocabulary-parallel). "
+                             "FSDP2 rows keep DTensor's.")))
     return params
 
 
@@ -196,13 +202,15 @@ def as_flags(section: str, field: str, value: Any) -> list[str]:
     return [name, str(value)]
 
 
-def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None) -> StrategyKnobs:
+def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_impl: str | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}} (the rest at the classes' defaults); a bad value
     names its flag."""
     from shardwise.catalog import check_count
 
     if shard_group is not None:
         check_count("--shard-group", shard_group, hint=" (GPUs per fsdp-hybrid shard group)")
+    if tp_impl not in (None, "auto", "megatron"):
+        raise ShardwiseError(f"--tp-impl {tp_impl!r}: expected auto or megatron")
     built = {}
     for section, _, _, cls in SECTIONS:
         try:
@@ -210,4 +218,4 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None) -> St
         except ShardwiseError as e:
             fields = ", ".join(flag_of(section, f) for f in knobs.get(section, {}))
             raise ShardwiseError(f"{fields}: {e}") from None
-    return StrategyKnobs(**built, shard_group=shard_group)
+    return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto")

@@ -229,6 +229,9 @@ class StrategyKnobs(Spec):
     flags set and what a sweep applies to every candidate."""
 
     shard_group: int | None = Field(None, gt=0)
+    # "megatron": plan the TP rows of DeepSpeed and DDP strategies as Megatron-LM's / Megatron-DeepSpeed's
+    # (FSDP2's stay DTensor's: torchtitan); "auto": each engine's own (Strategy.tp_scheme)
+    tp_impl: Literal["auto", "megatron"] = "auto"
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()
@@ -283,6 +286,8 @@ class Strategy(Spec):
         k = knobs or StrategyKnobs()
         facts = STRATEGIES.get(name.strip().lower())  # an unknown name fails in from_name, with choices
         extra = {"shard_group": k.shard_group} if facts and facts.fsdp_sharding == "hybrid" and k.shard_group else {}
+        if facts and facts.engine != "fsdp2" and k.tp_impl != "auto":
+            extra["tp_impl"] = k.tp_impl
         fsdp = k.fsdp
         if facts and facts.fsdp_sharding == "grad-op":  # its resharding is its definition, not a knob
             fsdp = FSDPKnobs(**k.fsdp.model_dump(exclude_unset=True, exclude={"reshard_after_forward"}))
