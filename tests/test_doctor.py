@@ -189,7 +189,7 @@ def test_plan_hardware_file_uses_the_spec(tmp_path, monkeypatch):
 def test_bad_hardware_files_name_the_field(tmp_path):
     p = tmp_path / "hw.yaml"
     p.write_text("format: shardwise-hardware/1\ngpu: h100-sxn\ngpus_per_node: 8\n")
-    with pytest.raises(ShardwiseError, match="h100-sxm"):  # did-you-mean from the catalog
+    with pytest.raises(ShardwiseError, match=r"hw.yaml:2: field 'gpu': unknown GPU.*h100-sxm"):  # did-you-mean
         load_machine(p)
     p.write_text("format: shardwise-hardware/1\ngpu: h100-sxm\ngpus_per_node: 0\n")
     with pytest.raises(ShardwiseError, match=r"hw.yaml:3.*gpus_per_node"):

@@ -94,7 +94,14 @@ def load_machine(path: str | Path) -> MachineHardware:
     try:
         return MachineHardware.model_validate(raw)
     except ValidationError as e:
-        raise user_error(e, str(path), model=MachineHardware, lines=key_lines(node),
-                         header=f"{path}: invalid hardware spec") from None
+        lines = key_lines(node)
+        err = user_error(e, str(path), model=MachineHardware, lines=lines, header=f"{path}: invalid hardware spec")
+        if str(err).startswith(str(path)):
+            raise err from None
+        # a catalog name refused by its validator comes back as the catalog's message alone
+        # (errors.user_error): say which file, line and field wrote it
+        loc = tuple(e.errors()[0].get("loc", ()))
+        at = f"{path}:{lines[loc]}" if loc in lines else str(path)
+        raise ShardwiseError(f"{at}: field {'.'.join(map(str, loc))!r}: {err}") from None
     except ShardwiseError as e:
         raise ShardwiseError(f"{path}: {e}") from None
