@@ -186,6 +186,71 @@ def test_plan_hardware_file_uses_the_spec(tmp_path, monkeypatch):
     assert [r["step_s"] for r in a["strategies"]] == pytest.approx([r["step_s"] for r in b["strategies"]], rel=0.02)
 
 
+def _explain(*args: str) -> dict:
+    res = runner.invoke(app, ["explain", *args, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output)
+
+
+def test_explain_hardware_file_changes_its_numbers(tmp_path, monkeypatch):
+    """explain --hardware FILE explains the node the doctor wrote (8× H100 SXM, 81559 MiB each in
+    h100_gpus.csv, NVLink 4, 8 NDR ports) in place of explain's default 8× a100-80g; another --gpu
+    beside it is planned as plan plans it (docs/doctor.md: that GPU's own memory and link inside
+    the node, the spec's network kept)."""
+    spec = str(tmp_path / "h100.yaml")
+    _doctor_json(monkeypatch, h100_node(), "--write", spec)
+    default, res = _explain(), _explain("--hardware", spec)
+    assert "on 8× a100-80g (86 GB), nvlink3 between GPUs" in default["text"]  # 80 GiB
+    assert "on 8× h100-sxm (86 GB), nvlink4 between GPUs" in res["text"]  # 81559 MiB = 85.5 GB; one node
+    # the memory read, less the 5% plan keeps free by default (plan --margin 0.05)
+    assert [r["usable_gb"] for r in res["strategies"]] == pytest.approx([81559 * 2**20 * 0.95 / 1e9] * 5)
+    assert [r["name"] for r in res["strategies"]] == [r["name"] for r in default["strategies"]]
+    for a100, h100 in zip(default["strategies"], res["strategies"], strict=True):  # H100: more FLOP/s, NVLink
+        assert h100["step_s"] < a100["step_s"], (a100, h100)
+    # --gpu / --gpus given too: 2 nodes of A100s on the spec's 400 Gb/s InfiniBand, as those flags say it
+    mixed = _explain("--hardware", spec, "--gpu", "a100-80g", "--gpus", "16")
+    flags = _explain("--gpu", "a100-80g", "--gpus", "16", "--gpus-per-node", "8", "--interconnect", "ib-400")
+    assert "on 16× a100-80g (86 GB), ib-400 between GPUs" in mixed["text"]
+    assert mixed["strategies"] == flags["strategies"]
+
+
+def test_explain_hardware_auto_reads_this_machine_as_plan_does(tmp_path, monkeypatch):
+    """auto reads the machine now through the doctor's reader (faked: the H100 node), the spec
+    doctor --write would have written; with no GPU read, explain refuses it with plan's words."""
+    import shardwise.doctor as doctor
+
+    _doctor_json(monkeypatch, h100_node(), "--write", str(tmp_path / "h100.yaml"))  # SystemReader: the H100 node
+    auto = _explain("--hardware", "auto")
+    assert "on 8× h100-sxm (86 GB), nvlink4 between GPUs" in auto["text"]
+    assert auto == _explain("--hardware", str(tmp_path / "h100.yaml"))
+    plan = runner.invoke(app, ["plan", "--hardware", "auto", "--json", "-s", "zero3"])
+    assert json.loads(plan.output)["hardware"]["gpu"] == "h100-sxm"
+    monkeypatch.setattr(doctor, "SystemReader", lambda: FakeReader())  # nothing read: no GPU
+    ex, pl = (runner.invoke(app, [cmd, "--hardware", "auto"]) for cmd in ("explain", "plan"))
+    assert ex.exit_code == pl.exit_code == 2
+    said = " ".join(ex.output.split())
+    assert "--hardware auto: no NVIDIA GPU was found" in said and said == " ".join(pl.output.split())
+
+
+def test_explain_refuses_a_bad_hardware_file_as_plan_does(tmp_path):
+    """Each bad spec: exit 2 and one message naming the file (and the line or field), the same
+    message plan gives for it."""
+    cases = {"absent.yaml": (None, ["hardware spec not found", "doctor --write"]),
+             "nospec.yaml": ("gpu: h100-sxm\n", ["not a shardwise hardware spec"]),
+             "zero.yaml": ("format: shardwise-hardware/1\ngpu: h100-sxm\ngpus_per_node: 0\n",
+                           ["zero.yaml:3", "gpus_per_node"]),
+             "typo.yaml": ("format: shardwise-hardware/1\ngpu: h100-sxn\ngpus_per_node: 8\n", ["h100-sxm"])}
+    for name, (text, says) in cases.items():
+        p = tmp_path / name
+        if text is not None:
+            p.write_text(text)
+        ex, pl = (runner.invoke(app, [cmd, "--hardware", str(p)]) for cmd in ("explain", "plan"))
+        said = " ".join(ex.output.split())
+        assert ex.exit_code == pl.exit_code == 2, (name, ex.output)
+        assert str(p) in said and all(w in said for w in says), (name, said)
+        assert said == " ".join(pl.output.split()), name
+
+
 def test_bad_hardware_files_name_the_field(tmp_path):
     p = tmp_path / "hw.yaml"
     p.write_text("format: shardwise-hardware/1\ngpu: h100-sxn\ngpus_per_node: 8\n")

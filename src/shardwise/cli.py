@@ -13,8 +13,7 @@ from shardwise.cli_plan import (
     check_fsdp_flags,
     comma_names,
     emit_plan,
-    given_flags,
-    hardware_spec,
+    hardware_inputs,
     input_warnings,
     plan_inputs,
     print_warnings,
@@ -152,10 +151,8 @@ def plan(
         strategy, emit_strategy = a["strategy"], a["emit_strategy"]
         fmt = check_format(a["fmt"], a["as_json"])
         check_flags_apply(strategy, emit_strategy, a["cli_knobs"], a["ce_chunk"], a["cross_entropy"])
-        gpu, gpus, machine = a["gpu"], a["gpus"], hardware_spec(a["hardware"])
-        if machine is not None:  # the spec's values, unless the command line (or the --from file) gave them
-            given = given_flags() | set(source.values if source is not None else ())
-            gpu, gpus = (gpu if "gpu" in given else None), (gpus if "gpus" in given else None)
+        machine, gpu, gpus = hardware_inputs(a["hardware"], a["gpu"], a["gpus"],
+                                             also_given=source.values if source is not None else ())
         m, hw, train = build_specs(
             model=a["model"], model_config=a["model_config"], params=a["params"], gpu=gpu, gpus=gpus, machine=machine,
             gpus_per_node=a["gpus_per_node"], interconnect=a["interconnect"], gpu_memory_gb=a["gpu_memory_gb"],
@@ -217,9 +214,10 @@ def explain(
     seq_len: int = typer.Option(2048, "--seq-len"),
     micro_batch: int = typer.Option(1, "--micro-batch"),
     checkpointing: str = typer.Option("none", "--checkpointing"),
-    hardware: str | None = typer.Option(None, "--hardware", help="auto (this machine, as shardwise doctor reads "
-                                        "it) or a hardware spec file (shardwise doctor --write); --gpu/--gpus given "
-                                        "too override it."),
+    hardware: str | None = typer.Option(None, "--hardware", help="As plan's: auto (read this machine, as "
+                                        "shardwise doctor) or a hardware spec file (shardwise doctor --write): GPU, "
+                                        "GPUs per node, links, NICs, host memory; --gpus defaults to one node; "
+                                        "--gpu/--gpus/--gpus-per-node/--interconnect given too override it."),
     as_json: bool = typer.Option(False, "--json", help="The comparison and the text as one JSON object (the same "
                                  "as --format json)."),
     fmt: str = typer.Option("table", "--format", help="table (wrapped to the terminal: COLUMNS when piped) | "
@@ -236,10 +234,7 @@ def explain(
 
     try:
         fmt = check_format(fmt, as_json)
-        machine = hardware_spec(hardware)
-        if machine is not None:  # the spec's values, unless the command line gave them
-            given = given_flags()
-            gpu, gpus = (gpu if "gpu" in given else None), (gpus if "gpus" in given else None)
+        machine, gpu, gpus = hardware_inputs(hardware, gpu, gpus)  # as plan reads it
         m, hw, train = build_specs(model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
                                    machine=machine, gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
                                    micro_batch=micro_batch, checkpointing=checkpointing)

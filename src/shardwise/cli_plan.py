@@ -29,6 +29,18 @@ def hardware_spec(hardware: str | None):
     return load_machine(hardware)
 
 
+def hardware_inputs(hardware: str | None, gpu: str | None, gpus: int | None, also_given=()) -> tuple:
+    """(machine, gpu, gpus) for build_specs, the one way plan and explain read `--hardware`: with a
+    spec, --gpu and --gpus keep their values only where given on the command line (or, for plan,
+    by the --from file: `also_given`), else None so the spec's GPU and one node of it are planned;
+    the other link and size flags are None unless given, and build_specs lets them override it."""
+    machine = hardware_spec(hardware)
+    if machine is None:
+        return None, gpu, gpus
+    given = given_flags() | set(also_given)
+    return machine, (gpu if "gpu" in given else None), (gpus if "gpus" in given else None)
+
+
 def given_flags() -> set[str]:
     """The plan() parameters given on the command line (not their defaults). typer 0.29 runs on
     its own copy of click (`typer._click`), whose context is not click's: read the one in use."""
