@@ -460,7 +460,7 @@ def test_emit_into_a_read_only_directory_is_one_error(tmp_path, monkeypatch):
     target.chmod(0o555)
     try:
         if os.geteuid() == 0:  # root writes anyway: give the check the answer a user would get
-            import shardwise.emit as emit_mod
+            import shardwise.emit.safe_write as emit_mod
 
             real = os.access
             monkeypatch.setattr(emit_mod.os, "access",

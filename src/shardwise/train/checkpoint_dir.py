@@ -1,6 +1,6 @@
 """The checkpoints directory of a run, torch-free: the `step-N` names, which directories look
 published (a manifest is present; optionally of one lineage), which are incomplete, and a
-manifest read and its format checked (nothing verified: shardwise.train.checkpoint does that).
+manifest read and its format checked (nothing verified: shardwise.train.checkpoint_manifest does that).
 The checkpoint, the lineage and the output-directory checks read it here."""
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def train_cmd(
     quiet.apply(verbose or None)  # spawned ranks inherit --verbose through the environment
     from shardwise.train.config import load_config
     from shardwise.train.launch import detect_env
-    from shardwise.train.preflight import preflight, resolve_checkpoint
+    from shardwise.train.preflight import preflight
+    from shardwise.train.preflight_resume import resolve_checkpoint
     from shardwise.train.spawn import spawn_job
 
     overrides = list(set_ or []) + ([f"checkpointing.resume={resume}"] if resume else [])

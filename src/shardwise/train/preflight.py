@@ -4,7 +4,8 @@ strategy against the world size, and the planner's memory check (refuse what wil
 The checks are ordered cheap first (torch is imported only to ask about CUDA for a CUDA run),
 so a bad config fails in a second with one message instead of N ranks each printing a
 traceback; the one expensive step, tokenising the data once into the cache every rank loads,
-comes last.
+comes last. The resume checks (the checkpoint `checkpointing.resume` names, against this config)
+are shardwise.train.preflight_resume's, re-exported here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
 from shardwise.train.lora import check_qlora
 from shardwise.train.model import attention_note, check_model_source
+from shardwise.train.preflight_resume import (  # noqa: F401 - re-exported: the resume checks' names
+    check_resumable,
+    check_same_adapters,
+    check_same_shapes,
+    resolve_checkpoint,
+)
 from shardwise.train.trackers import check_installed
 
 
@@ -364,98 +371,3 @@ def check_output_space(run: RunSpec, existing_checkpoints: int = 0) -> None:
     need, how = output_bytes(run, existing_checkpoints)
     check_output_dir(run.config.checkpointing.output_dir, need,
                      where=f"{run.config.source}: checkpointing.output_dir", how=how)
-
-
-def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = True) -> Path | None:
-    """The checkpoint to resume from: `checkpointing.resume` resolved and its manifest verified
-    (sizes, and sha256 when `verify_hashes`) before any rank starts. None: start fresh."""
-    from shardwise.train.checkpoint import resolve_resume
-
-    cp = cfg.checkpointing
-    resume = resolve_resume(cp.resume, cp.output_dir, verify_hashes=verify_hashes)
-    if cp.resume == "latest" and resume is None:
-        print(f"shardwise: --resume latest: no checkpoint under {cp.output_dir}/checkpoints yet; starting at step 0")
-    if resume is not None:
-        check_resumable(cfg, run, resume)
-    return resume
-
-
-def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
-    """Refuse a checkpoint of another model (its tensors would not fit this one) and say what a
-    changed global batch means; engine, world size and precision may change freely."""
-    import json
-
-    from shardwise.train.checkpoint import MANIFEST
-
-    manifest = json.loads((checkpoint / MANIFEST).read_text())
-    saved = manifest.get("config", {})
-    old_model = {k: saved.get("model", {}).get(k) for k in ("name", "path")}
-    new_model = {"name": cfg.model.name, "path": cfg.model.path}
-    if (old_model["path"] or old_model["name"]) != (new_model["path"] or new_model["name"]):
-        raise ShardwiseError(
-            f"{cfg.source}: model {new_model['path'] or new_model['name']!r} cannot resume {checkpoint}, which "
-            f"holds {old_model['path'] or old_model['name']!r}; use the checkpoint's model or another output_dir"
-        )
-    check_same_adapters(cfg, saved, checkpoint)
-    check_same_shapes(cfg, run, checkpoint)
-    if manifest["step"] > cfg.run.steps:
-        raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
-                             f"{manifest['step']}; raise run.steps to train on")
-    r = saved.get("run", {})
-    old_tp = int((saved.get("strategy") or {}).get("tp", 1) or 1)
-    old_batch = r.get("micro_batch", 0) * r.get("grad_accum", 0) * (manifest.get("world_size", 0) // old_tp)
-    new_batch = cfg.run.micro_batch * cfg.run.grad_accum * run.layout.dp
-    if old_batch != new_batch:
-        print(f"shardwise: resuming {checkpoint} with a global batch of {new_batch} sequences (it was trained with "
-              f"{old_batch}): the data continues from the same sample, the curve is not the uninterrupted one")
-
-
-def check_same_shapes(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
-    """The checkpoint's tensors (`model.<name>`, from its index alone) are the ones the config
-    builds, name for name and shape for shape: a `model.path` whose config.json changed since
-    the save (another width, depth or vocabulary) is refused here, naming the first tensor that
-    differs, instead of failing in every rank's load."""
-    from shardwise.train.checkpoint import tensor_shapes
-    from shardwise.train.model import trainable_shapes
-
-    saved = {k.removeprefix("model."): s for k, (s, _) in tensor_shapes(checkpoint).items() if k.startswith("model.")}
-    built = trainable_shapes(run)
-    model = f"model.path {cfg.model.path!r}" if cfg.model.path else f"model.name {cfg.model.name!r}"
-    fix = "resume with the model it was trained with, or start a fresh run in another checkpointing.output_dir"
-    for name, shape in built.items():
-        if name not in saved:
-            raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: the model has tensor {name!r} "
-                                 f"{list(shape)}, which the checkpoint does not hold ({len(saved)} tensors, the "
-                                 f"model {len(built)}); {fix}")
-        if tuple(saved[name]) != shape:
-            raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: tensor {name!r} is "
-                                 f"{list(shape)} in the model this config builds but {list(saved[name])} in the "
-                                 f"checkpoint (the model's shape changed since it was saved); {fix}")
-    extra = [k for k in saved if k not in built]
-    if extra:
-        raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: the checkpoint holds tensor "
-                             f"{extra[0]!r} {list(saved[extra[0]])}, which the model does not have ({len(extra)} "
-                             f"such); {fix}")
-
-
-def check_same_adapters(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None:
-    """A LoRA checkpoint holds adapters only: it resumes a run with the same adapters on the same
-    base. Refuse full ↔ LoRA, another rank/targets/modules_to_save, and (for a base built from the
-    seeded random init rather than weights on disk) another run.seed."""
-    old, new = saved.get("lora"), cfg.lora.model_dump(mode="json") if cfg.lora is not None else None
-    if (old is None) != (new is None):
-        held = "LoRA adapters only" if old is not None else "a full fine-tuning state"
-        raise ShardwiseError(f"{cfg.source}: lora is {'set' if new else 'not set'}, but {checkpoint} holds {held}; "
-                             "resume it with the same lora section it was trained with")
-    if old is None:
-        return
-    shape = ("rank", "target_modules", "modules_to_save", "quantization")
-    diff = [k for k in shape if old.get(k) != new[k]]
-    if diff:
-        raise ShardwiseError(f"{cfg.source}: lora.{diff[0]} = {new[diff[0]]!r}, but {checkpoint} was trained with "
-                             f"{old.get(diff[0])!r}; its adapters fit only that shape")
-    random_base = cfg.model.path is None or cfg.model.random_init
-    old_seed = saved.get("run", {}).get("seed")
-    if random_base and old_seed != cfg.run.seed:
-        raise ShardwiseError(f"{cfg.source}: run.seed = {cfg.run.seed}, but {checkpoint} trained adapters on the "
-                             f"base built from seed {old_seed} (random init); resume with run.seed: {old_seed}")
