@@ -8,13 +8,19 @@ linears (column-wise q/k/v, gate/up; row-wise o/down: shardwise.run.deepspeed.AU
 and leaves the embedding, the norms and lm_head replicated, so the chunked loss runs on the
 whole lm_head as without TP.
 
-- Loss curves within 1e-5 relative; final weights (the TP shards gathered by name) within 1e-5
-  on synthetic rows, and on packed SFT rows in runs with AdamW eps 1e-5 (every other setting the
-  same): at eps 1e-8 AdamW's sign-like update of near-zero gradient elements turns the
-  summation-order floor into lr-sized weight differences (tests/train/test_packed_parity.py's
-  docstring measures it). Qwen's k_proj bias is left out (its gradient is zero in exact arithmetic).
-- Activation checkpointing under AutoTP holds the same 1e-5; bf16-mixed learns and follows
-  DDP's bf16 curve within 2e-3.
+- Loss curves within 1e-5 relative (worst 1.8e-6: Llama, SFT, 4 ranks); final weights (the TP
+  shards gathered by name) within 1e-5, compared only in runs with AdamW eps 1e-5 (`eps1e-5`):
+  the synthetic rows and the activation-checkpointing run run at eps 1e-5 throughout, the packed
+  SFT rows at the default eps 1e-8 (curve) and at eps 1e-5, every other setting the same
+  (weights). At eps 1e-8 AdamW's sign-like update of near-zero gradient elements turns the
+  summation-order floor into lr-sized weight differences (SFT: 1.3e-4 / 3.9e-4 in the Llama
+  embedding at 2 / 4 ranks, 2.9e-5 in Qwen's o_proj; tests/train/test_packed_parity.py's
+  docstring measures it); synthetic rows held 1e-5 there only by the luck of the draws (Llama
+  2.7e-6, Qwen 4.0e-6). At eps 1e-5 (measured, torch 2.13, DeepSpeed 0.19.8, ‖Δ‖/‖w‖ per tensor,
+  worst over 2 and 4 ranks): Llama 4.3e-7 synthetic, 5.1e-7 SFT, 3.9e-7 checkpointed; Qwen
+  2.8e-6 synthetic and SFT (a q_proj bias). Qwen's k_proj bias is left out (its gradient is zero
+  in exact arithmetic).
+- bf16-mixed learns and follows DDP's bf16 curve within 2e-3.
 - Checkpoints hold full tensors by name: ZeRO-2 × TP 2 × 2 resumes bit-exact on its own layout,
   and continues within 1e-5 on another (→ FSDP2 on 2 ranks, → one process), and a tp 1
   checkpoint resumes under ZeRO-1 × TP 2.
@@ -38,18 +44,20 @@ RESUME = HERE / "resume_worker.py"
 SAVE_EVERY = 3
 MODELS = ["tiny-llama", "tiny-qwen"]
 DATA = ["sft", "synthetic"]
-EPS = ":sft:eps1e-5"  # the packed-SFT runs whose weights are compared (module docstring)
+EPS = ":eps1e-5"  # AdamW eps of every run whose final weights are compared (module docstring)
+SFT_EPS = f":sft{EPS}"  # packed SFT rows at eps 1e-5: their weights (the eps 1e-8 runs: curves only)
 
 
 def _flags(data: str) -> str:
-    return ":sft" if data == "sft" else ""
+    """Synthetic rows run at eps 1e-5 throughout (curve and weights); SFT rows at the default eps."""
+    return ":sft" if data == "sft" else EPS
 
 
-ONE = ([f"{m}:ddp:2{f}" for m in MODELS for f in [*map(_flags, DATA), EPS]]
+ONE = ([f"{m}:ddp:2{f}" for m in MODELS for f in [*map(_flags, DATA), SFT_EPS]]
        + ["tiny-llama:ddp:1:repeat:bf16"])
-TWO = [f"{m}:zero1:2{f}:tp2" for m in MODELS for f in [*map(_flags, DATA), EPS]] + [
-    "tiny-llama:zero1:2:ckpt:tp2", "tiny-llama:zero2:1:repeat:bf16:tp2"]
-FOUR = [f"{m}:zero2:2{f}:tp2" for m in MODELS for f in [*map(_flags, DATA), EPS]]
+TWO = [f"{m}:zero1:2{f}:tp2" for m in MODELS for f in [*map(_flags, DATA), SFT_EPS]] + [
+    f"tiny-llama:zero1:2:ckpt{EPS}:tp2", "tiny-llama:zero2:1:repeat:bf16:tp2"]
+FOUR = [f"{m}:zero2:2{f}:tp2" for m in MODELS for f in [*map(_flags, DATA), SFT_EPS]]
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +110,18 @@ def test_autotp_matches_one_process(world, stage, model, data, one_process, zero
     assert got["weights"]["model.layers.0.mlp.gate_proj.weight"].shape[0] == 176  # gathered, not a shard
     _compare(got, result(one_process, f"{model}:ddp:2{_flags(data)}", 1), weights=data == "synthetic", model=model)
     if data == "sft":  # the weights where AdamW does not amplify the rounding floor (module docstring)
-        _compare(result(out, f"{model}:{stage}:2{EPS}:tp2", world), result(one_process, f"{model}:ddp:2{EPS}", 1),
+        _compare(result(out, f"{model}:{stage}:2{SFT_EPS}:tp2", world), result(one_process, f"{model}:ddp:2{SFT_EPS}", 1),
                  weights=True, model=model)
 
 
 def test_activation_checkpointing_under_autotp(one_process, zero1_tp2):
-    got = result(zero1_tp2, "tiny-llama:zero1:2:ckpt:tp2", 2)
-    _compare(got, result(one_process, "tiny-llama:ddp:2", 1), weights=True, model="tiny-llama")
+    got = result(zero1_tp2, f"tiny-llama:zero1:2:ckpt{EPS}:tp2", 2)
+    _compare(got, result(one_process, f"tiny-llama:ddp:2{EPS}", 1), weights=True, model="tiny-llama")
 
 
 def test_bf16_autotp_trains_as_ddp_does(one_process, zero1_tp2):
     """bf16-mixed under DeepSpeed is bf16 weights with fp32 masters (DDP: autocast over fp32
-    weights): the curves differ by rounding only (3.1e-4 today; TP alone under FSDP2 is bounded
+    weights): the curves differ by rounding only (4.5e-4 today; TP alone under FSDP2 is bounded
     by the same 2e-3)."""
     got = result(zero1_tp2, "tiny-llama:zero2:1:repeat:bf16:tp2", 2)["losses"]
     ref = result(one_process, "tiny-llama:ddp:1:repeat:bf16", 1)["losses"]
