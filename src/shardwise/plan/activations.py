@@ -88,6 +88,16 @@ def seq_shards(train: TrainSpec, tp: int) -> int:
     return tp if tp > 1 and train.sequence_parallel else 1
 
 
+def input_linears(model: ModelSpec) -> tuple[int, int]:
+    """Linears reading the attention block's input and the MLP block's input of a dense layer:
+    q, k, v and gate, up in Llama's layout (3, 2); Phi-3's fused qkv_proj and gate_up_proj (1, 1);
+    MLA's q_a and kv_a (2, 2); GPT's fused QKV and fc1 (1, 1). Under TP these are the column-parallel
+    linears (plan.comm: AutoTP all-reduces each one's input gradient)."""
+    if model.is_gpt or model.family == "phi3":
+        return 1, 1
+    return (2, 2) if model.is_mla else (3, 2)
+
+
 def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False, tp: int = 1) -> float:
     """A layer's hidden-width norms and, for post-norm-only OLMo 2, the residual-stream inputs
     its projections save instead; replicated under TP, split by sequence parallelism. Linears
@@ -96,8 +106,7 @@ def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False
     c, h, f = train.compute_bytes, model.hidden_size, model.family
     if model.is_gpt:  # norm 1 read by the fused qkv projection, norm 2 by fc1
         return 2 * _norm(model, train, 1, autocast) / seq_shards(train, tp)
-    qkv = 1 if f == "phi3" else 2 if model.is_mla else 3
-    mlp = 1 if f == "phi3" else 2
+    qkv, mlp = input_linears(model)
     if moe:  # the router's linear (DeepSeek's upcasts instead), the shared expert's gate/up and gate
         shared = model.shared_expert_intermediate_size > 0
         mlp = (f != "deepseek_v3") + 2 * shared + (f == "qwen2_moe" and shared)
@@ -332,8 +341,7 @@ def gathered_inputs(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool 
         return 0.0, 0.0
     c, h, rest = train.compute_bytes, model.hidden_size, 1 - 1 / tp
     if autocast:
-        qkv = 1 if model.family == "phi3" else 2 if model.is_mla else 3
-        mlp = 1 if model.family == "phi3" else 2
+        qkv, mlp = input_linears(model)
         return c * h * (qkv + mlp) * rest, c * h * rest
     return 2 * c * h * rest, c * h * rest
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from shardwise.plan.activations import input_linears
 from shardwise.plan.lora import adapter_params, adapter_tensors
 from shardwise.plan.stage import persistent_params, replica_params, stage_layer_params, tp_train
 from shardwise.specs.hardware import HardwareSpec
@@ -200,15 +201,6 @@ def fsdp_regather_share(model: ModelSpec, s: Strategy, layout: ParallelLayout) -
     return (per_stage - 1) / per_stage
 
 
-def column_linears(model: ModelSpec) -> int:
-    """Column-parallel linears of a decoder layer that read the block inputs (q, k, v and gate,
-    up in Llama's layout; one fused QKV / fc1 in GPT's and Phi-3's; MLA's q_a and kv_a)."""
-    if model.is_gpt:
-        return 2
-    qkv = 1 if model.family == "phi3" else 2 if model.is_mla else 3
-    return qkv + (1 if model.family == "phi3" else 2)
-
-
 def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
     """Megatron TP: 2 all-reduces of b·s·h in forward and 2 in backward per layer (+2 with full
     recompute); with sequence parallelism each is an all-gather + reduce-scatter pair of the same
@@ -221,7 +213,7 @@ def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
 
     DeepSpeed's AutoTP (`scheme.reduces_per_linear`, no vocabulary parallelism) all-reduces each
     row-parallel output in forward (o, down: 2 per layer and forward pass) and each
-    column-parallel linear's input gradient in backward, one per linear (`column_linears`: 5 for
+    column-parallel linear's input gradient in backward, one per linear (`input_linears`: 5 for
     Llama; DeepSpeed 0.19 module_inject/layers.py: `LinearAllreduce` through `RowParallel`,
     `LinearLayer` through `ColumnParallel`, whose backward all-reduces); the embedding, lm_head
     and loss are whole on every rank and move nothing. Measured
@@ -231,7 +223,7 @@ def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
     layers = -(-model.num_layers // layout.pp)
     if layout.tp > 1:
         if scheme.reduces_per_linear:
-            per_layer = 2 * (train.layer_passes - 1) + column_linears(model)  # forward passes, backward
+            per_layer = 2 * (train.layer_passes - 1) + sum(input_linears(model))  # forward passes, backward
         else:
             per_layer = 2 * train.layer_passes  # 2 per pass: forward, backward (and recompute)
         root = (2 if layout.pp == 1 else 1) if scheme.vocab_parallel else 0  # embedding, lm_head: a stage each under PP

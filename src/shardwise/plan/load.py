@@ -81,8 +81,8 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     stored = 2.0  # bytes per element in the files: bf16/fp16 checkpoints (an fp32 one doubles `read`)
     process = PROCESS_BYTES["cpu" if device == "cpu" else "cuda"]
     if path == "whole":
-        # the whole fp32 model on the host (on every device: the engine moves it afterwards;
-        # from_pretrained(dtype=float32): a LoRA base too)
+        # the whole model in fp32 on the host, a LoRA base too (on every device: the engine moves
+        # it afterwards)
         whole = 4 * stage_params(model, layout.tp, layout.pp, vocab_tp)
         return LoadBreakdown("whole", resident=whole, read=max_file_bytes, process=process,
                              ranks_per_node=ranks_per_node)
