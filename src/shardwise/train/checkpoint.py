@@ -24,8 +24,9 @@ A save refuses a non-finite state, and any rank's failure is every rank's (out o
 DCP keeps its own index (`.metadata`) as a pickle; it is read through an exact allow-list
 (shardwise.train.checkpoint_index), also by `read_manifest` (shardwise.train.checkpoint_manifest:
 the manifest's entries, its verification and `latest` resolved), so preflight and export refuse a
-crafted index before anything loads it (the tensor files are read with
-`torch.load(weights_only=True)` by DCP itself).
+crafted index before anything loads it, and every load goes through its `load_tensors` (tensors
+only: an index entry of bytes, which DCP would unpickle, is refused by name; the tensor files are
+read with `torch.load(weights_only=True)` by DCP itself).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise.train.checkpoint_dir import _ANY, FORMAT, MANIFEST, checkpoints_dir, published, step_dir_name
-from shardwise.train.checkpoint_index import SafeReader
+from shardwise.train.checkpoint_index import SafeReader, load_tensors
 from shardwise.train.checkpoint_manifest import (
     _file_entries,
     read_manifest,
@@ -92,7 +93,7 @@ def read_tensors(path: Path, keys: list[str] | None = None) -> dict[str, torch.T
     out = {k: torch.empty(s, dtype=d) for k, (s, d) in wanted.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(out, storage_reader=SafeReader(str(path)), no_dist=True)
+        load_tensors(out, SafeReader(str(path)), no_dist=True)
     return out
 
 
@@ -334,7 +335,7 @@ def load_checkpoint(engine: Any, path: Path) -> TrainerState:
     state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
 
     def read(tensors: dict[str, torch.Tensor]) -> None:
-        dcp.load(tensors, storage_reader=SafeReader(str(path)))
+        load_tensors(tensors, SafeReader(str(path)))
 
     engine.load_checkpoint_state(read, state.engine)
     rank_file = path / f"rank-{rank:05d}.json"

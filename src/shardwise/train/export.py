@@ -146,16 +146,25 @@ def _umask_modes(d: Path) -> None:
             f.chmod(mode)
 
 
-def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False, overrides: tuple[str, ...] = ()) -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False, overrides: tuple[str, ...] = (),
+                      trust_remote_code: bool = False) -> Path:
     """A Hugging Face directory from any shardwise checkpoint, on one process and without the
     world size or engine that wrote it: the fp32 master weights (`model.*`) in `export.dtype`,
     the config the run was trained with, and its tokenizer. A LoRA checkpoint (adapters only)
     exports as a PEFT adapter, or with `merged` as the base with the adapters merged in.
-    `overrides` are `export.*` assignments (`export.dtype=fp32`) applied to the run's config."""
+    `overrides` are `export.*` assignments (`export.dtype=fp32`) applied to the run's config.
+    Whether a base model's own code may run is the caller's `trust_remote_code`, never the
+    manifest's (whoever can write a checkpoint directory can write its manifest)."""
     from shardwise.train.checkpoint import read_manifest
 
     manifest = read_manifest(checkpoint)
     cfg = _checkpoint_config(manifest["config"], checkpoint / "manifest.json", overrides)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"trust_remote_code": trust_remote_code})})
+    if cfg.lora is not None and cfg.model.path:  # the base is rebuilt from model.path: refuse its code first
+        from shardwise.train.model import check_model_source
+
+        check_model_source(cfg.model, str(checkpoint / "manifest.json"),
+                           opt_in="pass --trust-remote-code to shardwise export")
     if cfg.lora is not None:  # adapters only: small
         return export_lora(cfg, read_model_weights(checkpoint), out, merged=merged)
     if merged:

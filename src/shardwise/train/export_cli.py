@@ -6,6 +6,7 @@ One process, no process group: the checkpoint's world size and engine do not mat
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -28,6 +29,9 @@ def export_cmd(
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Export setting over the run's: export.dtype=auto|bf16|fp16|fp32, "
         "export.max_shard_size=5GB (repeatable).")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(
+        "--trust-remote-code", help="LoRA checkpoints of a base model that ships its own Python code "
+        "(auto_map): run that code to rebuild the base. Never taken from the checkpoint.")] = False,
 ) -> None:
     """Write the checkpoint's weights in the run's compute dtype (export.dtype), sharded at
     export.max_shard_size, with the model config and tokenizer, loadable by
@@ -50,7 +54,9 @@ def export_cmd(
             raise ShardwiseError(f"OUT {str(out)!r} already has files; pass --overwrite to replace it")
         path = resolve_resume(str(checkpoint), checkpoint)
         assert path is not None  # an explicit path resolves or raises
-        written = export_checkpoint(path, out, merged=merged, overrides=tuple(set_ or ()))
+        check_replaceable(out, checkpoint, path)
+        written = export_checkpoint(path, out, merged=merged, overrides=tuple(set_ or ()),
+                                    trust_remote_code=trust_remote_code)
     except NonFiniteError as e:
         Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.NONFINITE) from None
@@ -58,6 +64,36 @@ def export_cmd(
         Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.USER_ERROR) from None
     Console().print(f"exported {path} -> {written}")
+
+
+# What only a training run writes: an OUT holding any of these is a run (or checkpoints), never an export.
+RUN_MARKERS = ("manifest.json", "checkpoints", ".shardwise", ".shardwise.lock", "trainer_state.json",
+               "metrics.jsonl", "summary.json", ".metadata")
+
+
+def check_replaceable(out: Path, given: Path, checkpoint: Path) -> None:
+    """`--overwrite` replaces an earlier export, never what is being exported or a training run:
+    OUT may not be, hold or lie inside the checkpoint (or the run dir given), may not hold
+    anything only a run writes (RUN_MARKERS, at any depth; symlinks are not followed), and, when
+    it has files, must look like an export (a config.json or adapter_config.json at its top)."""
+    target = out.resolve()
+    for src in {given.resolve(), checkpoint.resolve()}:
+        if target == src or target in src.parents or src in target.parents:
+            raise ShardwiseError(f"OUT {str(out)!r} overlaps the checkpoint being exported ({src}): an export "
+                                 "there would replace it; choose a directory outside it")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    for root, dirs, files in os.walk(out):  # os.walk does not descend into symlinked directories
+        hit = sorted(set(RUN_MARKERS) & {*dirs, *files})
+        if hit:
+            where = Path(root) / hit[0]
+            raise ShardwiseError(f"OUT {str(out)!r} holds {where}, which a training run wrote (a run or its "
+                                 "checkpoints, not an earlier export): --overwrite only replaces an export; "
+                                 "nothing was changed. Choose another OUT")
+    if not any((out / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise ShardwiseError(f"OUT {str(out)!r} has files but no config.json or adapter_config.json: not an "
+                             "earlier export, which is all --overwrite replaces; nothing was changed. Choose "
+                             "another OUT")
 
 
 def main() -> None:

@@ -22,8 +22,10 @@ WEIGHT_FILES = (
 )
 
 
-def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
-    """Refuse a bad model before any process starts (missing dir/config/weights, remote code)."""
+def check_model_source(cfg: ModelSection, source: str = "<config>",
+                       opt_in: str = "set model.trust_remote_code: true (--set model.trust_remote_code=true)") -> None:
+    """Refuse a bad model before any process starts (missing dir/config/weights, remote code;
+    `opt_in` says how this command allows the code)."""
     if cfg.path is None:
         from shardwise.catalog import get_model
 
@@ -55,8 +57,7 @@ def check_model_source(cfg: ModelSection, source: str = "<config>") -> None:
         shown = shown if len(shown) <= 200 else shown[:200] + "..."
         raise ShardwiseError(
             f"{source}: model.path {cfg.path!r}: {config}: field 'auto_map' is {shown}: the model ships its own "
-            "Python code, which shardwise does not run by default; set model.trust_remote_code: true "
-            "(--set model.trust_remote_code=true) only if you trust that code"
+            f"Python code, which shardwise does not run by default; {opt_in} only if you trust that code"
         )
 
 

@@ -209,6 +209,8 @@ def load_safetensors(module: Any, path: Path) -> None:
     (every rank reads the files' headers itself)."""
     import torch.distributed.checkpoint as dcp
 
+    from shardwise.train.checkpoint_index import load_tensors
+
     files = TensorFiles(path)
     groups = model_keys(module)
     verdict = check_keys(groups, files.shape, _tied(module), path)
@@ -216,7 +218,7 @@ def load_safetensors(module: Any, path: Path) -> None:
         raise ShardwiseError(verdict)
     groups = {k: g for k, g in groups.items() if files.shape(k) is not None}  # a tied lm_head the files lack
     state = {key: group[0][1] for key, group in groups.items()}
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    load_tensors(state, dcp.HuggingFaceStorageReader(str(path)))
     for key, group in groups.items():
         for _, t in group[1:]:  # a second module holding the same weights (modules_to_save)
             t.data.copy_(state[key].data)
