@@ -26,6 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hostile_runs import REPO, copy_run
+from hostile_runs import cli as _cli
+from hostile_runs import train_args as _train_args
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -41,7 +44,6 @@ from shardwise.train.checkpoint import (
 )
 from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, load_tensors, read_index
 
-from hostile_runs import REPO, cli as _cli, copy_run, train_args as _train_args
 
 class _Shell:
     """Runs `cmd` when unpickled; with `shape`, then hands back a tensor of that shape (the quiet

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile_runs import copy_run, train_args
 
 from shardwise.errors import ShardwiseError
 from shardwise.train.checkpoint import TrainerState, read_manifest, save_checkpoint, step_dir_name
 from shardwise.train.checkpoint_index import UnsafeCheckpointError, _MetadataUnpickler, read_index
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "fsdp-synthetic-cpu.yaml"
 
 
 class _Stand:
@@ -165,13 +165,9 @@ def _cli(*args: str, cwd: Path, module: str = "shardwise.train.cli", timeout: fl
 
 
 @pytest.mark.distributed
-def test_crafted_index_is_refused_by_export_and_resume_before_any_rank_starts(tmp_path):
-    out = tmp_path / "run"
-    sets = [f"checkpointing.output_dir={out}", "run.steps=4", "checkpointing.save_every_steps=4",
-            "logging.progress=false", "run.timeout_s=60"]
-    args = [str(CONFIG), "--nproc", "2", *[a for s in sets for a in ("--set", s)]]
-    r = _cli(*args, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+def test_crafted_index_is_refused_by_export_and_resume_before_any_rank_starts(tmp_path, trained):
+    out = copy_run(trained("fsdp-demo"), tmp_path / "run")
+    args = train_args(REPO / "examples" / "demo.yaml", out)
     step = out / "checkpoints" / step_dir_name(4)
     assert (step / "manifest.json").is_file()
     marker = tmp_path / "PWNED"

@@ -65,32 +65,37 @@ def run(tmp_path, trained) -> Path:
 
 @pytest.mark.distributed
 def test_overwrite_never_replaces_the_run_or_its_checkpoints(tmp_path, run):
+    """The issue's two cases through the command itself, the rest through the same command
+    in-process (typer's runner: the same code, without a second interpreter start each)."""
+    from typer.testing import CliRunner
+
+    from shardwise.train.export_cli import app
+
     step = run / "checkpoints" / step_dir_name(4)
     before = _snapshot(run)
-    cases = [  # (CHECKPOINT, OUT, what the message says)
-        (run, run, "overlaps the checkpoint"),
-        (step, run / "checkpoints", "overlaps the checkpoint"),
-        (step, step, "overlaps the checkpoint"),
-        (step, step / "inside", "overlaps the checkpoint"),
-        (step, run / ".shardwise", "not an earlier export"),
-        (step, run / "tensorboard", "not an earlier export"),
-    ]
-    other = copy_run(run, tmp_path / "other-run")  # a different run's directory as OUT
-    other_before = _snapshot(other)
-    cases.append((step, other, "which a training run wrote"))
-    for checkpoint, out, says in cases:
+    for checkpoint, out in ((run, run), (step, run / "checkpoints")):
         r = _export(str(checkpoint), str(out), "--overwrite", cwd=tmp_path)
         text = r.stdout + r.stderr
         assert r.returncode == 2, (checkpoint, out, text[-2000:])
-        assert says in " ".join(r.stderr.split()) and "Traceback" not in text, (checkpoint, out, text[-2000:])
+        assert "overlaps the checkpoint" in " ".join(r.stderr.split()) and "Traceback" not in text, text[-2000:]
+    other = copy_run(run, tmp_path / "other-run")  # a different run's directory as OUT
+    other_before = _snapshot(other)
+    cases = [(step, step, "overlaps the checkpoint"), (step, step / "inside", "overlaps the checkpoint"),
+             (step, run / ".shardwise", "not an earlier export"), (step, other, "which a training run wrote"),
+             (step, other / "checkpoints", "which a training run wrote")]
+    for checkpoint, out, says in cases:
+        r = CliRunner().invoke(app, [str(checkpoint), str(out), "--overwrite"])
+        assert r.exit_code == 2, (checkpoint, out, r.output)
+        assert says in " ".join(r.output.split()), (checkpoint, out, r.output)
     assert _snapshot(run) == before
     assert _snapshot(other) == other_before
 
     # an earlier export is what --overwrite is for
-    r = _export(str(step), str(tmp_path / "exported"), cwd=tmp_path)
+    earlier = tmp_path / "exported"
+    earlier.mkdir()
+    (earlier / "config.json").write_text("{}")
+    (earlier / "stale.txt").write_text("from the earlier export")
+    r = _export(str(run), str(earlier), "--overwrite", cwd=tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
-    (tmp_path / "exported" / "stale.txt").write_text("from the earlier export")
-    r = _export(str(run), str(tmp_path / "exported"), "--overwrite", cwd=tmp_path)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
-    assert (tmp_path / "exported" / "config.json").is_file() and not (tmp_path / "exported" / "stale.txt").exists()
+    assert (earlier / "model.safetensors").is_file() and not (earlier / "stale.txt").exists()
     assert _snapshot(run) == before

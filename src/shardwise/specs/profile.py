@@ -7,7 +7,6 @@ errors that name the file, the line or the field.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -129,15 +128,12 @@ def default_profile_path() -> Path:
 def load_profile(path: str | Path, *, device: str = "cuda") -> HardwareProfile:
     """The profile at `path`, for planning `device` ("cuda": the planner's GPUs; "cpu": a
     trainer run on the CPU, the one use a profile measured on a CPU has)."""
+    from shardwise.safe_json import read_json
+
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ShardwiseError(f"{path}: hardware profile not found (run `shardwise calibrate` to measure one)") from None
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise ShardwiseError(f"{path}: not a JSON hardware profile ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ShardwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not path.exists():
+        raise ShardwiseError(f"{path}: hardware profile not found (run `shardwise calibrate` to measure one)")
+    raw = read_json(path, 16 << 20, "hardware profile")  # a profile is a few KB
     if not isinstance(raw, dict):
         raise ShardwiseError(f"{path}: expected a JSON object (a hardware profile), got {type(raw).__name__}")
     try:

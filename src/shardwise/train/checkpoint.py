@@ -50,7 +50,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardwise.train.checkpoint_dir import _ANY, FORMAT, MANIFEST, checkpoints_dir, published, step_dir_name
+from shardwise.train.checkpoint_dir import (
+    _ANY,
+    FORMAT,
+    MANIFEST,
+    TRAINER_STATE,
+    checkpoints_dir,
+    published,
+    read_rank_rng,
+    read_trainer_state,
+    step_dir_name,
+)
 from shardwise.train.checkpoint_index import SafeReader, load_tensors
 from shardwise.train.checkpoint_manifest import (
     _file_entries,
@@ -67,8 +77,6 @@ from shardwise.train.outputs import (
     remove_own_tmp,
 )
 from shardwise.train.save_failure import describe, free_bytes, gather, raise_save_failure, space_errno
-
-TRAINER_STATE = "trainer_state.json"
 
 Reader = Callable[[dict[str, torch.Tensor]], None]
 
@@ -314,12 +322,17 @@ def write_best(output_dir: str | Path, step: int, eval_loss: float, lineage: Any
 def read_best(output_dir: str | Path, lineage: Any = _ANY) -> dict[str, Any] | None:
     """The best.json record, when its checkpoint is still published (and, with `lineage`, of that
     lineage); None otherwise."""
+    from shardwise.errors import ShardwiseError
+    from shardwise.safe_json import read_json_object
+
     root = checkpoints_dir(output_dir)
+    if not (root / BEST).exists():
+        return None
     try:
-        record = json.loads((root / BEST).read_text())
+        record = read_json_object(root / BEST, 1 << 20, "best-checkpoint record")
         step = int(record["step"])
         float(record["eval_loss"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ShardwiseError, ValueError, KeyError, TypeError):
         return None
     if lineage is not _ANY and record.get("lineage") != lineage:
         return None
@@ -332,13 +345,13 @@ def load_checkpoint(engine: Any, path: Path) -> TrainerState:
     again (cheap), since another run may have pruned the directory since."""
     read_manifest(path, verify_hashes=False)
     rank, _ = _world()
-    state = TrainerState(**json.loads((path / TRAINER_STATE).read_text()))
+    state = TrainerState(**read_trainer_state(path))
 
     def read(tensors: dict[str, torch.Tensor]) -> None:
         load_tensors(tensors, SafeReader(str(path)))
 
     engine.load_checkpoint_state(read, state.engine)
-    rank_file = path / f"rank-{rank:05d}.json"
-    if rank_file.is_file():  # a new rank (resumed on more ranks) keeps its seeded streams
-        set_rng_state(json.loads(rank_file.read_text())["rng"])
+    rank_file = f"rank-{rank:05d}.json"
+    if (path / rank_file).is_file():  # a new rank (resumed on more ranks) keeps its seeded streams
+        set_rng_state(read_rank_rng(path, rank_file))
     return state

@@ -98,7 +98,7 @@ def _admitted_unchanged() -> Iterator[None]:
         yield
     finally:  # also when the load failed half-way: nothing it set stays set
         changed = []
-        for o, was in zip(objs, before):
+        for o, was in zip(objs, before, strict=True):
             now = vars(o)
             if now.keys() != was.keys() or any(now[k] is not v for k, v in was.items()):
                 changed.append(getattr(o, "__qualname__", repr(o)))

@@ -15,10 +15,14 @@ from shardwise.errors import ShardwiseError
 from shardwise.train.checkpoint_dir import (
     _ANY,
     MANIFEST,
+    RANK_FILE,
+    TRAINER_STATE,
     checkpoints_dir,
     incomplete,
     published,
     read_manifest_json,
+    read_rank_rng,
+    read_trainer_state,
 )
 from shardwise.train.checkpoint_index import UnsafeCheckpointError, read_index
 from shardwise.train.lineage import read_lineage
@@ -49,7 +53,8 @@ def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
     """The manifest of a published checkpoint, after checking every file it lists (size, and
     sha256 unless `verify_hashes` is off) and reading DCP's index through the restricted
     unpickler (a crafted index raises UnsafeCheckpointError: the manifest is no signature, whoever
-    can write the directory can refresh its hashes); ShardwiseError naming what is wrong otherwise."""
+    can write the directory can refresh its hashes), then the trainer state and every rank's
+    random streams checked field by field; ShardwiseError naming what is wrong otherwise."""
     manifest = read_manifest_json(path)
     for name, entry in manifest.get("files", {}).items():
         f = path / name
@@ -62,6 +67,12 @@ def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
             raise ShardwiseError(f"{path}: file {name} does not match its sha256 in the manifest: "
                                  "the checkpoint is damaged")
     read_index(path)
+    if TRAINER_STATE not in manifest["files"]:
+        raise ShardwiseError(f"{path}: the manifest lists no {TRAINER_STATE}: not a complete checkpoint")
+    read_trainer_state(path)
+    for name in manifest["files"]:
+        if RANK_FILE.fullmatch(name):
+            read_rank_rng(path, name)
     return manifest
 
 

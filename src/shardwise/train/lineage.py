@@ -28,6 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shardwise.errors import ShardwiseError
 from shardwise.train.checkpoint_dir import checkpoints_dir, published, read_manifest_json
 
 LINEAGE_FILE = "lineage.json"
@@ -54,11 +55,15 @@ def lineage_path(output_dir: str | Path) -> Path:
 
 def read_lineage(output_dir: str | Path) -> Lineage | None:
     """The lineage of the run that last started in `output_dir`, None when none recorded."""
+    from shardwise.safe_json import read_json_object
+
     p = lineage_path(output_dir)
+    if not p.exists():
+        return None
     try:
-        d = json.loads(p.read_text())
+        d = read_json_object(p, 1 << 20, "lineage record")
         return Lineage(run_id=str(d["run_id"]), lineage=d.get("lineage"), parent=d.get("parent"))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ShardwiseError, KeyError, TypeError):
         return None
 
 

@@ -31,13 +31,12 @@ def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = Tru
 def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
     """Refuse a checkpoint of another model (its tensors would not fit this one) and say what a
     changed global batch means; engine, world size and precision may change freely."""
-    import json
+    from shardwise.train.checkpoint_dir import read_manifest_json
 
-    from shardwise.train.checkpoint import MANIFEST
-
-    manifest = json.loads((checkpoint / MANIFEST).read_text())
-    saved = manifest.get("config", {})
-    old_model = {k: saved.get("model", {}).get(k) for k in ("name", "path")}
+    manifest = read_manifest_json(checkpoint)
+    saved = manifest["config"]
+    check_saved_config(saved, checkpoint)
+    old_model = {k: (saved.get("model") or {}).get(k) for k in ("name", "path")}
     new_model = {"name": cfg.model.name, "path": cfg.model.path}
     if (old_model["path"] or old_model["name"]) != (new_model["path"] or new_model["name"]):
         raise ShardwiseError(
@@ -49,7 +48,7 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
     if manifest["step"] > cfg.run.steps:
         raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
                              f"{manifest['step']}; raise run.steps to train on")
-    r = saved.get("run", {})
+    r = saved.get("run") or {}
     old_tp = int((saved.get("strategy") or {}).get("tp", 1) or 1)
     old_batch = r.get("micro_batch", 0) * r.get("grad_accum", 0) * (manifest.get("world_size", 0) // old_tp)
     new_batch = cfg.run.micro_batch * cfg.run.grad_accum * run.layout.dp
@@ -86,6 +85,23 @@ def check_same_shapes(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
                              f"such); {fix}")
 
 
+def check_saved_config(saved: dict, checkpoint: Path) -> None:
+    """The manifest's config, as far as resuming reads it: sections are objects and the counts
+    are integers (a manifest is no signature: `"micro_batch": "x" * ...` must not reach arithmetic)."""
+    where = f"{checkpoint / 'manifest.json'}: field 'config"
+    for name in ("model", "run", "strategy", "lora"):
+        if saved.get(name) is not None and not isinstance(saved[name], dict):
+            raise ShardwiseError(f"{where}.{name}': expected an object, got {type(saved[name]).__name__}")
+    for section, key in (("run", "micro_batch"), ("run", "grad_accum"), ("run", "seed"), ("strategy", "tp")):
+        v = (saved.get(section) or {}).get(key)
+        if v is not None and type(v) is not int:
+            raise ShardwiseError(f"{where}.{section}.{key}': expected an integer, got {v!r}")
+    for key in ("name", "path"):
+        v = (saved.get("model") or {}).get(key)
+        if v is not None and not isinstance(v, str):
+            raise ShardwiseError(f"{where}.model.{key}': expected a string, got {v!r}")
+
+
 def check_same_adapters(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None:
     """A LoRA checkpoint holds adapters only: it resumes a run with the same adapters on the same
     base. Refuse full ↔ LoRA, another rank/targets/modules_to_save, and (for a base built from the
@@ -103,7 +119,7 @@ def check_same_adapters(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None
         raise ShardwiseError(f"{cfg.source}: lora.{diff[0]} = {new[diff[0]]!r}, but {checkpoint} was trained with "
                              f"{old.get(diff[0])!r}; its adapters fit only that shape")
     random_base = cfg.model.path is None or cfg.model.random_init
-    old_seed = saved.get("run", {}).get("seed")
+    old_seed = (saved.get("run") or {}).get("seed")
     if random_base and old_seed != cfg.run.seed:
         raise ShardwiseError(f"{cfg.source}: run.seed = {cfg.run.seed}, but {checkpoint} trained adapters on the "
                              f"base built from seed {old_seed} (random init); resume with run.seed: {old_seed}")
