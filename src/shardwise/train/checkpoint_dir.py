@@ -53,7 +53,7 @@ def published(root: Path, lineage: Any = _ANY) -> list[tuple[int, Path]]:
             continue
         if lineage is not _ANY:
             try:
-                if read_manifest_json(d).get("lineage") != lineage:
+                if read_json_object(d / MANIFEST, _MAX_MANIFEST, "checkpoint manifest").get("lineage") != lineage:
                     continue
             except ShardwiseError:
                 continue  # unreadable: not this lineage's (resolve_resume names it)
