@@ -42,7 +42,7 @@ def read_json(path: Path, *, where: str = "tokenizer", limit: int = MAX_CONFIG_B
                              "are refused).") from None  # fmt: skip
     except (UnicodeDecodeError, ValueError, OSError) as exc:
         raise ShardwiseError(f"{where}: {path}: cannot be read as JSON ({exc}).") from None
-    if too_deep(doc):
+    if isinstance(doc, (dict, list)) and too_deep(doc):
         raise ShardwiseError(f"{where}: {path}: JSON nested more than {MAX_DEPTH} levels deep.")
     return doc
 
