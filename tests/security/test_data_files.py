@@ -58,6 +58,7 @@ BAD_LINES = {  # line 2 -> message fragment
     "5000-digit integer": ('{"text": "a", "n": ' + "9" * 5000 + "}", r"d\.jsonl:2: malformed JSON: a number too long"),
     "100k deep": ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}", r"d\.jsonl:2: JSON nested too deeply"),
     "40 deep": ('{"text": "a", "x": ' + "[" * 40 + "]" * 40 + "}", r"d\.jsonl:2: field 'x': nested more than 32"),
+    "lone surrogate": ('{"text": "a\\ud800b"}', r"d\.jsonl:2: field 'text': a lone surrogate U\+D800"),  # fuzz
     "wrong type": ('{"messages": [{"role": "user", "content": ["a"]}]}', r"d\.jsonl:2: field 'messages\[0\]\.content'"),
 }  # fmt: skip
 
@@ -152,7 +153,7 @@ TURN = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "sys
 RECORD = st.one_of(JSON, st.fixed_dictionaries({"messages": st.lists(TURN, max_size=3)}),
                    st.fixed_dictionaries({"instruction": st.text(max_size=8), "output": st.text(max_size=8)}))
 LINE = st.one_of(RECORD.map(json.dumps), st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
-                 st.sampled_from(["NaN", '{"text": Infinity}', "[" * 2000, "9" * 5000, "", "{"]))
+                 st.sampled_from(["NaN", '{"text": Infinity}', '{"text": "\\udfff"}', "[" * 2000, "9" * 5000, "", "{"]))
 
 
 def _check(tok, path: Path) -> None:

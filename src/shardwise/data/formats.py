@@ -41,6 +41,8 @@ SUFFIXES = (".json", ".jsonl", ".parquet")
 # raise RecursionError, and anything just under Python's recursion limit would crash the
 # first recursive walk of a later stage) with an error naming file and line instead.
 MAX_DEPTH = 32
+# Half of a UTF-16 pair, which JSON's "\ud800" escapes can spell but no UTF-8 text holds.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # Bytes of one record: a JSONL line, a whole JSON array file (parsed whole), a Parquet value.
 # A record is held a few times while it is parsed and templated (~4x, docs/data.md "Big
 # records"), so 256 MiB keeps preflight near 1 GiB for it; the longest texts people train on
@@ -93,6 +95,9 @@ def _str(rec: dict[str, Any], col: str, where: str, *, required: bool, label: st
         return None
     if not isinstance(value, str):
         raise ShardwiseError(f"{where}: field '{label}': expected a string, got {type(value).__name__}.")
+    if (bad := _SURROGATE.search(value)) is not None:  # "\ud800" in JSON: no UTF-8 (the tokenizer raised)
+        raise ShardwiseError(f"{where}: field '{label}': a lone surrogate U+{ord(bad.group()):04X} at character "
+                             f"{bad.start()} (not a Unicode character; expected UTF-8 text).")  # fmt: skip
     return value
 
 

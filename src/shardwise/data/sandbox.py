@@ -165,6 +165,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return _Bounds().visit(super()._parse(source, name, filename))
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # the common case, exact and fast
+            if len(left) + len(right) > self.max_chars:
+                self.fits(len(left) + len(right), "a sum")
+            return left + right
         self.tick()
         seq = (str, bytes, list, tuple)
         if operator == "*":
@@ -297,11 +301,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return shardwise_concat
 
     def _concat(self, parts: Any) -> str:
-        out, n = [], 0
+        out, n, limit, deadline = [], 0, self.max_chars, self.deadline
         for p in parts:
             n += len(p)
-            self.fits(n, "the output")
-            self.tick()
+            if n > limit:
+                self.fits(n, "the output")
+            if time.monotonic() > deadline:
+                self.tick()
             out.append(p)
         return "".join(out)
 
