@@ -246,3 +246,33 @@ def test_train_refuses_an_exhausting_template_before_any_rank_starts(tmp_path):
     message = " ".join(r.stderr.split())
     assert str(d / "tokenizer_config.json") in message and "size bound" in message, message
     assert not (tmp_path / "out" / "checkpoints").exists() and not list((tmp_path / "out").rglob("heartbeat*"))
+
+
+CONSTRUCTS = [
+    "{% for m in messages recursive %}[{{ m.role }}{% if m.kids %}{{ loop(m.kids) }}{% endif %}]{% endfor %}",
+    "{% filter upper %}{% for m in messages %}{{ m.content }}{% endfor %}{% endfilter %}",
+    "{% macro w(x) %}<{{ caller() }}{{ x }}>{% endmacro %}{% call w('!') %}{{ messages|length }}{% endcall %}",
+    "{% for m in messages %}{% if loop.first %}F{% endif %}{{ loop.cycle('a', 'b') }}{{ loop.revindex }}"
+    "{% if not loop.last %},{% endif %}{% else %}empty{% endfor %}",
+    "{% for k, v in {'a': 1, 'b': 2}.items() %}{{ k }}={{ v }};{% endfor %}{% set x = [1, 2, 3] %}{{ x|sum }}"
+    "{{ x|join('-') }}{{ '%s-%d'|format('a', 3) }}{{ '{}!'.format(5) }}{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ '%05d' % 42 }}",
+    "{% generation %}{{ messages[0].content }}{% endgeneration %}{{ messages|tojson(indent=2) }}{{ dict(a=1) }}"
+    "{% set ns = namespace(a=1) %}{% set ns.a = ns.a + 1 %}{{ ns.a }}{{ messages[0].content|center(9)|indent(2) }}",
+    "{% for m in [] %}x{% else %}empty{% endfor %}{% for m in messages if m.role == 'user' %}{{ m.content }}{% endfor %}",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("template", CONSTRUCTS)
+def test_the_bounded_sandbox_renders_every_construct_as_transformers_does(template):
+    """Loops (recursive, filtered, with else and loop variables), macros with caller, filter
+    blocks, the generation tag, namespace, and the bounded operators and filters within their
+    bounds: the same text as transformers' own sandbox."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from shardwise.data.template import _compile
+
+    messages = [{"role": "user", "content": "hi", "kids": [{"role": "k1", "kids": []}]},
+                {"role": "assistant", "content": "yo", "kids": []}]  # fmt: skip
+    ours = _compile(template, "test")
+    ours.environment.start(sandbox.budget(messages))
+    assert ours.render(messages=messages) == _compile_jinja_template(template).render(messages=messages)
