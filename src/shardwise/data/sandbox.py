@@ -313,7 +313,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def _lipsum(self, lipsum: Callable[..., str]) -> Callable[..., str]:
         @functools.wraps(lipsum)
-        def bounded(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002
+        def bounded(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:
             self.fits(int(n) * int(max) * 16, f"lipsum({n}, max={max})")  # a word: 16 characters at most
             return lipsum(n, html, min, max)
 

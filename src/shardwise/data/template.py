@@ -116,7 +116,7 @@ def make_renderer(tokenizer: Any, chat_template: str | None = None) -> Renderer:
             render(PROBE, generation_prompt)
         except ShardwiseError:
             raise
-        except Exception:  # noqa: S112 - ordinary template errors (e.g. "no system role") are the data's to raise
+        except Exception:  # ordinary template errors (e.g. "no system role") are the data's to raise
             continue
     return render
 
