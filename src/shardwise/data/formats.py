@@ -211,16 +211,17 @@ def resolve_files(patterns: list[str], *, where: str) -> list[Path]:
     return out
 
 
-class _NotJSON(ValueError):
+class NotJSON(ValueError):
     """A non-standard constant (NaN, Infinity) in a JSON text."""
 
 
 def _refuse_constant(name: str) -> Any:
-    raise _NotJSON(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+    raise NotJSON(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
 
 
-# The standard library's parser, made strict: NaN and Infinity are refused, not read as floats.
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+# The standard library's parser, made strict: NaN and Infinity are refused (NotJSON), not read
+# as floats. `STRICT_JSON.decode(text)` is `json.loads(text)` otherwise.
+STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def _parse_error(where: str, exc: Exception) -> ShardwiseError:
@@ -230,7 +231,7 @@ def _parse_error(where: str, exc: Exception) -> ShardwiseError:
                               "(expected one JSON object per line, or a JSON array of objects).")
     if isinstance(exc, RecursionError):  # the stdlib parser recurses per level: a line 100k levels deep
         return _too_deep_error(where)
-    what = str(exc) if isinstance(exc, _NotJSON) else f"a number too long to read ({str(exc).split(':')[0]})"
+    what = str(exc) if isinstance(exc, NotJSON) else f"a number too long to read ({str(exc).split(':')[0]})"
     return ShardwiseError(f"{where}: malformed JSON: {what} (expected one JSON object per line, or a JSON "
                           "array of objects).")
 
@@ -296,7 +297,7 @@ def _parse_lines(path: Path, f: Any, offset: int, on_error: OnError, report: Loa
         if not line.strip():
             continue
         try:
-            out.append((_DECODER.decode(line), lineno))
+            out.append((STRICT_JSON.decode(line), lineno))
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, NaN, a 5000-digit integer, 100k deep
             err = _parse_error(f"{path}:{lineno}", exc)
             if on_error == "raise":
@@ -328,7 +329,7 @@ def _deep_line(text: str, limit: int = MAX_DEPTH) -> int:
 
 def _parse_array(path: Path, text: str) -> list[tuple[Any, int]]:
     """Elements of a top-level JSON array with the line each one starts on."""
-    dec = _DECODER
+    dec = STRICT_JSON
     try:
         dec.decode(text)  # cheap full check first: the error position is exact
     except json.JSONDecodeError as exc:

@@ -20,21 +20,18 @@ MAX_CONFIG_BYTES = 64 << 20
 JSON_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.json")
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
-
-
 def read_json(path: Path, *, where: str = "tokenizer", limit: int = MAX_CONFIG_BYTES, strict: bool = True) -> Any:
     """`path` parsed as JSON (`strict`: no NaN/Infinity), at most `limit` bytes and MAX_DEPTH
     levels deep; any fault is a ShardwiseError naming the file. config.json is read with
     strict=False here: its values are the model config checks' to judge, with their fields."""
-    from shardwise.data.formats import MAX_DEPTH, too_deep
+    from shardwise.data.formats import MAX_DEPTH, STRICT_JSON, too_deep
 
     size = path.stat().st_size
     if size > limit:
         raise ShardwiseError(f"{where}: {path}: {size} bytes, over the bound of {limit} for this file.")
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"), **({"parse_constant": _refuse_constant} if strict else {}))
+        text = path.read_bytes().decode("utf-8")
+        doc = STRICT_JSON.decode(text) if strict else json.loads(text)
     except json.JSONDecodeError as exc:
         raise ShardwiseError(f"{where}: {path}:{exc.lineno}: malformed JSON: {exc.msg} at column {exc.colno}.") from None
     except RecursionError:
