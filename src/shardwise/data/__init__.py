@@ -76,6 +76,7 @@ def check_remote_code(path: str | Path, trust_remote_code: bool = False, *, wher
     explicit `trust_remote_code` it never asks."""
     import json
 
+    from shardwise.data.tokenizer_check import read_json
     from shardwise.errors import ShardwiseError
 
     if trust_remote_code:
@@ -84,11 +85,7 @@ def check_remote_code(path: str | Path, trust_remote_code: bool = False, *, wher
         f = Path(path) / name
         if not f.is_file():
             continue
-        try:
-            doc = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise ShardwiseError(f"{where}: {f}: cannot be read as JSON ({exc}); expected the tokenizer's "
-                                 f"{name}.") from None  # fmt: skip
+        doc = read_json(f, where=where, strict=name != "config.json")
         auto_map = doc.get("auto_map") if isinstance(doc, dict) else None
         if auto_map:
             shown = json.dumps(auto_map)
@@ -104,19 +101,22 @@ def load_tokenizer(path: str | Path | None = None, trust_remote_code: bool = Fal
 
     `trust_remote_code` (the config's `model.trust_remote_code`) is passed to transformers
     explicitly, so it never prompts on stdin; without it a directory with an `auto_map` is
-    refused first (`check_remote_code`, whose message names `opt_in`)."""
+    refused first (`check_remote_code`, whose message names `opt_in`), and files too big, not
+    strict JSON or too deep are refused naming the file (`check_tokenizer_files`)."""
     from transformers import AutoTokenizer
 
+    from shardwise.data.tokenizer_check import check_tokenizer_files, explain_load_failure
     from shardwise.errors import ShardwiseError
 
     path = Path(path) if path is not None else default_tokenizer_path()
     if not path.exists():
         raise ShardwiseError(f"tokenizer: path {str(path)!r} not found (expected a local tokenizer directory).")
     check_remote_code(path, trust_remote_code, opt_in=opt_in)
+    check_tokenizer_files(path)
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise ShardwiseError(f"tokenizer: cannot load {str(path)!r}: {exc}") from exc
+        raise explain_load_failure(path, exc) from None
     if not getattr(tok, "is_fast", False):
         raise ShardwiseError(f"tokenizer: {str(path)!r} is not a fast tokenizer (tokenizer.json needed).")
     if tok.pad_token_id is None:  # padding is labelled -100 and isolated, so any id will do

@@ -110,13 +110,14 @@ def build_dataset(cfg: DataConfig, tokenizer: Any, *, split: str = "train") -> S
         raise ShardwiseError("data: no validation split: set data.validation_files or data.validation_fraction.")
     else:
         paths = resolve_files(cfg.train_files, where="data.train_files")
+    encoder = Encoder(tokenizer, cfg)  # first: a template refused on its probe render, before any file is read
     report = LoadReport()
     examples = list(iter_examples(paths, cfg.format, cfg.fields, cfg.on_error, report))
     if not cfg.validation_files:
         examples = _split(examples, cfg.validation_fraction, cfg.seed, split)
     stats = DataStats(split=split, records=report.records, skipped_invalid=report.skipped,
                       skip_reasons=list(report.skip_reasons))  # fmt: skip
-    samples = list(Encoder(tokenizer, cfg).encode(examples, stats.encode))
+    samples = list(encoder.encode(examples, stats.encode))
     stats.skip_reasons += stats.encode.skip_reasons
     if not samples:
         raise ShardwiseError(f"data.{split}: no usable samples in {[str(p) for p in paths]} "

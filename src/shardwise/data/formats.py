@@ -1,6 +1,6 @@
 """Record formats (alpaca, chat, ShareGPT, plain text) and file loading with exact locations.
 
-Parquet is read through `datasets` (Arrow). JSON and JSONL are parsed with the standard
+Parquet is read with pyarrow, a row group at a time, after its footer passed the bounds. JSON and JSONL are parsed with the standard
 library on purpose: `datasets` 5.2 *segfaults* on a JSONL line that is `null` (found by the
 property test; a crash cannot be turned into a user error), its Arrow schema inference
 coerces types across records (5 -> 5.0, missing keys -> None) and its errors name no line.
@@ -41,6 +41,19 @@ SUFFIXES = (".json", ".jsonl", ".parquet")
 # raise RecursionError, and anything just under Python's recursion limit would crash the
 # first recursive walk of a later stage) with an error naming file and line instead.
 MAX_DEPTH = 32
+# Half of a UTF-16 pair, which JSON's "\ud800" escapes can spell but no UTF-8 text holds.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# Bytes of one record: a JSONL line, a whole JSON array file (parsed whole), a Parquet value.
+# A record is held a few times while it is parsed and templated (~4x, docs/data.md "Big
+# records"), so 256 MiB keeps preflight near 1 GiB for it; the longest texts people train on
+# (a book is ~1 MB, a whole code repository ~100 MB) fit. A longer line is refused after
+# reading this much of it, never the whole line.
+MAX_RECORD_BYTES = 256 << 20
+# Bytes of a Parquet row group, as its footer declares them (uncompressed): pyarrow decodes a
+# row group's columns whole. 2 GiB leaves room for the 1M-row groups pyarrow writes by default.
+MAX_ROW_GROUP_BYTES = 2 << 30
+# Leaf columns of a Parquet schema: an SFT table has a handful (alpaca: four).
+MAX_PARQUET_COLUMNS = 4096
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,9 @@ def _str(rec: dict[str, Any], col: str, where: str, *, required: bool, label: st
         return None
     if not isinstance(value, str):
         raise ShardwiseError(f"{where}: field '{label}': expected a string, got {type(value).__name__}.")
+    if (bad := _SURROGATE.search(value)) is not None:  # "\ud800" in JSON: no UTF-8 (the tokenizer raised)
+        raise ShardwiseError(f"{where}: field '{label}': a lone surrogate U+{ord(bad.group()):04X} at character "
+                             f"{bad.start()} (not a Unicode character; expected UTF-8 text).")  # fmt: skip
     return value
 
 
@@ -195,6 +211,31 @@ def resolve_files(patterns: list[str], *, where: str) -> list[Path]:
     return out
 
 
+class NotJSON(ValueError):
+    """A non-standard constant (NaN, Infinity) in a JSON text."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise NotJSON(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+# The standard library's parser, made strict: NaN and Infinity are refused (NotJSON), not read
+# as floats. `STRICT_JSON.decode(text)` is `json.loads(text)` otherwise.
+STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def _parse_error(where: str, exc: Exception) -> ShardwiseError:
+    """The error for a record the parser refused (`where` is "file:line")."""
+    if isinstance(exc, json.JSONDecodeError):
+        return ShardwiseError(f"{where}: malformed JSON: {exc.msg} at column {exc.colno} "
+                              "(expected one JSON object per line, or a JSON array of objects).")
+    if isinstance(exc, RecursionError):  # the stdlib parser recurses per level: a line 100k levels deep
+        return _too_deep_error(where)
+    what = str(exc) if isinstance(exc, NotJSON) else f"a number too long to read ({str(exc).split(':')[0]})"
+    return ShardwiseError(f"{where}: malformed JSON: {what} (expected one JSON object per line, or a JSON "
+                          "array of objects).")
+
+
 def _not_utf8(path: Path, data: bytes, start: int, skipped: int = 0, first_line: int = 1) -> ShardwiseError:
     """The error for the undecodable byte `data[start]`: its line, column (1-based, in bytes)
     and offset in the file. `data` is what was decoded (the file after its BOM, or one line),
@@ -221,6 +262,11 @@ def _parse_stdlib(path: Path, on_error: OnError, report: LoadReport) -> list[tup
             head = head[:bom] + more
         f.seek(bom)
         if head[bom:].lstrip().startswith(b"["):
+            size = path.stat().st_size
+            if size > MAX_RECORD_BYTES:
+                raise ShardwiseError(f"{path}: a JSON array file of {size} bytes, over the bound of "
+                                     f"{MAX_RECORD_BYTES} (a JSON array is parsed whole); write the records "
+                                     "as JSONL (one per line), read a line at a time, or split the file.")
             data = f.read()
             try:
                 text = data.decode("utf-8")
@@ -235,7 +281,13 @@ def _parse_lines(path: Path, f: Any, offset: int, on_error: OnError, report: Loa
     """The records of a JSONL file open at `offset` (past any BOM), one line at a time."""
     out = []
     # split on b"\n" only, not splitlines(): JSON strings may hold raw U+2028 and friends.
-    for lineno, raw in enumerate(f, start=1):
+    lineno = 0
+    while raw := f.readline(MAX_RECORD_BYTES + 1):
+        lineno += 1
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ShardwiseError(f"{path}:{lineno}: a line of more than {MAX_RECORD_BYTES} bytes, over the "
+                                 "bound on one record (docs/data.md \"Big records\"); split the text into "
+                                 "several records.")
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -245,15 +297,9 @@ def _parse_lines(path: Path, f: Any, offset: int, on_error: OnError, report: Loa
         if not line.strip():
             continue
         try:
-            out.append((json.loads(line), lineno))
-        except json.JSONDecodeError as exc:
-            err = ShardwiseError(f"{path}:{lineno}: malformed JSON: {exc.msg} at column {exc.colno} "
-                                 "(expected one JSON object per line, or a JSON array of objects).")
-            if on_error == "raise":
-                raise err from exc
-            report.skip(err)
-        except RecursionError:  # the stdlib parser recurses per level: a line 100k levels deep
-            err = _too_deep_error(f"{path}:{lineno}")
+            out.append((STRICT_JSON.decode(line), lineno))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, NaN, a 5000-digit integer, 100k deep
+            err = _parse_error(f"{path}:{lineno}", exc)
             if on_error == "raise":
                 raise err from None
             report.skip(err)
@@ -283,13 +329,15 @@ def _deep_line(text: str, limit: int = MAX_DEPTH) -> int:
 
 def _parse_array(path: Path, text: str) -> list[tuple[Any, int]]:
     """Elements of a top-level JSON array with the line each one starts on."""
-    dec = json.JSONDecoder()
+    dec = STRICT_JSON
     try:
-        json.loads(text)  # cheap full check first: the error position is exact
+        dec.decode(text)  # cheap full check first: the error position is exact
     except json.JSONDecodeError as exc:
         raise ShardwiseError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg} at column {exc.colno}.") from exc
     except RecursionError:
         raise _too_deep_error(f"{path}:{_deep_line(text)}") from None
+    except ValueError as exc:  # NaN, Infinity, a 5000-digit integer: no position
+        raise _parse_error(str(path), exc) from None
     out, pos = [], text.index("[") + 1
     line, counted = 1, 0  # newlines counted incrementally: linear in the file size
     while True:
@@ -321,13 +369,51 @@ def read_file(path: Path, on_error: OnError, report: LoadReport) -> tuple[list[A
     if path.suffix.lower() != ".parquet":
         pairs = _parse_stdlib(path, on_error, report)
         return [rec for rec, _ in pairs], _Locator(path, [line for _, line in pairs])
-    import datasets
+    return read_parquet(path), _Locator(path)
 
-    datasets.disable_progress_bars()
+
+def read_parquet(path: Path) -> list[Any]:
+    """The rows of a Parquet file, one row group at a time, after its footer passed the bounds
+    (MAX_PARQUET_COLUMNS, MAX_DEPTH, MAX_ROW_GROUP_BYTES); errors name the file (and row group).
+    Read with pyarrow directly: `datasets` would write an Arrow copy into its cache first."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
-        return datasets.load_dataset("parquet", data_files=[str(path)], split="train").to_list(), _Locator(path)
-    except Exception as exc:
-        raise ShardwiseError(f"{path}: cannot read Parquet: {exc}") from exc
+        pf = pq.ParquetFile(path)
+        meta, schema = pf.metadata, pf.schema_arrow
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ShardwiseError(f"{path}: cannot read Parquet: {exc} (expected a complete Parquet file).") from None
+    if meta.num_columns > MAX_PARQUET_COLUMNS:
+        raise ShardwiseError(f"{path}: a Parquet schema of {meta.num_columns} columns, over the bound of "
+                             f"{MAX_PARQUET_COLUMNS} (an SFT table has a handful).")  # fmt: skip
+    for fld in schema:
+        if _type_depth(fld.type) > MAX_DEPTH:
+            raise ShardwiseError(f"{path}: column {fld.name!r}: type nested more than {MAX_DEPTH} levels deep "
+                                 "(expected an SFT record: strings, and lists of turns with role and content).")
+    rows: list[Any] = []
+    for g in range(meta.num_row_groups):
+        size = meta.row_group(g).total_byte_size
+        if size > MAX_ROW_GROUP_BYTES:
+            raise ShardwiseError(f"{path}: row group {g} (rows {len(rows) + 1}-{len(rows) + meta.row_group(g).num_rows})"
+                                 f" holds {size} bytes, over the bound of {MAX_ROW_GROUP_BYTES}; rewrite the file "
+                                 "with smaller row groups (pyarrow.parquet.write_table(..., row_group_size=...)).")
+        try:
+            rows.extend(pf.read_row_group(g).to_pylist())
+        except (pa.ArrowException, OSError, ValueError, MemoryError) as exc:
+            raise ShardwiseError(f"{path}: row group {g} (from row {len(rows) + 1}): cannot read Parquet: "
+                                 f"{exc} (expected a complete Parquet file).") from None  # fmt: skip
+    return rows
+
+
+def _type_depth(t: Any) -> int:
+    """Nesting depth of an Arrow type (a string: 1; a list of structs of strings: 3)."""
+    depth, stack = 0, [(t, 1)]
+    while stack:
+        t, d = stack.pop()
+        depth = max(depth, d)
+        stack.extend((t.field(i).type, d + 1) for i in range(getattr(t, "num_fields", 0)))
+    return depth
 
 
 def iter_examples(paths: list[Path], fmt: str, fields: dict[str, str], on_error: OnError,

@@ -10,6 +10,7 @@ the split matches inference, where generation starts right after the generation 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError
@@ -31,30 +32,92 @@ Segment = tuple[str, bool]  # (text, is_target)
 Renderer = Callable[[Sequence[dict[str, str]], bool], str]
 
 
-def _compile(template: str) -> Any:
-    # The same sandboxed compiler as `apply_chat_template`, so renders are identical to HF's.
+def template_origin(tokenizer: Any, chat_template: str | None) -> str:
+    """Where the template a renderer uses comes from, for errors: the config field, the
+    tokenizer file transformers read it from, or shardwise's default."""
+    if chat_template:
+        return "data.chat_template (data.sft.chat_template in a train config)"
+    if not getattr(tokenizer, "chat_template", None):
+        return "shardwise's default chat template"
+    d = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
+        if (d / name).is_file():
+            return str(d / name)
+    return f"the chat template of tokenizer {str(d)!r}"
+
+
+# A conversation every template is rendered on once, with and without the generation prompt,
+# before any record: a template that crosses a bound on it is refused before the data is read.
+PROBE: tuple[dict[str, str], ...] = (
+    {"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi?"},
+    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
+    {"role": "assistant", "content": "Bye."})  # fmt: skip
+
+
+def _compile(template: str, origin: str) -> Any:
+    """The template compiled by a bounded copy of transformers' sandbox (`apply_chat_template`'s
+    options, filters and globals, so renders are identical to HF's) with time, size and number
+    bounds (shardwise.data.sandbox)."""
+    import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    return _compile_jinja_template(template)
+    from shardwise.data.sandbox import BoundedSandbox, TemplateLimitError
+
+    try:
+        hf_env = _compile_jinja_template("").environment
+        return BoundedSandbox.like(hf_env).from_string(template)
+    except TemplateLimitError as exc:
+        raise ShardwiseError(f"{origin}: field 'chat_template': {exc}.") from None
+    except (jinja2.TemplateError, RecursionError, MemoryError, SyntaxError, ValueError) as exc:
+        raise ShardwiseError(f"{origin}: field 'chat_template': not a valid Jinja template: {exc}.") from None
 
 
 def make_renderer(tokenizer: Any, chat_template: str | None = None) -> Renderer:
     """A fast ``render(messages, add_generation_prompt) -> str`` for ``tokenizer``.
 
     Calls the compiled Jinja template directly: ``apply_chat_template`` re-validates its
-    arguments on every call, which costs more than the render itself.
+    arguments on every call, which costs more than the render itself. Every render is bounded
+    (shardwise.data.sandbox); a template that crosses a bound or tries to leave the sandbox
+    raises a ShardwiseError naming the template's file, on PROBE already where it does there.
     """
+    from jinja2.exceptions import SecurityError
+
+    from shardwise.data.sandbox import TemplateLimitError, budget
+
     source = chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
     if isinstance(source, dict):  # several named templates: HF uses "default"
         source = source.get("default") or next(iter(source.values()))
-    compiled = _compile(source)
+    origin = template_origin(tokenizer, chat_template)
+    if not isinstance(source, str):
+        raise ShardwiseError(f"{origin}: field 'chat_template': expected a string, got {type(source).__name__}.")
+    compiled = _compile(source, origin)
+    env = compiled.environment
     special = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
     special.setdefault("bos_token", "")
     special.setdefault("eos_token", tokenizer.eos_token or "")
 
     def render(messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
-        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+        env.start(budget(messages))
+        try:
+            return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+        except TemplateLimitError as exc:
+            raise ShardwiseError(f"{origin}: field 'chat_template': {exc}; shardwise refuses the template.") from None
+        except SecurityError as exc:
+            raise ShardwiseError(f"{origin}: field 'chat_template': the template tried to leave Jinja's sandbox "
+                                 f"({exc}); shardwise refuses it.") from None  # fmt: skip
+        except RecursionError:
+            raise ShardwiseError(f"{origin}: field 'chat_template': the template recursed deeper than Python "
+                                 "allows; shardwise refuses it.") from None
+        except MemoryError:
+            raise ShardwiseError(f"{origin}: field 'chat_template': the render ran out of memory.") from None
 
+    for generation_prompt in (True, False):
+        try:
+            render(PROBE, generation_prompt)
+        except ShardwiseError:
+            raise
+        except Exception:  # ordinary template errors (e.g. "no system role") are the data's to raise
+            continue
     return render
 
 

@@ -33,11 +33,13 @@ def resolved_tokenizer_path(cfg: TrainConfig) -> str:
 
     A model directory without tokenizer files is refused rather than paired with the bundled
     toy tokenizer: its ids would mean nothing to the pretrained embeddings. A tokenizer that
-    ships its own code (`auto_map`) is refused unless `model.trust_remote_code` is set, here,
-    before any rank starts. The export calls this too, so the exported directory carries the
+    ships its own code (`auto_map`) is refused unless `model.trust_remote_code` is set, and
+    files too big, not strict JSON or too deep are refused naming the file, here, before any
+    rank starts. The export calls this too, so the exported directory carries the
     tokenizer the model trained with.
     """
     from shardwise.data import TOKENIZER_FILES, check_remote_code, default_tokenizer_path, tokenizer_files
+    from shardwise.data.tokenizer_check import check_tokenizer_files
 
     expected = ", ".join(TOKENIZER_FILES[:3])
     if cfg.data.tokenizer is not None:
@@ -49,11 +51,13 @@ def resolved_tokenizer_path(cfg: TrainConfig) -> str:
             raise ShardwiseError(f"{cfg.source}: data.tokenizer {cfg.data.tokenizer!r} has no tokenizer files "
                                  f"(expected {expected}, ...).")  # fmt: skip
         check_remote_code(p, cfg.model.trust_remote_code, where=f"{cfg.source}: data.tokenizer")
+        check_tokenizer_files(p, where=f"{cfg.source}: data.tokenizer")
         return str(p)
     if cfg.model.path is not None:
         p = Path(cfg.model.path).expanduser()
         if tokenizer_files(p):
             check_remote_code(p, cfg.model.trust_remote_code, where=f"{cfg.source}: model.path's tokenizer")
+            check_tokenizer_files(p, where=f"{cfg.source}: model.path's tokenizer")
             return str(p)
         raise ShardwiseError(
             f"{cfg.source}: model.path {cfg.model.path!r} has no tokenizer files (expected {expected}, ...) and "
