@@ -63,6 +63,13 @@ def test_set_key_with_an_empty_part_is_refused(setting):
     assert f"--set {setting!r}" in msg and "empty part" in msg, msg
 
 
+def test_a_section_check_failing_after_a_set_names_the_set():
+    """Found by tests/security/test_fuzz_run_config.py: the model section's own check (a name or
+    a path) blamed the file's line when a --set inside the section had emptied the name."""
+    msg = refused("model.name=")
+    assert "--set model.name=: field 'model'" in msg and "give model.name" in msg, msg
+
+
 def test_a_bad_value_in_the_file_names_its_line(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("run:\n  steps: 10\noptimizer:\n  lr: 1e-4\n  betas: [0.9, 1.0]\n")
