@@ -112,6 +112,19 @@ def test_bin_that_is_not_a_stored_torch_state_dict_is_refused(tmp_path, kind):
     refused_at_preflight(d, tmp_path, str(f), fragment)
 
 
+def test_bin_whose_zip_needs_a_newer_zip_version_is_refused(tmp_path):
+    """Found by tests/security/test_fuzz_weights_files.py: zipfile's NotImplementedError for a
+    central directory entry claiming zip version 6.4 escaped as a traceback."""
+    d = model_dir(tmp_path)
+    f = d / "pytorch_model.bin"
+    torch.save({"w": torch.zeros(2)}, f)
+    raw = bytearray(f.read_bytes())
+    central = raw.find(b"PK\x01\x02")
+    raw[central + 6: central + 8] = struct.pack("<H", 64)  # version needed to extract: 6.4
+    f.write_bytes(bytes(raw))
+    refused_at_preflight(d, tmp_path, str(f), "not a PyTorch zip archive", "zip file version 6.4")
+
+
 def test_a_good_bin_and_a_good_safetensors_pass_the_check(tmp_path):
     from shardwise.train.weights_read import check_files
 

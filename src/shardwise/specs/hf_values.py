@@ -26,7 +26,8 @@ from shardwise.errors import ShardwiseError
 MAX_SIZE = 2**31 - 1
 SIZES = frozenset({
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-    "vocab_size", "head_dim", "max_position_embeddings", "original_max_position_embeddings", "moe_intermediate_size", "num_experts_per_tok",
+    "vocab_size", "head_dim", "max_position_embeddings", "original_max_position_embeddings", "moe_intermediate_size",
+    "num_experts_per_tok",
     "shared_expert_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     # GPT-style aliases (shardwise.specs.hf_config._from_gpt_dict)
     "n_embd", "n_layer", "n_head", "n_positions", "n_inner", "d_model", "n_heads", "n_layers", "max_seq_len",

@@ -184,8 +184,10 @@ class RunSection(_Section):
                              f"(at most {MAX_MICRO_BATCH})")
     grad_accum: Int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step "
                             f"(at most {MAX_GRAD_ACCUM})")
-    seed: Seed = Field(0, description="seed of the initial weights, the adapters and the data order (0 to 2**32 - 1)")
-    nproc: Int = Field(1, gt=0, le=MAX_LOCAL_RANKS, description="local ranks to launch (ignored under torchrun/deepspeed/srun; at most " f"{MAX_LOCAL_RANKS})")
+    seed: Seed = Field(0, description="seed of the initial weights, the adapters and the data order "
+                       "(0 to 2**32 - 1)")
+    nproc: Int = Field(1, gt=0, le=MAX_LOCAL_RANKS, description="local ranks to launch (ignored under "
+                       f"torchrun/deepspeed/srun; at most {MAX_LOCAL_RANKS})")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     timeout_s: Annotated[Finite, bounded(ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S, why=TIMEOUT_WHY)] = Field(600.0,
                              description="process-group init and collective timeout; a rank that makes no "

@@ -139,7 +139,7 @@ def check_bin_archive(f: Path) -> None:
     try:
         with zipfile.ZipFile(f) as z:
             members = z.infolist()
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as exc:
+    except Exception as exc:  # zipfile's errors for a malformed archive vary (BadZipFile, NotImplementedError, ...)
         raise ShardwiseError(f"{f}: not a PyTorch zip archive ({exc}); expected a state dict written by torch.save "
                              "(legacy pre-zip pickles are not read)") from None
     pickles = [m for m in members if m.filename.endswith("/data.pkl") or m.filename == "data.pkl"]
