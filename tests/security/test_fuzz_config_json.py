@@ -25,6 +25,9 @@ from shardwise.specs.model import ModelSpec
 from shardwise.train.config import ModelSection
 from shardwise.train.model import check_model_source
 
+# a fixed seed (derandomize), no example database: every CI run tries the same cases
+FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
 # What real config.json files carry beside the sizes the planner reads (Llama 3.1's RoPE scaling).
 REAL = {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_dropout": 0.0, "initializer_range": 0.02,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -96,7 +99,7 @@ def check_dir(d: Path, marker: Path) -> None:
     assert not marker.exists(), "the directory's own code ran"
 
 
-@settings(derandomize=True, max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(FUZZ, max_examples=300)
 @given(cfg=mutated())
 def test_mutated_config_json_reads_or_is_refused_naming_the_file(cfg):
     """300 cases in CI (fixed seed): one field of a catalog config replaced, deleted, or an
@@ -109,7 +112,7 @@ def test_mutated_config_json_reads_or_is_refused_naming_the_file(cfg):
         check_dir(d, marker)
 
 
-@settings(derandomize=True, max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(FUZZ, max_examples=200)
 @given(base=st.sampled_from(BASES), cuts=st.lists(st.tuples(st.integers(0, 10**6), st.binary(max_size=4)),
                                                     max_size=4), truncate=st.booleans())
 def test_config_json_with_mutated_bytes_reads_or_is_refused_naming_the_file(base, cuts, truncate):

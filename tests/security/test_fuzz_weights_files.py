@@ -33,6 +33,9 @@ from safetensors.torch import save_file
 from shardwise.errors import ShardwiseError
 from shardwise.train.weights_read import TensorFiles, check_files
 
+# a fixed seed (derandomize), no example database: every CI run tries the same cases
+FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
 MARKER = Path(tempfile.gettempdir()) / f"shardwise-fuzz-weights-marker-{id(object())}"
 DTYPES = ["F32", "F16", "BF16", "F64", "I64", "I32", "I8", "U8", "BOOL", "F8_E4M3", "X", "", "f32"]
 GROWTH_LIMIT_KB = 256 << 10
@@ -84,7 +87,7 @@ def test_the_safetensors_generator_makes_valid_files_too():
         assert refused_or_opens(Path(tmp), f) is None
 
 
-@settings(derandomize=True, max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(FUZZ, max_examples=400)
 @given(content=safetensors_file())
 def test_generated_safetensors_opens_or_is_refused_naming_the_file(content):
     """400 cases in CI (fixed seed): generated headers, lengths and data."""
@@ -217,7 +220,7 @@ def test_each_payload_reaches_its_call_under_a_plain_unpickler(family):
     assert want in [(m, n) for m, n, _ in r.calls], r.calls
 
 
-@settings(derandomize=True, max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(FUZZ, max_examples=300)
 @given(family=st.sampled_from(FAMILIES), target=st.sampled_from(TARGETS), proto=st.integers(2, 5),
        wrap=st.sampled_from(["top", "dict_value", "list", "memo_put"]))
 def test_hostile_pickle_in_a_bin_is_refused_and_runs_nothing(family, target, proto, wrap):
@@ -238,7 +241,7 @@ def test_hostile_pickle_in_a_bin_is_refused_and_runs_nothing(family, target, pro
     assert not MARKER.exists(), f"{family} {target} ran code"
 
 
-@settings(derandomize=True, max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(FUZZ, max_examples=200)
 @given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.binary(min_size=1, max_size=4)), min_size=1, max_size=4),
        hostile=st.booleans(), cut=st.none() | st.integers(0, 10**6))
 def test_mutated_bin_archive_opens_or_is_refused_naming_the_file(edits, hostile, cut):
