@@ -118,8 +118,8 @@ TARGETS = [("os", "system"), ("posix", "system"), ("builtins", "eval"), ("builti
            ("subprocess", "getoutput"), ("subprocess", "check_output"), ("torch.serialization", "load")]
 # copyreg extension codes the EXT families use, registered (by the fixture) to command runners
 EXT = {"EXT1": (0xF1, "os", "system"), "EXT2": (0xF1F2, "posix", "system"), "EXT4": (0x7A5E1, "subprocess", "getoutput")}
-FAMILIES = ["GLOBAL", "STACK_GLOBAL", "STACK_GLOBAL_MEMO", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "BUILD", "EXT1",
-            "EXT2", "EXT4", "PERSID", "BINPERSID", "NESTED", "BUFFER"]  # fmt: skip
+FAMILIES = ["GLOBAL", "STACK_GLOBAL", "STACK_GLOBAL_MEMO", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "BUILD",
+            "BUILD_SETSTATE", "EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID", "NESTED", "BUFFER"]  # fmt: skip
 
 
 def payload(family: str, module: str, name: str) -> bytes:
@@ -142,8 +142,10 @@ def payload(family: str, module: str, name: str) -> bytes:
         return g + a + b"\x85\x81"
     if family == "NEWOBJ_EX":
         return g + a + b"\x85}\x92"  # args, EMPTY_DICT kwargs
-    if family == "BUILD":  # an object whose state is set through its class: BUILD calls __setstate__
+    if family == "BUILD":  # an object of the class built by NEWOBJ, its state set by BUILD
         return g + b")\x81" + b"}" + _u("x") + a + b"s" + b"b"
+    if family == "BUILD_SETSTATE":  # an allowed class given __setstate__ = target by one BUILD, called by the next
+        return b"ccollections\nOrderedDict\n)R" + b"}" + _u("__setstate__") + g + b"sb" + a + b"b"
     if family in ("EXT1", "EXT2", "EXT4"):  # a copyreg extension code registered to a command runner
         code = EXT[family][0]
         op, fmt = {"EXT1": (b"\x82", "<B"), "EXT2": (b"\x83", "<H"), "EXT4": (b"\x84", "<i")}[family]
@@ -205,7 +207,7 @@ class Recorder(pickle.Unpickler):
                                     "EXT4", "PERSID", "BINPERSID", "NESTED"])  # fmt: skip
 def test_each_payload_reaches_its_call_under_a_plain_unpickler(family):
     """The payloads are well-formed: an unpickler that resolves every global (to a recorder)
-    reaches the call, so the refusal below is the reader's doing. (NEWOBJ, NEWOBJ_EX and BUILD
+    reaches the call, so the refusal below is the reader's doing. (NEWOBJ, NEWOBJ_EX and the BUILDs
     need a real class; BUFFER needs buffers: their refusal comes at the global or the opcode.)"""
     import io
 
@@ -218,6 +220,12 @@ def test_each_payload_reaches_its_call_under_a_plain_unpickler(family):
         assert r.calls[0][:2] == ("persid", r.calls[0][1]) and r.calls[0][1][0] == "storage", r.calls
         return
     assert want in [(m, n) for m, n, _ in r.calls], r.calls
+
+
+def test_the_setstate_payload_calls_its_target_under_plain_pickle(capsys):
+    """BUILD_SETSTATE, with print as the target: plain pickle calls it (the classic bypass)."""
+    pickle.loads(b"\x80\x04" + payload("BUILD_SETSTATE", "builtins", "print") + b".")
+    assert f"touch {MARKER}" in capsys.readouterr().out
 
 
 @settings(FUZZ, max_examples=300)
