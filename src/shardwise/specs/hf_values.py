@@ -73,7 +73,8 @@ def check_values(cfg: dict, source: str) -> None:
             _refuse(source, path, value, "a number above 0 (RoPE's base wavelength)")
         elif key == "partial_rotary_factor" and not (_number(value) and 0 < value <= 1):
             _refuse(source, path, value, "a number in (0, 1] (the fraction of each head RoPE rotates)")
-        elif (key.endswith(("dropout", "_pdrop")) or key == "dropout_rate") and not (_number(value) and 0 <= value <= 1):
+        elif (key.endswith(("dropout", "_pdrop")) or key == "dropout_rate") and not isinstance(value, bool) and not (
+                _number(value) and 0 <= value <= 1):  # a boolean is a switch (`use_dropout`), not a probability
             _refuse(source, path, value, "a probability from 0 to 1")
         elif len(path) >= 2 and path[-2] == "intermediate_size" and not (
                 isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_SIZE):
