@@ -58,8 +58,8 @@ def user_error(err: Exception, where: str, *, model: type | None = None, lines: 
     (under `prefix`), the value given and what was expected; an unknown field lists the valid
     ones of `model`'s section, closest first. A ShardwiseError raised inside a validator
     already says all that and comes back unchanged. `overrides` maps the key paths a `--set`
-    gave to that assignment: an error there names the override, not the file's line, and a
-    list field says how to write a list."""
+    gave to that assignment: an error there (or in the check of a section an override is inside)
+    names the override, not the file's line, and a list field says how to write a list."""
     errors = getattr(err, "errors", None)
     if errors is None:
         return ShardwiseError(f"{where}: {err}")
@@ -70,9 +70,14 @@ def user_error(err: Exception, where: str, *, model: type | None = None, lines: 
             return inner
         loc = tuple(p for p in e.get("loc", ()) if not (isinstance(p, str) and p.startswith("function-")))
         at, given = where, None
+        # a section's own check (loc names the section) failing after a --set inside it names that --set
+        inside = [a for k, a in (overrides or {}).items() if loc and len(k) > len(loc) and k[:len(loc)] == loc]
         for n in range(len(loc), 0, -1):
             if overrides and loc[:n] in overrides:
                 at, given = f"--set {overrides[loc[:n]]}", overrides[loc[:n]]
+                break
+            if n == len(loc) and inside:
+                at = ", ".join(f"--set {a}" for a in inside)
                 break
             if lines and loc[:n] in lines:
                 at = f"{where}:{lines[loc[:n]]}"

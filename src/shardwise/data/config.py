@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shardwise.config_fields import Finite, Int, Seed
 from shardwise.data.formats import ALL_FIELDS
 from shardwise.errors import did_you_mean, user_error
 
@@ -24,10 +25,10 @@ class DataConfig(BaseModel):
 
     train_files: list[str] = Field(min_length=1, description="JSON/JSONL/Parquet paths or globs.")
     validation_files: list[str] = Field(default_factory=list, description="Validation split by file.")
-    validation_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Or: split this fraction off train.")
+    validation_fraction: Finite = Field(0.0, ge=0.0, lt=1.0, description="Or: split this fraction off train.")
     format: Literal["auto", "alpaca", "chat", "sharegpt", "text"] = "auto"
     fields: dict[str, str] = Field(default_factory=dict, description="Canonical field -> your column name.")
-    max_length: int = Field(2048, ge=8, le=MAX_LENGTH_CAP,
+    max_length: Int = Field(2048, ge=8, le=MAX_LENGTH_CAP,
                             description=f"Tokens per sample and per packed row (8 to {MAX_LENGTH_CAP:,}).")
     truncation: Truncation = "keep_start"
     train_on_prompt: bool = False
@@ -35,7 +36,7 @@ class DataConfig(BaseModel):
     packing: bool = True
     on_error: Literal["raise", "skip"] = "raise"
     chat_template: str | None = Field(None, description="Jinja template overriding the tokenizer's.")
-    seed: int = 0
+    seed: Seed = 0
 
     @field_validator("fields")
     @classmethod

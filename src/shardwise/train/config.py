@@ -8,7 +8,7 @@ override is checked exactly like a line of the file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -20,7 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-from shardwise.data.config import DataConfig
+from shardwise.config_fields import Finite, Int, NonBlank, Seed, bounded
+from shardwise.data.config import MAX_LENGTH_CAP, DataConfig
 from shardwise.errors import ShardwiseError, did_you_mean, user_error
 from shardwise.safe_yaml import check_values, key_lines, line_of, read_yaml
 from shardwise.specs.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
@@ -44,7 +45,7 @@ Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 
 class ModelSection(_Section):
     name: str | None = Field("tiny-llama", description="catalog model built from its config with random init")
-    path: str | None = Field(None, description="local HF directory (config.json + weights); overrides name")
+    path: NonBlank | None = Field(None, description="local HF directory (config.json + weights); overrides name")
     random_init: bool = Field(False, description="with `path`: build from its config.json, ignore weights")
     trust_remote_code: bool = Field(False, description="allow code shipped with the checkpoint to run")
     attention: Literal["eager", "sdpa"] = Field("sdpa", description="attention kernel")
@@ -57,9 +58,9 @@ class ModelSection(_Section):
 
 
 class SyntheticData(_Section):
-    samples: int = Field(256, gt=0, description="number of random sequences")
-    seq_len: int = Field(64, ge=4, description="tokens per sequence")
-    seed: int = Field(1234, description="seed of the token and mask generator")
+    samples: Int = Field(256, gt=0, description="number of random sequences")
+    seq_len: Int = Field(64, ge=4, le=MAX_LENGTH_CAP, description=f"tokens per sequence (at most {MAX_LENGTH_CAP:,})")
+    seed: Seed = Field(1234, description="seed of the token and mask generator")
 
 
 class SFTSection(DataConfig):
@@ -68,7 +69,7 @@ class SFTSection(DataConfig):
 
     train_files: list[str] = Field(default_factory=list, description="JSON/JSONL/Parquet paths or globs "
                                    "(none: the bundled sample data)")
-    seed: int | None = Field(None, description="shuffle seed (default: run.seed)")
+    seed: Seed | None = Field(None, description="shuffle seed (default: run.seed)")
     packed_attention: Literal["auto", "varlen", "flex", "dense"] = Field(
         "auto", description="how the documents of a row are kept apart: varlen (flash-attn's varlen kernel where "
         "installed, else one SDPA call per document), flex (FlexAttention's document block mask; CUDA), dense (a "
@@ -78,7 +79,7 @@ class SFTSection(DataConfig):
 
 class DataSection(_Section):
     kind: Literal["sft", "synthetic"] = Field("sft", description="SFT files or seeded random tokens")
-    tokenizer: str | None = Field(None, description="local tokenizer dir (default: the bundled one)")
+    tokenizer: NonBlank | None = Field(None, description="local tokenizer dir (default: the bundled one)")
     sft: SFTSection = SFTSection()
     synthetic: SyntheticData = SyntheticData()
 
@@ -86,11 +87,14 @@ class DataSection(_Section):
 def _overrides(knobs: type[BaseModel], name: str) -> type[BaseModel]:
     """A config section with the fields of a planner knob class, each optional: None = the
     trainer's default for the device (shardwise.run.trainer_knobs). The fields, their types,
-    bounds and descriptions are the planner's, so the two cannot drift."""
+    bounds and descriptions are the planner's, so the two cannot drift; an int or float field
+    takes the config's strict `Int` / `Finite` (no boolean, no NaN or Inf)."""
+    strict = {int: Int, float: Finite}
     fields: dict[str, Any] = {
-        k: (f.annotation | None, Field(None, description=f.description, json_schema_extra=None,
-                                       **{m: getattr(c, m) for c in f.metadata for m in ("gt", "ge")
-                                          if getattr(c, m, None) is not None}))
+        k: (strict.get(f.annotation, f.annotation) | None,  # type: ignore[call-overload]
+            Field(None, description=f.description, json_schema_extra=None,
+                  **{m: getattr(c, m) for c in f.metadata for m in ("gt", "ge", "lt", "le")
+                     if getattr(c, m, None) is not None}))
         for k, f in knobs.model_fields.items()
     }
     return create_model(name, __base__=_Section, **fields)
@@ -103,8 +107,8 @@ DDPSection = _overrides(DDPKnobs, "DDPSection")
 
 class StrategySection(_Section):
     name: str = Field("fsdp", description=f"one of {', '.join(STRATEGY_NAMES)}")
-    shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: ranks per shard group (default: a node)")
-    tp: int = Field(1, gt=0, description="tensor-parallel degree (sequence parallel on; FSDP2 strategies; "
+    shard_group: Int | None = Field(None, gt=0, description="fsdp-hybrid: ranks per shard group (default: a node)")
+    tp: Int = Field(1, gt=0, description="tensor-parallel degree (sequence parallel on; FSDP2 strategies; "
                                          "world size = data-parallel degree × tp)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
@@ -122,15 +126,25 @@ class StrategySection(_Section):
         return key
 
 
+# Above 0, finite and at most MAX_LR. AdamW moves each weight by about lr a step, so any rate
+# that trains is far below 1; up to MAX_LR a diverging run ends as a non-finite loss (exit 3,
+# what tests/train/test_faults_e2e.py provokes with 1e6), while past fp32's range (3.4e38) the
+# optimizer's lr tensor overflows with a traceback in every rank (1e300 did).
+MAX_LR = 1e6
+LR_WHY = ("AdamW moves each weight by about lr a step: any rate that trains is far below 1, and far larger "
+          "ones overflow the optimizer's fp32 arithmetic")
+# torch.optim.AdamW refuses a beta outside [0, 1) (inside every rank, with a traceback).
+Beta = Annotated[Finite, bounded(ge=0, lt=1, why="torch.optim.AdamW's range: a moment's decay rate")]
+
+
 class OptimizerSection(_Section):
     name: Literal["adamw"] = "adamw"
-    # finite numbers only: lr = inf passes `gt=0` and makes every weight inf at the first update
-    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="peak learning rate")
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0, allow_inf_nan=False)
-    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False,
-                                description="set explicitly: torch AdamW's default is 0.01")
-    max_grad_norm: float = Field(1.0, ge=0, allow_inf_nan=False, description="global-norm clipping; 0 disables")
+    lr: Annotated[Finite, bounded(gt=0, le=MAX_LR, why=LR_WHY)] = Field(
+        1e-4, description=f"peak learning rate (above 0, at most {MAX_LR:g})")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW's moment decay rates, each in [0, 1)")
+    eps: Finite = Field(1e-8, gt=0)
+    weight_decay: Finite = Field(0.0, ge=0, description="set explicitly: torch AdamW's default is 0.01")
+    max_grad_norm: Finite = Field(1.0, ge=0, description="global-norm clipping; 0 disables")
     fused: bool | None = Field(None, description="fused AdamW; None = on CUDA only")
 
     def fused_on(self, device: str) -> bool:
@@ -142,8 +156,8 @@ class OptimizerSection(_Section):
 
 class ScheduleSection(_Section):
     kind: Literal["cosine", "linear", "constant", "warmup_decay"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / peak lr (cosine, linear)")
+    warmup_steps: Int = Field(0, ge=0)
+    min_lr_ratio: Finite = Field(0.0, ge=0, le=1, description="final lr / peak lr (cosine, linear)")
 
 
 # Bounds of the run's sizes (each stated in its field's description): far above any real run, low enough that a
@@ -154,50 +168,60 @@ MAX_GRAD_ACCUM = 65536  # micro-batches per optimizer step
 # A week: a finite timeout that datetime.timedelta, gloo and NCCL accept (with the collective backstop's
 # margin added, shardwise.train.launch.COLLECTIVE_MARGIN_S); inf or 1e30 overflowed in every rank.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# At least a second: the process-group rendezvous, the weights' broadcast and a checkpoint's
+# collectives take longer than that on a healthy machine; a shorter timeout fails healthy runs.
+MIN_TIMEOUT_S = 1.0
+TIMEOUT_WHY = (f"process-group init and collective timeout: under {MIN_TIMEOUT_S:g} s fails healthy runs, "
+               f"above {MAX_TIMEOUT_S:.0f} s = 7 days overflows in the ranks")
+# Ranks spawned on one node (run.nproc): above any node's GPUs or cores, low enough that a typo is
+# not a fork bomb.
+MAX_LOCAL_RANKS = 1024
 
 
 class RunSection(_Section):
-    steps: int = Field(100, gt=0, description="optimizer steps")
-    micro_batch: int = Field(4, gt=0, le=MAX_MICRO_BATCH, description="sequences per rank per forward "
+    steps: Int = Field(100, gt=0, description="optimizer steps")
+    micro_batch: Int = Field(4, gt=0, le=MAX_MICRO_BATCH, description="sequences per rank per forward "
                              f"(at most {MAX_MICRO_BATCH})")
-    grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step "
+    grad_accum: Int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step "
                             f"(at most {MAX_GRAD_ACCUM})")
-    seed: int = 0
-    nproc: int = Field(1, gt=0, description="local ranks to launch (ignored under torchrun/deepspeed/srun)")
+    seed: Seed = Field(0, description="seed of the initial weights, the adapters and the data order "
+                       "(0 to 2**32 - 1)")
+    nproc: Int = Field(1, gt=0, le=MAX_LOCAL_RANKS, description="local ranks to launch (ignored under "
+                       f"torchrun/deepspeed/srun; at most {MAX_LOCAL_RANKS})")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False,
+    timeout_s: Annotated[Finite, bounded(ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S, why=TIMEOUT_WHY)] = Field(600.0,
                              description="process-group init and collective timeout; a rank that makes no "
-                             "progress for this long fails the job with a message naming it (finite, at most "
-                             f"{MAX_TIMEOUT_S:.0f} s = 7 days)")
-    nonfinite_patience: int = Field(0, ge=0, description="consecutive steps with a NaN/Inf loss or grad norm "
+                             "progress for this long fails the job with a message naming it (finite, "
+                             f"{MIN_TIMEOUT_S:.0f} s to {MAX_TIMEOUT_S:.0f} s = 7 days)")
+    nonfinite_patience: Int = Field(0, ge=0, description="consecutive steps with a NaN/Inf loss or grad norm "
                                     "tolerated before the run stops (fp16 overflow steps the scaler skips "
                                     "do not count)")
     compile: bool | None = Field(None, description="torch.compile each decoder layer (regional, as torchtitan "
                                  "does) under fsdp* and ddp; None = on for CUDA, off on CPU")
-    compile_backend: str = Field("inductor", description="torch.compile backend (inductor; aot_eager or eager "
+    compile_backend: NonBlank = Field("inductor", description="torch.compile backend (inductor; aot_eager or eager "
                                  "to debug a compile problem)")
-    eval_every_steps: int | None = Field(None, gt=0, description="evaluate the validation split (data.sft."
+    eval_every_steps: Int | None = Field(None, gt=0, description="evaluate the validation split (data.sft."
                                          "validation_files or validation_fraction) every N optimizer steps and "
                                          "after the last one; null: no evaluation")
-    eval_batches: int | None = Field(None, gt=0, description="validation rows each evaluation reads, in global "
+    eval_batches: Int | None = Field(None, gt=0, description="validation rows each evaluation reads, in global "
                                      "batches (run.micro_batch × run.grad_accum × ranks rows, the training "
                                      "global batch) from the split's start; null: the whole split")
 
 
 class CheckpointingSection(_Section):
     activation: Literal["none", "full"] = Field("none", description="activation checkpointing per layer")
-    output_dir: str = Field("runs/shardwise", description="metrics, TensorBoard, checkpoints and exports go here")
+    output_dir: NonBlank = Field("runs/shardwise", description="metrics, TensorBoard, checkpoints and exports go here")
     save_final: bool = Field(False, description="write consolidated weights (safetensors) at the end")
-    save_every_steps: int | None = Field(None, gt=0, description="sharded checkpoint every N optimizer steps")
-    save_every_minutes: float | None = Field(30.0, gt=0, description="sharded checkpoint every N minutes of "
+    save_every_steps: Int | None = Field(None, gt=0, description="sharded checkpoint every N optimizer steps")
+    save_every_minutes: Finite | None = Field(30.0, gt=0, description="sharded checkpoint every N minutes of "
                                              "training (checked at step boundaries; null: only save_every_steps)")
-    keep_last: int = Field(2, ge=1, description="published checkpoints kept; older ones are deleted")
+    keep_last: Int = Field(2, ge=1, description="published checkpoints kept; older ones are deleted")
     save_best: Literal["eval_loss"] | None = Field(None, description="eval_loss: save a checkpoint at every "
                                                    "evaluation and keep the one with the lowest eval loss "
                                                    "besides the keep_last newest (checkpoints/best.json names it)")
     save_on_interrupt: bool = Field(True, description="SIGTERM/SIGUSR1: checkpoint at the next step boundary, "
                                     "then exit with code 75")
-    resume: str | None = Field(None, description="'latest' (newest complete checkpoint under output_dir) or a "
+    resume: NonBlank | None = Field(None, description="'latest' (newest complete checkpoint under output_dir) or a "
                                "checkpoint directory; same as `shardwise train --resume`")
     overwrite: bool = Field(False, description="a fresh run into an output_dir that holds an earlier run's "
                             "checkpoints or exported model removes them first (refused otherwise); same as "
@@ -209,10 +233,10 @@ class LoraSection(_Section):
     the base model is frozen (kept in the compute dtype), adapters train in fp32. Absent or
     null: full fine-tuning."""
 
-    rank: int = Field(16, gt=0, description="adapter rank r")
-    alpha: float | None = Field(None, gt=0, description="scaling numerator (the update is alpha/r · B·A); "
+    rank: Int = Field(16, gt=0, description="adapter rank r")
+    alpha: Finite | None = Field(None, gt=0, description="scaling numerator (the update is alpha/r · B·A); "
                                 "default 2 × rank")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: runs are "
+    dropout: Finite = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: runs are "
                            "reproducible across world sizes)")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names to adapt (PEFT's rule: the name or its last components), "
@@ -250,18 +274,18 @@ class LossSection(_Section):
     implementation: Literal["chunked", "standard"] = Field(
         "chunked", description="chunked: lm_head and the loss fused over chunks of tokens, no [tokens, vocab] "
         "fp32 logits (gradients computed in forward); standard: HF's logits, upcast to fp32 whole")
-    chunk_tokens: int = Field(1024, gt=0, description="chunked: tokens per chunk; one chunk's fp32 working set "
+    chunk_tokens: Int = Field(1024, gt=0, description="chunked: tokens per chunk; one chunk's fp32 working set "
                               "is 8·vocab bytes per token")
 
 
 class HardwareSection(_Section):
     gpu: str = Field("a100-80g", description="catalog GPU the memory check plans for")
-    gpus_per_node: int | None = Field(
+    gpus_per_node: Int | None = Field(
         None, gt=0, description="ranks per node (default: the launcher's LOCAL_WORLD_SIZE, else all ranks)")
     check_memory: bool | None = Field(None, description="planner OOM check; None = on for CUDA, off for CPU")
-    profile: str | None = Field(None, description="hardware profile JSON measured on these GPUs "
+    profile: NonBlank | None = Field(None, description="hardware profile JSON measured on these GPUs "
                                 "(`shardwise calibrate`); replaces the catalog's rates in the plan")
-    host_memory_gb: float | None = Field(
+    host_memory_gb: Finite | None = Field(
         None, gt=0, le=1e6, allow_inf_nan=False,
         description="host RAM per node (GB) the preflight checks the weight load against (default: MemAvailable "
                     "of /proc/meminfo on the launching node)")
@@ -305,8 +329,6 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         raise ShardwiseError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set strategy.name=zero3")
     value = assignment.split("=", 1)[1]
     parts = list(override_key(assignment))
-    if not parts:
-        raise ShardwiseError(f"--set {assignment!r}: empty key")
     node = raw
     for p in parts[:-1]:
         nxt = node.setdefault(p, {})
@@ -352,8 +374,14 @@ def validate(
 
 
 def override_key(assignment: str) -> tuple[str, ...]:
-    """The key path of a `--set a.b.c=value` assignment."""
-    return tuple(p for p in assignment.split("=", 1)[0].strip().split(".") if p)
+    """The key path of a `--set a.b.c=value` assignment; an empty key or an empty part of one
+    (`run..steps`, `.run.steps`, `run.steps.`) is refused, naming the assignment."""
+    key = assignment.split("=", 1)[0].strip()
+    parts = tuple(key.split("."))
+    if not all(p.strip() for p in parts):
+        raise ShardwiseError(f"--set {assignment!r}: key {key!r} has an empty part; expected dotted field names "
+                             "such as run.steps (--set run.steps=100)")
+    return parts
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from shardwise.config_fields import Finite, Int, NonBlank
 from shardwise.errors import did_you_mean
 from shardwise.train.config_base import Section as _Section
 
@@ -27,7 +28,7 @@ class WandbSection(_Section):
     mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="online; offline (the run is written under `dir` only, `wandb sync` uploads it "
         "later); disabled; null: WANDB_MODE, else online")
-    dir: str | None = Field(None, description="directory W&B writes its run files under (a wandb/ folder); "
+    dir: NonBlank | None = Field(None, description="directory W&B writes its run files under (a wandb/ folder); "
                             "null: WANDB_DIR, else checkpointing.output_dir")
     group: str | None = Field(None, description="W&B group; null: the run's lineage, so a resumed run is "
                               "grouped with the run it continues")
@@ -46,11 +47,11 @@ class MlflowSection(_Section):
 
 class LoggingSection(_Section):
     # 10: torchtitan's metrics.log_freq default
-    every: int = Field(10, gt=0, description="log every N steps: the losses and gradient norms reach the host "
+    every: Int = Field(10, gt=0, description="log every N steps: the losses and gradient norms reach the host "
                        "once per N steps (a step does not wait for the device in between) and the progress line "
                        "gets every N-th step; metrics.jsonl and the trackers get every step's record (written "
                        "then)")
-    every_seconds: float | None = Field(60.0, gt=0, description="also log once this many seconds passed since "
+    every_seconds: Finite | None = Field(60.0, gt=0, description="also log once this many seconds passed since "
                                         "the last logged step (whichever of every / every_seconds comes first): "
                                         "a batch log shows progress however slow a step is; null: steps only")
     progress: Literal["auto", "bar", "lines", "off"] = Field(

@@ -24,8 +24,9 @@ WEIGHT_FILES = (
 
 def check_model_source(cfg: ModelSection, source: str = "<config>",
                        opt_in: str = "set model.trust_remote_code: true (--set model.trust_remote_code=true)") -> None:
-    """Refuse a bad model before any process starts (missing dir/config/weights, remote code;
-    `opt_in` says how this command allows the code)."""
+    """Refuse a bad model before any process starts: a missing dir, config.json or weights, a
+    config.json that is not JSON or holds a value no model is built from
+    (shardwise.specs.hf_values), remote code not asked for (`opt_in` says how this command allows it)."""
     if cfg.path is None:
         from shardwise.catalog import get_model
 
@@ -45,13 +46,13 @@ def check_model_source(cfg: ModelSection, source: str = "<config>",
         )
     import json
 
-    config = p / "config.json"
+    from shardwise.specs.hf_config import read_config_json
+
     try:
-        doc = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ShardwiseError(f"{source}: model.path {cfg.path!r}: {config} cannot be read as JSON ({exc}); "
-                             "expected the model's config.json") from None  # fmt: skip
-    auto_map = doc.get("auto_map") if isinstance(doc, dict) else None
+        doc, config = read_config_json(p)
+    except ShardwiseError as exc:
+        raise ShardwiseError(f"{source}: model.path {cfg.path!r}: {exc}") from None
+    auto_map = doc.get("auto_map")
     if auto_map and not cfg.trust_remote_code:
         shown = json.dumps(auto_map)
         shown = shown if len(shown) <= 200 else shown[:200] + "..."

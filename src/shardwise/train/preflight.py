@@ -79,6 +79,22 @@ def _local_ranks(world_size: int) -> int:
     return world_size
 
 
+def check_weights(cfg: TrainConfig) -> None:
+    """The weights files of a local `model.path` (not `random_init`) opened as rank 0 opens them:
+    safetensors headers checked, `.bin` archives checked and read through torch's weights_only
+    allow-list with their tensors mapped, not read (shardwise.train.weights_read.check_files).
+    A bad file is refused here, naming it, instead of inside rank 0 after every rank started."""
+    m = cfg.model
+    if m.path is None or m.random_init:
+        return
+    from shardwise.train.weights_read import check_files
+
+    try:
+        check_files(m.path)
+    except ShardwiseError as e:
+        raise ShardwiseError(f"{cfg.source}: model.path {m.path!r}: {e}") from None
+
+
 def check_data(cfg: TrainConfig) -> None:
     """The cheap part of the data check, before the planner runs: the tokenizer directory (a
     model directory's own tokenizer, or a clear refusal) and that every data file exists."""
@@ -288,6 +304,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_launch(world_size, device, cfg.source)
     check_device(cfg, device, world_size)
     check_model_source(cfg.model, cfg.source)
+    check_weights(cfg)
     check_qlora(cfg, device)
     check_installed(cfg)  # the packages logging.trackers needs
     check_data(cfg)

@@ -8,7 +8,10 @@
   broadcasts it; every rank keeps its slice (`load_broadcast`).
 
 Both refuse a checkpoint that lacks a tensor of the model its config.json builds, or holds one in
-another shape, naming them, before any weight is written.
+another shape, naming them, before any weight is written. `check_files` opens every file as the
+ranks will (a safetensors header's length checked against the file before the library maps it; a
+`.bin`'s zip directory checked before torch reads its pickle), so preflight refuses a bad file
+before any rank starts.
 """
 
 from __future__ import annotations
@@ -29,28 +32,64 @@ WRAPPER_SEGMENTS = ("base_layer", "original_module", "_checkpoint_wrapped_module
 ADAPTER_MARK = "lora_"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
+# safetensors' own cap on its JSON header (safetensors/src/tensor.rs MAX_HEADER_SIZE).
+MAX_SAFETENSORS_HEADER = 100_000_000
+# A state dict's pickle names each tensor once: a few hundred KiB for the largest models.
+MAX_PICKLE_BYTES = 256 << 20
+# An index lists each tensor once: a few MiB for the largest models.
+MAX_INDEX_BYTES = 64 << 20
 Groups = dict[str, list[tuple[str, Any]]]
+
+
+def _index_files(index: Path, what: str) -> list[Path]:
+    """The files an index's `weight_map` names, each a plain file name beside the index that exists."""
+    root = index.parent
+    try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise ValueError(f"larger than {MAX_INDEX_BYTES >> 20} MiB")
+        doc = json.loads(index.read_text(encoding="utf-8"))
+        names = sorted(set(doc["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise ShardwiseError(f"{index}: cannot be read as a {what} index ({exc}); expected JSON with a "
+                             "'weight_map' of tensor name -> file name") from None
+    odd = [n for n in names if not isinstance(n, str) or not n or n in (".", "..") or "/" in n or "\\" in n]
+    if odd:
+        raise ShardwiseError(f"{index}: weight_map names {odd[:3]!r}: expected file names in {root} (no "
+                             "directories, nothing outside it)")
+    files = [root / n for n in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ShardwiseError(f"{index}: weight_map names {missing[:3]} ({len(missing)} file(s)), not in {root}")
+    return files
 
 
 def safetensors_files(path: str | Path) -> list[Path] | None:
     """The checkpoint's safetensors files (the index's, in order), or None if it has none.
-    An index naming a file that is not there is an error naming both."""
+    An index naming a file that is not there (or not a plain name in the directory) is an error
+    naming both."""
     root = Path(path)
     index = root / SAFETENSORS_INDEX
     if index.is_file():
-        try:
-            doc = json.loads(index.read_text(encoding="utf-8"))
-            names = sorted(set(doc["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ShardwiseError(f"{index}: cannot be read as a safetensors index ({exc}); expected JSON "
-                                 "with a 'weight_map' of tensor name -> file name") from None
-        files = [root / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ShardwiseError(f"{index}: weight_map names {missing[:3]} ({len(missing)} file(s)), not in {root}")
-        return files
+        return _index_files(index, "safetensors")
     single = root / SAFETENSORS
     return [single] if single.is_file() else None
+
+
+def check_safetensors_header(f: Path) -> None:
+    """The 8-byte header length of a safetensors file against the file's size and the format's
+    cap, read before the library maps it: a claimed length is never allocated."""
+    try:
+        size = f.stat().st_size
+        with f.open("rb") as h:
+            head = h.read(8)
+    except OSError as exc:
+        raise ShardwiseError(f"{f}: cannot be read ({exc.strerror or exc})") from None
+    if len(head) < 8:
+        raise ShardwiseError(f"{f}: {size} bytes, shorter than a safetensors header; expected a safetensors file")
+    n = int.from_bytes(head, "little")
+    if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+        raise ShardwiseError(f"{f}: header length {n} bytes, beyond the file ({size} bytes) or safetensors' cap "
+                             f"({MAX_SAFETENSORS_HEADER} bytes); expected a safetensors file")
 
 
 def checkpoint_key(fqn: str) -> str | None:
@@ -83,15 +122,43 @@ def copy_full(target: Any, full: Any) -> None:
 
 
 def bin_files(path: str | Path) -> list[Path] | None:
+    """The checkpoint's `.bin` files (the index's, in order), or None if it has none."""
     root = Path(path)
     index = root / BIN_INDEX
     if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ShardwiseError(f"{index}: cannot be read as an index ({exc}); expected JSON with a 'weight_map'") from None
-        return [root / n for n in names]
+        return _index_files(index, "PyTorch weights")
     return [root / BIN] if (root / BIN).is_file() else None
+
+
+def check_bin_archive(f: Path) -> None:
+    """A `.bin` is a torch.save zip archive whose members are stored (torch writes them so; mmap
+    needs it) and whose pickle is at most MAX_PICKLE_BYTES: checked from the zip's directory
+    before torch reads it, so a crafted archive cannot make the read unbounded."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(f) as z:
+            members = z.infolist()
+    except Exception as exc:  # zipfile's errors for a malformed archive vary (BadZipFile, NotImplementedError, ...)
+        raise ShardwiseError(f"{f}: not a PyTorch zip archive ({exc}); expected a state dict written by torch.save "
+                             "(legacy pre-zip pickles are not read)") from None
+    pickles = [m for m in members if m.filename.endswith("/data.pkl") or m.filename == "data.pkl"]
+    if len(pickles) != 1:
+        raise ShardwiseError(f"{f}: {len(pickles)} data.pkl records; expected one (a torch.save archive)")
+    packed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise ShardwiseError(f"{f}: compressed records {packed[:3]}; torch.save stores them uncompressed")
+    if pickles[0].file_size > MAX_PICKLE_BYTES:
+        raise ShardwiseError(f"{f}: data.pkl is {pickles[0].file_size} bytes, over {MAX_PICKLE_BYTES >> 20} MiB; "
+                             "a state dict's pickle is a few hundred KiB")
+
+
+def check_files(path: str | Path) -> str | None:
+    """Every weights file of the checkpoint at `path` opened as the ranks open it (headers read,
+    `.bin` pickles through torch's weights_only allow-list, tensors mapped, never read), before any
+    rank starts: a ShardwiseError naming the file. Returns the format, None without weights."""
+    files = TensorFiles(path)
+    return files.format if files.keys() else None
 
 
 class TensorFiles:
@@ -109,15 +176,23 @@ class TensorFiles:
         self.format = "safetensors" if st else "bin"
         if st:
             for f in st:
-                with safe_open(str(f), framework="pt") as h:
-                    for k in h.keys():
-                        self._where[k] = f
-                        self._shapes[k] = tuple(h.get_slice(k).get_shape())
+                check_safetensors_header(f)
+                try:
+                    with safe_open(str(f), framework="pt") as h:
+                        for k in h.keys():
+                            self._where[k] = f
+                            self._shapes[k] = tuple(h.get_slice(k).get_shape())
+                except Exception as exc:  # safetensors' own checks: JSON, dtypes, offsets, overlaps
+                    raise ShardwiseError(f"{f}: cannot be read as safetensors ({type(exc).__name__}: "
+                                         f"{str(exc)[:200]})") from None
         else:
             for f in bin_files(path) or []:
                 for k, t in self._map(f).items():
                     self._where[k] = f
                     self._shapes[k] = tuple(t.shape)
+
+    def keys(self) -> list[str]:
+        return list(self._where)
 
     def shape(self, key: str) -> tuple[int, ...] | None:
         return self._shapes.get(key)
@@ -136,11 +211,16 @@ class TensorFiles:
 
         if self._mapped is None or self._mapped[0] != f:
             self._mapped = None  # the previous file's pages go before the next is mapped
+            check_bin_archive(f)
             try:
                 state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # an unpicklable or crafted file: torch's allow-list refused it
                 raise ShardwiseError(f"{f}: cannot be read as a PyTorch state dict with weights_only=True "
                                      f"({type(exc).__name__}: {str(exc)[:200]})") from None
+            if not isinstance(state, dict) or not all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+                raise ShardwiseError(f"{f}: holds a {type(state).__name__}, not a state dict of tensor name -> "
+                                     "tensor")
             self._mapped = (f, state)
         return self._mapped[1]
 
