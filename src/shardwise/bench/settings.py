@@ -10,7 +10,6 @@ path (TrainConfig -> run bridge -> build_model -> build_engine) and returns both
 from __future__ import annotations
 
 import gc
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -175,7 +174,7 @@ def _rank_main(rank: int, cases: list[str], out_dir: str, world: int) -> None:
                 engine.close()
             except Exception as e:
                 result = {"error": f"{type(e).__name__}: {e}"}
-            Path(out_dir, f"{case}.rank{rank}.json").write_text(json.dumps(result))
+            Path(out_dir, f"{case}.rank{rank}.json").write_text(strict_json.dumps(result))
             gc.collect()
             dist.barrier()
     finally:

@@ -186,7 +186,7 @@ def _rank_main(rank: int, strategies: list[str], out_dir: str) -> None:
         # comm-op build) dominates a run, and each strategy's objects are freed before the next.
         for strategy in strategies:
             result = _run_one(rank, strategy)
-            Path(out_dir, f"{strategy}.rank{rank}.json").write_text(json.dumps(result))
+            Path(out_dir, f"{strategy}.rank{rank}.json").write_text(strict_json.dumps(result))
             gc.collect()
             dist.barrier()
     finally:

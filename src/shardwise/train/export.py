@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise import strict_json
 from shardwise.train.config import EXPORT_DTYPE_OF_PRECISION, TrainConfig
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -82,8 +83,8 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
             del shard
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            (tmp / INDEX_FILE).write_text(strict_json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(strict_json.dumps(hf_config, indent=2) + "\n")
         _copy_tokenizer(cfg, tmp)
         _umask_modes(tmp)
     return out

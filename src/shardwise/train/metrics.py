@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shardwise import strict_json
 from shardwise.numfmt import rate
 from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
@@ -46,7 +47,7 @@ def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path | Non
     tmp = d / f"{TMP_PREFIX}{SUMMARY_NAME}-{os.getpid()}{TMP_SUFFIX}"
     try:
         d.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.write_text(strict_json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, d / SUMMARY_NAME)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -183,7 +184,7 @@ class Metrics:
         if not self._on:
             return
         row = self._row(rec)
-        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.write(strict_json.dumps(row) + "\n")
         self.jsonl.flush()
         self.trackers.log(row)
 
@@ -214,7 +215,7 @@ class Metrics:
         if not self._on:
             return
         row = {"kind": "eval", **asdict(rec)}
-        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.write(strict_json.dumps(row) + "\n")
         self.jsonl.flush()
         self.trackers.log(row)
         # its own line (above the bar); the progress updates after it carry the latest eval loss

@@ -15,7 +15,6 @@ ever holding complete files.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import socket
@@ -24,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from shardwise import strict_json
 from shardwise.errors import ShardwiseError
 from shardwise.specs.hardware import GIB
 from shardwise.train.checkpoint_dir import checkpoints_dir, step_dirs
@@ -88,7 +88,7 @@ class OutputLock:
                 "--set checkpointing.output_dir=..."
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+        os.write(fd, strict_json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())  # fmt: skip
         self._fd = fd
         return self

@@ -191,7 +191,7 @@ def _publish(signum: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, json.dumps(record).encode())
+            os.write(fd, strict_json.dumps(record).encode())
         finally:
             os.close(fd)
         os.replace(tmp, path)

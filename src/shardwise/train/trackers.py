@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardwise import strict_json
 from shardwise.errors import ShardwiseError
 
 # tracker -> (module it imports, the distribution that provides it, the extra that installs it)
@@ -184,7 +185,7 @@ class TensorBoardTracker:
         self.location = {"logdir": str(info.output_dir / "tensorboard")}
         self.writer.add_text("config", "```yaml\n" + info.config_yaml() + "```", 0)
         if info.plan is not None:
-            self.writer.add_text("plan", "```json\n" + json.dumps(info.plan, indent=1) + "\n```", 0)
+            self.writer.add_text("plan", "```json\n" + strict_json.dumps(info.plan, indent=1) + "\n```", 0)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
@@ -218,7 +219,7 @@ class WandbTracker:
         # the artifact references them in place.
         files = {"config.yaml": info.config_yaml()}
         if info.plan is not None:
-            files["plan.json"] = json.dumps(info.plan, indent=1) + "\n"
+            files["plan.json"] = strict_json.dumps(info.plan, indent=1) + "\n"
         art = wandb.Artifact(re.sub(r"[^\w.-]", "_", f"{info.name}-run"), type="shardwise-run",
                              metadata={"plan": info.plan_summary(), **info.tags})  # fmt: skip
         for name, text in files.items():
