@@ -153,6 +153,9 @@ class TrainerState:
     global_batch: int
     engine: dict[str, Any] = field(default_factory=dict)  # Engine.checkpoint_state's extra (step count, scaler)
     train_time_s: float = 0.0
+    # consecutive skipped non-finite steps up to `step` (a stop right after one saves the state the
+    # skip left, which is the last finite step's): a resumed run goes on counting from here
+    nonfinite_streak: int = 0
 
 
 # --- save / load -----------------------------------------------------------------------------
