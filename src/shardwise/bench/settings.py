@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from shardwise import strict_json
+
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

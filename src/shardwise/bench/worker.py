@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise import strict_json
+
 WORLD = 2
 SEQ, BATCH = 64, 2
 BUCKET = 500_000  # elements; above the largest tensor (embedding 2048×128 = 262,144)

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
+from shardwise import strict_json
+
 STOP_SIGNALS = tuple(
     s
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, getattr(signal, "SIGHUP", None))
