@@ -12,14 +12,15 @@ import json
 import math
 from typing import Any
 
-NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
 def encode(obj: Any) -> Any:
     """`obj` with each non-finite float (at any depth of dicts, lists and tuples) replaced by its
     string; a new container where one was changed, the same object otherwise."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else NONFINITE[repr(obj)]
+    if isinstance(obj, float):  # numpy's float64 too
+        if math.isfinite(obj):
+            return obj
+        return "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
     if isinstance(obj, dict):
         return {k: encode(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

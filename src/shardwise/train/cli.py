@@ -59,10 +59,11 @@ def train_cmd(
     """Train a causal LM on SFT data; the strategy changes memory and speed, never the result.
 
     Exit codes: 0 completed, 2 bad input (nothing ran), 3 NaN/Inf beyond the patience or on
-    the last step (nothing exported), 4 a rank hung, 74 a save ran out of disk space (the
-    previous checkpoint is intact), 75 interrupted by SIGTERM/SIGUSR1/SIGINT/SIGHUP after
-    saving a checkpoint (`--resume latest` continues), 1 anything else; a rank killed by a
-    signal: 128 + signal. docs/training.md lists what each leaves in the output dir.
+    the last step (nothing exported), 4 a rank hung, 74 a save, the export or a log ran out of
+    disk space (the previous checkpoint is intact), 75 interrupted by SIGTERM/SIGUSR1/SIGINT/SIGHUP
+    after saving a checkpoint (`--resume latest` continues), or before any rank started (nothing
+    ran, nothing written), 1 anything else; a rank killed by a signal: 128 + signal.
+    docs/training.md lists what each leaves in the output dir.
 
     Progress: a bar on a terminal, timestamped lines when stdout is not one (logging.progress).
     """

@@ -37,7 +37,7 @@ _EXIT_MEANING = {
     ExitCode.USER_ERROR: "a user error; the message is above",
     ExitCode.NONFINITE: "NaN/Inf loss or grad norm beyond run.nonfinite_patience",
     ExitCode.HUNG: "no progress within run.timeout_s; the watchdog's message is above",
-    ExitCode.NO_SPACE: "a checkpoint save ran out of disk space; the previous checkpoint is intact",
+    ExitCode.NO_SPACE: "a save, the export or a log ran out of disk space; the previous checkpoint is intact",
     ExitCode.INTERRUPTED: "interrupted; a checkpoint was saved",
 }
 _SIGNAL_HINT = {
@@ -251,8 +251,9 @@ def spawn_job(
     process groups, so a crash never leaves a hung collective or a stray process.
 
     `rc` is 0 when all ranks succeed; the first failing rank's code (128 + N for a death by
-    signal N); 75 when the ranks were interrupted and all exited 0 or 75; 128 + N after a
-    second interrupt N; 124 when `timeout_s` (a wall-clock limit on the whole job, unlike
+    signal N; of the ranks found failed in one poll, a death by SIGKILL first: `first_failure`;
+    4 when a watchdog gave up, whichever rank it names as stalled); 75 when the ranks were
+    interrupted and all exited 0 or 75; 128 + N after a second interrupt N; 124 when `timeout_s` (a wall-clock limit on the whole job, unlike
     run.timeout_s) runs out. `run_dir`, where the ranks' Watchdogs write heartbeats, adds each
     rank's last known step and phase to a failure message (stale heartbeats and stop records
     are cleared first).
@@ -395,7 +396,7 @@ def spawn_job(
             return SpawnResult(128 + escalated[0], f"a second {name}: the ranks were killed without a checkpoint",
                                heartbeats=heartbeats)
         if failed is not None:
-            code = int(rcs[detector])  # type: ignore[arg-type]  # a hung job exits 4 (HUNG) whichever rank stalled
+            code = int(rcs[detector])  # type: ignore[arg-type]  # a hang: 4 (HUNG), whichever rank stalled
             killed = _signame(-code) if detector == failed and code < 0 else None
             collateral = [describe_exit(r, procs[r].pid, rc) for r, rc in enumerate(rcs)
                           if r not in (failed, detector) and rc not in (None, 0, ExitCode.INTERRUPTED)]
