@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_disk_space import _fill, small_disk  # noqa: F401 - the fixture
+from test_disk_space import small_disk  # noqa: F401 - the fixture
 from test_faults_e2e import CONFIG, finish, rank_pids, wait_for_step
 from test_stop_signals import wait_until
 from test_stop_signals_e2e import start, summary
