@@ -197,9 +197,10 @@ def _identities(output_dir: Path, name: str) -> dict[str, list[int]]:
     """(st_dev, st_ino) of `<output_dir>/<name>` (a file) or of each file under it (a directory),
     by path relative to `output_dir`; symlinks are never shardwise's."""
     target = output_dir / name
-    paths = ([f for f in sorted(target.rglob("*")) if f.is_file() or f.is_symlink()]
-             if target.is_dir() and not target.is_symlink() else [target] if target.exists() or target.is_symlink()
-             else [])  # fmt: skip
+    if target.is_dir() and not target.is_symlink():
+        paths = [f for f in sorted(target.rglob("*")) if f.is_file() or f.is_symlink()]
+    else:
+        paths = [target] if target.exists() or target.is_symlink() else []
     out = {}
     for f in paths:
         st = f.lstat()
