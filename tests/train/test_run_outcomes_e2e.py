@@ -140,6 +140,13 @@ def _catches(pid: int, sig: int) -> bool:
     return False
 
 
+def _loaded(pid: int, library: str) -> bool:
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 @pytest.mark.distributed
 def test_sigterm_while_the_launcher_checks_exits_75_with_nothing_started(tmp_path):
     from test_stop_signals_e2e import an_earlier_completed_run
@@ -147,8 +154,10 @@ def test_sigterm_while_the_launcher_checks_exits_75_with_nothing_started(tmp_pat
     an_earlier_completed_run(tmp_path)
     before = tree(tmp_path)
     p = start(tmp_path, steps=400)
-    # the launcher handles SIGTERM from its first checks on (before, it died of it: 143)
-    assert wait_until(lambda: _catches(p.pid, signal.SIGTERM) or p.poll() is not None, 60)
+    # the launcher handles SIGTERM from its first checks on (before, it died of it: 143); the
+    # signal comes once it has loaded torch for its checks (a few seconds before any rank starts)
+    assert wait_until(lambda: (_catches(p.pid, signal.SIGTERM) and _loaded(p.pid, "libtorch_cpu"))
+                      or p.poll() is not None, 60)
     assert not (tmp_path / ".shardwise" / "heartbeat").exists(), "the ranks had started"
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
