@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
+from shardwise import strict_json
 from shardwise.cli_help import HELP, whole_short_help
 from shardwise.cli_plan import (
     check_flags_apply,
@@ -325,7 +325,7 @@ def version_cmd(full: bool = typer.Option(False, "--full", help="Also Python, to
 
     report = full_report() if full else {"shardwise": __version__}
     if as_json:
-        typer.echo(json.dumps(report))
+        typer.echo(strict_json.dumps(report))
         return
     for name, value in report.items():
         missing = "none (a CPU build)" if name.startswith("torch ") else "not installed"

@@ -18,8 +18,10 @@ class ExitCode(IntEnum):
     USER_ERROR = 2  # bad config, data, model or a planned OOM: nothing ran
     NONFINITE = 3  # NaN/Inf loss or grad norm beyond run.nonfinite_patience: nothing exported
     HUNG = 4  # a rank made no progress within run.timeout_s (the watchdog names it)
-    NO_SPACE = 74  # a checkpoint save ran out of disk space; the previous checkpoint is intact (EX_IOERR)
-    INTERRUPTED = 75  # SIGTERM/SIGUSR1/SIGINT/SIGHUP: a checkpoint was saved; `--resume latest` continues (EX_TEMPFAIL)
+    NO_SPACE = 74  # a save, the export or a log found the disk full; earlier checkpoints intact (EX_IOERR)
+    # SIGTERM/SIGUSR1/SIGINT/SIGHUP: a checkpoint was saved, `--resume latest` continues; or the
+    # signal came before any rank started: nothing ran, nothing was written (EX_TEMPFAIL)
+    INTERRUPTED = 75
 
 
 class NonFiniteError(RuntimeError):

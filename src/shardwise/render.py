@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardwise import strict_json
 from shardwise.numfmt import rate
 from shardwise.specs.hardware import GIB
 
@@ -326,7 +326,7 @@ def print_plan(o: PlanOutput, fmt: str, console=None) -> None:
     import sys
 
     if fmt == "json":
-        sys.stdout.write(json.dumps(plan_doc(o), indent=2) + "\n")
+        sys.stdout.write(strict_json.dumps(plan_doc(o), indent=2) + "\n")
         return
     if fmt == "csv":
         sys.stdout.write(plan_csv(o))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import textwrap
 
+from shardwise import strict_json
 from shardwise.render import table_width, yes_no
 
 # the comparison's columns (plan/explain.py compare), as CSV
@@ -94,7 +94,7 @@ def print_explain(text: str, rows: list[dict], fmt: str) -> None:
     import sys
 
     if fmt == "json":
-        sys.stdout.write(json.dumps({"strategies": rows, "text": text}, indent=2) + "\n")
+        sys.stdout.write(strict_json.dumps({"strategies": rows, "text": text}, indent=2) + "\n")
     elif fmt == "csv":
         sys.stdout.write(explain_csv(rows))
     elif fmt == "markdown":

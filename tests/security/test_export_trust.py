@@ -99,3 +99,38 @@ def test_overwrite_never_replaces_the_run_or_its_checkpoints(tmp_path, run):
     assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
     assert (earlier / "model.safetensors").is_file() and not (earlier / "stale.txt").exists()
     assert _snapshot(run) == before
+
+
+def test_export_on_a_full_disk_exits_74_and_leaves_out_as_it_was(tmp_path, monkeypatch):
+    """`shardwise export` whose write finds the disk full: exit 74 (as the end-of-run export),
+    the message naming OUT, no temp directory left, an earlier export at OUT untouched."""
+    import errno
+
+    import safetensors.torch
+    import torch
+    from typer.testing import CliRunner
+
+    from shardwise.train.checkpoint import TrainerState, save_checkpoint
+    from shardwise.train.export_cli import app
+
+    class Stand:
+        def checkpoint_state(self):
+            return {"model.w": torch.ones(2, 2)}, {"optimizer_step": 1}
+
+    config = {"model": {"name": "tiny-llama"}, "data": {"kind": "synthetic"}, "precision": "fp32",
+              "run": {"device": "cpu", "steps": 1}}
+    step = save_checkpoint(Stand(), TrainerState(step=1, samples_consumed=1, global_batch=1), tmp_path / "run",
+                           config=config, strategy="ddp", keep_last=1)
+    earlier = tmp_path / "exported"
+    earlier.mkdir()
+    (earlier / "config.json").write_text('{"earlier": true}')
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    r = CliRunner().invoke(app, [str(step), str(earlier), "--overwrite"])
+    assert r.exit_code == 74, r.output
+    assert "ran out of disk space" in " ".join(r.output.split()) and str(earlier) in " ".join(r.output.split())
+    assert (earlier / "config.json").read_text() == '{"earlier": true}'
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]

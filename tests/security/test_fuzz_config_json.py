@@ -44,7 +44,7 @@ NAMES = ["rms_norm_eps", "layer_norm_eps", "rope_theta", "rope_scaling", "partia
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(min_value=-(2**80), max_value=2**80),
     st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0, -1, 1, 3, 2**31, 10**40, 1e-300, -0.0]),
-    st.text(max_size=10), st.sampled_from(sorted({b["model_type"] for b in BASES}) + ["bert", ""]),
+    st.text(max_size=10), st.sampled_from([*sorted({b["model_type"] for b in BASES}), "bert", ""]),
 )  # fmt: skip
 VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                        st.dictionaries(st.text(max_size=8) | st.sampled_from(

@@ -210,7 +210,9 @@ def test_hung_collective_names_the_stopped_rank_and_the_phase(launch, tmp_path):
     assert "in 'all_reduce(step counts)' at step 3" in err
     assert f"rank 1 (pid {pids[1]}) last heartbeat" in err
     assert "at step 3 in 'forward_backward' — not responding (stopped)" in err
-    assert f"shardwise: rank 0 (pid {pids[0]}) exited with code 4 (HUNG: " in err
+    # the launcher names the rank that stalled first, then the one whose watchdog gave up
+    assert (f"shardwise: rank 1 (pid {pids[1]}) made no progress (stopped, state T); rank 0 (pid {pids[0]}) "
+            "exited with code 4 (HUNG: ") in err, err
     assert f"rank 1 (pid {pids[1]}) is stopped (state T)" in err
     # The watchdog, not gloo's timeout (timeout_s + 30), ended it; the stopped rank needed no grace.
     assert elapsed < timeout_s + 6, (elapsed, err)

@@ -86,15 +86,15 @@ def _cfg(tmp_path: Path, steps: int, patience: int, save_every: int | None = Non
     })
 
 
-def _train_with_nan_at(monkeypatch, cfg, bad_steps: set[int]):
+def _train_with_nan_at(monkeypatch, cfg, bad_steps: set[int], *, stop=None, seen=None, resume=None):
     """train() on one rank, with the loss scale of the given steps (1-based) made NaN: their
-    gradients are all NaN, the rest of the run is untouched."""
+    gradients are all NaN, the rest of the run is untouched. `seen["step"]`: the steps done."""
     import shardwise.train.loop as loop
     from shardwise.run import run_spec
     from shardwise.train.engines.base import DistEnv
 
     real_build = loop.build_engine
-    seen = {"step": 0}
+    seen = {"step": 0} if seen is None else seen
 
     def build(model, run, env):
         engine = real_build(model, run, env)
@@ -111,7 +111,7 @@ def _train_with_nan_at(monkeypatch, cfg, bad_steps: set[int]):
         return engine
 
     monkeypatch.setattr(loop, "build_engine", build)
-    return loop.train(run_spec(cfg, 1, "cpu"), DistEnv(), export_weights=True)
+    return loop.train(run_spec(cfg, 1, "cpu"), DistEnv(), export_weights=True, stop=stop, resume=resume)
 
 
 def test_within_the_patience_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
@@ -161,3 +161,33 @@ def test_an_infinite_learning_rate_is_refused_before_any_rank_starts(tmp_path, v
     assert r.returncode == ExitCode.USER_ERROR, r.stdout + r.stderr
     assert "optimizer.lr" in r.stderr and "finite" in r.stderr, r.stderr
     assert not (tmp_path / "out" / ".shardwise").exists()  # no rank started (none wrote a heartbeat)
+
+
+def test_a_stop_right_after_a_skipped_step_saves_and_the_resumed_run_keeps_counting(tmp_path, monkeypatch):
+    """A stop voted at the boundary after a skipped step: the checkpoint holds the state the skip
+    left (the last finite step's) and says one step was skipped; the run resumed from it counts
+    its next skipped step as the second in a row (patience 1: the run stops), as the uninterrupted
+    run would."""
+    import signal
+
+    import shardwise.train.loop as loop
+    from shardwise.train.checkpoint import checkpoints_dir, read_tensors
+
+    real_build = loop.build_engine
+
+    class Stop:
+        requested = property(lambda self: seen["step"] >= 2)  # voted during step 3: stops after it
+        signum = signal.SIGTERM
+
+    seen = {"step": 0}
+    cfg = _cfg(tmp_path, steps=6, patience=1)
+    with pytest.raises(loop.Interrupted, match=r"after step 3: checkpoint .*step-00000003 \(step 3's update was "
+                       r"skipped: .*its 1 skipped step\(s\)"):
+        _train_with_nan_at(monkeypatch, cfg, {3}, stop=Stop(), seen=seen)
+    ckpt = checkpoints_dir(tmp_path) / "step-00000003"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["nonfinite_streak"] == 1
+    assert all(bool(torch.isfinite(t).all()) for t in read_tensors(ckpt).values())
+    monkeypatch.setattr(loop, "build_engine", real_build)  # not the first run's wrapper
+    seen["step"] = 3  # the resumed run's first step is step 4
+    with pytest.raises(NonFiniteError, match=r"step 4: .*non-finite for 2 consecutive step\(s\)"):
+        _train_with_nan_at(monkeypatch, cfg, {4}, seen=seen, resume=ckpt)

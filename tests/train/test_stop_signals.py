@@ -271,7 +271,7 @@ def test_write_summary_is_atomic_with_a_tmp_name_cleanup_knows(tmp_path, monkeyp
 
     write_summary(tmp_path, {"status": "completed"})
     assert read_summary(tmp_path) == {"status": "completed"}
-    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".shardwise", "summary.json"]  # and its record
     seen = []
     real = os.replace
 

@@ -40,6 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from shardwise import strict_json
 from shardwise.bench.calibrate_host import fsdp2_hook_s, launch_gap, timed
 from shardwise.run.bridge import launcher_ranks_per_node
 
@@ -205,7 +206,7 @@ def _collectives_rank(out_path: str, quick: bool) -> None:
                 lambda f=full, sh=shard, g=group: reduce_scatter(sh, f, group=g), repeat, sync)
         report[level] = {"group_size": n, "groups": len(groups), "seconds": results}
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"world": world, "local_world": launcher_ranks_per_node(world),
+        Path(out_path).write_text(strict_json.dumps({"world": world, "local_world": launcher_ranks_per_node(world),
                                               "backend": dist.get_backend(), "levels": report}))
     dist.barrier()
     dist.destroy_process_group()
@@ -333,7 +334,7 @@ def calibrate(gpus: int = 1, out: Path | str | None = None, model: str = "llama-
     path = Path(out) if out is not None else default_profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.write_text(strict_json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
     return path, doc
 

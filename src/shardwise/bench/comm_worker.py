@@ -19,11 +19,11 @@ accumulation inside the engine (step() after every micro-batch updates only at t
 from __future__ import annotations
 
 import gc
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from shardwise import strict_json
 from shardwise.bench.worker import (
     BATCH,
     BUCKET,
@@ -113,7 +113,7 @@ def _rank_main(rank: int, cases: list[str], out_dir: str) -> None:
                 result = _run_case(rank, case)
             except Exception as e:
                 result = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
-            Path(out_dir, f"{case}.rank{rank}.json").write_text(json.dumps(result))
+            Path(out_dir, f"{case}.rank{rank}.json").write_text(strict_json.dumps(result))
             gc.collect()
             dist.barrier()
     finally:

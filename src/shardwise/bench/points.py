@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardwise import strict_json
 from shardwise.errors import ExitCode, ShardwiseError
 
 # What a bench point forces on the config: N steps, no checkpoints or exports (not even on SIGTERM:
@@ -180,7 +181,7 @@ def launch_here(p: Point, out: Path, rank: int, last: bool = True) -> list[dict[
                           + ("" if results else " before the ranks' results were gathered"), rc or 1)
     for r in results:
         r["rc"] = rc if r["rank"] == rank else r["rc"]
-    (rank_dir / f"rank{rank}.json").write_text(json.dumps(results[rank]))
+    (rank_dir / f"rank{rank}.json").write_text(strict_json.dumps(results[rank]))
     return results if rank == 0 else None
 
 
@@ -246,7 +247,7 @@ def bench_points(config: Path, overrides: list[str], steps: int, nproc: int | No
                                                                  int(ExitCode.INTERRUPTED))
         doc["incomplete"] = {"reason": stopped, "measured": len(results), "points": len(points),
                              "not_measured": [p.label for p in points[len(results):]]}
-    (out / "bench.json").write_text(json.dumps(doc, indent=2))
+    (out / "bench.json").write_text(strict_json.dumps(doc, indent=2))
     write_report(out, doc)
     if stopped is not None:
         # a stop ends the bench with 75 whatever it did to the point in flight (a rank still starting

@@ -16,13 +16,13 @@ What is measured, and on which steps: shardwise.bench.probe.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from shardwise import strict_json
 from shardwise.bench.probe import OUT_ENV, Probe
 
 _Probe = Probe
@@ -175,7 +175,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     out = Path(os.environ.get(OUT_ENV, cfg.checkpointing.output_dir))
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(probe.result(rc)))
+    tmp.write_text(strict_json.dumps(probe.result(rc)))
     tmp.replace(out / f"rank{rank}.json")
     return rc
 

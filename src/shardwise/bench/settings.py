@@ -10,12 +10,13 @@ path (TrainConfig -> run bridge -> build_model -> build_engine) and returns both
 from __future__ import annotations
 
 import gc
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shardwise import strict_json
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -175,7 +176,7 @@ def _rank_main(rank: int, cases: list[str], out_dir: str, world: int) -> None:
                 engine.close()
             except Exception as e:
                 result = {"error": f"{type(e).__name__}: {e}"}
-            Path(out_dir, f"{case}.rank{rank}.json").write_text(json.dumps(result))
+            Path(out_dir, f"{case}.rank{rank}.json").write_text(strict_json.dumps(result))
             gc.collect()
             dist.barrier()
     finally:

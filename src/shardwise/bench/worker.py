@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardwise import strict_json
+
 WORLD = 2
 SEQ, BATCH = 64, 2
 BUCKET = 500_000  # elements; above the largest tensor (embedding 2048×128 = 262,144)
@@ -186,7 +188,7 @@ def _rank_main(rank: int, strategies: list[str], out_dir: str) -> None:
         # comm-op build) dominates a run, and each strategy's objects are freed before the next.
         for strategy in strategies:
             result = _run_one(rank, strategy)
-            Path(out_dir, f"{strategy}.rank{rank}.json").write_text(json.dumps(result))
+            Path(out_dir, f"{strategy}.rank{rank}.json").write_text(strict_json.dumps(result))
             gc.collect()
             dist.barrier()
     finally:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from shardwise import strict_json
 from shardwise.data.config import DataConfig
 from shardwise.data.dataset import DataStats, SFTDataset, build_dataset
 from shardwise.data.formats import resolve_files
@@ -120,7 +121,7 @@ def save_dataset(ds: SFTDataset, path: Path, key: str = "") -> None:
     stats = asdict(ds.stats)
     stats["encode"].pop("lengths")
     meta = {"format": FORMAT, "key": key, "max_length": ds.max_length, "stats": stats, "where": ds.where}
-    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "meta.json").write_text(strict_json.dumps(meta))
 
 
 def _load_array(path: Path, mmap: bool) -> np.ndarray:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
+from shardwise import strict_json
 from shardwise.cli_help import HELP
 from shardwise.errors import ShardwiseError
 
@@ -64,7 +64,7 @@ def doctor(
         if len(reports) > 1:
             doc["setups"] = [{"setup": r.as_dict()["setup"], "silent_failures": r.as_dict()["silent_failures"]}
                              for r in reports]
-        typer.echo(json.dumps(doc, indent=2))
+        typer.echo(strict_json.dumps(doc, indent=2))
     else:
         typer.echo(first.text())
         for r in reports[1:]:

@@ -13,11 +13,11 @@ emit wrote unchanged (shardwise.emit.safe_write: private temp directory, renames
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
 
+from shardwise import strict_json
 from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable
 from shardwise.emit.launch import launch_scripts
 from shardwise.emit.safe_write import EMIT_MANIFEST, publish, writable_dir  # noqa: F401 - EMIT_MANIFEST re-exported
@@ -61,8 +61,8 @@ def emit_configs(
         files[name] = (text, executable)
 
     if strategy.engine == "deepspeed":
-        write("ds_config.json", json.dumps(deepspeed_config(run), indent=2) + "\n")
-        write(DS_HF_FILE, json.dumps(deepspeed_config(run, hf_auto=True), indent=2) + "\n")
+        write("ds_config.json", strict_json.dumps(deepspeed_config(run), indent=2) + "\n")
+        write(DS_HF_FILE, strict_json.dumps(deepspeed_config(run, hf_auto=True), indent=2) + "\n")
 
     header = "".join(f"# NOTE: {n}\n" for n in notes)
     holes = placeholders(model) if base is None else {}

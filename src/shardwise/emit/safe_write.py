@@ -20,6 +20,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from shardwise import strict_json
 from shardwise.emit.accelerate import DS_HF_FILE
 from shardwise.errors import ShardwiseError
 
@@ -127,7 +128,7 @@ def publish(out_dir: Path, files: dict[str, tuple[str, bool]]) -> list[Path]:
                     (tmp / name).chmod(0o755)
                 record[name] = _sha256(text.encode())
             name = EMIT_MANIFEST
-            (tmp / name).write_text(json.dumps({"format": EMIT_FORMAT, "files": record}, indent=2) + "\n")
+            (tmp / name).write_text(strict_json.dumps({"format": EMIT_FORMAT, "files": record}, indent=2) + "\n")
             for name in [*files, EMIT_MANIFEST]:  # the manifest last: it describes what is in place
                 os.replace(tmp / name, out_dir / name)
         except OSError as e:

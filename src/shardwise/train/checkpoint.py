@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import errno
-import json
 import os
 import random
 import shutil
@@ -50,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardwise import strict_json
 from shardwise.train.checkpoint_dir import (
     _ANY,
     FORMAT,
@@ -161,6 +161,9 @@ class TrainerState:
     global_batch: int
     engine: dict[str, Any] = field(default_factory=dict)  # Engine.checkpoint_state's extra (step count, scaler)
     train_time_s: float = 0.0
+    # consecutive skipped non-finite steps up to `step` (a stop right after one saves the state the
+    # skip left, which is the last finite step's): a resumed run goes on counting from here
+    nonfinite_streak: int = 0
 
 
 # --- save / load -----------------------------------------------------------------------------
@@ -240,7 +243,7 @@ def save_checkpoint(
                      no_dist=not dist.is_initialized())
             del tensors
             rank_file = f"rank-{rank:05d}.json"
-            (tmp / rank_file).write_text(json.dumps({"rank": rank, "rng": rng_state()}))
+            (tmp / rank_file).write_text(strict_json.dumps({"rank": rank, "rng": rng_state()}))
             mine = [rank_file] + [p.name for p in tmp.glob(f"__{rank}_*.distcp")]
             entries = _file_entries(tmp, mine)
         except (Exception, CheckpointException) as e:  # DCP's (a BaseException) is raised on every rank alike
@@ -269,7 +272,7 @@ def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, *, gathere
              strategy: str, world: int, lineage: Any, keep_last: int, publish: Callable[[Path, Path], None],
              protect: int | None = None) -> None:
     """Rank 0: trainer state and manifest (last, fsynced), the atomic rename, then pruning."""
-    (tmp / TRAINER_STATE).write_text(json.dumps(asdict(state), indent=2))
+    (tmp / TRAINER_STATE).write_text(strict_json.dumps(asdict(state), indent=2))
     files: dict[str, Any] = {}
     for g in gathered:
         files.update(g)
@@ -286,7 +289,7 @@ def _publish(tmp: Path, final: Path, root: Path, state: TrainerState, *, gathere
         "files": files,
     }
     with open(tmp / MANIFEST, "w") as f:  # written last: its presence means complete
-        f.write(json.dumps(manifest, indent=2))
+        f.write(strict_json.dumps(manifest, indent=2))
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
@@ -314,7 +317,7 @@ def write_best(output_dir: str | Path, step: int, eval_loss: float, lineage: Any
     record = {"metric": "eval_loss", "step": step, "eval_loss": eval_loss, "checkpoint": step_dir_name(step),
               "lineage": lineage.lineage if lineage is not None else None}
     tmp = root / f"{TMP_PREFIX}{BEST}-{os.getpid()}{TMP_SUFFIX}"  # start-up clean-up removes a stray one
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.write_text(strict_json.dumps(record, indent=2) + "\n")
     os.replace(tmp, root / BEST)
     return root / BEST
 

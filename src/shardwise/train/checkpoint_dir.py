@@ -107,15 +107,18 @@ def _manifest_field_errors(m: dict[str, Any]) -> str | None:
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    """`trainer_state.json`: step, samples consumed and global batch (non-negative integers), the
-    engine's extra state (an object of numbers, strings and booleans), the training time."""
+    """`trainer_state.json`: step, samples consumed, global batch and the streak of skipped
+    non-finite steps (non-negative integers), the engine's extra state (optimizer step, loss
+    scaler), the training time."""
     f = path / TRAINER_STATE
     d = read_json_object(f, _MAX_STATE, "trainer state")
-    fields = {"step", "samples_consumed", "global_batch", "engine", "train_time_s"}
+    fields = {"step", "samples_consumed", "global_batch", "engine", "train_time_s", "nonfinite_streak"}
     if set(d) - fields or not {"step", "samples_consumed", "global_batch"} <= set(d):
-        raise ShardwiseError(f"{f}: expected the fields {sorted(fields)} (engine and train_time_s optional), got "
+        raise ShardwiseError(f"{f}: expected the fields {sorted(fields)} (the last three optional), got "
                              f"{sorted(d)}; the checkpoint is not loaded")
-    for k in ("step", "samples_consumed", "global_batch"):
+    for k in ("step", "samples_consumed", "global_batch", "nonfinite_streak"):
+        if k not in d:
+            continue
         if not _is_int(d[k], 1 if k == "global_batch" else 0):
             raise ShardwiseError(f"{f}: field {k!r}: expected a {'positive' if k == 'global_batch' else 'non-negative'}"
                                  f" integer, got {d[k]!r}; the checkpoint is not loaded")

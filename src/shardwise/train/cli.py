@@ -8,6 +8,7 @@ each rank validates the same way and joins the group the launcher set up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Annotated
 import typer
 
 from shardwise.cli_help import HELP
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ExitCode, ShardwiseError
 
 app = typer.Typer(
     add_completion=False,
@@ -58,20 +59,19 @@ def train_cmd(
     """Train a causal LM on SFT data; the strategy changes memory and speed, never the result.
 
     Exit codes: 0 completed, 2 bad input (nothing ran), 3 NaN/Inf beyond the patience or on
-    the last step (nothing exported), 4 a rank hung, 74 a save ran out of disk space (the
-    previous checkpoint is intact), 75 interrupted by SIGTERM/SIGUSR1/SIGINT/SIGHUP after
-    saving a checkpoint (`--resume latest` continues), 1 anything else; a rank killed by a
-    signal: 128 + signal. docs/training.md lists what each leaves in the output dir.
+    the last step (nothing exported), 4 a rank hung, 74 a save, the export or a log ran out of
+    disk space (the previous checkpoint is intact), 75 interrupted by SIGTERM/SIGUSR1/SIGINT/SIGHUP
+    after saving a checkpoint (`--resume latest` continues), or before any rank started (nothing
+    ran, nothing written), 1 anything else; a rank killed by a signal: 128 + signal.
+    docs/training.md lists what each leaves in the output dir.
 
     Progress: a bar on a terminal, timestamped lines when stdout is not one (logging.progress).
     """
     from shardwise import quiet
 
     quiet.apply(verbose or None)  # spawned ranks inherit --verbose through the environment
-    from shardwise.train.config import load_config
     from shardwise.train.launch import detect_env
-    from shardwise.train.preflight import preflight
-    from shardwise.train.preflight_resume import resolve_checkpoint
+    from shardwise.train.signals import StoppedBeforeStart, stop_before_start
     from shardwise.train.spawn import spawn_job
 
     overrides = list(set_ or []) + ([f"checkpointing.resume={resume}"] if resume else [])
@@ -80,23 +80,17 @@ def train_cmd(
     by_us = os.environ.get("SHARDWISE_LAUNCHED") == "1"  # a rank of our own spawn: checks are done
     lock = None
     try:
-        cfg = load_config(config, overrides)
-        world = int(launched["world_size"]) if launched else (nproc if nproc is not None else cfg.run.nproc)
-        device = cfg.resolved_device()
-        rank = int(launched["rank"]) if launched else 0
-        owner = rank == 0 and not by_us  # takes the output dir's lock, cleans, verifies hashes
-        if owner:  # in a second, before the data cache is built
-            _check_fresh(cfg)
-            note = cfg.logging.deprecation(cfg.source)
-            if note:
-                print(f"shardwise: {note}", file=sys.stderr, flush=True)
-        run, check = preflight(cfg, world, device, force=force)
-        resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
-        if owner:
-            lock = _own_output_dir(cfg, resume_dir)
+        # shardwise's own launcher (or the in-process rank): a stop while it checks ends it at once, exit 75
+        with stop_before_start() if launched is None else contextlib.nullcontext():
+            cfg, world, device, run, check, resume_dir, lock = _checked(config, overrides, launched, by_us, nproc,
+                                                                        force)
+    except StoppedBeforeStart as e:
+        print(f"shardwise: {e}", file=sys.stderr, flush=True)
+        raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
     except ShardwiseError as e:
         _fail(e)
         return
+    owner = lock is not None
     try:
         from shardwise.train.metrics import run_ended, run_started
         from shardwise.train.signals import hold_at_start
@@ -115,7 +109,8 @@ def train_cmd(
             job = spawn_job(argv, world, extra_env=extra, threads_per_rank=threads, run_dir=_run_dir(cfg),
                             hold_signals=True, on_start=lambda: marker.update(run_started(out, config, world)))
             run_ended(out, marker, job.reason or f"the job exited with code {job.rc}; rank 0 wrote no summary",
-                      exit_code=job.rc, failed_rank=job.failed_rank, heartbeats=job.heartbeats)  # fmt: skip
+                      exit_code=job.rc, failed_rank=job.failed_rank, signal=job.signal, heartbeats=job.heartbeats,
+                      collateral=job.collateral)  # fmt: skip
             raise typer.Exit(job.rc)
         hold_at_start()  # this process trains: a stop from now on is kept for the first step boundary
         marker = run_started(out, config, world) if owner else {}
@@ -131,6 +126,31 @@ def train_cmd(
             lock.release()
 
 
+def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: bool, nproc: int | None,
+             force: bool):
+    """Everything checked before any rank starts: (cfg, world size, device, run, preflight's
+    check, the resolved checkpoint to resume, the output dir's lock when this process owns it
+    (shardwise's launcher, the in-process rank, torchrun's rank 0), else None)."""
+    from shardwise.train.config import load_config
+    from shardwise.train.preflight import preflight
+    from shardwise.train.preflight_resume import resolve_checkpoint
+
+    cfg = load_config(config, overrides)
+    world = int(launched["world_size"]) if launched else (nproc if nproc is not None else cfg.run.nproc)
+    device = cfg.resolved_device()
+    rank = int(launched["rank"]) if launched else 0
+    owner = rank == 0 and not by_us  # takes the output dir's lock, cleans, verifies hashes
+    if owner:  # in a second, before the data cache is built
+        _check_fresh(cfg)
+        note = cfg.logging.deprecation(cfg.source)
+        if note:
+            print(f"shardwise: {note}", file=sys.stderr, flush=True)
+    run, check = preflight(cfg, world, device, force=force)
+    resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
+    lock = _own_output_dir(cfg, resume_dir) if owner else None
+    return cfg, world, device, run, check, resume_dir, lock
+
+
 def _run_dir(cfg) -> Path:
     """Where ranks keep their heartbeats (shardwise.train.watchdog) for the launcher to read."""
     return Path(cfg.checkpointing.output_dir) / ".shardwise"
@@ -140,7 +160,8 @@ def _check_fresh(cfg) -> None:
     from shardwise.train.outputs import check_fresh_output
 
     cp = cfg.checkpointing
-    check_fresh_output(cp.output_dir, resume=cp.resume, overwrite=cp.overwrite,
+    logs = ("metrics.jsonl", "summary.json", *(("tensorboard",) if "tensorboard" in cfg.logging.trackers else ()))
+    check_fresh_output(cp.output_dir, resume=cp.resume, overwrite=cp.overwrite, logs=logs,
                        where=f"{cfg.source}: checkpointing.output_dir")  # fmt: skip
 
 
@@ -157,9 +178,12 @@ def _own_output_dir(cfg, resume_dir: Path | None):
     try:
         if resume_dir is None:
             _check_fresh(cfg)  # again, under the lock
-            gone = clear_earlier_run(cp.output_dir, overwrite=cp.overwrite)
+            gone, left = clear_earlier_run(cp.output_dir, overwrite=cp.overwrite)
             if gone:
                 print(f"shardwise: a fresh run: removed the earlier run's {', '.join(gone)}")
+            if left:
+                print(f"shardwise: left {', '.join(left)} as it is: shardwise did not write it (this run does not "
+                      "write there)")
         stale = clean_stale_outputs(cp.output_dir) + clean_stale(checkpoints_dir(cp.output_dir))
         if stale:
             print(f"shardwise: removed unfinished files of an earlier run: {', '.join(stale)}")

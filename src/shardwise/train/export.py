@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from shardwise import strict_json
 from shardwise.train.config import EXPORT_DTYPE_OF_PRECISION, TrainConfig
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -72,7 +74,8 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
     split = split_state_dict_into_shards_factory(
         names, get_storage_size=lambda s: _numel(s[0]) * itemsize,
         filename_pattern="model{suffix}.safetensors", max_shard_size=cfg.export.max_shard_bytes)
-    with atomic_dir(out) as tmp:
+    need = sum(_numel(shape) * itemsize for shape, _ in names.values())
+    with atomic_dir(out) as tmp, disk_full_is(out, need, tmp):
         for filename, keys in split.filename_to_tensors.items():
             shard: dict[str, torch.Tensor] = {}
             for group in _groups(keys, names, cfg.export.max_shard_bytes // 2):
@@ -82,11 +85,38 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
             del shard
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            (tmp / INDEX_FILE).write_text(strict_json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(strict_json.dumps(hf_config, indent=2) + "\n")
         _copy_tokenizer(cfg, tmp)
         _umask_modes(tmp)
     return out
+
+
+@contextmanager
+def disk_full_is(out: Path, need: int, tmp: Path) -> Iterator[None]:
+    """An export's write that finds the disk (or quota) full raises OutOfSpaceError (exit 74)
+    naming `out`, the bytes the export needs and those free at the failure (measured before the
+    temp directory `tmp` is removed). Out of space: ENOSPC/EDQUOT anywhere in the exception's
+    causes, safetensors' "No space left on device" (its Rust error has no errno), or less free than
+    the export needs. Anything else passes through unchanged."""
+    try:
+        yield
+    except Exception as e:
+        from shardwise.errors import NonFiniteError, OutOfSpaceError
+        from shardwise.train.outputs import size_text
+        from shardwise.train.save_failure import causes, free_bytes, space_errno
+
+        if isinstance(e, (NonFiniteError, OutOfSpaceError)):
+            raise
+        free = free_bytes(tmp if tmp.exists() else out.parent)
+        full = space_errno([], e) or any("No space left" in str(x) or "os error 28" in str(x) for x in causes(e))
+        if not (full or free < need):
+            raise
+        raise OutOfSpaceError(
+            f"{out}: the export ran out of disk space (it needs about {size_text(need)}, {size_text(free)} were "
+            f"free on {out.parent}); nothing was exported and the checkpoints are intact. Free space and export "
+            f"the last checkpoint with `shardwise export`. ({type(e).__name__}: {str(e).strip()[:200]})",
+            path=str(out), need_bytes=need, free_bytes=free) from e
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -261,7 +291,8 @@ def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, 
     if merged:
         weights = {k: v.detach() for k, v in pm.merge_and_unload().state_dict().items()}
         return export_hf(cfg, weights, out)
-    with atomic_dir(out) as tmp:
+    need = sum(int(v.numel()) * v.element_size() for v in adapters.values())
+    with atomic_dir(out) as tmp, disk_full_is(out, need, tmp):
         pm.save_pretrained(str(tmp), safe_serialization=True)
         _copy_tokenizer(cfg, tmp)
         _umask_modes(tmp)

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from shardwise.cli_help import HELP
-from shardwise.errors import ExitCode, NonFiniteError, ShardwiseError
+from shardwise.errors import ExitCode, NonFiniteError, OutOfSpaceError, ShardwiseError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Export a shardwise checkpoint as a Hugging Face model directory.", **HELP)  # fmt: skip
@@ -60,6 +60,9 @@ def export_cmd(
     except NonFiniteError as e:
         Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.NONFINITE) from None
+    except OutOfSpaceError as e:  # nothing was published: the temp directory is removed, OUT is as it was
+        Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(ExitCode.NO_SPACE) from None
     except (ShardwiseError, OSError, ValueError) as e:
         Console(stderr=True).print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.USER_ERROR) from None

@@ -22,12 +22,12 @@ Checkpoints written before lineages existed have none: together they form one le
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from shardwise import strict_json
 from shardwise.errors import ShardwiseError
 from shardwise.train.checkpoint_dir import checkpoints_dir, published, read_manifest_json
 
@@ -71,7 +71,7 @@ def write_lineage(output_dir: str | Path, lineage: Lineage) -> None:
     p = lineage_path(output_dir)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".tmp-{LINEAGE_FILE}-{os.getpid()}.shardwise-tmp")
-    tmp.write_text(json.dumps(asdict(lineage), indent=2))
+    tmp.write_text(strict_json.dumps(asdict(lineage), indent=2))
     os.replace(tmp, p)
 
 

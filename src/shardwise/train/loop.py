@@ -83,12 +83,12 @@ class Interrupted(Exception):
     """A stop was requested (signal); the run saved `checkpoint` (None if saving is off). The
     message names the signal received, on whichever rank it was (signals.describe)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, note: str = ""):
         from shardwise.train.signals import describe
 
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpointing.save_on_interrupt off)"
-        super().__init__(f"stopped by {describe(signum)} after step {step}: {where}")
+        super().__init__(f"stopped by {describe(signum)} after step {step}: {where}{note}")
 
 
 def seed_everything(seed: int) -> None:
@@ -189,10 +189,11 @@ def train(
 
         lineage = start_lineage(cp.output_dir, resume)
         write_lineage(cp.output_dir, lineage)
+    streak = 0  # skipped non-finite steps the resumed checkpoint ended on
     if resume is not None:
         phase("checkpoint load", 0)
         state = ckpt.load_checkpoint(engine, resume)
-        start, train_time = state.step, state.train_time_s
+        start, train_time, streak = state.step, state.train_time_s, state.nonfinite_streak
         if start > cfg.run.steps:
             raise ValueError(f"{resume} is at step {start}, past run.steps={cfg.run.steps}")
     if steps is None:
@@ -218,6 +219,7 @@ def train(
     periodic = cp.save_every_steps is not None or cp.save_every_minutes is not None
     guard = Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16",
                   say=(lambda msg: print(msg, flush=True)) if env.is_main else (lambda msg: None))
+    guard.bad = streak
     last_save = time.monotonic()
     # One host-side reduce per step carries the NEXT step's target/token counts (they must be
     # global before its first forward) and two votes: a stop request and "a timed checkpoint is
@@ -238,7 +240,7 @@ def train(
         phase("checkpoint save", step)
         t_save = time.perf_counter()
         state = ckpt.TrainerState(step=step, samples_consumed=step * global_batch, global_batch=global_batch,
-                                  train_time_s=train_time)  # fmt: skip
+                                  train_time_s=train_time, nonfinite_streak=guard.bad)  # fmt: skip
         path = ckpt.save_checkpoint(engine, state, cp.output_dir, config=cfg.model_dump(mode="json"),
                                     strategy=run.strategy.name, keep_last=cp.keep_last, lineage=lineage,
                                     protect=best_step if cp.save_best else None)  # fmt: skip
@@ -303,12 +305,24 @@ def train(
                 evaluated = finite and not stop_vote and eval_due(step)
                 if evaluated:
                     evaluate(step)
-                if finite and (save_due(step) or time_vote or (stop_vote and cp.save_on_interrupt)
-                               or (evaluated and cp.save_best)):  # fmt: skip
+                saved = finite and (save_due(step) or time_vote or (evaluated and cp.save_best))
+                if saved:
                     save(step)
                 if stop_vote:
+                    note = ""
+                    if cp.save_on_interrupt and not saved:
+                        # A skipped (non-finite) step left the weights and optimizer state as the last
+                        # finite step made them: that state is saved (save_checkpoint refuses it if it
+                        # is not finite after all), its skipped steps counted for the resumed run.
+                        save(step)
+                        if not finite and records.last is not None:
+                            last = records.last
+                            note = (f" (step {step}'s update was skipped: loss {last.loss}, grad norm "
+                                    f"{last.grad_norm}; the checkpoint holds the state of the last finite step, "
+                                    f"and a resumed run counts its {guard.bad} skipped step(s) against "
+                                    f"run.nonfinite_patience={guard.patience})")
                     signum = stop.signum if stop is not None and stop.signum else signal.SIGTERM
-                    raise Interrupted(signum, step, result.checkpoint)
+                    raise Interrupted(signum, step, result.checkpoint, note)
             global_targets, global_tokens = int(targets), int(tokens)
             if global_targets == 0:
                 raise RuntimeError(f"step {step + 1}: the global batch has no target tokens")

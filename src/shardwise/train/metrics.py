@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
+from shardwise import strict_json
 from shardwise.numfmt import rate
 from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
 from shardwise.train.engines.base import DistEnv
-from shardwise.train.outputs import TMP_PREFIX, TMP_SUFFIX
+from shardwise.train.outputs import TMP_PREFIX, TMP_SUFFIX, record_own
 from shardwise.versions import run_versions
 
 SUMMARY_NAME = "summary.json"
@@ -35,25 +36,62 @@ RUNNING = "running"
 
 
 def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path | None:
-    """Replace `<output_dir>/summary.json` with `summary` in one rename: a reader (or a kill)
-    never sees half a file. The temp file carries shardwise's temp name (start-up clean-up
-    removes one a kill left behind). A write that fails (a full disk) leaves the earlier file,
-    removes its temp file and says so on stderr: it never turns the run's own exit code into a
-    traceback's. None then."""
+    """Replace `<output_dir>/summary.json` with `summary` (strict JSON: shardwise.strict_json) in
+    one rename: a reader (or a kill) never sees half a file. The temp file carries shardwise's
+    temp name (start-up clean-up removes one a kill left behind); the written file is recorded as
+    shardwise's (shardwise.train.outputs.record_own). A disk too full for it gives up the space
+    `run_started` reserved for this (`RESERVE_NAME`) and tries once more. A write that still fails
+    leaves the earlier file, removes its temp file and says so on stderr: it never turns the run's
+    own exit code into a traceback's. None then."""
+    import errno
     import sys
 
     d = Path(output_dir)
     tmp = d / f"{TMP_PREFIX}{SUMMARY_NAME}-{os.getpid()}{TMP_SUFFIX}"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, d / SUMMARY_NAME)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        print(f"shardwise: could not write {d / SUMMARY_NAME} (status {summary.get('status')!r}): "
-              f"{e.strerror or e}", file=sys.stderr, flush=True)
-        return None
+    text = strict_json.dumps(summary, indent=2) + "\n"
+    for attempt in (1, 2):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+            os.replace(tmp, d / SUMMARY_NAME)
+            break
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if attempt == 1 and e.errno in (errno.ENOSPC, errno.EDQUOT) and _release_reserve(d):
+                continue
+            print(f"shardwise: could not write {d / SUMMARY_NAME} (status {summary.get('status')!r}): "
+                  f"{e.strerror or e}", file=sys.stderr, flush=True)
+            return None
+    record_own(d, SUMMARY_NAME)
     return d / SUMMARY_NAME
+
+
+# Space kept for the final summary.json (and its record) on a disk that fills up during the run:
+# written when the run starts, given up only when that write finds the disk full.
+RESERVE_NAME = Path(".shardwise") / "summary-reserve"
+RESERVE_BYTES = 256 << 10
+
+
+def reserve_space(output_dir: str | Path) -> None:
+    """Write the reserve (`RESERVE_NAME`, zeros: real blocks, not a sparse file); a disk too full
+    for it already goes without."""
+    path = Path(output_dir) / RESERVE_NAME
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        path.unlink(missing_ok=True)
+
+
+def _release_reserve(d: Path) -> bool:
+    try:
+        (d / RESERVE_NAME).unlink()
+        return True
+    except OSError:
+        return False
 
 
 def read_summary(output_dir: str | Path) -> dict[str, Any] | None:
@@ -77,6 +115,7 @@ def run_started(output_dir: str | Path, config: str | Path | None, world_size: i
         "config": str(Path(config).resolve()) if config is not None else None,
         "world_size": int(world_size),
     }
+    reserve_space(output_dir)
     write_summary(output_dir, {"status": RUNNING, "reason": None, "run": run})
     return run
 
@@ -85,16 +124,25 @@ def run_ended(output_dir: str | Path, run: dict[str, Any] | None, reason: str, *
     """After the ranks exited: when summary.json is still this run's `running` marker (rank 0
     never wrote its own: it hung, was killed, or failed before it trained), replace it with
     `failed`, `reason` and `extra` (None values dropped). A summary rank 0 wrote in this run is
-    the truth and stays; an empty `run` (this process wrote no marker) changes nothing. True
-    when it wrote."""
+    the truth about its own outcome and stays, except when the job failed because another rank
+    did (`extra["failed_rank"]` not 0) while rank 0's says `failed`: rank 0's error is then the
+    consequence (a broken collective), so the summary names the rank that failed first, with
+    `reason`, `failed_rank` and `signal`, and keeps rank 0's reason under `collateral`. An empty
+    `run` (this process wrote no marker) changes nothing. True when it wrote."""
     if not run:
         return False
     current = read_summary(output_dir)
-    if current is None or current.get("status") != RUNNING or current.get("run") != run:
+    if current is None or current.get("run") != run:
         return False
-    extra = {k: v for k, v in extra.items() if v is not None}
-    write_summary(output_dir, {"status": "failed", "reason": reason, "run": run, **extra})
-    return True
+    extra = {k: v for k, v in extra.items() if v is not None and v != []}
+    if current.get("status") == RUNNING:
+        return write_summary(output_dir, {"status": "failed", "reason": reason, "run": run, **extra}) is not None
+    failed_rank = extra.get("failed_rank")
+    if current.get("status") != "failed" or failed_rank in (None, 0):
+        return False
+    collateral = [f"rank 0: {current.get('reason')}", *extra.pop("collateral", [])]
+    return write_summary(output_dir, {**current, "status": "failed", "reason": reason, **extra,
+                                      "collateral": collateral}) is not None
 
 
 def _this_run(output_dir: Path) -> dict[str, Any] | None:
@@ -145,8 +193,8 @@ class Metrics:
                 except json.JSONDecodeError:
                     continue  # a line cut by the crash
         self.jsonl = open(path, "w")
-        self.jsonl.writelines(line + "\n" for line in kept)
-        self.jsonl.flush()
+        record_own(self.dir, path.name)
+        self._write("".join(line + "\n" for line in kept))
         from shardwise.console import TrainProgress, resolve_mode
         from shardwise.train.trackers import Trackers
 
@@ -163,6 +211,26 @@ class Metrics:
                 + (f" | model and engine ready in {build_s:.1f} s" if build_s is not None else "")
                 + f" | output {self.dir}")
         self.trackers.start(cfg, self.run)  # last: a tracker that cannot start fails a run that can close
+
+    def _write(self, text: str) -> None:
+        """Append to metrics.jsonl; a full disk is the run's OutOfSpaceError (exit 74), not a traceback."""
+        import errno
+
+        try:
+            self.jsonl.write(text)
+            self.jsonl.flush()
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            from shardwise.errors import OutOfSpaceError
+            from shardwise.train.outputs import size_text
+            from shardwise.train.save_failure import free_bytes
+
+            path, free = self.dir / "metrics.jsonl", free_bytes(self.dir)
+            raise OutOfSpaceError(f"{path}: the disk is full ({size_text(free)} free; a log line needs "
+                                  f"{len(text.encode())} bytes); the previous checkpoints are intact. Free space and "
+                                  "--resume latest.", path=str(path), need_bytes=len(text.encode()),
+                                  free_bytes=free) from None
 
     def memory_bytes(self) -> tuple[float, str]:
         if self.env.device == "cuda":
@@ -183,8 +251,7 @@ class Metrics:
         if not self._on:
             return
         row = self._row(rec)
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        self._write(strict_json.dumps(row) + "\n")
         self.trackers.log(row)
 
     def show(self, rec: Any) -> None:
@@ -214,8 +281,7 @@ class Metrics:
         if not self._on:
             return
         row = {"kind": "eval", **asdict(rec)}
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        self._write(strict_json.dumps(row) + "\n")
         self.trackers.log(row)
         # its own line (above the bar); the progress updates after it carry the latest eval loss
         self.progress.note(f"eval step {rec.step}/{self.cfg.run.steps} | loss {rec.eval_loss:.4f} | ppl "
@@ -269,7 +335,10 @@ class Metrics:
             if self.trackers.failed:
                 self.summary["trackers_failed"] = dict(self.trackers.failed)
         write_summary(self.dir, self.summary)
-        self.jsonl.close()
+        try:
+            self.jsonl.close()
+        except OSError:  # a line a full disk refused is still buffered: it was reported (OutOfSpaceError)
+            pass
         self.trackers.close(status, self.summary)
         print_summary(self.summary, mode)
         return self.summary

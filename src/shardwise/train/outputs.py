@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from shardwise import strict_json
 from shardwise.errors import ShardwiseError
 from shardwise.specs.hardware import GIB
 from shardwise.train.checkpoint_dir import checkpoints_dir, step_dirs
@@ -88,7 +89,7 @@ class OutputLock:
                 "--set checkpointing.output_dir=..."
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+        os.write(fd, strict_json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())  # fmt: skip
         self._fd = fd
         return self
@@ -180,9 +181,87 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# --- what shardwise wrote, recorded ----------------------------------------------------------
+
+# One record per log name (`.shardwise/own/summary.json.json`, ...): the (device, inode) of each
+# file shardwise created under that name. A fresh run deletes a log only when every file of it
+# is recorded and is still the same file; anything else there is another tool's (or the user's).
+OWN_RECORDS = Path(".shardwise") / "own"
+
+
+def _record_path(output_dir: str | Path, name: str) -> Path:
+    return Path(output_dir) / OWN_RECORDS / f"{name}.json"
+
+
+def _identities(output_dir: Path, name: str) -> dict[str, list[int]]:
+    """(st_dev, st_ino) of `<output_dir>/<name>` (a file) or of each file under it (a directory),
+    by path relative to `output_dir`; symlinks are never shardwise's."""
+    target = output_dir / name
+    if target.is_dir() and not target.is_symlink():
+        paths = [f for f in sorted(target.rglob("*")) if f.is_file() or f.is_symlink()]
+    else:
+        paths = [target] if target.exists() or target.is_symlink() else []
+    out = {}
+    for f in paths:
+        st = f.lstat()
+        out[str(f.relative_to(output_dir))] = [-1, -1] if f.is_symlink() else [st.st_dev, st.st_ino]
+    return out
+
+
+def record_own(output_dir: str | Path, name: str, added: list[Path] | None = None) -> None:
+    """Record that shardwise wrote `<output_dir>/<name>`: the file as it is now, or, with `added`,
+    these files (created by shardwise inside the directory `name`) beside those already recorded.
+    A record that cannot be written (a full disk) is skipped: the next fresh run then refuses to
+    delete that log, it never deletes one it cannot tell is shardwise's."""
+    d = Path(output_dir)
+    path = _record_path(d, name)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}{TMP_SUFFIX}")
+    try:
+        now = _identities(d, name)
+        if added is None:
+            files = now
+        else:
+            files = {f: i for f, i in _recorded(d, name).items() if now.get(f) == i}
+            mine = {str(Path(a).relative_to(d)) for a in added}
+            files |= {f: i for f, i in now.items() if f in mine}
+        files = {f: i for f, i in files.items() if i != [-1, -1]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(strict_json.dumps({"name": name, "files": files}))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def files_under(output_dir: str | Path, name: str) -> set[Path]:
+    """The files now under `<output_dir>/<name>` (to tell, later, which ones a writer added)."""
+    d = Path(output_dir)
+    return {d / f for f in _identities(d, name)}
+
+
+def _recorded(d: Path, name: str) -> dict[str, list[int]]:
+    try:
+        files = json.loads(_record_path(d, name).read_text())["files"]
+        return files if isinstance(files, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def foreign(output_dir: str | Path, name: str) -> list[str]:
+    """The files at `<output_dir>/<name>` that shardwise's record does not name, or that are no
+    longer the file it recorded (replaced, or a symlink): relative paths; [] when all are its own
+    or nothing is there."""
+    d = Path(output_dir)
+    present = _identities(d, name)
+    if not present:
+        return []
+    recorded = _recorded(d, name)
+    return [f for f, ident in present.items() if ident == [-1, -1] or recorded.get(f) != ident]
+
+
 # --- an output directory that an earlier run used -------------------------------------------
 
-# Logs a fresh run rewrites: replaced, and named, when nothing else of the earlier run is there.
+# Logs a fresh run rewrites: replaced, and named, when nothing else of the earlier run is there
+# and shardwise's record says it wrote them (`record_own`); anything else is never deleted.
 EARLIER_LOGS = ("metrics.jsonl", "summary.json", "tensorboard")
 
 
@@ -197,13 +276,25 @@ def earlier_run_outputs(output_dir: str | Path) -> list[Path]:
     return found
 
 
-def check_fresh_output(output_dir: str | Path, *, resume: str | None, overwrite: bool, where: str) -> None:
+def check_fresh_output(output_dir: str | Path, *, resume: str | None, overwrite: bool, where: str,
+                       logs: tuple[str, ...] = EARLIER_LOGS) -> None:
     """A fresh run (no `--resume`) into a directory holding an earlier run's checkpoints or
     exported model is refused, naming them, unless `overwrite` (which `clear_earlier_run` then
     honours): `keep_last` would otherwise delete the new run's checkpoints in favour of the
     old ones' higher steps, `--resume latest` would continue the other run, and the export and
-    logs would be mixed."""
-    if resume is not None or overwrite:
+    logs would be mixed. A fresh run is refused, with or without `overwrite`, when one of the
+    `logs` it writes (metrics.jsonl, summary.json, and tensorboard/ when that tracker is on) holds
+    files shardwise did not write (`foreign`): replacing them would delete another tool's files."""
+    if resume is not None:
+        return
+    others = [f for name in logs for f in foreign(output_dir, name)]
+    if others:
+        names = ", ".join(others[:6]) + (f" and {len(others) - 6} more" if len(others) > 6 else "")
+        raise ShardwiseError(
+            f"{where}: {str(output_dir)!r} holds files that shardwise did not write where this run writes its "
+            f"logs ({names}); they are not deleted, with or without --overwrite. Move them, or choose another "
+            "--set checkpointing.output_dir=...")
+    if overwrite:
         return
     found = earlier_run_outputs(output_dir)
     if found:
@@ -215,21 +306,33 @@ def check_fresh_output(output_dir: str | Path, *, resume: str | None, overwrite:
             "--set checkpointing.output_dir=...")
 
 
-def clear_earlier_run(output_dir: str | Path, *, overwrite: bool) -> list[str]:
+def clear_earlier_run(output_dir: str | Path, *, overwrite: bool) -> tuple[list[str], list[str]]:
     """Before a fresh run starts (the lock held): with `overwrite`, remove the earlier run's
-    checkpoints and exports; in any case its logs (metrics.jsonl, summary.json, TensorBoard
-    events, which the new run would otherwise mix with its own). Returns what was removed."""
+    checkpoints and exports; in any case the logs shardwise's record says an earlier run wrote
+    (metrics.jsonl, summary.json, TensorBoard events, which the new run would otherwise mix with
+    its own). Returns (what was removed, the logs left because they hold files shardwise did not
+    write: this run does not write them, or `check_fresh_output` would have refused)."""
     d = Path(output_dir)
-    gone = []
-    targets = [*(earlier_run_outputs(d) if overwrite else []), *(d / n for n in EARLIER_LOGS)]
-    targets.append(lineage_path(d))
-    for p in targets:
-        if p.is_symlink() or p.is_file():
-            p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)
-        else:
+    gone, left = [], []
+    for p in earlier_run_outputs(d) if overwrite else []:
+        _remove(p)
+        gone.append(str(p.relative_to(d)))
+    for name in EARLIER_LOGS:
+        p = d / name
+        if not (p.exists() or p.is_symlink()):
             continue
-        if p.name != lineage_path(d).name:
-            gone.append(str(p.relative_to(d)))
-    return gone
+        if foreign(d, name):
+            left.append(name)
+            continue
+        _remove(p)
+        _record_path(d, name).unlink(missing_ok=True)
+        gone.append(name)
+    lineage_path(d).unlink(missing_ok=True)
+    return gone, left
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()

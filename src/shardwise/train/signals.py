@@ -25,8 +25,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+
+from shardwise import strict_json
 
 STOP_SIGNALS = tuple(
     s
@@ -191,7 +195,7 @@ def _publish(signum: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, json.dumps(record).encode())
+            os.write(fd, strict_json.dumps(record).encode())
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -231,3 +235,36 @@ def describe(signum: int) -> str:
     if peer is None:
         return "a stop request of another rank (its signal is not visible here)"
     return f"{signal_name(peer[0])} (sent to rank {peer[1]})"
+
+
+class StoppedBeforeStart(BaseException):
+    """A stop signal while the launcher was still checking the run (config, model, data,
+    preflight, the output directory), before any rank started: nothing ran, so nothing was saved.
+    A BaseException, like KeyboardInterrupt: no `except Exception` in the checks swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal_name(signum)} before any rank started (the launcher was checking "
+                         "the run): nothing ran, no checkpoint was written and the output directory is as it was; "
+                         "run the same command again")
+
+
+@contextmanager
+def stop_before_start() -> Iterator[None]:
+    """While the launcher checks a run on the main thread: a stop signal (`stop_signals`) raises
+    StoppedBeforeStart where the launcher is, at once (the checks can take minutes: a large
+    data cache). The previous handlers come back on exit; the launcher's own (spawn_job) or the
+    in-process rank's (`hold_at_start`) take over right after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise StoppedBeforeStart(signum)
+
+    previous = {s: signal.signal(s, stop) for s in stop_signals()}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardwise.errors import ExitCode, ShardwiseError
@@ -37,7 +37,7 @@ _EXIT_MEANING = {
     ExitCode.USER_ERROR: "a user error; the message is above",
     ExitCode.NONFINITE: "NaN/Inf loss or grad norm beyond run.nonfinite_patience",
     ExitCode.HUNG: "no progress within run.timeout_s; the watchdog's message is above",
-    ExitCode.NO_SPACE: "a checkpoint save ran out of disk space; the previous checkpoint is intact",
+    ExitCode.NO_SPACE: "a save, the export or a log ran out of disk space; the previous checkpoint is intact",
     ExitCode.INTERRUPTED: "interrupted; a checkpoint was saved",
 }
 _SIGNAL_HINT = {
@@ -135,6 +135,29 @@ def _is_stopped(pid: int) -> bool:
     return proc_state(pid) == "T"
 
 
+def _hung_rank(procs: list[subprocess.Popen], rcs: list[int | None],
+               run_dir: Path | str | None) -> tuple[int, str] | None:
+    """When a watchdog gave up (exit 4): the rank that made no progress, and how it is known. A
+    rank still running that is stopped (state T) first, then one whose heartbeat is stale (it
+    cannot even beat: swapping, in uninterruptible I/O); None when neither is seen (the rank whose
+    watchdog fired is then the one that stalled: its own phase did not move)."""
+    from shardwise.train.watchdog import STALE_S, read_heartbeat
+
+    live = [r for r, rc in enumerate(rcs) if rc is None]
+    for r in live:
+        if _is_stopped(procs[r].pid):
+            return r, "stopped, state T"
+    if run_dir is not None:
+        import time
+
+        for r in live:
+            hb = read_heartbeat(run_dir, r)
+            if hb is not None and time.time() - float(hb.get("time", 0.0)) > STALE_S:
+                return r, (f"its last heartbeat is {time.time() - float(hb['time']):.0f} s old, at step "
+                           f"{hb.get('step')} in {hb.get('phase')!r}")
+    return None
+
+
 def _stop_ranks(procs: list[subprocess.Popen], grace_s: float) -> None:
     """End every rank still running: SIGCONT first (a stopped process leaves SIGTERM pending
     forever), SIGTERM, then SIGKILL to its whole process group after `grace_s`."""
@@ -162,13 +185,31 @@ def _stop_ranks(procs: list[subprocess.Popen], grace_s: float) -> None:
 @dataclass
 class SpawnResult:
     """How a spawned job ended. `rc` as `spawn` returns it; `reason`: why it failed, as the
-    launcher said it (None when every rank exited 0 or 75); `failed_rank`: the first rank that
-    failed; `heartbeats`: what the ranks' last heartbeats said when it failed (needs run_dir)."""
+    launcher said it (None when every rank exited 0 or 75); `failed_rank`: the rank that failed
+    first: the one that died, or, when a watchdog gave up (exit 4), the rank that made no
+    progress (stopped, or its heartbeat stale), not the rank that noticed; `signal`: the signal
+    that killed `failed_rank` ('SIGKILL'), if one did; `collateral`: how the other ranks that
+    failed on their own ended (a peer's death breaks their collectives); `heartbeats`: what the
+    ranks' last heartbeats said when it failed (needs run_dir)."""
 
     rc: int
     reason: str | None = None
     failed_rank: int | None = None
     heartbeats: str | None = None
+    signal: str | None = None
+    collateral: list[str] = field(default_factory=list)
+
+
+def first_failure(exited: list[tuple[int, int]]) -> int:
+    """The rank, of those (rank, returncode) seen failed in one poll, that failed first: a death
+    by SIGKILL, then by another signal, then an exit code; the lowest rank among equals. A peer
+    of a dead rank fails because of it (a broken collective: an exit code, or an abort) and is
+    reaped in the same poll when it went quickly."""
+    def order(item: tuple[int, int]) -> tuple[int, int]:
+        rank, rc = item
+        return (0 if rc == -signal.SIGKILL else 1 if rc < 0 else 2, rank)
+
+    return min(exited, key=order)[0]
 
 
 def spawn(argv: Sequence[str], nproc: int, timeout_s: float | None = None, extra_env: dict | None = None,
@@ -210,8 +251,9 @@ def spawn_job(
     process groups, so a crash never leaves a hung collective or a stray process.
 
     `rc` is 0 when all ranks succeed; the first failing rank's code (128 + N for a death by
-    signal N); 75 when the ranks were interrupted and all exited 0 or 75; 128 + N after a
-    second interrupt N; 124 when `timeout_s` (a wall-clock limit on the whole job, unlike
+    signal N; of the ranks found failed in one poll, a death by SIGKILL first: `first_failure`;
+    4 when a watchdog gave up, whichever rank it names as stalled); 75 when the ranks were
+    interrupted and all exited 0 or 75; 128 + N after a second interrupt N; 124 when `timeout_s` (a wall-clock limit on the whole job, unlike
     run.timeout_s) runs out. `run_dir`, where the ranks' Watchdogs write heartbeats, adds each
     rank's last known step and phase to a failure message (stale heartbeats and stop records
     are cleared first).
@@ -303,17 +345,27 @@ def spawn_job(
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         rcs: list[int | None] = [None] * nproc
         failed: int | None = None
+        detector = 0  # the rank whose exit failed the job (`failed` too, unless a watchdog named another)
         reason: str | None = None
         stopped_seen: set[int] = set()
         next_state_check = time.monotonic() + 1.0
         while any(rc is None for rc in rcs):
+            exited = []
             for rank, p in enumerate(procs):
                 if rcs[rank] is None and (rc := p.poll()) is not None:
                     rcs[rank] = rc
-                    if failed is None and not escalated and rc not in (0, ExitCode.INTERRUPTED):
-                        failed = rank
-                        reason = describe_exit(rank, p.pid, rc)
-                        _say(reason)
+                    if rc not in (0, ExitCode.INTERRUPTED):
+                        exited.append((rank, rc))
+            if exited and failed is None and not escalated:
+                failed = detector = first_failure(exited)
+                reason = describe_exit(failed, procs[failed].pid, rcs[failed])
+                if rcs[failed] == ExitCode.HUNG:
+                    culprit = _hung_rank(procs, rcs, run_dir)
+                    if culprit is not None and culprit[0] != failed:
+                        reason = (f"rank {culprit[0]} (pid {procs[culprit[0]].pid}) made no progress "
+                                  f"({culprit[1]}); {reason}")
+                        failed = culprit[0]
+                _say(reason)
             if failed is not None:
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -344,7 +396,11 @@ def spawn_job(
             return SpawnResult(128 + escalated[0], f"a second {name}: the ranks were killed without a checkpoint",
                                heartbeats=heartbeats)
         if failed is not None:
-            return SpawnResult(shell_code(rcs[failed]), reason, failed, heartbeats)
+            code = int(rcs[detector])  # type: ignore[arg-type]  # a hang: 4 (HUNG), whichever rank stalled
+            killed = _signame(-code) if detector == failed and code < 0 else None
+            collateral = [describe_exit(r, procs[r].pid, rc) for r, rc in enumerate(rcs)
+                          if r not in (failed, detector) and rc not in (None, 0, ExitCode.INTERRUPTED)]
+            return SpawnResult(shell_code(code), reason, failed, heartbeats, killed, collateral)
         if any(rc is None for rc in rcs):
             return SpawnResult(124, reason, heartbeats=heartbeats)
         return SpawnResult(int(ExitCode.INTERRUPTED) if ExitCode.INTERRUPTED in rcs else 0)

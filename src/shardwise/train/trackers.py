@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardwise import strict_json
 from shardwise.errors import ShardwiseError
 
 # tracker -> (module it imports, the distribution that provides it, the extra that installs it)
@@ -180,18 +181,28 @@ class TensorBoardTracker:
     def __init__(self, logging: Any, info: RunInfo):
         from torch.utils.tensorboard import SummaryWriter
 
+        from shardwise.train.outputs import files_under, record_own
+
+        self.out = info.output_dir
+        self.before = files_under(self.out, "tensorboard")
         self.writer = SummaryWriter(str(info.output_dir / "tensorboard"))
         self.location = {"logdir": str(info.output_dir / "tensorboard")}
         self.writer.add_text("config", "```yaml\n" + info.config_yaml() + "```", 0)
         if info.plan is not None:
-            self.writer.add_text("plan", "```json\n" + json.dumps(info.plan, indent=1) + "\n```", 0)
+            self.writer.add_text("plan", "```json\n" + strict_json.dumps(info.plan, indent=1) + "\n```", 0)
+        self.writer.flush()
+        # its event file is shardwise's: a later fresh run may replace it (shardwise.train.outputs)
+        record_own(self.out, "tensorboard", sorted(files_under(self.out, "tensorboard") - self.before))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
 
     def close(self, status: str, summary: dict[str, Any]) -> None:
+        from shardwise.train.outputs import files_under, record_own
+
         self.writer.close()
+        record_own(self.out, "tensorboard", sorted(files_under(self.out, "tensorboard") - self.before))
 
 
 class WandbTracker:
@@ -218,7 +229,7 @@ class WandbTracker:
         # the artifact references them in place.
         files = {"config.yaml": info.config_yaml()}
         if info.plan is not None:
-            files["plan.json"] = json.dumps(info.plan, indent=1) + "\n"
+            files["plan.json"] = strict_json.dumps(info.plan, indent=1) + "\n"
         art = wandb.Artifact(re.sub(r"[^\w.-]", "_", f"{info.name}-run"), type="shardwise-run",
                              metadata={"plan": info.plan_summary(), **info.tags})  # fmt: skip
         for name, text in files.items():
@@ -270,7 +281,7 @@ class MlflowTracker:
             c.log_batch(self.run_id, params=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
         c.log_text(self.run_id, info.config_yaml(), "config.yaml")
         if info.plan is not None:
-            c.log_dict(self.run_id, info.plan, "plan.json")
+            c.log_dict(self.run_id, strict_json.encode(info.plan), "plan.json")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -279,7 +290,7 @@ class MlflowTracker:
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
     def close(self, status: str, summary: dict[str, Any]) -> None:
-        self.client.log_dict(self.run_id, summary, "summary.json")
+        self.client.log_dict(self.run_id, strict_json.encode(summary), "summary.json")
         self.client.set_terminated(self.run_id, MLFLOW_STATUS.get(status, "FAILED"))
 
 

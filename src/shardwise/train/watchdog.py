@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+from shardwise import strict_json
 from shardwise.errors import ExitCode
 
 HEARTBEAT_DIR = "heartbeat"
@@ -223,7 +224,7 @@ class Watchdog:
             "done": done,
         }
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
+        tmp.write_text(strict_json.dumps(record))
         os.replace(tmp, self.path)
 
     def _run(self) -> None:
