@@ -12,6 +12,7 @@ buckets at once. Torch-free (the planner's CLI imports it).
 from __future__ import annotations
 
 import functools
+import math
 import inspect
 import types
 import typing
@@ -162,8 +163,8 @@ def with_knob_flags(func):
 
 
 def _whole(flag: str, v: float) -> int:
-    if v != int(v):
-        raise ShardwiseError(f"{flag} {v}: expected a whole number of elements (e.g. 5e7)")
+    if not math.isfinite(v) or v != int(v):
+        raise ShardwiseError(f"{flag} {v}: expected a finite whole number of elements (e.g. 5e7)")
     return int(v)
 
 
@@ -213,6 +214,13 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
         raise ShardwiseError(f"--tp-impl {tp_impl!r}: expected auto or megatron")
     built = {}
     for section, _, _, cls in SECTIONS:
+        for field, v in knobs.get(section, {}).items():  # each value on its own: the error names its flag
+            try:
+                cls(**{field: v})
+            except ShardwiseError as e:  # "<Class>: field '<field>' = <value>: <why>"
+                shown = f"{v:g}" if isinstance(v, int | float) and not isinstance(v, bool) else repr(v)
+                raise ShardwiseError(f"{flag_of(section, field)} {shown}: {str(e).rsplit(': ', 1)[-1]} "
+                                     f"({section}.{field}: {cls.model_fields[field].description})") from None
         try:
             built[section] = cls(**knobs.get(section, {}))
         except ShardwiseError as e:

@@ -10,13 +10,14 @@ key: value lines of that file's format (shardwise.ingest.advice ranks them). Tor
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError
-from shardwise.safe_yaml import key_lines, read_yaml
+from shardwise.safe_yaml import MAX_DEPTH, MAX_NUMBER_CHARS, check_values, key_lines, parse_yaml, read_text
 
 
 @dataclass(frozen=True)
@@ -116,38 +117,91 @@ class Doc:
 
 
 def load(path: Path) -> Doc:
-    """The file as a mapping with key lines: JSON (json's own error with line and column when it
-    does not parse), else YAML through shardwise.safe_yaml (no aliases bombs, bad bytes)."""
+    """The file as a mapping with key lines, read within shardwise.safe_yaml's bounds (a regular
+    file of at most MAX_CONFIG_BYTES): JSON as RFC 8259 has it (no NaN or infinities, no key
+    twice, numbers that fit), else YAML through shardwise.safe_yaml (no alias bombs, bad bytes,
+    duplicate keys). Every refusal is a ShardwiseError naming the file."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise ShardwiseError(f"--from {path}: file not found") from None
-    except IsADirectoryError:
-        raise ShardwiseError(f"--from {path}: is a directory (expected a config file)") from None
-    except UnicodeDecodeError as e:
-        raise ShardwiseError(f"--from {path}: not UTF-8 text (offset {e.start})") from None
-    except OSError as e:
-        raise ShardwiseError(f"--from {path}: cannot read it ({e.strerror})") from None
+        text = read_text(path)
+    except ShardwiseError as e:
+        raise ShardwiseError(f"--from {e}") from None
     looks_json = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
     if looks_json:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ShardwiseError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+        data = parse_json(text, path)
         lines: dict[tuple, int] = {}
         try:  # JSON is YAML: the same reader gives each key's line
-            node, _ = read_yaml(path)
+            node, _ = parse_yaml(text, path)
             lines = key_lines(node) if node is not None else {}
         except ShardwiseError:
             pass
         kind = "json"
     else:
-        node, data = read_yaml(path)
+        node, data = parse_yaml(text, path)
         lines = key_lines(node) if node is not None else {}
         kind = "yaml"
     if not isinstance(data, dict):
         raise ShardwiseError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
     return Doc(path, data, lines, kind)
+
+
+class _Refused(Exception):
+    """A JSON value parse_json refuses (raised from json's hooks, which know no position)."""
+
+
+def _json_number(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if len(text) > MAX_NUMBER_CHARS and kind is int:
+            raise _Refused(f"an integer of {len(text):,} digits; expected a count or size of at most "
+                           f"{MAX_NUMBER_CHARS} digits")
+        value = kind(text)
+        if not math.isfinite(value):
+            raise _Refused(f"{text[:40]} is beyond a float's range; expected a finite number")
+        return value
+
+    return parse
+
+
+def _json_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not a JSON number; expected a finite number")
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Refused(f"key {k!r} given twice in one object; expected each key once (JSON readers keep "
+                           "only the last silently)")
+        out[k] = v
+    return out
+
+
+def parse_json(text: str, path: Path) -> Any:
+    """`text` as strict JSON: no NaN/Infinity, no number beyond a float or past MAX_NUMBER_CHARS
+    digits, no key twice in an object (named with both lines where the YAML reader can place
+    it), at most MAX_DEPTH levels and MAX_YAML_VALUES values."""
+    try:
+        data = json.loads(text, parse_constant=_json_constant, parse_int=_json_number(int),
+                          parse_float=_json_number(float), object_pairs_hook=_json_object)
+    except json.JSONDecodeError as e:
+        raise ShardwiseError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ShardwiseError(f"{path}: JSON nested too deeply to read (more than {MAX_DEPTH} levels; expected "
+                             "sections of keys, a few levels deep)") from None  # fmt: skip
+    except _Refused as e:
+        if "given twice" in str(e):
+            parse_yaml(text, path)  # JSON is YAML: its reader names the key and both lines where it reads the file
+        raise ShardwiseError(f"{path}: not valid JSON ({e})") from None
+    check_values(data, str(path))
+    depth, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        depth = max(depth, level)
+        if depth > MAX_DEPTH:
+            raise ShardwiseError(f"{path}: JSON nested too deeply to read (more than {MAX_DEPTH} levels; expected "
+                                 "sections of keys, a few levels deep)")
+        stack.extend((c, level + 1) for c in (value.values() if isinstance(value, dict) else
+                                              value if isinstance(value, list) else ()))
+    return data
 
 
 def flatten(d: dict[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
@@ -178,7 +232,8 @@ def as_bool(doc: Doc, key: tuple, value: Any) -> bool:
 
 def as_count(doc: Doc, key: tuple, value: Any, *, zero: bool = False) -> int:
     """A whole number (5e8 and 500000000 alike), at least 1 (0 allowed with `zero`)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < (0 if zero else 1):
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value != int(value) or value < (0 if zero else 1)):
         raise doc.error(key, value, f"a whole number{'' if zero else ' ≥ 1'}")
     return int(value)
 
