@@ -111,7 +111,7 @@ def read_text(path: Path) -> str:
         if not stat.S_ISREG(st.st_mode):  # /dev/zero never ends; opening a FIFO waits for a writer
             raise ShardwiseError(f"{path}: not a regular file (a device, FIFO or socket); expected a config file")
         if st.st_size > MAX_CONFIG_BYTES:
-            raise too_large(path, st.st_size)
+            raise too_large(path, f"{st.st_size:,} bytes")
         # O_NONBLOCK: should the path become a FIFO after the stat, opening it does not wait
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
@@ -123,7 +123,7 @@ def read_text(path: Path) -> str:
     except OSError as e:
         raise ShardwiseError(f"{path}: cannot read the config ({e.strerror})") from None
     if len(data) > MAX_CONFIG_BYTES:
-        raise too_large(path, len(data))
+        raise too_large(path, f"more than {MAX_CONFIG_BYTES:,} bytes")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -132,9 +132,9 @@ def read_text(path: Path) -> str:
                              "expected a config saved as UTF-8.") from None  # fmt: skip
 
 
-def too_large(path: Path, size: int) -> ShardwiseError:
-    return ShardwiseError(f"{path}: {size:,} bytes or more; expected a config file of at most "
-                          f"{MAX_CONFIG_BYTES:,} bytes (a config is a few KiB).")
+def too_large(path: Path, size: str) -> ShardwiseError:
+    return ShardwiseError(f"{path}: {size}; expected a config file of at most {MAX_CONFIG_BYTES:,} bytes (a config "
+                          "is a few KiB).")
 
 
 class Duplicate(yaml.YAMLError):

@@ -238,6 +238,21 @@ def as_count(doc: Doc, key: tuple, value: Any, *, zero: bool = False) -> int:
     return int(value)
 
 
+def as_number(doc: Doc, key: tuple, value: Any) -> float:
+    """A finite number ≥ 0 (a number, or a string of one as the tools' argument parsers take it)."""
+    v = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        v = float(value)
+    elif isinstance(value, str):
+        try:
+            v = float(value.strip())
+        except ValueError:
+            pass
+    if v is None or not math.isfinite(v) or v < 0:
+        raise doc.error(key, value, "a finite number ≥ 0")
+    return v
+
+
 def resolve_path(doc: Doc, key: tuple, value: Any) -> Path:
     """A file the config names: as the tools resolve it (the working directory), else beside the config."""
     if not isinstance(value, str) or not value.strip():
