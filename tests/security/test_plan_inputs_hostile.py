@@ -14,7 +14,7 @@
   under a 1 GiB address-space limit), exit 2, no "Traceback": nested JSON, NaN, a 5,000-digit
   integer, a 1 GiB file (sparse: no disk used) refused by its size unread, /dev/zero and a FIFO
   refused as not regular files without blocking, --ds-reduce-bucket nan, --ds-prefetch inf,
-  duplicate keys.
+  duplicate keys (in a --from file, and `shardwise train` of a run YAML with `lr` twice).
 """
 
 from __future__ import annotations
@@ -231,10 +231,15 @@ def test_the_issues_cases_as_a_user_runs_them(tmp_path):
         "--ds-prefetch inf": (["--ds-prefetch", "inf", "-s", "zero3"], "--ds-prefetch inf"),
         "duplicate keys": (["--from", str(files["twice.yaml"])], "'num_processes' given twice"),
     }
+    run_yaml = tmp_path / "lr.yaml"
+    run_yaml.write_text(RUN_TWICE["optimizer: lr twice"][0])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "shardwise.cli", "plan", *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_limited)
-             for name, (args, _) in cases.items()}
+    commands = {name: ["shardwise.cli", "plan", *args] for name, (args, _) in cases.items()}
+    commands["the run YAML's lr twice"] = ["shardwise.train.cli", str(run_yaml)]  # `shardwise train lr.yaml`
+    cases["the run YAML's lr twice"] = ([], "lr.yaml:5: key 'optimizer.lr' given twice (first at line 3)")
+    procs = {name: subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=env, preexec_fn=_limited)
+             for name, command in commands.items()}
     for name, proc in procs.items():
         try:
             out, err = proc.communicate(timeout=120)
