@@ -12,8 +12,8 @@ buckets at once. Torch-free (the planner's CLI imports it).
 from __future__ import annotations
 
 import functools
-import math
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass

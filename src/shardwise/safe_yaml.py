@@ -1,41 +1,28 @@
 """Reading one YAML document without letting it hang or exhaust memory, with line numbers.
 
-`read_text` reads a config file with a bound: a regular file of at most MAX_CONFIG_BYTES,
-UTF-8 (a device, FIFO or larger file is refused before it is read whole). `read_yaml` then
-refuses control characters, nesting past MAX_DEPTH, more than MAX_YAML_VALUES values (alias
-bombs, cyclic aliases), integers past MAX_NUMBER_CHARS characters and a key given twice in one
-mapping, each as a ShardwiseError naming the file and line; `key_lines` maps every key path to
+`read_yaml` reads the file within shardwise.config_file's bounds, then refuses control
+characters, nesting past MAX_DEPTH, more than MAX_YAML_VALUES values (alias bombs, cyclic
+aliases), integers past MAX_NUMBER_CHARS characters and a key given twice in one mapping, each
+as a ShardwiseError naming the file and line; `key_lines` maps every key path to
 its line, so that a validation error can name it too. The trainer's config loader
 (shardwise.train.config) and `plan --from` (shardwise.ingest) are built on these.
 """
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from shardwise.config_file import MAX_DEPTH, MAX_NUMBER_CHARS, MAX_VALUES, read_text
 from shardwise.errors import ShardwiseError
 
 # A YAML document is a graph: an alias (*a) points at an anchored node (&a) instead of copying
 # it, so 9 lines of aliases to aliases ("billion laughs") describe 10^9 values. Anything that
 # walks the values (line mapping, pydantic, an error message's repr) expands them. Documents
-# whose values, with every alias expanded, exceed this budget are refused; a real config has
-# a few hundred.
-MAX_YAML_VALUES = 100_000
-# A config is a few KiB (the largest shipped or tool-written one is under 10 KiB); PyYAML's
-# pure-Python reader takes about a second per MiB, so 1 MiB keeps any file read, or refused,
-# within seconds and tens of MB, and a 1 GiB file or /dev/zero is refused unread.
-MAX_CONFIG_BYTES = 1 << 20
-# Sections of fields nest a few levels; 64 keeps every recursive walker (PyYAML's composer,
-# key_lines, pydantic, the --from readers) far below Python's recursion limit.
-MAX_DEPTH = 64
-# An integer of more characters is no count or size (Python refuses to parse past 4,300 digits,
-# and a 0b/0x or sexagesimal one would take quadratic time to build); 40 holds any 128-bit value.
-MAX_NUMBER_CHARS = 40
+# whose values, with every alias expanded, exceed the config budget (MAX_VALUES) are refused.
+MAX_YAML_VALUES = MAX_VALUES
 
 
 class Refused(Exception):
@@ -98,43 +85,6 @@ def check_values(value: Any, where: str) -> None:
         expanded_size(value, value_children)
     except Refused as e:
         raise refusal(where, e) from None
-
-
-def read_text(path: Path) -> str:
-    """The text of the config file `path`: a regular file (not a device, FIFO or directory) of at
-    most MAX_CONFIG_BYTES, read with that bound (a file that grows while read stops there too),
-    decoded as UTF-8; each refusal a ShardwiseError naming the file."""
-    try:
-        st = os.stat(path)
-        if stat.S_ISDIR(st.st_mode):
-            raise ShardwiseError(f"{path}: is a directory (expected a config file)")
-        if not stat.S_ISREG(st.st_mode):  # /dev/zero never ends; opening a FIFO waits for a writer
-            raise ShardwiseError(f"{path}: not a regular file (a device, FIFO or socket); expected a config file")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise too_large(path, f"{st.st_size:,} bytes")
-        # O_NONBLOCK: should the path become a FIFO after the stat, opening it does not wait
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ShardwiseError(f"{path}: not a regular file (a device, FIFO or socket); expected a config file")
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ShardwiseError(f"{path}: config file not found") from None
-    except OSError as e:
-        raise ShardwiseError(f"{path}: cannot read the config ({e.strerror})") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise too_large(path, f"more than {MAX_CONFIG_BYTES:,} bytes")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ShardwiseError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                             "expected a config saved as UTF-8.") from None  # fmt: skip
-
-
-def too_large(path: Path, size: str) -> ShardwiseError:
-    return ShardwiseError(f"{path}: {size}; expected a config file of at most {MAX_CONFIG_BYTES:,} bytes (a config "
-                          "is a few KiB).")
 
 
 class Duplicate(yaml.YAMLError):

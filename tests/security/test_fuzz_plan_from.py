@@ -232,7 +232,7 @@ def _text_mutation(text: str, data: st.DataObject) -> str:
         else:
             lines = text.splitlines(keepends=True) or [""]
             i = data.draw(st.integers(0, len(lines) - 1))
-            text = "".join(lines[: i + 1] + [lines[i]] + lines[i + 1:])
+            text = "".join([*lines[: i + 1], lines[i], *lines[i + 1:]])
     return text
 
 

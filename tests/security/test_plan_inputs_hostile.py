@@ -6,6 +6,7 @@
   than its stat says stops at the read's bound;
 - a key given twice at any depth of a YAML (plan --from and the run YAML, `optimizer.lr` and a
   second `run:` section), named with both lines; merge keys (`<<: *base`) may still override;
+- plan's other input files (--profile, --model-config, --hardware) read within the same bounds;
 - every numeric flag of `plan` (the generated --ds-*/--fsdp-*/--ddp-* knobs and plan's own
   counts) refuses NaN, ±inf and values past its bound, naming the flag; a --from file's
   out-of-range knob names the flag and the file;
@@ -31,10 +32,11 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise.cli import app
+from shardwise.config_file import MAX_CONFIG_BYTES, read_text
 from shardwise.errors import ShardwiseError
 from shardwise.ingest.common import load
 from shardwise.knob_flags import FLAGS
-from shardwise.safe_yaml import MAX_CONFIG_BYTES, read_text, read_yaml
+from shardwise.safe_yaml import read_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 FROM = REPO / "tests" / "data" / "from"
@@ -64,7 +66,7 @@ HOSTILE_FILES = {
     "neginf.json": ('{"gradient_accumulation_steps": -Infinity, ' + DS + "}", ["neginf.json", "-Infinity"]),
     "overflow.json": ('{"train_micro_batch_size_per_gpu": 1e999, ' + DS + "}", ["overflow.json", "beyond a float"]),
     "bigint.json": ('{"train_micro_batch_size_per_gpu": ' + "9" * 5000 + ", " + DS + "}",
-                    ["bigint.json", "an integer of 5,000 digits"]),
+                    ["bigint.json", "an integer of 5,000"]),
     "twice.json": ('{"train_micro_batch_size_per_gpu": 1,\n' + DS + ',\n"train_micro_batch_size_per_gpu": 64}',
                    ["twice.json:3", "'train_micro_batch_size_per_gpu' given twice (first at line 1)"]),
     "bomb.yaml": ("distributed_type: FSDP\n" + BOMB, ["bomb.yaml:", "expand to more than 100,000"]),
@@ -94,12 +96,20 @@ def test_hostile_from_files_are_one_error_naming_the_file(tmp_path, name):
     assert time.perf_counter() - t0 < 10
 
 
+@pytest.mark.parametrize("flag", ["--profile", "--model-config", "--hardware"])
+@pytest.mark.parametrize("name", ["nested.json", "bigint.json"])
+def test_plans_other_input_files_are_read_within_the_same_bounds(tmp_path, flag, name):
+    path = tmp_path / name
+    path.write_text(HOSTILE_FILES[name][0])
+    assert_refused(plan(flag, str(path)), name, HOSTILE_FILES[name][1][1])
+
+
 def test_a_file_larger_than_its_stat_says_stops_at_the_bound(tmp_path, monkeypatch):
     """The read itself is bounded (a file that grows after the size check, /proc files that stat as 0)."""
     path = tmp_path / "grows.yaml"
     path.write_text("a: " + "x" * (2 * MAX_CONFIG_BYTES) + "\n")
     real = os.stat
-    monkeypatch.setattr("shardwise.safe_yaml.os.stat",
+    monkeypatch.setattr("shardwise.config_file.os.stat",
                         lambda p, *a, **k: os.stat_result((*real(p)[:6], 10, *real(p)[7:])))
     with pytest.raises(ShardwiseError, match=rf"grows\.yaml: more than {MAX_CONFIG_BYTES:,} bytes"):
         read_text(path)
@@ -227,6 +237,8 @@ def test_the_issues_cases_as_a_user_runs_them(tmp_path):
         "1 GiB file": (["--from", str(sparse)], "1,073,741,824 bytes"),
         "/dev/zero": (["--from", "/dev/zero"], "not a regular file"),
         "a FIFO": (["--from", str(fifo)], "pipe.yaml: not a regular file"),
+        "--model-config /dev/zero": (["--model-config", "/dev/zero"], "/dev/zero: not a regular file"),
+        "--profile /dev/zero": (["--profile", "/dev/zero"], "/dev/zero: not a regular file"),
         "--ds-reduce-bucket nan": (["--ds-reduce-bucket", "nan"], "--ds-reduce-bucket nan"),
         "--ds-prefetch inf": (["--ds-prefetch", "inf", "-s", "zero3"], "--ds-prefetch inf"),
         "duplicate keys": (["--from", str(files["twice.yaml"])], "'num_processes' given twice"),
@@ -242,7 +254,7 @@ def test_the_issues_cases_as_a_user_runs_them(tmp_path):
              for name, command in commands.items()}
     for name, proc in procs.items():
         try:
-            out, err = proc.communicate(timeout=120)
+            _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             for p in procs.values():
                 p.kill()

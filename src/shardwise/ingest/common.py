@@ -9,15 +9,15 @@ key: value lines of that file's format (shardwise.ingest.advice ranks them). Tor
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardwise.config_file import DuplicateKey, parse_json, read_text
 from shardwise.errors import ShardwiseError
-from shardwise.safe_yaml import MAX_DEPTH, MAX_NUMBER_CHARS, check_values, key_lines, parse_yaml, read_text
+from shardwise.safe_yaml import key_lines, parse_yaml
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,11 @@ def load(path: Path) -> Doc:
         raise ShardwiseError(f"--from {e}") from None
     looks_json = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
     if looks_json:
-        data = parse_json(text, path)
+        try:
+            data = parse_json(text, path)
+        except DuplicateKey:
+            parse_yaml(text, path)  # JSON is YAML: its reader names the key and both lines, where it reads the file
+            raise
         lines: dict[tuple, int] = {}
         try:  # JSON is YAML: the same reader gives each key's line
             node, _ = parse_yaml(text, path)
@@ -142,66 +146,6 @@ def load(path: Path) -> Doc:
     if not isinstance(data, dict):
         raise ShardwiseError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
     return Doc(path, data, lines, kind)
-
-
-class _Refused(Exception):
-    """A JSON value parse_json refuses (raised from json's hooks, which know no position)."""
-
-
-def _json_number(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        if len(text) > MAX_NUMBER_CHARS and kind is int:
-            raise _Refused(f"an integer of {len(text):,} digits; expected a count or size of at most "
-                           f"{MAX_NUMBER_CHARS} digits")
-        value = kind(text)
-        if not math.isfinite(value):
-            raise _Refused(f"{text[:40]} is beyond a float's range; expected a finite number")
-        return value
-
-    return parse
-
-
-def _json_constant(name: str) -> Any:
-    raise _Refused(f"{name} is not a JSON number; expected a finite number")
-
-
-def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _Refused(f"key {k!r} given twice in one object; expected each key once (JSON readers keep "
-                           "only the last silently)")
-        out[k] = v
-    return out
-
-
-def parse_json(text: str, path: Path) -> Any:
-    """`text` as strict JSON: no NaN/Infinity, no number beyond a float or past MAX_NUMBER_CHARS
-    digits, no key twice in an object (named with both lines where the YAML reader can place
-    it), at most MAX_DEPTH levels and MAX_YAML_VALUES values."""
-    try:
-        data = json.loads(text, parse_constant=_json_constant, parse_int=_json_number(int),
-                          parse_float=_json_number(float), object_pairs_hook=_json_object)
-    except json.JSONDecodeError as e:
-        raise ShardwiseError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
-    except RecursionError:
-        raise ShardwiseError(f"{path}: JSON nested too deeply to read (more than {MAX_DEPTH} levels; expected "
-                             "sections of keys, a few levels deep)") from None  # fmt: skip
-    except _Refused as e:
-        if "given twice" in str(e):
-            parse_yaml(text, path)  # JSON is YAML: its reader names the key and both lines where it reads the file
-        raise ShardwiseError(f"{path}: not valid JSON ({e})") from None
-    check_values(data, str(path))
-    depth, stack = 0, [(data, 1)]
-    while stack:
-        value, level = stack.pop()
-        depth = max(depth, level)
-        if depth > MAX_DEPTH:
-            raise ShardwiseError(f"{path}: JSON nested too deeply to read (more than {MAX_DEPTH} levels; expected "
-                                 "sections of keys, a few levels deep)")
-        stack.extend((c, level + 1) for c in (value.values() if isinstance(value, dict) else
-                                              value if isinstance(value, list) else ()))
-    return data
 
 
 def flatten(d: dict[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:

@@ -15,7 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ingest.common import Context, Doc, Setting, Source, as_bool, as_count, as_number, dotted, flatten
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Setting,
+    Source,
+    as_bool,
+    as_count,
+    as_number,
+    dotted,
+    flatten,
+)
 
 AUTO = "auto"
 DS_FAMILY = ("zero0", "zero1", "zero2", "zero3", "zero1+opt-offload", "zero2+opt-offload", "zero3+opt-offload",

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardwise.config_file import parse_json, read_text
 from shardwise.errors import ShardwiseError
 from shardwise.specs.families import ANALYTIC_FAMILIES, GPT_ACTIVATIONS, GPT_FAMILIES
 
@@ -59,12 +60,9 @@ def read_config_json(path: str | Path) -> tuple[dict, Path]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ShardwiseError(f"{path}: file not found (expected a Hugging Face config.json)") from None
-    except json.JSONDecodeError as e:
-        raise ShardwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not path.exists():
+        raise ShardwiseError(f"{path}: file not found (expected a Hugging Face config.json)")
+    cfg = parse_json(read_text(path), path, strict=False)  # bounded: size, nesting, integer digits
     if not isinstance(cfg, dict):
         raise ShardwiseError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, path

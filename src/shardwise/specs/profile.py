@@ -7,13 +7,13 @@ errors that name the file, the line or the field.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from shardwise.config_file import parse_json, read_text
 from shardwise.errors import ShardwiseError, user_error
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.timing_model import Provenance, constant_names
@@ -130,14 +130,9 @@ def load_profile(path: str | Path, *, device: str = "cuda") -> HardwareProfile:
     """The profile at `path`, for planning `device` ("cuda": the planner's GPUs; "cpu": a
     trainer run on the CPU, the one use a profile measured on a CPU has)."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ShardwiseError(f"{path}: hardware profile not found (run `shardwise calibrate` to measure one)") from None
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise ShardwiseError(f"{path}: not a JSON hardware profile ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ShardwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not path.exists():
+        raise ShardwiseError(f"{path}: hardware profile not found (run `shardwise calibrate` to measure one)")
+    raw = parse_json(read_text(path), path)  # shardwise calibrate wrote it: strict JSON, bounded
     if not isinstance(raw, dict):
         raise ShardwiseError(f"{path}: expected a JSON object (a hardware profile), got {type(raw).__name__}")
     try:
