@@ -12,8 +12,8 @@ repeated, spans cut).
 Property of each case: a plan (exit 0, or 3 when nothing fits) or exit 2 with one message
 naming the file and no traceback, within CASE_SECONDS; the run YAML: a TrainConfig or a
 ShardwiseError naming the file. Over a whole test the process's peak RSS grows by less than
-PEAK_GROWTH_MB. Hypothesis with a fixed seed (SEED): 60 + 60 + 60 cases of `plan --from`
-and 60 + 60 of the run YAML per CI run, about 40 s in all on one core.
+PEAK_GROWTH_MB. Hypothesis with a fixed seed (SEED, no example database): 150 cases per test,
+450 of `plan --from` and 300 of the run YAML per CI run, about 25 s in all on one core.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ EXAMPLES = REPO / "examples"
 CASE_SECONDS = 20.0
 PEAK_GROWTH_MB = 512
 SEED = 39_2026  # a fixed seed: the same cases every run
-FUZZ = settings(deadline=None, max_examples=60, database=None,
+FUZZ = settings(deadline=None, max_examples=150, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                        HealthCheck.data_too_large])
 
@@ -200,7 +200,7 @@ def _stage(tmp_path: Path) -> Path:
 @given(base=st.sampled_from(FROM_FILES), extra=st.dictionaries(KEYS, VALUES, max_size=6),
        fmt=st.sampled_from(["json", "yaml"]))
 def test_generated_files_plan_or_are_refused_naming_the_file(tmp_path_factory, base, extra, fmt, bounded_memory):
-    """60 cases: a real file's top level merged with generated keys and values, as JSON or YAML."""
+    """150 cases: a real file's top level merged with generated keys and values, as JSON or YAML."""
     d = _stage(tmp_path_factory.mktemp("gen"))
     path = d / f"gen.{fmt}"
     _write(path, {**_load(base), **extra}, fmt)
@@ -211,7 +211,7 @@ def test_generated_files_plan_or_are_refused_naming_the_file(tmp_path_factory, b
 @FUZZ
 @given(target=st.sampled_from(FROM_LEAVES), value=REPLACEMENT, more=EDITS)
 def test_mutated_examples_plan_or_are_refused_naming_the_file(tmp_path_factory, target, value, more, bounded_memory):
-    """60 cases: a real example with one of its numbers or strings replaced by a hostile value,
+    """150 cases: a real example with one of its numbers or strings replaced by a hostile value,
     and up to 2 more values replaced, deleted or added."""
     base = target[0]
     doc = _mutated(base, target[1], value, more)
@@ -240,7 +240,7 @@ def _text_mutation(text: str, data: st.DataObject) -> str:
 @FUZZ
 @given(base=st.sampled_from([*FROM_FILES, *RUN_FILES]), data=st.data())
 def test_mutated_text_plans_or_is_refused_naming_the_file(tmp_path_factory, base, data, bounded_memory):
-    """60 cases: a real example's text with 1-4 syntax pieces inserted, spans cut or lines repeated."""
+    """150 cases: a real example's text with 1-4 syntax pieces inserted, spans cut or lines repeated."""
     d = _stage(tmp_path_factory.mktemp("txt"))
     path = d / f"text{base.suffix}"
     path.write_text(_text_mutation(_text(base), data))
@@ -262,7 +262,7 @@ def assert_config_or_named_error(path: Path) -> None:
 @FUZZ
 @given(target=st.sampled_from(RUN_LEAVES), value=REPLACEMENT, more=EDITS)
 def test_mutated_run_yaml_loads_or_is_refused_naming_the_file(tmp_path_factory, target, value, more, bounded_memory):
-    """60 cases: an example run YAML with one of its numbers or strings replaced by a hostile
+    """150 cases: an example run YAML with one of its numbers or strings replaced by a hostile
     value, and up to 2 more values replaced, deleted or added."""
     doc = _mutated(target[0], target[1], value, more)
     path = tmp_path_factory.mktemp("run") / "run.yaml"
@@ -274,7 +274,7 @@ def test_mutated_run_yaml_loads_or_is_refused_naming_the_file(tmp_path_factory, 
 @FUZZ
 @given(base=st.sampled_from(RUN_FILES), data=st.data())
 def test_mutated_run_yaml_text_loads_or_is_refused_naming_the_file(tmp_path_factory, base, data, bounded_memory):
-    """60 cases: an example run YAML's text with syntax pieces inserted, spans cut or lines repeated."""
+    """150 cases: an example run YAML's text with syntax pieces inserted, spans cut or lines repeated."""
     path = tmp_path_factory.mktemp("runtxt") / "run.yaml"
     path.write_text(_text_mutation(_text(base), data))
     assert_config_or_named_error(path)
