@@ -1,7 +1,7 @@
 """Fuzz of every file `shardwise plan --from` reads and of the run YAML, in process.
 
 Readers: the DeepSpeed JSON, accelerate YAML, LLaMA-Factory / axolotl YAML, TrainingArguments
-JSON and shardwise YAML of `plan --from` (shardwise.ingest, the whole `plan` command through
+JSON (two seeds written here: with FSDP, with inline DeepSpeed) and shardwise YAML of `plan --from` (shardwise.ingest, the whole `plan` command through
 typer's CliRunner), and the run YAML through `shardwise.train.config.load_config`. Inputs:
 structures generated from the readers' own key vocabulary (every quoted name in
 src/shardwise/ingest/ and every key of the real examples), the real examples
@@ -22,6 +22,7 @@ import json
 import re
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +64,41 @@ def _keys_of(value: Any) -> set[str]:
     return out
 
 
-def _text(path: Path) -> str:
+def _text(path: Path | Seed) -> str:
     """A seed's text, planned as it stands: the LLaMA-Factory example's Hub model is one the
     catalog names, and its DeepSpeed JSON is the copy beside it (_stage)."""
     return (path.read_text().replace("meta-llama/Meta-Llama-3-8B-Instruct", "meta-llama/Llama-2-7b-hf")
             .replace("deepspeed: tests/data/from/", "deepspeed: "))
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path | Seed) -> Any:
     return json.loads(_text(path)) if path.suffix == ".json" else yaml.safe_load(_text(path))
 
 
-FROM_FILES = sorted(FROM.iterdir())
+@dataclass(frozen=True)
+class Seed:
+    """A seed file written here (TrainingArguments JSON has no example in tests/data/from/)."""
+
+    name: str
+    text: str
+
+    @property
+    def suffix(self) -> str:
+        return Path(self.name).suffix
+
+    def read_text(self) -> str:
+        return self.text
+
+
+TRAINING_ARGS = {"model_name_or_path": "meta-llama/Llama-2-7b-hf", "per_device_train_batch_size": 4,
+                 "gradient_accumulation_steps": 2, "bf16": True, "optim": "adamw_torch_fused", "weight_decay": 0.01,
+                 "gradient_checkpointing": True, "output_dir": "out", "learning_rate": 2e-5}
+FROM_FILES = [*sorted(FROM.iterdir()),
+              Seed("args_fsdp.json", json.dumps(TRAINING_ARGS | {"fsdp": "full_shard auto_wrap", "fsdp_config": {
+                  "version": 2, "reshard_after_forward": True, "cpu_offload": False}})),
+              Seed("args_ds.json", json.dumps(TRAINING_ARGS | {"deepspeed": {
+                  "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                        "reduce_bucket_size": 5e8}, "train_micro_batch_size_per_gpu": "auto"}}))]
 RUN_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
 
