@@ -174,6 +174,7 @@ def given_knobs(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"ds": {}, "fsdp": {}, "ddp": {}}
     if values.get("ds_bucket") is not None:
         n = _whole(BOTH_BUCKETS, values["ds_bucket"])
+        check_knob(BOTH_BUCKETS, "ds", "reduce_bucket_size", n)
         out["ds"] |= {"reduce_bucket_size": n, "allgather_bucket_size": n}
     for param, v in values.items():
         flag = BY_PARAM.get(param)
@@ -188,6 +189,18 @@ def given_knobs(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
             v = _whole(flag.flag, v)
         out[flag.section][flag.field] = v
     return out
+
+
+def check_knob(flag: str, section: str, field: str, value: Any) -> None:
+    """`value` of one knob against its field in the schema (type, finite, bounds), or the
+    ShardwiseError naming `flag`."""
+    cls = dict((s, c) for s, _, _, c in SECTIONS)[section]
+    try:
+        cls(**{field: value})
+    except ShardwiseError as e:  # "<Class>: field '<field>' = <value>: <why>"
+        shown = f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else repr(value)
+        raise ShardwiseError(f"{flag} {shown}: {str(e).rsplit(': ', 1)[-1]} ({section}.{field}: "
+                             f"{cls.model_fields[field].description})") from None
 
 
 def flag_of(section: str, field: str) -> str:
@@ -215,12 +228,7 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
     built = {}
     for section, _, _, cls in SECTIONS:
         for field, v in knobs.get(section, {}).items():  # each value on its own: the error names its flag
-            try:
-                cls(**{field: v})
-            except ShardwiseError as e:  # "<Class>: field '<field>' = <value>: <why>"
-                shown = f"{v:g}" if isinstance(v, int | float) and not isinstance(v, bool) else repr(v)
-                raise ShardwiseError(f"{flag_of(section, field)} {shown}: {str(e).rsplit(': ', 1)[-1]} "
-                                     f"({section}.{field}: {cls.model_fields[field].description})") from None
+            check_knob(flag_of(section, field), section, field, v)
         try:
             built[section] = cls(**knobs.get(section, {}))
         except ShardwiseError as e:
