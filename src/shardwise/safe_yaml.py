@@ -10,6 +10,7 @@ its line, so that a validation error can name it too. The trainer's config loade
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -151,17 +152,16 @@ def check_duplicates(loader: Loader, root: yaml.Node) -> None:
         if isinstance(node, yaml.MappingNode):
             first: dict[Any, yaml.Node] = {}
             for k, v in node.value:
-                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                    key = loader.construct_object(k)
-                    try:
-                        earlier = first.get(key)
-                    except TypeError:  # an unhashable key: the constructor refuses it
-                        earlier = None
-                    if earlier is not None:
-                        raise Duplicate(".".join(str(p) for p in (*path, k.value)), earlier.start_mark.line + 1,
-                                        k.start_mark.line + 1)
-                    first[key] = k
                 stack.append((v, (*path, getattr(k, "value", "?"))))
+                if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = loader.construct_object(k)
+                if not isinstance(key, Hashable):  # the constructor refuses it, naming the line
+                    continue
+                if key in first:
+                    raise Duplicate(".".join(str(p) for p in (*path, k.value)), first[key].start_mark.line + 1,
+                                    k.start_mark.line + 1)
+                first[key] = k
         elif isinstance(node, yaml.SequenceNode):
             stack.extend((v, (*path, i)) for i, v in enumerate(node.value))
 
