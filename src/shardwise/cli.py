@@ -15,6 +15,7 @@ from shardwise.cli_plan import (
     emit_plan,
     hardware_inputs,
     input_warnings,
+    naming_file,
     plan_inputs,
     print_warnings,
 )
@@ -193,7 +194,7 @@ def plan(
 
             source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting)
     except ShardwiseError as e:
-        _fail(e)
+        _fail(naming_file(e, source.path if source is not None else None))
     print_warnings(warnings)
     print_plan(PlanOutput(m, hw, train, evals, accounting, rec=rec, rec_error=rec_error, alternatives=alternatives,
                           skipped=skipped, profile=profile, warnings=warnings, emitted=emitted, notes=notes,

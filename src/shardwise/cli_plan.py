@@ -81,8 +81,11 @@ def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
         return values, None
     from shardwise.ingest import read_source
 
-    source = read_source(Path(path), given={k: values[k] for k in given if k in values}, defaults=values, sets=sets,
-                         cli_knobs=cli_knobs)
+    try:
+        source = read_source(Path(path), given={k: values[k] for k in given if k in values}, defaults=values,
+                             sets=sets, cli_knobs=cli_knobs)
+    except ShardwiseError as e:
+        raise naming_file(e, Path(path)) from None
     for k, v in source.values.items():
         if k not in given:
             values[k] = v
@@ -91,6 +94,13 @@ def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
     if knob_values.get("shard_group") is None and source.shard_group is not None:
         values["shard_group"] = source.shard_group
     return values, source
+
+
+def naming_file(err: ShardwiseError, path: Path | None) -> ShardwiseError:
+    """`err` naming the --from file whose values were planned (unless it does already)."""
+    if path is None or str(path) in str(err):
+        return err
+    return ShardwiseError(f"{err} (planning --from {path})")
 
 
 def check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, given: dict[str, dict],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -162,8 +163,8 @@ def with_knob_flags(func):
 
 
 def _whole(flag: str, v: float) -> int:
-    if v != int(v):
-        raise ShardwiseError(f"{flag} {v}: expected a whole number of elements (e.g. 5e7)")
+    if not math.isfinite(v) or v != int(v):
+        raise ShardwiseError(f"{flag} {v}: expected a finite whole number of elements (e.g. 5e7)")
     return int(v)
 
 
@@ -173,6 +174,7 @@ def given_knobs(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"ds": {}, "fsdp": {}, "ddp": {}}
     if values.get("ds_bucket") is not None:
         n = _whole(BOTH_BUCKETS, values["ds_bucket"])
+        check_knob(BOTH_BUCKETS, "ds", "reduce_bucket_size", n)
         out["ds"] |= {"reduce_bucket_size": n, "allgather_bucket_size": n}
     for param, v in values.items():
         flag = BY_PARAM.get(param)
@@ -187,6 +189,18 @@ def given_knobs(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
             v = _whole(flag.flag, v)
         out[flag.section][flag.field] = v
     return out
+
+
+def check_knob(flag: str, section: str, field: str, value: Any) -> None:
+    """`value` of one knob against its field in the schema (type, finite, bounds), or the
+    ShardwiseError naming `flag`."""
+    cls = dict((s, c) for s, _, _, c in SECTIONS)[section]
+    try:
+        cls(**{field: value})
+    except ShardwiseError as e:  # "<Class>: field '<field>' = <value>: <why>"
+        shown = f"{value:g}" if isinstance(value, int | float) and not isinstance(value, bool) else repr(value)
+        raise ShardwiseError(f"{flag} {shown}: {str(e).rsplit(': ', 1)[-1]} ({section}.{field}: "
+                             f"{cls.model_fields[field].description})") from None
 
 
 def flag_of(section: str, field: str) -> str:
@@ -213,6 +227,8 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
         raise ShardwiseError(f"--tp-impl {tp_impl!r}: expected auto or megatron")
     built = {}
     for section, _, _, cls in SECTIONS:
+        for field, v in knobs.get(section, {}).items():  # each value on its own: the error names its flag
+            check_knob(flag_of(section, field), section, field, v)
         try:
             built[section] = cls(**knobs.get(section, {}))
         except ShardwiseError as e:

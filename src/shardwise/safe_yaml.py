@@ -1,26 +1,29 @@
 """Reading one YAML document without letting it hang or exhaust memory, with line numbers.
 
-`read_yaml` refuses non-UTF-8 bytes, control characters, nesting past the recursion limit,
-alias bombs and cyclic aliases, each as a ShardwiseError naming the file and line;
-`key_lines` maps every key path to its line, so that a validation error can name it too.
-The trainer's config loader (shardwise.train.config) is built on these.
+`read_yaml` reads the file within shardwise.config_file's bounds, then refuses control
+characters, nesting past MAX_DEPTH, more than MAX_YAML_VALUES values (alias bombs, cyclic
+aliases), integers past MAX_NUMBER_CHARS characters and a key given twice in one mapping, each
+as a ShardwiseError naming the file and line; `key_lines` maps every key path to
+its line, so that a validation error can name it too. The trainer's config loader
+(shardwise.train.config) and `plan --from` (shardwise.ingest) are built on these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from shardwise.config_file import MAX_DEPTH, MAX_NUMBER_CHARS, MAX_VALUES, read_text
 from shardwise.errors import ShardwiseError
 
 # A YAML document is a graph: an alias (*a) points at an anchored node (&a) instead of copying
 # it, so 9 lines of aliases to aliases ("billion laughs") describe 10^9 values. Anything that
 # walks the values (line mapping, pydantic, an error message's repr) expands them. Documents
-# whose values, with every alias expanded, exceed this budget are refused; a real config has
-# a few hundred.
-MAX_YAML_VALUES = 100_000
+# whose values, with every alias expanded, exceed the config budget (MAX_VALUES) are refused.
+MAX_YAML_VALUES = MAX_VALUES
 
 
 class Refused(Exception):
@@ -85,27 +88,99 @@ def check_values(value: Any, where: str) -> None:
         raise refusal(where, e) from None
 
 
+class Duplicate(yaml.YAMLError):
+    """A key given twice in one mapping (YAML would keep the last silently)."""
+
+    def __init__(self, key: str, first: int, second: int):
+        self.key, self.first, self.second = key, first, second
+
+
+class Bounded(yaml.YAMLError):
+    """A document past MAX_DEPTH or MAX_YAML_VALUES, found while composing it."""
+
+    def __init__(self, message: str, mark: Any):
+        self.message, self.line = message, mark.line + 1
+
+
+class Loader(yaml.SafeLoader):
+    """PyYAML's SafeLoader that stops composing past MAX_DEPTH levels or MAX_YAML_VALUES nodes
+    (before the document is held in memory) and refuses integers past MAX_NUMBER_CHARS."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.depth, self.nodes = 0, 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if not self.check_event(yaml.AliasEvent):
+            self.nodes += 1
+            if self.nodes > MAX_YAML_VALUES:
+                raise Bounded(f"more than {MAX_YAML_VALUES:,} values; expected a config of a few hundred",
+                              self.peek_event().start_mark)
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise Bounded(f"YAML nested too deeply to read (more than {MAX_DEPTH} levels; expected sections "
+                              "of fields, a few levels deep)", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = self.construct_scalar(node)
+        if len(text) > MAX_NUMBER_CHARS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(text):,} characters; expected a count or size of at most "
+                f"{MAX_NUMBER_CHARS} digits", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
+
+
+def check_duplicates(loader: Loader, root: yaml.Node) -> None:
+    """Raise Duplicate at the first mapping that gives a key twice (keys compared as YAML
+    constructs them: `1` and `0x1` are one key). A merge key's (`<<: *base`) keys may be
+    overridden: that is what merging is for. Each node is checked once (the document has passed
+    expanded_size: the walk is bounded)."""
+    seen_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, yaml.Node] = {}
+            for k, v in node.value:
+                stack.append((v, (*path, getattr(k, "value", "?"))))
+                if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = loader.construct_object(k)
+                if not isinstance(key, Hashable):  # the constructor refuses it, naming the line
+                    continue
+                if key in first:
+                    raise Duplicate(".".join(str(p) for p in (*path, k.value)), first[key].start_mark.line + 1,
+                                    k.start_mark.line + 1)
+                first[key] = k
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, (*path, i)) for i, v in enumerate(node.value))
+
+
 def read_yaml(path: Path) -> tuple[Any, Any]:
-    """(composed node, constructed value) of the single YAML document in `path`, refusing what
-    would hang or exhaust memory: non-UTF-8 bytes, nesting past the recursion limit, alias
-    bombs and cyclic aliases. Composed once; the values are built from that node."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ShardwiseError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise ShardwiseError(f"{path}: is a directory (expected a YAML config file)") from None
-    except OSError as e:
-        raise ShardwiseError(f"{path}: cannot read the config ({e.strerror})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ShardwiseError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                             "expected a YAML config saved as UTF-8.") from None  # fmt: skip
+    """(composed node, constructed value) of the single YAML document in the file `path`
+    (read_text's bounds), as parse_yaml reads it."""
+    return parse_yaml(read_text(path), path)
+
+
+def parse_yaml(text: str, path: Path) -> tuple[Any, Any]:
+    """(composed node, constructed value) of the single YAML document `text` (from `path`, which
+    errors name), refusing what would hang or exhaust memory or be read other than written:
+    control characters, nesting past MAX_DEPTH, more than MAX_YAML_VALUES values with aliases
+    expanded, cyclic aliases, integers past MAX_NUMBER_CHARS characters, a key given twice in
+    one mapping. Composed once; the values are built from that node."""
     loader = None
     try:
-        loader = yaml.SafeLoader(text)  # its reader refuses control characters: a YAMLError too
+        loader = Loader(text)  # its reader refuses control characters: a YAMLError too
         node = loader.get_single_node()
         if node is None:
             return None, None
@@ -113,7 +188,13 @@ def read_yaml(path: Path) -> tuple[Any, Any]:
             expanded_size(node, node_children)
         except Refused as e:
             raise refusal(f"{path}:{e.node.start_mark.line + 1}", e) from None
+        check_duplicates(loader, node)
         return node, loader.construct_document(node)
+    except Duplicate as e:
+        raise ShardwiseError(f"{path}:{e.second}: key {e.key!r} given twice (first at line {e.first}); YAML would "
+                             "keep only the last silently: expected each key once per section.") from None
+    except Bounded as e:
+        raise ShardwiseError(f"{path}:{e.line}: {e.message}.") from None
     except yaml.reader.ReaderError as e:  # a control character: YAML allows printable text only
         line = text.count("\n", 0, e.position) + 1
         raise ShardwiseError(f"{path}:{line}: not valid YAML (control character #x{e.character:04x} at offset "

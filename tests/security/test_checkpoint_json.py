@@ -67,7 +67,7 @@ def _refused(step: Path, *fragments: str) -> str:
     ('{"format": "shardwise-checkpoint/1", "step": NaN}', "NaN is not a JSON number"),
     ('{"format": "shardwise-checkpoint/1", "step": Infinity}', "Infinity is not a JSON number"),
     ('{"format": "shardwise-checkpoint/1", "step": ' + "9" * 5000 + "}", "not valid JSON"),
-    ("\xff\xfe", "not valid JSON"),
+    ("\xff\xfe", "not UTF-8"),
     ('[1, 2]', "expected a JSON object"),
 ], ids=["deep", "nan", "inf", "5000-digit", "bytes", "list"])
 def test_a_malformed_manifest_is_refused_naming_it(step, text, says):
@@ -93,7 +93,7 @@ def test_manifest_fields_of_the_wrong_type_are_refused(step, fields, says):
 
 def test_a_manifest_that_is_a_device_or_too_big_is_refused_before_reading(step, monkeypatch):
     monkeypatch.setattr(checkpoint_dir, "_MAX_MANIFEST", 10)
-    _refused(step, "over the 10 shardwise reads")
+    _refused(step, "expected a checkpoint manifest of at most 10 bytes")
     monkeypatch.undo()
     (step / "manifest.json").unlink()
     os.symlink("/dev/zero", step / "manifest.json")  # read_text would read for ever

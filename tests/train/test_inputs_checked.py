@@ -376,7 +376,7 @@ def test_modest_aliases_and_merge_keys_still_load(tmp_path):
 def test_deeply_nested_yaml_is_one_error(tmp_path):
     p = tmp_path / "deep.yaml"
     p.write_text("name: " + "[" * 100_000 + "]" * 100_000 + "\n")
-    with pytest.raises(ShardwiseError, match=r"deep\.yaml: YAML nested too deeply"):
+    with pytest.raises(ShardwiseError, match=r"deep\.yaml:1: YAML nested too deeply"):
         load_config(p)
     p.write_text("name: x\n")
     with pytest.raises(ShardwiseError, match=r"--set 'name=\[\[\[.*nested too deeply"):

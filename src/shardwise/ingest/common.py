@@ -9,14 +9,15 @@ key: value lines of that file's format (shardwise.ingest.advice ranks them). Tor
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardwise.config_file import DuplicateKey, parse_json, read_text
 from shardwise.errors import ShardwiseError
-from shardwise.safe_yaml import key_lines, read_yaml
+from shardwise.safe_yaml import key_lines, parse_yaml
 
 
 @dataclass(frozen=True)
@@ -116,33 +117,30 @@ class Doc:
 
 
 def load(path: Path) -> Doc:
-    """The file as a mapping with key lines: JSON (json's own error with line and column when it
-    does not parse), else YAML through shardwise.safe_yaml (no aliases bombs, bad bytes)."""
+    """The file as a mapping with key lines, read within shardwise.safe_yaml's bounds (a regular
+    file of at most MAX_CONFIG_BYTES): JSON as RFC 8259 has it (no NaN or infinities, no key
+    twice, numbers that fit), else YAML through shardwise.safe_yaml (no alias bombs, bad bytes,
+    duplicate keys). Every refusal is a ShardwiseError naming the file."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise ShardwiseError(f"--from {path}: file not found") from None
-    except IsADirectoryError:
-        raise ShardwiseError(f"--from {path}: is a directory (expected a config file)") from None
-    except UnicodeDecodeError as e:
-        raise ShardwiseError(f"--from {path}: not UTF-8 text (offset {e.start})") from None
-    except OSError as e:
-        raise ShardwiseError(f"--from {path}: cannot read it ({e.strerror})") from None
+        text = read_text(path)
+    except ShardwiseError as e:
+        raise ShardwiseError(f"--from {e}") from None
     looks_json = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
     if looks_json:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ShardwiseError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+            data = parse_json(text, path)
+        except DuplicateKey:
+            parse_yaml(text, path)  # JSON is YAML: its reader names the key and both lines, where it reads the file
+            raise
         lines: dict[tuple, int] = {}
         try:  # JSON is YAML: the same reader gives each key's line
-            node, _ = read_yaml(path)
+            node, _ = parse_yaml(text, path)
             lines = key_lines(node) if node is not None else {}
         except ShardwiseError:
             pass
         kind = "json"
     else:
-        node, data = read_yaml(path)
+        node, data = parse_yaml(text, path)
         lines = key_lines(node) if node is not None else {}
         kind = "yaml"
     if not isinstance(data, dict):
@@ -178,9 +176,25 @@ def as_bool(doc: Doc, key: tuple, value: Any) -> bool:
 
 def as_count(doc: Doc, key: tuple, value: Any, *, zero: bool = False) -> int:
     """A whole number (5e8 and 500000000 alike), at least 1 (0 allowed with `zero`)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or value < (0 if zero else 1):
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value != int(value) or value < (0 if zero else 1)):
         raise doc.error(key, value, f"a whole number{'' if zero else ' ≥ 1'}")
     return int(value)
+
+
+def as_number(doc: Doc, key: tuple, value: Any) -> float:
+    """A finite number ≥ 0 (a number, or a string of one as the tools' argument parsers take it)."""
+    v = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        v = float(value)
+    elif isinstance(value, str):
+        try:
+            v = float(value.strip())
+        except ValueError:
+            pass
+    if v is None or not math.isfinite(v) or v < 0:
+        raise doc.error(key, value, "a finite number ≥ 0")
+    return v
 
 
 def resolve_path(doc: Doc, key: tuple, value: Any) -> Path:

@@ -15,7 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ingest.common import Context, Doc, Setting, Source, as_bool, as_count, dotted, flatten
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Setting,
+    Source,
+    as_bool,
+    as_count,
+    as_number,
+    dotted,
+    flatten,
+)
 
 AUTO = "auto"
 DS_FAMILY = ("zero0", "zero1", "zero2", "zero3", "zero1+opt-offload", "zero2+opt-offload", "zero3+opt-offload",
@@ -319,10 +329,8 @@ def _optimizer(doc: Doc, data: dict, src: Source, got, key, under: str) -> None:
         src.ignored.append((dotted(key("optimizer", "type")), f"{kind}: planned as AdamW (its state bytes)"))
     wd = got("optimizer", "params", "weight_decay")
     if wd is not None and not _is_auto(wd):
-        if isinstance(wd, bool) or not isinstance(wd, int | float) or wd < 0:
-            raise doc.error(key("optimizer", "params", "weight_decay"), wd, "a number ≥ 0")
-        src.values["weight_decay"] = float(wd)
-        src.read.append((dotted(key("optimizer", "params", "weight_decay")), f"--weight-decay {float(wd):g}"))
+        src.values["weight_decay"] = as_number(doc, key("optimizer", "params", "weight_decay"), wd)
+        src.read.append((dotted(key("optimizer", "params", "weight_decay")), f"--weight-decay {src.values['weight_decay']:g}"))
     elif wd is not None:
         src.read.append((dotted(key("optimizer", "params", "weight_decay")), f"\"auto\": --weight-decay from {under}"))
     torch_adam = got("optimizer", "params", "torch_adam")

@@ -45,16 +45,16 @@ def read(doc: Doc, ctx: Context) -> Source:
         rank = as_count(doc, ("lora_rank",), d.get("lora_rank", 8))
         target = d.get("lora_target", "all")
         targets = "all-linear" if str(target).strip() == "all" else ",".join(
-            t.strip() for t in (target if isinstance(target, list) else str(target).split(",")))
+            str(t).strip() for t in (target if isinstance(target, list) else str(target).split(",")))
         src.values |= {"lora_rank": rank, "lora_targets": targets}
         src.read.append(("finetuning_type", f"lora: --lora-rank {rank} --lora-targets {targets}"))
         extra = d.get("additional_target")
         if extra:
-            src.values["lora_modules_to_save"] = extra if isinstance(extra, str) else ",".join(extra)
+            src.values["lora_modules_to_save"] = extra if isinstance(extra, str) else ",".join(map(str, extra))
             src.read.append(("additional_target", f"--lora-modules-to-save {src.values['lora_modules_to_save']}"))
         bits = d.get("quantization_bit")
         if bits is not None:
-            if int(bits) == 4:
+            if as_count(doc, ("quantization_bit",), bits) == 4:
                 src.values["qlora"] = True
                 src.read.append(("quantization_bit", "4: --qlora (bitsandbytes NF4 base)"))
             else:

@@ -18,6 +18,7 @@ from shardwise.ingest.common import (
     Source,
     as_bool,
     as_count,
+    as_number,
     hub_model,
     load,
     resolve_path,
@@ -116,8 +117,8 @@ def read_trainer_args(doc: Doc, d: dict, src: Source, ctx: Context, *, batch_key
             src.ignored.append((key, f"{optim}: planned as AdamW"))
     wd = take("weight_decay")
     if wd is not None:
-        src.values["weight_decay"] = float(wd)
-        src.read.append(("weight_decay", f"--weight-decay {float(wd):g}"))
+        src.values["weight_decay"] = as_number(doc, ("weight_decay",), wd)
+        src.read.append(("weight_decay", f"--weight-decay {src.values['weight_decay']:g}"))
     if ckpt_key:
         ck = take(ckpt_key)
         on = ckpt_default if ck is None else as_bool(doc, (ckpt_key,), ck)
@@ -174,9 +175,14 @@ def _deepspeed(doc: Doc, ds: Any, src: Source, ctx: Context) -> None:
 def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
     if isinstance(cfg, str):
         cfg = load(resolve_path(doc, ("fsdp_config",), cfg)).data
-    cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (cfg or {}).items()}
+    if not isinstance(cfg, dict | None):
+        raise doc.error(("fsdp_config",), cfg, "a mapping of fsdp_* keys, or the path of a file of them")
+    cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (cfg or {}).items() if isinstance(k, str)}
     items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
-    version = int(cfg.get("version", 2))
+    version = cfg.get("version", 2)
+    if str(version) not in ("1", "2"):
+        raise doc.error(("fsdp_config", "version"), version, "1 or 2")
+    version = int(version)
     for item in items:
         if item in ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard", "hybrid_shard_zero2"):
             cfg.setdefault("reshard_after_forward", item if version == 1 else item == "full_shard")

@@ -5,6 +5,7 @@ a user's config.json). Every number a user gives is checked here or in
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,13 @@ from shardwise.specs.strategy import StrategyKnobs
 # (and --params' default shape stops at hidden 65536, ~2.6e13).
 MAX_PARAMS = 1e13
 # TrainSpec fields given as command-line counts (checked with the flag's name).
-_COUNT_FLAGS = {"seq_len": "--seq-len", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum"}
+_COUNT_FLAGS = {"seq_len": "--seq-len", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+                "ce_chunk": "--ce-chunk"}
+
+
+def field_high(spec: type, field: str) -> int | None:
+    """The `le` bound of a spec's field (the schema states it once)."""
+    return next((m.le for m in spec.model_fields[field].metadata if getattr(m, "le", None) is not None), None)
 
 
 def check_margin(margin: float) -> float:
@@ -66,9 +73,10 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
             "--gpus-per-node 1 for single-GPU machines)")
     for field, flag in _COUNT_FLAGS.items():
         if field in train_fields:
-            check_count(flag, train_fields[field])
-    if train_fields.get("lora_rank", 0) < 0:
-        raise ShardwiseError(f"--lora-rank {train_fields['lora_rank']}: expected 0 (full fine-tuning) or a rank ≥ 1")
+            check_count(flag, train_fields[field], high=field_high(TrainSpec, field))
+    rank, high = train_fields.get("lora_rank", 0), field_high(TrainSpec, "lora_rank")
+    if not isinstance(rank, int) or not 0 <= rank <= high:
+        raise ShardwiseError(f"--lora-rank {rank!r}: expected 0 (full fine-tuning) or a rank 1..{high:,}")
     extra: dict[str, Any] = {}
     if host_memory_gb is not None:
         extra["host_memory_bytes"] = check_number("--host-memory-gb", host_memory_gb, high=1e6, unit=" of GB") * 1e9
@@ -94,7 +102,12 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
             saved_module_params(m, train_fields["lora_modules_to_save"])
         except ShardwiseError as e:
             raise ShardwiseError(str(e).replace("lora.modules_to_save", "--lora-modules-to-save")) from None
-    return m, hw, TrainSpec(**train_fields)
+    try:
+        train = TrainSpec(**train_fields)
+    except ShardwiseError as e:  # the flag that gave the field, as every check above names it
+        raise ShardwiseError(re.sub(r"TrainSpec: field '(\w+)' =", lambda f: "--" + f[1].replace("_", "-"),
+                                    str(e))) from None
+    return m, hw, train
 
 
 def plan_strategies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,

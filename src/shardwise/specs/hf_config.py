@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardwise.config_file import parse_json, read_text
 from shardwise.errors import ShardwiseError
 from shardwise.specs.families import ANALYTIC_FAMILIES, GPT_ACTIVATIONS, GPT_FAMILIES
 from shardwise.specs.hf_values import check_values
@@ -36,8 +37,6 @@ _HF_DEFAULTS: dict[str, dict] = {
 }
 # Special-token ids transformers defaults to; emitted as None by to_hf_dict when outside the vocab
 # (phi3's pad 32000 would make nn.Embedding refuse a small vocab).
-# A config.json is a few KiB (a large id2label table: a few hundred); more is not one.
-MAX_CONFIG_BYTES = 16 << 20
 _HF_TOKEN_IDS = {"phi3": {"bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000},
                  "olmo2": {"pad_token_id": 1, "eos_token_id": 50279},
                  "gemma": {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}}
@@ -59,31 +58,14 @@ def config_name(cfg: dict) -> str | None:
 
 def read_config_json(path: str | Path) -> tuple[dict, Path]:
     """A local Hugging Face `config.json` (a file or its directory) as a dict, and its path;
-    a file over MAX_CONFIG_BYTES, not UTF-8 JSON, nested past the parser's depth, or holding a
-    value no model is built from (shardwise.specs.hf_values) is a ShardwiseError naming it."""
+    a file past shardwise.config_file's bounds (size, nesting, integer digits), not UTF-8 JSON, or
+    holding a value no model is built from (shardwise.specs.hf_values) is a ShardwiseError naming it."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ShardwiseError(f"{path}: file not found (expected a Hugging Face config.json)") from None
-    except OSError as e:
-        raise ShardwiseError(f"{path}: cannot be read ({e.strerror or e})") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ShardwiseError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB; a config.json is a few KiB "
-                             "(expected a Hugging Face config.json)")
-    try:
-        cfg = json.loads(data.decode("utf-8"))
-    except json.JSONDecodeError as e:
-        raise ShardwiseError(f"{path}:{e.lineno}: not valid JSON ({e})") from None
-    except UnicodeDecodeError as e:
-        raise ShardwiseError(f"{path}: not UTF-8 text (byte {e.start}); expected a Hugging Face config.json") from None
-    except RecursionError:
-        raise ShardwiseError(f"{path}: nested too deeply to read; expected a Hugging Face config.json") from None
-    except ValueError as e:  # an integer of more digits than Python converts
-        raise ShardwiseError(f"{path}: not readable as JSON ({e})") from None
+    if not path.exists():
+        raise ShardwiseError(f"{path}: file not found (expected a Hugging Face config.json)")
+    cfg = parse_json(read_text(path), path, strict=False)  # bounded: size, nesting, integer digits
     if not isinstance(cfg, dict):
         raise ShardwiseError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     check_values(cfg, str(path))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from shardwise.config_file import parse_json, read_text
 from shardwise.errors import ShardwiseError, user_error
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.timing_model import Provenance, constant_names
@@ -128,12 +129,10 @@ def default_profile_path() -> Path:
 def load_profile(path: str | Path, *, device: str = "cuda") -> HardwareProfile:
     """The profile at `path`, for planning `device` ("cuda": the planner's GPUs; "cpu": a
     trainer run on the CPU, the one use a profile measured on a CPU has)."""
-    from shardwise.safe_json import read_json
-
     path = Path(path)
     if not path.exists():
         raise ShardwiseError(f"{path}: hardware profile not found (run `shardwise calibrate` to measure one)")
-    raw = read_json(path, 16 << 20, "hardware profile")  # a profile is a few KB
+    raw = parse_json(read_text(path), path)  # shardwise calibrate wrote it: strict JSON, bounded
     if not isinstance(raw, dict):
         raise ShardwiseError(f"{path}: expected a JSON object (a hardware profile), got {type(raw).__name__}")
     try:

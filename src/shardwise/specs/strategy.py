@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.base import Spec
@@ -128,6 +128,11 @@ STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
 # DeepSpeed's own cap on a leaf it picks by granularity (parameter_offload.py Z3_MAX_LEAF_SIZE):
 # a larger leaf would hold too many gathered parameters at once.
 Z3_MAX_LEAF_PARAMS = 1_000_000_000
+# The largest element count a knob takes: past any model (the largest trained have ~2e12
+# parameters), small enough that its bytes stay exact in a float (2^53 ≈ 9e15).
+MAX_KNOB_ELEMENTS = 10**15
+# Every knob is finite: NaN or ±inf is no bucket size (a flag, a --from file and a YAML alike).
+FINITE = ConfigDict(allow_inf_nan=False)
 
 
 class DeepSpeedKnobs(Spec):
@@ -135,17 +140,19 @@ class DeepSpeedKnobs(Spec):
     (`deepspeed/runtime/zero/config.py` DeepSpeedZeroConfig; tests/test_run_bridge.py checks
     them against the installed DeepSpeed), except `fetch_unit`, which shardwise chooses."""
 
-    reduce_bucket_size: int = Field(500_000_000, gt=0, description="gradient reduce bucket (elements)")
-    allgather_bucket_size: int = Field(500_000_000, gt=0, description="ZeRO-1/2 param all-gather bucket")
+    model_config = FINITE
+
+    reduce_bucket_size: int = Field(500_000_000, gt=0, le=MAX_KNOB_ELEMENTS, description="gradient reduce bucket (elements)")
+    allgather_bucket_size: int = Field(500_000_000, gt=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-1/2 param all-gather bucket")
     overlap_comm: bool | None = Field(None, description="None = DeepSpeed's default: on for stage 3 only")
     contiguous_gradients: bool = Field(True, description="copy grads into one contiguous buffer")
     reduce_scatter: bool = Field(True, description="ZeRO-1/2: reduce-scatter instead of all-reduce")
     use_multi_rank_bucket_allreduce: bool = Field(True, description="ZeRO-1/2: all-reduce buckets "
                                                   "(false: reduce to the owning rank)")
-    prefetch_bucket_size: int = Field(50_000_000, ge=0, description="ZeRO-3 prefetch (elements)")
-    max_live_parameters: int = Field(1_000_000_000, ge=0, description="ZeRO-3 gathered params cap")
-    max_reuse_distance: int = Field(1_000_000_000, ge=0, description="ZeRO-3: keep params reused within")
-    param_persistence_threshold: int = Field(100_000, ge=0, description="ZeRO-3: smaller params stay whole")
+    prefetch_bucket_size: int = Field(50_000_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3 prefetch (elements)")
+    max_live_parameters: int = Field(1_000_000_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3 gathered params cap")
+    max_reuse_distance: int = Field(1_000_000_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3: keep params reused within")
+    param_persistence_threshold: int = Field(100_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3: smaller params stay whole")
     # "auto" = DeepSpeed's default, the parameter dtype (bf16 under bf16 mixed precision);
     # shardwise's trainer defaults to "fp32" for loss parity (docs/training.md).
     communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = Field(
@@ -177,6 +184,8 @@ class DeepSpeedKnobs(Spec):
 class FSDPKnobs(Spec):
     """FSDP2 settings that change memory or traffic (`fully_shard` / `MixedPrecisionPolicy`)."""
 
+    model_config = FINITE
+
     # torch's default reduce_dtype is the param dtype; fp32 keeps the reduce-scatter of bf16
     # grads from rounding every partial sum (shardwise's default, the planner counts 4 bytes).
     reduce_dtype: Literal["fp32", "param"] = Field("fp32", description="gradient reduce-scatter dtype")
@@ -207,10 +216,16 @@ class FSDPKnobs(Spec):
         return 4 if self.reduce_dtype == "fp32" else param_bytes
 
 
+# A DDP bucket past 1 TiB is no bucket (torch holds it as int bytes: int(mb * 2**20)).
+MAX_DDP_BUCKET_MB = float(1 << 20)
+
+
 class DDPKnobs(Spec):
     """torch DDP settings that change memory or traffic."""
 
-    bucket_cap_mb: float = Field(25.0, gt=0, description="all-reduce bucket size (MiB; torch's default 25)")
+    model_config = FINITE
+
+    bucket_cap_mb: float = Field(25.0, gt=0, le=MAX_DDP_BUCKET_MB, description="all-reduce bucket size (MiB; torch's default 25)")
     gradient_as_bucket_view: bool = Field(True, description="grads alias the buckets (no second copy)")
     # One replica has nothing to all-reduce, but DistributedDataParallel still hooks every
     # parameter and keeps its gradient buckets allocated across steps. shardwise runs the bare

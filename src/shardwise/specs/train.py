@@ -34,11 +34,20 @@ def weight_decayed(name: str, ndim: int) -> bool:
     return ndim >= 2 and "embed" not in name and "norm" not in name
 
 
+# Upper bounds of the counts: past any run (the longest contexts trained are ~10M tokens, batches
+# per GPU a few hundred samples), small enough that every byte and FLOP count the planner derives
+# from them stays a finite float.
+MAX_SEQ_LEN = 1 << 24
+MAX_MICRO_BATCH = 1 << 16
+MAX_GRAD_ACCUM = 1 << 20
+MAX_LORA_RANK = 1 << 16
+
+
 class TrainSpec(Spec):
 
-    seq_len: int = Field(2048, gt=0, description="tokens per sample")
-    micro_batch: int = Field(1, gt=0, description="samples per GPU per forward")
-    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    seq_len: int = Field(2048, gt=0, le=MAX_SEQ_LEN, description="tokens per sample")
+    micro_batch: int = Field(1, gt=0, le=MAX_MICRO_BATCH, description="samples per GPU per forward")
+    grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step")
     precision: Precision = "bf16-mixed"
     optimizer: Optimizer = "adamw"
     checkpointing: Checkpointing = "none"
@@ -47,7 +56,7 @@ class TrainSpec(Spec):
                                               "(one per row) | flash_varlen | sdpa_varlen | flex (in the kernel: "
                                               "no mask tensor) | dense (a [B, 1, S, S] mask: full S² kernel, "
                                               "the mask's bytes)")
-    lora_rank: int = Field(0, ge=0, description="0 = full fine-tuning")
+    lora_rank: int = Field(0, ge=0, le=MAX_LORA_RANK, description="0 = full fine-tuning")
     lora_targets: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"),
                                           description="adapted module names (PEFT's match), or ('all-linear',)")
     lora_modules_to_save: tuple[str, ...] = Field((), description="modules trained in full beside the adapters "
@@ -55,7 +64,7 @@ class TrainSpec(Spec):
     base_quant: BaseQuant = Field("none", description="nf4: the frozen base's decoder linears in 4-bit NF4 "
                                   "(QLoRA, bitsandbytes)")
     cross_entropy: CrossEntropy = "standard"
-    ce_chunk: int = Field(1024, gt=0, description="tokens per chunk for chunked cross-entropy")
+    ce_chunk: int = Field(1024, gt=0, le=MAX_SEQ_LEN, description="tokens per chunk for chunked cross-entropy")
     optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")
     fused_kernels: bool = Field(False, description="elementwise work fused (torch.compile, Megatron-LM's fused "
                                 "kernels): priced as one read and write per fused region, fewer launches")

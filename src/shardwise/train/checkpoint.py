@@ -325,8 +325,8 @@ def write_best(output_dir: str | Path, step: int, eval_loss: float, lineage: Any
 def read_best(output_dir: str | Path, lineage: Any = _ANY) -> dict[str, Any] | None:
     """The best.json record, when its checkpoint is still published (and, with `lineage`, of that
     lineage); None otherwise."""
+    from shardwise.config_file import read_json_object
     from shardwise.errors import ShardwiseError
-    from shardwise.safe_json import read_json_object
 
     root = checkpoints_dir(output_dir)
     if not (root / BEST).exists():

@@ -1,6 +1,6 @@
 """The checkpoints directory of a run, torch-free: the `step-N` names, which directories look
 published (a manifest is present; optionally of one lineage), which are incomplete, and the
-checkpoint's JSON files read as untrusted input (shardwise.safe_json: bounded, strict) with the
+checkpoint's JSON files read as untrusted input (shardwise.config_file: bounded, strict) with the
 types of every field shardwise reads checked: the manifest, `trainer_state.json` and the ranks'
 `rank-N.json` (nothing verified against the files: shardwise.train.checkpoint_manifest does that).
 The checkpoint, the lineage and the output-directory checks read them here."""
@@ -14,16 +14,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+from shardwise.config_file import read_json_object
 from shardwise.errors import ShardwiseError
-from shardwise.safe_json import MIB, read_json_object
 
 FORMAT = "shardwise-checkpoint/1"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 RANK_FILE = re.compile(r"rank-(\d{5,})\.json")
 _ANY = object()
-_MAX_MANIFEST = 256 * MIB  # a file entry per shard per rank: ~150 bytes each, a few MB at 1,000s of ranks
-_MAX_STATE = 4 * MIB  # the trainer state and one rank's RNG streams: a few KB
+_MAX_MANIFEST = 256 << 20  # a file entry per shard per rank: ~150 bytes each, a few MB at 1,000s of ranks
+_MAX_STATE = 4 << 20  # the trainer state and one rank's RNG streams: a few KB
 
 
 def step_dir_name(step: int) -> str:

@@ -10,7 +10,6 @@ about one shard beyond what it already had."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -331,7 +330,9 @@ def _hf_config(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> dict:
     `architectures` (the causal-LM class transformers maps the model_type to, when the config
     does not name one): what from_pretrained and serving stacks (vLLM, TGI) look for."""
     if cfg.model.path:
-        out = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        from shardwise.specs.hf_config import read_config_json
+
+        out = read_config_json(cfg.model.path)[0]
     else:
         from transformers import AutoConfig
 
