@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from shardwise.errors import ShardwiseError
 from shardwise.train import checkpoint_index
 from shardwise.train.checkpoint import (
     TrainerState,
@@ -261,3 +262,14 @@ def test_quiet_payload_in_a_zero3_lora_checkpoint_is_refused(tmp_path, trained):
     assert e.returncode == 2 and f"entry {key!r}" in e.stderr, e.stdout + e.stderr
     assert not marker.exists(), marker.read_text()
     assert _snapshot(out / "checkpoints") == before
+
+
+@pytest.mark.parametrize("key, info", [("model.b", {"offset": 0}), ("model.w", {"length": 10})],
+                         ids=["another-tensors-bytes", "cut-short"])
+def test_records_within_the_files_but_not_the_tensor_are_refused_as_damaged(step, key, info):
+    """Found by the index fuzz: a record inside the file's bounds whose bytes are not the tensor
+    the index describes (another tensor's, or cut short) was a CheckpointException traceback."""
+    _point(step, key, **info)
+    with pytest.raises(ShardwiseError, match="cannot be read as the index describes them") as e:
+        read_tensors(step)
+    assert str(step) in str(e.value)

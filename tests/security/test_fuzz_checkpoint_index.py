@@ -106,9 +106,16 @@ class _Stand:
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory) -> tuple[Path, bytes]:
+    """A real index, made byte-for-byte the same on every run (its save id and the temp path it
+    records fixed), so the derandomized fuzz mutates the same bytes every time."""
     step = save_checkpoint(_Stand(), TrainerState(step=1, samples_consumed=1, global_batch=1),
                            tmp_path_factory.mktemp("idx") / "run", config={}, strategy="ddp", keep_last=2)
-    return step, (step / ".metadata").read_bytes()
+    meta = pickle.loads((step / ".metadata").read_bytes())  # our own file, just written
+    meta.storage_meta.checkpoint_id = Path("/checkpoints/.tmp-step-00000001")
+    meta.storage_meta.save_id = "00000000-0000-0000-0000-000000000000"
+    data = pickle.dumps(meta, protocol=4)
+    (step / ".metadata").write_bytes(data)
+    return step, data
 
 
 def test_the_payloads_are_live_under_plain_pickle(tmp_path):

@@ -208,9 +208,18 @@ def load_tensors(state: dict[str, Any], storage_reader: Any, *, no_dist: bool = 
     try:
         dcp.load(state, storage_reader=storage_reader, planner=_TensorsOnlyPlanner(), no_dist=no_dist)
     except CheckpointException as e:  # DCP wraps each rank's failure: a refusal is raised as itself
-        refused = [exc for _, (exc, _tb) in sorted(e.failures.items()) if isinstance(exc, ShardwiseError)]
+        failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
+        refused = [exc for exc in failures if isinstance(exc, ShardwiseError)]
         if refused:
             raise refused[0] from None
+        first = failures[0] if failures else e
+        if isinstance(first, (pickle.UnpicklingError, EOFError, ValueError, RuntimeError, AssertionError)):
+            # a chunk whose bytes are not the tensor the index says (torch.load(weights_only=True)
+            # refused them, or they are cut short): a damaged or crafted checkpoint, not a crash
+            where = getattr(storage_reader, "path", "the checkpoint")
+            raise ShardwiseError(f"{where}: a tensor's stored bytes cannot be read as the index describes them "
+                                 f"({type(first).__name__}: {str(first).strip().splitlines()[0][:200]}); the "
+                                 "checkpoint is damaged and is not loaded") from None
         raise
 
 
