@@ -162,6 +162,23 @@ def test_run_yaml_duplicate_keys_name_the_key_and_both_lines(tmp_path, case):
     assert says in str(e.value)
 
 
+@pytest.mark.parametrize("value, says", [
+    ("9" * 5000, "an integer of 5,000 characters"),
+    ("{a: 1, a: 2}", "key 'a' given twice"),
+    ("[" * 200 + "]" * 200, "nested too deeply"),
+], ids=["5000-digit", "duplicate", "deep"])
+def test_set_values_are_read_with_the_files_bounds(tmp_path, value, says):
+    """`--set KEY=VALUE` parses VALUE as YAML: with the same bounded reader as the file (a
+    5,000-digit integer was a ValueError traceback)."""
+    from shardwise.train.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {name: tiny-llama}\ndata: {kind: synthetic}\n")
+    with pytest.raises(ShardwiseError, match=says) as e:
+        load_config(path, [f"run.steps={value}"])
+    assert str(e.value).startswith("--set 'run.steps=")
+
+
 def test_merge_keys_may_still_override_what_they_merge(tmp_path):
     path = tmp_path / "merge.yaml"
     path.write_text("base: &b {lr: 1.0e-3, weight_decay: 0.1}\noptimizer:\n  <<: *b\n  lr: 5.0e-4\n")

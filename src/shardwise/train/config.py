@@ -7,10 +7,10 @@ override is checked exactly like a line of the file.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     Field,
@@ -23,7 +23,7 @@ from pydantic import (
 from shardwise.config_fields import Finite, Int, NonBlank, Seed, bounded
 from shardwise.data.config import MAX_LENGTH_CAP, DataConfig
 from shardwise.errors import ShardwiseError, did_you_mean, user_error
-from shardwise.safe_yaml import check_values, key_lines, line_of, read_yaml
+from shardwise.safe_yaml import check_values, key_lines, line_of, parse_yaml, read_yaml
 from shardwise.specs.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.train.config_base import Section as _Section
 from shardwise.train.config_export import (  # noqa: F401 - re-exported: the export section's names
@@ -335,10 +335,14 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         if not isinstance(nxt, dict):
             raise ShardwiseError(f"--set {assignment!r}: {p!r} is a value, not a section")
         node = nxt
-    try:
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError as e:
-        raise ShardwiseError(f"--set {assignment!r}: value is not valid YAML ({e})") from None
+    if not value.strip():
+        node[parts[-1]] = None
+        return
+    try:  # the file's own bounded reader: depth, values, integer digits, duplicate keys
+        node[parts[-1]] = parse_yaml(value, Path("<value>"))[1]
+    except ShardwiseError as e:
+        short = assignment if len(assignment) <= 80 else assignment[:80] + "..."
+        raise ShardwiseError(f"--set {short!r}: {re.sub(r'^<value>(:[0-9]+)?: ', '', str(e))}") from None
 
 
 # What `plan --emit` writes where only the user knows the value (the real model weights, the
