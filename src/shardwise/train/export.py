@@ -4,9 +4,10 @@
 `AutoModelForCausalLM.from_pretrained` (no code, no pickles: safetensors only).
 
 The weights are written in `export.dtype` (default: the run's compute dtype), one shard at a
-time: a shard's tensors are fetched (read from a checkpoint or a run's final weights, or from
-memory: a merged LoRA model), cast, written and dropped before the next, so the host holds
-about one shard beyond what it already had."""
+time: a shard's tensors are fetched (read from a checkpoint or a run's final weights, or a LoRA
+run's base read from its files with the adapters merged in), cast, written and dropped before the
+next, so the host holds about one shard beyond what it already had. A LoRA adapter is written
+from the adapter tensors alone (PEFT's format; the base is built on the meta device only)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # name -> (shape, dtype) of the tensors to write; a reader gives the named tensors (any float dtype)
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 Reader = Callable[[list[str]], dict[str, torch.Tensor]]
+Progress = Callable[[], None] | None  # called as an export moves on (a watchdog's heartbeat)
 
 
 def export_dir(cfg: TrainConfig) -> Path:
@@ -44,13 +46,13 @@ def export_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 def export_hf(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> Path:
-    """Consolidated weights held in memory (the end of training, a merged LoRA model): through
+    """Consolidated weights held in memory: through
     `write_hf`, so the cast copies are made one shard at a time, never of the whole model."""
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
     return write_hf(cfg, shapes, lambda names: {k: weights[k] for k in names}, out)
 
 
-def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
+def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path, progress: Progress = None) -> Path:
     """Write the Hugging Face directory under a temp name and rename it when complete: a killed
     export never leaves a directory that looks finished (shardwise.train.outputs.atomic_dir).
 
@@ -58,7 +60,9 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
     transformers' save_pretrained uses: names in order, a new file when the next tensor would
     pass `export.max_shard_size`, a larger tensor in a file of its own, one `model.safetensors`
     and no index when all fit in one). Then per shard: `read` its tensors, cast them to the
-    export dtype, refuse NaN/Inf (also an fp32 value that overflows fp16), `save_file`, drop."""
+    export dtype, refuse NaN/Inf (also an fp32 value that overflows fp16), `save_file`, drop.
+    `progress` is called after each read group and each shard written: a long export keeps
+    telling the run's watchdog (shardwise.train.watchdog) that it moves on."""
     from huggingface_hub.serialization import split_state_dict_into_shards_factory
     from safetensors.torch import save_file
 
@@ -80,9 +84,13 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
             shard: dict[str, torch.Tensor] = {}
             for group in _groups(keys, names, cfg.export.max_shard_bytes // 2):
                 shard |= _cast(read(group), group, dtype)
+                if progress is not None:
+                    progress()
             refuse_nonfinite(shard, out, dtype)
             save_file(shard, str(tmp / filename), metadata={"format": "pt"})
             del shard
+            if progress is not None:
+                progress()
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (tmp / INDEX_FILE).write_text(strict_json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -203,7 +211,7 @@ def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False, overrid
     return export_dcp(cfg, checkpoint, out)
 
 
-def export_dcp(cfg: TrainConfig, path: Path, out: Path) -> Path:
+def export_dcp(cfg: TrainConfig, path: Path, out: Path, progress: Progress = None) -> Path:
     """The `model.*` tensors of a DCP directory (a checkpoint, or a run's final weights) through
     `write_hf`, read shard by shard (`read_tensors` of one read group's keys): the host holds a
     read group's fp32 tensors (twice while DCP copies each item into ours), the shard's cast
@@ -216,7 +224,7 @@ def export_dcp(cfg: TrainConfig, path: Path, out: Path) -> Path:
         got = read_tensors(path, [f"model.{k}" for k in names])
         return {k.removeprefix("model."): v for k, v in got.items()}
 
-    return write_hf(cfg, shapes, read, out)
+    return write_hf(cfg, shapes, read, out, progress)
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -265,19 +273,20 @@ def is_adapter_weight(name: str) -> bool:
     return ".lora_" in name or ".modules_to_save." in name
 
 
-def export_final(cfg: TrainConfig, weights: Path, out: Path) -> Path:
+def export_final(cfg: TrainConfig, weights: Path, out: Path, progress: Progress = None) -> Path:
     """`checkpointing.save_final`: the final weights of a run (a DCP directory:
     shardwise.train.final_weights) streamed shard by shard, or a LoRA run's adapter (and, with
-    `lora.save_merged`, the merged model in `<out>-merged`)."""
+    `lora.save_merged`, the merged model in `<out>-merged`). `progress`: as `write_hf`'s."""
     if cfg.lora is None:
-        return export_dcp(cfg, weights, out)
+        return export_dcp(cfg, weights, out, progress)
     adapters = {k: v for k, v in read_model_weights(weights).items() if is_adapter_weight(k)}
     if cfg.lora.save_merged:
-        export_lora(cfg, adapters, out.with_name(out.name + "-merged"), merged=True)
+        export_lora(cfg, adapters, out.with_name(out.name + "-merged"), merged=True, progress=progress)
     return export_lora(cfg, adapters, out, merged=False)
 
 
-def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, merged: bool) -> Path:
+def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, merged: bool,
+                progress: Progress = None) -> Path:
     """A LoRA run's adapters (`<module>.lora_A.default.weight`, ..., as the run names them) as
     PEFT's adapter directory, or with `merged` as the base with the adapters merged in. No base
     weight is built or read for the adapter: PEFT's own `PeftModel` is built on the meta device
@@ -291,7 +300,7 @@ def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, 
     run = _one_process_run(cfg)
     pm = _meta_peft_model(cfg, run, adapters)
     if merged:
-        return _export_merged(cfg, run, pm, adapters, out)
+        return _export_merged(cfg, run, pm, adapters, out, progress)
     need = sum(int(v.numel()) * v.element_size() for v in adapters.values())
     state = {f"base_model.model.{k}": v for k, v in adapters.items()}
     with atomic_dir(out) as tmp, disk_full_is(out, need, tmp):
@@ -337,7 +346,8 @@ def _meta_peft_model(cfg: TrainConfig, run, adapters: dict[str, torch.Tensor]):
     return pm
 
 
-def _export_merged(cfg: TrainConfig, run, pm, adapters: dict[str, torch.Tensor], out: Path) -> Path:
+def _export_merged(cfg: TrainConfig, run, pm, adapters: dict[str, torch.Tensor], out: Path,
+                   progress: Progress = None) -> Path:
     """The base with the adapters merged in, through `write_hf` one read group at a time: each
     base tensor is read alone, a LoRA target's as `W + scaling · (B @ A)` in fp32 (PEFT's
     `get_delta_weight`, with the layer's own `scaling` and `fan_in_fan_out`, computed in place
@@ -384,7 +394,7 @@ def _export_merged(cfg: TrainConfig, run, pm, adapters: dict[str, torch.Tensor],
     unused = (merges.keys() | replaced.keys()) - set(names)
     if unused:
         raise ValueError(f"the adapters of {sorted(unused)[:3]} have no base weight to merge into")
-    return write_hf(cfg, shapes, lambda keys: {k: merged_tensor(k) for k in keys}, out)
+    return write_hf(cfg, shapes, lambda keys: {k: merged_tensor(k) for k in keys}, out, progress)
 
 
 def _lora_merges(base, adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]]:
