@@ -157,17 +157,17 @@ def measured_export(ckpt: Path, out: Path, *flags: str) -> dict:
     return mem
 
 
-def lora_checkpoint(root: Path, model: dict, lora: dict, precision: str = "bf16-mixed", **extra) -> Path:
+def lora_checkpoint(root: Path, model: dict, lora: dict, shapes: dict | None = None, **extra) -> Path:
     """A LoRA checkpoint as a run writes it (`model.<adapter>` tensors, random), written directly
-    with `save_checkpoint` for the adapters the config's model takes (shapes from the meta device)."""
+    with `save_checkpoint`: `shapes`, or the adapters the config's model takes (from the meta device)."""
     from shardwise.run import run_spec
     from shardwise.train.checkpoint import TrainerState, save_checkpoint
     from shardwise.train.config import TrainConfig
     from shardwise.train.model import trainable_shapes
 
-    cfg = TrainConfig.model_validate({"model": model, "data": {"kind": "synthetic"}, "precision": precision,
+    cfg = TrainConfig.model_validate({"model": model, "data": {"kind": "synthetic"}, "precision": "bf16-mixed",
                                       "lora": lora, **extra})
-    shapes = trainable_shapes(run_spec(cfg, 1, "cpu", environ={}))
+    shapes = shapes or trainable_shapes(run_spec(cfg, 1, "cpu", environ={}))
 
     class Stand:  # the engine's checkpoint_state, as tests/train/fault_workers/slow_save.py's
         def checkpoint_state(self):
@@ -185,7 +185,14 @@ def test_adapter_export_of_a_70b_lora_checkpoint_allocates_no_base_tensor(tmp_pa
     grows by less than 256 MiB, less than one MLP weight of the base (28672 x 8192 fp32: 940 MB)."""
     from safetensors import safe_open
 
-    ckpt = lora_checkpoint(tmp_path, {"name": "llama-2-70b"}, {"rank": 4, "target_modules": ["q_proj", "v_proj"]})
+    hidden, kv, r = 8192, 8 * 128, 4  # Llama-2-70B: hidden 8192, 8 KV heads of 128
+    shapes = {}
+    for i in range(80):
+        for proj, out_features in (("q_proj", hidden), ("v_proj", kv)):
+            stem = f"model.layers.{i}.self_attn.{proj}"
+            shapes |= {f"{stem}.lora_A.default.weight": (r, hidden), f"{stem}.lora_B.default.weight": (out_features, r)}
+    ckpt = lora_checkpoint(tmp_path, {"name": "llama-2-70b"}, {"rank": r, "target_modules": ["q_proj", "v_proj"]},
+                           shapes)
     out = tmp_path / "adapter"
     mem = measured_export(ckpt, out)
     growth = mem["peak"] - mem["baseline"]
@@ -239,3 +246,36 @@ def test_merged_export_streams_the_base_shard_by_shard(request, tmp_path):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), w + (32 / 8) * (b @ a), rtol=2**-8, atol=1e-6)  # bf16's rounding
     assert float((b @ a).abs().max()) > 1e-3  # the merge moved the weight
+
+
+def test_qlora_checkpoint_merges_into_the_full_precision_base(tmp_path):
+    """`shardwise export --merged` of a QLoRA (nf4) checkpoint: the base's own fp32 weights from its
+    files plus alpha/r * B @ A (never the 4-bit values), every other tensor the file's, exactly."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+    from shardwise.train.export_cli import app
+
+    base = tiny_base(tmp_path)
+    ckpt = lora_checkpoint(tmp_path, {"path": str(base)}, LORA | {"quantization": "nf4"})
+    out = tmp_path / "merged"
+    res = CliRunner().invoke(app, [str(ckpt), str(out), "--merged", "--set", "export.dtype=fp32"])  # in-process
+    assert res.exit_code == 0, res.output
+    got = load_file(str(out / "model.safetensors"))
+    want = {}
+    for f in base.glob("*.safetensors"):
+        want |= load_file(str(f))
+    assert got.keys() == want.keys()
+    keys = [k for k in tensor_shapes(ckpt) if k.startswith("model.")]
+    lora = {k.removeprefix("model."): v for k, v in read_tensors(ckpt, keys).items()}
+    merged = 0
+    for k, w in want.items():
+        stem = k.removesuffix(".weight")
+        if f"{stem}.lora_A.default.weight" in lora:
+            a, b = lora[f"{stem}.lora_A.default.weight"], lora[f"{stem}.lora_B.default.weight"]
+            torch.testing.assert_close(got[k], w + (LORA["alpha"] / LORA["rank"]) * (b @ a), rtol=1e-6, atol=1e-7)
+            merged += 1
+        else:
+            assert torch.equal(got[k], w), k
+    assert merged == 2 * TINY["num_hidden_layers"]

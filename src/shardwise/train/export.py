@@ -292,8 +292,8 @@ def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, 
     weight is built or read for the adapter: PEFT's own `PeftModel` is built on the meta device
     (names, shapes and each adapter's scaling, nothing allocated) and its `save_pretrained` writes
     the given tensors (`state_dict=`) under PEFT's key names, with adapter_config.json from the
-    run's LoraConfig and the tokenizer. The merged model streams (`_export_merged`). Writes no
-    collective: any one process of any world size can call it."""
+    run's LoraConfig and the tokenizer. The merged model streams (`_export_merged`). Issues no
+    collective: one process writes, whatever world size trained the adapters."""
     from shardwise.train.outputs import atomic_dir
 
     refuse_nonfinite(adapters, out)
@@ -349,9 +349,9 @@ def _meta_peft_model(cfg: TrainConfig, run, adapters: dict[str, torch.Tensor]):
 def _export_merged(cfg: TrainConfig, run, pm, adapters: dict[str, torch.Tensor], out: Path,
                    progress: Progress = None) -> Path:
     """The base with the adapters merged in, through `write_hf` one read group at a time: each
-    base tensor is read alone, a LoRA target's as `W + scaling · (B @ A)` in fp32 (PEFT's
-    `get_delta_weight`, with the layer's own `scaling` and `fan_in_fan_out`, computed in place
-    by `addmm_`), a `modules_to_save` module's as its trained copy. The host holds the output
+    base tensor is read alone, a LoRA target's as `W + scaling · (B @ A)` in fp32 (the delta of
+    PEFT's `get_delta_weight`, with the layer's own `scaling` and `fan_in_fan_out`, added in
+    place by `addmm_`), a `modules_to_save` module's as its trained copy. The host holds the output
     shard, one read group and one fp32 tensor beyond them, never the model. The base is read
     from `model.path`'s files (shardwise.train.weights_read.TensorFiles, one tensor at a time,
     unquantised: a QLoRA run merges into the full-precision base, as PEFT's own merge does); a
@@ -368,7 +368,8 @@ def _export_merged(cfg: TrainConfig, run, pm, adapters: dict[str, torch.Tensor],
     path = cfg.model.path
     if path is not None and not cfg.model.random_init and weights_format(path) is not None:
         files = TensorFiles(path)
-        verdict = check_keys(groups, files.shape, bool(getattr(base.config, "tie_word_embeddings", False)), Path(path))
+        tied = bool(getattr(base.config, "tie_word_embeddings", False))
+        verdict = check_keys(groups, files.shape, tied, Path(path))
         if verdict:
             raise ShardwiseError(verdict)
         source = files.get
