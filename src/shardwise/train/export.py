@@ -327,11 +327,11 @@ def _meta_peft_model(cfg: TrainConfig, run, adapters: dict[str, torch.Tensor]):
     """`peft.get_peft_model` around the run's base built on the meta device, with the run's
     LoraConfig: refuses adapters that are not exactly the ones it trains (names and shapes)."""
     from shardwise.train.lora import peft_model
-    from shardwise.train.model import meta_model
+    from shardwise.train.model import meta_base
 
     assert cfg.lora is not None
     with torch.device("meta"):
-        pm = peft_model(cfg.lora, meta_model(run))
+        pm = peft_model(cfg.lora, meta_base(run))
     if cfg.model.path:
         pm.peft_config["default"].base_model_name_or_path = str(Path(cfg.model.path).resolve())
     expected = {n.removeprefix("base_model.model."): tuple(p.shape)

@@ -192,7 +192,7 @@ def trainable_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
     base is not quantised here: it is frozen, and the adapters' shapes do not depend on it."""
     import torch
 
-    model = meta_model(run)
+    model = meta_base(run)
     if run.config.lora is not None:
         from peft import inject_adapter_in_model
 
@@ -207,7 +207,7 @@ def trainable_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def meta_model(run: RunSpec):
+def meta_base(run: RunSpec):
     """The run's base model (no adapters) on the meta device, fp32: every module, name and shape
     `build_model` gives, no storage and no weights read (buffers are meta too). For what needs
     only names and shapes: a checkpoint's expected tensors, the names of an adapter export."""
