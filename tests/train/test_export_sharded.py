@@ -192,6 +192,28 @@ def test_fp16_overflow_is_refused_and_nothing_written(tmp_path):
     assert not (tmp_path / "m").exists() and not list(tmp_path.iterdir())
 
 
+def test_a_long_export_reports_progress_per_read_group_and_shard(tmp_path):
+    """The end of a run passes the watchdog's heartbeat as `progress`: called as each read group
+    is fetched and each shard is written, never only once, so an export longer than run.timeout_s
+    is not taken for a hang. Four 16 KB fp32 tensors in 40 KB bf16 shards: 2 files, 2 groups each."""
+    from shardwise.train.config import TrainConfig
+    from shardwise.train.export import write_hf
+
+    cfg = TrainConfig.model_validate({"model": {"name": "tiny-llama"}, "precision": "bf16-mixed",
+                                      "data": {"kind": "synthetic"}, "export": {"max_shard_size": "20KB"}})
+    tensors = {f"t{i}": torch.ones(64, 64) for i in range(4)}  # 8 KB each in bf16, 16 KB read in fp32
+    events: list[str] = []
+
+    def read(names):
+        events.append("read")
+        return {k: tensors[k] for k in names}
+
+    write_hf(cfg, {k: ((64, 64), torch.float32) for k in tensors}, read, tmp_path / "m",
+             progress=lambda: events.append("progress"))
+    assert shard_files(tmp_path / "m") == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert events == ["read", "progress", "read", "progress", "progress"] * 2
+
+
 # --- bounded host memory ---------------------------------------------------------------------
 
 BIG = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,

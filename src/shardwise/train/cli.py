@@ -248,7 +248,9 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 
                 watchdog.phase("export write", cfg.run.steps)
                 try:
-                    extra["export"] = str(export_final(cfg, result.final.path, export_dir(cfg)))
+                    # each read group and shard counts as progress: a long export is not a hang
+                    extra["export"] = str(export_final(cfg, result.final.path, export_dir(cfg), progress=lambda: (
+                        watchdog.phase("export write", cfg.run.steps))))
                 finally:
                     result.final.discard()
         status, code = "completed", ExitCode.OK

@@ -4,9 +4,10 @@
 `AutoModelForCausalLM.from_pretrained` (no code, no pickles: safetensors only).
 
 The weights are written in `export.dtype` (default: the run's compute dtype), one shard at a
-time: a shard's tensors are fetched (read from a checkpoint or a run's final weights, or from
-memory: a merged LoRA model), cast, written and dropped before the next, so the host holds
-about one shard beyond what it already had."""
+time: a shard's tensors are fetched (read from a checkpoint or a run's final weights, or a LoRA
+run's base read from its files with the adapters merged in), cast, written and dropped before the
+next, so the host holds about one shard beyond what it already had. A LoRA adapter is written
+from the adapter tensors alone (PEFT's format; the base is built on the meta device only)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # name -> (shape, dtype) of the tensors to write; a reader gives the named tensors (any float dtype)
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 Reader = Callable[[list[str]], dict[str, torch.Tensor]]
+Progress = Callable[[], None] | None  # called as an export moves on (a watchdog's heartbeat)
 
 
 def export_dir(cfg: TrainConfig) -> Path:
@@ -43,13 +45,13 @@ def export_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 def export_hf(cfg: TrainConfig, weights: dict[str, torch.Tensor], out: Path) -> Path:
-    """Consolidated weights held in memory (the end of training, a merged LoRA model): through
+    """Consolidated weights held in memory: through
     `write_hf`, so the cast copies are made one shard at a time, never of the whole model."""
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
     return write_hf(cfg, shapes, lambda names: {k: weights[k] for k in names}, out)
 
 
-def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
+def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path, progress: Progress = None) -> Path:
     """Write the Hugging Face directory under a temp name and rename it when complete: a killed
     export never leaves a directory that looks finished (shardwise.train.outputs.atomic_dir).
 
@@ -57,7 +59,9 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
     transformers' save_pretrained uses: names in order, a new file when the next tensor would
     pass `export.max_shard_size`, a larger tensor in a file of its own, one `model.safetensors`
     and no index when all fit in one). Then per shard: `read` its tensors, cast them to the
-    export dtype, refuse NaN/Inf (also an fp32 value that overflows fp16), `save_file`, drop."""
+    export dtype, refuse NaN/Inf (also an fp32 value that overflows fp16), `save_file`, drop.
+    `progress` is called after each read group and each shard written: a long export keeps
+    telling the run's watchdog (shardwise.train.watchdog) that it moves on."""
     from huggingface_hub.serialization import split_state_dict_into_shards_factory
     from safetensors.torch import save_file
 
@@ -79,9 +83,13 @@ def write_hf(cfg: TrainConfig, shapes: Shapes, read: Reader, out: Path) -> Path:
             shard: dict[str, torch.Tensor] = {}
             for group in _groups(keys, names, cfg.export.max_shard_bytes // 2):
                 shard |= _cast(read(group), group, dtype)
+                if progress is not None:
+                    progress()
             refuse_nonfinite(shard, out, dtype)
             save_file(shard, str(tmp / filename), metadata={"format": "pt"})
             del shard
+            if progress is not None:
+                progress()
         if split.is_sharded:
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (tmp / INDEX_FILE).write_text(strict_json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -202,7 +210,7 @@ def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False, overrid
     return export_dcp(cfg, checkpoint, out)
 
 
-def export_dcp(cfg: TrainConfig, path: Path, out: Path) -> Path:
+def export_dcp(cfg: TrainConfig, path: Path, out: Path, progress: Progress = None) -> Path:
     """The `model.*` tensors of a DCP directory (a checkpoint, or a run's final weights) through
     `write_hf`, read shard by shard (`read_tensors` of one read group's keys): the host holds a
     read group's fp32 tensors (twice while DCP copies each item into ours), the shard's cast
@@ -215,7 +223,7 @@ def export_dcp(cfg: TrainConfig, path: Path, out: Path) -> Path:
         got = read_tensors(path, [f"model.{k}" for k in names])
         return {k.removeprefix("model."): v for k, v in got.items()}
 
-    return write_hf(cfg, shapes, read, out)
+    return write_hf(cfg, shapes, read, out, progress)
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -264,64 +272,175 @@ def is_adapter_weight(name: str) -> bool:
     return ".lora_" in name or ".modules_to_save." in name
 
 
-def export_final(cfg: TrainConfig, weights: Path, out: Path) -> Path:
+def export_final(cfg: TrainConfig, weights: Path, out: Path, progress: Progress = None) -> Path:
     """`checkpointing.save_final`: the final weights of a run (a DCP directory:
     shardwise.train.final_weights) streamed shard by shard, or a LoRA run's adapter (and, with
-    `lora.save_merged`, the merged model in `<out>-merged`)."""
+    `lora.save_merged`, the merged model in `<out>-merged`). `progress`: as `write_hf`'s."""
     if cfg.lora is None:
-        return export_dcp(cfg, weights, out)
+        return export_dcp(cfg, weights, out, progress)
     adapters = {k: v for k, v in read_model_weights(weights).items() if is_adapter_weight(k)}
     if cfg.lora.save_merged:
-        export_lora(cfg, adapters, out.with_name(out.name + "-merged"), merged=True)
+        export_lora(cfg, adapters, out.with_name(out.name + "-merged"), merged=True, progress=progress)
     return export_lora(cfg, adapters, out, merged=False)
 
 
-def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, merged: bool) -> Path:
-    """Through PEFT: the base is rebuilt as training built it (local weights, or the seeded random
-    init), in fp32 and unquantised (QLoRA adapters merge into the full-precision base, as PEFT's
-    own merge does), wrapped by `peft.get_peft_model` with the run's LoraConfig, and the trained
-    adapters are loaded into it (every one, nothing else). Then `save_pretrained` writes PEFT's
-    adapter format (adapter_config.json + adapter_model.safetensors), or `merge_and_unload`
-    gives the merged weights, written as a Hugging Face model directory."""
+def export_lora(cfg: TrainConfig, adapters: dict[str, torch.Tensor], out: Path, merged: bool,
+                progress: Progress = None) -> Path:
+    """A LoRA run's adapters (`<module>.lora_A.default.weight`, ..., as the run names them) as
+    PEFT's adapter directory, or with `merged` as the base with the adapters merged in. No base
+    weight is built or read for the adapter: PEFT's own `PeftModel` is built on the meta device
+    (names, shapes and each adapter's scaling, nothing allocated) and its `save_pretrained` writes
+    the given tensors (`state_dict=`) under PEFT's key names, with adapter_config.json from the
+    run's LoraConfig and the tokenizer. The merged model streams (`_export_merged`). Issues no
+    collective: one process writes, whatever world size trained the adapters."""
     from shardwise.train.outputs import atomic_dir
 
     refuse_nonfinite(adapters, out)
-    pm = _peft_with(cfg, adapters)
+    run = _one_process_run(cfg)
+    pm = _meta_peft_model(cfg, run, adapters)
     if merged:
-        weights = {k: v.detach() for k, v in pm.merge_and_unload().state_dict().items()}
-        return export_hf(cfg, weights, out)
+        return _export_merged(cfg, run, pm, adapters, out, progress)
     need = sum(int(v.numel()) * v.element_size() for v in adapters.values())
+    state = {f"base_model.model.{k}": v for k, v in adapters.items()}
     with atomic_dir(out) as tmp, disk_full_is(out, need, tmp):
-        pm.save_pretrained(str(tmp), safe_serialization=True)
+        # save_embedding_layers=False: the base's embeddings are frozen, equal to the base's own
+        # (PEFT's "auto" would copy them in when an embedding is a target, at the vocabulary's size).
+        pm.save_pretrained(str(tmp), safe_serialization=True, state_dict=state, save_embedding_layers=False)
         _copy_tokenizer(cfg, tmp)
         _umask_modes(tmp)
     return out
 
 
-def _peft_with(cfg: TrainConfig, adapters: dict[str, torch.Tensor]):
+def _one_process_run(cfg: TrainConfig):
+    """The run's RunSpec on one CPU process (the strategy only has to be valid there)."""
     from shardwise.run import run_spec
-    from shardwise.train.lora import peft_model
-    from shardwise.train.model import build_model
 
-    assert cfg.lora is not None
-    # the base alone, on this process: one CPU rank (the strategy only has to be valid there)
-    base_cfg = cfg.model_copy(update={
-        "lora": None, "strategy": cfg.strategy.model_copy(update={"name": "ddp", "shard_group": None}),
+    one = cfg.model_copy(update={
+        "strategy": cfg.strategy.model_copy(update={"name": "ddp", "shard_group": None}),
         "checkpointing": cfg.checkpointing.model_copy(update={"activation": "none"}),
         "run": cfg.run.model_copy(update={"device": "cpu"})})
-    base = build_model(run_spec(base_cfg, 1, "cpu", environ={}))  # fp32, unquantised
-    pm = peft_model(cfg.lora, base)
+    return run_spec(one, 1, "cpu", environ={})
+
+
+def _meta_peft_model(cfg: TrainConfig, run, adapters: dict[str, torch.Tensor]):
+    """`peft.get_peft_model` around the run's base built on the meta device, with the run's
+    LoraConfig: refuses adapters that are not exactly the ones it trains (names and shapes)."""
+    from shardwise.train.lora import peft_model
+    from shardwise.train.model import meta_base
+
+    assert cfg.lora is not None
+    with torch.device("meta"):
+        pm = peft_model(cfg.lora, meta_base(run))
     if cfg.model.path:
         pm.peft_config["default"].base_model_name_or_path = str(Path(cfg.model.path).resolve())
-    state = {f"base_model.model.{k}": v for k, v in adapters.items()}
-    expected = {n for n, p in pm.named_parameters() if p.requires_grad}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    if missing or unexpected:
+    expected = {n.removeprefix("base_model.model."): tuple(p.shape)
+                for n, p in pm.named_parameters() if p.requires_grad}
+    missing, unexpected = expected.keys() - adapters.keys(), adapters.keys() - expected.keys()
+    wrong = sorted(f"{k} {tuple(adapters[k].shape)} vs {expected[k]}" for k in expected.keys() & adapters.keys()
+                   if tuple(adapters[k].shape) != expected[k])
+    if missing or unexpected or wrong:
         raise ValueError(f"the checkpoint's adapters do not match lora: {cfg.lora.model_dump(mode='json')} "
                          f"({len(missing)} missing, e.g. {sorted(missing)[:1]}; {len(unexpected)} unexpected, "
-                         f"e.g. {sorted(unexpected)[:1]})")
-    pm.load_state_dict(state, strict=False)
+                         f"e.g. {sorted(unexpected)[:1]}; {len(wrong)} of another shape, e.g. {wrong[:1]})")
     return pm
+
+
+def _export_merged(cfg: TrainConfig, run, pm, adapters: dict[str, torch.Tensor], out: Path,
+                   progress: Progress = None) -> Path:
+    """The base with the adapters merged in, through `write_hf` one read group at a time: each
+    base tensor is read alone, a LoRA target's as `W + scaling · (B @ A)` in fp32 (the delta of
+    PEFT's `get_delta_weight`, with the layer's own `scaling` and `fan_in_fan_out`, added in
+    place by `addmm_`), a `modules_to_save` module's as its trained copy. The host holds the output
+    shard, one read group and one fp32 tensor beyond them, never the model. The base is read
+    from `model.path`'s files (shardwise.train.weights_read.TensorFiles, one tensor at a time,
+    unquantised: a QLoRA run merges into the full-precision base, as PEFT's own merge does); a
+    catalog model or `model.random_init` (a seeded random init, no files) is rebuilt whole on
+    this process as training built it."""
+    from shardwise.errors import ShardwiseError
+    from shardwise.train.weights import weights_format
+    from shardwise.train.weights_read import TensorFiles, check_keys, model_keys
+
+    base = pm.get_base_model()
+    groups = model_keys(base)  # checkpoint key -> the (meta) tensors it fills; adapters left out
+    replaced = _modules_to_save(adapters)
+    merges = _lora_merges(base, adapters)
+    path = cfg.model.path
+    if path is not None and not cfg.model.random_init and weights_format(path) is not None:
+        files = TensorFiles(path)
+        tied = bool(getattr(base.config, "tie_word_embeddings", False))
+        verdict = check_keys(groups, files.shape, tied, Path(path))
+        if verdict:
+            raise ShardwiseError(verdict)
+        source = files.get
+        names = [k for k in groups if files.shape(k) is not None]  # a tied lm_head the files lack
+    else:
+        built = _built_base(cfg).state_dict()
+        source, names = built.__getitem__, [k for k in groups if k in built]
+    shapes = {k: (tuple(groups[k][0][1].shape), torch.float32) for k in names}
+    del groups
+
+    def merged_tensor(key: str) -> torch.Tensor:
+        if key in replaced:
+            return replaced[key]
+        w = source(key)
+        if key not in merges:
+            return w
+        a, b, scale, transposed = merges[key]
+        w = w.to(dtype=torch.float32, copy=True)
+        if transposed:  # the delta is (B @ A)^T: fan_in_fan_out weights and embeddings
+            return w.addmm_(a.t().float(), b.t().float(), alpha=scale)
+        return w.addmm_(b.float(), a.float(), alpha=scale)
+
+    unused = (merges.keys() | replaced.keys()) - set(names)
+    if unused:
+        raise ValueError(f"the adapters of {sorted(unused)[:3]} have no base weight to merge into")
+    return write_hf(cfg, shapes, lambda keys: {k: merged_tensor(k) for k in keys}, out, progress)
+
+
+def _lora_merges(base, adapters: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]]:
+    """Base checkpoint key -> (A, B, scaling, transposed) of every LoRA layer of the meta-built
+    PeftModel's base: `scaling` is the layer's own (lora_alpha / r, or / sqrt(r) with rsLoRA)."""
+    from peft.tuners.lora import LoraLayer
+
+    from shardwise.train.lora import ADAPTER_NAME
+    from shardwise.train.weights_read import checkpoint_key
+
+    out = {}
+    for name, module in base.named_modules():
+        if not isinstance(module, LoraLayer) or ADAPTER_NAME not in module.scaling:
+            continue
+        scale = float(module.scaling[ADAPTER_NAME])
+        if ADAPTER_NAME in module.lora_A:
+            a, b = (adapters[f"{name}.lora_{x}.{ADAPTER_NAME}.weight"] for x in "AB")
+            transposed = bool(getattr(module, "fan_in_fan_out", False))
+        elif ADAPTER_NAME in module.lora_embedding_A:
+            a, b = (adapters[f"{name}.lora_embedding_{x}.{ADAPTER_NAME}"] for x in "AB")
+            transposed = True  # PEFT's Embedding: delta = (B @ A)^T
+        else:
+            continue
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"{name}: a LoRA layer of {type(module).__name__} cannot be merged here (2-D A and B "
+                             f"expected, got {tuple(a.shape)} and {tuple(b.shape)})")
+        key = checkpoint_key(f"{name}.base_layer.weight")
+        assert key is not None
+        out[key] = (a, b, scale, transposed)
+    return out
+
+
+def _modules_to_save(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base checkpoint key -> the trained copy of a `modules_to_save` module's tensor."""
+    from shardwise.train.weights_read import checkpoint_key
+
+    return {key: v for k, v in adapters.items()
+            if ".modules_to_save." in k and (key := checkpoint_key(k)) is not None}
+
+
+def _built_base(cfg: TrainConfig):
+    """A base without weight files (the catalog's, or `model.random_init`), as training builds
+    it: seeded random init, fp32, on this process (no file is read: no collective)."""
+    from shardwise.train.model import build_model
+
+    return build_model(_one_process_run(cfg.model_copy(update={"lora": None})))
 
 
 def _hf_config(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> dict:

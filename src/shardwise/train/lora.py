@@ -145,7 +145,7 @@ def apply_lora(model: Any, run: RunSpec) -> Any:
 
 def peft_model(section: LoraSection, base: Any) -> Any:
     """A `peft.PeftModel` around `base` with a `lora:` section's adapter config (fresh adapters),
-    for export: `save_pretrained` writes PEFT's adapter format, `merge_and_unload` the merged model."""
+    for export (built on the meta device): PEFT's names, scalings and `save_pretrained`."""
     import warnings
 
     from peft import get_peft_model

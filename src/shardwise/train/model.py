@@ -191,6 +191,27 @@ def trainable_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
     same config (and the same adapters), so no memory is used and no weights are read. An NF4
     base is not quantised here: it is frozen, and the adapters' shapes do not depend on it."""
     import torch
+
+    model = meta_base(run)
+    if run.config.lora is not None:
+        from peft import inject_adapter_in_model
+
+        from shardwise.train.lora import ADAPTER_NAME, peft_config
+
+        try:
+            with torch.device("meta"):
+                model = inject_adapter_in_model(peft_config(run.config.lora), model, adapter_name=ADAPTER_NAME)
+        except ValueError as e:  # as apply_lora says it: "Target modules {...} not found"
+            raise ShardwiseError(f"{run.config.source}: lora.target_modules "
+                                 f"{run.config.lora.target_modules!r}: {e}") from None
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def meta_base(run: RunSpec):
+    """The run's base model (no adapters) on the meta device, fp32: every module, name and shape
+    `build_model` gives, no storage and no weights read (buffers are meta too). For what needs
+    only names and shapes: a checkpoint's expected tensors, the names of an adapter export."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = run.config.model
@@ -201,15 +222,4 @@ def trainable_shapes(run: RunSpec) -> dict[str, tuple[int, ...]]:
     else:
         hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
-        if run.config.lora is not None:
-            from peft import inject_adapter_in_model
-
-            from shardwise.train.lora import ADAPTER_NAME, peft_config
-
-            try:
-                model = inject_adapter_in_model(peft_config(run.config.lora), model, adapter_name=ADAPTER_NAME)
-            except ValueError as e:  # as apply_lora says it: "Target modules {...} not found"
-                raise ShardwiseError(f"{run.config.source}: lora.target_modules "
-                                     f"{run.config.lora.target_modules!r}: {e}") from None
-    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
