@@ -135,4 +135,4 @@ def test_plan_cli_takes_the_implementation_settings():
     assert run("--expandable-segments")["memory"]["allocator_slack"] < fused["memory"]["allocator_slack"]
     assert run("--fused-kernels")["time"]["memory_bound_s"] < fused["time"]["memory_bound_s"]
     bad = CliRunner().invoke(app, ["plan", "--optimizer-impl", "apex"])
-    assert bad.exit_code == 2 and "optimizer_impl" in bad.output
+    assert bad.exit_code == 2 and "--optimizer-impl" in bad.output

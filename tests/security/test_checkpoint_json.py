@@ -67,11 +67,14 @@ def _refused(step: Path, *fragments: str) -> str:
     ('{"format": "shardwise-checkpoint/1", "step": NaN}', "NaN is not a JSON number"),
     ('{"format": "shardwise-checkpoint/1", "step": Infinity}', "Infinity is not a JSON number"),
     ('{"format": "shardwise-checkpoint/1", "step": ' + "9" * 5000 + "}", "not valid JSON"),
-    ("\xff\xfe", "not UTF-8"),
+    (b"\xff\xfe{}", "not UTF-8"),
     ('[1, 2]', "expected a JSON object"),
 ], ids=["deep", "nan", "inf", "5000-digit", "bytes", "list"])
 def test_a_malformed_manifest_is_refused_naming_it(step, text, says):
-    (step / "manifest.json").write_text(text, encoding="utf-8", errors="surrogateescape")
+    if isinstance(text, bytes):
+        (step / "manifest.json").write_bytes(text)
+    else:
+        (step / "manifest.json").write_text(text)
     _refused(step, str(step / "manifest.json"), says)
 
 

@@ -125,7 +125,7 @@ def test_config_json_that_is_not_json_names_the_file_and_position(tmp_path):
     (d / "config.json").write_text('{"model_type": "llama",\n  "hidden_size": 64,,\n}')
     out = tmp_path / "out"
     r = train(SYNTHETIC, out, f"model.path={d}", "model.random_init=true")
-    assert_refused_before_ranks(r, out, "model.path", f"{d / 'config.json'}", "line 2 column 21")
+    assert_refused_before_ranks(r, out, "model.path", f"{d / 'config.json'}", "config.json:2:21: not valid JSON")
 
 
 def test_resume_of_a_model_whose_shape_changed_is_refused_naming_the_tensor(tmp_path):

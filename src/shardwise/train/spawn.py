@@ -200,6 +200,11 @@ class SpawnResult:
     collateral: list[str] = field(default_factory=list)
 
 
+# Exits every rank takes together, by a decision they reach collectively (the loop's vote on a
+# non-finite streak, a save's shared failure, a refusal in every rank): no rank caused the others'.
+SHARED_EXITS = (ExitCode.USER_ERROR, ExitCode.NONFINITE, ExitCode.NO_SPACE)
+
+
 def first_failure(exited: list[tuple[int, int]]) -> int:
     """The rank, of those (rank, returncode) seen failed in one poll, that failed first: a death
     by SIGKILL, then by another signal, then an exit code; the lowest rank among equals. A peer
@@ -395,6 +400,10 @@ def spawn_job(
             name = _signame(escalated[0])
             return SpawnResult(128 + escalated[0], f"a second {name}: the ranks were killed without a checkpoint",
                                heartbeats=heartbeats)
+        if failed is not None and failed != 0 and rcs[failed] in SHARED_EXITS and procs[0].returncode == rcs[failed]:
+            # every rank took the same decision (a non-finite stop, a full disk, a refusal): rank 0's
+            # own summary says why; the rank that happened to exit first is no culprit
+            failed = detector = 0
         if failed is not None:
             code = int(rcs[detector])  # type: ignore[arg-type]  # a hang: 4 (HUNG), whichever rank stalled
             killed = _signame(-code) if detector == failed and code < 0 else None
