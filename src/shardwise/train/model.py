@@ -141,7 +141,9 @@ def build_model(run: RunSpec, *, deferred: bool = False):
     elif weights.sharded_load(run) and weights.zero3(run):
         from shardwise.train.weights_zero3 import load_zero3, zero3_model
 
-        with weights.large_allocations_returned():
+        from shardwise.train.host_alloc import large_allocations_returned
+
+        with large_allocations_returned():
             model = zero3_model(run, kw["attn_implementation"])
             load_zero3(model, Path(cfg.path), _rank())
     elif weights.sharded_load(run):
