@@ -8,7 +8,9 @@ records:
 - the job's peak (`memory.max_usage_in_bytes`: anonymous memory and the page cache of the files
   read, which the kernel reclaims under a cap) and `memory.failcnt`;
 - the peak RSS of the largest process of the job (`wait4`'s rusage: its own and its waited-for
-  ranks' `ru_maxrss`), and rank 0's own peak from its metrics.jsonl (the trainer's "host peak RSS");
+  ranks' `ru_maxrss`), and rank 0's own peak from its metrics.jsonl (the trainer's "host peak RSS").
+  The probe resets each rank's peak once the weights are in, so both count from there: a rank's
+  peak over the whole run is the larger of its `load_peak` and `train_peak`;
 - per rank and per phase, through `benchmarks/host_memory_probe/sitecustomize.py` (first on the
   ranks' PYTHONPATH; it only reads): VmRSS, RssAnon, RssFile, VmHWM and glibc's heap in use /
   free / mmapped at start (imports done, nothing built), after the model is built, after the
@@ -27,7 +29,7 @@ bundled tokenizer beside them. Needs root (cgroup v1 at /sys/fs/cgroup/memory) a
     python benchmarks/host_memory.py [--cache DIR] [--cases fsdp-lora-1.36b,...] [--steps 2] [--cap-gib X]
 
 Writes benchmarks/results/host_memory.json (merged with the cases already there when --cases
-picks some).
+picks some); `--table` prints it as markdown.
 """
 
 from __future__ import annotations
@@ -271,6 +273,33 @@ def measure(name: str, cache: Path, steps: int, cap: int | None) -> dict:
             "output_tail": job["output_tail"] if job["rc"] != 0 else ""}
 
 
+def table(doc: dict) -> str:
+    """Markdown: per case, the model's terms beside what they predict, per rank (GiB; the worst
+    rank), and the job's cgroup peak. `states` is measured as the RSS after the last step over
+    the RSS at start (model states, buffers, the heap the step left); `gathered + transient` as
+    the training's peak over the RSS after the last step; the load's peak over the RSS once
+    loaded is the read in flight (planned: shardwise.plan.load `read`)."""
+    g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    base = doc["baseline"]
+    lines = [f"Process baseline (VmRSS once imported): torch engines {g(base['torch_engines']['VmRSS'])} GiB, "
+             f"DeepSpeed {g(base['deepspeed']['VmRSS'])} GiB; a rank at start (before building): see `start`.", "",
+             "| case | start | states (model) | states (measured) | gathered+transient (model) | (measured) "
+             "| load read (plan) | (measured) | peak per rank | job peak (cgroup) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c in doc["cases"].items():
+        if not c["per_rank"]:
+            lines.append(f"| {name} | failed (rc {c['job']['rc']}) |||||||||")
+            continue
+        worst = max(c["per_rank"].values(), key=lambda r: max(r["train_peak"], r["load_peak"]))
+        lines.append(
+            f"| {name} | {g(worst['start_rss'])} | {g(c['terms_total']['states'])} | "
+            f"{g(worst['steady_rss'] - worst['start_rss'])} | {g(c['terms_total']['gathered'])} | "
+            f"{g(worst['train_peak'] - worst['steady_rss'])} | {g(c['planned_load']['read'])} | "
+            f"{g(worst['load_peak'] - worst['loaded_rss'])} | {g(max(worst['train_peak'], worst['load_peak']))} | "
+            f"{g(c['job']['cgroup_peak'])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "shardwise-checkpoints")
@@ -278,7 +307,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--cap-gib", type=float, default=None, help="memory.limit_in_bytes of each job's cgroup")
     ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     a = ap.parse_args()
+    if a.table:
+        print(table(json.loads(a.out.read_text())))
+        return
     if not (CGROUP / "cgroup.procs").exists():
         sys.exit(f"{CGROUP}: no cgroup v1 memory controller here (the benchmark needs one, and root)")
     names = [c.strip() for c in a.cases.split(",") if c.strip()]
