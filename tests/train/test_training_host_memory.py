@@ -115,3 +115,17 @@ def test_a_step_adds_what_fsdp2_gathers_and_the_activations_only(run):
         assert grown <= bound, (r, grown / MIB, bound / MIB)
     loss = [json.loads(line)["loss"] for line in run["metrics"].splitlines() if '"loss"' in line]
     assert loss and all(x == x and abs(x) < 1e3 for x in loss), loss
+
+
+def test_the_threshold_is_set_once_and_restored_by_the_outermost_context(monkeypatch):
+    """The load's context nests inside the run's: only the outermost one sets glibc's threshold
+    and sets it back, so the load's exit does not end the run's setting."""
+    from shardwise.train import host_alloc
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(host_alloc, "_mallopt", lambda: lambda param, value: calls.append((param, value)))
+    with host_alloc.large_allocations_returned():
+        with host_alloc.large_allocations_returned():
+            pass
+        assert calls == [(-3, 1 << 20)]  # M_MMAP_THRESHOLD (glibc malloc.h), 1 MiB
+    assert calls == [(-3, 1 << 20), (-3, 32 << 20)]

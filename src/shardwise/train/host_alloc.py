@@ -2,15 +2,14 @@
 goes back to the system instead of staying in the heap as holes.
 
 glibc serves an allocation below its mmap threshold from the heap, and its dynamic threshold
-rises to 32 MiB after the first large frees. Tensors that are freed and allocated again at every
-layer (the parameters FSDP2 gathers and frees per layer, the full tensors `zero.Init` builds and
-partitions per module) then leave holes that small long-lived allocations (the activations saved
-for backward) split, so the next layer's tensor of the same size no longer fits and the heap
-grows: measured on a 1.36B Llama, FSDP2 LoRA on 2 CPU ranks, 65 MB per layer in the forward,
-3.9 GiB per rank instead of 2.2 GiB, all of it free heap that `malloc_trim` hands back; ZeRO-3
-LoRA while loading, 3.3 GB instead of 2.2 GB. With the threshold fixed at 1 MiB, every tensor
-from 1 MiB up is its own mapping: freed, it is returned at once, and a hole is never left.
-No-op off glibc (macOS, musl) and for device memory (CUDA's allocator is torch's own).
+rises to 32 MiB after the first large frees. Tensors freed and allocated again at every layer
+(the parameters FSDP2 or ZeRO-3 gathers and frees per layer, the full tensors `zero.Init` builds
+and partitions per module) then leave holes that small long-lived allocations (the activations
+saved for backward) split, so the next layer's tensor of the same size no longer fits and the
+heap grows by about a layer per layer: most of the unsharded model per rank, free but never
+returned (docs/training.md has the measurements). With the threshold fixed at MMAP_THRESHOLD,
+every tensor from 1 MiB up is its own mapping, returned when it is freed. No-op off glibc
+(macOS, musl); device memory is torch's own allocator's.
 """
 
 from __future__ import annotations
