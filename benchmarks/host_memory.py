@@ -7,7 +7,8 @@ records:
 
 - the job's peak (`memory.max_usage_in_bytes`: anonymous memory and the page cache of the files
   read, which the kernel reclaims under a cap) and `memory.failcnt`;
-- the peak RSS of the largest process of the job (`wait4`'s rusage: its own and its waited-for
+- the launcher's own peak RSS (its VmHWM, read every 0.5 s while it runs), and the peak RSS of
+  the largest process of the job (`wait4`'s rusage: its own and its waited-for
   ranks' `ru_maxrss`), and rank 0's own peak from its metrics.jsonl (the trainer's "host peak RSS").
   The probe resets each rank's peak once the weights are in, so both count from there: a rank's
   peak over the whole run is the larger of its `load_peak` and `train_peak`;
@@ -41,6 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +124,21 @@ def run_in_cgroup(cmd: list[str], env: dict[str, str], name: str, cap: int | Non
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 preexec_fn=join, text=True)
+        launcher = {"VmHWM": 0}
+
+        def watch() -> None:  # the launcher's own peak: its VmHWM, read until it exits (no wait here:
+            while True:         # the main thread reaps it with wait4, for its rusage)
+                try:
+                    with open(f"/proc/{proc.pid}/status") as f:
+                        fields = dict(line.split(":", 1) for line in f if ":" in line)
+                except OSError:
+                    return
+                if "VmHWM" not in fields:  # a zombie: exited
+                    return
+                launcher["VmHWM"] = int(fields["VmHWM"].split()[0]) * 1024
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, daemon=True).start()
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -130,7 +147,8 @@ def run_in_cgroup(cmd: list[str], env: dict[str, str], name: str, cap: int | Non
                 "cgroup_peak": int((group / "memory.max_usage_in_bytes").read_text()),
                 "cgroup_failcnt": int((group / "memory.failcnt").read_text()),
                 "cgroup_cache_at_end": int(stat.get("total_cache", 0)),
-                "largest_process_peak_rss": usage.ru_maxrss * 1024, "output_tail": out[-3000:]}
+                "largest_process_peak_rss": usage.ru_maxrss * 1024, "launcher_peak_rss": launcher["VmHWM"],
+                "output_tail": out[-3000:]}
     finally:
         for _ in range(50):
             try:

@@ -1,7 +1,8 @@
 """Phase probe for benchmarks/host_memory.py: imported at start-up by every process of a
 `shardwise train` that the benchmark launches with this directory first on PYTHONPATH (Python
 imports `sitecustomize` itself). In a trainer rank it wraps `build_model`, `build_engine` and the
-engine's `forward_backward` / `step` of shardwise.train.loop and appends one JSON line per phase
+engine's `forward_backward` / `step` / `zero_grad` / `close` and `train` itself of shardwise.train.loop (the last row:
+when the loop returned) and appends one JSON line per phase
 to $SHARDWISE_HOST_PHASES_DIR/rank<RANK>.jsonl: VmRSS, RssAnon, RssFile and VmHWM of
 /proc/self/status, and glibc's mallinfo2 (heap bytes in use and free, bytes in mmapped blocks).
 The peak (VmHWM) is reset once the weights are in: the "loaded" row holds the load's peak, the
@@ -74,7 +75,7 @@ def _patch(loop) -> None:
         cls = type(e)
         if not getattr(cls, "_host_probe", False):
             cls._host_probe = True
-            fb, st = cls.forward_backward, cls.step
+            fb, st, zg, close = cls.forward_backward, cls.step, cls.zero_grad, cls.close
 
             def forward_backward(self, batch, scale):
                 out = fb(self, batch, scale)
@@ -86,10 +87,28 @@ def _patch(loop) -> None:
                 record("step")
                 return out
 
-            cls.forward_backward, cls.step = forward_backward, step
+            def zero_grad(self):
+                out = zg(self)
+                record("zero_grad")
+                return out
+
+            def closed(self):
+                record("before close")
+                return close(self)
+
+            cls.forward_backward, cls.step, cls.zero_grad, cls.close = forward_backward, step, zero_grad, closed
         return e
 
     loop.build_model, loop.build_engine = model, engine
+    train = loop.train
+
+    def trained(*args, **kwargs):  # the end of the loop: last flush, the engine's close
+        try:
+            return train(*args, **kwargs)
+        finally:
+            record("trained")
+
+    loop.train = trained
 
 
 if _DIR and os.environ.get("RANK") is not None:
