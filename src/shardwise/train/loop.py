@@ -161,7 +161,31 @@ def train(
     (shardwise.train.lineage); by default rank 0 starts one from `resume` and records it in the
     output dir, so pruning and `--resume latest` never cross runs. The caller closes `metrics`
     (with the run's final status, after any export).
+
+    Host memory: the run holds glibc's mmap threshold at 1 MiB (shardwise.train.host_alloc),
+    so tensors freed and gathered again per layer or step return to the system and never leave
+    holes in the heap.
     """
+    from shardwise.train.host_alloc import large_allocations_returned
+
+    with large_allocations_returned():
+        return _train(run, env, steps=steps, metrics=metrics, export_weights=export_weights,
+                      final_export=final_export, resume=resume, stop=stop, watchdog=watchdog, lineage=lineage)
+
+
+def _train(
+    run: RunSpec,
+    env: DistEnv,
+    *,
+    steps: Iterator[list[dict[str, torch.Tensor]]] | None = None,
+    metrics: Any = None,
+    export_weights: bool = False,
+    final_export: bool = False,
+    resume: Path | None = None,
+    stop: Any = None,
+    watchdog: Any = None,
+    lineage: Any = None,
+) -> TrainResult:
     from shardwise.train import checkpoint as ckpt
 
     cfg = run.config

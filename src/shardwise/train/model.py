@@ -139,9 +139,10 @@ def build_model(run: RunSpec, *, deferred: bool = False):
         hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, **kw)
     elif weights.sharded_load(run) and weights.zero3(run):
+        from shardwise.train.host_alloc import large_allocations_returned
         from shardwise.train.weights_zero3 import load_zero3, zero3_model
 
-        with weights.large_allocations_returned():
+        with large_allocations_returned():
             model = zero3_model(run, kw["attn_implementation"])
             load_zero3(model, Path(cfg.path), _rank())
     elif weights.sharded_load(run):

@@ -26,13 +26,12 @@ paths with rank 0 reading each tensor and broadcasting it (shardwise.train.weigh
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardwise.plan.load import ZERO3_CHUNK_BYTES as _PLANNED_CHUNK
+from shardwise.train.host_alloc import large_allocations_returned
 from shardwise.train.weights_read import (
     bin_files,
     copy_full,
@@ -44,41 +43,6 @@ from shardwise.train.weights_read import (
 # Bytes of full tensors gathered on every rank at a time while ZeRO-3 partitions are filled: the
 # planner's figure (one fact, priced and used).
 ZERO3_CHUNK_BYTES = int(_PLANNED_CHUNK)
-# glibc's mmap threshold while weights load: allocations from 1 MiB up are mapped and unmapped
-# whole. glibc's dynamic threshold otherwise rises to 32 MiB after the first large frees, and the
-# full tensors that zero.Init builds and frees per module then fragment the heap under the kept
-# partitions (measured: ZeRO-3 LoRA of a 1.36B Llama on 2 CPU ranks peaked at 3.3 GB instead of
-# 2.2 GB). Afterwards the threshold is set to glibc's dynamic maximum (32 MiB).
-LOAD_MMAP_THRESHOLD = 1 << 20
-AFTER_MMAP_THRESHOLD = 32 << 20
-
-
-@contextlib.contextmanager
-def large_allocations_returned() -> Iterator[None]:
-    """Weights loading with glibc's mmap threshold fixed at LOAD_MMAP_THRESHOLD (no-op off glibc)."""
-    mallopt = _mallopt()
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
-    try:
-        yield
-    finally:
-        if mallopt is not None:
-            mallopt(_M_MMAP_THRESHOLD, AFTER_MMAP_THRESHOLD)
-
-
-_M_MMAP_THRESHOLD = -3  # glibc malloc.h
-
-
-def _mallopt() -> Any:
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return getattr(libc, "mallopt", None) if libc is not None and hasattr(libc, "gnu_get_libc_version") else None
 
 
 def weights_format(path: str | Path) -> str | None:

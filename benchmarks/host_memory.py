@@ -1,0 +1,358 @@
+"""Host memory of CPU training through the user's own command, per engine, term by term.
+
+Each case runs `python -m shardwise.train.cli CONFIG` as a subprocess on 2 CPU ranks, the whole
+job (launcher + ranks) in a fresh cgroup v1 memory controller (`/sys/fs/cgroup/memory/<unique>`:
+the child writes its own pid to `cgroup.procs` before it execs, so every rank is in it), and
+records:
+
+- the job's peak (`memory.max_usage_in_bytes`: anonymous memory and the page cache of the files
+  read, which the kernel reclaims under a cap) and `memory.failcnt`;
+- the launcher's own peak RSS (its VmHWM, read every 0.5 s while it runs), and the peak RSS of
+  the largest process of the job (`wait4`'s rusage: its own and its waited-for
+  ranks' `ru_maxrss`), and rank 0's own peak from its metrics.jsonl (the trainer's "host peak RSS").
+  The probe resets each rank's peak once the weights are in, so both count from there: a rank's
+  peak over the whole run is the larger of its `load_peak` and `train_peak`;
+- per rank and per phase, through `benchmarks/host_memory_probe/sitecustomize.py` (first on the
+  ranks' PYTHONPATH; it only reads): VmRSS, RssAnon, RssFile, VmHWM and glibc's heap in use /
+  free / mmapped at start (imports done, nothing built), after the model is built, after the
+  engine placed and loaded it (VmHWM: the load's peak, then reset), after each forward+backward
+  and each optimizer step (VmHWM: the training's peak);
+- the process baseline of a fresh interpreter that imports what a rank imports (python, torch,
+  torch.distributed, transformers, peft, deepspeed, shardwise's trainer), and nothing else;
+- the terms of the host-memory model (bytes, from the checkpoint's config.json), beside the
+  measured values they predict, and the planner's load phase (shardwise.plan.load).
+
+Cases: LoRA (r 8, q_proj/v_proj, bf16-mixed) on the 1.36B Llama under fsdp, zero3, zero2, ddp;
+full fine-tuning (bf16-mixed) of the 134M Llama under the same four. Checkpoints are random bf16
+Llamas in 500 MB safetensors shards (tests/train/big_checkpoint.py), cached in --cache, with the
+bundled tokenizer beside them. Needs root (cgroup v1 at /sys/fs/cgroup/memory) and ~10 GiB.
+
+    python benchmarks/host_memory.py [--cache DIR] [--cases fsdp-lora-1.36b,...] [--steps 2] [--cap-gib X]
+
+Writes benchmarks/results/host_memory.json (merged with the cases already there when --cases
+picks some); `--table` prints it as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT = ROOT / "benchmarks" / "results" / "host_memory.json"
+PROBE = ROOT / "benchmarks" / "host_memory_probe"
+CGROUP = Path("/sys/fs/cgroup/memory")
+GIB = 2**30
+RANKS = 2
+SEQ = 64
+LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+STRATEGIES = ("fsdp", "zero3", "zero2", "ddp")
+CASES = {f"{s}-lora-1.36b": (s, "lora", "llama-1.36b") for s in STRATEGIES} | {
+    f"{s}-full-134m": (s, "full", "llama-134m") for s in STRATEGIES}
+
+# What a rank has imported before it builds anything, by engine: the process baseline.
+BASELINE_IMPORTS = {
+    "torch_engines": "import torch, torch.distributed, transformers, peft; import shardwise.train.cli, "
+                     "shardwise.train.loop, shardwise.train.engines.fsdp, shardwise.train.engines.ddp",
+    "deepspeed": "import torch, torch.distributed, transformers, peft, deepspeed; import shardwise.train.cli, "
+                 "shardwise.train.loop, shardwise.train.engines.deepspeed",
+}
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(PROBE), str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def checkpoint(cache: Path, name: str) -> Path:
+    sys.path.insert(0, str(ROOT / "tests" / "train"))
+    from big_checkpoint import make_checkpoint
+
+    from shardwise.data import default_tokenizer_path
+
+    out = make_checkpoint(cache, name)
+    for f in default_tokenizer_path().iterdir():
+        if f.is_file() and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def write_config(out: Path, ckpt: Path, strategy: str, mode: str, steps: int) -> Path:
+    import yaml
+
+    cfg = {
+        "model": {"path": str(ckpt)},
+        "data": {"kind": "sft", "sft": {"max_length": SEQ, "packing": True}},
+        "strategy": {"name": strategy},
+        "optimizer": {"lr": 1.0e-4, "weight_decay": 0.0},
+        "precision": "bf16-mixed",
+        "run": {"steps": steps, "micro_batch": 1, "grad_accum": 1, "nproc": RANKS, "device": "cpu"},
+        "checkpointing": {"output_dir": str(out / "out"), "save_final": False},
+        "logging": {"progress": False},
+    }
+    if mode == "lora":
+        cfg["lora"] = dict(LORA)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_in_cgroup(cmd: list[str], env: dict[str, str], name: str, cap: int | None) -> dict:
+    """Run `cmd` as the only member of a new memory cgroup; its peak, failcnt and the largest
+    process's peak RSS (wait4)."""
+    group = CGROUP / name
+    group.mkdir()
+    try:
+        if cap is not None:
+            (group / "memory.limit_in_bytes").write_text(str(cap))
+        procs = str(group / "cgroup.procs")
+
+        def join() -> None:  # in the child, before exec: the launcher and every rank it starts are in
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=join, text=True)
+        launcher = {"VmHWM": 0}
+
+        def watch() -> None:  # the launcher's own peak: its VmHWM, read until it exits (no wait here:
+            while True:         # the main thread reaps it with wait4, for its rusage)
+                try:
+                    with open(f"/proc/{proc.pid}/status") as f:
+                        fields = dict(line.split(":", 1) for line in f if ":" in line)
+                except OSError:
+                    return
+                if "VmHWM" not in fields:  # a zombie: exited
+                    return
+                launcher["VmHWM"] = int(fields["VmHWM"].split()[0]) * 1024
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, daemon=True).start()
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+        return {"rc": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
+                "cgroup_peak": int((group / "memory.max_usage_in_bytes").read_text()),
+                "cgroup_failcnt": int((group / "memory.failcnt").read_text()),
+                "cgroup_cache_at_end": int(stat.get("total_cache", 0)),
+                "largest_process_peak_rss": usage.ru_maxrss * 1024, "launcher_peak_rss": launcher["VmHWM"],
+                "output_tail": out[-3000:]}
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def baseline(env: dict[str, str]) -> dict:
+    """VmRSS/RssAnon/RssFile of a fresh interpreter once it imported what a rank of each engine
+    imports (`BASELINE_IMPORTS`)."""
+    env = {k: v for k, v in env.items() if k != "SHARDWISE_HOST_PHASES_DIR"}
+    out = {}
+    for name, imports in BASELINE_IMPORTS.items():
+        code = (f"{imports}\nimport json\nd = {{}}\nfor line in open('/proc/self/status'):\n"
+                "    k, _, v = line.partition(':')\n"
+                "    if k in ('VmRSS', 'RssAnon', 'RssFile'):\n        d[k] = int(v.split()[0]) * 1024\n"
+                "print(json.dumps(d))")
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        out[name] = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
+
+
+def shapes(ckpt: Path) -> dict:
+    """Parameter counts of the checkpoint's Llama, and of the LoRA adapters on it."""
+    c = json.loads((ckpt / "config.json").read_text())
+    h, f, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * c.get("head_dim", h // c["num_attention_heads"])
+    layer = h * h * 2 + h * kv * 2 + 3 * h * f + 2 * h
+    root = v * h * (1 if c.get("tie_word_embeddings") else 2) + h
+    lora_layer = LORA["rank"] * (h + h) + LORA["rank"] * (h + kv)  # q_proj (h->h), v_proj (h->kv)
+    return {"params": layers * layer + root, "layer": layer, "root": root, "lora": layers * lora_layer}
+
+
+def model_terms(strategy: str, mode: str, s: dict) -> dict:
+    """Bytes per rank of the host-memory model's terms (bf16-mixed, RANKS ranks).
+
+    states: what lives between steps. LoRA: the frozen base in bf16 (1/n of it where the engine
+    shards parameters), the fp32 adapters, their fp32 grads and AdamW moments (16 B/param;
+    sharded under fsdp/zero3). Full fine-tuning: FSDP2 fp32 sharded params + grads + moments
+    (16 B/param / n); ZeRO-2 bf16 params whole + fp32 master, moments and grads partitioned
+    (2 + 16/n B/param); ZeRO-3 bf16 params, fp32 master, grads and moments partitioned
+    (18/n B/param); DDP fp32 params, grads, moments (16 B/param), autocast to bf16 per step.
+    gathered: what the step holds on top. FSDP2: the root group (embeddings, norm, lm_head) in
+    bf16 from forward to backward, and while a unit gathers, its input copy, its flat output and
+    its unsharded params (c/n + 2c per element) for the root, then one layer. ZeRO-3: DeepSpeed's
+    kept and prefetched params (plan/stage.zero3_gathered). DDP/ZeRO-2 LoRA: none; full: DDP's
+    autocast keeps bf16 copies of the weights for backward (2 B/param), ZeRO-2 its fp32 grads
+    of the partition plus the reduce buckets."""
+    n, c, psi, lora = RANKS, 2, s["params"], s["lora"]
+    if mode == "lora":
+        base = c * psi / n if strategy in ("fsdp", "zero3") else c * psi
+        train = 16 * lora / (n if strategy in ("fsdp", "zero3") else 1)
+        states = {"base_bf16": base, "adapters_fp32_grads_adamw": train}
+    elif strategy == "fsdp":
+        states = {"params_fp32": 4 * psi / n, "grads_fp32": 4 * psi / n, "adamw": 8 * psi / n}
+    elif strategy == "zero3":
+        states = {"params_bf16": 2 * psi / n, "master_fp32": 4 * psi / n, "grads": 4 * psi / n, "adamw": 8 * psi / n}
+    elif strategy == "zero2":
+        states = {"params_bf16": 2 * psi, "master_fp32": 4 * psi / n, "grads": 4 * psi / n, "adamw": 8 * psi / n}
+    else:
+        states = {"params_fp32": 4 * psi, "grads_fp32": 4 * psi, "adamw": 8 * psi}
+    if strategy == "fsdp":
+        gathered = {"root_bf16": c * s["root"], "root_gather_transient": c * s["root"] * (1 / n + 1)}
+    elif strategy == "zero3":
+        gathered = {"zero3_gathered": c * zero3_gathered(s)}
+    elif strategy == "ddp" and mode == "full":
+        gathered = {"autocast_bf16_weights": 2 * psi}
+    else:
+        gathered = {}
+    return {"states": states, "gathered": gathered}
+
+
+def zero3_gathered(s: dict) -> float:
+    """Elements ZeRO-3 keeps gathered (DeepSpeed defaults: reuse distance and max live 1e9,
+    prefetch bucket 5e7): plan/stage.py's rule, on this checkpoint's shapes."""
+    reuse, prefetch = 1e9, 5e7
+    layers = 0
+    while 2 * (layers) * s["layer"] + 2 * (s["root"] / 2) < reuse and layers < 10_000:
+        layers += 1
+    layers = min(layers, 10_000)
+    return min(s["params"], layers * s["layer"] + s["root"] / 2 + min(prefetch, s["layer"]))
+
+
+def planned_load(config: Path) -> dict:
+    from shardwise.run.bridge import run_spec
+    from shardwise.train.config import load_config
+    from shardwise.train.weights import planned_load as load
+
+    p = load(run_spec(load_config(config), RANKS, "cpu"))
+    return {"per_rank": p.per_rank, "resident": p.resident, "read": p.read, "process": p.process, "path": p.path}
+
+
+def phases(directory: Path) -> dict[str, list[dict]]:
+    out = {}
+    for f in sorted(directory.glob("rank*.jsonl")):
+        out[f.stem] = [json.loads(line) for line in f.read_text().splitlines()]
+    return out
+
+
+def summarise(ph: list[dict]) -> dict:
+    by = {r["phase"]: r for r in ph}
+    start, loaded, last = by["start"], by["loaded"], ph[-1]
+    return {
+        "start_rss": start["VmRSS"], "loaded_rss": loaded["VmRSS"], "load_peak": loaded["VmHWM"],
+        "train_peak": last["VmHWM"], "steady_rss": last["VmRSS"],
+        "states_measured": loaded["VmRSS"] - start["VmRSS"],
+        "load_transient": loaded["VmHWM"] - loaded["VmRSS"],
+        "train_growth": last["VmHWM"] - loaded["VmRSS"],
+        "heap_free_at_end": last.get("heap_free"),
+    }
+
+
+def measure(name: str, cache: Path, steps: int, cap: int | None) -> dict:
+    strategy, mode, model = CASES[name]
+    ckpt = checkpoint(cache, model)
+    env = child_env()
+    with tempfile.TemporaryDirectory(prefix="host-memory-") as tmp:
+        tmp_path = Path(tmp)
+        config = write_config(tmp_path, ckpt, strategy, mode, steps)
+        (tmp_path / "phases").mkdir()
+        env["SHARDWISE_HOST_PHASES_DIR"] = str(tmp_path / "phases")
+        job = run_in_cgroup([sys.executable, "-m", "shardwise.train.cli", str(config)], env,
+                            f"shardwise-host-memory-{os.getpid()}-{name}", cap)
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        rank0_peak = max((r["memory_bytes"] for r in rows if "memory_bytes" in r), default=None)
+        ph = phases(tmp_path / "phases")
+        load = planned_load(config)
+    s = shapes(ckpt)
+    terms = model_terms(strategy, mode, s)
+    ranks = {k: summarise(v) for k, v in ph.items() if any(r["phase"] == "loaded" for r in v)}
+    losses = [r.get("loss") for r in rows if "loss" in r]
+    return {"case": name, "strategy": strategy, "mode": mode, "model": model, "ranks": RANKS, "seq": SEQ,
+            "steps": steps, "shapes": s, "terms": terms,
+            "terms_total": {k: sum(v.values()) for k, v in terms.items()},
+            "planned_load": load, "job": {k: v for k, v in job.items() if k != "output_tail"},
+            "rank0_peak_rss_metrics": rank0_peak, "per_rank": ranks, "phases": ph, "losses": losses,
+            "output_tail": job["output_tail"] if job["rc"] != 0 else ""}
+
+
+def table(doc: dict) -> str:
+    """Markdown: per case, the model's terms beside what they predict, per rank (GiB; the worst
+    rank), and the job's cgroup peak. `states` is measured as the RSS after the last step over
+    the RSS at start (model states, buffers, the heap the step left); `gathered + transient` as
+    the training's peak over the RSS after the last step; the load's peak over the RSS once
+    loaded is the read in flight (planned: shardwise.plan.load `read`)."""
+    g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    base = doc["baseline"]
+    lines = [f"Process baseline (VmRSS once imported): torch engines {g(base['torch_engines']['VmRSS'])} GiB, "
+             f"DeepSpeed {g(base['deepspeed']['VmRSS'])} GiB; a rank at start (before building): see `start`.", "",
+             "| case | start | states (model) | states (measured) | gathered+transient (model) | (measured) "
+             "| load read (plan) | (measured) | peak per rank | job peak (cgroup) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c in doc["cases"].items():
+        if not c["per_rank"]:
+            lines.append(f"| {name} | failed (rc {c['job']['rc']}) |||||||||")
+            continue
+        worst = max(c["per_rank"].values(), key=lambda r: max(r["train_peak"], r["load_peak"]))
+        lines.append(
+            f"| {name} | {g(worst['start_rss'])} | {g(c['terms_total']['states'])} | "
+            f"{g(worst['steady_rss'] - worst['start_rss'])} | {g(c['terms_total']['gathered'])} | "
+            f"{g(worst['train_peak'] - worst['steady_rss'])} | {g(c['planned_load']['read'])} | "
+            f"{g(worst['load_peak'] - worst['loaded_rss'])} | {g(max(worst['train_peak'], worst['load_peak']))} | "
+            f"{g(c['job']['cgroup_peak'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "shardwise-checkpoints")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--cap-gib", type=float, default=None, help="memory.limit_in_bytes of each job's cgroup")
+    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    a = ap.parse_args()
+    if a.table:
+        print(table(json.loads(a.out.read_text())))
+        return
+    if not (CGROUP / "cgroup.procs").exists():
+        sys.exit(f"{CGROUP}: no cgroup v1 memory controller here (the benchmark needs one, and root)")
+    names = [c.strip() for c in a.cases.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        sys.exit(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    doc = json.loads(a.out.read_text()) if a.out.exists() else {}
+    doc["baseline"] = baseline(child_env())
+    doc.setdefault("cases", {})
+    cap = int(a.cap_gib * GIB) if a.cap_gib else None
+    for name in names:
+        row = measure(name, a.cache, a.steps, cap)
+        doc["cases"][name] = row
+        per = row["per_rank"].get("rank0", {})
+        print(f"{name}: rc {row['job']['rc']}, job peak {row['job']['cgroup_peak'] / GIB:.2f} GiB, "
+              f"largest process {row['job']['largest_process_peak_rss'] / GIB:.2f} GiB, rank0 start "
+              f"{per.get('start_rss', 0) / GIB:.2f} loaded {per.get('loaded_rss', 0) / GIB:.2f} "
+              f"load peak {per.get('load_peak', 0) / GIB:.2f} train peak {per.get('train_peak', 0) / GIB:.2f}; "
+              f"model states {row['terms_total']['states'] / GIB:.2f} + gathered "
+              f"{row['terms_total']['gathered'] / GIB:.2f} GiB", flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
