@@ -185,21 +185,23 @@ def shapes(ckpt: Path) -> dict:
 
 
 def model_terms(strategy: str, mode: str, s: dict) -> dict:
-    """Bytes per rank of the host-memory model's terms (bf16-mixed, RANKS ranks).
+    """Bytes per rank of the host-memory model's terms (bf16-mixed, RANKS = n ranks, c = 2).
 
-    states: what lives between steps. LoRA: the frozen base in bf16 (1/n of it where the engine
+    states, what lives between steps. LoRA: the frozen base in bf16 (1/n of it where the engine
     shards parameters), the fp32 adapters, their fp32 grads and AdamW moments (16 B/param;
-    sharded under fsdp/zero3). Full fine-tuning: FSDP2 fp32 sharded params + grads + moments
-    (16 B/param / n); ZeRO-2 bf16 params whole + fp32 master, moments and grads partitioned
-    (2 + 16/n B/param); ZeRO-3 bf16 params, fp32 master, grads and moments partitioned
-    (18/n B/param); DDP fp32 params, grads, moments (16 B/param), autocast to bf16 per step.
-    gathered: what the step holds on top. FSDP2: the root group (embeddings, norm, lm_head) in
-    bf16 from forward to backward, and while a unit gathers, its input copy, its flat output and
-    its unsharded params (c/n + 2c per element) for the root, then one layer. ZeRO-3: DeepSpeed's
-    kept and prefetched params (plan/stage.zero3_gathered). DDP/ZeRO-2 LoRA: none; full: DDP's
-    autocast keeps bf16 copies of the weights for backward (2 B/param), ZeRO-2 its fp32 grads
-    of the partition plus the reduce buckets."""
-    n, c, psi, lora = RANKS, 2, s["params"], s["lora"]
+    sharded under fsdp/zero3). Full fine-tuning: FSDP2 fp32 sharded params, grads, moments
+    (16/n B/param); ZeRO-3 bf16 params, bf16 grads, fp32 master and moments partitioned
+    (16/n); ZeRO-2 bf16 params whole, fp32 master and moments partitioned (2 + 12/n; its grads
+    live from backward to the step); DDP fp32 params, grads (the buckets), moments (16).
+    gathered, what a step adds on top. FSDP2 LoRA: the root group (embeddings, norm, lm_head)
+    in bf16 from forward to backward, and while it gathers its input copy and flat output
+    (c·R·(2 + 1/n)). FSDP2 full: the root's backward, its bf16 unsharded grad, the fp32 copy
+    reduce-scattered and the fp32 shard out (c·R held + c·R + 4·R + 4·R/n). ZeRO-3: the params
+    DeepSpeed keeps gathered (`zero3_gathered`). ZeRO-2/3 full: the optimizer step's fp32
+    gradient partition and AdamW's two temporaries of the flat partition (12/n B/param). DDP
+    full: autocast's bf16 copies of the weights, kept for backward (2 B/param). DDP/ZeRO-2
+    LoRA: nothing of the model's size."""
+    n, c, psi, lora, root = RANKS, 2, s["params"], s["lora"], s["root"]
     if mode == "lora":
         base = c * psi / n if strategy in ("fsdp", "zero3") else c * psi
         train = 16 * lora / (n if strategy in ("fsdp", "zero3") else 1)
@@ -207,19 +209,23 @@ def model_terms(strategy: str, mode: str, s: dict) -> dict:
     elif strategy == "fsdp":
         states = {"params_fp32": 4 * psi / n, "grads_fp32": 4 * psi / n, "adamw": 8 * psi / n}
     elif strategy == "zero3":
-        states = {"params_bf16": 2 * psi / n, "master_fp32": 4 * psi / n, "grads": 4 * psi / n, "adamw": 8 * psi / n}
+        states = {"params_bf16": 2 * psi / n, "grads_bf16": 2 * psi / n, "master_fp32": 4 * psi / n,
+                  "adamw": 8 * psi / n}
     elif strategy == "zero2":
-        states = {"params_bf16": 2 * psi, "master_fp32": 4 * psi / n, "grads": 4 * psi / n, "adamw": 8 * psi / n}
+        states = {"params_bf16": 2 * psi, "master_fp32": 4 * psi / n, "adamw": 8 * psi / n}
     else:
         states = {"params_fp32": 4 * psi, "grads_fp32": 4 * psi, "adamw": 8 * psi}
-    if strategy == "fsdp":
-        gathered = {"root_bf16": c * s["root"], "root_gather_transient": c * s["root"] * (1 / n + 1)}
+    gathered: dict[str, float] = {}
+    if strategy == "fsdp" and mode == "lora":
+        gathered = {"root_bf16": c * root, "root_gather_transient": c * root * (1 / n + 1)}
+    elif strategy == "fsdp":
+        gathered = {"root_bf16": c * root, "root_backward": c * root + 4 * root + 4 * root / n}
     elif strategy == "zero3":
         gathered = {"zero3_gathered": c * zero3_gathered(s)}
-    elif strategy == "ddp" and mode == "full":
+    if strategy in ("zero2", "zero3") and mode == "full":
+        gathered["optimizer_step"] = 12 * psi / n
+    if strategy == "ddp" and mode == "full":
         gathered = {"autocast_bf16_weights": 2 * psi}
-    else:
-        gathered = {}
     return {"states": states, "gathered": gathered}
 
 
@@ -251,15 +257,19 @@ def phases(directory: Path) -> dict[str, list[dict]]:
 
 
 def summarise(ph: list[dict]) -> dict:
+    """One rank's phases as the model's measured terms: `steady_rss` is the RSS after its last
+    optimizer step (model states, buffers, the heap the steps left), `train_peak` the peak from
+    the end of the load to the loop's return (the probe resets VmHWM once loaded)."""
     by = {r["phase"]: r for r in ph}
     start, loaded, last = by["start"], by["loaded"], ph[-1]
+    steady = by.get("step", last)
     return {
         "start_rss": start["VmRSS"], "loaded_rss": loaded["VmRSS"], "load_peak": loaded["VmHWM"],
-        "train_peak": last["VmHWM"], "steady_rss": last["VmRSS"],
-        "states_measured": loaded["VmRSS"] - start["VmRSS"],
+        "train_peak": last["VmHWM"], "steady_rss": steady["VmRSS"],
+        "states_measured": steady["VmRSS"] - start["VmRSS"],
         "load_transient": loaded["VmHWM"] - loaded["VmRSS"],
         "train_growth": last["VmHWM"] - loaded["VmRSS"],
-        "heap_free_at_end": last.get("heap_free"),
+        "heap_free_after_step": steady.get("heap_free"),
     }
 
 
@@ -305,6 +315,7 @@ def table(doc: dict) -> str:
              "| load read (plan) | (measured) | peak per rank | job peak (cgroup) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in doc["cases"].items():
+        c["per_rank"] = {k: summarise(v) for k, v in c["phases"].items() if any(r["phase"] == "loaded" for r in v)}
         if not c["per_rank"]:
             lines.append(f"| {name} | failed (rc {c['job']['rc']}) |||||||||")
             continue
