@@ -41,6 +41,7 @@ from shardwise.run import RunSpec
 from shardwise.train.data import Prefetcher
 from shardwise.train.engines import build_engine
 from shardwise.train.engines.base import DistEnv
+from shardwise.train.host_alloc import large_allocations_returned
 from shardwise.train.model import build_model
 from shardwise.train.schedule import build_schedule
 from shardwise.train.step_log import Guard, StepLog, StepRecord
@@ -135,6 +136,7 @@ class _MetaReduce:
             dist.destroy_process_group(self.group)
 
 
+@large_allocations_returned()  # a context manager as a decorator: entered per call
 def train(
     run: RunSpec,
     env: DistEnv,
@@ -166,26 +168,6 @@ def train(
     so tensors freed and gathered again per layer or step return to the system and never leave
     holes in the heap.
     """
-    from shardwise.train.host_alloc import large_allocations_returned
-
-    with large_allocations_returned():
-        return _train(run, env, steps=steps, metrics=metrics, export_weights=export_weights,
-                      final_export=final_export, resume=resume, stop=stop, watchdog=watchdog, lineage=lineage)
-
-
-def _train(
-    run: RunSpec,
-    env: DistEnv,
-    *,
-    steps: Iterator[list[dict[str, torch.Tensor]]] | None = None,
-    metrics: Any = None,
-    export_weights: bool = False,
-    final_export: bool = False,
-    resume: Path | None = None,
-    stop: Any = None,
-    watchdog: Any = None,
-    lineage: Any = None,
-) -> TrainResult:
     from shardwise.train import checkpoint as ckpt
 
     cfg = run.config
