@@ -148,3 +148,11 @@ def read_json_object(path: Path, max_bytes: int = MAX_CONFIG_BYTES, what: str = 
     if not isinstance(doc, dict):
         raise ShardwiseError(f"{path}: expected a JSON object at the top level (a {what}), got {type(doc).__name__}")
     return doc
+
+
+def is_plain_file_name(name: object) -> bool:
+    """A name that can only mean a file directly in one directory: a non-empty string with no
+    separator (`/`, `\\`), no NUL, not `.` or `..`. What a file written by someone else (a checkpoint
+    manifest or index, a weights index, an emit record) may name."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)

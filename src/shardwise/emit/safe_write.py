@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from shardwise import strict_json
+from shardwise.config_file import is_plain_file_name
 from shardwise.emit.accelerate import DS_HF_FILE
 from shardwise.errors import ShardwiseError
 
@@ -39,8 +40,7 @@ def _sha256(data: bytes) -> str:
 
 def _plain_name(name: object) -> bool:
     """A file name directly in the emit dir (a manifest entry naming anything else is ignored)."""
-    return (isinstance(name, str) and name not in ("", ".", "..", EMIT_MANIFEST) and "/" not in name
-            and "\\" not in name and "\0" not in name)
+    return is_plain_file_name(name) and name != EMIT_MANIFEST
 
 
 def _regular_file_hash(path: Path) -> str | None:

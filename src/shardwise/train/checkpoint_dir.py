@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardwise.config_file import read_json_object
+from shardwise.config_file import is_plain_file_name, read_json_object
 from shardwise.errors import ShardwiseError
 
 FORMAT = "shardwise-checkpoint/1"
@@ -98,7 +98,7 @@ def _manifest_field_errors(m: dict[str, Any]) -> str | None:
         if m.get(key) is not None and not isinstance(m[key], str):
             return f"field {key!r}: expected a string, got {m[key]!r}"
     for name, entry in m["files"].items():
-        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        if not is_plain_file_name(name):
             return f"field 'files': {name!r} is not a file name of the checkpoint directory"
         if not (isinstance(entry, dict) and _is_int(entry.get("bytes"))
                 and isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):

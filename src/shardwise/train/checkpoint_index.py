@@ -31,6 +31,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from shardwise.config_file import is_plain_file_name
 from shardwise.errors import ShardwiseError
 
 
@@ -168,8 +169,7 @@ def check_index(meta: Any, path: Path) -> None:
             raise ShardwiseError(f"{f}: not a valid checkpoint index (a storage record is a {type(info).__name__})")
         name, offset, length = info.relative_path, info.offset, info.length
         fqn = getattr(where, "fqn", where)
-        if not (isinstance(name, str) and name and name not in (".", "..") and "/" not in name
-                and "\\" not in name and "\0" not in name):
+        if not is_plain_file_name(name):
             raise UnsafeCheckpointError(f"{f}: checkpoint index stores {fqn!r} at {name!r}, outside the "
                                         "checkpoint's own files; it is not loaded")
         if info.transform_descriptors:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardwise.config_file import is_plain_file_name
 from shardwise.errors import ShardwiseError
 
 SAFETENSORS = "model.safetensors"
@@ -52,7 +53,7 @@ def _index_files(index: Path, what: str) -> list[Path]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ShardwiseError(f"{index}: cannot be read as a {what} index ({exc}); expected JSON with a "
                              "'weight_map' of tensor name -> file name") from None
-    odd = [n for n in names if not isinstance(n, str) or not n or n in (".", "..") or "/" in n or "\\" in n]
+    odd = [n for n in names if not is_plain_file_name(n)]
     if odd:
         raise ShardwiseError(f"{index}: weight_map names {odd[:3]!r}: expected file names in {root} (no "
                              "directories, nothing outside it)")
