@@ -182,6 +182,18 @@ def test_rank_exit_code_is_named_and_a_peer_ignoring_sigterm_is_killed(launch):
     assert_all_gone(job)  # rank 0 ignored SIGTERM: SIGKILLed after the grace, with its child
 
 
+def test_a_shared_decision_that_rank_0_reaches_while_being_stopped_still_exits_with_its_code(launch):
+    # Rank 1 runs out of disk first; rank 0 reaches the same decision (exit 74) only as the
+    # launcher is already ending it. The job is that shared failure, not a crash of the launcher.
+    job = launch(["--fail-rank=1", f"--fail-how={int(ExitCode.NO_SPACE)}", f"--exit-on-term={int(ExitCode.NO_SPACE)}"])
+    job.wait_for_ranks()
+    rc = job.wait()
+    err = job.stderr()
+    assert rc == ExitCode.NO_SPACE, err
+    assert "Traceback" not in err, err
+    assert_all_gone(job)
+
+
 def test_stopped_rank_is_named_and_cannot_outlive_the_job(launch):
     job = launch(["--fail-rank=1", "--fail-how=SIGSTOP"], timeout_s=4)
     pids = job.wait_for_ranks()

@@ -404,6 +404,7 @@ def spawn_job(
             # every rank took the same decision (a non-finite stop, a full disk, a refusal): rank 0's
             # own summary says why; the rank that happened to exit first is no culprit
             failed = detector = 0
+            rcs[0] = procs[0].returncode  # rank 0 may have been ended by _stop_ranks after its decision
         if failed is not None:
             code = int(rcs[detector])  # type: ignore[arg-type]  # a hang: 4 (HUNG), whichever rank stalled
             killed = _signame(-code) if detector == failed and code < 0 else None

@@ -25,6 +25,8 @@ p.add_argument("--fail-rank", type=int, default=-1)
 p.add_argument("--fail-after", type=float, default=0.5, help="seconds after all pid files exist")
 p.add_argument("--fail-how", default="SIGKILL", help="a signal name, or an exit code")
 p.add_argument("--live-s", type=float, default=60.0)
+p.add_argument("--exit-on-term", type=int, default=None,
+               help="exit with this code on SIGTERM: a rank that took the failing rank's decision a moment later")
 args = p.parse_args()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
@@ -37,6 +39,8 @@ def write(name: str, text: str) -> None:
 
 def on_signal(signum, frame) -> None:
     write(f"got-{signal.Signals(signum).name}-{rank}", str(time.time()))
+    if args.exit_on_term is not None and signum == signal.SIGTERM:
+        os._exit(args.exit_on_term)
     if not args.ignore_signals:
         os._exit(INTERRUPTED)
 
