@@ -55,8 +55,14 @@ RANKS = 2
 SEQ = 64
 LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 STRATEGIES = ("fsdp", "zero3", "zero2", "ddp")
-CASES = {f"{s}-lora-1.36b": (s, "lora", "llama-1.36b") for s in STRATEGIES} | {
-    f"{s}-full-134m": (s, "full", "llama-134m") for s in STRATEGIES}
+DEMO = ROOT / "examples" / "demo.yaml"
+DEMO_STEPS = 20
+# name: (strategy, mode, model); model "demo" is the README's examples/demo.yaml as shipped (the
+# bundled tiny Llama, fp32, seq 256 × micro-batch 4 × accum 2), run for DEMO_STEPS steps
+CASES = ({f"demo-{s}": (s, "demo", "demo") for s in STRATEGIES}
+         | {f"{s}-lora-1.36b": (s, "lora", "llama-1.36b") for s in STRATEGIES}
+         | {f"{s}-full-374m": (s, "full", "llama-374m") for s in STRATEGIES}
+         | {f"{s}-full-134m": (s, "full", "llama-134m") for s in STRATEGIES})
 
 # What a rank has imported before it builds anything, by engine: the process baseline.
 BASELINE_IMPORTS = {
@@ -87,9 +93,18 @@ def checkpoint(cache: Path, name: str) -> Path:
     return out
 
 
-def write_config(out: Path, ckpt: Path, strategy: str, mode: str, steps: int) -> Path:
+def write_config(out: Path, ckpt: Path | None, strategy: str, mode: str, steps: int) -> Path:
     import yaml
 
+    if mode == "demo":
+        cfg = yaml.safe_load(DEMO.read_text())
+        cfg["strategy"] = {"name": strategy}
+        cfg["run"]["steps"] = DEMO_STEPS
+        cfg["checkpointing"] = {"output_dir": str(out / "out"), "save_final": False}
+        cfg["logging"] = {"progress": False, "every": 5}
+        path = out / "config.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return path
     cfg = {
         "model": {"path": str(ckpt)},
         "data": {"kind": "sft", "sft": {"max_length": SEQ, "packing": True}},
@@ -249,6 +264,41 @@ def planned_load(config: Path) -> dict:
     return {"per_rank": p.per_rank, "resident": p.resident, "read": p.read, "process": p.process, "path": p.path}
 
 
+def checkpoint_record(ckpt: Path) -> dict:
+    """What the planner reads of a checkpoint before any rank starts: config.json, the index and
+    each weights file's size (so the plan can be recomputed without the weights)."""
+    files = {f.name: f.stat().st_size for f in sorted(ckpt.glob("*.safetensors"))}
+    return {"config": json.loads((ckpt / "config.json").read_text()),
+            "index": json.loads((ckpt / "model.safetensors.index.json").read_text()), "files": files}
+
+
+def planned(case: dict) -> dict:
+    """The trainer's own plan of this case's run on this code (shardwise.train.host_memory
+    planned_cpu, as its preflight and summary use it), on a stand-in of the checkpoint: its
+    config.json and index, and each weights file as a sparse file of its size."""
+    import yaml
+
+    from shardwise.run.bridge import run_spec
+    from shardwise.train.config import load_config
+    from shardwise.train.host_memory import planned_cpu
+
+    with tempfile.TemporaryDirectory(prefix="host-memory-plan-") as tmp:
+        cfg = yaml.safe_load(case["config_yaml"])
+        if "checkpoint" in case:
+            d = Path(tmp) / "checkpoint"
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps(case["checkpoint"]["config"]))
+            (d / "model.safetensors.index.json").write_text(json.dumps(case["checkpoint"]["index"]))
+            for name, size in case["checkpoint"]["files"].items():
+                with open(d / name, "wb") as f:
+                    f.truncate(size)
+            cfg["model"]["path"] = str(d)
+        cfg["checkpointing"]["output_dir"] = str(Path(tmp) / "out")
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return planned_cpu(run_spec(load_config(path), RANKS, "cpu")).as_dict()
+
+
 def phases(directory: Path) -> dict[str, list[dict]]:
     out = {}
     for f in sorted(directory.glob("rank*.jsonl")):
@@ -275,7 +325,7 @@ def summarise(ph: list[dict]) -> dict:
 
 def measure(name: str, cache: Path, steps: int, cap: int | None) -> dict:
     strategy, mode, model = CASES[name]
-    ckpt = checkpoint(cache, model)
+    ckpt = checkpoint(cache, model) if mode != "demo" else None
     env = child_env()
     with tempfile.TemporaryDirectory(prefix="host-memory-") as tmp:
         tmp_path = Path(tmp)
@@ -289,11 +339,13 @@ def measure(name: str, cache: Path, steps: int, cap: int | None) -> dict:
         rank0_peak = max((r["memory_bytes"] for r in rows if "memory_bytes" in r), default=None)
         ph = phases(tmp_path / "phases")
         load = planned_load(config)
-    s = shapes(ckpt)
-    terms = model_terms(strategy, mode, s)
+        config_yaml = config.read_text()
+    s = shapes(ckpt) if ckpt is not None else {}
+    terms = model_terms(strategy, mode, s) if ckpt is not None else {"states": {}, "gathered": {}}
     ranks = {k: summarise(v) for k, v in ph.items() if any(r["phase"] == "loaded" for r in v)}
     losses = [r.get("loss") for r in rows if "loss" in r]
     return {"case": name, "strategy": strategy, "mode": mode, "model": model, "ranks": RANKS, "seq": SEQ,
+            "config_yaml": config_yaml, **({"checkpoint": checkpoint_record(ckpt)} if ckpt is not None else {}),
             "steps": steps, "shapes": s, "terms": terms,
             "terms_total": {k: sum(v.values()) for k, v in terms.items()},
             "planned_load": load, "job": {k: v for k, v in job.items() if k != "output_tail"},

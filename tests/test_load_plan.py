@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.catalog import get_model
-from shardwise.plan.load import PROCESS_BYTES, load_path, load_phase
+from shardwise.plan.load import load_path, load_phase, process_bytes
 from shardwise.specs import Strategy
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.train import TrainSpec
@@ -32,7 +32,7 @@ def test_fsdp_on_gpus_holds_one_file_share_and_the_process():
     load = load_phase(MODEL, TRAIN, s, _layout("fsdp"), 8, max_file_bytes=4e9)
     assert load.resident == 0  # the shards are on the GPUs
     assert load.read == pytest.approx(4e9 / 8 + 2 * LARGEST / 8)
-    assert load.per_node == pytest.approx(8 * (load.read + PROCESS_BYTES["cuda"]))
+    assert load.per_node == pytest.approx(8 * (load.read + process_bytes("cuda", "fsdp2")))
 
 
 def test_fsdp_on_cpu_holds_its_fp32_shard_and_lora_its_bf16_base_shard():

@@ -258,13 +258,14 @@ def test_training_args_fsdp_through_accelerates_plugin(tmp_path):
 
 
 def test_shardwise_yaml_with_set_is_the_trainers_runspec():
-    """`plan CONFIG.yaml --set` takes the trainer's syntax and errors, and plans its RunSpec."""
+    """`plan CONFIG.yaml --set` takes the trainer's syntax and errors, and plans its RunSpec (on
+    CUDA where --device cuda says so, over the YAML's run.device: cpu)."""
     from shardwise.plan.planner import plan_strategies
     from shardwise.run import run_spec
     from shardwise.train.config import load_config
 
     example = ROOT / "examples" / "fsdp-synthetic-cpu.yaml"
-    got = plan(str(example), "--set", "run.micro_batch=3", "--set", "strategy.name=zero2")
+    got = plan(str(example), "--device", "cuda", "--set", "run.micro_batch=3", "--set", "strategy.name=zero2")
     run = run_spec(load_config(example, ["run.micro_batch=3", "strategy.name=zero2"]), got["hardware"]["gpus"],
                    "cuda", environ={})
     from shardwise.specs.strategy import StrategyKnobs

@@ -16,6 +16,7 @@ from shardwise.cli_plan import (
     hardware_inputs,
     input_warnings,
     naming_file,
+    plan_cpu,
     plan_inputs,
     print_warnings,
 )
@@ -72,7 +73,10 @@ def plan(
     model_config: Path | None = typer.Option(None, "--model-config", help="Local HF config.json (overrides --model)."),
     params: float | None = typer.Option(None, "--params", help="Parameter count, e.g. 7e9 (Llama shape; overrides --model)."),
     gpu: str = typer.Option("a100-80g", "--gpu", help="GPU preset."),
-    gpus: int = typer.Option(8, "--gpus", help="Total GPUs."),
+    gpus: int = typer.Option(8, "--gpus", help="Total GPUs (with --device cpu: ranks)."),
+    device: str = typer.Option("cuda", "--device", help="cuda | cpu: with cpu, each strategy's host memory per rank "
+                               "and per node of a run on CPU ranks (process, the step's tensors, heap, the load), "
+                               "what shardwise train checks before it starts them (default: a YAML's run.device)."),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="Default: min(gpus, 8)."),
     interconnect: str | None = typer.Option(None, "--interconnect", help="Link inside a node (default: the GPU's own; "
                                             "nvlink/pcie: the GPU's generation, nvlink refused on a GPU without it) or "
@@ -176,6 +180,26 @@ def plan(
         check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
                           fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given)
         knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"])
+        if a["device"] not in ("cuda", "cpu"):
+            raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")
+        if a["device"] == "cpu":
+            if emit is not None:
+                raise ShardwiseError("--emit writes GPU launch configs; a CPU run is a shardwise YAML with "
+                                     "run.device: cpu (drop --device cpu to emit, or --emit to plan CPU ranks)")
+            cpu = plan_cpu(m, hw, train, strategy, knobs, a, source)
+        else:
+            cpu = None
+    except ShardwiseError as e:
+        _fail(naming_file(e, source.path if source is not None else None))
+    if cpu is not None:
+        from shardwise.render_cpu import print_cpu_plan
+
+        print_warnings(warnings)
+        print_cpu_plan(cpu, fmt)
+        if not any(r["fits"] for r in cpu.rows):
+            raise typer.Exit(NOTHING_FITS_EXIT)
+        return
+    try:
         evals, skipped = plan_layouts(m, hw, train, strategy, tp=1 if tp is None else tp,
                                       pp=1 if pp is None else pp, accounting=accounting, margin=margin, knobs=knobs)
         # -s, --tp and --pp restrict the recommender as they restrict the table

@@ -3,7 +3,8 @@ sharded safetensors with an index, written tensor by tensor (the full model neve
 memory), cached across sessions in pytest's cache directory.
 
 `llama-1.36b`: hidden 2048, 24 layers, MLP 5632, vocab 32000, untied (1,364,297,728 params,
-2.73 GB); `llama-134m`: hidden 768, 12 layers, MLP 2048, vocab 32000 (134M params);
+2.73 GB); `llama-374m`: hidden 1024, 24 layers, MLP 2816, vocab 32000, untied (373,867,520 params);
+`llama-134m`: hidden 768, 12 layers, MLP 2048, vocab 32000 (134M params);
 `llama-8x1024`: hidden 1024, 8 layers, MLP 2816, vocab 1280 (the bundled tokenizer's 1172 tokens
 fit; 104M params, almost all in the layers, each weight 2-6 MiB in bf16)."""
 
@@ -17,6 +18,8 @@ SHAPES = {
                     "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000},
     "llama-134m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
                    "num_attention_heads": 12, "num_key_value_heads": 12, "vocab_size": 32000},
+    "llama-374m": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
+                   "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000},
     "llama-8x1024": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
                      "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 1280},
 }

@@ -52,14 +52,15 @@ def read(doc: Doc, ctx: Context) -> Source:
     src = Source("shardwise", doc.path, family=STRATEGY_NAMES)
     cfg = load_config(doc.path, [*_fill_placeholders(doc, ctx.sets, src), *ctx.sets])
     world = ctx.given.get("gpus", cfg.run.nproc)
-    run = run_spec(cfg, world, "cuda", environ={})
+    device = ctx.given.get("device", cfg.run.device if cfg.run.device in ("cpu", "cuda") else "cuda")
+    run = run_spec(cfg, world, device, environ={})
     t, hw, s = run.train, run.hardware, run.strategy
     v = src.values
     if cfg.model.path is not None:
         v["model_config"] = cfg.model.path
     else:
         v["model"] = cfg.model.name
-    v |= {"gpu": cfg.hardware.gpu, "gpus": world, "gpus_per_node": hw.gpus_per_node,
+    v |= {"device": device, "gpu": cfg.hardware.gpu, "gpus": world, "gpus_per_node": hw.gpus_per_node,
           "profile": cfg.hardware.profile, "host_memory_gb": cfg.hardware.host_memory_gb,
           "seq_len": t.seq_len, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "precision": t.precision,
           "optimizer": t.optimizer, "checkpointing": t.checkpointing, "attention": t.attention,
@@ -87,8 +88,8 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.read.append((f"--set {o}", "applied as shardwise train applies it"))
     if "gpus" not in ctx.given:
         src.notes.append(f"planned on run.nproc = {cfg.run.nproc} GPU(s); pass --gpus for more nodes")
-    src.notes.append("planned as the trainer plans it on CUDA (run.device, compile and packed attention resolved "
-                     "for a GPU)")
+    src.notes.append(f"planned as the trainer plans it on {'CPU' if device == 'cpu' else 'CUDA'} (run.device, compile "
+                     f"and packed attention resolved for {'CPU ranks' if device == 'cpu' else 'a GPU'})")
     src.keys_of = lambda st: {"strategy.name": st.strategy, "run.micro_batch": st.micro_batch,
                               "run.grad_accum": st.grad_accum,
                               "checkpointing.activation": "none" if st.checkpointing == "none" else "full"}

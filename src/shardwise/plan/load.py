@@ -15,7 +15,7 @@ The trainer's paths (shardwise.train.weights):
 - "whole" (`model.random_init`, catalog models): `from_config` builds the whole model in fp32 on
   every rank's host, then the engine moves it.
 
-Every rank also holds the interpreter and its libraries (`PROCESS_BYTES`).
+Every rank also holds the interpreter and its libraries (`process_bytes`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,27 @@ from shardwise.specs.train import TrainSpec
 
 LoadPath = Literal["sharded", "broadcast", "zero3", "whole"]
 
-# Host RSS of one rank before it builds anything, by device:
-# - cpu: measured, a process that imported torch 2.13.0 (CPU build), transformers 5.24, peft 0.21,
-#   deepspeed 0.19.8 and shardwise.train: 464 MB max RSS (this project's 2-core CI machine,
-#   2026-12-01), rounded up to 0.5 GiB for the gloo group and the run's own objects;
+# Host RSS of one rank before it builds anything, by device and engine:
+# - cpu: measured, VmRSS of a fresh interpreter once it imported what a rank imports (torch
+#   2.13.0 CPU build, transformers, peft, shardwise's trainer; deepspeed 0.19.8 besides for the
+#   DeepSpeed engine): 472 MB and 596 MB (benchmarks/results/host_memory.json "baseline", this
+#   project's 2-core CI machine, 2026-12-03);
 # - cuda: assumed, not measured here: the CUDA runtime, cuBLAS/cuDNN and NCCL mapped into the
-#   process add about 1 GiB of host memory to that (set hardware.host_memory_gb with margin).
-PROCESS_BYTES = {"cpu": 0.5 * GIB, "cuda": 1.5 * GIB}
+#   process add about 1 GiB of host memory to the CPU figure (set hardware.host_memory_gb with margin).
+PROCESS_BYTES = {("cpu", "torch"): 472_088_576.0, ("cpu", "deepspeed"): 596_402_176.0}
+CUDA_RUNTIME_BYTES = 1.0 * GIB
+# The launcher (`shardwise train`: it checks the run, spawns the ranks and watches them), one per
+# node: its peak RSS, measured while its 2 ranks trained (423 MB, host_memory.json "launcher_peak_rss").
+LAUNCHER_BYTES = 423_895_040.0
+
+
+def process_bytes(device: str, engine: str) -> float:
+    """A rank's interpreter and libraries on `device` ("cpu" | "cuda") for `engine` (the
+    strategy's: "deepspeed", "fsdp2", "ddp", ...)."""
+    base = PROCESS_BYTES[("cpu", "deepspeed" if engine == "deepspeed" else "torch")]
+    return base + (CUDA_RUNTIME_BYTES if device != "cpu" else 0.0)
+
+
 # The safetensors file size the planner assumes when it has no checkpoint to read sizes from:
 # Hugging Face's `save_pretrained(max_shard_size="5GB")`, the size of most Hub checkpoints'
 # shards (transformers' default in the 4.x releases that wrote them).
@@ -79,7 +93,7 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     on_host = device == "cpu" or strategy.offload_params
     largest = max((size for size, _ in model.tensor_sizes()), default=0) / layout.tp
     stored = 2.0  # bytes per element in the files: bf16/fp16 checkpoints (an fp32 one doubles `read`)
-    process = PROCESS_BYTES["cpu" if device == "cpu" else "cuda"]
+    process = process_bytes(device, strategy.engine)
     if path == "whole":
         # the whole model in fp32 on the host, a LoRA base too (on every device: the engine moves
         # it afterwards)

@@ -234,7 +234,13 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
         resume_dir = Path(choice[0]) if choice[0] else None
     # MFU against the planned GPU's dense peak for the compute dtype; no CPU peak to compare
     peak = run.hardware.gpu.peak_flops(run.train.compute_dtype) if device == "cuda" else None
-    metrics = Metrics(cfg, planned_bytes, run_flops_per_token(run.model, run.train), peak, run=run)
+    host = None
+    if device == "cpu":  # the rank's host RSS is measured against the plan of it
+        from shardwise.train.host_memory import planned_cpu
+
+        host = planned_cpu(run).peak
+    metrics = Metrics(cfg, planned_bytes, run_flops_per_token(run.model, run.train), peak, run=run,
+                      planned_host_bytes=host)
     status, reason, code = "failed", None, ExitCode.FAILED
     # the engine that ran: FSDP2 with a one-rank shard group may run as DDP (FSDPKnobs.single_rank)
     extra: dict = {"strategy": run.strategy.name, "engine": run.engine_strategy.engine}

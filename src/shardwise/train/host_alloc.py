@@ -18,8 +18,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-# Bytes from which glibc maps an allocation on its own while a rank runs (M_MMAP_THRESHOLD).
-MMAP_THRESHOLD = 1 << 20
+# MMAP_THRESHOLD: bytes from which glibc maps an allocation on its own while a rank runs
+# (M_MMAP_THRESHOLD); the planner's heap term (shardwise.plan.host_cpu) follows from it
+from shardwise.plan.host_cpu import MMAP_THRESHOLD
+
 # glibc's dynamic maximum (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), set back when the outermost
 # context exits.
 DEFAULT_MMAP_THRESHOLD = 32 << 20

@@ -163,9 +163,14 @@ class Metrics:
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
         run: Any = None,
+        planned_host_bytes: float | None = None,
     ):
-        """`run`: the RunSpec, whose plan the trackers attach (none without it)."""
+        """`run`: the RunSpec, whose plan the trackers attach (none without it).
+        `planned_bytes`: the GPU plan's peak per GPU; `planned_host_bytes`: on a CPU run, the
+        planned peak RSS of one rank (shardwise.plan.host_cpu), which the host peak RSS is
+        measured against."""
         self.cfg, self.planned_bytes, self.run = cfg, planned_bytes, run
+        self.planned_host_bytes = planned_host_bytes
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.records: list[Any] = []
         self.summary: dict[str, Any] = {}
@@ -313,6 +318,7 @@ class Metrics:
             "measured_memory_bytes": mem,
             "measured_memory_kind": mem_kind,
             "planned_gpu_bytes": self.planned_bytes,
+            "planned_host_bytes": self.planned_host_bytes,
             "wall_s": time.perf_counter() - self.t0,
             "params": self.num_params,
             # what ran it (the checkpoint manifest records the same; `shardwise version --full`)
@@ -359,13 +365,14 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("throughput", f"{rate(s['tokens_per_s'])} tokens/s"
                  + (f" ({s['tflops']:.3f} TFLOP/s)" if "tflops" in s else "")))
     measured = f"{s['measured_memory_bytes'] / gib:.2f} GiB measured ({s['measured_memory_kind']})"
-    if not s["planned_gpu_bytes"]:
+    on_gpu = s["measured_memory_kind"].startswith("GPU")
+    planned = s.get("planned_gpu_bytes") if on_gpu else s.get("planned_host_bytes")
+    if not planned:
         memory = f"{measured}; no plan"
-    elif s["measured_memory_kind"].startswith("GPU"):
-        memory = f"{measured} vs {s['planned_gpu_bytes'] / gib:.2f} GiB planned per GPU"
-    else:  # a CPU run: host RSS holds the interpreter and libraries; the plan is a GPU's memory
-        memory = (f"{measured}; the plan ({s['planned_gpu_bytes'] / gib:.2f} GiB per GPU) is for a GPU "
-                  "and not comparable")
+    else:
+        off = s["measured_memory_bytes"] / planned - 1
+        memory = (f"{measured} vs {planned / gib:.2f} GiB planned per {'GPU' if on_gpu else 'rank (host RSS)'} "
+                  f"({off:+.0%})")
     rows.append(("peak memory", memory))
     rows += [(k, str(s[k])) for k in ("checkpoint", "export") if s.get(k)]
     if s.get("wall_s") is not None:

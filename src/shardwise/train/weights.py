@@ -133,15 +133,21 @@ def materialize(module: Any, device: Any) -> None:
     delattr(module, PENDING_ATTR)
 
 
+def checkpoint_weights(path: str | Path) -> tuple[str | None, float]:
+    """(weights format, bytes of the largest weights file) of a checkpoint directory: what its
+    load phase is planned from; (None, 0) where it has no weights (built from its config)."""
+    fmt = weights_format(path)
+    files = (safetensors_files(path) if fmt == "safetensors" else bin_files(path)) if fmt else []
+    return fmt, float(max((f.stat().st_size for f in files or []), default=0))
+
+
 def planned_load(run: Any) -> Any:
     """The planner's load phase (shardwise.plan.load) for this run as it will load: its path,
     device and the checkpoint's largest file. Torch-free (preflight runs it before any rank)."""
     from shardwise.plan.load import load_path, load_phase
 
     cfg = run.config.model
-    fmt = weights_format(cfg.path) if cfg.path is not None and not cfg.random_init else None
-    files = (safetensors_files(cfg.path) if fmt == "safetensors" else bin_files(cfg.path)) if fmt else []
-    largest = max((f.stat().st_size for f in files or []), default=0)  # built from the config: nothing read
+    fmt, largest = checkpoint_weights(cfg.path) if cfg.path is not None and not cfg.random_init else (None, 0.0)
     per_node = max(1, min(run.world_size, run.hardware.gpus_per_node))
     return load_phase(run.model, run.train, run.engine_strategy, run.layout, per_node, device=run.device,
                       path=load_path(run.engine_strategy, fmt), max_file_bytes=float(largest))

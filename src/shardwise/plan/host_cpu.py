@@ -1,0 +1,108 @@
+"""Host memory of a CPU run, per rank and per node: pure functions, no torch.
+
+On CPU the tensors a GPU plan books (shardwise.plan.memory: model states, gathered parameters,
+activations, the step's buffers) live in the rank's own memory, beside the interpreter and its
+libraries. A rank's resident set at its peak is therefore
+
+    process (the interpreter, torch and the engine's libraries: measured per engine)
+  + the step's allocated peak (the GPU plan's `allocated`, the same terms by phase)
+  + the CPU engine's own copies the GPU plan does not book (`cpu_extra`)
+  + heap slack (glibc keeps freed blocks below the mmap threshold in its heap)
+
+or, before the first step, the load phase (shardwise.plan.load), whichever is larger. A node
+also holds the launcher (`shardwise train`, which spawns and watches the ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.plan.breakdown import LoadBreakdown, MemoryBreakdown
+from shardwise.plan.load import LAUNCHER_BYTES
+from shardwise.specs.hardware import GIB, HardwareSpec
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.strategy import Strategy
+from shardwise.specs.train import TrainSpec
+
+# glibc's mmap threshold while a rank trains: shardwise.train.host_alloc holds it here, so every
+# allocation from 1 MiB up is mapped on its own and returned to the kernel when freed.
+MMAP_THRESHOLD = 1 << 20
+# Heap slack: what glibc's heap holds free after a step (mallinfo2 `fordblks`, read after the
+# optimizer step: benchmarks/results/host_memory.json `heap_free_after_step`). Below the mmap
+# threshold the tensors a layer saves for backward come from the heap; freed in backward, they
+# stay there (glibc trims only the heap's top). Measured per rank: 0.17 GiB for LoRA on the 1.36B
+# Llama at 64 tokens (0.14 GiB of activations planned), 0.10 for full fine-tuning of the 374M
+# (0.07 planned), 0.04-0.05 for the 134M (0.03 planned), 0.03 for the demo (0.01 planned); the
+# floor is the demo's remainder (the run's own small objects: data, tokenizer, process group).
+HEAP_FLOOR = 0.02 * GIB
+
+
+@dataclass(frozen=True, slots=True)
+class CpuRankMemory:
+    """Bytes of one rank of a CPU run, by term; `peak` is its resident set at its peak."""
+
+    process: float
+    allocated: float  # the step's allocated peak (MemoryBreakdown.allocated)
+    cpu_extra: float  # the engine's host copies a GPU plan does not book
+    heap_slack: float
+    load: LoadBreakdown
+    ranks_per_node: int = 1
+    launcher: float = LAUNCHER_BYTES
+
+    @property
+    def training(self) -> float:
+        return self.process + self.allocated + self.cpu_extra + self.heap_slack
+
+    @property
+    def peak(self) -> float:
+        return max(self.training, self.load.per_rank)
+
+    @property
+    def phase(self) -> str:
+        return "training" if self.training >= self.load.per_rank else "loading the weights"
+
+    @property
+    def per_node(self) -> float:
+        """Every rank of the node at its peak (they peak together: they run in lockstep), and the
+        launcher."""
+        return self.peak * self.ranks_per_node + self.launcher
+
+    def as_dict(self) -> dict[str, float | str | dict]:
+        return {"process": self.process, "allocated": self.allocated, "cpu_extra": self.cpu_extra,
+                "heap_slack": self.heap_slack, "training": self.training, "load": self.load.as_dict(),
+                "peak": self.peak, "phase": self.phase, "ranks_per_node": self.ranks_per_node,
+                "launcher": self.launcher, "per_node": self.per_node}
+
+
+def cpu_extra(gpu: MemoryBreakdown, train: TrainSpec, strategy: Strategy) -> float:
+    """Host copies the CPU engines make that a GPU plan does not book: none known yet beyond the
+    GPU plan's terms (kept as a term so that each one found is named here)."""
+    return 0.0
+
+
+def cpu_rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+                    load: LoadBreakdown) -> CpuRankMemory:
+    """One rank of a CPU run of `strategy` (the strategy the engines run), `load` its load phase
+    (shardwise.plan.load.load_phase with device "cpu": its `process` is this rank's too)."""
+    from shardwise.plan.evaluate import memory_as_run
+
+    plan = memory_as_run(model, hw, train, strategy)
+    gpu = plan.gpu
+    return CpuRankMemory(process=load.process, allocated=gpu.allocated, cpu_extra=cpu_extra(gpu, train, strategy),
+                         heap_slack=heap_slack(model, train, plan), load=load, ranks_per_node=load.ranks_per_node)
+
+
+def heap_slack(model: ModelSpec, train: TrainSpec, plan) -> float:
+    """HEAP_FLOOR, and the activations saved for backward where a layer's hidden states (one
+    micro-batch's tokens × hidden × the compute dtype) are below MMAP_THRESHOLD: they were
+    allocated from the heap and stay in it, free, after backward. autocast's copies of the
+    weights (DDP's fp32 module) are weight-sized and mapped: not heap."""
+    from shardwise.plan.memory import autocast_cache
+
+    row = train.seq_len * train.micro_batch * model.hidden_size / plan.layout.tp * train.compute_bytes
+    if row >= MMAP_THRESHOLD:
+        return HEAP_FLOOR
+    acts = plan.gpu.activations
+    if train.autocasts(plan.engine_strategy.engine):
+        acts -= autocast_cache(model, train, plan.layout)[0]
+    return HEAP_FLOOR + max(0.0, acts)
