@@ -381,6 +381,48 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+# The cases planned against: the README's demo on each engine, LoRA of the 1.36B Llama (fsdp,
+# zero3, ddp) and full fine-tuning of the 374M (fsdp, zero2). The heap term of the plan
+# (plan/host_cpu.py HEAP_FLOOR) was read off the demo's and the 1.36B/134M cases' heaps; the
+# process terms off a fresh interpreter (`baseline`); the rest of the plan is the GPU planner's.
+ACCURACY_CASES = ("demo-ddp", "demo-zero2", "demo-zero3", "demo-fsdp", "fsdp-lora-1.36b", "zero3-lora-1.36b",
+                  "ddp-lora-1.36b", "fsdp-full-374m", "zero2-full-374m")
+TOLERANCE = 0.15
+
+
+def measured_peak(case: dict) -> float:
+    """The fullest rank's peak RSS over the whole run: the larger of its load's and its training's
+    (the probe resets VmHWM in between)."""
+    ranks = [summarise(v) for v in case["phases"].values() if any(r["phase"] == "loaded" for r in v)]
+    return max(max(r["load_peak"], r["train_peak"]) for r in ranks)
+
+
+def accuracy(doc: dict) -> list[dict]:
+    """Per case of ACCURACY_CASES and then the others measured: planned vs measured peak per rank."""
+    names = [*ACCURACY_CASES, *(n for n in doc["cases"] if n not in ACCURACY_CASES)]
+    rows = []
+    for name in names:
+        c = doc["cases"][name]
+        plan = planned(c)
+        m = measured_peak(c)
+        rows.append({"case": name, "measured": m, "planned": plan["peak"], "phase": plan["phase"],
+                     "error": plan["peak"] / m - 1, "process": plan["process"], "tensors": plan["allocated"],
+                     "heap": plan["heap_slack"], "load": plan["load"]["per_rank"], "checked": name in ACCURACY_CASES})
+    return rows
+
+
+def accuracy_table(doc: dict) -> str:
+    """Markdown: planned vs measured peak RSS per rank (GiB), the plan's terms, the error."""
+    g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    lines = ["| case | measured peak/rank | planned | error | planned terms: process + tensors + heap (load) |",
+             "|---|---|---|---|---|"]
+    for r in accuracy(doc):
+        terms = f"{g(r['process'])} + {g(r['tensors'])} + {g(r['heap'])} ({g(r['load'])})"
+        name = r["case"] if r["checked"] else f"{r['case']} (not in the 15% set)"
+        lines.append(f"| {name} | {g(r['measured'])} | {g(r['planned'])} ({r['phase']}) | {r['error']:+.0%} | {terms} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "shardwise-checkpoints")
@@ -389,9 +431,13 @@ def main() -> None:
     ap.add_argument("--cap-gib", type=float, default=None, help="memory.limit_in_bytes of each job's cgroup")
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
+    ap.add_argument("--accuracy", action="store_true", help="print planned vs measured (docs/training.md) and exit")
     a = ap.parse_args()
     if a.table:
         print(table(json.loads(a.out.read_text())))
+        return
+    if a.accuracy:
+        print(accuracy_table(json.loads(a.out.read_text())))
         return
     if not (CGROUP / "cgroup.procs").exists():
         sys.exit(f"{CGROUP}: no cgroup v1 memory controller here (the benchmark needs one, and root)")

@@ -9,44 +9,37 @@ import sys
 from pathlib import Path
 
 import pytest
+from cgroup_run import run_capped
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3", "ddp"])
 def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
+    """On each engine, the whole job (launcher and ranks) in a memory cgroup capped at the plan's
+    own host figure for the node + 15% (shardwise.plan.host_cpu), and rank 0's measured peak RSS
+    within 15% of its planned peak."""
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "shardwise.train.cli",
-        str(REPO / "examples/demo.yaml"),
-        "--set",
-        "run.steps=6",
-        "--set",
-        f"strategy.name={strategy}",
-        "--set",
-        f"checkpointing.output_dir={out}",
-        "--set",
-        "checkpointing.save_final=true",
-        "--set",
-        "logging.progress=false",
-    ]
-    r = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    sets = ["run.steps=6", f"strategy.name={strategy}", f"checkpointing.output_dir={out}",
+            "checkpointing.save_final=true", "logging.progress=false"]
+    cmd = [sys.executable, "-m", "shardwise.train.cli", str(REPO / "examples/demo.yaml")]
+    for s in sets:
+        cmd += ["--set", s]
+    from shardwise.run.bridge import run_spec
+    from shardwise.train.config import load_config
+    from shardwise.train.host_memory import planned_cpu
+
+    plan = planned_cpu(run_spec(load_config(REPO / "examples/demo.yaml", sets), 2, "cpu"))
+    r = run_capped(cmd, cap=int(1.15 * plan.per_node), env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 7))
     assert all(row["tokens_per_s"] > 0 and row["grad_norm"] > 0 for row in rows)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["planned_gpu_bytes"] > 0 and summary["measured_memory_bytes"] > 0
+    assert summary["planned_gpu_bytes"] > 0 and summary["planned_host_bytes"] == plan.peak
+    assert abs(summary["measured_memory_bytes"] / plan.peak - 1) <= 0.15, (summary["measured_memory_bytes"], plan)
+    assert "planned per rank (host RSS)" in r.stdout
     # what ran it, as the checkpoint manifest and `shardwise --version` say
     from importlib.metadata import version
 

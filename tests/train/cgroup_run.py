@@ -1,0 +1,49 @@
+"""Run a command as the only member of a fresh cgroup v1 memory controller, capped: the whole
+process tree (`shardwise train`'s launcher and every rank it spawns) shares the cap, as a job
+under a batch scheduler does. Needs root and /sys/fs/cgroup/memory (CI and the development
+machines have both); where either is missing the command runs uncapped and says so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup/memory")
+
+
+def cgroup_available() -> bool:
+    return os.geteuid() == 0 and (CGROUP / "cgroup.procs").is_file()
+
+
+def run_capped(cmd: list[str], cap: int, env: dict[str, str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` with the tree capped at `cap` bytes;
+    the result's `peak` is the group's memory.max_usage_in_bytes (None uncapped)."""
+    if not cgroup_available():
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False, **kw)
+        r.peak = None
+        r.stderr += f"\n(cgroup_run: no cgroup v1 memory controller or not root: ran without the {cap} B cap)"
+        return r
+    group = CGROUP / f"shardwise-test-{uuid.uuid4().hex[:12]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(cap))
+        procs = str(group / "cgroup.procs")
+
+        def join() -> None:  # in the child before exec: the launcher and every rank it starts are in
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+                           preexec_fn=join, **kw)
+        r.peak = int((group / "memory.max_usage_in_bytes").read_text())
+        return r
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
