@@ -33,33 +33,37 @@ KNOBS = {"max_reuse_distance": 1_000_000_000, "max_live_parameters": 1_000_000_0
          "prefetch_bucket_size": 50_000_000, "param_persistence_threshold": 100_000}
 
 
-def leaf_rule(layer: int, num_layers: int, embed: int, lm_head: int, norm: int, *, max_reuse_distance: int,
-              first_step: bool, max_live_parameters: int = KNOBS["max_live_parameters"],
-              prefetch_bucket_size: int = KNOBS["prefetch_bucket_size"]) -> int:
-    """Elements ZeRO-3 (DeepSpeed 0.19.8) holds gathered at the end of forward, per rank, when
-    each decoder layer is a ZeRO-3 leaf (`leaf_module`, shardwise's fetch_unit "layer"), for a
-    Llama-shaped CausalLM whose root module's forward returns the loss (untied embed / lm_head;
-    persistent params, below stage3_param_persistence_threshold, not counted: always there).
+def planned_gathered(model: str, knobs: dict, ranks: int = 2) -> float:
+    """Elements the planner says ZeRO-3 keeps gathered at the end of forward on every step after
+    the first (shardwise.plan.stage.zero3_gathered, decoder layers as ZeRO-3 leaves), for the
+    checkpoint `model` of tests/train/big_checkpoint.py with `knobs`."""
+    import tempfile
 
-    - The first fwd+bwd DeepSpeed runs records the trace (partitioned_param_coordinator.py:277,
-      reset_step from the root's forward pre-hook, parameter_offload.py:306); without a complete
-      trace every module's params are released after its forward (:498), no prefetch (:422).
-      Only the module computing is gathered: max(layer, embed, lm_head).
-    - From the second on (trace COMPLETE, :271) a module's params are kept if they reappear
-      in the trace within `max_reuse_distance` elements (:657-661). The elements of each traversed
-      module are counted with the *released* module's leaf flag (:660): for a leaf layer the root
-      CausalLM, the first module of backward, counts recursively and contains the layer, so a
-      layer is "reused" as soon as the traversal reaches backward: kept iff the rest of the
-      forward (the a layers after it, the final norm, lm_head) is below the distance. For the
-      (non-leaf) embedding the leaf layers count as empty: kept iff ~2·lm_head + norm is below it.
-      lm_head is reused at once (the root's backward entry has no direct params) and stays.
-    - max_live_parameters and prefetch_bucket_size only bound prefetching (:453); they do not
-      release anything."""
-    if first_step:
-        return max(layer, embed, lm_head)
-    kept_layers = sum(1 for a in range(num_layers) if a * layer + lm_head + norm < max_reuse_distance)
-    embed_kept = 2 * lm_head + norm < max_reuse_distance
-    return kept_layers * layer + embed * embed_kept + lm_head
+    sys.path.insert(0, str(ROOT / "tests" / "train"))
+    from big_checkpoint import SHAPES
+
+    from shardwise.plan.stage import zero3_gathered
+    from shardwise.specs import Strategy, TrainSpec
+    from shardwise.specs.layout import ParallelLayout
+    from shardwise.specs.model import ModelSpec
+    from shardwise.specs.strategy import DeepSpeedKnobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "config.json"
+        cfg.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                   "tie_word_embeddings": False, **SHAPES[model]}))
+        spec = ModelSpec.from_hf_config(cfg)
+    strategy = Strategy.from_name("zero3", ds=DeepSpeedKnobs(**knobs))
+    layout = ParallelLayout.for_strategy(strategy, ranks, ranks)
+    return zero3_gathered(spec, TrainSpec(), strategy.ds, layout)
+
+
+def first_step_bound(ri: dict) -> int:
+    """The first fwd+bwd DeepSpeed runs records the trace (partitioned_param_coordinator.py:277,
+    reset_step from the root's forward pre-hook, parameter_offload.py:306); without a complete
+    trace every module's params are released after its forward (:498), no prefetch (:422): only
+    the module computing is gathered."""
+    return max(ri["layer"], ri["embed"], ri["lm_head"])
 
 
 def rule_inputs(ckpt_config: dict) -> dict:
@@ -119,9 +123,7 @@ def summary(doc: dict) -> str:
             knobs[k.rsplit(".", 1)[-1]] = int(float(v))
     ri = doc["rule_inputs"]
     for first in (True, False):
-        n = leaf_rule(**ri, max_reuse_distance=knobs["max_reuse_distance"], first_step=first,
-                      max_live_parameters=knobs["max_live_parameters"],
-                      prefetch_bucket_size=knobs["prefetch_bucket_size"])
+        n = first_step_bound(ri) if first else planned_gathered(doc["model"], knobs)
         lines.append(f"  rule ({'first step' if first else 'later steps'}): {n / 1e6:.1f}M gathered at the end of "
                      f"forward ({2 * n / GIB:.2f} GiB bf16)" + (" (largest module: while it computes)" if first else ""))
     for rank, rows in doc["trace"].items():
@@ -160,8 +162,8 @@ def compact(doc: dict) -> dict:
             knobs[k.rsplit(".", 1)[-1]] = int(float(v))
     ri = doc["rule_inputs"]
     out = {"model": doc["model"], "mode": doc["mode"], "sets": doc["sets"], "knobs": knobs, "rule_inputs": ri,
-           "rule": {f: leaf_rule(**ri, max_reuse_distance=knobs["max_reuse_distance"], first_step=f == "first_step")
-                    for f in ("first_step", "later_steps")}, "ranks": {}}
+           "rule": {"first_step": first_step_bound(ri), "later_steps": planned_gathered(doc["model"], knobs)},
+           "ranks": {}}
     for rank, rows in doc["trace"].items():
         persist = min(r["avail"] for r in rows if r["event"] == "engine_step_end")
         ph = doc["phases"][rank]

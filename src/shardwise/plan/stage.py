@@ -111,34 +111,53 @@ def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight
     return max(held)
 
 def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayout) -> float:
-    """Elements ZeRO-3 keeps gathered at the end of forward (partitioned_param_coordinator.py
-    `__params_to_release`): after a module's forward its params are released unless the trace
-    reuses them within `stage3_max_reuse_distance` elements of traversal. A decoder layer
-    reappears in backward after the rest of the forward (later layers, final norm, lm_head)
-    and the backward of those — with full checkpointing each later layer is also re-run — so
-    a suffix of the layers stays gathered, plus lm_head and the prefetch bucket. A model whose
-    gathered params are all within the distance is never released (no re-gather: comm.py).
-    Measured on one H200: 0.92 GiB for qwen2.5-0.5b (whole model), ~1.0 GiB for the 8-layer
-    7B-width model at 1e9 (docs/accuracy.md)."""
+    """Elements ZeRO-3 keeps gathered at the end of forward, on every step after the first (the
+    first records the trace and releases each module after its forward: it holds less).
+
+    After a module's forward, DeepSpeed releases its parameters unless the trace reuses them
+    within `stage3_max_reuse_distance` elements (partitioned_param_coordinator.py
+    `__params_to_release`, 0.19.8 :657-661). The walk sums the parameters of the modules it
+    passes, counted by the released module's leaf flag:
+
+    - decoder layers as ZeRO-3 leaves (fetch unit "layer", DeepSpeedKnobs.zero3_unit): a leaf
+      counts recursively, and the first module of backward is the root (the CausalLM), which holds
+      every parameter, so a layer is kept when the rest of the forward (the later layers, the
+      final norm, lm_head) is within the distance; the input embedding (not a leaf) counts the
+      leaf layers as empty and stays when 2·lm_head + norm is; lm_head, reused at once, stays.
+      Measured per hook on 2 CPU ranks (benchmarks/results/zero3_gathered.json): the 1.36B Llama
+      keeps layers 5-23, embed and lm_head (1,107.3M elements, 2.06 GiB bf16), exactly; at a
+      distance of 5e8, 593.5M, exactly; the 134M Llama the whole model.
+    - submodules as the unit ("module"): each linear reappears in backward after the rest of the
+      forward and the backward of the later layers (with full checkpointing, their recompute
+      too), so a suffix of the layers stays, plus lm_head and the prefetch bucket. Measured on one
+      H200: 0.92 GiB for qwen2.5-0.5b (whole model).
+    A model whose gathered params are all within the distance is never released (no re-gather:
+    comm.py)."""
     layer = model.params_per_layer / layout.tp
     layers = -(-model.num_layers // layout.pp)
     tail = model.root_params / layout.tp  # embed, norm, lm_head
     lm_head = model.lm_head_params / layout.tp
     gathered = (stage_layer_params(model, layout.pp) / layout.tp + tail
                 - persistent_params(model, ds.param_persistence_threshold, layout.tp))
+    distance = ds.max_reuse_distance
+    if ds.zero3_unit(model, layout.tp) == "layer":
+        norm = model.hidden_size
+        embed = max(0.0, tail - lm_head - norm)  # tied: lm_head is the embedding, counted once
+        kept_layers = sum(1 for after in range(layers) if after * layer + lm_head + norm < distance)
+        live = kept_layers * layer + (embed if 2 * lm_head + norm < distance else 0.0) + lm_head
+        # never less than the layer computing, gathered whole
+        return max(0.0, min(gathered, max(live, layer)))
     passes = train.layer_passes  # forward, (recompute,) backward of each later layer
     kept_layers = 0
     for after in range(layers):  # `after` = layers that follow this one in forward
-        if passes * after * layer + 2 * lm_head >= ds.max_reuse_distance:
+        if passes * after * layer + 2 * lm_head >= distance:
             break
         kept_layers += 1
     live = kept_layers * layer + lm_head + min(ds.prefetch_bucket_size, layer)
-    # never less than the fetch unit, gathered whole while it computes: the largest submodule,
-    # or a whole decoder layer when layers are ZeRO-3 leaves (DeepSpeedKnobs.fetch_unit)
+    # never less than the fetch unit, gathered whole while it computes: the largest submodule
     unit = model.largest_module / layout.tp
-    if ds.zero3_unit(model, layout.tp) == "layer":
-        unit = max(unit, layer)
     return max(0.0, min(gathered, max(live, unit + min(ds.prefetch_bucket_size, layer))))
+
 
 def fsdp_gathered_params(model: ModelSpec, s: Strategy, layout: ParallelLayout, c: float, psi: float,
                          layer: float) -> float:
