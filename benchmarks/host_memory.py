@@ -426,6 +426,77 @@ def accuracy_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+EXPORT_CASES = ("fsdp-lora-1.36b", "zero3-lora-1.36b", "ddp-lora-1.36b", "fsdp-full-374m", "zero2-full-374m")
+
+
+def export_check(name: str, cache: Path, steps: int) -> dict:
+    """The case run again with its end-of-run export (`save_final: true`, a checkpoint at the last
+    step; full fine-tuning exports fp32 so that the export and the checkpoint's fp32 weights can
+    be compared exactly), then the export loaded as a user loads it (LoRA: PeftModel on the base;
+    full: AutoModelForCausalLM) and its fp32 logits on 16 tokens compared with the checkpoint's:
+    the base with the checkpoint's adapters injected by PEFT, or a model filled with the
+    checkpoint's tensors."""
+    import gc
+
+    import torch
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardwise.train.checkpoint import checkpoints_dir, read_tensors, step_dir_name, tensor_shapes
+
+    strategy, mode, model = CASES[name]
+    ckpt = checkpoint(cache, model)
+    with tempfile.TemporaryDirectory(prefix="host-memory-export-") as tmp:
+        tmp_path = Path(tmp)
+        config = write_config(tmp_path, ckpt, strategy, mode, steps)
+        cfg = yaml.safe_load(config.read_text())
+        cfg["checkpointing"].update(save_final=True, save_every_steps=steps, save_every_minutes=None)
+        if mode == "full":
+            cfg["export"] = {"dtype": "fp32"}
+        config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        t0 = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "shardwise.train.cli", str(config)], env=child_env(), cwd=ROOT,
+                             capture_output=True, text=True, check=False)
+        out = {"case": name, "rc": run.returncode, "wall_s": round(time.monotonic() - t0, 1)}
+        if run.returncode != 0:
+            return out | {"output_tail": (run.stdout + run.stderr)[-3000:]}
+        run_dir = tmp_path / "out"
+        step = checkpoints_dir(run_dir) / step_dir_name(steps)
+        keys = [k for k in tensor_shapes(step) if k.startswith("model.")]
+        saved = {k.removeprefix("model."): v.float() for k, v in read_tensors(step, keys).items()}
+        ids = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
+        if mode == "lora":
+            from peft import LoraConfig, PeftModel, inject_adapter_in_model
+
+            ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+            ref = inject_adapter_in_model(LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"],
+                                                     target_modules=LORA["target_modules"]), ref)
+            ref.load_state_dict(saved, strict=False)
+            with torch.no_grad():
+                want = ref(ids).logits
+            del ref
+            gc.collect()
+            got_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32),
+                                                  run_dir / "model").eval()
+            trained = max(float(v.abs().max()) for k, v in saved.items() if "lora_B" in k)
+        else:
+            ref = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.float32).eval()
+            missing, unexpected = ref.load_state_dict(saved, strict=False)
+            assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+            with torch.no_grad():
+                want = ref(ids).logits
+            del ref
+            gc.collect()
+            got_model = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32).eval()
+            trained = None
+        with torch.no_grad():
+            got = got_model(ids).logits
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return out | {"export": summary.get("export"), "max_abs_logit_diff": float((got - want).abs().max()),
+                      "lora_B_max": trained, "summary_peak_rss": summary.get("measured_memory_bytes"),
+                      "summary_planned": summary.get("planned_host_bytes")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "shardwise-checkpoints")
@@ -435,6 +506,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--table", action="store_true", help="print the markdown table of --out and exit")
     ap.add_argument("--accuracy", action="store_true", help="print planned vs measured (docs/training.md) and exit")
+    ap.add_argument("--export-check", action="store_true",
+                    help=f"run {', '.join(EXPORT_CASES)} with their export and compare its logits with the checkpoint's")
     a = ap.parse_args()
     if a.table:
         print(table(json.loads(a.out.read_text())))
@@ -449,6 +522,14 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     doc = json.loads(a.out.read_text()) if a.out.exists() else {}
+    if a.export_check:
+        doc.setdefault("export_check", {})
+        for name in [n for n in names if n in EXPORT_CASES] if a.cases != ",".join(CASES) else EXPORT_CASES:
+            row = export_check(name, a.cache, a.steps)
+            doc["export_check"][name] = row
+            print(f"{name}: {row}", flush=True)
+            a.out.write_text(json.dumps(doc, indent=1) + "\n")
+        return
     doc["baseline"] = baseline(child_env())
     doc.setdefault("cases", {})
     cap = int(a.cap_gib * GIB) if a.cap_gib else None

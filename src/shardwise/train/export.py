@@ -21,6 +21,7 @@ import torch
 
 from shardwise import strict_json
 from shardwise.train.config import EXPORT_DTYPE_OF_PRECISION, TrainConfig
+from shardwise.train.host_alloc import large_allocations_returned
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -183,6 +184,7 @@ def _umask_modes(d: Path) -> None:
             f.chmod(mode)
 
 
+@large_allocations_returned()  # each streamed tensor from 1 MiB up is returned when freed
 def export_checkpoint(checkpoint: Path, out: Path, merged: bool = False, overrides: tuple[str, ...] = (),
                       trust_remote_code: bool = False) -> Path:
     """A Hugging Face directory from any shardwise checkpoint, on one process and without the
@@ -272,6 +274,7 @@ def is_adapter_weight(name: str) -> bool:
     return ".lora_" in name or ".modules_to_save." in name
 
 
+@large_allocations_returned()
 def export_final(cfg: TrainConfig, weights: Path, out: Path, progress: Progress = None) -> Path:
     """`checkpointing.save_final`: the final weights of a run (a DCP directory:
     shardwise.train.final_weights) streamed shard by shard, or a LoRA run's adapter (and, with
