@@ -19,12 +19,16 @@ def cgroup_available() -> bool:
 
 
 def run_capped(cmd: list[str], cap: int, env: dict[str, str], timeout: float, **kw) -> subprocess.CompletedProcess:
-    """`subprocess.run(cmd, capture_output=True, text=True)` with the tree capped at `cap` bytes;
-    the result's `peak` is the group's memory.max_usage_in_bytes (None uncapped)."""
+    """`subprocess.run(cmd, capture_output=True, text=True)` (`kw` may change how output is
+    captured) with the tree capped at `cap` bytes; the result's `peak` is the group's
+    memory.max_usage_in_bytes (None uncapped)."""
+    kw = {"capture_output": True, **kw}
+    if not kw["capture_output"]:
+        kw.pop("capture_output")
     if not cgroup_available():
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False, **kw)
+        r = subprocess.run(cmd, env=env, text=True, timeout=timeout, check=False, **kw)
         r.peak = None
-        r.stderr += f"\n(cgroup_run: no cgroup v1 memory controller or not root: ran without the {cap} B cap)"
+        print(f"cgroup_run: no cgroup v1 memory controller or not root: ran without the {cap} B cap")
         return r
     group = CGROUP / f"shardwise-test-{uuid.uuid4().hex[:12]}"
     group.mkdir()
@@ -36,8 +40,7 @@ def run_capped(cmd: list[str], cap: int, env: dict[str, str], timeout: float, **
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-                           preexec_fn=join, **kw)
+        r = subprocess.run(cmd, env=env, text=True, timeout=timeout, check=False, preexec_fn=join, **kw)
         r.peak = int((group / "memory.max_usage_in_bytes").read_text())
         return r
     finally:

@@ -70,3 +70,46 @@ def ranks_runner(shared_dir):
 
 
 sys.path.insert(0, str(HERE))  # parity_worker's constants are shared with the tests
+
+
+DEMO = HERE.parent.parent / "examples" / "demo.yaml"
+DEMO_STEPS = 60
+
+
+@pytest.fixture(scope="session")
+def demo_run(shared_dir):
+    """`demo_run(strategy)` -> {"out", "log", "rc", "peak", "cap"}: `shardwise train
+    examples/demo.yaml` on 2 CPU ranks for DEMO_STEPS steps with its final export, stdout and
+    stderr through one pipe (a batch log), Python's warnings as a user sees them, the whole job in
+    a memory cgroup capped at the plan's own node figure + 15% (shardwise.plan.host_cpu); run
+    once per session per strategy however xdist distributes the tests that read it."""
+    import json
+    import subprocess
+
+    from cgroup_run import run_capped
+
+    def run(strategy: str) -> dict:
+        out = shared_dir / f"demo-{strategy}"
+        meta = shared_dir / f"demo-{strategy}.json"
+        with FileLock(str(out) + ".lock"):
+            if not meta.exists():
+                from shardwise.run.bridge import run_spec
+                from shardwise.train.config import load_config
+                from shardwise.train.host_memory import planned_cpu
+
+                sets = [f"run.steps={DEMO_STEPS}", f"strategy.name={strategy}", f"checkpointing.output_dir={out}",
+                        "checkpointing.save_final=true"]
+                plan = planned_cpu(run_spec(load_config(DEMO, sets), 2, "cpu"))
+                cap = int(1.15 * plan.per_node)
+                env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "SHARDWISE_VERBOSE")}
+                cmd = [sys.executable, "-m", "shardwise.train.cli", str(DEMO)]
+                for s in sets:
+                    cmd += ["--set", s]
+                r = run_capped(cmd, cap=cap, env={**env, "DS_ACCELERATOR": "cpu"}, timeout=TIMEOUT_S,
+                               cwd=HERE.parent.parent, stderr=subprocess.STDOUT, capture_output=False,
+                               stdout=subprocess.PIPE)
+                meta.write_text(json.dumps({"out": str(out), "log": r.stdout, "rc": r.returncode, "peak": plan.peak,
+                                            "cap": cap}))
+        return json.loads(meta.read_text())
+
+    return run

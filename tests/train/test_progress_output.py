@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TIMEOUT_S
+from conftest import DEMO_STEPS, TIMEOUT_S
 from filelock import FileLock
 from one_rank import loop_config, train_one_rank
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 60
+STEPS = DEMO_STEPS
 DEMOS = {
     "fsdp": ("examples/demo.yaml", []),
     "zero3": ("examples/demo.yaml", ["strategy.name=zero3"]),
@@ -49,23 +49,23 @@ def warning_lines(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def piped(shared_dir) -> dict[str, str]:
-    """Each demo's combined stdout+stderr through a pipe, run once per session."""
-    texts = {}
-    for name, (config, sets) in DEMOS.items():
-        out = shared_dir / f"piped-{name}"
-        log = shared_dir / f"piped-{name}.log"
-        with FileLock(str(out) + ".lock"):
-            if not log.exists():
-                args = [a for s in [f"run.steps={STEPS}", f"checkpointing.output_dir={out}", *sets]
-                        for a in ("--set", s)]
-                env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "SHARDWISE_VERBOSE")}
-                r = subprocess.run([sys.executable, "-m", "shardwise.train.cli", str(REPO / config), *args],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                   timeout=TIMEOUT_S, check=False, env={**env, "DS_ACCELERATOR": "cpu"})
-                assert r.returncode == 0, r.stdout[-4000:]
-                log.write_text(r.stdout)
-        texts[name] = log.read_text()
+def piped(shared_dir, demo_run) -> dict[str, str]:
+    """Each demo's combined stdout+stderr through a pipe, run once per session (the FSDP2 and
+    ZeRO-3 demos are conftest's `demo_run`, shared with the end-to-end tests)."""
+    texts = {name: demo_run(name)["log"] for name in ("fsdp", "zero3")}
+    config, sets = DEMOS["lora"]
+    out = shared_dir / "piped-lora"
+    log = shared_dir / "piped-lora.log"
+    with FileLock(str(out) + ".lock"):
+        if not log.exists():
+            args = [a for s in [f"run.steps={STEPS}", f"checkpointing.output_dir={out}", *sets] for a in ("--set", s)]
+            env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "SHARDWISE_VERBOSE")}
+            r = subprocess.run([sys.executable, "-m", "shardwise.train.cli", str(REPO / config), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                               timeout=TIMEOUT_S, check=False, env={**env, "DS_ACCELERATOR": "cpu"})
+            assert r.returncode == 0, r.stdout[-4000:]
+            log.write_text(r.stdout)
+    texts["lora"] = log.read_text()
     return texts
 
 

@@ -9,37 +9,27 @@ import sys
 from pathlib import Path
 
 import pytest
-from cgroup_run import run_capped
+from conftest import DEMO_STEPS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3", "ddp"])
-def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
-    """On each engine, the whole job (launcher and ranks) in a memory cgroup capped at the plan's
-    own host figure for the node + 15% (shardwise.plan.host_cpu), and rank 0's measured peak RSS
-    within 15% of its planned peak."""
-    out = tmp_path / "run"
-    sets = ["run.steps=6", f"strategy.name={strategy}", f"checkpointing.output_dir={out}",
-            "checkpointing.save_final=true", "logging.progress=false"]
-    cmd = [sys.executable, "-m", "shardwise.train.cli", str(REPO / "examples/demo.yaml")]
-    for s in sets:
-        cmd += ["--set", s]
-    from shardwise.run.bridge import run_spec
-    from shardwise.train.config import load_config
-    from shardwise.train.host_memory import planned_cpu
-
-    plan = planned_cpu(run_spec(load_config(REPO / "examples/demo.yaml", sets), 2, "cpu"))
-    r = run_capped(cmd, cap=int(1.15 * plan.per_node), env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_demo_config_trains_and_writes_outputs(demo_run, strategy):
+    """On each engine (tests/train/conftest.py `demo_run`: the whole job in a memory cgroup capped
+    at the plan's own host figure for the node + 15%, shared with the progress-line tests), and
+    rank 0's measured peak RSS within 15% of its planned peak."""
+    run = demo_run(strategy)
+    out = Path(run["out"])
+    assert run["rc"] == 0, run["log"][-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, 7))
+    assert [row["step"] for row in rows] == list(range(1, DEMO_STEPS + 1))
     assert all(row["tokens_per_s"] > 0 and row["grad_norm"] > 0 for row in rows)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["planned_gpu_bytes"] > 0 and summary["planned_host_bytes"] == plan.peak
-    assert abs(summary["measured_memory_bytes"] / plan.peak - 1) <= 0.15, (summary["measured_memory_bytes"], plan)
-    assert "planned per rank (host RSS)" in r.stdout
+    assert summary["planned_gpu_bytes"] > 0 and summary["planned_host_bytes"] == run["peak"]
+    assert abs(summary["measured_memory_bytes"] / run["peak"] - 1) <= 0.15, (summary["measured_memory_bytes"], run)
+    assert "planned per rank (host RSS)" in run["log"]
     # what ran it, as the checkpoint manifest and `shardwise --version` say
     from importlib.metadata import version
 
@@ -52,7 +42,7 @@ def test_demo_config_trains_and_writes_outputs(tmp_path, strategy):
 
     weights = load_file(str(out / "model" / "model.safetensors"))
     assert "model.layers.1.mlp.down_proj.weight" in weights
-    assert "summary" in r.stdout
+    assert "summary" in run["log"]
     # the directory is a Hugging Face model: from_pretrained loads exactly these weights
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
