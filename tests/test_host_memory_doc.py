@@ -32,3 +32,15 @@ def test_every_case_was_measured_through_the_cli_and_completed():
         case = DOC["cases"][name]
         assert case["job"]["rc"] == 0, name
         assert len(case["per_rank"]) == hm.RANKS, name
+
+
+@pytest.mark.parametrize("name", hm.EXPORT_CASES)
+def test_each_real_size_run_exported_what_it_trained(name):
+    """`benchmarks/host_memory.py --export-check`: the case rerun with its end-of-run export, the
+    export loaded as a user loads it (PeftModel on the base; AutoModelForCausalLM) and its fp32
+    logits against the checkpoint's (LoRA: with its adapters trained away from zero)."""
+    row = DOC["export_check"][name]
+    assert row["rc"] == 0 and row["export"], row
+    assert row["max_abs_logit_diff"] <= 1e-5, row
+    if "lora" in name:
+        assert row["lora_B_max"] > 0, row
