@@ -52,6 +52,18 @@ def test_demo_config_trains_and_writes_outputs(demo_run, strategy):
     for name, tensor in weights.items():
         assert torch.equal(state[name], tensor), name
     assert AutoTokenizer.from_pretrained(out / "model").eos_token is not None
+    # and gives the last checkpoint's logits: the same architecture filled with its saved tensors
+    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+
+    last = Path(summary["checkpoint"])
+    saved = {k.removeprefix("model."): v for k, v in read_tensors(last, [k for k in tensor_shapes(last)
+                                                                          if k.startswith("model.")]).items()}
+    ref = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
+    missing, unexpected = ref.load_state_dict(saved, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.float().eval()(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_single_process_deepspeed_without_launcher(tmp_path):
