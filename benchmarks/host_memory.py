@@ -123,19 +123,13 @@ def write_config(out: Path, ckpt: Path | None, strategy: str, mode: str, steps: 
 
 
 def run_in_cgroup(cmd: list[str], env: dict[str, str], name: str, cap: int | None) -> dict:
-    """Run `cmd` as the only member of a new memory cgroup; its peak, failcnt and the largest
-    process's peak RSS (wait4)."""
-    group = CGROUP / name
-    group.mkdir()
-    try:
-        if cap is not None:
-            (group / "memory.limit_in_bytes").write_text(str(cap))
-        procs = str(group / "cgroup.procs")
+    """Run `cmd` as the only member of a new memory cgroup (tests/train/cgroup_run.py); its peak,
+    failcnt and the largest process's peak RSS (wait4)."""
+    sys.path.insert(0, str(ROOT / "tests" / "train"))
+    from cgroup_run import memory_cgroup
 
-        def join() -> None:  # in the child, before exec: the launcher and every rank it starts are in
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
+    with memory_cgroup(cap, name) as join:
+        group = join.group
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 preexec_fn=join, text=True)
@@ -164,13 +158,6 @@ def run_in_cgroup(cmd: list[str], env: dict[str, str], name: str, cap: int | Non
                 "cgroup_cache_at_end": int(stat.get("total_cache", 0)),
                 "largest_process_peak_rss": usage.ru_maxrss * 1024, "launcher_peak_rss": launcher["VmHWM"],
                 "output_tail": out[-3000:]}
-    finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def baseline(env: dict[str, str]) -> dict:

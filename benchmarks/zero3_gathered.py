@@ -58,6 +58,16 @@ def planned_gathered(model: str, knobs: dict, ranks: int = 2) -> float:
     return zero3_gathered(spec, TrainSpec(), strategy.ds, layout)
 
 
+def knobs_of(sets: list[str]) -> dict:
+    """KNOBS with the case's `--set strategy.deepspeed.<knob>=N` overrides applied."""
+    knobs = dict(KNOBS)
+    for kv in sets:
+        k, _, v = kv.partition("=")
+        if k.rsplit(".", 1)[-1] in knobs:
+            knobs[k.rsplit(".", 1)[-1]] = int(float(v))
+    return knobs
+
+
 def first_step_bound(ri: dict) -> int:
     """The first fwd+bwd DeepSpeed runs records the trace (partitioned_param_coordinator.py:277,
     reset_step from the root's forward pre-hook, parameter_offload.py:306); without a complete
@@ -116,11 +126,7 @@ def summary(doc: dict) -> str:
     s = doc["shapes"]
     lines = [f"{doc['model']} {doc['mode']} {doc['sets']}: rc {doc['rc']}; layer {s['layer']:,} root {s['root']:,} "
              f"params {s['params']:,} (bf16 {2 * s['params'] / GIB:.2f} GiB)"]
-    knobs = dict(KNOBS)
-    for kv in doc["sets"]:
-        k, _, v = kv.partition("=")
-        if k.rsplit(".", 1)[-1] in knobs:
-            knobs[k.rsplit(".", 1)[-1]] = int(float(v))
+    knobs = knobs_of(doc["sets"])
     ri = doc["rule_inputs"]
     for first in (True, False):
         n = first_step_bound(ri) if first else planned_gathered(doc["model"], knobs)
@@ -155,11 +161,7 @@ def compact(doc: dict) -> dict:
     there and at the training peak over the steady RSS (after the last optimizer step). The
     persistent params are gathered during the first forward: step 1's figures count them out
     before they are there (up to `persistent` low, clamped at 0)."""
-    knobs = dict(KNOBS)
-    for kv in doc["sets"]:
-        k, _, v = kv.partition("=")
-        if k.rsplit(".", 1)[-1] in knobs:
-            knobs[k.rsplit(".", 1)[-1]] = int(float(v))
+    knobs = knobs_of(doc["sets"])
     ri = doc["rule_inputs"]
     out = {"model": doc["model"], "mode": doc["mode"], "sets": doc["sets"], "knobs": knobs, "rule_inputs": ri,
            "rule": {"first_step": first_step_bound(ri), "later_steps": planned_gathered(doc["model"], knobs)},

@@ -32,7 +32,7 @@ def test_the_demo_yaml_plans_its_cpu_ranks_as_the_trainer_does():
     assert row["name"] == "fsdp" and row["host"]["peak"] == want.peak and row["fits"]
     host = row["host"]
     assert host["per_node"] == 2 * host["peak"] + host["launcher"]
-    assert host["training"] == host["process"] + host["allocated"] + host["cpu_extra"] + host["heap_slack"]
+    assert host["training"] == host["process"] + host["allocated"] + host["heap_slack"]
     assert doc["from"]["file"].endswith("demo.yaml")
 
 

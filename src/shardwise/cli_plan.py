@@ -265,10 +265,10 @@ def plan_cpu(m, hw, train, strategies, knobs, a: dict, source) -> object:
     built from its config, as the trainer builds a catalog model); the node's memory is
     --host-memory-gb, else MemAvailable of this machine."""
     from shardwise.plan.host_cpu import cpu_rank_memory
-    from shardwise.plan.load import load_path, load_phase
     from shardwise.plan.planner import plan_layouts
     from shardwise.render_cpu import CpuPlan, cpu_rows
     from shardwise.specs.hardware import GIB
+    from shardwise.train.host_memory import node_memory
 
     if "optimizer_impl" not in given_flags() and source is None:  # the trainer's AdamW on CPU: the for-loop
         train = train.model_copy(update={"optimizer_impl": "forloop"})
@@ -280,20 +280,9 @@ def plan_cpu(m, hw, train, strategies, knobs, a: dict, source) -> object:
         fmt_, largest = checkpoint_weights(cfg_path)
     evals, _ = plan_layouts(m, hw, train, strategies, tp=a["tp"] or 1, pp=a["pp"] or 1, knobs=knobs)
     per_node = max(1, min(hw.world_size, hw.gpus_per_node))
-    mems = {}
-    for e in evals:
-        runs = e.memory.engine_strategy
-        load = load_phase(m, train, runs, e.memory.layout, per_node, device="cpu", path=load_path(runs, fmt_),
-                          max_file_bytes=largest)
-        mems[e.strategy.name] = cpu_rank_memory(m, hw, train, e.strategy, load)
-    if a.get("host_memory_gb") is not None:
-        available, where = a["host_memory_gb"] * 1e9, "--host-memory-gb"
-    else:
-        from shardwise.train.host_memory import MEMINFO, read_meminfo
-
-        info = read_meminfo()
-        available, where = ((float(info["MemAvailable"]), f"MemAvailable in {MEMINFO}") if "MemAvailable" in info
-                            else (hw.host_memory_bytes, "the default host memory; --host-memory-gb sets it"))
+    mems = {e.strategy.name: cpu_rank_memory(m, hw, train, e.strategy, fmt_, largest) for e in evals}
+    available, where = (node_memory(a.get("host_memory_gb"), "--host-memory-gb")
+                        or (hw.host_memory_bytes, "the default host memory; --host-memory-gb sets it"))
     title = (f"{m.name} ({m.params / 1e9:.2f}B params) on {hw.world_size} CPU rank(s), {per_node} per node, seq "
              f"{train.seq_len} × micro-batch {train.micro_batch} × accum {train.grad_accum}, {train.precision}, "
              f"checkpointing {train.checkpointing}"

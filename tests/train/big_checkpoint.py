@@ -78,3 +78,20 @@ def _write(out: Path, name: str) -> None:
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     cfg.save_pretrained(out)
+
+
+def as_downloaded(checkpoint: Path, dest: Path) -> Path:
+    """`dest`: `checkpoint`'s files (symlinked) with the bundled tokenizer beside them, as a hub
+    download looks."""
+    import os
+    import shutil
+
+    from shardwise.data import default_tokenizer_path
+
+    dest.mkdir()
+    for f in checkpoint.iterdir():
+        os.symlink(f, dest / f.name)
+    for f in default_tokenizer_path().iterdir():
+        if f.is_file() and not (dest / f.name).exists():
+            shutil.copy2(f, dest / f.name)
+    return dest

@@ -5,6 +5,7 @@ machines have both); where either is missing the command runs uncapped and says 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -30,21 +31,32 @@ def run_capped(cmd: list[str], cap: int, env: dict[str, str], timeout: float, **
         r.peak = None
         print(f"cgroup_run: no cgroup v1 memory controller or not root: ran without the {cap} B cap")
         return r
-    group = CGROUP / f"shardwise-test-{uuid.uuid4().hex[:12]}"
+    with memory_cgroup(cap) as join:
+        r = subprocess.run(cmd, env=env, text=True, timeout=timeout, check=False, preexec_fn=join, **kw)
+        r.peak = int((join.group / "memory.max_usage_in_bytes").read_text())
+        return r
+
+
+@contextlib.contextmanager
+def memory_cgroup(cap: int | None, name: str | None = None):
+    """A fresh cgroup v1 memory controller (capped at `cap` bytes unless None), removed on exit.
+    Yields the `preexec_fn` that puts a child in it before it execs (so every process it starts
+    is in it too); its `group` is the cgroup's directory."""
+    group = CGROUP / (name or f"shardwise-test-{uuid.uuid4().hex[:12]}")
     group.mkdir()
     try:
-        (group / "memory.limit_in_bytes").write_text(str(cap))
+        if cap is not None:
+            (group / "memory.limit_in_bytes").write_text(str(cap))
         procs = str(group / "cgroup.procs")
 
-        def join() -> None:  # in the child before exec: the launcher and every rank it starts are in
+        def join() -> None:
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        r = subprocess.run(cmd, env=env, text=True, timeout=timeout, check=False, preexec_fn=join, **kw)
-        r.peak = int((group / "memory.max_usage_in_bytes").read_text())
-        return r
+        join.group = group
+        yield join
     finally:
-        for _ in range(50):
+        for _ in range(50):  # the kernel frees the group once its last process is reaped
             try:
                 group.rmdir()
                 break

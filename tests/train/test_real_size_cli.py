@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from cgroup_run import run_capped
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from big_checkpoint import make_checkpoint  # noqa: E402
+from big_checkpoint import as_downloaded, make_checkpoint  # noqa: E402
 
 LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 YAML = """model: {{path: {model}}}
@@ -43,15 +42,7 @@ pytestmark = pytest.mark.distributed
 def run(request, tmp_path_factory) -> dict:
     ckpt = make_checkpoint(Path(request.config.cache.mkdir("shardwise-checkpoints")), "llama-1.36b")
     tmp = tmp_path_factory.mktemp("real-size")
-    model = tmp / "llama-1.36b"  # the cached checkpoint's files, and the bundled tokenizer beside them
-    model.mkdir()
-    for f in ckpt.iterdir():
-        os.symlink(f, model / f.name)
-    from shardwise.data import default_tokenizer_path
-
-    for f in default_tokenizer_path().iterdir():
-        if f.is_file() and not (model / f.name).exists():
-            shutil.copy2(f, model / f.name)
+    model = as_downloaded(ckpt, tmp / "llama-1.36b")
     out = tmp / "out"
     cfg = tmp / "lora.yaml"
     cfg.write_text(YAML.format(model=model, out=out))

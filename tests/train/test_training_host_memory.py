@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ import pytest
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
-from big_checkpoint import make_checkpoint  # noqa: E402
+from big_checkpoint import as_downloaded, make_checkpoint  # noqa: E402
 
 RANKS, SEQ, MIB = 2, 64, 2**20
 BF16 = 2
@@ -51,15 +50,7 @@ def run(request, tmp_path_factory) -> dict:
     """One 2-rank FSDP2 LoRA run (bf16-mixed, seq 64, 1 step) of the CLI; its per-rank phases."""
     ckpt = make_checkpoint(Path(request.config.cache.mkdir("shardwise-checkpoints")), "llama-8x1024")
     tmp = tmp_path_factory.mktemp("host-memory")
-    model = tmp / "model"  # the cached checkpoint's files, and the bundled tokenizer beside them
-    model.mkdir()
-    for f in ckpt.iterdir():
-        os.symlink(f, model / f.name)
-    from shardwise.data import default_tokenizer_path
-
-    for f in default_tokenizer_path().iterdir():
-        if f.is_file() and not (model / f.name).exists():
-            shutil.copy2(f, model / f.name)
+    model = as_downloaded(ckpt, tmp / "model")
     cfg = tmp / "lora.yaml"
     cfg.write_text(f"""model: {{path: {model}}}
 data: {{kind: sft, sft: {{max_length: {SEQ}, packing: true}}}}

@@ -6,7 +6,6 @@ libraries. A rank's resident set at its peak is therefore
 
     process (the interpreter, torch and the engine's libraries: measured per engine)
   + the step's allocated peak (the GPU plan's `allocated`, the same terms by phase)
-  + the CPU engine's own copies the GPU plan does not book (`cpu_extra`)
   + heap slack (glibc keeps freed blocks below the mmap threshold in its heap)
 
 or, before the first step, the load phase (shardwise.plan.load), whichever is larger. A node
@@ -17,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.plan.breakdown import LoadBreakdown, MemoryBreakdown
-from shardwise.plan.load import LAUNCHER_BYTES
+from shardwise.plan.breakdown import LoadBreakdown
+from shardwise.plan.load import LAUNCHER_BYTES, load_path, load_phase
 from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
@@ -43,7 +42,6 @@ class CpuRankMemory:
 
     process: float
     allocated: float  # the step's allocated peak (MemoryBreakdown.allocated)
-    cpu_extra: float  # the engine's host copies a GPU plan does not book
     heap_slack: float
     load: LoadBreakdown
     ranks_per_node: int = 1
@@ -51,7 +49,7 @@ class CpuRankMemory:
 
     @property
     def training(self) -> float:
-        return self.process + self.allocated + self.cpu_extra + self.heap_slack
+        return self.process + self.allocated + self.heap_slack
 
     @property
     def peak(self) -> float:
@@ -68,28 +66,25 @@ class CpuRankMemory:
         return self.peak * self.ranks_per_node + self.launcher
 
     def as_dict(self) -> dict[str, float | str | dict]:
-        return {"process": self.process, "allocated": self.allocated, "cpu_extra": self.cpu_extra,
-                "heap_slack": self.heap_slack, "training": self.training, "load": self.load.as_dict(),
-                "peak": self.peak, "phase": self.phase, "ranks_per_node": self.ranks_per_node,
+        return {"process": self.process, "allocated": self.allocated, "heap_slack": self.heap_slack,
+                "training": self.training, "load": self.load.as_dict(), "peak": self.peak, "phase": self.phase, "ranks_per_node": self.ranks_per_node,
                 "launcher": self.launcher, "per_node": self.per_node}
 
 
-def cpu_extra(gpu: MemoryBreakdown, train: TrainSpec, strategy: Strategy) -> float:
-    """Host copies the CPU engines make that a GPU plan does not book: none known yet beyond the
-    GPU plan's terms (kept as a term so that each one found is named here)."""
-    return 0.0
-
-
 def cpu_rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-                    load: LoadBreakdown) -> CpuRankMemory:
-    """One rank of a CPU run of `strategy` (the strategy the engines run), `load` its load phase
-    (shardwise.plan.load.load_phase with device "cpu": its `process` is this rank's too)."""
+                    weights: str | None = None, max_file_bytes: float = 0.0) -> CpuRankMemory:
+    """One rank of a CPU run of `strategy`: the engine it runs as (shardwise.plan.evaluate
+    memory_as_run) and its load phase from a checkpoint of `weights` ("safetensors", "bin", or
+    None: built from the config) whose largest file is `max_file_bytes`."""
     from shardwise.plan.evaluate import memory_as_run
 
     plan = memory_as_run(model, hw, train, strategy)
-    gpu = plan.gpu
-    return CpuRankMemory(process=load.process, allocated=gpu.allocated, cpu_extra=cpu_extra(gpu, train, strategy),
-                         heap_slack=heap_slack(model, train, plan), load=load, ranks_per_node=load.ranks_per_node)
+    runs = plan.engine_strategy
+    per_node = max(1, min(hw.world_size, hw.gpus_per_node))
+    load = load_phase(model, train, runs, plan.layout, per_node, device="cpu", path=load_path(runs, weights),
+                      max_file_bytes=max_file_bytes)
+    return CpuRankMemory(process=load.process, allocated=plan.gpu.allocated, heap_slack=heap_slack(model, train, plan),
+                         load=load, ranks_per_node=per_node)
 
 
 def heap_slack(model: ModelSpec, train: TrainSpec, plan) -> float:

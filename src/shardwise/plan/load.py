@@ -37,7 +37,7 @@ LoadPath = Literal["sharded", "broadcast", "zero3", "whole"]
 # - cpu: measured, VmRSS of a fresh interpreter once it imported what a rank imports (torch
 #   2.13.0 CPU build, transformers, peft, shardwise's trainer; deepspeed 0.19.8 besides for the
 #   DeepSpeed engine): 472 MB and 596 MB (benchmarks/results/host_memory.json "baseline", this
-#   project's 2-core CI machine, 2026-12-03);
+#   project's 2-core CI machine);
 # - cuda: assumed, not measured here: the CUDA runtime, cuBLAS/cuDNN and NCCL mapped into the
 #   process add about 1 GiB of host memory to the CPU figure (set hardware.host_memory_gb with margin).
 PROCESS_BYTES = {("cpu", "torch"): 472_088_576.0, ("cpu", "deepspeed"): 596_402_176.0}

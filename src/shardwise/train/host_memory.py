@@ -30,9 +30,13 @@ def read_meminfo(path: Path = MEMINFO) -> dict[str, int]:
 
 def host_available(run: RunSpec) -> tuple[float, str] | None:
     """(bytes, where the figure comes from), or None when nothing says."""
-    gb = run.config.hardware.host_memory_gb
+    return node_memory(run.config.hardware.host_memory_gb, f"{run.config.source}: hardware.host_memory_gb")
+
+
+def node_memory(gb: float | None, given_by: str) -> tuple[float, str] | None:
+    """`gb` GB where given (`given_by` names where), else MemAvailable of /proc/meminfo, else None."""
     if gb is not None:
-        return gb * 1e9, f"{run.config.source}: hardware.host_memory_gb"
+        return gb * 1e9, given_by
     info = read_meminfo()
     if "MemAvailable" in info:
         return float(info["MemAvailable"]), f"MemAvailable in {MEMINFO}"
@@ -43,9 +47,9 @@ def planned_cpu(run: RunSpec):
     """The planner's host memory of one rank of this CPU run (shardwise.plan.host_cpu), its load
     phase read off the checkpoint's own files."""
     from shardwise.plan.host_cpu import cpu_rank_memory
-    from shardwise.train.weights import planned_load
+    from shardwise.train.weights import run_weights
 
-    return cpu_rank_memory(run.model, run.hardware, run.train, run.strategy, planned_load(run))
+    return cpu_rank_memory(run.model, run.hardware, run.train, run.strategy, *run_weights(run))
 
 
 def check_host_memory(run: RunSpec, force: bool = False) -> None:
@@ -71,9 +75,7 @@ def _cpu_shortfall(run: RunSpec, available: float) -> str | None:
         return None
     g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     if p.phase == "training":
-        part = (f"process {g(p.process)}, the step's tensors {g(p.allocated)}"
-                + (f", the engine's host copies {g(p.cpu_extra)}" if p.cpu_extra else "")
-                + f", heap slack {g(p.heap_slack)}")
+        part = f"process {g(p.process)}, the step's tensors {g(p.allocated)}, heap slack {g(p.heap_slack)}"
     else:
         load = p.load
         part = (f"{load.path} read: the rank's part {g(load.resident)}, reads in flight {g(load.read)}, "

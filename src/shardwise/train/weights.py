@@ -141,13 +141,18 @@ def checkpoint_weights(path: str | Path) -> tuple[str | None, float]:
     return fmt, float(max((f.stat().st_size for f in files or []), default=0))
 
 
+def run_weights(run: Any) -> tuple[str | None, float]:
+    """checkpoint_weights of the run's model.path; (None, 0) for a model built from its config."""
+    cfg = run.config.model
+    return checkpoint_weights(cfg.path) if cfg.path is not None and not cfg.random_init else (None, 0.0)
+
+
 def planned_load(run: Any) -> Any:
     """The planner's load phase (shardwise.plan.load) for this run as it will load: its path,
     device and the checkpoint's largest file. Torch-free (preflight runs it before any rank)."""
     from shardwise.plan.load import load_path, load_phase
 
-    cfg = run.config.model
-    fmt, largest = checkpoint_weights(cfg.path) if cfg.path is not None and not cfg.random_init else (None, 0.0)
+    fmt, largest = run_weights(run)
     per_node = max(1, min(run.world_size, run.hardware.gpus_per_node))
     return load_phase(run.model, run.train, run.engine_strategy, run.layout, per_node, device=run.device,
                       path=load_path(run.engine_strategy, fmt), max_file_bytes=float(largest))
