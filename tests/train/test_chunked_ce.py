@@ -22,14 +22,11 @@ import torch.nn.functional as F
 
 from shardwise.data.labels import IGNORE_INDEX
 from shardwise.errors import ShardwiseError
+from shardwise.specs.families import ANALYTIC_FAMILIES
 from shardwise.train.engines.base import forward_loss_sum, token_loss_sum
-from shardwise.train.loss import (
-    check_run,
-    head_support,
-    linear_cross_entropy_sum,
-    output_heads,
-    shifted_targets,
-)
+from shardwise.train.hf import causal_lm_class, causal_lm_name, forward_source
+from shardwise.train.loss import linear_cross_entropy_sum, output_heads, shifted_targets
+from shardwise.train.loss_support import check_run, forward_support, head_support
 
 LOSS_RTOL = 1e-6
 GRAD_TOL = 1e-5
@@ -270,6 +267,19 @@ def test_models_that_change_their_logits_are_refused() -> None:
     with pytest.raises(ShardwiseError, match=r"loss\.implementation: standard"):
         check_run(run)
     check_run(_run("tiny-llama", "chunked"))  # supported: no refusal
+
+
+@pytest.mark.parametrize("model_type", [*ANALYTIC_FAMILIES, "cohere", "granite"])
+def test_the_launchers_read_of_transformers_files_judges_as_the_imported_class(model_type) -> None:
+    """The launcher's check (the class's name and forward read from transformers' files, torch
+    never imported) says what the rank's check of the imported class says, for every family
+    the planner models and two that change their logits."""
+    name = causal_lm_name(model_type)
+    cls = causal_lm_class(model_type)
+    assert cls is not None and name == cls.__name__
+    src = forward_source(model_type, name)
+    assert src is not None, f"{name}.forward not found in transformers' files: the launcher would import it"
+    assert forward_support(name, src) == head_support(cls)
 
 
 # --------------------------------------------------------------- engines (2 gloo ranks)

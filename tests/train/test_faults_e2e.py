@@ -174,7 +174,8 @@ SLOW_SAVE = HERE / "fault_workers" / "slow_save.py"
 
 
 def test_sigkill_during_a_save_never_uses_the_partial_checkpoint(tmp_path):
-    from shardwise.train.checkpoint import checkpoints_dir, clean_stale, read_tensors, resolve_resume
+    from shardwise.train.checkpoint import checkpoints_dir, read_tensors, resolve_resume
+    from shardwise.train.outputs import clean_stale_outputs
 
     p = subprocess.Popen([sys.executable, str(SLOW_SAVE), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     tmp = checkpoints_dir(tmp_path) / ".tmp-step-00000002"
@@ -189,4 +190,4 @@ def test_sigkill_during_a_save_never_uses_the_partial_checkpoint(tmp_path):
     latest = resolve_resume("latest", tmp_path)
     assert latest is not None and latest.name == "step-00000001"
     assert torch.equal(read_tensors(latest)["model.w"], torch.full((4,), 1.0))
-    assert clean_stale(checkpoints_dir(tmp_path)) == [tmp.name] and not tmp.exists()
+    assert clean_stale_outputs(tmp_path) == [tmp.name] and not tmp.exists()

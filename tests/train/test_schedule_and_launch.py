@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ def test_warmup_is_linear_and_reaches_peak(kind):
 def test_decay_shapes():
     def at(kind, s, **kw):
         return lr_at(s, peak=PEAK, total=TOTAL, kind=kind, warmup=WARM, **kw)
+
     mid = WARM + (TOTAL - WARM) // 2
     assert at("cosine", mid) == pytest.approx(PEAK / 2)  # cos(pi/2) = 0: half way
     assert at("linear", mid) == pytest.approx(PEAK / 2)
@@ -81,3 +83,40 @@ def test_run_cli_skips_interpreter_shutdown_only_after_joining_a_group(joined, b
         assert "RuntimeError: boom" in p.stderr
     if "usage" in body:
         assert "usage: x" in p.stderr
+
+
+LAUNCHER_PROBE = """
+import sys
+import shardwise.train.spawn as spawn
+
+def probe(*args, **kwargs):
+    print("torch imported before the ranks:", "torch" in sys.modules, "transformers" in sys.modules)
+    return 0
+
+spawn.spawn_job = probe
+sys.argv = ["shardwise-train", *sys.argv[1:]]
+from shardwise.train.cli import main
+main()
+"""
+
+
+def test_the_launcher_checks_a_fresh_run_without_importing_torch(tmp_path):
+    """Every preflight check of a fresh 2-rank run (the chunked loss's model check included) runs
+    before the ranks start without torch or transformers' modeling code: seconds of start-up
+    each rank pays again."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).parents[2]
+    argv = [
+        sys.executable,
+        "-c",
+        LAUNCHER_PROBE,
+        str(repo / "examples" / "fsdp-synthetic-cpu.yaml"),
+        "--nproc",
+        "2",
+        "--set",
+        f"checkpointing.output_dir={tmp_path}",
+    ]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert "torch imported before the ranks: False False" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])

@@ -156,6 +156,12 @@ def _walkable(obj: Any) -> bool:
     return mod.startswith(_WALK_MODULE_PREFIXES)
 
 
+def _key(k: Any) -> str:
+    """A dict key in a path: repr of a plain key; type and id of anything else (DeepSpeed keys
+    dicts by parameter, and a tensor's repr formats its values)."""
+    return repr(k) if isinstance(k, (str, int, float, bool, type(None))) else f"<{type(k).__name__} {id(k):#x}>"
+
+
 def walk_graph(roots: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """Breadth-first over attributes/containers from `roots`, yielding every tensor reached."""
     seen: set[int] = set()
@@ -171,7 +177,7 @@ def walk_graph(roots: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
                 queue.append((obj.grad, path + ".grad", depth + 1))
             children: Iterable[tuple[str, Any]] = getattr(obj, "__dict__", {}).items()
         elif isinstance(obj, dict):
-            children = ((f"[{k!r}]", v) for k, v in obj.items())
+            children = ((f"[{_key(k)}]", v) for k, v in obj.items())
         elif isinstance(obj, (list, tuple, set, frozenset, deque)):
             children = ((f"[{i}]", v) for i, v in enumerate(obj))
         elif _walkable(obj):

@@ -156,6 +156,9 @@ def _run_one(rank: int, variant: str) -> dict[str, Any]:
     # process left behind) are excluded; holding them here keeps their addresses from reuse.
     gc.collect()
     baseline = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    # What exists now (the imports, earlier variants' leftovers) goes to the permanent generation:
+    # the census's collections and sweeps then walk this variant's objects only, not every import's.
+    gc.freeze()
     engine, batch = start_engine(variant, rank)
     exclude = (*batch.values(), *baseline)
     micro_step(engine, batch, last=True)

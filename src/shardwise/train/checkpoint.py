@@ -74,7 +74,6 @@ from shardwise.train.outputs import (
     is_own_tmp,
     make_own_tmp_dir,
     publish_own_tmp_dir,
-    remove_own_tmp,
 )
 from shardwise.train.save_failure import describe, free_bytes, gather, raise_save_failure, space_errno
 
@@ -114,12 +113,6 @@ def nonfinite_tensors(tensors: dict[str, Any]) -> list[str]:
             if not bool(torch.isfinite(local).all()):
                 bad.append(name)
     return bad
-
-
-def clean_stale(root: Path) -> list[str]:
-    """Remove what saves that never finished left in `checkpoints/` (shardwise's own temp
-    directories only: shardwise.train.outputs.is_own_tmp); return their names."""
-    return remove_own_tmp(root)
 
 
 # --- RNG and per-rank state ------------------------------------------------------------------

@@ -169,7 +169,6 @@ def _own_output_dir(cfg, resume_dir: Path | None):
     """Lock the output dir for this run, clear what killed runs left behind (and, for a fresh
     run, the earlier run's logs, or with --overwrite all its outputs), and record this run's
     lineage (shardwise.train.lineage) for its ranks: all before any rank starts."""
-    from shardwise.train.checkpoint import checkpoints_dir, clean_stale
     from shardwise.train.lineage import RUN_ID_ENV, start_lineage, write_lineage
     from shardwise.train.outputs import OutputLock, clean_stale_outputs, clear_earlier_run
 
@@ -184,7 +183,7 @@ def _own_output_dir(cfg, resume_dir: Path | None):
             if left:
                 print(f"shardwise: left {', '.join(left)} as it is: shardwise did not write it (this run does not "
                       "write there)")
-        stale = clean_stale_outputs(cp.output_dir) + clean_stale(checkpoints_dir(cp.output_dir))
+        stale = clean_stale_outputs(cp.output_dir)
         if stale:
             print(f"shardwise: removed unfinished files of an earlier run: {', '.join(stale)}")
         lineage = start_lineage(cp.output_dir, resume_dir)

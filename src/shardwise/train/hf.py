@@ -1,9 +1,14 @@
-"""What transformers builds, as the trainer reads it: the causal-LM class of a model type, and
-the decoder layers of a built model (FSDP2's units, the compiled regions, the bench's probes).
-transformers is imported inside the functions only."""
+"""What transformers builds, as the trainer reads it: the causal-LM class of a model type (or,
+without importing transformers, its name and its `forward`'s source from transformers' files),
+and the decoder layers of a built model (FSDP2's units, the compiled regions, the bench's
+probes). transformers is imported inside the functions only."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ShardwiseError
@@ -17,6 +22,70 @@ def causal_lm_class(model_type: str):
 
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     return getattr(transformers, name, None) if isinstance(name, str) else None
+
+
+def _transformers_file(*parts: str) -> Path | None:
+    """A file of the installed transformers package, found without importing it."""
+    spec = importlib.util.find_spec("transformers")
+    roots = spec.submodule_search_locations if spec is not None else None
+    path = Path(next(iter(roots)), *parts) if roots else None
+    return path if path is not None and path.is_file() else None
+
+
+@functools.cache
+def _parsed(path: Path) -> tuple[str, ast.Module] | None:
+    try:
+        text = path.read_text(encoding="utf-8")
+        return text, ast.parse(text)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+@functools.cache
+def _causal_lm_names() -> dict[str, str]:
+    """transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, read from its source (an OrderedDict of
+    literal pairs); imported where the file no longer holds it so."""
+    path = _transformers_file("models", "auto", "modeling_auto.py")
+    read = _parsed(path) if path is not None else None
+    for node in read[1].body if read is not None else ():
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"]
+            and isinstance(node.value, ast.Call)
+            and len(node.value.args) == 1
+        ):
+            try:
+                return dict(ast.literal_eval(node.value.args[0]))
+            except (ValueError, TypeError):
+                break
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def causal_lm_name(model_type: str) -> str | None:
+    """The name of transformers' AutoModelForCausalLM class for `model_type` (None where it has
+    none), without importing transformers."""
+    name = _causal_lm_names().get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def forward_source(model_type: str, name: str) -> str | None:
+    """The source of `name.forward` where transformers defines it in the model type's own
+    modeling file (`models/<type>/modeling_<type>.py`, or the family's: `gemma3_text` is in
+    `gemma3`), read without importing it; None where it is elsewhere (an alias of another
+    family's class, an inherited forward): import the class."""
+    parts = model_type.replace("-", "_").split("_")
+    for module in ("_".join(parts[:n]) for n in range(len(parts), 0, -1)):
+        path = _transformers_file("models", module, f"modeling_{module}.py")
+        read = _parsed(path) if path is not None else None
+        for node in read[1].body if read is not None else ():
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                fn = next(
+                    (f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "forward"), None
+                )
+                return ast.get_source_segment(read[0], fn) if fn is not None else None
+    return None
 
 
 def decoder_layers(model: Any) -> list[Any]:

@@ -45,7 +45,7 @@ How it runs inside the engines: the lm_head module (nn.Linear) gets an instance-
 `forward` that, while a `chunked_loss(...)` context holds this micro-batch's targets, returns
 the loss sum instead of logits. The model is called as before, so every engine's hooks fire on
 the same modules (FSDP2's root unshard, ZeRO-3's per-module gather of lm_head, DDP); the HF
-CausalLM passes lm_head's output through as `.logits` (checked per class: `head_support`).
+CausalLM passes lm_head's output through as `.logits` (checked per class: shardwise.train.loss_support).
 Why it is the default (at least as fast): the GEMM FLOPs are the standard path's; over the
 vocabulary a token moves (20 + 2c)·V bytes (upcast, log-softmax, exp into the gradient; fp32:
 20·V) against the standard path's (36 + 2c)·V (upcast, log-softmax, NLL gradient, log-softmax
@@ -61,9 +61,6 @@ the peak memory (benchmarks/results/cross_entropy.json).
 
 from __future__ import annotations
 
-import functools
-import inspect
-import re
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,10 +73,10 @@ from torch.distributed.tensor import DTensor, Partial
 
 from shardwise.data.labels import IGNORE_INDEX
 from shardwise.errors import ShardwiseError
+from shardwise.train.loss_support import STANDARD_HINT, head_support
 
 DEFAULT_CHUNK_TOKENS = 1024
 _REQUEST = "_shardwise_ce_request"  # per-call attribute on the head module(s)
-STANDARD_HINT = "set loss.implementation: standard (--set loss.implementation=standard)"
 
 
 # --------------------------------------------------------------------------- the math
@@ -285,43 +282,6 @@ def output_heads(model: Any) -> list[torch.nn.Linear]:
                          f"{type(head).__name__}, not a plain nn.Linear (a LoRA adapter on lm_head?); {STANDARD_HINT}")
 
 
-_ASSIGN = re.compile(r"^\s*(\w+)\s*=\s*self\.(lm_head|get_output_embeddings\(\))\(")
-
-
-@functools.cache
-def head_support(cls: Any) -> tuple[bool, str | None]:
-    """(soft-capped, refusal) for a CausalLM class, read from its `forward`'s source: what it
-    does to lm_head's output before returning it as `.logits`. Nothing: supported. Gemma 2/3's
-    `final_logit_softcapping` lines: supported (`chunked_loss` folds the cap into the loss and
-    switches the model's own off for the call). Anything else (Cohere's logit_scale, Granite's
-    logits_scaling, ...): refused, naming the line."""
-    try:
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False, f"{cls.__name__}.forward has no readable source to check what it does to the logits"
-    lines = src.splitlines()
-    for i, line in enumerate(lines):
-        m = _ASSIGN.match(line)
-        if m:
-            var, start = m.group(1), i + 1
-            break
-    else:
-        return False, f"{cls.__name__}.forward does not call self.lm_head(...)"
-    edits = []
-    for line in lines[start:]:
-        s = line.strip()
-        if s.startswith(("loss", "if labels", "return", "output")):
-            break
-        if re.match(rf"{var}\s*([-+*/]?=)", s) and not re.fullmatch(rf"{var}\s*=\s*{var}\.float\(\)", s):
-            edits.append(s)
-    if not edits:
-        return False, None
-    if all("final_logit_softcapping" in s or re.fullmatch(rf"{var}\s*=\s*torch\.tanh\({var}\)", s) for s in edits):
-        return True, None
-    return False, (f"{cls.__name__} changes the logits after lm_head ({edits[0]!r}), which the chunked "
-                   f"cross-entropy does not fold in")
-
-
 def check_model(model: Any) -> tuple[list[torch.nn.Linear], float | None]:
     """The heads to compute the loss in and the soft-cap to apply; raises ShardwiseError where
     the chunked path cannot reproduce the model's logits."""
@@ -356,24 +316,3 @@ def chunked_loss(model: Any, labels: torch.Tensor, chunk_tokens: int) -> Iterato
             head.__dict__.pop(_REQUEST, None)
         if cap is not None:
             model.config.final_logit_softcapping = cap
-
-
-def check_run(run: Any) -> None:
-    """Preflight: refuse `loss.implementation: chunked` before any rank starts where it cannot
-    reproduce the model's logits: LoRA adapts lm_head, or the model's CausalLM class changes
-    the logits after lm_head (other than Gemma's soft-cap). A class only a checkpoint's own code
-    defines is checked when the model is built (`check_model`)."""
-    from shardwise.train.hf import causal_lm_class
-
-    if run.train.cross_entropy != "chunked":
-        return
-    cfg = run.config
-    targets = cfg.lora.target_modules if cfg.lora is not None else []
-    if isinstance(targets, list) and any(t == "lm_head" or t.endswith(".lm_head") for t in targets):
-        raise ShardwiseError(f"{cfg.source}: lora.target_modules adapts lm_head, but the chunked cross-entropy "
-                             f"computes the loss inside a plain linear lm_head; {STANDARD_HINT}")
-    inventory = run.model.inventory
-    cls = causal_lm_class(inventory.model_type if inventory is not None else run.model.family)
-    refusal = head_support(cls)[1] if cls is not None else None
-    if refusal:
-        raise ShardwiseError(f"{cfg.source}: loss.implementation is 'chunked', but {refusal}; {STANDARD_HINT}")

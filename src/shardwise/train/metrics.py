@@ -19,17 +19,17 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shardwise import strict_json
 from shardwise.numfmt import rate
 from shardwise.specs.hardware import GIB
 from shardwise.train.config import TrainConfig
-from shardwise.train.engines.base import DistEnv
 from shardwise.train.outputs import TMP_PREFIX, TMP_SUFFIX, record_own
 from shardwise.versions import run_versions
+
+if TYPE_CHECKING:  # torch is imported where a rank measures: the launcher writes summaries without it
+    from shardwise.train.engines.base import DistEnv
 
 SUMMARY_NAME = "summary.json"
 RUNNING = "running"
@@ -239,6 +239,8 @@ class Metrics:
 
     def memory_bytes(self) -> tuple[float, str]:
         if self.env.device == "cuda":
+            import torch
+
             return float(torch.cuda.max_memory_allocated()), "GPU max allocated"
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "host peak RSS"
 

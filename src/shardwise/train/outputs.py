@@ -152,8 +152,9 @@ def remove_own_tmp(d: str | Path) -> list[str]:
 
 
 def clean_stale_outputs(output_dir: str | Path) -> list[str]:
-    """Remove temp files and directories left by killed exports or saves; return their names."""
-    return remove_own_tmp(output_dir)
+    """Remove temp files and directories left by killed exports or saves, in the output dir and
+    its `checkpoints/`; return their names."""
+    return remove_own_tmp(output_dir) + remove_own_tmp(checkpoints_dir(output_dir))
 
 
 @contextmanager

@@ -313,7 +313,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     note = attention_note(run)  # refuses an SDPA request the architecture cannot run
     if note:
         print(f"shardwise: {note}")
-    from shardwise.train.loss import check_run
+    from shardwise.train.loss_support import check_run
 
     check_run(run)  # refuses the chunked cross-entropy where the model changes its logits
     memory = check_memory(run, force)

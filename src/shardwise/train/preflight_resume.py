@@ -17,9 +17,11 @@ from shardwise.train.config import TrainConfig
 def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = True) -> Path | None:
     """The checkpoint to resume from: `checkpointing.resume` resolved and its manifest verified
     (sizes, and sha256 when `verify_hashes`) before any rank starts. None: start fresh."""
-    from shardwise.train.checkpoint import resolve_resume
-
     cp = cfg.checkpointing
+    if cp.resume is None:  # a fresh run: the launcher needs no torch (seconds of start-up)
+        return None
+    from shardwise.train.checkpoint_manifest import resolve_resume
+
     resume = resolve_resume(cp.resume, cp.output_dir, verify_hashes=verify_hashes)
     if cp.resume == "latest" and resume is None:
         print(f"shardwise: --resume latest: no checkpoint under {cp.output_dir}/checkpoints yet; starting at step 0")
