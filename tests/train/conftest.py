@@ -73,7 +73,7 @@ sys.path.insert(0, str(HERE))  # parity_worker's constants are shared with the t
 
 
 DEMO = HERE.parent.parent / "examples" / "demo.yaml"
-DEMO_STEPS = 60
+DEMO_STEPS = 25  # five progress lines at the demo's logging.every: 5
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from shardwise.train.watchdog import heartbeat_path, proc_state
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 CONFIG = REPO / "examples" / "fsdp-synthetic-cpu.yaml"
-STEPS = 24
+STEPS = 12
 
 
 def _alive(pid: int) -> bool:

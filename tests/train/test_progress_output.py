@@ -31,7 +31,7 @@ DEMOS = {
     "zero3": ("examples/demo.yaml", ["strategy.name=zero3"]),
     "lora": ("examples/lora-demo.yaml", []),
 }
-PROGRESS = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d train step (\d+)/60 \(\d+%\) \| loss (\d+\.\d{4}) \|")
+PROGRESS = re.compile(rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d train step (\d+)/{STEPS} \(\d+%\) \| loss (\d+\.\d{{4}}) \|")
 PY_WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")  # file:line: Category: message, then the source line
 
 

@@ -14,21 +14,28 @@ from shardwise.specs.model import ModelSpec
 from shardwise.specs.timing_model import Provenance, TimingModel, constant_names
 
 _HERE = Path(__file__).parent
+# libyaml's loader where PyYAML was built with it (10x the pure-Python one: every process of a
+# run reads the catalog); the same safe constructors either way.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _load(name: str) -> dict[str, dict]:
+    return yaml.load((_HERE / name).read_text(), Loader=_LOADER)
 
 
 @cache
 def _models() -> dict[str, dict]:
-    return yaml.safe_load((_HERE / "models.yaml").read_text())
+    return _load("models.yaml")
 
 
 @cache
 def _hardware() -> dict[str, dict]:
-    return yaml.safe_load((_HERE / "hardware.yaml").read_text())
+    return _load("hardware.yaml")
 
 
 @cache
 def _timing() -> dict[str, dict]:
-    return yaml.safe_load((_HERE / "timing.yaml").read_text())
+    return _load("timing.yaml")
 
 
 def _constant(entry: dict) -> tuple[float, Provenance]:
