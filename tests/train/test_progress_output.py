@@ -74,9 +74,12 @@ def piped(shared_dir, demo_run) -> dict[str, str]:
 def test_a_piped_demo_logs_progress_lines_whole_and_few_warnings(piped, demo):
     text = piped[demo]
     progress = [m for line in text.splitlines() if (m := PROGRESS.match(line))]
-    assert len(progress) >= 5, text[-3000:]
-    steps = [int(m.group(1)) for m in progress]
-    assert steps == sorted(steps) and steps[-1] == STEPS, steps
+    from shardwise.train.config import load_config
+
+    config, sets = DEMOS[demo]
+    every = load_config(REPO / config, sets).logging.every
+    # one line per logging step (every `logging.every`-th) and one at the last step
+    assert [int(m.group(1)) for m in progress] == sorted({*range(every, STEPS + 1, every), STEPS}), text[-3000:]
     assert all(0 < float(m.group(2)) < 20 for m in progress)
     assert "…" not in text and "\r" not in text and "\x1b" not in text
     assert re.search(r"shardwise train: summary\n  status: +completed\n", text), text[-2000:]

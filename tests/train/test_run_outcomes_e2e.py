@@ -153,7 +153,10 @@ def test_sigterm_while_the_launcher_checks_exits_75_with_nothing_started(tmp_pat
 
     an_earlier_completed_run(tmp_path)
     before = tree(tmp_path)
-    p = start(tmp_path, steps=400)
+    # the SFT demo: the launcher tokenises its data before any rank starts (transformers'
+    # tokenizer loads torch: seconds of checks); a synthetic run's checks load no torch and take
+    # well under a second
+    p = start(tmp_path, steps=400, config=CONFIG.parent / "demo.yaml")
     # the launcher handles SIGTERM from its first checks on (before, it died of it: 143); the
     # signal comes once it has loaded torch for its checks (a few seconds before any rank starts)
     assert wait_until(lambda: (_catches(p.pid, signal.SIGTERM) and _loaded(p.pid, "libtorch_cpu"))

@@ -29,10 +29,10 @@ from shardwise.train.watchdog import heartbeat_path
 pytestmark = pytest.mark.distributed
 
 
-def start(out: Path, *extra: str, steps: int = 12, ignore_hup: bool = False) -> subprocess.Popen:
+def start(out: Path, *extra: str, steps: int = 12, ignore_hup: bool = False, config: Path = CONFIG) -> subprocess.Popen:
     sets = [f"checkpointing.output_dir={out}", f"run.steps={steps}", "checkpointing.save_every_steps=4",
             "logging.progress=false", "logging.trackers=[]", "run.timeout_s=20"]  # fmt: skip
-    argv = [sys.executable, "-m", "shardwise.train.cli", str(CONFIG), "--nproc", "2"]
+    argv = [sys.executable, "-m", "shardwise.train.cli", str(config), "--nproc", "2"]
     for s in sets:
         argv += ["--set", s]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

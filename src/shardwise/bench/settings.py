@@ -178,6 +178,7 @@ def _rank_main(rank: int, cases: list[str], out_dir: str, world: int) -> None:
                 result = {"error": f"{type(e).__name__}: {e}"}
             Path(out_dir, f"{case}.rank{rank}.json").write_text(strict_json.dumps(result))
             gc.collect()
+            gc.freeze()  # what is left (imports, earlier cases) out of the next case's collections
             dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -217,6 +217,11 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 
     # transformers' own bars ("Loading weights", downloads): rank 0's on a terminal only
     library_bars(int(found["rank"]) == 0 and resolve_mode(cfg.logging.progress) == "bar")
+    from shardwise.train.hf import causal_lm_class, run_model_type
+
+    # transformers' modeling code for this model (seconds of imports) before the watchdog starts:
+    # run.timeout_s bounds a rank that stalls, not a rank's start-up
+    causal_lm_class(run_model_type(run))
     from shardwise.train.signals import hold_at_start, share
 
     hold_at_start()  # (done already by a spawned rank's entry point, and by the in-process caller)

@@ -14,6 +14,13 @@ from typing import Any
 from shardwise.errors import ShardwiseError
 
 
+def run_model_type(run: Any) -> str:
+    """The transformers model_type a run builds: its checkpoint's config.json's, else the catalog
+    family's."""
+    inventory = run.model.inventory
+    return inventory.model_type if inventory is not None else run.model.family
+
+
 def causal_lm_class(model_type: str):
     """transformers' AutoModelForCausalLM class for `model_type` (None where it has none: a
     checkpoint's own code decides)."""

@@ -67,7 +67,7 @@ def check_run(run: Any) -> None:
     reproduce the model's logits: LoRA adapts lm_head, or the model's CausalLM class changes
     the logits after lm_head (other than Gemma's soft-cap). A class only a checkpoint's own code
     defines is checked when the model is built (shardwise.train.loss.check_model)."""
-    from shardwise.train.hf import causal_lm_class, causal_lm_name, forward_source
+    from shardwise.train.hf import causal_lm_class, causal_lm_name, forward_source, run_model_type
 
     if run.train.cross_entropy != "chunked":
         return
@@ -78,8 +78,7 @@ def check_run(run: Any) -> None:
             f"{cfg.source}: lora.target_modules adapts lm_head, but the chunked cross-entropy "
             f"computes the loss inside a plain linear lm_head; {STANDARD_HINT}"
         )
-    inventory = run.model.inventory
-    model_type = inventory.model_type if inventory is not None else run.model.family
+    model_type = run_model_type(run)
     name = causal_lm_name(model_type)
     if name is None:  # a checkpoint's own code decides: checked when the model is built
         return
