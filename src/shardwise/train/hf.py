@@ -25,10 +25,9 @@ def causal_lm_class(model_type: str):
     """transformers' AutoModelForCausalLM class for `model_type` (None where it has none: a
     checkpoint's own code decides)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    return getattr(transformers, name, None) if isinstance(name, str) else None
+    name = causal_lm_name(model_type)
+    return getattr(transformers, name, None) if name is not None else None
 
 
 def _transformers_file(*parts: str) -> Path | None:
