@@ -160,18 +160,31 @@ def run_in_cgroup(cmd: list[str], env: dict[str, str], name: str, cap: int | Non
                 "output_tail": out[-3000:]}
 
 
+_STATUS = ("import json, os\ndef status():\n    d = {}\n    for line in open('/proc/self/status'):\n"
+           "        k, _, v = line.partition(':')\n"
+           "        if k in ('VmRSS', 'RssAnon', 'RssFile'):\n            d[k] = int(v.split()[0]) * 1024\n"
+           "    return d\n")
+# A forking launcher (shardwise.train.rank_fork): single-threaded, the rank's imports and the
+# model's transformers code loaded, collections frozen; the child reports right after the fork.
+_FORKED = ("import gc\nfrom transformers.models.llama import modeling_llama\ngc.freeze()\npid = os.fork()\n"
+           "if pid == 0:\n    print(json.dumps(status()), flush=True)\n    os._exit(0)\nos.waitpid(pid, 0)\n")
+
+
 def baseline(env: dict[str, str]) -> dict:
     """VmRSS/RssAnon/RssFile of a fresh interpreter once it imported what a rank of each engine
-    imports (`BASELINE_IMPORTS`)."""
+    imports (`BASELINE_IMPORTS`): an exec'd rank's process. And `forked`: those of a rank forked
+    from a launcher that imported the same, right after the fork: the anonymous pages it shares
+    with the launcher count in its RSS, the library files' pages only once it touches them."""
     env = {k: v for k, v in env.items() if k != "SHARDWISE_HOST_PHASES_DIR"}
-    out = {}
+    out: dict = {}
     for name, imports in BASELINE_IMPORTS.items():
-        code = (f"{imports}\nimport json\nd = {{}}\nfor line in open('/proc/self/status'):\n"
-                "    k, _, v = line.partition(':')\n"
-                "    if k in ('VmRSS', 'RssAnon', 'RssFile'):\n        d[k] = int(v.split()[0]) * 1024\n"
-                "print(json.dumps(d))")
-        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        run = subprocess.run([sys.executable, "-c", f"{imports}\n{_STATUS}print(json.dumps(status()))"], env=env,
+                             capture_output=True, text=True, check=True)
         out[name] = json.loads(run.stdout.strip().splitlines()[-1])
+        forked_env = env | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        run = subprocess.run([sys.executable, "-c", f"{imports}\n{_STATUS}{_FORKED}"], env=forked_env,
+                             capture_output=True, text=True, check=True)
+        out.setdefault("forked", {})[name] = json.loads(run.stdout.strip().splitlines()[-1])
     return out
 
 
@@ -348,8 +361,12 @@ def table(doc: dict) -> str:
     loaded is the read in flight (planned: shardwise.plan.load `read`)."""
     g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     base = doc["baseline"]
+    fork = base.get("forked", {})
+    forked = (f"; forked from the launcher, right after the fork: {g(fork['torch_engines']['VmRSS'])} and "
+              f"{g(fork['deepspeed']['VmRSS'])} GiB" if fork else "")
     lines = [f"Process baseline (VmRSS once imported): torch engines {g(base['torch_engines']['VmRSS'])} GiB, "
-             f"DeepSpeed {g(base['deepspeed']['VmRSS'])} GiB; a rank at start (before building): see `start`.", "",
+             f"DeepSpeed {g(base['deepspeed']['VmRSS'])} GiB{forked}; a rank at start (before building): see `start`.",
+             "",
              "| case | start | states (model) | states (measured) | gathered+transient (model) | (measured) "
              "| load read (plan) | (measured) | peak per rank | job peak (cgroup) |",
              "|---|---|---|---|---|---|---|---|---|---|"]

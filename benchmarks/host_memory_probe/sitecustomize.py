@@ -1,6 +1,6 @@
 """Phase probe for benchmarks/host_memory.py: imported at start-up by every process of a
 `shardwise train` that the benchmark launches with this directory first on PYTHONPATH (Python
-imports `sitecustomize` itself). In a trainer rank it wraps `build_model`, `build_engine` and the
+imports `sitecustomize` itself). In a trainer rank (and in a launcher that forks its ranks) it wraps `build_model`, `build_engine` and the
 engine's `forward_backward` / `step` / `zero_grad` / `close` and `train` itself of shardwise.train.loop (the last row:
 when the loop returned) and appends one JSON line per phase
 to $SHARDWISE_HOST_PHASES_DIR/rank<RANK>.jsonl: VmRSS, RssAnon, RssFile and VmHWM of
@@ -111,7 +111,9 @@ def _patch(loop) -> None:
     loop.train = trained
 
 
-if _DIR and os.environ.get("RANK") is not None:
+# In a rank, or in a launcher that forks its ranks (it imports the loop before the fork, and the
+# ranks inherit the patched module; `record` reads RANK when it is called).
+if _DIR:
     import importlib.abc
     import importlib.util
 

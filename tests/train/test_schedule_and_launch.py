@@ -86,24 +86,39 @@ def test_run_cli_skips_interpreter_shutdown_only_after_joining_a_group(joined, b
 
 
 LAUNCHER_PROBE = """
-import sys
+import os, sys
+import shardwise.train.cli as cli
 import shardwise.train.spawn as spawn
 
-def probe(*args, **kwargs):
-    print("torch imported before the ranks:", "torch" in sys.modules, "transformers" in sys.modules)
-    return 0
+preload = cli._preload
 
+def probed_preload(run):
+    print("torch imported by the checks:", "torch" in sys.modules, "transformers" in sys.modules)
+    preload(run)
+
+def probe(*args, fork_target=None, **kwargs):
+    loaded = ("transformers.models.qwen2.modeling_qwen2", "shardwise.train.engines.fsdp", "shardwise.train.loop")
+    print("loaded for the ranks:", all(m in sys.modules for m in loaded))
+    import torch
+    print("ranks forked:", fork_target is not None, "| launcher threads:", torch.get_num_threads(),
+          os.environ["OMP_NUM_THREADS"], os.environ["MKL_NUM_THREADS"], "| rank threads:", kwargs["threads_per_rank"],
+          "| given back:", {k: kwargs["extra_env"].get(k, "-") for k in ("MKL_NUM_THREADS", "OMP_NUM_THREADS")})
+    return spawn.SpawnResult(0)
+
+cli._preload = probed_preload
 spawn.spawn_job = probe
 sys.argv = ["shardwise-train", *sys.argv[1:]]
-from shardwise.train.cli import main
-main()
+cli.main()
 """
 
 
-def test_the_launcher_checks_a_fresh_run_without_importing_torch(tmp_path):
-    """Every preflight check of a fresh 2-rank run (the chunked loss's model check included) runs
-    before the ranks start without torch or transformers' modeling code: seconds of start-up
-    each rank pays again."""
+def test_the_launcher_checks_a_fresh_run_without_torch_then_forks_single_threaded(tmp_path):
+    """Every preflight check of a fresh 2-rank CPU run (the chunked loss's model check included)
+    runs without torch or transformers' modeling code; then the launcher imports what a rank
+    imports (the model's code, the engine, the loop), once, and forks its ranks from a process whose OpenMP and MKL pools were held to
+    one thread since before torch loaded (shardwise.train.rank_fork: libgomp is not fork-safe);
+    the ranks get their own thread count, and the user's MKL_NUM_THREADS (here unset) back."""
+    import os
     import subprocess
     import sys
 
@@ -118,5 +133,10 @@ def test_the_launcher_checks_a_fresh_run_without_importing_torch(tmp_path):
         "--set",
         f"checkpointing.output_dir={tmp_path}",
     ]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-    assert "torch imported before the ranks: False False" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert "torch imported by the checks: False False" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "loaded for the ranks: True" in r.stdout
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert (f"ranks forked: True | launcher threads: 1 1 1 | rank threads: {threads} | given back: "
+            "{'MKL_NUM_THREADS': None, 'OMP_NUM_THREADS': '-'}") in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])

@@ -4,7 +4,8 @@ On CPU the tensors a GPU plan books (shardwise.plan.memory: model states, gather
 activations, the step's buffers) live in the rank's own memory, beside the interpreter and its
 libraries. A rank's resident set at its peak is therefore
 
-    process (the interpreter, torch and the engine's libraries: measured per engine)
+    process (the interpreter, torch and the engine's libraries: measured per engine, and per
+             start: a rank forked from its launcher holds less of them than an exec'd one)
   + the step's allocated peak (the GPU plan's `allocated`, the same terms by phase)
   + heap slack (glibc keeps freed blocks below the mmap threshold in its heap)
 
@@ -72,17 +73,19 @@ class CpuRankMemory:
 
 
 def cpu_rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-                    weights: str | None = None, max_file_bytes: float = 0.0) -> CpuRankMemory:
+                    weights: str | None = None, max_file_bytes: float = 0.0,
+                    forked: bool | None = None) -> CpuRankMemory:
     """One rank of a CPU run of `strategy`: the engine it runs as (shardwise.plan.evaluate
     memory_as_run) and its load phase from a checkpoint of `weights` ("safetensors", "bin", or
-    None: built from the config) whose largest file is `max_file_bytes`."""
+    None: built from the config) whose largest file is `max_file_bytes`. `forked`: the rank was
+    forked from its launcher (None: as `shardwise train` starts it, shardwise.plan.load.forked_ranks)."""
     from shardwise.plan.evaluate import memory_as_run
 
     plan = memory_as_run(model, hw, train, strategy)
     runs = plan.engine_strategy
     per_node = max(1, min(hw.world_size, hw.gpus_per_node))
     load = load_phase(model, train, runs, plan.layout, per_node, device="cpu", path=load_path(runs, weights),
-                      max_file_bytes=max_file_bytes)
+                      max_file_bytes=max_file_bytes, forked=forked)
     return CpuRankMemory(process=load.process, allocated=plan.gpu.allocated, heap_slack=heap_slack(model, train, plan),
                          load=load, ranks_per_node=per_node)
 

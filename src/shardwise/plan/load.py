@@ -15,7 +15,8 @@ The trainer's paths (shardwise.train.weights):
 - "whole" (`model.random_init`, catalog models): `from_config` builds the whole model in fp32 on
   every rank's host, then the engine moves it.
 
-Every rank also holds the interpreter and its libraries (`process_bytes`).
+Every rank also holds the interpreter and its libraries (`process_bytes`): less of them when it
+was forked from its launcher (`forked_ranks`).
 """
 
 from __future__ import annotations
@@ -33,25 +34,39 @@ from shardwise.specs.train import TrainSpec
 
 LoadPath = Literal["sharded", "broadcast", "zero3", "whole"]
 
-# Host RSS of one rank before it builds anything, by device and engine:
-# - cpu: measured, VmRSS of a fresh interpreter once it imported what a rank imports (torch
-#   2.13.0 CPU build, transformers, peft, shardwise's trainer; deepspeed 0.19.8 besides for the
-#   DeepSpeed engine): 472 MB and 596 MB (benchmarks/results/host_memory.json "baseline", this
-#   project's 2-core CI machine);
+# Host RSS of one rank before it builds anything, by how it started and its engine:
+# - exec'd (CUDA ranks; CPU ranks under torchrun or SHARDWISE_RANK_START=exec): measured, VmRSS
+#   of a fresh interpreter once it imported what a rank imports (torch 2.13.0 CPU build,
+#   transformers, peft, shardwise's trainer; deepspeed 0.19.8 besides for the DeepSpeed engine):
+#   479 MB and 602 MB (benchmarks/results/host_memory.json "baseline", this project's 2-core CI
+#   machine);
+# - forked (CPU ranks of `shardwise train`: shardwise.train.rank_fork): measured, VmRSS of a rank
+#   forked from a launcher that imported the same, right after the fork: 376 MB and 462 MB
+#   (host_memory.json "baseline" "forked"). Its anonymous pages, shared with the launcher until
+#   written, count in its RSS; the libraries' file pages only as it touches them;
 # - cuda: assumed, not measured here: the CUDA runtime, cuBLAS/cuDNN and NCCL mapped into the
 #   process add about 1 GiB of host memory to the CPU figure (set hardware.host_memory_gb with margin).
-PROCESS_BYTES = {("cpu", "torch"): 472_088_576.0, ("cpu", "deepspeed"): 596_402_176.0}
+PROCESS_BYTES = {("exec", "torch"): 479_137_792.0, ("exec", "deepspeed"): 602_476_544.0,
+                 ("fork", "torch"): 376_410_112.0, ("fork", "deepspeed"): 461_766_656.0}
 CUDA_RUNTIME_BYTES = 1.0 * GIB
-# The launcher (`shardwise train`: it checks the run, spawns the ranks and watches them), one per
-# node: its peak RSS, measured while its 2 ranks trained (423 MB, host_memory.json "launcher_peak_rss").
-LAUNCHER_BYTES = 423_895_040.0
+# The launcher (`shardwise train`: it checks the run, starts the ranks and watches them), one per
+# node: its peak RSS while its 2 ranks trained, the largest over benchmarks/host_memory.py's cases
+# (612 MB: a LoRA run under DeepSpeed, whose launcher imported peft and DeepSpeed for the ranks it
+# forks; 410 MB for the demo under FSDP2; host_memory.json "launcher_peak_rss").
+LAUNCHER_BYTES = 611_577_856.0
 
 
-def process_bytes(device: str, engine: str) -> float:
+def process_bytes(device: str, engine: str, forked: bool = False) -> float:
     """A rank's interpreter and libraries on `device` ("cpu" | "cuda") for `engine` (the
-    strategy's: "deepspeed", "fsdp2", "ddp", ...)."""
-    base = PROCESS_BYTES[("cpu", "deepspeed" if engine == "deepspeed" else "torch")]
+    strategy's: "deepspeed", "fsdp2", "ddp", ...), `forked` from its launcher or exec'd."""
+    base = PROCESS_BYTES[("fork" if forked else "exec", "deepspeed" if engine == "deepspeed" else "torch")]
     return base + (CUDA_RUNTIME_BYTES if device != "cpu" else 0.0)
+
+
+def forked_ranks(device: str, ranks_per_node: int) -> bool:
+    """Whether `shardwise train` forks the ranks of a node from its launcher: on CPU, when it
+    starts more than one (shardwise.train.rank_fork, which also says when it falls back to exec)."""
+    return device == "cpu" and ranks_per_node > 1
 
 
 # The safetensors file size the planner assumes when it has no checkpoint to read sizes from:
@@ -83,9 +98,11 @@ def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
 
 def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
                ranks_per_node: int, device: str = "cuda", path: LoadPath | None = None,
-               max_file_bytes: float = DEFAULT_FILE_BYTES) -> LoadBreakdown:
+               max_file_bytes: float = DEFAULT_FILE_BYTES, forked: bool | None = None) -> LoadBreakdown:
     """The load phase of one rank (the fullest: rank 0 under ZeRO-3) for `path` (default: the
-    safetensors path `strategy` takes). `max_file_bytes`: the checkpoint's largest file."""
+    safetensors path `strategy` takes). `max_file_bytes`: the checkpoint's largest file.
+    `forked`: the ranks are forked from their launcher (None: as `shardwise train` starts them,
+    `forked_ranks`)."""
     path = path or load_path(strategy)
     vocab_tp = vocab_shards(strategy, layout.tp)
     trainable, frozen = model_bytes(model, train, layout.tp, layout.pp, vocab_tp)
@@ -93,7 +110,8 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     on_host = device == "cpu" or strategy.offload_params
     largest = max((size for size, _ in model.tensor_sizes()), default=0) / layout.tp
     stored = 2.0  # bytes per element in the files: bf16/fp16 checkpoints (an fp32 one doubles `read`)
-    process = process_bytes(device, strategy.engine)
+    forked = forked_ranks(device, ranks_per_node) if forked is None else forked
+    process = process_bytes(device, strategy.engine, forked)
     if path == "whole":
         # the whole model in fp32 on the host, a LoRA base too (on every device: the engine moves
         # it afterwards)

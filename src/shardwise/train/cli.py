@@ -82,8 +82,8 @@ def train_cmd(
     try:
         # shardwise's own launcher (or the in-process rank): a stop while it checks ends it at once, exit 75
         with stop_before_start() if launched is None else contextlib.nullcontext():
-            cfg, world, device, run, check, resume_dir, lock = _checked(config, overrides, launched, by_us, nproc,
-                                                                        force)
+            cfg, world, device, run, check, resume_dir, lock, fork = _checked(config, overrides, launched, by_us,
+                                                                              nproc, force)
     except StoppedBeforeStart as e:
         print(f"shardwise: {e}", file=sys.stderr, flush=True)
         raise typer.Exit(int(ExitCode.INTERRUPTED)) from None
@@ -103,11 +103,25 @@ def train_cmd(
             extra = {"SHARDWISE_LAUNCHED": "1"} | ({"DS_ACCELERATOR": "cpu"} if device == "cpu" else {})
             # CPU ranks share the cores: one intra-op pool per rank that does not oversubscribe.
             threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else None
+            target = None
+            if fork is not None:  # forked ranks (shardwise.train.rank_fork): they get their thread counts back
+                from shardwise.train import rank_fork
+
+                extra |= {name: value for name, value in fork.items() if name != "OMP_NUM_THREADS"}
+                os.environ.update({k: v for k, v in extra.items() if k == "DS_ACCELERATOR"})  # read as deepspeed loads
+                try:
+                    _preload(run)
+                except ImportError:  # exec'd, each rank reports it as it always has: with its traceback
+                    pass
+                else:
+                    if rank_fork.forkable():
+                        target = lambda: _forked_rank(run, check.planned_bytes, resume_dir)  # noqa: E731
             # summary.json says `running` once the launcher's handlers are in place; when rank 0
             # could not write the final one (hung, killed, failed before it trained), `failed`.
             marker: dict = {}
             job = spawn_job(argv, world, extra_env=extra, threads_per_rank=threads, run_dir=_run_dir(cfg),
-                            hold_signals=True, on_start=lambda: marker.update(run_started(out, config, world)))
+                            hold_signals=True, on_start=lambda: marker.update(run_started(out, config, world)),
+                            fork_target=target)
             run_ended(out, marker, job.reason or f"the job exited with code {job.rc}; rank 0 wrote no summary",
                       exit_code=job.rc, failed_rank=job.failed_rank, signal=job.signal, heartbeats=job.heartbeats,
                       collateral=job.collateral)  # fmt: skip
@@ -130,14 +144,18 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
              force: bool):
     """Everything checked before any rank starts: (cfg, world size, device, run, preflight's
     check, the resolved checkpoint to resume, the output dir's lock when this process owns it
-    (shardwise's launcher, the in-process rank, torchrun's rank 0), else None)."""
+    (shardwise's launcher, the in-process rank, torchrun's rank 0), else None, and, where this
+    launcher will fork its ranks, the thread variables' values to give them back, else None)."""
     from shardwise.train.config import load_config
     from shardwise.train.preflight import preflight
     from shardwise.train.preflight_resume import resolve_checkpoint
+    from shardwise.train.rank_fork import single_threaded_launcher
 
     cfg = load_config(config, overrides)
     world = int(launched["world_size"]) if launched else (nproc if nproc is not None else cfg.run.nproc)
     device = cfg.resolved_device()
+    # before the checks load torch (the tokenizer, the data): a launcher that forks never starts an OpenMP pool
+    fork = single_threaded_launcher(device, world) if launched is None else None
     rank = int(launched["rank"]) if launched else 0
     owner = rank == 0 and not by_us  # takes the output dir's lock, cleans, verifies hashes
     if owner:  # in a second, before the data cache is built
@@ -148,7 +166,7 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
     run, check = preflight(cfg, world, device, force=force)
     resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
     lock = _own_output_dir(cfg, resume_dir) if owner else None
-    return cfg, world, device, run, check, resume_dir, lock
+    return cfg, world, device, run, check, resume_dir, lock, fork
 
 
 def _run_dir(cfg) -> Path:
@@ -193,6 +211,40 @@ def _own_output_dir(cfg, resume_dir: Path | None):
         lock.release()
         raise
     return lock
+
+
+def _preload(run) -> None:
+    """Import what every rank of `run` imports (`_worker`'s imports, the engine's libraries, the
+    model's transformers code), once, in a launcher that forks its ranks; a module left out costs
+    each rank its import, nothing more."""
+    import importlib
+
+    import torch
+    import torch.distributed  # noqa: F401
+
+    import shardwise.train.export
+    import shardwise.train.loop
+    import shardwise.train.metrics
+    import shardwise.train.watchdog
+    from shardwise.train.engines import engine_class
+    from shardwise.train.hf import causal_lm_class, run_model_type
+
+    for name in getattr(engine_class(run), "libraries", ()):  # what the engine imports as it starts
+        importlib.import_module(name)
+    causal_lm_class(run_model_type(run))
+    if run.config.lora is not None:
+        import peft  # noqa: F401
+
+        import shardwise.train.lora  # noqa: F401
+
+
+def _forked_rank(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
+    """A rank forked from the launcher: it inherits the run the launcher checked (config, plan,
+    the checkpoint to resume), so it trains at once. Its stop signals were blocked from the fork."""
+    from shardwise.train.signals import hold_at_start
+
+    hold_at_start()
+    return _worker(run, planned_bytes, resume_dir)
 
 
 def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:

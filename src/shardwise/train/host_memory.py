@@ -47,9 +47,11 @@ def planned_cpu(run: RunSpec):
     """The planner's host memory of one rank of this CPU run (shardwise.plan.host_cpu), its load
     phase read off the checkpoint's own files."""
     from shardwise.plan.host_cpu import cpu_rank_memory
+    from shardwise.train.rank_fork import exec_forced
     from shardwise.train.weights import run_weights
 
-    return cpu_rank_memory(run.model, run.hardware, run.train, run.strategy, *run_weights(run))
+    return cpu_rank_memory(run.model, run.hardware, run.train, run.strategy, *run_weights(run),
+                           forked=False if exec_forced() else None)
 
 
 def check_host_memory(run: RunSpec, force: bool = False) -> None:

@@ -91,6 +91,17 @@ def run_rank_script(main: Callable[[], int | None], *, only_if_joined: bool = Fa
     os._exit(code)
 
 
+def name_rank(rank: int | str) -> None:
+    """Name this process `shardwise-r<rank>` (/proc/<pid>/comm: what `top`, `ps -o comm` and
+    `pgrep` show): a forked rank shares its launcher's command line, and an exec'd one is just
+    `python`. Linux only; elsewhere a no-op."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(f"shardwise-r{rank}"[:15])
+    except OSError:
+        pass
+
+
 def rank_main(argv: list[str] | None = None) -> None:
     """`python -m shardwise.train.launch (-m MODULE | SCRIPT) ARGS...`: a rank's entry point
     when spawn holds the stop signals (spawn_job(hold_signals=True)). Before anything else
@@ -102,6 +113,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     from shardwise.train.signals import hold_at_start
 
     hold_at_start()
+    name_rank(os.environ.get("RANK", "?"))
     import runpy
 
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -96,7 +96,7 @@ def _pdeathsig() -> Callable[..., int] | None:
 
 
 def _child_setup(launcher_pid: int) -> Callable[[], None]:
-    """Runs in each rank between fork and exec.
+    """Runs in each rank between fork and exec (a forked rank: first thing after the fork).
 
     Its own session: a terminal's Ctrl-C reaches only the launcher, which forwards it exactly
     once (a rank that got it twice would take the second as "kill now"), and the rank's
@@ -116,7 +116,60 @@ def _child_setup(launcher_pid: int) -> Callable[[], None]:
     return setup
 
 
-def _kill_group(p: subprocess.Popen, sig: int) -> None:
+class ForkedRank:
+    """A rank forked from the launcher (spawn_job's `fork_target`), with the part of Popen's
+    interface the launcher uses: `pid`, `returncode` (negative: killed by that signal), `poll`,
+    `wait`, `send_signal`."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never a pid that was reaped, and so may be reused
+            os.kill(self.pid, sig)
+
+
+def _fork_rank(target: Callable[[], int], env: dict[str, str | None], setup: Callable[[], None]) -> ForkedRank:
+    """Fork a rank that sets `env` (None: unset), runs `target` and ends by os._exit with its
+    code: it never returns into the launcher's frames (their `finally` blocks, the output dir's
+    lock, atexit handlers are the launcher's)."""
+    from shardwise.train.launch import name_rank, run_rank_script
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return ForkedRank(pid)
+
+    def rank() -> int:
+        setup()
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        name_rank(os.environ["RANK"])
+        return target()
+
+    run_rank_script(rank)  # os._exit, whatever happens
+    os._exit(1)  # unreachable
+
+
+def _kill_group(p: subprocess.Popen | ForkedRank, sig: int) -> None:
     """`sig` to the rank's session (itself and whatever it started), or to it alone when the
     group is already gone."""
     try:
@@ -135,7 +188,7 @@ def _is_stopped(pid: int) -> bool:
     return proc_state(pid) == "T"
 
 
-def _hung_rank(procs: list[subprocess.Popen], rcs: list[int | None],
+def _hung_rank(procs: list[subprocess.Popen | ForkedRank], rcs: list[int | None],
                run_dir: Path | str | None) -> tuple[int, str] | None:
     """When a watchdog gave up (exit 4): the rank that made no progress, and how it is known. A
     rank still running that is stopped (state T) first, then one whose heartbeat is stale (it
@@ -158,7 +211,7 @@ def _hung_rank(procs: list[subprocess.Popen], rcs: list[int | None],
     return None
 
 
-def _stop_ranks(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop_ranks(procs: list[subprocess.Popen | ForkedRank], grace_s: float) -> None:
     """End every rank still running: SIGCONT first (a stopped process leaves SIGTERM pending
     forever), SIGTERM, then SIGKILL to its whole process group after `grace_s`."""
     import time
@@ -234,6 +287,7 @@ def spawn_job(
     grace_s: float = GRACE_S,
     hold_signals: bool = False,
     on_start: Callable[[], None] | None = None,
+    fork_target: Callable[[], int] | None = None,
 ) -> SpawnResult:
     """Run `python argv...` as `nproc` local ranks (torchrun's env contract).
 
@@ -250,6 +304,10 @@ def spawn_job(
     starts is kept and honoured at its first step boundary, never fatal. Without it the ranks
     are any script, and the launcher promises nothing about what they do with a signal.
     `on_start` runs once the launcher's handlers are in place, before the first rank starts.
+
+    `fork_target` (with `hold_signals`): the ranks are forks of this process, each running
+    `fork_target()` with its rank's environment and exiting with what it returns (argv is then
+    unused); what makes that safe is shardwise.train.rank_fork's. Else each rank is `python argv`.
 
     One rank exiting non-zero (other than 75) or dying by a signal fails the job: one line on
     stderr names it, and the others get SIGCONT, SIGTERM and, after `grace_s`, SIGKILL of their
@@ -275,7 +333,7 @@ def spawn_job(
             for old in (Path(run_dir) / sub).glob("rank-*.json"):
                 old.unlink(missing_ok=True)
     port = free_port()
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | ForkedRank] = []
     received: list[int] = []
     escalated: list[int] = []
     hard = [0]  # SIGTERM/SIGINT delivered so far
@@ -323,23 +381,28 @@ def spawn_job(
         # Blocked in this thread while it forks: each rank starts with them blocked (the mask
         # survives fork and exec) until its entry point has its handlers; ours run on unblock.
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS) if held else None
+        if fork_target is not None:
+            import gc
+
+            gc.freeze()  # what the launcher built stays out of the ranks' collections (and their copies)
         try:
             for rank in range(nproc):
-                env = dict(os.environ)
-                env.update(
-                    {
-                        "RANK": str(rank),
-                        "WORLD_SIZE": str(nproc),
-                        "LOCAL_RANK": str(rank),
-                        "LOCAL_WORLD_SIZE": str(nproc),
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port),
-                    }
-                )
+                env: dict[str, str | None] = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(nproc),
+                    "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
                 if threads_per_rank:
                     env["OMP_NUM_THREADS"] = str(threads_per_rank)
                 env.update(extra_env or {})
-                procs.append(subprocess.Popen(cmd, env=env, preexec_fn=setup))
+                if fork_target is not None:
+                    procs.append(_fork_rank(fork_target, env, setup))
+                    continue
+                full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+                procs.append(subprocess.Popen(cmd, env=full, preexec_fn=setup))
         finally:
             if old_mask is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)

@@ -9,22 +9,28 @@ from shardwise.run import RunSpec
 from shardwise.train.engines.base import DistEnv, Engine
 
 
-def build_engine(model, run: RunSpec, env: DistEnv, *, mesh: Any = None) -> Engine:
-    """Wrap `model` (fp32, on CPU) as `run` says. `mesh`: a device mesh built beforehand by
-    `shardwise.train.parallel.build_mesh(run.layout, ...)` (FSDP2 builds it itself otherwise)."""
-    if env.world_size != run.world_size:
-        raise ValueError(f"the run was planned for {run.world_size} ranks but {env.world_size} joined")
+def engine_class(run: RunSpec) -> type[Engine]:
+    """The Engine class that runs `run` (importing it imports its engine: deepspeed, FSDP2)."""
     engine = run.engine_strategy.engine  # FSDP2 with a one-rank shard group may run as DDP
     if run.layout.tp > 1 and engine != "deepspeed":
         engine = "fsdp2"  # TP (alone: planned as DDP at tp, one data rank) runs in the FSDP2 engine; ZeRO × TP in AutoTP
     if engine == "deepspeed":
         from shardwise.train.engines.deepspeed import DeepSpeedEngine
 
-        return DeepSpeedEngine(model, run, env)
+        return DeepSpeedEngine
     if engine == "fsdp2":
         from shardwise.train.engines.fsdp import FSDP2Engine
 
-        return FSDP2Engine(model, run, env, mesh=mesh)
+        return FSDP2Engine
     from shardwise.train.engines.ddp import DDPEngine
 
-    return DDPEngine(model, run, env)
+    return DDPEngine
+
+
+def build_engine(model, run: RunSpec, env: DistEnv, *, mesh: Any = None) -> Engine:
+    """Wrap `model` (fp32, on CPU) as `run` says. `mesh`: a device mesh built beforehand by
+    `shardwise.train.parallel.build_mesh(run.layout, ...)` (FSDP2 builds it itself otherwise)."""
+    if env.world_size != run.world_size:
+        raise ValueError(f"the run was planned for {run.world_size} ranks but {env.world_size} joined")
+    cls = engine_class(run)
+    return cls(model, run, env, mesh=mesh) if getattr(cls, "takes_mesh", False) else cls(model, run, env)

@@ -80,6 +80,7 @@ def autotp_shards(module: torch.nn.Module) -> dict[int, tuple[Any, int]]:
 
 class DeepSpeedEngine:
     name = "deepspeed"
+    libraries = ("deepspeed", "deepspeed.comm")  # imported when it starts (a forking launcher imports them once for all ranks)
 
     def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv):
         if env.device == "cpu":

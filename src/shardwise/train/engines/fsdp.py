@@ -76,6 +76,7 @@ def _whole(loss: torch.Tensor) -> torch.Tensor:
 
 class FSDP2Engine(TorchOptimizerEngine):
     name = "fsdp2"
+    takes_mesh = True  # build_engine passes the caller's device mesh
 
     def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv, mesh: Any = None):
         self.run, self.env = run, env

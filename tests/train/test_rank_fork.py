@@ -1,0 +1,59 @@
+"""CPU ranks forked from the launcher (shardwise.train.rank_fork) train exactly as ranks started
+as fresh interpreters, and the launcher forks only where it is safe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.errors import ShardwiseError
+from shardwise.train import rank_fork
+
+REPO = Path(__file__).parents[2]
+
+
+def _run(out: Path, **env: str) -> list[dict]:
+    argv = [sys.executable, "-m", "shardwise.train.cli", str(REPO / "examples" / "fsdp-synthetic-cpu.yaml"),
+            "--set", "run.steps=3", "--set", "strategy.name=zero2", "--set", "checkpointing.save_final=false",
+            "--set", f"checkpointing.output_dir={out}"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, **env}, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_forked_ranks_train_as_execd_ranks(tmp_path):
+    """The same 3 ZeRO-2 steps, ranks forked (the default on CPU) and exec'd (SHARDWISE_RANK_START=exec,
+    how CUDA ranks start): equal losses and grad norms, to the bit."""
+    forked = _run(tmp_path / "forked")
+    execd = _run(tmp_path / "exec", SHARDWISE_RANK_START="exec")
+    pick = lambda rows: [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]  # noqa: E731
+    assert len(pick(forked)) == 3
+    assert pick(forked) == pick(execd)
+
+
+def test_the_launcher_forks_only_where_it_is_safe(monkeypatch):
+    """CUDA, one rank, SHARDWISE_RANK_START=exec, or torch already loaded (its OpenMP pool may
+    exist): the ranks are exec'd, and nothing in the environment changes. (A launcher that forks:
+    test_schedule_and_launch's probe of `shardwise train`.)"""
+    import torch  # noqa: F401 - the loaded torch the launcher must not fork from
+
+    monkeypatch.delenv(rank_fork.RANK_START_ENV, raising=False)
+    before = dict(os.environ)
+    assert rank_fork.single_threaded_launcher("cpu", 2) is None
+    assert rank_fork.single_threaded_launcher("cuda", 8) is None
+    assert rank_fork.single_threaded_launcher("cpu", 1) is None
+    monkeypatch.setenv(rank_fork.RANK_START_ENV, "exec")
+    assert rank_fork.single_threaded_launcher("cpu", 2) is None
+    monkeypatch.delenv(rank_fork.RANK_START_ENV)
+    assert dict(os.environ) == before
+
+
+def test_a_bad_rank_start_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(rank_fork.RANK_START_ENV, "spawn")
+    with pytest.raises(ShardwiseError, match=r"SHARDWISE_RANK_START='spawn': expected one of auto, exec"):
+        rank_fork.rank_start()
