@@ -57,3 +57,30 @@ def test_a_bad_rank_start_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(rank_fork.RANK_START_ENV, "spawn")
     with pytest.raises(ShardwiseError, match=r"SHARDWISE_RANK_START='spawn': expected one of auto, exec"):
         rank_fork.rank_start()
+
+
+FORK_PREMISE = """
+import os, sys
+{threads}
+import torch
+a = torch.randn(1000, 1000)
+(a @ a).sum()  # the launcher's own work, on the threads it was given
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(2)  # a rank's own pool
+    b = torch.randn(1000, 1000)
+    (b @ b).sum()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_single_threaded_launcher_forks_ranks_that_run_their_own_thread_pools():
+    """The premise shardwise.train.rank_fork rests on, on the installed torch: a launcher held to
+    one OpenMP thread from before torch loaded forks a child whose 2-thread matmul completes (a
+    launcher that ran 2 threads first would leave it hung: the check below times out instead)."""
+    code = FORK_PREMISE.format(threads='os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                       env={k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
+    assert r.returncode == 0, r.stderr[-2000:]

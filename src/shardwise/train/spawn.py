@@ -157,6 +157,9 @@ def _fork_rank(target: Callable[[], int], env: dict[str, str | None], setup: Cal
 
     def rank() -> int:
         setup()
+        for sig in FORWARDED_SIGNALS:  # as exec leaves them: the launcher's handlers are not the rank's
+            if signal.getsignal(sig) not in (signal.SIG_IGN, signal.SIG_DFL):
+                signal.signal(sig, signal.SIG_DFL)
         for key, value in env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -306,8 +309,10 @@ def spawn_job(
     `on_start` runs once the launcher's handlers are in place, before the first rank starts.
 
     `fork_target` (with `hold_signals`): the ranks are forks of this process, each running
-    `fork_target()` with its rank's environment and exiting with what it returns (argv is then
-    unused); what makes that safe is shardwise.train.rank_fork's. Else each rank is `python argv`.
+    `fork_target()` with its rank's environment and the signal handlers an exec'd rank starts
+    with, and exiting with what it returns (argv is then unused). The caller must be fork-safe
+    (shardwise.train.rank_fork: no OpenMP pool ever ran, no other thread). Else each rank is
+    `python argv`.
 
     One rank exiting non-zero (other than 75) or dying by a signal fails the job: one line on
     stderr names it, and the others get SIGCONT, SIGTERM and, after `grace_s`, SIGKILL of their
