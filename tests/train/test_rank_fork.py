@@ -84,3 +84,26 @@ def test_a_single_threaded_launcher_forks_ranks_that_run_their_own_thread_pools(
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                        env={k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_auto_that_finds_a_gpu_gives_the_launcher_its_thread_variables_back(monkeypatch):
+    """`run.device: auto` is decided after the launcher was made single-threaded; when it finds a
+    GPU the ranks are exec'd, and inherit the user's OMP_NUM_THREADS / MKL_NUM_THREADS, not 1."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+
+    def single_threaded(device, world):  # as on a launcher whose torch is not loaded yet
+        earlier = {name: os.environ.get(name) for name in rank_fork.THREAD_VARS}
+        for name in rank_fork.THREAD_VARS:
+            monkeypatch.setenv(name, "1")
+        return earlier
+
+    monkeypatch.setattr(rank_fork, "single_threaded_launcher", single_threaded)
+    cfg = SimpleNamespace(run=SimpleNamespace(device="auto"), resolved_device=lambda: "cuda")
+    assert rank_fork.launch_device(cfg, 8) == ("cuda", None)
+    assert "OMP_NUM_THREADS" not in os.environ and os.environ["MKL_NUM_THREADS"] == "3"
+    cfg = SimpleNamespace(run=SimpleNamespace(device="auto"), resolved_device=lambda: "cpu")
+    assert rank_fork.launch_device(cfg, 2) == ("cpu", {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": "3"})
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "1"

@@ -112,12 +112,14 @@ cli.main()
 """
 
 
-def test_the_launcher_checks_a_fresh_run_without_torch_then_forks_single_threaded(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_the_launcher_checks_a_fresh_run_without_torch_then_forks_single_threaded(tmp_path, device):
     """Every preflight check of a fresh 2-rank CPU run (the chunked loss's model check included)
     runs without torch or transformers' modeling code; then the launcher imports what a rank
     imports (the model's code, the engine, the loop), once, and forks its ranks from a process whose OpenMP and MKL pools were held to
     one thread since before torch loaded (shardwise.train.rank_fork: libgomp is not fork-safe);
-    the ranks get their own thread count, and the user's MKL_NUM_THREADS (here unset) back."""
+    the ranks get their own thread count, and the user's MKL_NUM_THREADS (here unset) back.
+    `run.device: auto` (the default) forks too: it is decided after the launcher is single-threaded."""
     import os
     import subprocess
     import sys
@@ -132,10 +134,13 @@ def test_the_launcher_checks_a_fresh_run_without_torch_then_forks_single_threade
         "2",
         "--set",
         f"checkpointing.output_dir={tmp_path}",
+        "--set",
+        f"run.device={device}",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False, env=env)
-    assert "torch imported by the checks: False False" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+    # `auto` asks torch for a GPU (none here), after the launcher was made single-threaded
+    assert f"torch imported by the checks: {device == 'auto'} False" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
     assert "loaded for the ranks: True" in r.stdout
     threads = max(1, (os.cpu_count() or 1) // 2)
     assert (f"ranks forked: True | launcher threads: 1 1 1 | rank threads: {threads} | given back: "

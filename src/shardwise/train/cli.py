@@ -149,13 +149,12 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
     from shardwise.train.config import load_config
     from shardwise.train.preflight import preflight
     from shardwise.train.preflight_resume import resolve_checkpoint
-    from shardwise.train.rank_fork import single_threaded_launcher
+    from shardwise.train.rank_fork import launch_device
 
     cfg = load_config(config, overrides)
     world = int(launched["world_size"]) if launched else (nproc if nproc is not None else cfg.run.nproc)
-    device = cfg.resolved_device()
     # before the checks load torch (the tokenizer, the data): a launcher that forks never starts an OpenMP pool
-    fork = single_threaded_launcher(device, world) if launched is None else None
+    device, fork = launch_device(cfg, world) if launched is None else (cfg.resolved_device(), None)
     rank = int(launched["rank"]) if launched else 0
     owner = rank == 0 and not by_us  # takes the output dir's lock, cleans, verifies hashes
     if owner:  # in a second, before the data cache is built

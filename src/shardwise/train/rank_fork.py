@@ -17,7 +17,8 @@ MKL_NUM_THREADS are 1 from before torch is loaded, libgomp never starts a pool t
 rank sets its own thread count (run.device cpu: cores / ranks). The ranks are exec'd instead when
 that cannot be ensured: torch already loaded when the launcher decided (a caller that imported
 it), another Python thread running at the fork, or `SHARDWISE_RANK_START=exec` (to rule forking
-out when debugging a start-up).
+out when debugging a start-up). `run.device: auto` is decided with torch: the launcher is made
+single-threaded before that, for the CPU it may find.
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def single_threaded_launcher(device: str, world: int) -> dict[str, str | None] |
     for name in THREAD_VARS:
         os.environ[name] = "1"
     return earlier
+
+
+def launch_device(cfg, world: int) -> tuple[str, dict[str, str | None] | None]:
+    """The device of a run this process launches on `world` local ranks, and
+    `single_threaded_launcher`'s answer for it. `run.device: auto` asks torch whether there is a
+    GPU, so the launcher is made single-threaded before that, and gets its variables back when
+    there is one (its ranks are then exec'd)."""
+    if cfg.run.device != "auto":
+        return cfg.run.device, single_threaded_launcher(cfg.run.device, world)
+    earlier = single_threaded_launcher("cpu", world)
+    device = cfg.resolved_device()
+    if device != "cpu" and earlier is not None:
+        for name, value in earlier.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        earlier = None
+    return device, earlier
 
 
 def forkable() -> bool:
