@@ -108,7 +108,7 @@ def train_cmd(
                 from shardwise.train import rank_fork
 
                 extra |= {name: value for name, value in fork.items() if name != "OMP_NUM_THREADS"}
-                os.environ.update({k: v for k, v in extra.items() if k == "DS_ACCELERATOR"})  # read as deepspeed loads
+                os.environ["DS_ACCELERATOR"] = extra["DS_ACCELERATOR"]  # CPU ranks; read as deepspeed loads
                 try:
                     _preload(run)
                 except ImportError:  # exec'd, each rank reports it as it always has: with its traceback

@@ -91,6 +91,15 @@ def run_rank_script(main: Callable[[], int | None], *, only_if_joined: bool = Fa
     os._exit(code)
 
 
+def set_environ(values: dict[str, str | None]) -> None:
+    """Update os.environ with `values`; a variable whose value is None is removed."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def name_rank(rank: int | str) -> None:
     """Name this process `shardwise-r<rank>` (/proc/<pid>/comm: what `top`, `ps -o comm` and
     `pgrep` show): a forked rank shares its launcher's command line, and an exec'd one is just

@@ -81,11 +81,9 @@ def launch_device(cfg, world: int) -> tuple[str, dict[str, str | None] | None]:
     earlier = single_threaded_launcher("cpu", world)
     device = cfg.resolved_device()
     if device != "cpu" and earlier is not None:
-        for name, value in earlier.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        from shardwise.train.launch import set_environ
+
+        set_environ(earlier)
         earlier = None
     return device, earlier
 

@@ -147,7 +147,7 @@ def _fork_rank(target: Callable[[], int], env: dict[str, str | None], setup: Cal
     """Fork a rank that sets `env` (None: unset), runs `target` and ends by os._exit with its
     code: it never returns into the launcher's frames (their `finally` blocks, the output dir's
     lock, atexit handlers are the launcher's)."""
-    from shardwise.train.launch import name_rank, run_rank_script
+    from shardwise.train.launch import name_rank, run_rank_script, set_environ
 
     sys.stdout.flush()
     sys.stderr.flush()
@@ -160,11 +160,7 @@ def _fork_rank(target: Callable[[], int], env: dict[str, str | None], setup: Cal
         for sig in FORWARDED_SIGNALS:  # as exec leaves them: the launcher's handlers are not the rank's
             if signal.getsignal(sig) not in (signal.SIG_IGN, signal.SIG_DFL):
                 signal.signal(sig, signal.SIG_DFL)
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        set_environ(env)
         name_rank(os.environ["RANK"])
         return target()
 
