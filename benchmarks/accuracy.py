@@ -36,9 +36,10 @@ from pathlib import Path
 import yaml
 
 from shardwise import catalog
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import evaluate
-from shardwise.specs import STRATEGY_NAMES, ModelSpec, Strategy, TrainSpec
+from shardwise.specs import ModelSpec, Strategy, TrainSpec
 
 HERE = Path(__file__).resolve().parent
 PUBLISHED = HERE / "published"

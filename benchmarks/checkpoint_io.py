@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 WORKER = HERE / "checkpoint_io_worker.py"
 WORLD = 2
-DEFAULT_INTERVAL_S = 30 * 60  # checkpointing.save_every_minutes' default (shardwise.train.config)
+DEFAULT_INTERVAL_S = 30 * 60  # checkpointing.save_every_minutes' default (shardwise.config.schema)
 EVERY_STEPS = 100
 GiB = 1 << 30
 

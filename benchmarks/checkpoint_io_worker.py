@@ -92,7 +92,7 @@ class Timers:
 
 
 def bench_config(model: str, strategy: str, seq: int, micro_batch: int, steps: int, out: Path):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     return TrainConfig.model_validate(
         {

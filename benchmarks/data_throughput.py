@@ -28,14 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardwise.data import (
-    DataConfig,
-    SFTCollator,
-    build_dataset,
-    count_target_tokens,
-    load_tokenizer,
-    sample_data_path,  # fmt: skip
-)
+from shardwise.config.data import DataConfig
+from shardwise.data import SFTCollator, build_dataset, count_target_tokens, load_tokenizer, sample_data_path
 
 OUT = Path(__file__).resolve().parent / "results" / "data_throughput.json"
 MODELS = {  # proxies for the trainer: the test-size Llama and a slightly larger one

@@ -67,7 +67,7 @@ def _model_section(case: dict, cpu: bool, workdir: Path) -> dict:
 
 
 def case_config(case: dict, cpu: bool, workdir: Path, single_rank: str = "auto"):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     seq, micro, steps = (CPU_SEQ, CPU_MICRO, CPU_STEPS) if cpu else (case["seq"], case["micro_batch"], case["steps"])
     return TrainConfig.model_validate({

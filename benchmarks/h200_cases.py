@@ -21,9 +21,10 @@ import statistics
 from pathlib import Path
 
 from shardwise import catalog
+from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.plan.evaluate import evaluate
 from shardwise.plan.memory import ALLOCATOR_SLACK
-from shardwise.specs import DDPKnobs, DeepSpeedKnobs, FSDPKnobs, ModelSpec, Strategy, TrainSpec
+from shardwise.specs import ModelSpec, Strategy, TrainSpec
 
 HERE = Path(__file__).parent
 DATA = HERE / "measurements" / "h200-trainer-cases.json"

@@ -256,8 +256,8 @@ def zero3_gathered(s: dict) -> float:
 
 
 def planned_load(config: Path) -> dict:
+    from shardwise.config.load import load_config
     from shardwise.run.bridge import run_spec
-    from shardwise.train.config import load_config
     from shardwise.train.weights import planned_load as load
 
     p = load(run_spec(load_config(config), RANKS, "cpu"))
@@ -278,8 +278,8 @@ def planned(case: dict) -> dict:
     config.json and index, and each weights file as a sparse file of its size."""
     import yaml
 
+    from shardwise.config.load import load_config
     from shardwise.run.bridge import run_spec
-    from shardwise.train.config import load_config
     from shardwise.train.host_memory import planned_cpu
 
     with tempfile.TemporaryDirectory(prefix="host-memory-plan-") as tmp:

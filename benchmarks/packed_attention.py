@@ -47,9 +47,9 @@ class _Module(torch.nn.Module):
 
 def _bundled_lengths(seq: int) -> list[int]:
     """Document lengths of the fullest row the bundled sample data packs into `seq` tokens."""
+    from shardwise.config.schema import TrainConfig
     from shardwise.data import build_dataset, load_tokenizer
     from shardwise.run import run_spec
-    from shardwise.train.config import TrainConfig
     from shardwise.train.sft_data import data_config
 
     cfg = TrainConfig.model_validate({"data": {"sft": {"max_length": seq}}})
@@ -115,9 +115,9 @@ def attention_paths(lens: list[int], seq: int, flex: bool) -> dict[str, Callable
 def model_paths(lens_rows: list[list[int]], seq: int) -> dict[str, Callable[[], None]]:
     """A whole tiny-llama training micro-batch (forward_loss_sum + backward) on the collator's
     batch of each path: the default (padding-free [1, T], sdpa_varlen) and the dense fallback."""
+    from shardwise.config.schema import TrainConfig
     from shardwise.data.labels import IGNORE_INDEX
     from shardwise.run import run_spec
-    from shardwise.train.config import TrainConfig
     from shardwise.train.engines.base import forward_loss_sum
     from shardwise.train.model import build_model
     from shardwise.train.sft_data import build_sft_split

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 from shardwise import catalog
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.plan.evaluate import evaluate
-from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
+from shardwise.specs import Strategy, TrainSpec
 
 OUT = Path(__file__).parent / "results" / "plan_sweep.json"
 TARGET_S = 0.5

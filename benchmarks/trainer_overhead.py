@@ -28,7 +28,7 @@ STRATEGIES = ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op"]
 
 
 def bench_config(strategy: str, steps: int, device: str):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     return TrainConfig.model_validate(
         {

@@ -42,11 +42,11 @@ def planned_gathered(model: str, knobs: dict, ranks: int = 2) -> float:
     sys.path.insert(0, str(ROOT / "tests" / "train"))
     from big_checkpoint import SHAPES
 
+    from shardwise.config.strategy import DeepSpeedKnobs
     from shardwise.plan.stage import zero3_gathered
     from shardwise.specs import Strategy, TrainSpec
     from shardwise.specs.layout import ParallelLayout
     from shardwise.specs.model import ModelSpec
-    from shardwise.specs.strategy import DeepSpeedKnobs
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "config.json"

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import memory_as_run
 from shardwise.run import run_spec
 from shardwise.specs import Strategy
 from shardwise.specs.hardware import GIB
-from shardwise.train.config import TrainConfig
 from shardwise.train.preflight import check_memory
 
 

@@ -8,9 +8,10 @@ import pytest
 from shardwise import catalog
 from shardwise.bench.advice import COMM_BOUND_SHARE, comm_bound
 from shardwise.bench.bench_report import comm_bound_lines
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import evaluate
-from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
+from shardwise.specs import Strategy, TrainSpec
 
 M = catalog.get_model("llama-2-7b")
 # two nodes over 10 GbE: ZeRO-3's gathers cross the slow link every step

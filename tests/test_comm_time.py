@@ -8,10 +8,11 @@ from typer.testing import CliRunner
 
 from shardwise import catalog
 from shardwise.cli import app
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.plan.comm import ideal_comm, plan_comm
 from shardwise.plan.evaluate import evaluate
 from shardwise.plan.recommend import recommend
-from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
+from shardwise.specs import Strategy, TrainSpec
 
 M7 = catalog.get_model("llama-2-7b")
 PSI = M7.params
@@ -45,7 +46,7 @@ def test_engine_volumes_bf16_with_accumulation(k):
 
 
 def test_zero1_zero2_reduce_to_owner_is_the_paper_volume():
-    from shardwise.specs import DeepSpeedKnobs
+    from shardwise.config.strategy import DeepSpeedKnobs
 
     s = Strategy.from_name("zero2", ds=DeepSpeedKnobs(use_multi_rank_bucket_allreduce=False))
     c = plan_comm(M7, HW8, TrainSpec(), s)
@@ -185,7 +186,7 @@ def test_explain_70b_on_ethernet():
 
 
 def test_deepspeed_reduce_dtype_knob():
-    from shardwise.specs import DeepSpeedKnobs
+    from shardwise.config.strategy import DeepSpeedKnobs
 
     # DeepSpeed reduces in the parameter dtype by default (bf16: 2 bytes); shardwise's trainer
     # asks for fp32 (communication_data_type), which doubles the gradient bytes, not the

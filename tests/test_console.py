@@ -138,7 +138,7 @@ def test_summary_block_on_a_terminal_is_a_table():
 
 
 def test_config_progress_and_every_seconds():
-    from shardwise.train.config import LoggingSection
+    from shardwise.config.schema import LoggingSection
 
     assert LoggingSection().progress == "auto" and LoggingSection().every_seconds == 60.0
     assert LoggingSection(progress=True).progress == "auto"

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.config.load import load_config
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
 from shardwise.run import run_spec
-from shardwise.train.config import TrainConfig, load_config
 from shardwise.train.outputs import check_output_dir
 from shardwise.train.preflight import check_output_space
 

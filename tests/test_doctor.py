@@ -334,8 +334,8 @@ def test_doctor_imports_no_torch():
 
 
 def test_trainer_preflight_plans_the_spec(tmp_path, monkeypatch):
+    from shardwise.config.load import validate
     from shardwise.run import run_spec
-    from shardwise.train.config import validate
 
     _doctor_json(monkeypatch, h100_node(), "--write", str(tmp_path / "h100.yaml"))
     cfg = validate({"hardware": {"machine": str(tmp_path / "h100.yaml"), "gpus_per_node": 8}}, source="t.yaml")

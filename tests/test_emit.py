@@ -21,11 +21,13 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before any deepspeed import: no CUDA here
 
 from shardwise.catalog import build_hardware, get_model
+from shardwise.config.load import load_config
+from shardwise.config.schema import TrainConfig
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.emit import accelerate_config, emit_configs, emitted_run
 from shardwise.errors import ShardwiseError
 from shardwise.run import deepspeed_config, run_spec
-from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
-from shardwise.train.config import TrainConfig, load_config
+from shardwise.specs import Strategy, TrainSpec
 
 TRAIN = TrainSpec(seq_len=2048, micro_batch=2, grad_accum=4, checkpointing="full")
 HYPER = TrainConfig()  # emitted configs carry the trainer's default optimizer values and steps

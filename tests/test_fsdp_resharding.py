@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from shardwise import catalog
 from shardwise.cli import app
+from shardwise.config.strategy import FSDPKnobs, StrategyKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import plan_comm
 from shardwise.plan.evaluate import evaluate
 from shardwise.plan.memory import plan_memory
-from shardwise.specs import FSDPKnobs, Strategy, TrainSpec
-from shardwise.specs.strategy import StrategyKnobs
+from shardwise.specs import Strategy, TrainSpec
 
 M7 = catalog.get_model("llama-2-7b")
 PSI = M7.params
@@ -146,8 +146,8 @@ def test_plan_flag_applies_to_the_fsdp_rows_of_a_mixed_selection():
 
 
 def test_trainer_yaml_and_set_take_the_knob(tmp_path):
+    from shardwise.config.load import load_config
     from shardwise.run import run_spec
-    from shardwise.train.config import load_config
 
     yaml = tmp_path / "c.yaml"
     yaml.write_text("model: {name: tiny-llama-bench}\ndata: {kind: synthetic}\n"

@@ -84,8 +84,8 @@ def test_fsdp2_accumulation_trainer_vs_stock():
     """The trainer holds unsharded fp32 grads between micro-batches (sync off); stock FSDP2
     reduce-scatters every micro-batch into the sharded grads (4 bytes × Ψ/N) and moves k× the
     reduce-scatter bytes."""
+    from shardwise.config.strategy import FSDPKnobs
     from shardwise.plan.comm import plan_comm
-    from shardwise.specs import FSDPKnobs
 
     m = catalog.get_model("llama-2-7b")
     hw = catalog.build_hardware(gpu="h100-sxm", gpus=8)

@@ -60,8 +60,8 @@ def test_default_path_is_under_the_cache_dir(monkeypatch, tmp_path):
 
 
 def test_trainer_config_applies_the_profile(tmp_path):
+    from shardwise.config.load import validate
     from shardwise.run import run_spec
-    from shardwise.train.config import validate
 
     path = _write(tmp_path, {"gpu_name": "NVIDIA H200", "gpu": {"hbm_efficiency": 0.5, "memory_bytes": 100e9}})
     cfg = validate({"model": {"name": "tiny-llama"}, "hardware": {"gpu": "h200", "profile": path}})
@@ -167,8 +167,8 @@ def test_a_cpu_profile_is_refused_for_a_gpu_plan_naming_the_file(tmp_path):
 
 
 def test_trainer_refuses_a_cpu_profile_on_cuda_only(tmp_path):
+    from shardwise.config.load import validate
     from shardwise.run import run_spec
-    from shardwise.train.config import validate
 
     path = _write(tmp_path, _cpu_profile_doc())
     cfg = validate({"model": {"name": "tiny-llama"}, "hardware": {"gpu": "h200", "profile": path}})

@@ -18,7 +18,7 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 from shardwise.cli import app
-from shardwise.specs import STRATEGY_NAMES
+from shardwise.config.strategy import STRATEGY_NAMES
 
 
 def _shardwise(*args: str, columns: int) -> subprocess.CompletedProcess:

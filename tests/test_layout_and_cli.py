@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from shardwise import catalog
 from shardwise.cli import app
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.errors import ShardwiseError
-from shardwise.specs import STRATEGY_NAMES, ParallelLayout, Strategy
+from shardwise.specs import ParallelLayout, Strategy
 
 runner = CliRunner()
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from shardwise import catalog
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.plan.memory import paper_model_states, plan_memory
-from shardwise.specs import STRATEGY_NAMES, Strategy, TrainSpec
+from shardwise.specs import Strategy, TrainSpec
 
 GB = 1e9
 

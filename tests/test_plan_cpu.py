@@ -21,8 +21,8 @@ def plan(*args: str) -> tuple[int, dict]:
 
 
 def test_the_demo_yaml_plans_its_cpu_ranks_as_the_trainer_does():
+    from shardwise.config.load import load_config
     from shardwise.run.bridge import run_spec
-    from shardwise.train.config import load_config
     from shardwise.train.host_memory import planned_cpu
 
     code, doc = plan(str(ROOT / "examples" / "demo.yaml"), "--host-memory-gb", "64")

@@ -203,8 +203,8 @@ def test_fsdp_emit_round_trip_through_shardwise_yaml_and_stock_accelerate(tmp_pa
 
 
 def test_generated_flags_keep_the_old_names_and_take_the_spec_defaults():
-    from shardwise.knob_flags import FLAGS
-    from shardwise.specs import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
+    from shardwise.config.flags import FLAGS
+    from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 
     names = {n for f in FLAGS for n in f.names}
     assert {"--ds-reduce-bucket", "--ds-prefetch", "--ds-persistence-threshold", "--ds-max-live", "--ds-max-reuse",
@@ -260,15 +260,15 @@ def test_training_args_fsdp_through_accelerates_plugin(tmp_path):
 def test_shardwise_yaml_with_set_is_the_trainers_runspec():
     """`plan CONFIG.yaml --set` takes the trainer's syntax and errors, and plans its RunSpec (on
     CUDA where --device cuda says so, over the YAML's run.device: cpu)."""
+    from shardwise.config.load import load_config
     from shardwise.plan.planner import plan_strategies
     from shardwise.run import run_spec
-    from shardwise.train.config import load_config
 
     example = ROOT / "examples" / "fsdp-synthetic-cpu.yaml"
     got = plan(str(example), "--device", "cuda", "--set", "run.micro_batch=3", "--set", "strategy.name=zero2")
     run = run_spec(load_config(example, ["run.micro_batch=3", "strategy.name=zero2"]), got["hardware"]["gpus"],
                    "cuda", environ={})
-    from shardwise.specs.strategy import StrategyKnobs
+    from shardwise.config.strategy import StrategyKnobs
 
     knobs = StrategyKnobs(ds=run.strategy.ds, fsdp=run.strategy.fsdp, ddp=run.strategy.ddp)
     [want] = plan_strategies(run.model, run.hardware, run.train, [run.strategy.name], knobs=knobs)

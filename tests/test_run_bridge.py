@@ -21,11 +21,13 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from shardwise.catalog import build_hardware, get_model
+from shardwise.config.load import load_config
+from shardwise.config.schema import TrainConfig
+from shardwise.config.strategy import STRATEGY_NAMES, DeepSpeedKnobs
 from shardwise.emit import emit_configs
 from shardwise.plan.evaluate import evaluate
 from shardwise.run import run_spec, to_config
-from shardwise.specs import STRATEGY_NAMES, DeepSpeedKnobs, Strategy, TrainSpec
-from shardwise.train.config import TrainConfig, load_config
+from shardwise.specs import Strategy, TrainSpec
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 

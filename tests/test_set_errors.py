@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.config.load import load_config
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import load_config
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 

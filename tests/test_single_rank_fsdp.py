@@ -10,11 +10,12 @@ import json
 import pytest
 
 from shardwise.catalog import build_hardware, get_model
+from shardwise.config.schema import TrainConfig
+from shardwise.config.strategy import FSDPKnobs
 from shardwise.plan.evaluate import evaluate, single_rank_runs_as
 from shardwise.plan.memory import plan_memory
 from shardwise.run import run_spec
-from shardwise.specs import FSDPKnobs, Strategy, TrainSpec
-from shardwise.train.config import TrainConfig
+from shardwise.specs import Strategy, TrainSpec
 
 H200 = build_hardware(gpu="h200", gpus=1)
 Q05 = get_model("qwen2.5-0.5b")
@@ -109,8 +110,8 @@ def test_yaml_and_plan_flag_take_the_knob(tmp_path):
     assert bad.exit_code == 2 and "single_rank" in bad.output
     yaml = tmp_path / "c.yaml"
     yaml.write_text("model: {name: qwen2.5-0.5b}\nstrategy: {name: fsdp, fsdp: {single_rank: sometimes}}\n")
+    from shardwise.config.load import load_config
     from shardwise.errors import ShardwiseError
-    from shardwise.train.config import load_config
 
     with pytest.raises(ShardwiseError, match=r"strategy\.fsdp\.single_rank"):
         load_config(yaml)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from shardwise import catalog
+from shardwise.config.schema import OptimizerSection
 from shardwise.specs import TrainSpec
-from shardwise.train.config import OptimizerSection
 
 
 @pytest.mark.parametrize(("precision", "mixed"), [

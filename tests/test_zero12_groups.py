@@ -48,7 +48,7 @@ def test_partition_holding_is_the_measured_census():
 
 @pytest.mark.parametrize("bucket", [100_000, 500_000_000])  # below and above Ψ = 362,816
 def test_the_plan_of_the_demo_matches_for_either_bucket(bucket):
-    from shardwise.specs import DeepSpeedKnobs
+    from shardwise.config.strategy import DeepSpeedKnobs
 
     hw = catalog.build_hardware(gpu="a100-80g", gpus=2)
     s = Strategy.from_name("zero2", ds=DeepSpeedKnobs(reduce_bucket_size=bucket, allgather_bucket_size=bucket))

@@ -15,12 +15,13 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from shardwise.catalog import build_hardware, get_model
+from shardwise.config.schema import TrainConfig
+from shardwise.config.strategy import DeepSpeedKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import evaluate
 from shardwise.plan.stage import zero3_gathered
 from shardwise.run import deepspeed_config, run_spec
-from shardwise.specs import DeepSpeedKnobs, ParallelLayout, Strategy, TrainSpec
-from shardwise.train.config import TrainConfig
+from shardwise.specs import ParallelLayout, Strategy, TrainSpec
 
 
 def _run(model: str, strategy: str = "zero3", ds: dict | None = None, device: str = "cuda", nproc: int = 8):

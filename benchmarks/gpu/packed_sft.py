@@ -29,7 +29,7 @@ CHOICES = ("auto", "varlen", "dense")
 
 def config(packed: str, cpu: bool, workdir: Path, precision: str = "bf16-mixed", steps: int = 12,
            compile_: bool | None = None):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     return TrainConfig.model_validate({
         "name": f"packed-{packed}",

@@ -20,8 +20,8 @@ from shardwise.cli_plan import (
     plan_inputs,
     print_warnings,
 )
+from shardwise.config.flags import build_knobs, with_knob_flags
 from shardwise.errors import ShardwiseError
-from shardwise.knob_flags import build_knobs, with_knob_flags
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
                   pretty_exceptions_enable=False, **HELP)

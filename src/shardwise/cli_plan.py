@@ -60,7 +60,7 @@ def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
     flag was given (a flag on the command line overrides the file). Returns (values, the file's
     reading or None); values["knobs"] are the engine knobs planned, values["cli_knobs"] those the
     command line gave."""
-    from shardwise.knob_flags import given_knobs
+    from shardwise.config.flags import given_knobs
 
     values = dict(ctx.params)
     cli_knobs = given_knobs(knob_values)
@@ -108,9 +108,10 @@ def check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, g
     """Flags that would change nothing are refused, naming the flag: DeepSpeed knobs when no
     planned strategy runs DeepSpeed (ZeRO-3's and ZeRO-1/2's own knobs when none is of that
     stage), and a chunk size for a loss that is not chunked. `given`: the knob flags given
-    (shardwise.knob_flags.given_knobs)."""
-    from shardwise.knob_flags import BOTH_BUCKETS, ZERO3_ONLY, ZERO12_ONLY, flag_of
-    from shardwise.specs import STRATEGY_NAMES, Strategy
+    (shardwise.config.flags.given_knobs)."""
+    from shardwise.config.flags import BOTH_BUCKETS, ZERO3_ONLY, ZERO12_ONLY, flag_of
+    from shardwise.config.strategy import STRATEGY_NAMES
+    from shardwise.specs import Strategy
 
     if ce_chunk is not None and cross_entropy != "chunked":
         raise ShardwiseError(f"--ce-chunk {ce_chunk} sets the chunk of the chunked cross-entropy, but --cross-entropy "
@@ -172,7 +173,7 @@ def check_fsdp_flags(named: list[str], reshard: str | None, reduce_every: bool) 
     with -s / --emit-strategy, one of those named (without, they apply to the FSDP2 rows)."""
     from typing import get_args
 
-    from shardwise.specs.strategy import STRATEGIES, Resharding
+    from shardwise.config.strategy import STRATEGIES, Resharding
 
     if reshard is not None and reshard not in get_args(Resharding):
         raise ShardwiseError(f"--fsdp-reshard-after-forward {reshard!r}: expected {', '.join(get_args(Resharding))}")

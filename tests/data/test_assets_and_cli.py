@@ -11,7 +11,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from shardwise.data import DataConfig, build_dataset, default_tokenizer_path, sample_data_path
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset, default_tokenizer_path, sample_data_path
 from shardwise.data.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]

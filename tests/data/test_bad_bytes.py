@@ -19,7 +19,8 @@ import pytest
 import yaml
 from sft_records import chat
 
-from shardwise.data import DataConfig, build_dataset
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset
 from shardwise.errors import ShardwiseError
 
 GOOD = json.dumps(chat("What is 2 + 2?", "4.")).encode()

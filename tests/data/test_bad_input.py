@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sft_records import chat
 
-from shardwise.data import DataConfig, build_dataset
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset
 from shardwise.errors import ShardwiseError
 
 GOOD = chat("q", "a")
@@ -76,7 +77,7 @@ def test_everything_skipped_is_an_error(tok, write_jsonl):
 
 
 def test_config_errors_name_the_field():
-    from shardwise.data import load_data_config
+    from shardwise.config.data import load_data_config
 
     with pytest.raises(ShardwiseError, match=r"run\.yaml: field 'data\.truncation'"):
         load_data_config({"train_files": ["a.jsonl"], "truncation": "middle"}, source="run.yaml")

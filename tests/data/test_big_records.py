@@ -23,7 +23,8 @@ import pytest
 from sft_records import chat
 
 import shardwise.data.tokenize as tokenize
-from shardwise.data import DataConfig, build_dataset, sample_data_path
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset, sample_data_path
 from shardwise.data.formats import Example
 from shardwise.data.tokenize import Encoder, EncodeStats
 from shardwise.errors import ShardwiseError
@@ -55,7 +56,7 @@ def write_big_record(path: Path, role: str, repeats: int) -> Path:
 CHILD = textwrap.dedent("""
     import json, resource, sys
     from shardwise.run import run_spec
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
     from shardwise.train.sft_data import prepare_sft
     from shardwise.data import load_dataset
 

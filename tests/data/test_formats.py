@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 from sft_records import chat
 
-from shardwise.data import DataConfig, build_dataset
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset
 from shardwise.errors import ShardwiseError
 
 

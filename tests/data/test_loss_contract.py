@@ -7,7 +7,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shardwise.data import DataConfig, SFTCollator, build_dataset, count_target_tokens, sample_data_path
+from shardwise.config.data import DataConfig
+from shardwise.data import SFTCollator, build_dataset, count_target_tokens, sample_data_path
 
 
 def summed_loss(model, batch) -> torch.Tensor:

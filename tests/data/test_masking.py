@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from sft_records import chat
 
-from shardwise.data import DataConfig, build_dataset
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset
 from shardwise.data.template import make_renderer, split_segments
 from shardwise.errors import ShardwiseError
 

@@ -90,7 +90,8 @@ def test_varlen_boundaries(tok):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_real_packed_rows_from_the_pipeline_are_isolated(tok, attn):
     """End to end: rows built by build_dataset from the bundled data, through the collator."""
-    from shardwise.data import DataConfig, build_dataset, sample_data_path
+    from shardwise.config.data import DataConfig
+    from shardwise.data import build_dataset, sample_data_path
 
     ds = build_dataset(DataConfig(train_files=[str(sample_data_path())], max_length=160), tok)
     i = next(k for k in range(len(ds)) if len(ds.rows[k]) >= 3)

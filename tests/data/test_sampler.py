@@ -88,7 +88,8 @@ def test_mismatched_state_is_refused():
 def test_works_as_a_dataloader_sampler(tok):
     import torch
 
-    from shardwise.data import DataConfig, SFTCollator, build_dataset, sample_data_path
+    from shardwise.config.data import DataConfig
+    from shardwise.data import SFTCollator, build_dataset, sample_data_path
 
     ds = build_dataset(DataConfig(train_files=[str(sample_data_path())], max_length=256), tok)
     sampler = Sampler(ds, num_replicas=2, rank=1, seed=0)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from sft_records import chat
 
-from shardwise.data import DataConfig, build_dataset
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset
 from shardwise.data.tokenize import truncate
 from shardwise.errors import ShardwiseError
 

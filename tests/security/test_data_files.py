@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardwise.data.formats as formats
-from shardwise.data import DataConfig, build_dataset, load_tokenizer
+from shardwise.config.data import DataConfig
+from shardwise.data import build_dataset, load_tokenizer
 from shardwise.errors import ShardwiseError
 
 GOOD = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]}

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardwise.catalog import get_model, model_names
+from shardwise.config.schema import ModelSection
 from shardwise.errors import ShardwiseError
 from shardwise.specs.hf_config import read_config_json
 from shardwise.specs.model import ModelSpec
-from shardwise.train.config import ModelSection
 from shardwise.train.model import check_model_source
 
 # a fixed seed (derandomize), no example database: every CI run tries the same cases

@@ -1,4 +1,4 @@
-"""shardwise.config_file's strict JSON (checkpoint manifests and state, hardware profiles, plan
+"""shardwise.config.file's strict JSON (checkpoint manifests and state, hardware profiles, plan
 inputs): generated text parses to finite values or is refused with a ShardwiseError naming the
 file. Hypothesis, 300 cases each, derandomized (a fixed seed): arbitrary bytes, and near-JSON
 built from tokens that trip Python's json (NaN, Infinity, 1e400, 4,400-digit integers, lone
@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.config_file import parse_json
+from shardwise.config.file import parse_json
 from shardwise.errors import ShardwiseError
 
 

@@ -2,7 +2,7 @@
 
 Readers: the DeepSpeed JSON, accelerate YAML, LLaMA-Factory / axolotl YAML, TrainingArguments
 JSON (two seeds written here: with FSDP, with inline DeepSpeed) and shardwise YAML of `plan --from` (shardwise.ingest, the whole `plan` command through
-typer's CliRunner), and the run YAML through `shardwise.train.config.load_config`. Inputs:
+typer's CliRunner), and the run YAML through `shardwise.config.load.load_config`. Inputs:
 structures generated from the readers' own key vocabulary (every quoted name in
 src/shardwise/ingest/ and every key of the real examples), the real examples
 (tests/data/from/, examples/) with values replaced by hostile ones (NaN, ±inf, huge and
@@ -272,7 +272,8 @@ def test_mutated_text_plans_or_is_refused_naming_the_file(tmp_path_factory, base
 
 
 def assert_config_or_named_error(path: Path) -> None:
-    from shardwise.train.config import TrainConfig, load_config
+    from shardwise.config.load import load_config
+    from shardwise.config.schema import TrainConfig
 
     t0 = time.perf_counter()
     try:

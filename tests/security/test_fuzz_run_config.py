@@ -1,4 +1,4 @@
-"""Fuzz of the training YAML's validation (shardwise.train.config): every field of the schema
+"""Fuzz of the training YAML's validation (shardwise.config.schema): every field of the schema
 given generated values (numbers of every size and sign, NaN, ±Inf, booleans, strings, lists,
 mappings, null), and generated `--set` assignments. Each either validates, or is one
 ShardwiseError naming the field (or the `--set`); never another exception. Hypothesis with a
@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+from shardwise.config.load import load_config, validate
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import TrainConfig, load_config, validate
 
 # a fixed seed (derandomize), no example database: every CI run tries the same cases
 FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))

@@ -32,11 +32,11 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise.cli import app
-from shardwise.config_file import MAX_CONFIG_BYTES, read_text
+from shardwise.config.file import MAX_CONFIG_BYTES, read_text
+from shardwise.config.flags import FLAGS
+from shardwise.config.safe_yaml import read_yaml
 from shardwise.errors import ShardwiseError
 from shardwise.ingest.common import load
-from shardwise.knob_flags import FLAGS
-from shardwise.safe_yaml import read_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 FROM = REPO / "tests" / "data" / "from"
@@ -109,7 +109,7 @@ def test_a_file_larger_than_its_stat_says_stops_at_the_bound(tmp_path, monkeypat
     path = tmp_path / "grows.yaml"
     path.write_text("a: " + "x" * (2 * MAX_CONFIG_BYTES) + "\n")
     real = os.stat
-    monkeypatch.setattr("shardwise.config_file.os.stat",
+    monkeypatch.setattr("shardwise.config.file.os.stat",
                         lambda p, *a, **k: os.stat_result((*real(p)[:6], 10, *real(p)[7:])))
     with pytest.raises(ShardwiseError, match=rf"grows\.yaml: more than {MAX_CONFIG_BYTES:,} bytes"):
         read_text(path)
@@ -152,7 +152,7 @@ RUN_TWICE = {
 
 @pytest.mark.parametrize("case", list(RUN_TWICE))
 def test_run_yaml_duplicate_keys_name_the_key_and_both_lines(tmp_path, case):
-    from shardwise.train.config import load_config
+    from shardwise.config.load import load_config
 
     text, says = RUN_TWICE[case]
     path = tmp_path / "lr.yaml"
@@ -170,7 +170,7 @@ def test_run_yaml_duplicate_keys_name_the_key_and_both_lines(tmp_path, case):
 def test_set_values_are_read_with_the_files_bounds(tmp_path, value, says):
     """`--set KEY=VALUE` parses VALUE as YAML: with the same bounded reader as the file (a
     5,000-digit integer was a ValueError traceback)."""
-    from shardwise.train.config import load_config
+    from shardwise.config.load import load_config
 
     path = tmp_path / "run.yaml"
     path.write_text("model: {name: tiny-llama}\ndata: {kind: synthetic}\n")

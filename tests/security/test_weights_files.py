@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from shardwise.config.load import load_config
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import load_config
 from shardwise.train.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,9 +20,9 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_worker import parity_config
 
+from shardwise.config.schema import TrainConfig
 from shardwise.data.labels import IGNORE_INDEX
 from shardwise.run import run_spec
-from shardwise.train.config import TrainConfig
 from shardwise.train.launch import init_distributed, run_rank_script
 from shardwise.train.loop import train
 

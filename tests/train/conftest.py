@@ -93,8 +93,8 @@ def demo_run(shared_dir):
         meta = shared_dir / f"demo-{strategy}.json"
         with FileLock(str(out) + ".lock"):
             if not meta.exists():
+                from shardwise.config.load import load_config
                 from shardwise.run.bridge import run_spec
-                from shardwise.train.config import load_config
                 from shardwise.train.host_memory import planned_cpu
 
                 sets = [f"run.steps={DEMO_STEPS}", f"strategy.name={strategy}", f"checkpointing.output_dir={out}",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def loop_config(tmp_path: Path, every: int, steps: int = 7, data: str = "synthetic", save_every: int | None = None):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     return TrainConfig.model_validate({
         "model": {"name": "tiny-llama", "attention": "eager"},

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
 from shardwise.train.checkpoint import checkpoints_dir, resolve_resume, step_dir_name
-from shardwise.train.config import TrainConfig
 from shardwise.train.launch import init_distributed, run_rank_script
 from shardwise.train.loop import train
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from worker_common import start_worker
 
+from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train.config import TrainConfig
 from shardwise.train.engines import build_engine
 from shardwise.train.launch import run_rank_script
 from shardwise.train.model import build_model

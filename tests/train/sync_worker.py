@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from worker_common import start_worker
 
+from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
 from shardwise.train import loop
-from shardwise.train.config import TrainConfig
 from shardwise.train.data import build_source
 from shardwise.train.launch import run_rank_script
 

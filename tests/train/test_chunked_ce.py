@@ -166,8 +166,8 @@ def test_autocast_casts_like_autocast_and_matches_within_bf16() -> None:
 
 # --------------------------------------------------------------- through the trainer's model
 def _run(model: str, impl: str, chunk: int = 37, precision: str = "fp32", lora: dict | None = None):
+    from shardwise.config.schema import TrainConfig
     from shardwise.run import run_spec
-    from shardwise.train.config import TrainConfig
 
     cfg = TrainConfig.model_validate({
         "model": {"name": model, "attention": "eager"}, "run": {"seed": 0}, "precision": precision,
@@ -178,7 +178,8 @@ def _run(model: str, impl: str, chunk: int = 37, precision: str = "fp32", lora: 
 @pytest.fixture(scope="module")
 def sft_batch() -> dict[str, torch.Tensor]:
     """Three packed rows of the bundled SFT sample (4-D isolation mask, restarting positions)."""
-    from shardwise.data import DataConfig, SFTCollator, build_dataset, load_tokenizer, sample_data_path
+    from shardwise.config.data import DataConfig
+    from shardwise.data import SFTCollator, build_dataset, load_tokenizer, sample_data_path
 
     tok = load_tokenizer()
     ds = build_dataset(DataConfig(train_files=[str(sample_data_path())], max_length=128), tok)
@@ -370,9 +371,9 @@ def test_planned_time_follows_the_implementation() -> None:
 def test_trainer_runs_what_is_planned_by_default() -> None:
     """A trainer config plans the chunked loss with its chunk; `plan --emit` writes it back."""
     from shardwise.catalog import build_hardware, get_model
+    from shardwise.config.schema import TrainConfig
     from shardwise.run import run_spec, to_config
     from shardwise.specs import Strategy, TrainSpec
-    from shardwise.train.config import TrainConfig
 
     run = run_spec(TrainConfig(), 1, "cpu")
     assert (run.train.cross_entropy, run.train.ce_chunk) == ("chunked", 1024)

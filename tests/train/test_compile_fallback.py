@@ -26,8 +26,8 @@ def _register():
 
 
 def _losses(tmp_path, compile_: bool) -> list[float]:
+    from shardwise.config.schema import TrainConfig
     from shardwise.run import run_spec
-    from shardwise.train.config import TrainConfig
     from shardwise.train.engines.base import DistEnv
     from shardwise.train.loop import train
 

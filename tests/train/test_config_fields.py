@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from shardwise.config_fields import MAX_COUNT, SEED_RANGE
+from shardwise.config.fields import MAX_COUNT, SEED_RANGE
+from shardwise.config.load import load_config
+from shardwise.config.schema import MAX_LR, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import MAX_LR, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TrainConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "fsdp-synthetic-cpu.yaml"

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.config.load import load_config
 from shardwise.errors import ExitCode, ShardwiseError
 from shardwise.run import run_spec
 from shardwise.train.checkpoint import checkpoints_dir, read_manifest, step_dir_name
-from shardwise.train.config import load_config
 from shardwise.train.outputs import checkpoint_bytes
 from shardwise.train.preflight import check_output_space, output_bytes
 

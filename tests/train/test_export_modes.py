@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.train.config import TrainConfig
+from shardwise.config.schema import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

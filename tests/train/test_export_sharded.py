@@ -152,7 +152,7 @@ def test_bad_max_shard_size_is_refused_naming_the_field(bf16_run, tmp_path):
 
 @pytest.mark.parametrize("value", ["5XB", "0", "-1GB", "1.5", "true", "nanGB", "GB"])
 def test_bad_max_shard_size_in_a_train_config(tmp_path, value):
-    from shardwise.train.config import load_config
+    from shardwise.config.load import load_config
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: fp32\n")
@@ -163,7 +163,7 @@ def test_bad_max_shard_size_in_a_train_config(tmp_path, value):
 @pytest.mark.parametrize(("value", "expected"), [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), (1234, 1234),
                                                  ("2.5GB", 2_500_000_000), ("64KB", 64_000)])
 def test_max_shard_size_units(tmp_path, value, expected):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     assert TrainConfig.model_validate({"export": {"max_shard_size": value}}).export.max_shard_bytes == expected
 
@@ -171,7 +171,7 @@ def test_max_shard_size_units(tmp_path, value, expected):
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("fp16-mixed", torch.float16),
                                                   ("fp32", torch.float32)])
 def test_auto_dtype_is_the_runs_compute_dtype(precision, dtype):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
     from shardwise.train.export import export_dtype
 
     assert export_dtype(TrainConfig.model_validate({"precision": precision})) == dtype
@@ -181,8 +181,8 @@ def test_auto_dtype_is_the_runs_compute_dtype(precision, dtype):
 
 def test_fp16_overflow_is_refused_and_nothing_written(tmp_path):
     """A finite fp32 weight beyond fp16's range would be inf in the file: refused like a NaN."""
+    from shardwise.config.schema import TrainConfig
     from shardwise.errors import NonFiniteError
-    from shardwise.train.config import TrainConfig
     from shardwise.train.export import export_hf
 
     cfg = TrainConfig.model_validate({"model": {"name": "tiny-llama"}, "precision": "fp16-mixed",
@@ -196,7 +196,7 @@ def test_a_long_export_reports_progress_per_read_group_and_shard(tmp_path):
     """The end of a run passes the watchdog's heartbeat as `progress`: called as each read group
     is fetched and each shard is written, never only once, so an export longer than run.timeout_s
     is not taken for a hang. Four 16 KB fp32 tensors in 40 KB bf16 shards: 2 files, 2 groups each."""
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
     from shardwise.train.export import write_hf
 
     cfg = TrainConfig.model_validate({"model": {"name": "tiny-llama"}, "precision": "bf16-mixed",
@@ -243,8 +243,8 @@ MEASURE = textwrap.dedent("""
 def test_export_host_memory_is_about_one_shard_not_the_model(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shardwise.config.schema import TrainConfig
     from shardwise.train.checkpoint import TrainerState, save_checkpoint
-    from shardwise.train.config import TrainConfig
 
     model_dir = tmp_path / "base"
     model_dir.mkdir()

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
 from shardwise.specs.hardware import GIB
-from shardwise.train.config import TrainConfig
 from shardwise.train.host_memory import read_meminfo
 from shardwise.train.preflight import preflight
 

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import yaml
 
+from shardwise.config.load import load_config
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import TrainConfig, load_config
 from shardwise.train.preflight import check_device, check_launch, preflight
 
 RECORD = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]}
@@ -499,7 +500,8 @@ def tok():
 
 
 def test_jsonl_line_nested_100k_levels_is_an_error_with_line(tmp_path, tok):
-    from shardwise.data import DataConfig, build_dataset
+    from shardwise.config.data import DataConfig
+    from shardwise.data import build_dataset
 
     path = write_jsonl(tmp_path / "deep.jsonl", [RECORD, '{"messages": ' + DEEP + "}", RECORD])
     with pytest.raises(ShardwiseError, match=r"deep\.jsonl:2: JSON nested too deeply"):
@@ -509,7 +511,8 @@ def test_jsonl_line_nested_100k_levels_is_an_error_with_line(tmp_path, tok):
 
 
 def test_json_array_element_nested_100k_levels_names_its_line(tmp_path, tok):
-    from shardwise.data import DataConfig, build_dataset
+    from shardwise.config.data import DataConfig
+    from shardwise.data import build_dataset
 
     path = tmp_path / "deep.json"
     path.write_text("[\n" + json.dumps(RECORD) + ",\n" + json.dumps(RECORD) + ",\n" + DEEP + "\n]\n")
@@ -520,7 +523,8 @@ def test_json_array_element_nested_100k_levels_names_its_line(tmp_path, tok):
 def test_parseable_but_deep_record_is_refused_before_later_stages(tmp_path, tok):
     """Nesting under Python's recursion limit parses; it is refused at validation, naming the
     field, so no later stage ever walks it."""
-    from shardwise.data import DataConfig, build_dataset
+    from shardwise.config.data import DataConfig
+    from shardwise.data import build_dataset
 
     deep = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
             "meta": json.loads("[" * 200 + "]" * 200)}  # fmt: skip

@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
+from shardwise.config.schema import TrainConfig
 from shardwise.plan.load import load_phase
 from shardwise.run import run_spec
-from shardwise.train.config import TrainConfig
 
 
 def _config(path: str, lora: bool) -> TrainConfig:

@@ -160,9 +160,9 @@ def measured_export(ckpt: Path, out: Path, *flags: str) -> dict:
 def lora_checkpoint(root: Path, model: dict, lora: dict, shapes: dict | None = None, **extra) -> Path:
     """A LoRA checkpoint as a run writes it (`model.<adapter>` tensors, random), written directly
     with `save_checkpoint`: `shapes`, or the adapters the config's model takes (from the meta device)."""
+    from shardwise.config.schema import TrainConfig
     from shardwise.run import run_spec
     from shardwise.train.checkpoint import TrainerState, save_checkpoint
-    from shardwise.train.config import TrainConfig
     from shardwise.train.model import trainable_shapes
 
     cfg = TrainConfig.model_validate({"model": model, "data": {"kind": "synthetic"}, "precision": "bf16-mixed",

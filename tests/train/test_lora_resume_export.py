@@ -131,9 +131,9 @@ def test_resume_refuses_other_adapters_or_base(runs, change, message):
     own base (the random-init base is the seed's)."""
     from resume_worker import resume_config
 
+    from shardwise.config.schema import TrainConfig
     from shardwise.errors import ShardwiseError
     from shardwise.run import run_spec
-    from shardwise.train.config import TrainConfig
     from shardwise.train.preflight import check_resumable
 
     raw = resume_config("zero3+lora", 2, runs / "x").model_dump()

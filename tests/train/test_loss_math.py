@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from shardwise.config.schema import SyntheticData, TrainConfig
 from shardwise.data.labels import count_target_tokens
 from shardwise.run import run_spec
-from shardwise.train.config import SyntheticData, TrainConfig
 from shardwise.train.data import SyntheticSource, stack
 from shardwise.train.engines.base import model_inputs, token_loss_sum
 from shardwise.train.model import build_model

@@ -72,7 +72,7 @@ def test_a_save_with_a_nan_on_one_rank_is_refused_on_every_rank(engines):
 
 
 def _cfg(tmp_path: Path, steps: int, patience: int, save_every: int | None = None):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     return TrainConfig.model_validate({
         "model": {"name": "tiny-llama", "attention": "eager"},

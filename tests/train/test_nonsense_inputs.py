@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.config.load import load_config
+from shardwise.config.schema import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, MAX_TIMEOUT_S
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import MAX_GRAD_ACCUM, MAX_MICRO_BATCH, MAX_TIMEOUT_S, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SYNTHETIC = REPO / "examples" / "fsdp-synthetic-cpu.yaml"  # tiny-qwen, 64 samples, 2 x 2 per rank, 2 ranks

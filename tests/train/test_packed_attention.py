@@ -14,11 +14,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardwise.config.schema import TrainConfig
 from shardwise.data.labels import count_target_tokens
 from shardwise.errors import ShardwiseError
 from shardwise.run import resolve, run_spec
 from shardwise.train import packed_attention as pa
-from shardwise.train.config import TrainConfig
 
 TOL = 1e-5
 CPU = torch.device("cpu")

@@ -74,7 +74,7 @@ def piped(shared_dir, demo_run) -> dict[str, str]:
 def test_a_piped_demo_logs_progress_lines_whole_and_few_warnings(piped, demo):
     text = piped[demo]
     progress = [m for line in text.splitlines() if (m := PROGRESS.match(line))]
-    from shardwise.train.config import load_config
+    from shardwise.config.load import load_config
 
     config, sets = DEMOS[demo]
     every = load_config(REPO / config, sets).logging.every
@@ -108,7 +108,7 @@ class _Shown:
 
 
 def test_every_seconds_makes_each_boundary_a_logging_step_and_the_line_shows_the_newest(tmp_path):
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     steps_only = _Shown()
     train_one_rank(loop_config(tmp_path / "a", every=3), metrics=steps_only)

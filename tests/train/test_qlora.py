@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import TrainConfig
 from shardwise.train.lora import check_qlora, qlora_strategies
 
 

@@ -46,8 +46,8 @@ def run(request, tmp_path_factory) -> dict:
     out = tmp / "out"
     cfg = tmp / "lora.yaml"
     cfg.write_text(YAML.format(model=model, out=out))
+    from shardwise.config.load import load_config
     from shardwise.run.bridge import run_spec
-    from shardwise.train.config import load_config
     from shardwise.train.host_memory import planned_cpu
 
     plan = planned_cpu(run_spec(load_config(cfg), 2, "cpu"))

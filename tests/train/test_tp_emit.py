@@ -52,8 +52,8 @@ def test_plan_tp_emit_then_train_on_two_ranks(tmp_path, strategies, note):
 
 
 def _run(tmp_path, strategy: str, world: int, **extra):
+    from shardwise.config.schema import TrainConfig
     from shardwise.run import run_spec
-    from shardwise.train.config import TrainConfig
 
     raw = {"model": {"name": extra.pop("model", "tiny-llama")}, "strategy": {"name": strategy, "tp": 2},
            "run": {"device": "cpu"}} | extra

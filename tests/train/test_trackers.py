@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardwise.config.load import load_config, validate
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import TrainConfig, load_config, validate
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, EVAL_EVERY = 6, 3

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.config.load import apply_override, load_config
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import TrainConfig, apply_override, load_config
 from shardwise.train.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[2]

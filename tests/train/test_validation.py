@@ -198,7 +198,7 @@ def test_eval_layout_covers_every_row_once_on_any_world_size():
 
 
 def test_preflight_refuses_eval_without_a_validation_split():
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
     from shardwise.train.preflight import check_eval, preflight
 
     base = {"run": {"eval_every_steps": 5, "device": "cpu"}, "model": {"name": "tiny-llama"}}

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from worker_common import start_worker
 
+from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
 from shardwise.train import checkpoint as ckpt
-from shardwise.train.config import TrainConfig
 from shardwise.train.engines import build_engine
 from shardwise.train.launch import run_rank_script
 from shardwise.train.loop import seed_everything

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from worker_common import start_worker
 
+from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train.config import TrainConfig
 from shardwise.train.launch import run_rank_script
 from shardwise.train.loop import train
 

@@ -19,10 +19,10 @@ COMM_BOUND_SHARE = 0.40
 
 def candidates(model: Any, hw: Any, train: Any, strategy: Any) -> list[Any]:
     """The run under every trainer-runnable strategy, with the run's own engine knobs."""
+    from shardwise.config.strategy import STRATEGY_NAMES, StrategyKnobs
     from shardwise.errors import ShardwiseError
     from shardwise.plan.evaluate import evaluate
-    from shardwise.specs import STRATEGY_NAMES, Strategy
-    from shardwise.specs.strategy import StrategyKnobs
+    from shardwise.specs import Strategy
 
     knobs = StrategyKnobs(shard_group=strategy.shard_group, ds=strategy.ds, fsdp=strategy.fsdp, ddp=strategy.ddp)
     out = []

@@ -23,7 +23,7 @@ from typing import Any
 def trace_config(model_name: str, seq_len: int, micro_batch: int, checkpointing: str = "none",
                  strategy: str = "fsdp"):
     """The TrainConfig of a traced step (bf16-mixed AdamW, the trainer's defaults otherwise)."""
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     return TrainConfig.model_validate({
         "model": {"name": model_name, "attention": "sdpa"},

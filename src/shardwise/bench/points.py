@@ -107,7 +107,7 @@ def prepare(config: Path, overrides: list[str], steps: int, nproc: int | None, o
             sweep: list[str] | None, force: bool, world: int | None = None) -> list[Point]:
     """Every point validated (config, data, strategy vs world size, planner) before any runs.
     `world`: the launcher's world size (then `--nproc` does not apply)."""
-    from shardwise.train.config import load_config
+    from shardwise.config.load import load_config
     from shardwise.train.preflight import preflight
 
     if steps < 1:

@@ -158,7 +158,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     import argparse
 
     from shardwise import quiet
-    from shardwise.train.config import load_config
+    from shardwise.config.load import load_config
     from shardwise.train.launch import detect_env
     from shardwise.train.preflight import preflight
 

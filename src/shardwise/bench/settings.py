@@ -41,7 +41,7 @@ def planned_settings(run) -> dict[str, Any]:
             out |= {"prefetch_bucket_size": k.prefetch_bucket_size, "max_live_parameters": k.max_live_parameters,
                     "max_reuse_distance": k.max_reuse_distance,
                     "param_persistence_threshold": k.param_persistence_threshold,
-                    "fetch_unit": k.zero3_unit(run.model, s.tp),
+                    "fetch_unit": k.zero3_unit(run.model.params_per_layer / s.tp),
                     "zero3_hooked_modules": zero3_hooked_modules(run.model, k, s.tp)}
     elif s.engine == "fsdp2":
         mixed = t.compute_dtype != "fp32"
@@ -134,7 +134,7 @@ def settings_config(case: str, world: int | None = None):
     fully_shard pins FSDP2's `single_rank: fsdp`; stock: FSDP2 as stock fully_shard runs, every
     decoder layer resharded after forward; wrap: DDP keeps its wrapper with one replica)."""
     from shardwise.bench.worker import BATCH, BENCH_MODEL, SEQ, WORLD
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     name, *flags = case.split(":")
     return TrainConfig.model_validate({

@@ -82,7 +82,7 @@ TINY_LLAMA: dict[str, Any] = tiny_llama()
 
 def bench_config(variant: str, ga: int = 1):
     """The TrainConfig of a measurement run (also recorded with the results)."""
-    from shardwise.train.config import TrainConfig
+    from shardwise.config.schema import TrainConfig
 
     strategy, knobs = VARIANTS[variant]
     fsdp = knobs if strategy.startswith("fsdp") else {}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from functools import cache
 from pathlib import Path
 
 import yaml
 
+from shardwise.config.fields import check_count, check_number
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.hardware import GB, GPUSpec, HardwareSpec, LinkSpec
 from shardwise.specs.model import ModelSpec
@@ -168,27 +168,6 @@ def gpu_link(gpu: str) -> str:
 
 MAX_GPUS = 131_072  # --gpus above this is refused (the largest clusters today are ~100k GPUs)
 MAX_GPUS_PER_NODE = 64  # HardwareSpec's limit
-
-
-def check_number(flag: str, value, *, low: float = 0.0, high: float | None = None, unit: str = "",
-                 hint: str = "") -> float:
-    """`value` of command-line `flag` if it is a finite number in (low, high]; else the
-    ShardwiseError naming the flag, the value and the expected range."""
-    rng = f"> {low:g}" + (f" and at most {high:g}" if high is not None else "")
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > low
-    if not ok or (high is not None and value > high):
-        shown = f"{value:g}" if isinstance(value, float) else repr(value)
-        raise ShardwiseError(f"{flag} {shown}: expected a finite number{unit} {rng}{hint}")
-    return value
-
-
-def check_count(flag: str, value, *, high: int | None = None, hint: str = "") -> int:
-    """`value` of `flag` if it is a whole number in 1..high; else the ShardwiseError naming the flag."""
-    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
-    if not ok or value < 1 or (high is not None and value > high):
-        rng = f"1..{high:,}" if high is not None else "at least 1"
-        raise ShardwiseError(f"{flag} {value!r}: expected a whole number {rng}{hint}")
-    return int(value)
 
 
 def build_hardware(

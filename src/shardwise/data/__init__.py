@@ -13,8 +13,6 @@ from typing import Any
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 _LAZY = {
-    "DataConfig": "shardwise.data.config",
-    "load_data_config": "shardwise.data.config",
     "build_dataset": "shardwise.data.dataset",
     "SFTDataset": "shardwise.data.dataset",
     "DataStats": "shardwise.data.dataset",
@@ -27,9 +25,9 @@ _LAZY = {
     "load_dataset": "shardwise.data.cache",
 }
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "TOKENIZER_FILES", "DataConfig", "DataStats", "ResumableDistributedSampler",
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "TOKENIZER_FILES", "DataStats", "ResumableDistributedSampler",
            "SFTCollator", "SFTDataset", "build_dataset", "check_remote_code", "count_target_tokens",
-           "default_tokenizer_path", "ensure_cache", "find_cache", "load_data_config", "load_dataset", "load_tokenizer",
+           "default_tokenizer_path", "ensure_cache", "find_cache", "load_dataset", "load_tokenizer",
            "sample_data_path", "tokenizer_files"]
 
 # The files a Hugging Face tokenizer is saved as (save_pretrained, and the legacy slow formats).

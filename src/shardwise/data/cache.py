@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from shardwise import strict_json
-from shardwise.data.config import DataConfig
+from shardwise.config.data import DataConfig
 from shardwise.data.dataset import DataStats, SFTDataset, build_dataset
 from shardwise.data.formats import resolve_files
 from shardwise.data.tokenize import EncodeStats
@@ -44,7 +44,8 @@ FORMAT = 1  # bump when the stored layout changes
 ARRAYS = ("tokens", "target", "offsets", "row_docs", "row_offsets", "lengths")
 # The pipeline's code is part of the key: a fix to masking or packing must not be hidden by a
 # cache built before it.
-_PIPELINE = ("cache", "config", "dataset", "formats", "labels", "packing", "template", "tokenize")
+_PIPELINE = tuple(f"data/{m}" for m in ("cache", "dataset", "formats", "labels", "packing", "template", "tokenize")) + (
+    "config/data",)
 _LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 
@@ -70,9 +71,9 @@ def cache_key(cfg: DataConfig, tokenizer_dir: str | Path, split: str = "train") 
 
     add("format", str(FORMAT))
     add("split", split)
-    here = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent
     for name in _PIPELINE:
-        add(f"code/{name}", (here / f"{name}.py").read_bytes())
+        add(f"code/{name}", (package / f"{name}.py").read_bytes())
     for lib in _LIBRARIES:
         try:
             add(f"lib/{lib}", version(lib))

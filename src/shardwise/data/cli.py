@@ -50,8 +50,8 @@ def inspect_cmd(
             if not sep or not key or not col:
                 raise ShardwiseError(f"inspect: field '--field': expected canonical=column, got {item!r}.")
             fields[key] = col
+        from shardwise.config.data import load_data_config
         from shardwise.data import load_tokenizer
-        from shardwise.data.config import load_data_config
         from shardwise.data.dataset import build_dataset
         from shardwise.data.inspect import report
 

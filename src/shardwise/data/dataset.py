@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from shardwise.data.config import DataConfig
+from shardwise.config.data import DataConfig
 from shardwise.data.formats import Example, LoadReport, iter_examples, resolve_files
 from shardwise.data.labels import IGNORE_INDEX
 from shardwise.data.packing import efficiency, pack

@@ -17,19 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from shardwise.config.data import ALL_FIELDS, FORMAT_FIELDS
 from shardwise.errors import ShardwiseError, did_you_mean
 
 Format = Literal["auto", "alpaca", "chat", "sharegpt", "text"]
 OnError = Literal["raise", "skip"]
 
-# Canonical field names per format; DataConfig.fields maps them to the user's column names.
-FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
-    "alpaca": ("instruction", "input", "output", "system"),
-    "chat": ("messages", "role", "content"),
-    "sharegpt": ("conversations", "from", "value"),
-    "text": ("text",),
-}
-ALL_FIELDS = tuple(sorted({f for fs in FORMAT_FIELDS.values() for f in fs}))
 # The column whose presence identifies a format in "auto" mode, in priority order.
 _MARKERS = (("chat", "messages"), ("sharegpt", "conversations"), ("alpaca", "instruction"), ("text", "text"))
 ROLES = ("system", "user", "assistant")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from shardwise.data.config import DataConfig
+from shardwise.config.data import DataConfig
 from shardwise.data.formats import Example
 from shardwise.data.template import Segment, make_renderer, split_segments
 from shardwise.errors import ShardwiseError

@@ -42,7 +42,7 @@ def _walk(doc: Any, prefix: str = ""):
 
 
 def _load(path: Path) -> Any:
-    from shardwise.safe_yaml import read_yaml
+    from shardwise.config.safe_yaml import read_yaml
 
     if not path.is_file():
         raise ShardwiseError(f"{path}: setup file not found (expected a DeepSpeed JSON, an accelerate YAML or a "

@@ -18,6 +18,8 @@ from pathlib import Path
 import yaml
 
 from shardwise import strict_json
+from shardwise.config.load import PLACEHOLDER
+from shardwise.config.schema import TrainConfig
 from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable
 from shardwise.emit.launch import launch_scripts
 from shardwise.emit.safe_write import EMIT_MANIFEST, publish, writable_dir  # noqa: F401 - EMIT_MANIFEST re-exported
@@ -27,7 +29,6 @@ from shardwise.run import RunSpec, config_dict, deepspeed_config, run_spec, to_c
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
 from shardwise.specs.layer_class import layer_class
-from shardwise.train.config import PLACEHOLDER, TrainConfig
 
 __all__ = ["accelerate_config", "deepspeed_config", "emit_configs", "emitted_run"]
 
@@ -215,7 +216,7 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
                      "(`shardwise plan --fsdp-reshard-after-forward all` plans that run).")
         lines += ["", wrap]
     if strategy.zero_stage == 3:
-        unit = strategy.ds.zero3_unit(model, strategy.tp)
+        unit = strategy.ds.zero3_unit(model.params_per_layer / strategy.tp)
         lines += ["", f"ZeRO-3 fetches each `{layer_class(model)}` whole (`leaf_module`: one fetch and release "
                       "per layer and pass, not one per submodule)." if unit == "layer" else
                       "ZeRO-3 fetches every submodule on its own (DeepSpeed's default): a decoder layer is over "

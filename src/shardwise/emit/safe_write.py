@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from shardwise import strict_json
-from shardwise.config_file import is_plain_file_name
+from shardwise.config.file import is_plain_file_name
 from shardwise.emit.accelerate import DS_HF_FILE
 from shardwise.errors import ShardwiseError
 

@@ -181,7 +181,7 @@ def _hybrid(doc: Doc, p: dict, src: Source) -> set:
 
 
 def _fsdp_keys(s: Setting, version: int) -> dict[str, Any]:
-    from shardwise.specs import STRATEGIES
+    from shardwise.config.strategy import STRATEGIES
 
     f = STRATEGIES.get(s.strategy)
     out: dict[str, Any] = {}

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardwise.config_file import DuplicateKey, parse_json, read_text
+from shardwise.config.file import DuplicateKey, parse_json, read_text
+from shardwise.config.safe_yaml import key_lines, parse_yaml
 from shardwise.errors import ShardwiseError
-from shardwise.safe_yaml import key_lines, parse_yaml
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class Source:
 
     def as_flags(self) -> list[str]:
         """The `shardwise plan` words that plan what this file plans (without the flags given beside it)."""
-        from shardwise.knob_flags import as_flags
-        from shardwise.specs import STRATEGIES
+        from shardwise.config.flags import as_flags
+        from shardwise.config.strategy import STRATEGIES
 
         words: list[str] = []
         engines = {STRATEGIES[s].engine for s in self.values.get("strategy") or STRATEGIES if s in STRATEGIES}
@@ -117,9 +117,9 @@ class Doc:
 
 
 def load(path: Path) -> Doc:
-    """The file as a mapping with key lines, read within shardwise.safe_yaml's bounds (a regular
+    """The file as a mapping with key lines, read within shardwise.config.safe_yaml's bounds (a regular
     file of at most MAX_CONFIG_BYTES): JSON as RFC 8259 has it (no NaN or infinities, no key
-    twice, numbers that fit), else YAML through shardwise.safe_yaml (no alias bombs, bad bytes,
+    twice, numbers that fit), else YAML through shardwise.config.safe_yaml (no alias bombs, bad bytes,
     duplicate keys). Every refusal is a ShardwiseError naming the file."""
     try:
         text = read_text(path)

@@ -346,7 +346,7 @@ def _optimizer(doc: Doc, data: dict, src: Source, got, key, under: str) -> None:
 
 
 def stage_keys(name: str) -> dict[str, Any]:
-    from shardwise.specs import STRATEGIES
+    from shardwise.config.strategy import STRATEGIES
 
     f = STRATEGIES[name]
     return {"zero_optimization.stage": f.zero_stage,

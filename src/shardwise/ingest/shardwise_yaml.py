@@ -1,5 +1,5 @@
 """shardwise's own training YAML: the RunSpec `shardwise train` plans (shardwise.run.run_spec),
-with `--set KEY=VALUE` applied as the trainer applies it (shardwise.train.config.load_config).
+with `--set KEY=VALUE` applied as the trainer applies it (shardwise.config.load.load_config).
 Plan and train share one config surface: the specs planned are the trainer's preflight's."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _fill_placeholders(doc: Doc, sets: list[str], src: Source) -> list[str]:
     the trainer refuses them, the plan does not need them. The model's path left empty plans
     model.name (the catalog architecture); the data files, the bundled sample (what is planned is
     their length, data.sft.max_length)."""
-    from shardwise.train.config import _placeholders, override_key
+    from shardwise.config.load import _placeholders, override_key
 
     given = {override_key(o) for o in sets}
     out = []
@@ -45,9 +45,9 @@ def _fill_placeholders(doc: Doc, sets: list[str], src: Source) -> list[str]:
 
 
 def read(doc: Doc, ctx: Context) -> Source:
+    from shardwise.config.load import load_config
+    from shardwise.config.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
     from shardwise.run import run_spec
-    from shardwise.specs import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
-    from shardwise.train.config import load_config
 
     src = Source("shardwise", doc.path, family=STRATEGY_NAMES)
     cfg = load_config(doc.path, [*_fill_placeholders(doc, ctx.sets, src), *ctx.sets])

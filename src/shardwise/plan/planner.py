@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from shardwise import catalog
-from shardwise.catalog import check_count, check_number
+from shardwise.config.fields import check_count, check_number
+from shardwise.config.strategy import STRATEGY_NAMES, StrategyKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import Evaluation, evaluate
 from shardwise.plan.memory import DEFAULT_MARGIN
-from shardwise.specs import STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
-from shardwise.specs.strategy import StrategyKnobs
+from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
 # --params above this is refused: 10 trillion parameters, ~5× the largest models trained so far
 # (and --params' default shape stops at hidden 65536, ~2.6e13).

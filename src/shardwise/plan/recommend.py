@@ -16,14 +16,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from shardwise.config.strategy import STRATEGIES, STRATEGY_NAMES, StrategyKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.numfmt import rate
 from shardwise.plan.evaluate import Evaluation, evaluate
 from shardwise.plan.planner import check_margin
-from shardwise.specs import STRATEGIES, STRATEGY_NAMES, HardwareSpec, ModelSpec, Strategy, TrainSpec
+from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
 from shardwise.specs.layout import trainer_tp_gap
-from shardwise.specs.strategy import StrategyKnobs
 
 NEAR_TIE = 0.03  # within 3% tokens/s, the simpler strategy wins
 TRAINER = "shardwise train"

@@ -79,7 +79,7 @@ def engine_knobs(strategy, model: ModelSpec) -> dict[str, Any]:
     if strategy.engine == "deepspeed":
         out["overlap_comm"] = knobs.overlap(strategy.zero_stage or 0)
         if strategy.zero_stage == 3:
-            out["fetch_unit"] = knobs.zero3_unit(model, strategy.tp)
+            out["fetch_unit"] = knobs.zero3_unit(model.params_per_layer / strategy.tp)
     if strategy.shard_group is not None:
         out["shard_group"] = strategy.shard_group
     return out
@@ -133,7 +133,7 @@ def label(p: MemoryPlan) -> str:
     return p.strategy.name + (f" (as {p.runs_as.name})" if p.runs_as else "")
 
 
-TRAINER_LOSS = "chunked"  # shardwise train's default loss.implementation (train/config.LossSection)
+TRAINER_LOSS = "chunked"  # shardwise train's default loss.implementation (config/schema.LossSection)
 
 
 def loss_words(train: TrainSpec, flag: bool = True) -> str:

@@ -140,7 +140,7 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
     gathered = (stage_layer_params(model, layout.pp) / layout.tp + tail
                 - persistent_params(model, ds.param_persistence_threshold, layout.tp))
     distance = ds.max_reuse_distance
-    if ds.zero3_unit(model, layout.tp) == "layer":
+    if ds.zero3_unit(model.params_per_layer / layout.tp) == "layer":
         norm = model.hidden_size
         embed = max(0.0, tail - lm_head - norm)  # tied: lm_head is the embedding, counted once
         kept_layers = sum(1 for after in range(layers) if after * layer + lm_head + norm < distance)

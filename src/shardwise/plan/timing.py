@@ -257,7 +257,7 @@ def zero3_hooked_modules(model: ModelSpec, ds, tp: int) -> int:
     outside = sum(1 for t in model.tensors if t.count < model.num_layers)
     if model.tie_embeddings and not any(t.name == "lm_head" for t in model.tensors):
         outside += 1  # a tied lm_head is still a module
-    per_layer = 1 if ds.zero3_unit(model, tp) == "layer" else round(layer_mods) + CONTAINERS_PER_LAYER
+    per_layer = 1 if ds.zero3_unit(model.params_per_layer / tp) == "layer" else round(layer_mods) + CONTAINERS_PER_LAYER
     return model.num_layers * per_layer + outside + CONTAINERS_OUTSIDE_LAYERS
 
 

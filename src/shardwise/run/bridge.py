@@ -16,19 +16,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from shardwise.config.load import validate
+from shardwise.config.schema import OptimizerSection, TrainConfig
+from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.run import resolve
-from shardwise.specs import (
-    DDPKnobs,
-    DeepSpeedKnobs,
-    FSDPKnobs,
-    HardwareSpec,
-    ModelSpec,
-    ParallelLayout,
-    Strategy,
-    TrainSpec,
-)
-from shardwise.train.config import OptimizerSection, TrainConfig, validate
+from shardwise.specs import HardwareSpec, ModelSpec, ParallelLayout, Strategy, TrainSpec
 
 # DeepSpeed's 5e8-element default buckets allocate GBs per rank on CPU and slow tiny runs
 # 3-5× (docs/reference.md "DeepSpeed defaults and their memory effect"); on CPU the trainer uses 1e6.

@@ -51,7 +51,7 @@ def zero_section(strategy: Strategy, model: ModelSpec, *, pin_memory: bool = Tru
             # lets `save_16bit_model()` write one consolidated checkpoint (memory at save only)
             "stage3_gather_16bit_weights_on_model_save": True,
         }
-        if k.zero3_unit(model, strategy.tp) == "layer":
+        if k.zero3_unit(model.params_per_layer / strategy.tp) == "layer":
             # each decoder layer is one fetch/release (its submodules get no hooks); this
             # replaces DeepSpeed's default leaves (MoE blocks), which a layer contains
             zero["leaf_module"] = {"classes": [layer_class(model)]}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.config import TrainConfig
 
 COMPILED_ENGINES = ("fsdp2", "ddp")
 

@@ -4,23 +4,10 @@ from shardwise.specs.hardware import GPUSpec, HardwareSpec, LinkSpec
 from shardwise.specs.inventory import ParamTensor
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
-from shardwise.specs.strategy import (
-    STRATEGIES,
-    STRATEGY_NAMES,
-    DDPKnobs,
-    DeepSpeedKnobs,
-    FSDPKnobs,
-    Strategy,
-    StrategyFacts,
-)
+from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
 __all__ = [
-    "STRATEGIES",
-    "STRATEGY_NAMES",
-    "DDPKnobs",
-    "DeepSpeedKnobs",
-    "FSDPKnobs",
     "GPUSpec",
     "HardwareSpec",
     "LinkSpec",
@@ -28,6 +15,5 @@ __all__ = [
     "ParallelLayout",
     "ParamTensor",
     "Strategy",
-    "StrategyFacts",
     "TrainSpec",
 ]

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from shardwise.config.base import Spec
 from shardwise.errors import ShardwiseError
-from shardwise.specs.base import Spec
 from shardwise.specs.timing_model import Provenance, TimingModel
 
 GB = 1e9

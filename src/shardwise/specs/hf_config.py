@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardwise.config_file import parse_json, read_text
+from shardwise.config.file import parse_json, read_text
 from shardwise.errors import ShardwiseError
 from shardwise.specs.families import ANALYTIC_FAMILIES, GPT_ACTIVATIONS, GPT_FAMILIES
 from shardwise.specs.hf_values import check_values
@@ -58,7 +58,7 @@ def config_name(cfg: dict) -> str | None:
 
 def read_config_json(path: str | Path) -> tuple[dict, Path]:
     """A local Hugging Face `config.json` (a file or its directory) as a dict, and its path;
-    a file past shardwise.config_file's bounds (size, nesting, integer digits), not UTF-8 JSON, or
+    a file past shardwise.config.file's bounds (size, nesting, integer digits), not UTF-8 JSON, or
     holding a value no model is built from (shardwise.specs.hf_values) is a ShardwiseError naming it."""
     path = Path(path)
     if path.is_dir():

@@ -4,7 +4,7 @@ ModelSpec carries them; the readers build them (no torch here)."""
 
 from __future__ import annotations
 
-from shardwise.specs.base import Spec
+from shardwise.config.base import Spec
 
 
 class ParamTensor(Spec):

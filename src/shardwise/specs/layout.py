@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from shardwise.config.base import Spec
 from shardwise.errors import ShardwiseError
-from shardwise.specs.base import Spec
 
 # The families `shardwise train` runs with tensor parallelism (shardwise.train.tensor_parallel's
 # plan: transformers' Llama/Qwen2/Mistral module names, attention reshaped with -1 local heads).

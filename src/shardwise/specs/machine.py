@@ -82,7 +82,7 @@ class MachineHardware(BaseModel):
 
 def load_machine(path: str | Path) -> MachineHardware:
     """A hardware spec file (YAML or JSON), or the error naming the file, line or field."""
-    from shardwise.safe_yaml import key_lines, read_yaml
+    from shardwise.config.safe_yaml import key_lines, read_yaml
 
     path = Path(path)
     if not path.exists():

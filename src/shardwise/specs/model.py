@@ -24,9 +24,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from shardwise.config.base import Spec
 from shardwise.errors import ShardwiseError
 from shardwise.specs import hf_config
-from shardwise.specs.base import Spec
 from shardwise.specs.families import (
     GPT_FAMILIES,
     Family,

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shardwise.config_file import parse_json, read_text
+from shardwise.config.file import parse_json, read_text
 from shardwise.errors import ShardwiseError, user_error
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.timing_model import Provenance, constant_names

@@ -1,32 +1,30 @@
-"""Strategy: which engine, how it shards, what it offloads, and every engine knob that changes
-memory or traffic. One table holds the facts of each named strategy; the planner, the layout,
-the trainer and the emitters read its columns instead of re-deriving them from the engine name.
+"""Strategy: a named strategy (a row of shardwise.config.strategy's table) with its TP/PP degrees,
+its TP scheme and its engine knobs, as the planner, the layout, the trainer and the emitters read
+it; and what each tensor-parallel implementation splits (`TP_SCHEMES`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from shardwise.config.base import Spec
+from shardwise.config.strategy import (
+    STRATEGIES,
+    STRATEGY_NAMES,
+    DDPKnobs,
+    DeepSpeedKnobs,
+    Engine,
+    FSDPKnobs,
+    FsdpSharding,
+    Resharding,
+    StrategyFacts,
+    StrategyKnobs,
+)
 from shardwise.errors import ShardwiseError, did_you_mean
-from shardwise.specs.base import Spec
 from shardwise.specs.layout import ParallelLayout
-
-if TYPE_CHECKING:
-    from shardwise.specs.model import ModelSpec
-
-Engine = Literal["ddp", "deepspeed", "fsdp2"]
-FsdpSharding = Literal["full", "grad-op", "hybrid"]
-# Which decoder-layer units FSDP2 frees after forward (and gathers again in backward): "all"
-# (stock `fully_shard(reshard_after_forward=True)`, what accelerate, HF Trainer and torchtune
-# run), "not-last" (every layer but the last, the first that backward needs: torchtitan's and
-# shardwise's trainer's), "none" (every layer stays gathered from forward to backward: ZeRO-2's
-# parameter memory; the fsdp-grad-op strategy). The root unit never reshards after forward:
-# torch forces it off (`_fsdp_state.py` `_lazy_init`, the root's `post_forward_mesh_info = None`).
-Resharding = Literal["all", "not-last", "none"]
-
 
 # How the TP dimension splits the model (`TPScheme`): "auto" takes the engine's own (`Strategy.tp_scheme`).
 TPImpl = Literal["auto", "dtensor", "megatron", "autotp"]
@@ -66,190 +64,6 @@ TP_SCHEMES: dict[str, TPScheme] = {
     "autotp": TPScheme("autotp", sequence_parallel=False, vocab_parallel=False, saves_gathered_input=False,
                        reduces_per_linear=True),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class StrategyFacts:
-    """One row of the strategy table.
-
-    shards_*: whether that model state is split over the data-parallel shard group (else every
-    rank holds all of it). zero_equivalent: the ZeRO stage with the same sharding (FSDP grad-op
-    keeps params unsharded between forward and backward: 2; full/hybrid: 3). simplicity: rank
-    for the recommender's near-tie rule (fewer moving parts, fewer knobs, easier checkpoints
-    first). combines_with_pp: DeepSpeed's PipelineEngine refuses ZeRO-2/3
-    (deepspeed/runtime/pipe/engine.py asserts `zero_optimization_stage() < 2`); DDP, ZeRO-0/1
-    and FSDP2 (torchtitan) run under pipeline stages. trainer: `shardwise train` runs it.
-    """
-
-    engine: Engine
-    zero_stage: int | None
-    fsdp_sharding: FsdpSharding | None
-    offload_optimizer: bool
-    offload_params: bool
-    shards_optimizer: bool
-    shards_grads: bool
-    shards_params: bool
-    zero_equivalent: int
-    simplicity: int
-    combines_with_pp: bool
-    trainer: bool = True
-
-
-def _row(engine: Engine, stage: int | None, fsdp: FsdpSharding | None, off_opt: bool, off_par: bool,
-         simplicity: int) -> StrategyFacts:
-    zero = stage if stage is not None else {"full": 3, "hybrid": 3, "grad-op": 2}[fsdp] if fsdp else 0
-    return StrategyFacts(
-        engine=engine, zero_stage=stage, fsdp_sharding=fsdp, offload_optimizer=off_opt, offload_params=off_par,
-        shards_optimizer=zero >= 1, shards_grads=zero >= 2, shards_params=zero >= 3 or fsdp is not None,
-        zero_equivalent=zero, simplicity=simplicity, combines_with_pp=zero <= 1 or engine == "fsdp2",
-    )
-
-
-# name -> facts; `simplicity` is the recommender's near-tie order (simpler first).
-STRATEGIES: dict[str, StrategyFacts] = {
-    "ddp": _row("ddp", None, None, False, False, 0),
-    "zero0": _row("deepspeed", 0, None, False, False, 1),
-    "zero1": _row("deepspeed", 1, None, False, False, 2),
-    "zero2": _row("deepspeed", 2, None, False, False, 3),
-    "zero3": _row("deepspeed", 3, None, False, False, 6),
-    "fsdp": _row("fsdp2", None, "full", False, False, 5),
-    "fsdp-grad-op": _row("fsdp2", None, "grad-op", False, False, 4),
-    "fsdp-hybrid": _row("fsdp2", None, "hybrid", False, False, 7),
-    "zero1+opt-offload": _row("deepspeed", 1, None, True, False, 8),
-    "zero2+opt-offload": _row("deepspeed", 2, None, True, False, 9),
-    "zero3+opt-offload": _row("deepspeed", 3, None, True, False, 10),
-    "zero3+full-offload": _row("deepspeed", 3, None, True, True, 12),
-    # CPUOffloadPolicy moves params, grads and the optimizer step to the host
-    "fsdp+offload": _row("fsdp2", None, "full", True, True, 11),
-}
-STRATEGY_NAMES: tuple[str, ...] = tuple(STRATEGIES)
-
-
-# DeepSpeed's own cap on a leaf it picks by granularity (parameter_offload.py Z3_MAX_LEAF_SIZE):
-# a larger leaf would hold too many gathered parameters at once.
-Z3_MAX_LEAF_PARAMS = 1_000_000_000
-# The largest element count a knob takes: past any model (the largest trained have ~2e12
-# parameters), small enough that its bytes stay exact in a float (2^53 ≈ 9e15).
-MAX_KNOB_ELEMENTS = 10**15
-# Every knob is finite: NaN or ±inf is no bucket size (a flag, a --from file and a YAML alike).
-FINITE = ConfigDict(allow_inf_nan=False)
-
-
-class DeepSpeedKnobs(Spec):
-    """DeepSpeed ZeRO config keys that change memory or traffic. Defaults are DeepSpeed's own
-    (`deepspeed/runtime/zero/config.py` DeepSpeedZeroConfig; tests/test_run_bridge.py checks
-    them against the installed DeepSpeed), except `fetch_unit`, which shardwise chooses."""
-
-    model_config = FINITE
-
-    reduce_bucket_size: int = Field(500_000_000, gt=0, le=MAX_KNOB_ELEMENTS, description="gradient reduce bucket (elements)")
-    allgather_bucket_size: int = Field(500_000_000, gt=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-1/2 param all-gather bucket")
-    overlap_comm: bool | None = Field(None, description="None = DeepSpeed's default: on for stage 3 only")
-    contiguous_gradients: bool = Field(True, description="copy grads into one contiguous buffer")
-    reduce_scatter: bool = Field(True, description="ZeRO-1/2: reduce-scatter instead of all-reduce")
-    use_multi_rank_bucket_allreduce: bool = Field(True, description="ZeRO-1/2: all-reduce buckets "
-                                                  "(false: reduce to the owning rank)")
-    prefetch_bucket_size: int = Field(50_000_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3 prefetch (elements)")
-    max_live_parameters: int = Field(1_000_000_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3 gathered params cap")
-    max_reuse_distance: int = Field(1_000_000_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3: keep params reused within")
-    param_persistence_threshold: int = Field(100_000, ge=0, le=MAX_KNOB_ELEMENTS, description="ZeRO-3: smaller params stay whole")
-    # "auto" = DeepSpeed's default, the parameter dtype (bf16 under bf16 mixed precision);
-    # shardwise's trainer defaults to "fp32" for loss parity (docs/training.md).
-    communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="gradient reduction dtype")
-    # ZeRO-3's fetch/release unit. DeepSpeed's default hooks every submodule (each Linear and
-    # norm, ~12 per decoder layer), each hook a Python fetch/release with its trace bookkeeping:
-    # on one H200, qwen2.5-0.5b under ZeRO-3 ran at a third of ZeRO-2's tokens/s, bound by them.
-    # "layer" flags each decoder layer a ZeRO-3 leaf (`zero_optimization.leaf_module`): one
-    # fetch per layer and pass, FSDP2's unit. "auto": layer when a layer fits both the
-    # gathered-parameter cap and DeepSpeed's leaf cap, else module (docs/reference.md).
-    fetch_unit: Literal["auto", "layer", "module"] = Field(
-        "auto", description="ZeRO-3 fetch unit: decoder layer or every submodule (DeepSpeed's default)")
-
-    def overlap(self, stage: int) -> bool:
-        return self.overlap_comm if self.overlap_comm is not None else stage == 3
-
-    def zero3_unit(self, model: ModelSpec, tp: int = 1) -> Literal["layer", "module"]:
-        """The fetch unit ZeRO-3 runs with for `model`'s decoder layers (their parameters per
-        tensor-parallel rank against the caps)."""
-        if self.fetch_unit != "auto":
-            return self.fetch_unit
-        return "layer" if model.params_per_layer / tp <= min(self.max_live_parameters, Z3_MAX_LEAF_PARAMS) else "module"
-
-    def reduce_bytes(self, compute_bytes: int) -> int:
-        """Bytes per gradient element DeepSpeed reduces in."""
-        return {"auto": compute_bytes, "fp32": 4, "bf16": 2, "fp16": 2}[self.communication_data_type]
-
-
-class FSDPKnobs(Spec):
-    """FSDP2 settings that change memory or traffic (`fully_shard` / `MixedPrecisionPolicy`)."""
-
-    model_config = FINITE
-
-    # torch's default reduce_dtype is the param dtype; fp32 keeps the reduce-scatter of bf16
-    # grads from rounding every partial sum (shardwise's default, the planner counts 4 bytes).
-    reduce_dtype: Literal["fp32", "param"] = Field("fp32", description="gradient reduce-scatter dtype")
-    # torch's default (`set_requires_gradient_sync` left on) reduce-scatters every micro-batch
-    # into the sharded grads; shardwise's trainer turns sync off on all but the last
-    # micro-batch: one reduce-scatter per step, unsharded reduce_dtype grads held in between.
-    reduce_every_micro_batch: bool = Field(False, description="with accumulation: reduce-scatter every "
-                                           "micro-batch (torch's default) instead of once per step")
-    # Resharding (above). fsdp-grad-op is "none" by definition; an explicit other value there
-    # is refused (Strategy._check).
-    reshard_after_forward: Resharding = Field(
-        "not-last", description="decoder layers freed after forward: all (stock fully_shard), not-last "
-        "(the trainer's: the last layer stays gathered for backward) or none (fsdp-grad-op)")
-
-    # A shard group of one rank (one GPU, or fsdp-hybrid with shard_group 1) shards nothing, yet
-    # `fully_shard` still casts and copies every parameter into its unsharded buffer at each
-    # all-gather and copies each gradient through its reduce-scatter buffer (torch 2.13
-    # `_fsdp_param_group.wait_for_unshard`, `foreach_reduce`), and pays its hooks per layer.
-    # "ddp": run such a group as DDP does (fp32 module under autocast, gradients all-reduced
-    # over the replicas), as torchtitan does with dp_shard 1; one H200, qwen2.5-0.5b: 53.9k
-    # tokens/s under (wrapped) DDP vs 45.3k under FSDP2, +4.5 GB. "fsdp": fully_shard anyway
-    # (its resharding frees the bf16 weights between forward and backward). "auto": ddp where
-    # that plan fits and is planned no slower, else fsdp (docs/reference.md "One-rank shard groups").
-    single_rank: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto", description="a one-rank shard group runs as: ddp (no fully_shard), fsdp, or auto (ddp where it fits)")
-
-    def reduce_bytes(self, param_bytes: int) -> int:
-        return 4 if self.reduce_dtype == "fp32" else param_bytes
-
-
-# A DDP bucket past 1 TiB is no bucket (torch holds it as int bytes: int(mb * 2**20)).
-MAX_DDP_BUCKET_MB = float(1 << 20)
-
-
-class DDPKnobs(Spec):
-    """torch DDP settings that change memory or traffic."""
-
-    model_config = FINITE
-
-    bucket_cap_mb: float = Field(25.0, gt=0, le=MAX_DDP_BUCKET_MB, description="all-reduce bucket size (MiB; torch's default 25)")
-    gradient_as_bucket_view: bool = Field(True, description="grads alias the buckets (no second copy)")
-    # One replica has nothing to all-reduce, but DistributedDataParallel still hooks every
-    # parameter and keeps its gradient buckets allocated across steps. shardwise runs the bare
-    # module there, as torchtitan (no replicate dim) and torchtune's single-device recipes do:
-    # the grads then exist only from backward to the step. True keeps torch's wrapper (the
-    # H200 measurements of 2026-11-30 ran with it).
-    wrap_one_rank: bool = Field(False, description="wrap in DistributedDataParallel even with one replica")
-
-    def wrapped(self, replicas: int) -> bool:
-        """Whether the model runs inside DistributedDataParallel with `replicas` data-parallel ranks."""
-        return replicas > 1 or self.wrap_one_rank
-
-
-class StrategyKnobs(Spec):
-    """The engine knobs of a plan, apart from the strategy name: what `shardwise plan --ds-*`
-    flags set and what a sweep applies to every candidate."""
-
-    shard_group: int | None = Field(None, gt=0)
-    # "megatron": plan the TP rows of DeepSpeed and DDP strategies as Megatron-LM's / Megatron-DeepSpeed's
-    # (FSDP2's stay DTensor's: torchtitan); "auto": each engine's own (Strategy.tp_scheme)
-    tp_impl: Literal["auto", "megatron"] = "auto"
-    ds: DeepSpeedKnobs = DeepSpeedKnobs()
-    fsdp: FSDPKnobs = FSDPKnobs()
-    ddp: DDPKnobs = DDPKnobs()
 
 
 class Strategy(Spec):

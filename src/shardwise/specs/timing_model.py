@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from shardwise.specs.base import Spec
+from shardwise.config.base import Spec
 
 Kind = Literal["fitted", "measured", "derived", "assumed"]
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shardwise.specs.base import Spec
+from shardwise.config.base import Spec
 
 Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 Optimizer = Literal["adamw", "sgd", "adam8bit"]

@@ -318,7 +318,7 @@ def write_best(output_dir: str | Path, step: int, eval_loss: float, lineage: Any
 def read_best(output_dir: str | Path, lineage: Any = _ANY) -> dict[str, Any] | None:
     """The best.json record, when its checkpoint is still published (and, with `lineage`, of that
     lineage); None otherwise."""
-    from shardwise.config_file import read_json_object
+    from shardwise.config.file import read_json_object
     from shardwise.errors import ShardwiseError
 
     root = checkpoints_dir(output_dir)

@@ -1,6 +1,6 @@
 """The checkpoints directory of a run, torch-free: the `step-N` names, which directories look
 published (a manifest is present; optionally of one lineage), which are incomplete, and the
-checkpoint's JSON files read as untrusted input (shardwise.config_file: bounded, strict) with the
+checkpoint's JSON files read as untrusted input (shardwise.config.file: bounded, strict) with the
 types of every field shardwise reads checked: the manifest, `trainer_state.json` and the ranks'
 `rank-N.json` (nothing verified against the files: shardwise.train.checkpoint_manifest does that).
 The checkpoint, the lineage and the output-directory checks read them here."""
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardwise.config_file import is_plain_file_name, read_json_object
+from shardwise.config.file import is_plain_file_name, read_json_object
 from shardwise.errors import ShardwiseError
 
 FORMAT = "shardwise-checkpoint/1"

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from shardwise.config_file import is_plain_file_name
+from shardwise.config.file import is_plain_file_name
 from shardwise.errors import ShardwiseError
 
 

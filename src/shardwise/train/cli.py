@@ -146,7 +146,7 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
     check, the resolved checkpoint to resume, the output dir's lock when this process owns it
     (shardwise's launcher, the in-process rank, torchrun's rank 0), else None, and, where this
     launcher will fork its ranks, the thread variables' values to give them back, else None)."""
-    from shardwise.train.config import load_config
+    from shardwise.config.load import load_config
     from shardwise.train.preflight import preflight
     from shardwise.train.preflight_resume import resolve_checkpoint
     from shardwise.train.rank_fork import launch_device

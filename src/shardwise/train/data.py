@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from shardwise.config.schema import SyntheticData
 from shardwise.data.labels import IGNORE_INDEX, count_target_tokens
 from shardwise.run import RunSpec
-from shardwise.train.config import SyntheticData
 from shardwise.train.engines.base import DistEnv
 
 Batch = dict[str, torch.Tensor]

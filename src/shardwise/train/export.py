@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from shardwise import strict_json
-from shardwise.train.config import EXPORT_DTYPE_OF_PRECISION, TrainConfig
+from shardwise.config.schema import EXPORT_DTYPE_OF_PRECISION, TrainConfig
 from shardwise.train.host_alloc import large_allocations_returned
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -241,8 +241,8 @@ def _checkpoint_config(raw: dict, source: Path, overrides: tuple[str, ...]) -> T
     model, data and training of a checkpoint are what they were)."""
     import copy
 
+    from shardwise.config.load import apply_override, validate
     from shardwise.errors import ShardwiseError
-    from shardwise.train.config import apply_override, validate
 
     raw = copy.deepcopy(raw)
     for o in overrides:

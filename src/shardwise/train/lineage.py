@@ -55,7 +55,7 @@ def lineage_path(output_dir: str | Path) -> Path:
 
 def read_lineage(output_dir: str | Path) -> Lineage | None:
     """The lineage of the run that last started in `output_dir`, None when none recorded."""
-    from shardwise.config_file import read_json_object
+    from shardwise.config.file import read_json_object
 
     p = lineage_path(output_dir)
     if not p.exists():

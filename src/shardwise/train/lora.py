@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise.config.schema import LoraSection, TrainConfig
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
-from shardwise.train.config import LoraSection, TrainConfig
 
 ADAPTER_NAME = "default"  # PEFT's adapter name: parameters are `...lora_A.default.weight`
 
@@ -80,7 +80,8 @@ def qlora_strategies() -> tuple[str, ...]:
     """Trainer strategies whose base weights stay whole on every rank: bitsandbytes' packed 4-bit
     tensors (uint8 storage with a QuantState attached) cannot be flattened and sharded by ZeRO-3
     or FSDP2 (the planner's recommender marks the others plan-only the same way)."""
-    from shardwise.specs import STRATEGY_NAMES, Strategy
+    from shardwise.config.strategy import STRATEGY_NAMES
+    from shardwise.specs import Strategy
 
     return tuple(n for n in STRATEGY_NAMES if (s := Strategy.from_name(n)).trainable
                  and not s.shards_params and not s.offload_params)

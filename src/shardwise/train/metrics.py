@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardwise import strict_json
+from shardwise.config.schema import TrainConfig
 from shardwise.numfmt import rate
 from shardwise.specs.hardware import GIB
-from shardwise.train.config import TrainConfig
 from shardwise.train.outputs import TMP_PREFIX, TMP_SUFFIX, record_own
 from shardwise.versions import run_versions
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardwise.config.schema import ModelSection
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
 from shardwise.run.resolve import NO_SDPA
-from shardwise.train.config import ModelSection
 from shardwise.train.hf import causal_lm_class
 
 WEIGHT_FILES = (

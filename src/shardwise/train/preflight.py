@@ -14,12 +14,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise.config.schema import TrainConfig
+from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.errors import ShardwiseError
 from shardwise.numfmt import rate
 from shardwise.run import RunSpec, run_spec, train_spec
-from shardwise.specs import STRATEGY_NAMES, Strategy
+from shardwise.specs import Strategy
 from shardwise.specs.hardware import GIB
-from shardwise.train.config import TrainConfig
 from shardwise.train.lora import check_qlora
 from shardwise.train.model import attention_note, check_model_source
 from shardwise.train.preflight_resume import (  # noqa: F401 - re-exported: the resume checks' names

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
-from shardwise.train.config import TrainConfig
 
 
 def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = True) -> Path | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from shardwise.train.config import ScheduleSection
+from shardwise.config.schema import ScheduleSection
 
 
 def lr_at(step: int, *, peak: float, total: int, kind: str, warmup: int = 0, min_ratio: float = 0.0) -> float:

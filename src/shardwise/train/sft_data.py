@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
-from shardwise.train.config import TrainConfig
 
 if TYPE_CHECKING:
     from shardwise.train.engines.base import DistEnv
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 def data_config(cfg: TrainConfig):
     """`data.sft` as the pipeline's DataConfig: the bundled sample data when no files are given,
     run.seed when no data seed is."""
-    from shardwise.data import DataConfig, sample_data_path
+    from shardwise.config.data import DataConfig
+    from shardwise.data import sample_data_path
 
     sft = cfg.data.sft
     raw = sft.model_dump(exclude={"packed_attention"}) | {  # the trainer's: rows and cache do not depend on it

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.config_file import is_plain_file_name
+from shardwise.config.file import is_plain_file_name
 from shardwise.errors import ShardwiseError
 
 SAFETENSORS = "model.safetensors"

@@ -1,4 +1,4 @@
-"""DataConfig: where the SFT data is, what format it has and how it becomes training rows."""
+"""The data section: where the SFT data is, what format it has and how it becomes training rows."""
 
 from __future__ import annotations
 
@@ -7,10 +7,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shardwise.config_fields import Finite, Int, Seed
-from shardwise.data.formats import ALL_FIELDS
+from shardwise.config.fields import Finite, Int, Seed
 from shardwise.errors import did_you_mean, user_error
 
+# Canonical field names per format; DataConfig.fields maps them to the user's column names.
+FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "alpaca": ("instruction", "input", "output", "system"),
+    "chat": ("messages", "role", "content"),
+    "sharegpt": ("conversations", "from", "value"),
+    "text": ("text",),
+}
+ALL_FIELDS = tuple(sorted({f for fs in FORMAT_FIELDS.values() for f in fs}))
 Truncation = Literal["keep_start", "cut_prompt", "drop", "raise"]
 
 # Longest sample / packed row accepted (docs/data.md): 1M tokens, above every published context

@@ -19,6 +19,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
+from shardwise.errors import ShardwiseError
+
 # JSON numbers (metrics.jsonl, summary.json, the trackers) hold integers exactly up to 2**53;
 # no count of steps, samples or bytes a run uses comes near it.
 MAX_COUNT = 2**53
@@ -75,3 +77,27 @@ def bounded(*, gt: float | None = None, ge: float | None = None, lt: float | Non
         return value
 
     return AfterValidator(check)
+
+
+# --- a command-line flag's number (the flag named in the error)
+
+
+def check_number(flag: str, value, *, low: float = 0.0, high: float | None = None, unit: str = "",
+                 hint: str = "") -> float:
+    """`value` of command-line `flag` if it is a finite number in (low, high]; else the
+    ShardwiseError naming the flag, the value and the expected range."""
+    rng = f"> {low:g}" + (f" and at most {high:g}" if high is not None else "")
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > low
+    if not ok or (high is not None and value > high):
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        raise ShardwiseError(f"{flag} {shown}: expected a finite number{unit} {rng}{hint}")
+    return value
+
+
+def check_count(flag: str, value, *, high: int | None = None, hint: str = "") -> int:
+    """`value` of `flag` if it is a whole number in 1..high; else the ShardwiseError naming the flag."""
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    if not ok or value < 1 or (high is not None and value > high):
+        rng = f"1..{high:,}" if high is not None else "at least 1"
+        raise ShardwiseError(f"{flag} {value!r}: expected a whole number {rng}{hint}")
+    return int(value)

@@ -6,7 +6,7 @@ MAX_CONFIG_BYTES, UTF-8, read with that bound, so a 1 GiB file, /dev/zero or a F
 before anything is read whole or waited for. `parse_json` is JSON as RFC 8259 has it: no NaN or
 infinities, no number beyond a float or past MAX_NUMBER_CHARS digits, no key twice, at most
 MAX_DEPTH levels and MAX_VALUES values. Each refusal is a ShardwiseError naming the file.
-shardwise.safe_yaml reads YAML within the same bounds.
+shardwise.config.safe_yaml reads YAML within the same bounds.
 """
 
 from __future__ import annotations

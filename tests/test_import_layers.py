@@ -1,4 +1,5 @@
-"""No module of shardwise imports another that imports it back (issue #23).
+"""shardwise's import graph: no module imports another that imports it back, and no module
+imports a package of a higher layer (docs/architecture.md "Layers").
 
 Edges are read with `ast` from every `import` / `from ... import` of a shardwise module,
 at module level or inside a function (a lazy import that closes a cycle is still a cycle).
@@ -157,3 +158,58 @@ def test_the_checker_finds_lazy_submodule_and_package_cycles(tmp_path: Path) -> 
     assert graph["pkg.d"] == set()
     assert graph["pkg.e"] == {"pkg.sub", "pkg.d"}
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+# Bottom to top; a module may import its own layer and the ones below (docs/architecture.md "Layers").
+# A name is a package (everything under it) or a top-level module.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("shardwise", "shardwise.errors", "shardwise.strict_json", "shardwise.numfmt", "shardwise.quiet",
+              "shardwise.versions", "shardwise.console", "shardwise.cli_help")),
+    ("config", ("shardwise.config",)),
+    ("specs", ("shardwise.specs", "shardwise.catalog")),
+    ("plan", ("shardwise.plan", "shardwise.doctor")),
+    ("run", ("shardwise.run", "shardwise.data")),
+    ("train/measure", ("shardwise.train", "shardwise.bench", "shardwise.ingest", "shardwise.emit")),
+    ("cli", ("shardwise.cli", "shardwise.cli_plan", "shardwise.render", "shardwise.render_cpu",
+             "shardwise.render_explain")),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The layer index of a module: the layer naming it or the longest package above it."""
+    best: tuple[int, int] | None = None
+    for i, (_, names) in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and (n != "shardwise" or module == n):
+                if best is None or len(n) > best[1]:
+                    best = (i, len(n))
+    return None if best is None else best[0]
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = sorted(m for m in import_graph(SRC) if layer_of(m) is None)
+    assert not missing, f"modules in no layer (add them to LAYERS and docs/architecture.md): {missing}"
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    graph = import_graph(SRC)
+    up = sorted(f"  {m} ({LAYERS[layer_of(m)][0]}) -> {d} ({LAYERS[layer_of(d)][0]})"
+                for m, deps in graph.items() for d in deps
+                if layer_of(m) is not None and layer_of(d) is not None and layer_of(d) > layer_of(m))
+    assert not up, "imports that run up the layers:\n" + "\n".join(up)
+
+
+def test_the_layer_check_sees_a_lazy_upward_import(tmp_path: Path) -> None:
+    """The checker, on a package built here: a lazy import from the config layer into train is
+    an upward edge; the same import under TYPE_CHECKING is none."""
+    root = _write(tmp_path, {
+        "shardwise/__init__.py": "",
+        "shardwise/config/__init__.py": "",
+        "shardwise/config/schema.py": "def f():\n    from shardwise.train import loop\n",
+        "shardwise/config/load.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from shardwise.train import loop\n",
+        "shardwise/train/__init__.py": "",
+        "shardwise/train/loop.py": "from shardwise.config import schema\n",
+    })
+    graph = import_graph(root.parent / "shardwise")
+    ups = [(m, d) for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m)]
+    assert ups == [("shardwise.config.schema", "shardwise.train.loop")]

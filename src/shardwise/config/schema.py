@@ -1,44 +1,25 @@
-"""TrainConfig: the typed YAML of `shardwise train`, validated before any process starts.
-
-Errors name the file, the line, the dotted field, the value given and what is accepted.
-`--set a.b=c` overrides are parsed as YAML scalars and applied before validation, so an
-override is checked exactly like a line of the file.
-"""
+"""TrainConfig: the one schema of a run. The training YAML, its `--set` overrides, `plan`'s flags
+and the planner's specs (through shardwise.run) are all read from these sections. Every field has
+one default, stated here; an unknown key is an error."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     Field,
-    ValidationError,
+    PrivateAttr,
     create_model,
     field_validator,
     model_validator,
 )
 
-from shardwise.config_fields import Finite, Int, NonBlank, Seed, bounded
-from shardwise.data.config import MAX_LENGTH_CAP, DataConfig
-from shardwise.errors import ShardwiseError, did_you_mean, user_error
-from shardwise.safe_yaml import check_values, key_lines, line_of, parse_yaml, read_yaml
-from shardwise.specs.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
-from shardwise.train.config_base import Section as _Section
-from shardwise.train.config_export import (  # noqa: F401 - re-exported: the export section's names
-    EXPORT_DTYPE_OF_PRECISION,
-    SIZE_UNITS,
-    ExportSection,
-    shard_size_bytes,
-)
-from shardwise.train.config_logging import (  # noqa: F401 - re-exported: the logging section's names
-    LEGACY_LOGGING_KEYS,
-    TRACKER_NAMES,
-    LoggingSection,
-    MlflowSection,
-    WandbSection,
-)
+from shardwise.config.base import Section as _Section
+from shardwise.config.data import MAX_LENGTH_CAP, DataConfig
+from shardwise.config.fields import Finite, Int, NonBlank, Seed, bounded
+from shardwise.config.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
+from shardwise.errors import did_you_mean
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 
@@ -295,6 +276,177 @@ class HardwareSection(_Section):
         "overrides its GPU")
 
 
+# --- logging: how often and where a run reports (the console, metrics.jsonl, the trackers)
+
+# The experiment trackers `logging.trackers` may list (shardwise.train.trackers opens them).
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
+# The keys `logging.trackers` replaced, still read (a checkpoint's manifest records them) and
+# rewritten into the new ones; `shardwise train` says so (LoggingSection.deprecation).
+LEGACY_LOGGING_KEYS = ("tensorboard", "wandb", "wandb_project")
+
+
+class WandbSection(_Section):
+    """`logging.wandb`: Weights & Biases options (used when `wandb` is in logging.trackers)."""
+
+    project: str = Field("shardwise", min_length=1, description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user); null: WANDB_ENTITY, else the "
+                               "logged-in user's default")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="online; offline (the run is written under `dir` only, `wandb sync` uploads it "
+        "later); disabled; null: WANDB_MODE, else online")
+    dir: NonBlank | None = Field(None, description="directory W&B writes its run files under (a wandb/ folder); "
+                            "null: WANDB_DIR, else checkpointing.output_dir")
+    group: str | None = Field(None, description="W&B group; null: the run's lineage, so a resumed run is "
+                              "grouped with the run it continues")
+    tags: list[str] = Field(default_factory=list, description="W&B tags of the run")
+
+
+class MlflowSection(_Section):
+    """`logging.mlflow`: MLflow options (used when `mlflow` is in logging.trackers)."""
+
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (http://host:5000, databricks, sqlite:///mlflow.db, file:/dir); "
+        "null: MLFLOW_TRACKING_URI, else a file store in checkpointing.output_dir/mlruns")
+    experiment: str = Field("shardwise", min_length=1, description="MLflow experiment (created when missing)")
+    tags: dict[str, str] = Field(default_factory=dict, description="MLflow tags of the run")
+
+
+class LoggingSection(_Section):
+    # 10: torchtitan's metrics.log_freq default
+    every: Int = Field(10, gt=0, description="log every N steps: the losses and gradient norms reach the host "
+                       "once per N steps (a step does not wait for the device in between) and the progress line "
+                       "gets every N-th step; metrics.jsonl and the trackers get every step's record (written "
+                       "then)")
+    every_seconds: Finite | None = Field(60.0, gt=0, description="also log once this many seconds passed since "
+                                        "the last logged step (whichever of every / every_seconds comes first): "
+                                        "a batch log shows progress however slow a step is; null: steps only")
+    progress: Literal["auto", "bar", "lines", "off"] = Field(
+        "auto", description="auto: a rich progress bar on a terminal, plain timestamped lines (never redrawn or "
+        "cut) when stdout is not one (sbatch, nohup, a pipe); bar, lines, off force one (true = auto, "
+        "false = off)")
+    trackers: list[str] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description=f"experiment trackers that get metrics.jsonl's records (train and eval), the run config "
+        f"and the plan: any of {', '.join(TRACKER_NAMES)} ([] for none); wandb and mlflow need "
+        "pip install 'shardwise[tracking]'")
+    wandb: WandbSection = Field(default_factory=WandbSection, description="Weights & Biases options")
+    mlflow: MlflowSection = Field(default_factory=MlflowSection, description="MLflow options")
+    # the deprecated keys this section was written with (set by _legacy_keys; not a field)
+    _legacy: tuple[str, ...] = PrivateAttr(default=())
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _progress_bool(cls, v: Any) -> Any:
+        return {True: "auto", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    @field_validator("trackers")
+    @classmethod
+    def _known_trackers(cls, v: list[str]) -> list[str]:
+        names = [t.strip().lower() for t in v]
+        for t in names:
+            if t not in TRACKER_NAMES:
+                raise ValueError(f"unknown tracker {t!r}. {did_you_mean(t, TRACKER_NAMES)}")
+        twice = sorted({t for t in names if names.count(t) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once")
+        return names
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _legacy_keys(cls, data: Any, handler: Any) -> LoggingSection:
+        data, legacy = _translate_legacy(data)
+        section = handler(data)
+        section._legacy = legacy
+        return section
+
+    def deprecation(self, where: str) -> str | None:
+        """The note `shardwise train` prints when the config used the old keys: what they were
+        read as, in the new spelling to write instead."""
+        if not self._legacy:
+            return None
+        new = f"logging.trackers: [{', '.join(self.trackers)}]"
+        if "wandb_project" in self._legacy:
+            new += f" and logging.wandb.project: {self.wandb.project}"
+        old = ", ".join(f"logging.{k}" for k in self._legacy)
+        return (f"{where}: {old} {'is' if len(self._legacy) == 1 else 'are'} deprecated; this run uses {new} "
+                "(where both are given, the new keys win); write that instead, the old keys will be removed")
+
+
+def _translate_legacy(data: Any) -> tuple[Any, tuple[str, ...]]:
+    """`logging` as written before `trackers` (tensorboard: bool, wandb: bool, wandb_project)
+    rewritten into trackers + logging.wandb.project. The new keys win where both are given (a
+    `--set logging.trackers=[...]` over a file with the old keys means what it says)."""
+    if not isinstance(data, dict):
+        return data, ()
+    legacy = tuple(k for k in LEGACY_LOGGING_KEYS
+                   if k in data and (k != "wandb" or isinstance(data[k], bool)))
+    if not legacy:
+        return data, ()
+    data = dict(data)
+    tensorboard = data.pop("tensorboard", True)
+    wandb = data.pop("wandb") if "wandb" in legacy else False
+    for key, value in (("tensorboard", tensorboard), ("wandb", wandb)):
+        if not isinstance(value, bool):
+            raise ValueError(f"logging.{key} = {value!r}: expected true or false (deprecated key: use "
+                             "logging.trackers: [tensorboard, wandb, mlflow])")
+    data.setdefault("trackers", [name for name, on in (("tensorboard", tensorboard), ("wandb", wandb)) if on])
+    if "wandb_project" in data:
+        project = data.pop("wandb_project")
+        data["wandb"] = {"project": project, **(data.get("wandb") or {})}
+    return data, legacy
+
+
+# --- export: the dtype and the largest safetensors file of an exported Hugging Face directory
+
+# `export.dtype: auto`: the dtype the run computes in (bf16-mixed trains in bf16, so its model is used in bf16).
+EXPORT_DTYPE_OF_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
+SIZE_UNITS = "units TB, GB, MB, KB: powers of 1000, as Hugging Face's max_shard_size"
+
+
+def shard_size_bytes(value: int | str) -> int:
+    """`export.max_shard_size` in bytes: an int (bytes) or "5GB"/"500MB"/"2.5GB" parsed by
+    huggingface_hub's parse_size_to_int, the parser transformers' save_pretrained uses."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str):
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        try:
+            n = parse_size_to_int(value)
+        except (ValueError, OverflowError):  # "nanGB", "infGB"
+            raise ValueError(f"expected bytes (an int) or a size like '5GB' or '500MB' ({SIZE_UNITS}), "
+                             f"got {value!r}") from None
+    else:
+        raise ValueError(f"expected bytes (an int) or a size like '5GB' or '500MB' ({SIZE_UNITS}), "
+                         f"got {value!r}")
+    if n <= 0:
+        raise ValueError(f"expected a size above 0 bytes, got {value!r} ({n} bytes)")
+    return n
+
+
+class ExportSection(_Section):
+    """`export:` — the Hugging Face directory written by `checkpointing.save_final`, `shardwise export`
+    and a LoRA run's merged model (shardwise.train.export.write_hf)."""
+
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="dtype of the exported weights; auto = the run's compute dtype (precision "
+        "bf16-mixed: bf16, fp16-mixed: fp16, fp32: fp32); the checkpoint keeps the fp32 master weights")
+    max_shard_size: int | str = Field(
+        "5GB", description="largest safetensors file: bytes, or a size like '5GB'/'500MB' (TB, GB, MB, KB: "
+        "powers of 1000); more weights than this are split into model-0000i-of-0000N.safetensors with a "
+        "model.safetensors.index.json; a tensor larger than it gets a file of its own")
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _size(cls, v: object) -> object:
+        shard_size_bytes(v)  # type: ignore[arg-type]  # refuses anything but an int or a size string
+        return v
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return shard_size_bytes(self.max_shard_size)
+
+
 class TrainConfig(_Section):
     name: str = "run"
     model: ModelSection = ModelSection()
@@ -318,99 +470,3 @@ class TrainConfig(_Section):
         import torch  # only when asked: validation stays torch-free
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-# --- loading (the YAML safety rules: shardwise.safe_yaml) -----------------------------------
-
-
-def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """`a.b.c=value`: value parsed as YAML (so `1e-4`, `true`, `[1, 2]` get their types)."""
-    if "=" not in assignment:
-        raise ShardwiseError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set strategy.name=zero3")
-    value = assignment.split("=", 1)[1]
-    parts = list(override_key(assignment))
-    node = raw
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise ShardwiseError(f"--set {assignment!r}: {p!r} is a value, not a section")
-        node = nxt
-    if not value.strip():
-        node[parts[-1]] = None
-        return
-    try:  # the file's own bounded reader: depth, values, integer digits, duplicate keys
-        node[parts[-1]] = parse_yaml(value, Path("<value>"))[1]
-    except ShardwiseError as e:
-        short = assignment if len(assignment) <= 80 else assignment[:80] + "..."
-        raise ShardwiseError(f"--set {short!r}: {re.sub(r'^<value>(:[0-9]+)?: ', '', str(e))}") from None
-
-
-# What `plan --emit` writes where only the user knows the value (the real model weights, the
-# training files): a string starting with this is refused by `load_config`, naming the field.
-PLACEHOLDER = "<FILL IN"
-
-
-def _placeholders(raw: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
-    """(key path, value) of every string that is a `plan --emit` placeholder."""
-    found = []
-    stack = [(path, raw)]
-    while stack:
-        p, v = stack.pop()
-        if isinstance(v, str) and v.startswith(PLACEHOLDER):
-            found.append((p, v))
-        elif isinstance(v, dict):
-            stack.extend(((*p, k), x) for k, x in v.items())
-        elif isinstance(v, list):
-            stack.extend(((*p, i), x) for i, x in enumerate(v))
-    return sorted(found, key=lambda f: [str(x) for x in f[0]])
-
-
-def validate(
-    raw: dict[str, Any], source: str = "<config>", lines: dict[tuple, int] | None = None,
-    overrides: dict[tuple, str] | None = None,
-) -> TrainConfig:
-    """`overrides`: the key paths `--set` gave, each with its assignment (errors there name it)."""
-    try:
-        return TrainConfig.model_validate({**raw, "source": source})
-    except ValidationError as exc:
-        raise user_error(exc, source, model=TrainConfig, lines=lines, header="invalid config",
-                         overrides=overrides) from None
-
-
-def override_key(assignment: str) -> tuple[str, ...]:
-    """The key path of a `--set a.b.c=value` assignment; an empty key or an empty part of one
-    (`run..steps`, `.run.steps`, `run.steps.`) is refused, naming the assignment."""
-    key = assignment.split("=", 1)[0].strip()
-    parts = tuple(key.split("."))
-    if not all(p.strip() for p in parts):
-        raise ShardwiseError(f"--set {assignment!r}: key {key!r} has an empty part; expected dotted field names "
-                             "such as run.steps (--set run.steps=100)")
-    return parts
-
-
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read, override and validate a YAML config; every failure is a ShardwiseError."""
-    path = Path(path)
-    node, raw = read_yaml(path)
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ShardwiseError(f"{path}: expected a mapping of sections at the top, got {type(raw).__name__}")
-    for o in overrides:
-        try:
-            apply_override(raw, o)
-        except RecursionError:  # an override's value is YAML too: as deep as a file can be
-            raise ShardwiseError(f"--set {o[:60]!r}...: value nested too deeply to read (expected a scalar "
-                                 "or a short list).") from None  # fmt: skip
-    check_values(raw, f"{path} (after the --set overrides)")  # ... and gets the same alias budget
-    lines = key_lines(node) if node is not None else {}
-    holes = _placeholders(raw)
-    if holes:
-        out = []
-        for key, value in holes:
-            field = ".".join(str(x) for x in key if not isinstance(x, int))
-            example = "'[VALUE, ...]'" if isinstance(key[-1], int) else "VALUE"
-            out.append((line_of(lines, key), f"{path}:{line_of(lines, key)}: field {field!r} = {value!r}: replace it "
-                        f"in the file, or pass --set {field}={example}"))  # fmt: skip
-        raise ShardwiseError(f"{path}: placeholder values (written by `shardwise plan --emit`) to replace before "
-                             "training:\n  " + "\n  ".join(m for _, m in sorted(out)))  # fmt: skip
-    return validate(raw, str(path), lines, overrides={override_key(o): o for o in overrides})

@@ -1,7 +1,7 @@
 """`shardwise plan`'s engine-knob flags, generated from the spec classes.
 
 One schema: the pydantic fields of `DeepSpeedKnobs`, `FSDPKnobs` and `DDPKnobs`
-(shardwise.specs.strategy) give the trainer's YAML sections (`train/config._overrides`), `--set`,
+(shardwise.specs.strategy) give the trainer's YAML sections (`config/schema._overrides`), `--set`,
 these flags and what `plan --from` reads. Each field is the flag `--ds-FIELD` / `--fsdp-FIELD` /
 `--ddp-FIELD` (underscores as dashes), its help is the field's description and its default the
 field's default, stated once, there. Knobs that had a shorter flag before keep that name
@@ -22,8 +22,8 @@ from typing import Any, Literal, get_args, get_origin
 import typer
 from pydantic import BaseModel
 
+from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs, StrategyKnobs
 from shardwise.errors import ShardwiseError
-from shardwise.specs.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs, StrategyKnobs
 
 # (StrategyKnobs attribute, flag prefix, the section's name in the trainer YAML, class)
 SECTIONS: tuple[tuple[str, str, str, type[BaseModel]], ...] = (
@@ -219,7 +219,7 @@ def as_flags(section: str, field: str, value: Any) -> list[str]:
 def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_impl: str | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}} (the rest at the classes' defaults); a bad value
     names its flag."""
-    from shardwise.catalog import check_count
+    from shardwise.config.fields import check_count
 
     if shard_group is not None:
         check_count("--shard-group", shard_group, hint=" (GPUs per fsdp-hybrid shard group)")

@@ -1,11 +1,11 @@
 """Reading one YAML document without letting it hang or exhaust memory, with line numbers.
 
-`read_yaml` reads the file within shardwise.config_file's bounds, then refuses control
+`read_yaml` reads the file within shardwise.config.file's bounds, then refuses control
 characters, nesting past MAX_DEPTH, more than MAX_YAML_VALUES values (alias bombs, cyclic
 aliases), integers past MAX_NUMBER_CHARS characters and a key given twice in one mapping, each
 as a ShardwiseError naming the file and line; `key_lines` maps every key path to
 its line, so that a validation error can name it too. The trainer's config loader
-(shardwise.train.config) and `plan --from` (shardwise.ingest) are built on these.
+(shardwise.config.schema) and `plan --from` (shardwise.ingest) are built on these.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from shardwise.config_file import MAX_DEPTH, MAX_NUMBER_CHARS, MAX_VALUES, read_text
+from shardwise.config.file import MAX_DEPTH, MAX_NUMBER_CHARS, MAX_VALUES, read_text
 from shardwise.errors import ShardwiseError
 
 # A YAML document is a graph: an alias (*a) points at an anchored node (&a) instead of copying
