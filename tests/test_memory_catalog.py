@@ -1,5 +1,5 @@
-"""catalog/memory.yaml: every constant of the memory model has its provenance, and the file names
-exactly the model's constants."""
+"""catalog/memory.yaml: every constant of the memory model has its provenance, the file names
+exactly the model's constants, and the docs quote the values it holds."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.specs.memory_model import constant_names
 
 ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
 
 
 def test_every_bundled_memory_constant_has_a_provenance():
@@ -53,3 +54,11 @@ def test_an_entry_without_provenance_is_refused(monkeypatch):
     with pytest.raises(ShardwiseError, match=r"cuda_context_bytes: .*kind"):
         catalog.memory_model.__wrapped__()
 
+
+def test_the_reference_quotes_the_runtime_overheads_the_catalog_holds():
+    mm = catalog.memory_model()
+    doc = (ROOT / "docs/reference.md").read_text()
+    assert f"`cuda_context_bytes` = {mm.cuda_context_bytes / GIB:g} GiB per process" in doc
+    assert f"`nccl_per_group_bytes` = {mm.nccl_per_group_bytes / GIB:g} GiB per group" in doc
+    assert f"`allocator_slack` = {mm.allocator_slack:.0%} of the larger" in doc
+    assert f"`default_margin` = {mm.default_margin:.0%} kept free" in doc
