@@ -102,7 +102,7 @@ def _engine(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     # allocated across steps (zero_grad only drops the views: census after_step, 1.00 P);
     # without it the buckets are one more resident copy and the grads come and go. One replica
     # runs unwrapped (DDPKnobs.wrap_one_rank): no buckets, the grads come and go.
-    w = 2 if train.precision == "bf16-pure" else 4
+    w = train.master_bytes
     wrapped = s.ddp.wrapped(layout.dp_replicate)
     view = wrapped and s.ddp.gradient_as_bucket_view
     return MemoryBreakdown(
@@ -215,7 +215,7 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
     model, train, s, layout, psi, n, per_node, layer = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node, r.layer
     c, os_ = train.compute_bytes, optimizer_bytes(train)
-    w = 2 if train.precision == "bf16-pure" else 4
+    w = train.master_bytes
     root = psi - stage_layer_params(model, layout.pp) / layout.tp
     reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
     gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)

@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field, model_validator
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.base import Spec
 from shardwise.specs.layout import ParallelLayout
+from shardwise.specs.train import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from shardwise.specs.model import ModelSpec
@@ -178,7 +179,8 @@ class DeepSpeedKnobs(Spec):
 
     def reduce_bytes(self, compute_bytes: int) -> int:
         """Bytes per gradient element DeepSpeed reduces in."""
-        return {"auto": compute_bytes, "fp32": 4, "bf16": 2, "fp16": 2}[self.communication_data_type]
+        dtype = self.communication_data_type
+        return compute_bytes if dtype == "auto" else DTYPE_BYTES[dtype]
 
 
 class FSDPKnobs(Spec):

@@ -34,6 +34,10 @@ def weight_decayed(name: str, ndim: int) -> bool:
     return ndim >= 2 and "embed" not in name and "norm" not in name
 
 
+# Bytes per element of the dtypes a precision computes or keeps its weights in.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
 # Upper bounds of the counts: past any run (the longest contexts trained are ~10M tokens, batches
 # per GPU a few hundred samples), small enough that every byte and FLOP count the planner derives
 # from them stays a finite float.
@@ -95,7 +99,17 @@ class TrainSpec(Spec):
 
     @property
     def compute_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def master_dtype(self) -> str:
+        """The dtype of the weights the optimizer updates, their gradients and its state: fp32
+        (the mixed precisions keep fp32 master weights), bf16 under bf16-pure."""
+        return "bf16" if self.precision == "bf16-pure" else "fp32"
+
+    @property
+    def master_bytes(self) -> int:
+        return DTYPE_BYTES[self.master_dtype]
 
     @property
     def mixed_precision(self) -> bool:
