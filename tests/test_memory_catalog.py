@@ -62,3 +62,18 @@ def test_the_reference_quotes_the_runtime_overheads_the_catalog_holds():
     assert f"`nccl_per_group_bytes` = {mm.nccl_per_group_bytes / GIB:g} GiB per group" in doc
     assert f"`allocator_slack` = {mm.allocator_slack:.0%} of the larger" in doc
     assert f"`default_margin` = {mm.default_margin:.0%} kept free" in doc
+
+
+def test_memory_model_constants_are_not_module_globals():
+    """The plan (and the trainer's mmap threshold) read them from catalog.memory_model(): none is
+    left a module global, under its old name or its new one."""
+    import shardwise.plan.host_cpu as host_cpu
+    import shardwise.plan.load as load
+    import shardwise.plan.memory as memory
+    import shardwise.train.host_alloc as host_alloc
+
+    old = ("CUDA_CONTEXT", "NCCL_PER_GROUP", "ALLOCATOR_SLACK", "DEFAULT_MARGIN", "SUB_GROUP_SIZE", "PROCESS_BYTES",
+           "CUDA_RUNTIME_BYTES", "LAUNCHER_BYTES", "DEFAULT_FILE_BYTES", "MMAP_THRESHOLD", "HEAP_FLOOR")
+    for module in (memory, load, host_cpu, host_alloc):
+        for name in old + tuple(n.upper() for n in constant_names()):
+            assert not hasattr(module, name), (module.__name__, name)
