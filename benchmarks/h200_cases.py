@@ -23,7 +23,6 @@ from pathlib import Path
 from shardwise import catalog
 from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.plan.evaluate import evaluate
-from shardwise.plan.memory import ALLOCATOR_SLACK
 from shardwise.specs import ModelSpec, Strategy, TrainSpec
 
 HERE = Path(__file__).parent
@@ -71,7 +70,8 @@ def compare(case: dict) -> dict:
         "tokens_per_s": {"predicted": e.time.tokens_per_s_per_gpu, "measured": m["tokens_per_s"]},
         "mfu": {"predicted": e.time.mfu},
         "fits": {"predicted": e.fits, "measured": True},
-        # the allocator-slack term, linear in ALLOCATOR_SLACK (memory_slack_loo refits it held out)
+        # the allocator-slack term, linear in the memory model's allocator_slack (memory_slack_loo
+        # refits it held out)
         "slack_term_gib": g.allocator_unreclaimable / GIB, "required_gib": g.required / GIB,
         "usable_gib": e.memory.usable_bytes / GIB,
         "time_parts_s": {k: getattr(e.time, k) for k in ("gemm_s", "attention_s", "memory_bound_s",
@@ -98,14 +98,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 def memory_slack_loo(rows: list[dict]) -> dict[str, dict]:
-    """Leave-one-out of memory's one constant fitted to these cases, ALLOCATOR_SLACK (the
-    median over the cases of the slack fraction that puts the planned device total on
-    nvidia-smi's peak): each case's device total and fits with the median of the other ten.
-    The slack term is ALLOCATOR_SLACK × the larger phase's transients, so each case's implied
-    fraction is read off its planned term, without re-planning."""
+    """Leave-one-out of memory's one constant fitted to these cases, `allocator_slack`
+    (catalog/memory.yaml: the median over the cases of the slack fraction that puts the planned
+    device total on nvidia-smi's peak): each case's device total and fits with the median of the
+    other ten. The slack term is allocator_slack × the larger phase's transients, so each case's
+    implied fraction is read off its planned term, without re-planning."""
+    slack = catalog.memory_model().allocator_slack
     implied = {}
     for r in rows:
-        per_unit = r["slack_term_gib"] / ALLOCATOR_SLACK  # GiB per unit of the fraction
+        per_unit = r["slack_term_gib"] / slack  # GiB per unit of the fraction
         base = r["device_gib"]["predicted"] - r["slack_term_gib"]
         implied[r["name"]] = ((r["device_gib"]["measured"] - base) / per_unit if per_unit else None, base, per_unit)
     out = {}

@@ -387,8 +387,9 @@ def table(doc: dict) -> str:
 
 # The cases planned against: the README's demo on each engine, LoRA of the 1.36B Llama (fsdp,
 # zero3, ddp) and full fine-tuning of the 374M (fsdp, zero2). The heap term of the plan
-# (plan/host_cpu.py HEAP_FLOOR) was read off the demo's and the 1.36B/134M cases' heaps; the
-# process terms off a fresh interpreter (`baseline`); the rest of the plan is the GPU planner's.
+# (catalog/memory.yaml heap_floor_bytes) was read off the demo's and the 1.36B/134M cases'
+# heaps; the process terms off a fresh interpreter (`baseline`); the rest of the plan is the GPU
+# planner's.
 ACCURACY_CASES = ("demo-ddp", "demo-zero2", "demo-zero3", "demo-fsdp", "fsdp-lora-1.36b", "zero3-lora-1.36b",
                   "ddp-lora-1.36b", "fsdp-full-374m", "zero2-full-374m")
 TOLERANCE = 0.15

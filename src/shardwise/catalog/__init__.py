@@ -10,6 +10,8 @@ import yaml
 from shardwise.config.fields import check_count, check_number
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.hardware import GB, GPUSpec, HardwareSpec, LinkSpec
+from shardwise.specs.memory_model import MemoryModel
+from shardwise.specs.memory_model import constant_names as memory_constant_names
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.timing_model import Provenance, TimingModel, constant_names
 
@@ -38,9 +40,13 @@ def _timing() -> dict[str, dict]:
     return _load("timing.yaml")
 
 
-def _constant(entry: dict) -> tuple[float, Provenance]:
+def _provenance(entry: dict) -> Provenance:
     prov = {k: entry[k] for k in ("kind", "basis", "cases", "sources") if k in entry}
-    return float(entry["value"]), Provenance(**{k: tuple(v) if isinstance(v, list) else v for k, v in prov.items()})
+    return Provenance(**{k: tuple(v) if isinstance(v, list) else v for k, v in prov.items()})
+
+
+def _constant(entry: dict) -> tuple[float, Provenance]:
+    return float(entry["value"]), _provenance(entry)
 
 
 @cache
@@ -51,6 +57,33 @@ def timing_model() -> TimingModel:
     for name in constant_names():
         values[name], prov[name] = _constant(engine[name])
     return TimingModel(**values, provenance=prov)
+
+
+@cache
+def _memory() -> dict[str, dict]:
+    return _load("memory.yaml")
+
+
+@cache
+def memory_model() -> MemoryModel:
+    """The bundled memory model (catalog/memory.yaml): its constants and their provenance. A
+    constant missing from the file, or one the model does not have, is refused by name."""
+    table = _memory()
+    names = memory_constant_names()
+    missing, unknown = [n for n in names if n not in table], sorted(set(table) - set(names))
+    if missing or unknown:
+        raise ShardwiseError(f"catalog/memory.yaml: missing {missing}, unknown {unknown}: expected one entry per "
+                             f"MemoryModel constant ({', '.join(names)})")
+    values, prov = {}, {}
+    for name in names:
+        entry = table[name]
+        if not isinstance(entry, dict) or "value" not in entry:
+            raise ShardwiseError(f"catalog/memory.yaml {name}: expected a mapping with value, kind and basis")
+        try:
+            values[name], prov[name] = entry["value"], _provenance(entry)
+        except ShardwiseError as e:
+            raise ShardwiseError(f"catalog/memory.yaml {name}: {e}") from None
+    return MemoryModel(**values, provenance=prov)
 
 
 EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")

@@ -21,6 +21,8 @@ from pydantic import AfterValidator, BeforeValidator, Field, Strict
 
 from shardwise.errors import ShardwiseError
 
+# Bytes per element of the dtypes a run computes in, keeps its weights in or reduces gradients in.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # JSON numbers (metrics.jsonl, summary.json, the trackers) hold integers exactly up to 2**53;
 # no count of steps, samples or bytes a run uses comes near it.
 MAX_COUNT = 2**53

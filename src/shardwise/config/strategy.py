@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from shardwise.config.base import Spec
+from shardwise.config.fields import DTYPE_BYTES
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 FsdpSharding = Literal["full", "grad-op", "hybrid"]
@@ -134,7 +135,8 @@ class DeepSpeedKnobs(Spec):
 
     def reduce_bytes(self, compute_bytes: int) -> int:
         """Bytes per gradient element DeepSpeed reduces in."""
-        return {"auto": compute_bytes, "fp32": 4, "bf16": 2, "fp16": 2}[self.communication_data_type]
+        dtype = self.communication_data_type
+        return compute_bytes if dtype == "auto" else DTYPE_BYTES[dtype]
 
 
 class FSDPKnobs(Spec):

@@ -44,8 +44,8 @@ FORMAT = 1  # bump when the stored layout changes
 ARRAYS = ("tokens", "target", "offsets", "row_docs", "row_offsets", "lengths")
 # The pipeline's code is part of the key: a fix to masking or packing must not be hidden by a
 # cache built before it.
-_PIPELINE = tuple(f"data/{m}" for m in ("cache", "dataset", "formats", "labels", "packing", "template", "tokenize")) + (
-    "config/data",)
+_PIPELINE = ("data/cache", "data/dataset", "data/formats", "data/labels", "data/packing", "data/template",
+             "data/tokenize", "config/data")
 _LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
 
 

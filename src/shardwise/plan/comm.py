@@ -113,7 +113,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         # fp32 grads; PEFT keeps adapters in fp32); DeepSpeed stage 0 all-reduces at the
         # accumulation boundary, in the module's dtype.
         if s.engine == "ddp":
-            g = 4 if lora else (2 if train.precision == "bf16-pure" else 4)
+            g = 4 if lora else train.master_bytes
         else:
             g = s.ds.reduce_bytes(c)
         ar = g * trained
@@ -165,7 +165,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     # micro-batch (`reduce_every_micro_batch`, torch's default). LoRA adapters live in the
     # decoder-layer units and are gathered with them.
     p = c
-    reduce = s.fsdp.reduce_bytes(c) if (train.mixed_precision or lora) else (2 if train.precision == "bf16-pure" else 4)
+    reduce = s.fsdp.reduce_bytes(c) if (train.mixed_precision or lora) else train.master_bytes
     layers = stage_layer_params(model, layout.pp) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
     share = fsdp_regather_share(model, s, layout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.plan.comm import CommBreakdown, ideal_comm, plan_comm
-from shardwise.plan.memory import DEFAULT_MARGIN, MemoryPlan, plan_memory
+from shardwise.plan.memory import MemoryPlan, plan_memory
 from shardwise.plan.stage import replica_params
 from shardwise.plan.timing import TimeBreakdown, step_time
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
@@ -30,7 +30,7 @@ class Evaluation:
 
 
 def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-                  accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> MemoryPlan:
+                  accounting: str = "engine", margin: float | None = None) -> MemoryPlan:
     """The memory plan of what the engines run: FSDP2 with a one-rank shard group is planned as
     the DDP it runs as, where it does (`single_rank_runs_as`; the plan names it in `runs_as`)."""
     ddp = None
@@ -40,7 +40,7 @@ def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy
 
 
 def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-             accounting: str = "engine", margin: float = DEFAULT_MARGIN) -> Evaluation:
+             accounting: str = "engine", margin: float | None = None) -> Evaluation:
     mem = memory_as_run(model, hw, train, strategy, accounting=accounting, margin=margin)
     runs = mem.engine_strategy  # FSDP2 with a one-rank shard group may run as DDP
     comm = plan_comm(model, hw, train, runs, mem.layout)
@@ -50,7 +50,7 @@ def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Str
 
 
 def single_rank_runs_as(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-                        margin: float = DEFAULT_MARGIN) -> Strategy | None:
+                        margin: float | None = None) -> Strategy | None:
     """The DDP strategy an FSDP2 strategy runs as when its shard group is one rank, or None
     when it runs `fully_shard` (FSDPKnobs.single_rank). "auto" takes DDP where its plan fits and
     is planned at least as fast as fully_shard, or where only DDP fits: sharding over one rank

@@ -10,31 +10,21 @@ libraries. A rank's resident set at its peak is therefore
   + heap slack (glibc keeps freed blocks below the mmap threshold in its heap)
 
 or, before the first step, the load phase (shardwise.plan.load), whichever is larger. A node
-also holds the launcher (`shardwise train`, which spawns and watches the ranks).
+also holds the launcher (`shardwise train`, which spawns and watches the ranks). The process,
+heap and launcher figures are the memory model's (catalog/memory.yaml, with their provenance).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.catalog import memory_model
 from shardwise.plan.breakdown import LoadBreakdown
-from shardwise.plan.load import LAUNCHER_BYTES, load_path, load_phase
-from shardwise.specs.hardware import GIB, HardwareSpec
+from shardwise.plan.load import load_path, load_phase
+from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
-
-# glibc's mmap threshold while a rank trains: shardwise.train.host_alloc holds it here, so every
-# allocation from 1 MiB up is mapped on its own and returned to the kernel when freed.
-MMAP_THRESHOLD = 1 << 20
-# Heap slack: what glibc's heap holds free after a step (mallinfo2 `fordblks`, read after the
-# optimizer step: benchmarks/results/host_memory.json `heap_free_after_step`). Below the mmap
-# threshold the tensors a layer saves for backward come from the heap; freed in backward, they
-# stay there (glibc trims only the heap's top). Measured per rank: 0.17 GiB for LoRA on the 1.36B
-# Llama at 64 tokens (0.14 GiB of activations planned), 0.10 for full fine-tuning of the 374M
-# (0.07 planned), 0.04-0.05 for the 134M (0.03 planned), 0.03 for the demo (0.01 planned); the
-# floor is the demo's remainder (the run's own small objects: data, tokenizer, process group).
-HEAP_FLOOR = 0.02 * GIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +35,8 @@ class CpuRankMemory:
     allocated: float  # the step's allocated peak (MemoryBreakdown.allocated)
     heap_slack: float
     load: LoadBreakdown
+    launcher: float  # the launcher's RSS, one per node
     ranks_per_node: int = 1
-    launcher: float = LAUNCHER_BYTES
 
     @property
     def training(self) -> float:
@@ -87,20 +77,22 @@ def cpu_rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strate
     load = load_phase(model, train, runs, plan.layout, per_node, device="cpu", path=load_path(runs, weights),
                       max_file_bytes=max_file_bytes, forked=forked)
     return CpuRankMemory(process=load.process, allocated=plan.gpu.allocated, heap_slack=heap_slack(model, train, plan),
-                         load=load, ranks_per_node=per_node)
+                         load=load, launcher=memory_model().launcher_bytes, ranks_per_node=per_node)
 
 
 def heap_slack(model: ModelSpec, train: TrainSpec, plan) -> float:
-    """HEAP_FLOOR, and the activations saved for backward where a layer's hidden states (one
-    micro-batch's tokens × hidden × the compute dtype) are below MMAP_THRESHOLD: they were
-    allocated from the heap and stay in it, free, after backward. autocast's copies of the
-    weights (DDP's fp32 module) are weight-sized and mapped: not heap."""
+    """The heap's floor, and the activations saved for backward where a layer's hidden states
+    (one micro-batch's tokens × hidden × the compute dtype) are below the mmap threshold the
+    trainer holds: they were allocated from the heap and stay in it, free, after backward.
+    autocast's copies of the weights (DDP's fp32 module) are weight-sized and mapped: not heap.
+    Floor and threshold: the memory model's `heap_floor_bytes`, `mmap_threshold_bytes`."""
     from shardwise.plan.memory import autocast_cache
 
+    mm = memory_model()
     row = train.seq_len * train.micro_batch * model.hidden_size / plan.layout.tp * train.compute_bytes
-    if row >= MMAP_THRESHOLD:
-        return HEAP_FLOOR
+    if row >= mm.mmap_threshold_bytes:
+        return mm.heap_floor_bytes
     acts = plan.gpu.activations
     if train.autocasts(plan.engine_strategy.engine):
         acts -= autocast_cache(model, train, plan.layout)[0]
-    return HEAP_FLOOR + max(0.0, acts)
+    return mm.heap_floor_bytes + max(0.0, acts)

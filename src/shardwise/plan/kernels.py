@@ -124,7 +124,7 @@ def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> flo
 
 def update_bytes(train: TrainSpec) -> float:
     """Bytes per parameter the optimizer's update kernel moves (AdamW: OPTIMIZER_BYTES by kernel)."""
-    b = OPTIMIZER_BYTES[train.optimizer_impl] * (0.5 if train.precision == "bf16-pure" else 1)
+    b = OPTIMIZER_BYTES[train.optimizer_impl] * train.master_bytes / 4  # scaled from fp32 by the state dtype
     return b * 0.5 if train.optimizer == "sgd" else b
 
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from shardwise.catalog import memory_model
 from shardwise.plan.breakdown import LoadBreakdown
 from shardwise.plan.lora import trainable_params
 from shardwise.plan.stage import stage_params, vocab_shards
-from shardwise.specs.hardware import GIB
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
@@ -34,33 +34,14 @@ from shardwise.specs.train import TrainSpec
 
 LoadPath = Literal["sharded", "broadcast", "zero3", "whole"]
 
-# Host RSS of one rank before it builds anything, by how it started and its engine:
-# - exec'd (CUDA ranks; CPU ranks under torchrun or SHARDWISE_RANK_START=exec): measured, VmRSS
-#   of a fresh interpreter once it imported what a rank imports (torch 2.13.0 CPU build,
-#   transformers, peft, shardwise's trainer; deepspeed 0.19.8 besides for the DeepSpeed engine):
-#   479 MB and 602 MB (benchmarks/results/host_memory.json "baseline", this project's 2-core CI
-#   machine);
-# - forked (CPU ranks of `shardwise train`: shardwise.train.rank_fork): measured, VmRSS of a rank
-#   forked from a launcher that imported the same, right after the fork: 376 MB and 462 MB
-#   (host_memory.json "baseline" "forked"). Its anonymous pages, shared with the launcher until
-#   written, count in its RSS; the libraries' file pages only as it touches them;
-# - cuda: assumed, not measured here: the CUDA runtime, cuBLAS/cuDNN and NCCL mapped into the
-#   process add about 1 GiB of host memory to the CPU figure (set hardware.host_memory_gb with margin).
-PROCESS_BYTES = {("exec", "torch"): 479_137_792.0, ("exec", "deepspeed"): 602_476_544.0,
-                 ("fork", "torch"): 376_410_112.0, ("fork", "deepspeed"): 461_766_656.0}
-CUDA_RUNTIME_BYTES = 1.0 * GIB
-# The launcher (`shardwise train`: it checks the run, starts the ranks and watches them), one per
-# node: its peak RSS while its 2 ranks trained, the largest over benchmarks/host_memory.py's cases
-# (612 MB: a LoRA run under DeepSpeed, whose launcher imported peft and DeepSpeed for the ranks it
-# forks; 410 MB for the demo under FSDP2; host_memory.json "launcher_peak_rss").
-LAUNCHER_BYTES = 611_577_856.0
-
 
 def process_bytes(device: str, engine: str, forked: bool = False) -> float:
     """A rank's interpreter and libraries on `device` ("cpu" | "cuda") for `engine` (the
-    strategy's: "deepspeed", "fsdp2", "ddp", ...), `forked` from its launcher or exec'd."""
-    base = PROCESS_BYTES[("fork" if forked else "exec", "deepspeed" if engine == "deepspeed" else "torch")]
-    return base + (CUDA_RUNTIME_BYTES if device != "cpu" else 0.0)
+    strategy's: "deepspeed", "fsdp2", "ddp", ...), `forked` from its launcher or exec'd: the
+    memory model's figures (catalog/memory.yaml: measured on CPU; what CUDA adds, assumed)."""
+    mm = memory_model()
+    base = mm.process_bytes("fork" if forked else "exec", "deepspeed" if engine == "deepspeed" else "torch")
+    return base + (mm.cuda_runtime_bytes if device != "cpu" else 0.0)
 
 
 def forked_ranks(device: str, ranks_per_node: int) -> bool:
@@ -69,10 +50,6 @@ def forked_ranks(device: str, ranks_per_node: int) -> bool:
     return device == "cpu" and ranks_per_node > 1
 
 
-# The safetensors file size the planner assumes when it has no checkpoint to read sizes from:
-# Hugging Face's `save_pretrained(max_shard_size="5GB")`, the size of most Hub checkpoints'
-# shards (transformers' default in the 4.x releases that wrote them).
-DEFAULT_FILE_BYTES = 5e9
 ZERO3_CHUNK_BYTES = float(1 << 28)  # the trainer's chunk (shardwise.train.weights reads it from here)
 
 
@@ -98,10 +75,10 @@ def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
 
 def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
                ranks_per_node: int, device: str = "cuda", path: LoadPath | None = None,
-               max_file_bytes: float = DEFAULT_FILE_BYTES, forked: bool | None = None) -> LoadBreakdown:
+               max_file_bytes: float | None = None, forked: bool | None = None) -> LoadBreakdown:
     """The load phase of one rank (the fullest: rank 0 under ZeRO-3) for `path` (default: the
-    safetensors path `strategy` takes). `max_file_bytes`: the checkpoint's largest file.
-    `forked`: the ranks are forked from their launcher (None: as `shardwise train` starts them,
+    safetensors path `strategy` takes). `max_file_bytes`: the checkpoint's largest file (None:
+    the memory model's `default_file_bytes`, a Hub checkpoint's shard). `forked`: the ranks are forked from their launcher (None: as `shardwise train` starts them,
     `forked_ranks`)."""
     path = path or load_path(strategy)
     vocab_tp = vocab_shards(strategy, layout.tp)
@@ -109,7 +86,10 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     n = layout.dp_shard if strategy.shards_params else 1
     on_host = device == "cpu" or strategy.offload_params
     largest = max((size for size, _ in model.tensor_sizes()), default=0) / layout.tp
-    stored = 2.0  # bytes per element in the files: bf16/fp16 checkpoints (an fp32 one doubles `read`)
+    mm = memory_model()
+    if max_file_bytes is None:
+        max_file_bytes = mm.default_file_bytes
+    stored = mm.checkpoint_element_bytes  # bytes per element in the files
     forked = forked_ranks(device, ranks_per_node) if forked is None else forked
     process = process_bytes(device, strategy.engine, forked)
     if path == "whole":

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from shardwise.catalog import memory_model
 from shardwise.plan.activations import activation_bytes, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.load import load_phase
@@ -32,22 +33,13 @@ from shardwise.plan.stage import (
     vocab_shards,
     zero3_gathered,
 )
-from shardwise.specs.hardware import GIB, HardwareSpec
+from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
 Accounting = Literal["engine", "paper", "deepspeed"]
-
-CUDA_CONTEXT = 0.75 * GIB  # docs/reference.md "Runtime overheads": 0.3–1 GB per process
-NCCL_PER_GROUP = 0.5 * GIB  # NVIDIA/nccl #864: ~0.5 GB per communicator
-# Caching-allocator slack (reserved − allocated) beyond the phase overlap: a fraction of the
-# larger phase's transient bytes, fitted (median) to one H200 with the default allocator
-# (docs/accuracy.md "Reserved memory").
-ALLOCATOR_SLACK = 0.10
-DEFAULT_MARGIN = 0.05  # head room kept free when deciding "fits"
-SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed ZeRO-3 `sub_group_size` default (zero/config.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +102,7 @@ def _engine(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     # allocated across steps (zero_grad only drops the views: census after_step, 1.00 P);
     # without it the buckets are one more resident copy and the grads come and go. One replica
     # runs unwrapped (DDPKnobs.wrap_one_rank): no buckets, the grads come and go.
-    w = 2 if train.precision == "bf16-pure" else 4
+    w = train.master_bytes
     wrapped = s.ddp.wrapped(layout.dp_replicate)
     view = wrapped and s.ddp.gradient_as_bucket_view
     return MemoryBreakdown(
@@ -186,11 +178,11 @@ def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     # zero3 vs zero3-nopersist). The gradient partition is one flat buffer allocated at init
     # (stage3.py `grad_partitions_flat_buffer`): it persists across steps. One reduce bucket
     # stays allocated across steps (measured: 1× reduce_bucket_size elements, also with its
-    # default overlap_comm=True). The optimizer steps per sub-group of `sub_group_size` (1e9)
-    # with an fp32 copy of that sub-group's gradients.
+    # default overlap_comm=True). The optimizer steps per sub-group of `sub_group_size` (the
+    # memory model's: DeepSpeed's default) with an fp32 copy of that sub-group's gradients.
     persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
     params = w * (persist + psi / n)
-    sub_group = min(psi / n, SUB_GROUP_SIZE)
+    sub_group = min(psi / n, memory_model().sub_group_size)
     mem = MemoryBreakdown(
         params=params, grads=w * psi / n, master_params=4 * psi / n, optimizer_states=os_ * psi / n,
         step_buffers=4 * sub_group + optimizer_temp(train, sub_group, sub_group),
@@ -223,7 +215,7 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""
     model, train, s, layout, psi, n, per_node, layer = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node, r.layer
     c, os_ = train.compute_bytes, optimizer_bytes(train)
-    w = 2 if train.precision == "bf16-pure" else 4
+    w = train.master_bytes
     root = psi - stage_layer_params(model, layout.pp) / layout.tp
     reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
     gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
@@ -265,15 +257,17 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     The slack: the blocks that forward frees (activations, logits: many sizes) are rarely the
     shapes the end of backward and the step ask for (gradient shards, reduce copies), so the
     default allocator reserves new segments for both phases' transients (min(forward, step)
-    on top of the larger one), plus `ALLOCATOR_SLACK` of the larger for splitting/rounding.
-    On one H200 this puts nvidia-smi's peak within the residuals in docs/accuracy.md.
+    on top of the larger one), plus `allocator_slack` of the larger for splitting/rounding.
+    On one H200 this puts nvidia-smi's peak within the residuals in docs/accuracy.md. The CUDA
+    context, a communicator and the slack fraction are the memory model's (catalog/memory.yaml).
 
     Of the slack, the phase overlap is segments one phase's transients filled and freed whole:
     the allocator releases those and retries before it raises out-of-memory. The splitting share
-    (`ALLOCATOR_SLACK`) is taken as free blocks inside segments that still hold live ones, which
+    (`allocator_slack`) is taken as free blocks inside segments that still hold live ones, which
     a flush cannot return (assumed: the fit does not separate the two; CUDACachingAllocator's
     `release_cached_blocks` frees only unsplit blocks). Expandable segments unmap freed pages
     whatever their segment: nothing stays unreclaimable."""
+    mm = memory_model()
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp))
     resident = (gpu.params + gpu.master_params + gpu.optimizer_states + gpu.engine_buffers
                 + (gpu.grads if gpu.grads_persist else 0.0))
@@ -282,20 +276,23 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     # expandable segments map freed pages back into one growing segment: the phases share
     # memory and only rounding remains (not measured here: the fraction is the default's)
     overlap = 0.0 if expandable else min(fwd, step)
-    splitting = ALLOCATOR_SLACK * max(fwd, step)
-    return {"cuda_context": CUDA_CONTEXT, "nccl": NCCL_PER_GROUP * groups,
+    splitting = mm.allocator_slack * max(fwd, step)
+    return {"cuda_context": mm.cuda_context_bytes, "nccl": mm.nccl_per_group_bytes * groups,
             "allocator_slack": overlap + splitting, "allocator_unreclaimable": 0.0 if expandable else splitting}
 
 
 def plan_memory(
     model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-    accounting: Accounting = "engine", margin: float = DEFAULT_MARGIN, runs_as: Strategy | None = None,
+    accounting: Accounting = "engine", margin: float | None = None, runs_as: Strategy | None = None,
 ) -> MemoryPlan:
     """Per-GPU (and per-host) memory of `strategy`, at the step's peak.
 
-    `runs_as`: the strategy the engines run instead, planned in its place and named in the
-    plan (FSDP2 with a one-rank shard group running as DDP; whether it does is decided from
-    memory and time together: plan.evaluate.memory_as_run)."""
+    `margin`: the fraction of GPU memory kept free when deciding "fits" (None: the memory
+    model's `default_margin`). `runs_as`: the strategy the engines run instead, planned in its
+    place and named in the plan (FSDP2 with a one-rank shard group running as DDP; whether it
+    does is decided from memory and time together: plan.evaluate.memory_as_run)."""
+    if margin is None:
+        margin = memory_model().default_margin
     if runs_as is not None:
         return replace(plan_memory(model, hw, train, runs_as, accounting, margin), strategy=strategy, runs_as=runs_as)
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)

@@ -7,10 +7,10 @@ from shardwise.specs.train import TrainSpec
 
 def optimizer_bytes(train: TrainSpec) -> float:
     """Optimizer state bytes per parameter."""
-    pure = train.precision == "bf16-pure"
+    state = train.master_bytes
     return {
-        "adamw": 4 if pure else 8,  # exp_avg + exp_avg_sq
-        "sgd": 2 if pure else 4,  # momentum buffer
+        "adamw": 2 * state,  # exp_avg + exp_avg_sq
+        "sgd": state,  # momentum buffer
         "adam8bit": 2,  # bitsandbytes: two uint8 states (block absmax is ~1.6% extra, ignored)
     }[train.optimizer]
 
@@ -24,7 +24,7 @@ def optimizer_temp(train: TrainSpec, n_params: float, largest: float) -> float:
     step's 4Ψ (docs/accuracy.md)."""
     if train.optimizer != "adamw" or train.optimizer_impl == "fused":
         return 0.0
-    state = 2 if train.precision == "bf16-pure" else 4
+    state = train.master_bytes
     if train.optimizer_impl == "foreach":
         return state * n_params
     return 2 * state * min(largest, n_params)

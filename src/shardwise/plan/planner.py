@@ -14,7 +14,6 @@ from shardwise.config.fields import check_count, check_number
 from shardwise.config.strategy import STRATEGY_NAMES, StrategyKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.evaluate import Evaluation, evaluate
-from shardwise.plan.memory import DEFAULT_MARGIN
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
 # --params above this is refused: 10 trillion parameters, ~5× the largest models trained so far
@@ -30,8 +29,11 @@ def field_high(spec: type, field: str) -> int | None:
     return next((m.le for m in spec.model_fields[field].metadata if getattr(m, "le", None) is not None), None)
 
 
-def check_margin(margin: float) -> float:
-    """`--margin`: the fraction of GPU memory kept free, 0 ≤ margin < 1."""
+def check_margin(margin: float | None) -> float:
+    """`--margin`: the fraction of GPU memory kept free, 0 ≤ margin < 1 (None: the memory
+    model's `default_margin`, catalog/memory.yaml)."""
+    if margin is None:
+        return catalog.memory_model().default_margin
     if not (isinstance(margin, int | float) and math.isfinite(margin) and 0 <= margin < 1):
         raise ShardwiseError(f"--margin {margin!r}: expected a fraction of GPU memory kept free, "
                              "at least 0 and below 1 (e.g. 0.05)")  # fmt: skip
@@ -112,7 +114,7 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
 
 def plan_strategies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
                     names: list[str] | None = None, *, tp: int = 1, pp: int = 1,
-                    accounting: str = "engine", margin: float = DEFAULT_MARGIN,
+                    accounting: str = "engine", margin: float | None = None,
                     knobs: StrategyKnobs | None = None) -> list[Evaluation]:
     """Plan each named strategy (default: all that can be laid out, `plan_layouts`)."""
     return plan_layouts(model, hw, train, names, tp=tp, pp=pp, accounting=accounting, margin=margin,
@@ -121,14 +123,14 @@ def plan_strategies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
 
 def plan_layouts(model: ModelSpec, hw: HardwareSpec, train: TrainSpec,
                  names: list[str] | None = None, *, tp: int = 1, pp: int = 1,
-                 accounting: str = "engine", margin: float = DEFAULT_MARGIN,
+                 accounting: str = "engine", margin: float | None = None,
                  knobs: StrategyKnobs | None = None) -> tuple[list[Evaluation], dict[str, str]]:
     """Plan each named strategy with the given TP/PP degrees, and the strategies left out with
     the reason. A named strategy that cannot run so is refused; of the default list (all 13),
     those that cannot (ZeRO-2/3 under pipeline parallelism, an fsdp-hybrid shard group that
     does not divide the data-parallel degree) are left out, unless none can: then the first
     reason is the error."""
-    check_margin(margin)
+    margin = check_margin(margin)
     tp, pp = check_count("--tp", tp), check_count("--pp", pp)
     if tp * pp > hw.world_size:
         raise ShardwiseError(f"tp {tp} × pp {pp} = {tp * pp} exceeds the {hw.world_size} GPUs")

@@ -162,12 +162,12 @@ def _complexity(e: Evaluation) -> tuple:
 
 def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=None,
           micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
-          tps=None, pps=None, margin: float = 0.05, knobs: StrategyKnobs | None = None,
+          tps=None, pps=None, margin: float | None = None, knobs: StrategyKnobs | None = None,
           accounting: str = "engine") -> list[Evaluation]:
     """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
     where it divides, so that candidates train the same thing. `accounting` (`plan
     --accounting`) decides the model states, so what fits and the recommendation's memory."""
-    check_margin(margin)
+    margin = check_margin(margin)
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
     pps = pps or tuple(p for p in (1, 2, 4) if p <= model.num_layers and hw.world_size % p == 0)
     out = []

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from shardwise.config.base import Spec
+from shardwise.config.fields import DTYPE_BYTES
 
 Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 Optimizer = Literal["adamw", "sgd", "adam8bit"]
@@ -95,7 +96,17 @@ class TrainSpec(Spec):
 
     @property
     def compute_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
+        return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def master_dtype(self) -> str:
+        """The dtype of the weights the optimizer updates, their gradients and its state: fp32
+        (the mixed precisions keep fp32 master weights), bf16 under bf16-pure."""
+        return "bf16" if self.precision == "bf16-pure" else "fp32"
+
+    @property
+    def master_bytes(self) -> int:
+        return DTYPE_BYTES[self.master_dtype]
 
     @property
     def mixed_precision(self) -> bool:

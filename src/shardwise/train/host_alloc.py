@@ -7,7 +7,8 @@ rises to 32 MiB after the first large frees. Tensors freed and allocated again a
 and partitions per module) then leave holes that small long-lived allocations (the activations
 saved for backward) split, so the next layer's tensor of the same size no longer fits and the
 heap grows by about a layer per layer: most of the unsharded model per rank, free but never
-returned (docs/training.md has the measurements). With the threshold fixed at MMAP_THRESHOLD,
+returned (docs/training.md has the measurements). With the threshold fixed at the memory
+model's `mmap_threshold_bytes` (catalog/memory.yaml, which the planner's heap term reads too),
 every tensor from 1 MiB up is its own mapping, returned when it is freed. No-op off glibc
 (macOS, musl); device memory is torch's own allocator's.
 """
@@ -18,9 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-# MMAP_THRESHOLD: bytes from which glibc maps an allocation on its own while a rank runs
-# (M_MMAP_THRESHOLD); the planner's heap term (shardwise.plan.host_cpu) follows from it
-from shardwise.plan.host_cpu import MMAP_THRESHOLD
+from shardwise.catalog import memory_model
 
 # glibc's dynamic maximum (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), set back when the outermost
 # context exits.
@@ -31,12 +30,13 @@ _depth = 0
 
 @contextlib.contextmanager
 def large_allocations_returned() -> Iterator[None]:
-    """glibc's mmap threshold fixed at MMAP_THRESHOLD inside (re-entrant: the outermost context
-    sets and restores it)."""
+    """glibc's mmap threshold (M_MMAP_THRESHOLD: bytes from which it maps an allocation on its
+    own) fixed at the memory model's `mmap_threshold_bytes` inside (re-entrant: the outermost
+    context sets and restores it)."""
     global _depth
     mallopt = _mallopt() if _depth == 0 else None
     if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        mallopt(_M_MMAP_THRESHOLD, memory_model().mmap_threshold_bytes)
     _depth += 1
     try:
         yield
