@@ -1,25 +1,24 @@
 """The one training loop. It never asks which engine it drives.
 
-Per optimizer step:
-1. the step's GLOBAL target-token count (all micro-batches, all ranks) is known before any
-   forward pass: it was all-reduced, asynchronously, during the previous step;
-2. for each micro-batch: `sync_grads(last)` + `forward_backward(batch, world / global_count)`;
-   the loss sums stay on the device;
-3. take the next step's micro-batches (already read, collated and counted by the prefetch
-   thread, shardwise.train.data.Prefetcher) and start one host-side all-reduce of [their counts,
-   a stop vote, a timed-save vote, a timed-log vote]; then `step()` (clip + update, returns the
-   global grad norm, left on the device) and `zero_grad()` overlap it;
-4. at a logging step (`logging.every` steps or `logging.every_seconds`), and before anything that needs the numbers (a save, an
-   evaluation, a stop, the end), the pending records are completed at once
-   (shardwise.train.step_log): the logged loss of a step is its all-reduced loss sum over its
-   global count, the exact mean over the step's targets, equal to what one process computes on
-   the whole global batch. In between, a step waits on the device at most once: the engine's
-   non-finite skip decision, and not at all where the optimizer skips on the device (fused AdamW).
+`train()`: `setup()` once, then `train_step()` and `after_step()` for each optimizer step, then
+the final weights and `teardown()`.
 
-Evaluation (`run.eval_every_steps`): at every N-th step boundary and after the last step, each
-rank runs `engine.evaluate` over its fixed slice of the validation split (the same rows on every
-world size, shardwise.train.data.eval_layout); the eval loss is the all-reduced loss sum over
-the all-reduced target count: the exact mean over the split's targets.
+`train_step(s, step)`, in order:
+1. the step's micro-batches (read, collated and counted ahead by the prefetch thread,
+   shardwise.train.data.Prefetcher) and its GLOBAL target count (all micro-batches, all
+   ranks), all-reduced while the previous step ran;
+2. for each micro-batch: `sync_grads(last)` + `forward_backward(batch, dp_world / targets)`;
+   the loss sums stay on the device;
+3. the next step's micro-batches are taken and one host-side all-reduce of [their counts, a stop
+   vote, a timed-save vote, a timed-log vote] starts;
+4. `step()` (the engine clips, skips the update where the grad norm is not finite, updates; the
+   global grad norm stays on the device) and `zero_grad()`, while that all-reduce completes;
+5. the step's record, pending until a flush (shardwise.train.step_log).
+
+`after_step(s, step)`, after every step, the last included: wait for that all-reduce, then,
+where due and in this order: flush the pending records (loss = all-reduced loss sum / global
+targets; the non-finite guard), evaluate, save, stop (raises Interrupted). Why each part is as
+it is: docs/training.md, "The loop and the loss".
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,9 +37,9 @@ import torch.distributed as dist
 from shardwise.data.labels import count_target_tokens
 from shardwise.errors import NonFiniteError  # noqa: F401 - re-exported for the CLI
 from shardwise.run import RunSpec
-from shardwise.train.data import Prefetcher
+from shardwise.train.data import Prefetcher, PreparedStep
 from shardwise.train.engines import build_engine
-from shardwise.train.engines.base import DistEnv
+from shardwise.train.engines.base import DistEnv, Engine
 from shardwise.train.host_alloc import large_allocations_returned
 from shardwise.train.model import build_model
 from shardwise.train.schedule import build_schedule
@@ -131,6 +130,9 @@ class _MetaReduce:
             work.wait()
         return t.tolist()
 
+    def sum(self, values: list[float]) -> list[float]:
+        return self.wait(self.start(values))
+
     def close(self) -> None:
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -168,6 +170,70 @@ def train(
     so tensors freed and gathered again per layer or step return to the system and never leave
     holes in the heap.
     """
+    s = setup(run, env, steps=steps, metrics=metrics, resume=resume, stop=stop, watchdog=watchdog,
+              lineage=lineage)
+    try:
+        for step in range(s.start + 1, s.total + 1):
+            train_step(s, step)
+            after_step(s, step)
+        _final_weights(s, export_weights, final_export)
+    except Interrupted:
+        s.result.status = "interrupted"
+        raise
+    finally:
+        teardown(s)
+    return s.result
+
+
+@dataclass(eq=False)
+class LoopState:
+    """One rank's training loop: what `setup` builds, `train_step` and `after_step` read and update."""
+
+    run: RunSpec
+    engine: Engine
+    denv: DistEnv  # the data-parallel view of this rank (a TP group reads one batch)
+    w: float  # 1.0 where this rank's counts and loss sums add to the global ones (one rank per TP group)
+    global_batch: int  # sequences per optimizer step, all ranks
+    phase: Callable[[str, int], None]  # tells the watchdog where this rank is
+    is_main: bool
+    start: int  # optimizer steps done before this run (resume)
+    train_time: float  # the steps' time, over resumes
+    lineage: Any
+    eval_batches: list[dict[str, torch.Tensor]]  # this rank's slice of the validation split
+    eval_targets: int  # their target tokens
+    best_loss: float
+    best_step: int | None
+    lr_at: Callable[[int], float]
+    result: TrainResult
+    metrics: Any
+    stop: Any
+    guard: Guard
+    meta: _MetaReduce
+    last_save: float  # time.monotonic() of the last checkpoint (or the start): timed saves
+    records: StepLog = field(init=False)
+    source: Prefetcher = field(init=False)
+    ahead: PreparedStep | None = None  # the next step's micro-batches, taken from the prefetch thread
+    reduce: tuple[torch.Tensor, Any] | None = None  # the all-reduce in flight: [next counts, votes]
+    counts: tuple[int, int] = (0, 0)  # the next step's global (target, input) token counts
+    clock: tuple[float, float] = (0.0, 0.0)  # (perf_counter, thread_time) when the next step's time began
+
+    @property
+    def total(self) -> int:
+        return self.run.config.run.steps
+
+    def log(self, rec: StepRecord) -> None:
+        self.result.records.append(rec)
+        if self.metrics is not None:
+            self.metrics.log_step(rec)
+
+
+def setup(run: RunSpec, env: DistEnv, *, steps: Iterator[list[dict[str, torch.Tensor]]] | None = None,
+          metrics: Any = None, resume: Path | None = None, stop: Any = None, watchdog: Any = None,
+          lineage: Any = None) -> LoopState:
+    """What runs once on each rank before the first step (`train`'s arguments): the seed, the model
+    and its engine, the checkpoint to resume loaded into it, the data, the validation batches, the
+    lr schedule, the metrics' start, the non-finite guard, the host-side group, the step log and
+    the prefetch thread. Collective (the engine, the checkpoint load, the group)."""
     from shardwise.train import checkpoint as ckpt
 
     cfg = run.config
@@ -186,7 +252,6 @@ def train(
     # Data parallelism is over the TP groups: a group's ranks read one batch, and only one of
     # them adds its counts and loss sums to the global ones (`w`), so each batch counts once.
     denv = env.data_parallel(run.layout.tp)
-    w = 1.0 if env.counts_data(run.layout.tp) else 0.0
     global_batch = cfg.run.micro_batch * cfg.run.grad_accum * denv.world_size
     phase = watchdog.phase if watchdog is not None else (lambda name, step: None)
     start, train_time = 0, 0.0
@@ -206,187 +271,224 @@ def train(
         from shardwise.train.data import build_source
 
         steps = build_source(run, denv, model.config.vocab_size, consumed=start * global_batch)
-    every = cfg.run.eval_every_steps
     eval_batches: list[dict[str, torch.Tensor]] = []
-    if every is not None:
+    if cfg.run.eval_every_steps is not None:
         from shardwise.train.data import build_eval_batches
 
         eval_batches = build_eval_batches(run, denv)
-    eval_targets = sum(count_target_tokens(b) for b in eval_batches)
     best_loss, best_step = math.inf, None
     if cp.save_best and resume is not None and env.is_main:  # rank 0 prunes: it alone needs the best
         record = ckpt.read_best(cp.output_dir, lineage.lineage if lineage is not None else None)
         if record is not None and int(record["step"]) <= start:
             best_loss, best_step = float(record["eval_loss"]), int(record["step"])
-    lr_at = build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.run.steps)
     result = TrainResult(num_params=num_params, start_step=start)
     if metrics is not None:
         metrics.start(cfg, env, num_params, start_step=start, build_s=build_s)
-    periodic = cp.save_every_steps is not None or cp.save_every_minutes is not None
     guard = Guard(cfg.run.nonfinite_patience, run.train.compute_dtype == "fp16",
                   say=(lambda msg: print(msg, flush=True)) if env.is_main else (lambda msg: None))
     guard.bad = streak
     last_save = time.monotonic()
     # One host-side reduce per step carries the NEXT step's target/token counts (they must be
-    # global before its first forward) and two votes: a stop request and "a timed checkpoint is
-    # due" (each rank's clock differs; any rank's vote makes every rank save, so they always
-    # save together). The loss sums and grad norms wait on the device for the next flush.
+    # global before its first forward) and the votes (each rank's clock differs: any rank's vote
+    # makes every rank act, so they always act together).
     meta = _MetaReduce()
-
-    def log_record(rec: StepRecord) -> None:
-        result.records.append(rec)
-        if metrics is not None:
-            metrics.log_step(rec)
-
-    records = StepLog(cfg.logging.every, guard, lambda sums: meta.wait(meta.start(sums)), log_record,
-                      every_seconds=cfg.logging.every_seconds, show=getattr(metrics, "show", None))
-
-    def save(step: int) -> Path:
-        nonlocal last_save
-        phase("checkpoint save", step)
-        t_save = time.perf_counter()
-        state = ckpt.TrainerState(step=step, samples_consumed=step * global_batch, global_batch=global_batch,
-                                  train_time_s=train_time, nonfinite_streak=guard.bad)  # fmt: skip
-        path = ckpt.save_checkpoint(engine, state, cp.output_dir, config=cfg.model_dump(mode="json"),
-                                    strategy=run.strategy.name, keep_last=cp.keep_last, lineage=lineage,
-                                    protect=best_step if cp.save_best else None)  # fmt: skip
-        result.checkpoint, last_save = path, time.monotonic()
-        if getattr(metrics, "log_checkpoint", None) is not None:
-            metrics.log_checkpoint(step, path, time.perf_counter() - t_save)
-        if cp.save_best and best_step == step and env.is_main:
-            ckpt.write_best(cp.output_dir, step, best_loss, lineage)
-        return path
-
-    def evaluate(step: int) -> EvalRecord:
-        """One pass over this rank's validation batches (collective: every rank runs the same
-        number of forwards), then one reduce of [loss sum, target count]."""
-        nonlocal best_loss, best_step
-        phase("evaluate", step)
-        t0 = time.perf_counter()
-        sums = [engine.evaluate(b) for b in eval_batches]
-        local = float(torch.stack(sums).double().sum()) if sums else 0.0
-        loss_sum, targets = meta.wait(meta.start([local * w, float(eval_targets) * w]))
-        if targets == 0:
-            raise RuntimeError(f"step {step}: the validation split has no target tokens")
-        loss = loss_sum / targets
-        rec = EvalRecord(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(targets),
-                         eval_time_s=time.perf_counter() - t0)
-        result.evals.append(rec)
-        if metrics is not None:
-            metrics.log_eval(rec)
-        if loss < best_loss:  # the same all-reduced value on every rank: the same decision
-            best_loss, best_step = loss, step
-            result.best_step = step if cp.save_best else None
-        return rec
-
-    def eval_due(step: int) -> bool:
-        return every is not None and (step % every == 0 or step == cfg.run.steps)
-
-    def save_due(step: int) -> bool:
-        return bool(cp.save_every_steps and step % cp.save_every_steps == 0)
-
-    def votes() -> list[float]:
-        timed = cp.save_every_minutes is not None and time.monotonic() - last_save >= cp.save_every_minutes * 60
-        return [float(stop is not None and stop.requested), float(timed), float(records.time_due())]
-
+    s = LoopState(run=run, engine=engine, denv=denv, w=1.0 if env.counts_data(run.layout.tp) else 0.0,
+             global_batch=global_batch, phase=phase, is_main=env.is_main, start=start, train_time=train_time,
+             lineage=lineage, eval_batches=eval_batches,
+             eval_targets=sum(count_target_tokens(b) for b in eval_batches), best_loss=best_loss,
+             best_step=best_step, lr_at=build_schedule(cfg.schedule, cfg.optimizer.lr, cfg.run.steps),
+             result=result, metrics=metrics, stop=stop, guard=guard, meta=meta, last_save=last_save)
+    s.records = StepLog(cfg.logging.every, guard, s.meta.sum, s.log, every_seconds=cfg.logging.every_seconds,
+                        show=getattr(metrics, "show", None))
     # The next steps' batches are read, collated and counted on a background thread.
-    source = Prefetcher(steps, first=start + 1, count=cfg.run.steps - start)
-    try:
-        nxt = source.next() if start < cfg.run.steps else None
-        reduce = meta.start([nxt.targets * w, nxt.tokens * w, 0.0, 0.0, 0.0]) if nxt is not None else None
-        for step in range(start, cfg.run.steps):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            phase("all_reduce(step counts)", step)
-            targets, tokens, stop_vote, time_vote, log_vote = meta.wait(reduce)
-            if step > start:  # a boundary: `step` optimizer steps are done and applied
-                # The records reach the host at a logging step (every N steps, or once any rank's
-                # clock says logging.every_seconds passed) and before any decision that needs
-                # them; nothing below is due at any other boundary.
-                finite = True
-                if (stop_vote or time_vote or log_vote or eval_due(step) or save_due(step)
-                        or records.due(step)):  # fmt: skip
-                    phase("host sync (losses, grad norms)", step)
-                    finite = records.flush()
-                # a stop request skips a due evaluation: the stop must be prompt
-                evaluated = finite and not stop_vote and eval_due(step)
-                if evaluated:
-                    evaluate(step)
-                saved = finite and (save_due(step) or time_vote or (evaluated and cp.save_best))
-                if saved:
-                    save(step)
-                if stop_vote:
-                    note = ""
-                    if cp.save_on_interrupt and not saved:
-                        # A skipped (non-finite) step left the weights and optimizer state as the last
-                        # finite step made them: that state is saved (save_checkpoint refuses it if it
-                        # is not finite after all), its skipped steps counted for the resumed run.
-                        save(step)
-                        if not finite and records.last is not None:
-                            last = records.last
-                            note = (f" (step {step}'s update was skipped: loss {last.loss}, grad norm "
-                                    f"{last.grad_norm}; the checkpoint holds the state of the last finite step, "
-                                    f"and a resumed run counts its {guard.bad} skipped step(s) against "
-                                    f"run.nonfinite_patience={guard.patience})")
-                    signum = stop.signum if stop is not None and stop.signum else signal.SIGTERM
-                    raise Interrupted(signum, step, result.checkpoint, note)
-            global_targets, global_tokens = int(targets), int(tokens)
-            if global_targets == 0:
-                raise RuntimeError(f"step {step + 1}: the global batch has no target tokens")
-            loss_scale = denv.world_size / global_targets  # engines average over data ranks
-            engine.set_lr(lr_at(step))
-            assert nxt is not None and nxt.step == step + 1, (nxt, step)
-            micro = nxt.micro
-            phase("forward_backward", step + 1)
-            sums = []  # kept on the device until the next flush
-            for i, batch in enumerate(micro):
-                with engine.sync_grads(i == len(micro) - 1):
-                    sums.append(engine.forward_backward(batch, loss_scale))
-            loss_sum = torch.stack(sums).double().sum()
-            if step + 1 < cfg.run.steps:
-                phase("next batches", step + 1)
-                nxt = source.next()
-            else:
-                nxt = None
-            reduce = meta.start([*((nxt.targets * w, nxt.tokens * w) if nxt is not None else (0.0, 0.0)), *votes()])
-            phase("optimizer step", step + 1)
-            grad_norm = engine.step()
-            engine.zero_grad()
-            rec = StepRecord(
-                step=step + 1,
-                loss=float("nan"),  # both set at the next flush
-                grad_norm=float("nan"),
-                lr=lr_at(step),
-                target_tokens=global_targets,
-                tokens=global_tokens,
-                step_time_s=time.perf_counter() - t0,
-                cpu_time_s=time.thread_time() - c0,
-            )
-            records.add(rec, loss_sum * w, grad_norm)
-            train_time += rec.step_time_s
-        if reduce is not None:
-            phase("all_reduce(step counts)", cfg.run.steps)
-            meta.wait(reduce)
-            phase("host sync (losses, grad norms)", cfg.run.steps)
-            finite = records.flush()
-            guard.at_end(records.last)
-            evaluated = finite and eval_due(cfg.run.steps)
-            if evaluated:
-                evaluate(cfg.run.steps)
-            if (periodic or (evaluated and cp.save_best)) and finite:
-                save(cfg.run.steps)
-        if export_weights:
-            phase("export gather", cfg.run.steps)
-            result.final_weights = engine.consolidated_state_dict()  # export refuses non-finite ones
-        if final_export:
-            from shardwise.train.final_weights import final_weights
+    s.source = Prefetcher(steps, first=start + 1, count=cfg.run.steps - start)
+    return s
 
-            phase("export staging", cfg.run.steps)
-            result.final = final_weights(engine, cp.output_dir, cfg.run.steps, result.checkpoint)
-    except Interrupted:
-        result.status = "interrupted"
-        raise
-    finally:
-        source.close()
-        meta.close()
-        engine.close()
-    return result
+
+def train_step(s: LoopState, step: int) -> None:
+    """Optimizer step `step` (1-based) on this rank, in the order of the module docstring."""
+    # 1. this step's micro-batches and global counts: read ahead and all-reduced during the
+    #    previous step (`after_step` waited for them); the run's first step takes its own here
+    if step == s.start + 1:
+        s.ahead = s.source.next()
+        s.reduce = s.meta.start([s.ahead.targets * s.w, s.ahead.tokens * s.w, 0.0, 0.0, 0.0])
+        s.clock = _clock()
+        _receive(s, s.start)
+    targets, tokens = s.counts
+    if targets == 0:
+        raise RuntimeError(f"step {step}: the global batch has no target tokens")
+    loss_scale = s.denv.world_size / targets  # engines average over data ranks
+    lr = s.lr_at(step - 1)
+    s.engine.set_lr(lr)
+    assert s.ahead is not None and s.ahead.step == step, (s.ahead, step)
+    micro = s.ahead.micro
+
+    # 2. forward and backward of each micro-batch; gradients sync on the last one only
+    s.phase("forward_backward", step)
+    sums = []  # kept on the device until the next flush
+    for i, batch in enumerate(micro):
+        with s.engine.sync_grads(i == len(micro) - 1):
+            sums.append(s.engine.forward_backward(batch, loss_scale))
+    loss_sum = torch.stack(sums).double().sum()
+
+    # 3. the next step's micro-batches, and the all-reduce of [their counts, this rank's votes]
+    if step < s.total:
+        s.phase("next batches", step)
+        s.ahead = s.source.next()
+    else:
+        s.ahead = None
+    counts = (s.ahead.targets * s.w, s.ahead.tokens * s.w) if s.ahead is not None else (0.0, 0.0)
+    s.reduce = s.meta.start([*counts, *_votes(s)])
+
+    # 4. clip, skip a non-finite update, update (the engine), while that all-reduce completes
+    s.phase("optimizer step", step)
+    grad_norm = s.engine.step()
+    s.engine.zero_grad()
+
+    # 5. the record; its loss and grad norm reach the host at the next flush (after_step)
+    t0, c0 = s.clock
+    rec = StepRecord(step=step, loss=float("nan"), grad_norm=float("nan"), lr=lr, target_tokens=targets,
+                     tokens=tokens, step_time_s=time.perf_counter() - t0, cpu_time_s=time.thread_time() - c0)
+    s.records.add(rec, loss_sum * s.w, grad_norm)
+    s.train_time += rec.step_time_s
+
+
+def after_step(s: LoopState, step: int) -> None:
+    """What follows optimizer step `step` (the last one included), in this order: the next step's
+    counts and the votes, then where due the flush of the pending records, an evaluation, a
+    checkpoint and a stop (raises Interrupted). The votes are sums over ranks, and so are the
+    records' numbers: every rank takes every decision alike."""
+    cfg = s.run.config
+    cp = cfg.checkpointing
+    s.clock = _clock()  # the next step's time starts here: it counts the waits and work below
+    stop_vote, time_vote, log_vote = _receive(s, step)
+    last = step == s.total
+    # a stop voted during the last step changes nothing: the run ends there anyway
+    stopping = bool(stop_vote) and not last
+    every = cfg.run.eval_every_steps
+    eval_due = every is not None and (step % every == 0 or last)
+    save_due = bool(cp.save_every_steps and step % cp.save_every_steps == 0)
+    periodic = cp.save_every_steps is not None or cp.save_every_minutes is not None
+
+    # The records reach the host at a logging step (every N steps, or once any rank's clock says
+    # logging.every_seconds passed), after the last step, and before any decision that needs
+    # them; nothing below is due at any other boundary.
+    finite = True
+    if last or stopping or time_vote or log_vote or eval_due or save_due or s.records.due(step):
+        s.phase("host sync (losses, grad norms)", step)
+        finite = s.records.flush()  # raises NonFiniteError past run.nonfinite_patience
+    if last:
+        s.guard.at_end(s.records.last)  # raises when the last step was skipped
+
+    # a stop skips a due evaluation: the stop must be prompt
+    evaluated = finite and not stopping and eval_due
+    if evaluated:
+        _evaluate(s, step)
+
+    # every N steps, a timed save any rank voted for, each evaluation's with save_best, the last step's
+    saved = finite and (save_due or bool(time_vote) or (evaluated and cp.save_best) or (last and periodic))
+    if saved:
+        _save(s, step)
+
+    if stopping:
+        note = ""
+        if cp.save_on_interrupt and not saved:
+            # A skipped (non-finite) step left the weights and optimizer state as the last finite
+            # step made them: that state is saved (save_checkpoint refuses it if it is not finite
+            # after all), its skipped steps counted for the resumed run.
+            _save(s, step)
+            if not finite and s.records.last is not None:
+                rec = s.records.last
+                note = (f" (step {step}'s update was skipped: loss {rec.loss}, grad norm "
+                        f"{rec.grad_norm}; the checkpoint holds the state of the last finite step, "
+                        f"and a resumed run counts its {s.guard.bad} skipped step(s) against "
+                        f"run.nonfinite_patience={s.guard.patience})")
+        signum = s.stop.signum if s.stop is not None and s.stop.signum else signal.SIGTERM
+        raise Interrupted(signum, step, s.result.checkpoint, note)
+
+
+def teardown(s: LoopState) -> None:
+    """Stop the prefetch thread, destroy the host-side group, release the engine."""
+    s.source.close()
+    s.meta.close()
+    s.engine.close()
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
+
+
+def _receive(s: LoopState, step: int) -> list[float]:
+    """Wait for the all-reduce started during step `step`: keep the next step's global counts,
+    return the votes [stop, timed save, timed log] (sums over ranks)."""
+    assert s.reduce is not None
+    s.phase("all_reduce(step counts)", step)
+    targets, tokens, *votes = s.meta.wait(s.reduce)
+    s.counts = int(targets), int(tokens)
+    return votes
+
+
+def _votes(s: LoopState) -> list[float]:
+    """This rank's votes, asked during a step: a stop was requested, a timed checkpoint is due,
+    a timed log is due."""
+    minutes = s.run.config.checkpointing.save_every_minutes
+    timed = minutes is not None and time.monotonic() - s.last_save >= minutes * 60
+    return [float(s.stop is not None and s.stop.requested), float(timed), float(s.records.time_due())]
+
+
+def _evaluate(s: LoopState, step: int) -> EvalRecord:
+    """One pass over this rank's validation batches (collective: every rank runs the same number
+    of forwards), then one reduce of [loss sum, target count]."""
+    s.phase("evaluate", step)
+    t0 = time.perf_counter()
+    sums = [s.engine.evaluate(b) for b in s.eval_batches]
+    local = float(torch.stack(sums).double().sum()) if sums else 0.0
+    loss_sum, targets = s.meta.sum([local * s.w, float(s.eval_targets) * s.w])
+    if targets == 0:
+        raise RuntimeError(f"step {step}: the validation split has no target tokens")
+    loss = loss_sum / targets
+    rec = EvalRecord(step=step, eval_loss=loss, eval_ppl=perplexity(loss), eval_tokens=int(targets),
+                     eval_time_s=time.perf_counter() - t0)
+    s.result.evals.append(rec)
+    if s.metrics is not None:
+        s.metrics.log_eval(rec)
+    if loss < s.best_loss:  # the same all-reduced value on every rank: the same decision
+        s.best_loss, s.best_step = loss, step
+        s.result.best_step = step if s.run.config.checkpointing.save_best else None
+    return rec
+
+
+def _save(s: LoopState, step: int) -> Path:
+    """A checkpoint of the state after step `step` (collective); with save_best, rank 0 records it
+    as the best when its evaluation was."""
+    from shardwise.train import checkpoint as ckpt
+
+    cfg = s.run.config
+    cp = cfg.checkpointing
+    s.phase("checkpoint save", step)
+    t_save = time.perf_counter()
+    state = ckpt.TrainerState(step=step, samples_consumed=step * s.global_batch, global_batch=s.global_batch,
+                              train_time_s=s.train_time, nonfinite_streak=s.guard.bad)  # fmt: skip
+    path = ckpt.save_checkpoint(s.engine, state, cp.output_dir, config=cfg.model_dump(mode="json"),
+                                strategy=s.run.strategy.name, keep_last=cp.keep_last, lineage=s.lineage,
+                                protect=s.best_step if cp.save_best else None)  # fmt: skip
+    s.result.checkpoint, s.last_save = path, time.monotonic()
+    if getattr(s.metrics, "log_checkpoint", None) is not None:
+        s.metrics.log_checkpoint(step, path, time.perf_counter() - t_save)
+    if cp.save_best and s.best_step == step and s.is_main:
+        ckpt.write_best(cp.output_dir, step, s.best_loss, s.lineage)
+    return path
+
+
+def _final_weights(s: LoopState, export_weights: bool, final_export: bool) -> None:
+    """After the last step: the weights rank 0 holds in memory, and/or the DCP directory that
+    holds them for the streamed export (collectives)."""
+    if export_weights:
+        s.phase("export gather", s.total)
+        s.result.final_weights = s.engine.consolidated_state_dict()  # export refuses non-finite ones
+    if final_export:
+        from shardwise.train.final_weights import final_weights
+
+        s.phase("export staging", s.total)
+        out = s.run.config.checkpointing.output_dir
+        s.result.final = final_weights(s.engine, out, s.total, s.result.checkpoint)
