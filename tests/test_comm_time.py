@@ -275,7 +275,8 @@ def test_lora_plan_json_comm_is_smaller():
     import json
 
     full = json.loads(runner.invoke(app, ["plan", "--json", "-s", "ddp"]).output)["strategies"][0]["comm"]
-    lora = json.loads(runner.invoke(app, ["plan", "--json", "-s", "ddp", "--lora-rank", "16"]).output)
+    lora = json.loads(runner.invoke(app, ["plan", "--json", "-s", "ddp", "--lora-rank", "16",
+                                          "--lora-targets", "q_proj,k_proj,v_proj,o_proj"]).output)
     assert lora["strategies"][0]["comm"]["all_reduce"] == pytest.approx(4 * ADAPTERS_ATTN16)
     assert lora["strategies"][0]["comm"]["total"] < full["total"] / 100
 

@@ -156,17 +156,16 @@ def test_hf_trainer_command_carries_the_planned_optimizer(tmp_path):
     assert (parsed.adam_beta1, parsed.adam_beta2) == opt.betas == (0.9, 0.95)
     assert parsed.adam_epsilon == opt.eps and parsed.weight_decay == 0.1
     assert parsed.learning_rate == opt.lr and parsed.max_grad_norm == opt.max_grad_norm
-    assert parsed.per_device_train_batch_size == 1 and parsed.gradient_accumulation_steps == 1
+    run = TrainConfig().run  # a bare plan plans the schema's batch
+    assert parsed.per_device_train_batch_size == run.micro_batch and parsed.gradient_accumulation_steps == run.grad_accum
     assert parsed.lr_scheduler_type.value == "linear"  # the emitted schedule: warmup_decay
 
 
 def test_the_table_names_the_loss_it_assumed():
-    from shardwise.plan.report import TRAINER_LOSS
-
-    assert TRAINER_LOSS == LossSection().implementation  # one fact: the trainer's default
-    flat = " ".join(_plan().output.split())
+    assert LossSection().implementation == "chunked"  # the schema's default, which a bare plan plans
+    flat = " ".join(_plan("--cross-entropy", "standard").output.split())
     assert "loss standard (shardwise train's default is chunked: plan it with --cross-entropy chunked)" in flat
-    flat = " ".join(_plan("--cross-entropy", "chunked").output.split())
+    flat = " ".join(_plan().output.split())
     assert "loss chunked (1024 tokens a chunk)" in flat and "default is chunked" not in flat
 
 

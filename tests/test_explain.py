@@ -14,8 +14,11 @@ from shardwise.cli import app
 
 runner = CliRunner()
 
-SEVENTY_ETH = ("--model", "llama-2-70b", "--gpus", "8", "--gpus-per-node", "1", "--interconnect", "eth-10")
-PCIE_4090 = ("--gpu", "rtx-4090", "--gpus-per-node", "8", "--interconnect", "pcie")
+# One sequence per GPU per step: a step dominated by its collectives on these slow links (the
+# trainer's default micro-batch of 4 amortises them)
+SEVENTY_ETH = ("--model", "llama-2-70b", "--gpus", "8", "--gpus-per-node", "1", "--interconnect", "eth-10",
+               "--micro-batch", "1")
+PCIE_4090 = ("--gpu", "rtx-4090", "--gpus-per-node", "8", "--interconnect", "pcie", "--micro-batch", "1")
 
 
 def _explain(*args) -> str:

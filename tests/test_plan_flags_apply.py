@@ -41,8 +41,10 @@ def test_deepspeed_knobs_with_a_deepspeed_strategy_plan(tmp_path):
 
 
 def test_ce_chunk_needs_the_chunked_loss():
-    res = run("--ce-chunk", "2048")
+    res = run("--ce-chunk", "2048", "--cross-entropy", "standard")
     assert res.exit_code == 2 and "--ce-chunk" in res.output and "--cross-entropy chunked" in res.output
+    alone = run("--ce-chunk", "2048", "--json", "-s", "fsdp")  # the chunked loss is the schema's default
+    assert alone.exit_code == 0 and json.loads(alone.stdout)["train"]["ce_chunk"] == 2048
     res = run("--ce-chunk", "2048", "--cross-entropy", "fused")
     assert res.exit_code == 2 and "'fused'" in res.output
     ok = run("--ce-chunk", "2048", "--cross-entropy", "chunked", "--json", "-s", "fsdp")

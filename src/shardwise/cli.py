@@ -11,7 +11,6 @@ from shardwise.cli_help import HELP, whole_short_help
 from shardwise.cli_plan import (
     check_flags_apply,
     check_fsdp_flags,
-    comma_names,
     emit_plan,
     hardware_inputs,
     input_warnings,
@@ -19,8 +18,10 @@ from shardwise.cli_plan import (
     plan_cpu,
     plan_inputs,
     print_warnings,
+    run_fields,
+    trainer_run,
 )
-from shardwise.config.flags import build_knobs, with_knob_flags
+from shardwise.config.flags import build_knobs, run_option, schema_default, with_knob_flags
 from shardwise.errors import ShardwiseError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
@@ -82,32 +83,25 @@ def plan(
                                             "nvlink/pcie: the GPU's generation, nvlink refused on a GPU without it) or "
                                             "between nodes (ib-*, roce-*, eth-*); needs --gpus-per-node."),
     gpu_memory_gb: float | None = typer.Option(None, "--gpu-memory-gb", help="Override GPU memory (GB)."),
-    seq_len: int = typer.Option(2048, "--seq-len"),
-    micro_batch: int = typer.Option(1, "--micro-batch"),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
-    precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | fp16-mixed | bf16-pure | fp32"),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | sgd | adam8bit"),
-    checkpointing: str = typer.Option("none", "--checkpointing", help="none | full | selective"),
-    attention: str = typer.Option("sdpa", "--attention", help="eager | sdpa | flash"),
-    packed_attention: str = typer.Option("none", "--packed-attention", help="How documents packed into one row are "
-                                         "kept apart: none | flash_varlen | sdpa_varlen | flex | dense."),
-    lora_rank: int = typer.Option(0, "--lora-rank", help="0 = full fine-tuning."),
-    lora_targets: str = typer.Option("q_proj,k_proj,v_proj,o_proj", "--lora-targets",
-                                     help="Comma-separated module names, or all-linear."),
-    lora_modules_to_save: str = typer.Option("", "--lora-modules-to-save",
-                                             help="Comma-separated modules trained in full (e.g. lm_head)."),
-    qlora: bool = typer.Option(False, "--qlora", help="LoRA on a 4-bit NF4 base (bitsandbytes)."),
-    cross_entropy: str = typer.Option(
-        "standard", "--cross-entropy", help="standard (HF logits, fp32 upcast whole) | chunked (the trainer's "
-        "default: lm_head + loss fused per --ce-chunk tokens) | fused (Liger's kernel) | inplace (flash-attn's)"),
-    ce_chunk: int | None = typer.Option(None, "--ce-chunk", help="Tokens per chunk of the chunked cross-entropy "
-                                        "(the trainer's loss.chunk_tokens; default 1024); needs --cross-entropy "
-                                        "chunked."),
-    optimizer_impl: str = typer.Option("fused", "--optimizer-impl", help="AdamW kernel: fused | foreach | forloop."),
-    weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay (the trainer's "
-                                       "optimizer.weight_decay): above 0 norms, biases and embeddings form a second "
-                                       "optimizer group, which DeepSpeed ZeRO-1/2 partitions on its own."),
-    fused_kernels: bool = typer.Option(False, "--fused-kernels", help="Elementwise work fused (torch.compile, Megatron-style kernels)."),
+    # the run's fields (shardwise.config.flags.RUN_FLAGS): help and default from the schema
+    seq_len: int | None = run_option("seq_len"),
+    micro_batch: int | None = run_option("micro_batch"),
+    grad_accum: int | None = run_option("grad_accum"),
+    precision: str | None = run_option("precision"),
+    optimizer: str | None = run_option("optimizer"),
+    checkpointing: str | None = run_option("checkpointing"),
+    attention: str | None = run_option("attention"),
+    packed_attention: str | None = run_option("packed_attention"),
+    lora_rank: int | None = run_option("lora_rank"),
+    lora_targets: str | None = run_option("lora_targets"),
+    lora_modules_to_save: str | None = run_option("lora_modules_to_save"),
+    qlora: bool = typer.Option(False, "--qlora", help="LoRA on a 4-bit NF4 base (bitsandbytes; YAML "
+                               "lora.quantization: nf4)."),
+    cross_entropy: str | None = run_option("cross_entropy"),
+    ce_chunk: int | None = run_option("ce_chunk"),
+    optimizer_impl: str | None = run_option("optimizer_impl"),
+    weight_decay: float | None = run_option("weight_decay"),
+    fused_kernels: bool | None = run_option("fused_kernels"),
     fused_norm: bool = typer.Option(False, "--fused-norm", help="RMSNorm as one fused kernel (torchtitan's fused_rmsnorm, "
                                     "Liger, apex; implied by --fused-kernels): its saved tensors and the bytes it moves."),
     expandable_segments: bool = typer.Option(False, "--expandable-segments", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less reserved slack)."),
@@ -155,22 +149,18 @@ def plan(
         tp, pp, profile, accounting, margin, emit = a["tp"], a["pp"], a["profile"], a["accounting"], a["margin"], a["emit"]
         strategy, emit_strategy = a["strategy"], a["emit_strategy"]
         fmt = check_format(a["fmt"], a["as_json"])
-        check_flags_apply(strategy, emit_strategy, a["cli_knobs"], a["ce_chunk"], a["cross_entropy"])
+        check_flags_apply(strategy, emit_strategy, a["cli_knobs"], a["ce_chunk"],
+                          a["cross_entropy"] or schema_default("loss.implementation"))
         machine, gpu, gpus = hardware_inputs(a["hardware"], a["gpu"], a["gpus"],
                                              also_given=source.values if source is not None else ())
         m, hw, train = build_specs(
             model=a["model"], model_config=a["model_config"], params=a["params"], gpu=gpu, gpus=gpus, machine=machine,
             gpus_per_node=a["gpus_per_node"], interconnect=a["interconnect"], gpu_memory_gb=a["gpu_memory_gb"],
-            seq_len=a["seq_len"], micro_batch=a["micro_batch"], grad_accum=a["grad_accum"], precision=a["precision"],
-            optimizer=a["optimizer"], checkpointing=a["checkpointing"], attention=a["attention"],
-            packed_attention=a["packed_attention"], lora_rank=a["lora_rank"], lora_targets=comma_names(a["lora_targets"]),
-            lora_modules_to_save=comma_names(a["lora_modules_to_save"]), base_quant="nf4" if a["qlora"] else "none",
-            cross_entropy=a["cross_entropy"], host_memory_gb=a["host_memory_gb"],
-            **({} if a["ce_chunk"] is None else {"ce_chunk": a["ce_chunk"]}),
-            nics_per_node=a["nics_per_node"], profile=profile, optimizer_impl=a["optimizer_impl"],
-            fused_kernels=a["fused_kernels"], fused_norm=a["fused_norm"], expandable_segments=a["expandable_segments"],
-            sequence_parallel=a["sequence_parallel"], tp_comm_overlap=a["tp_comm_overlap"],
-            weight_decay=a["weight_decay"],
+            host_memory_gb=a["host_memory_gb"], nics_per_node=a["nics_per_node"], profile=profile,
+            defaults=trainer_run(a) if source is None else None, **run_fields(a),
+            base_quant="nf4" if a["qlora"] else "none", fused_norm=a["fused_norm"],
+            expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
+            tp_comm_overlap=a["tp_comm_overlap"],
         )
         check_margin(margin)
         warnings = input_warnings(m, train)
@@ -179,7 +169,12 @@ def plan(
         fsdp_given = a["cli_knobs"]["fsdp"]
         check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
                           fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given)
-        knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"])
+        base = None
+        if source is None and a["device"] in ("cuda", "cpu"):  # the trainer's, as for the run flags
+            from shardwise.run.bridge import trainer_knobs
+
+            base = trainer_knobs(a["device"])
+        knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"], base=base)
         if a["device"] not in ("cuda", "cpu"):
             raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")
         if a["device"] == "cpu":
@@ -236,9 +231,9 @@ def explain(
     gpus: int = typer.Option(8, "--gpus"),
     gpus_per_node: int | None = typer.Option(None, "--gpus-per-node"),
     interconnect: str | None = typer.Option(None, "--interconnect"),
-    seq_len: int = typer.Option(2048, "--seq-len"),
-    micro_batch: int = typer.Option(1, "--micro-batch"),
-    checkpointing: str = typer.Option("none", "--checkpointing"),
+    seq_len: int | None = run_option("seq_len"),
+    micro_batch: int | None = run_option("micro_batch"),
+    checkpointing: str | None = run_option("checkpointing"),
     hardware: str | None = typer.Option(None, "--hardware", help="As plan's: auto (read this machine, as "
                                         "shardwise doctor) or a hardware spec file (shardwise doctor --write): GPU, "
                                         "GPUs per node, links, NICs, host memory; --gpus defaults to one node; "
@@ -262,7 +257,7 @@ def explain(
         machine, gpu, gpus = hardware_inputs(hardware, gpu, gpus)  # as plan reads it
         m, hw, train = build_specs(model=model, model_config=model_config, params=params, gpu=gpu, gpus=gpus,
                                    machine=machine, gpus_per_node=gpus_per_node, interconnect=interconnect, seq_len=seq_len,
-                                   micro_batch=micro_batch, checkpointing=checkpointing)
+                                   micro_batch=micro_batch, checkpointing=checkpointing, defaults=trainer_run({}))
         text = explain_text(m, hw, train)
         rows = [asdict(r) for r in compare(m, hw, train).values()] if fmt in ("csv", "json") else []
     except ShardwiseError as e:

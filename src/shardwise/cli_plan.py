@@ -80,7 +80,11 @@ def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
                                  "(shardwise plan CONFIG.yaml --set KEY=VALUE)")
         return values, None
     from shardwise.ingest import read_source
+    from shardwise.ingest.common import planner_defaults
 
+    for k, v in planner_defaults().items():
+        if values.get(k) is None:
+            values[k] = v
     try:
         source = read_source(Path(path), given={k: values[k] for k in given if k in values}, defaults=values,
                              sets=sets, cli_knobs=cli_knobs)
@@ -161,6 +165,48 @@ def print_warnings(warnings: list[str]) -> None:
     err = Console(stderr=True)
     for w in warnings:
         err.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
+
+
+def run_fields(values: dict) -> dict:
+    """The run flags' values as TrainSpec fields (None: not given; comma lists as names)."""
+    from shardwise.config.flags import RUN_FLAGS
+
+    out = {f.param: values.get(f.param) for f in RUN_FLAGS}
+    for name in ("lora_targets", "lora_modules_to_save"):
+        if out[name] is not None:
+            out[name] = comma_names(out[name])
+    return out
+
+
+def trainer_run(values: dict):
+    """build_specs' `defaults`: for each run flag not given, what `shardwise train` runs with the
+    schema's defaults (shardwise.run.trainer_defaults) on the planned device, for the planned model."""
+    from shardwise.config.flags import RUN_FLAGS
+    from shardwise.run.bridge import trainer_defaults
+    from shardwise.specs import Strategy
+
+    device = values.get("device") if values.get("device") in ("cuda", "cpu") else "cuda"
+    lora = bool(values.get("lora_rank"))
+    keep = {f.param for f in RUN_FLAGS} | {"compiled_engines"}
+
+    engines = set()
+    for name in values.get("strategy") or ():
+        try:
+            engines.add(Strategy.from_name(name).engine)
+        except ShardwiseError:
+            engines = set()  # refused with its own message when it is planned
+            break
+
+    def defaults(model) -> dict:
+        out = {k: v for k, v in trainer_defaults(device, model.family, lora=lora).items() if k in keep}
+        compiled = out.pop("compiled_engines")
+        if values.get("fused_kernels") is not None:  # given: one value for every strategy
+            return out
+        if engines and len({e in compiled for e in engines}) == 1:  # the named strategies agree: one value
+            return out | {"fused_kernels": next(iter(engines)) in compiled}
+        return out | {"compiled_engines": compiled}  # decided per strategy, as the trainer decides it
+
+    return defaults
 
 
 def comma_names(value: str) -> tuple[str, ...]:

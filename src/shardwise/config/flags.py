@@ -216,9 +216,11 @@ def as_flags(section: str, field: str, value: Any) -> list[str]:
     return [name, str(value)]
 
 
-def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_impl: str | None = None) -> StrategyKnobs:
-    """StrategyKnobs of {section: {field: value}} (the rest at the classes' defaults); a bad value
-    names its flag."""
+def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_impl: str | None = None,
+                base: tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs] | None = None) -> StrategyKnobs:
+    """StrategyKnobs of {section: {field: value}}, the rest at `base` (the trainer's knobs for the
+    device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own); a bad
+    value names its flag."""
     from shardwise.config.fields import check_count
 
     if shard_group is not None:
@@ -229,9 +231,108 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
     for section, _, _, cls in SECTIONS:
         for field, v in knobs.get(section, {}).items():  # each value on its own: the error names its flag
             check_knob(flag_of(section, field), section, field, v)
+        start = {} if base is None else base[[s for s, *_ in SECTIONS].index(section)].model_dump()
         try:
-            built[section] = cls(**knobs.get(section, {}))
+            built[section] = cls(**(start | knobs.get(section, {})))
         except ShardwiseError as e:
             fields = ", ".join(flag_of(section, f) for f in knobs.get(section, {}))
             raise ShardwiseError(f"{fields}: {e}") from None
     return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto")
+
+
+# --- plan's flags that set a field of the run -------------------------------------------------
+#
+# Each is a key of the training YAML: its help is that field's description and its default is the
+# schema's (TrainConfig), stated once, there. Given no flag, `shardwise plan` plans what
+# `shardwise train` runs with the same settings (the bridge, shardwise.run.train_spec, resolves
+# the device-dependent ones); `also` lists the values the planner prices beyond what the trainer
+# runs (another engine's settings, planned for comparison).
+
+
+@dataclass(frozen=True)
+class RunFlag:
+    param: str  # plan()'s parameter, and the TrainSpec field it sets
+    flag: str
+    key: str  # the dotted YAML key
+    also: tuple[str, ...] = ()  # planner-only values beside the schema's
+    note: str = ""  # how the planner reads the key, where it is not one value
+
+
+RUN_FLAGS: tuple[RunFlag, ...] = (
+    RunFlag("seq_len", "--seq-len", "data.sft.max_length", note="(data.synthetic.seq_len for synthetic data)"),
+    RunFlag("micro_batch", "--micro-batch", "run.micro_batch"),
+    RunFlag("grad_accum", "--grad-accum", "run.grad_accum"),
+    RunFlag("precision", "--precision", "precision", also=("bf16-pure",)),
+    RunFlag("optimizer", "--optimizer", "optimizer.name", also=("sgd", "adam8bit")),
+    RunFlag("checkpointing", "--checkpointing", "checkpointing.activation", also=("selective",)),
+    RunFlag("attention", "--attention", "model.attention", also=("flash",)),
+    RunFlag("packed_attention", "--packed-attention", "data.sft.packed_attention",
+            also=("none", "flash_varlen", "sdpa_varlen"),
+            note="(planned as the kernel it resolves to: none without packed SFT rows; flash_varlen or "
+                 "sdpa_varlen for varlen)"),
+    RunFlag("lora_rank", "--lora-rank", "lora.rank"),
+    RunFlag("lora_targets", "--lora-targets", "lora.target_modules", note="(comma-separated)"),
+    RunFlag("lora_modules_to_save", "--lora-modules-to-save", "lora.modules_to_save", note="(comma-separated)"),
+    RunFlag("cross_entropy", "--cross-entropy", "loss.implementation", also=("fused", "inplace"),
+            note="(fused: Liger's kernel; inplace: flash-attn's)"),
+    RunFlag("ce_chunk", "--ce-chunk", "loss.chunk_tokens"),
+    RunFlag("weight_decay", "--weight-decay", "optimizer.weight_decay"),
+    RunFlag("optimizer_impl", "--optimizer-impl", "optimizer.fused", also=("fused", "foreach", "forloop"),
+            note="(fused where set, else fused on CUDA; foreach / forloop: torch's non-fused kernels)"),
+    RunFlag("fused_kernels", "--fused-kernels", "run.compile",
+            note="(compiled decoder layers: elementwise work fused; unset: on CUDA under fsdp* and ddp)"),
+)
+RUN_FLAG = {f.param: f for f in RUN_FLAGS}
+
+
+def schema_field(key: str) -> Any:
+    """The pydantic FieldInfo of a dotted training-YAML key (a section left null by default, such
+    as `lora`, is read through its class)."""
+    from shardwise.config.schema import TrainConfig
+
+    cls: Any = TrainConfig
+    *sections, name = key.split(".")
+    for part in sections:
+        ann = _base(cls.model_fields[part].annotation)
+        cls = ann
+    return cls.model_fields[name]
+
+
+def schema_default(key: str) -> Any:
+    """The schema's default of a dotted training-YAML key."""
+    f = schema_field(key)
+    return f.get_default(call_default_factory=True)
+
+
+def _section_absent(key: str) -> str | None:
+    """The section on `key`'s path that the schema leaves null by default (lora), if any."""
+    from shardwise.config.schema import TrainConfig
+
+    top = key.split(".")[0]
+    return top if "." in key and TrainConfig.model_fields[top].default is None else None
+
+
+def run_option(param: str) -> Any:
+    """plan's typer.Option for one run flag: None unless given (the schema's default then applies,
+    through the bridge); the help names the YAML key and its default."""
+    f = RUN_FLAG[param]
+    field = schema_field(f.key)
+    desc = (field.description or f.key.rsplit(".", 1)[-1].replace("_", " ")).rstrip(".")
+    kind = _base(field.annotation)
+    choices = [str(c) for c in get_args(kind)] if get_origin(kind) is Literal else []
+    choices += [c for c in f.also if c not in choices]
+    default = schema_default(f.key)
+    section = _section_absent(f.key)
+    if section is not None and param == "lora_rank":
+        shown = f"0: {section} is null by default, full fine-tuning"
+    elif section is not None:
+        shown = f"{default} with {section} set"
+    elif default is None or isinstance(default, bool):
+        shown = {None: "unset", True: "on", False: "off"}[default]
+    else:
+        shown = str(default)
+    text = (f"{desc}{': ' + ' | '.join(choices) if choices else ''} {f.note}".strip()
+            + f" (YAML {f.key}; default {shown}).")
+    text = text[0].upper() + text[1:]
+    names = ["--fused-kernels/--no-fused-kernels"] if param == "fused_kernels" else [f.flag]
+    return typer.Option(None, *names, help=text, show_default=False)

@@ -30,6 +30,22 @@ class Setting:
     checkpointing: str
 
 
+def planner_defaults() -> dict[str, Any]:
+    """TrainSpec's own defaults in flag form: what a file of another tool is planned with where
+    neither the file, its tool's defaults (set by its reader) nor a flag say otherwise. (A bare
+    `shardwise plan` plans the trainer's defaults instead: shardwise.run.trainer_defaults.)"""
+    from shardwise.config.flags import RUN_FLAGS
+    from shardwise.specs.train import TrainSpec
+
+    out = {}
+    for f in RUN_FLAGS:
+        if f.param == "ce_chunk":  # given only where asked for: it needs the chunked loss
+            continue
+        d = TrainSpec.model_fields[f.param].default
+        out[f.param] = ",".join(d) if isinstance(d, tuple) else d
+    return out
+
+
 @dataclass
 class Source:
     format: str  # one of FORMATS' keys
@@ -52,17 +68,23 @@ class Source:
 
         words: list[str] = []
         engines = {STRATEGIES[s].engine for s in self.values.get("strategy") or STRATEGIES if s in STRATEGIES}
-        for name, v in self.values.items():
+        values, knobs_of = dict(self.values), {k: dict(v) for k, v in self.knobs.items()}
+        if self.format != "shardwise":  # another tool's run: the planner's defaults, not the trainer's
+            values = {k: v for k, v in planner_defaults().items()
+                      if not (k.startswith("lora_") and k != "lora_rank" and not values.get("lora_rank"))} | values
+            knobs_of["ds"].setdefault("communication_data_type", "auto")
+        for name, v in values.items():
             if v == "":  # an empty list flag: its default
                 continue
             flag = "--" + name.replace("_", "-")
             if name == "strategy":
                 words += [w for s in v for w in ("-s", s)]
             elif isinstance(v, bool):
-                words += [flag] if v else ([f"--no-{flag[2:]}"] if name == "sequence_parallel" else [])
+                words += [flag] if v else ([f"--no-{flag[2:]}"] if name in ("sequence_parallel", "fused_kernels")
+                                           else [])
             elif v is not None:
                 words += [flag, str(v)]
-        for section, knobs in self.knobs.items():
+        for section, knobs in knobs_of.items():
             if {"ds": "deepspeed", "fsdp": "fsdp2"}.get(section, "ddp") not in engines | {"ddp"}:
                 continue  # knobs of an engine nothing planned runs (plan refuses them as flags)
             for field_name, v in knobs.items():

@@ -41,6 +41,7 @@ def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy
 
 def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
              accounting: str = "engine", margin: float | None = None) -> Evaluation:
+    train = train.for_engine(strategy.engine)
     mem = memory_as_run(model, hw, train, strategy, accounting=accounting, margin=margin)
     runs = mem.engine_strategy  # FSDP2 with a one-rank shard group may run as DDP
     comm = plan_comm(model, hw, train, runs, mem.layout)

@@ -293,6 +293,7 @@ def plan_memory(
     does is decided from memory and time together: plan.evaluate.memory_as_run)."""
     if margin is None:
         margin = memory_model().default_margin
+    train = train.for_engine((runs_as or strategy).engine)
     if runs_as is not None:
         return replace(plan_memory(model, hw, train, runs_as, accounting, margin), strategy=strategy, runs_as=runs_as)
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)

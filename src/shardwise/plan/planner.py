@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,15 @@ def resolve_model(model: str | None = None, model_config: str | Path | None = No
 def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", gpus=8,
                 gpus_per_node=None, interconnect=None, gpu_memory_gb=None, host_memory_gb=None,
                 nics_per_node=None, profile=None, machine=None,
+                defaults: Callable[[ModelSpec], dict[str, Any]] | None = None,
                 **train_fields) -> tuple[ModelSpec, HardwareSpec, TrainSpec]:
     """The specs of `shardwise plan`/`explain` flags. Checks first, in flag order, so a bad
     number is refused before anything is built or planned. `machine` (a MachineHardware:
     `plan --hardware`) gives the GPU, node size, links, NICs and host memory; the hardware
-    flags given with it (not None) override its values, and `gpus` defaults to one node."""
+    flags given with it (not None) override its values, and `gpus` defaults to one node.
+    A train field that is None was not given: `defaults(model)` gives it (the trainer's, for
+    the model planned), else TrainSpec's own default."""
+    train_fields = {k: v for k, v in train_fields.items() if v is not None}
     if params is not None and model_config is None:
         check_params(params)
     if machine is None and (gpu is None or gpus is None):
@@ -95,6 +100,8 @@ def build_specs(*, model=None, model_config=None, params=None, gpu="a100-80g", g
 
         hw = load_profile(profile).apply(hw)
     m = resolve_model(model, model_config, params)
+    if defaults is not None:
+        train_fields = defaults(m) | train_fields
     if train_fields.get("base_quant", "none") != "none" and not train_fields.get("lora_rank"):
         raise ShardwiseError("--qlora needs --lora-rank: QLoRA trains LoRA adapters on the 4-bit base")
     if train_fields.get("lora_modules_to_save"):

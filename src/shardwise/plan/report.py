@@ -133,17 +133,17 @@ def label(p: MemoryPlan) -> str:
     return p.strategy.name + (f" (as {p.runs_as.name})" if p.runs_as else "")
 
 
-TRAINER_LOSS = "chunked"  # shardwise train's default loss.implementation (config/schema.LossSection)
-
-
 def loss_words(train: TrainSpec, flag: bool = True) -> str:
     """The loss the plan assumed, and the trainer's default where they differ: the logits'
     memory depends on it (`standard`: [tokens, vocab] fp32 whole; `chunked`: one chunk)."""
+    from shardwise.config.schema import LossSection
+
+    trainer = LossSection().implementation
     said = f"loss {train.cross_entropy}" + (f" ({train.ce_chunk} tokens a chunk)" if train.cross_entropy == "chunked"
                                            else "")
-    if train.cross_entropy != TRAINER_LOSS:
-        said += f" (shardwise train's default is {TRAINER_LOSS}" + (
-            f": plan it with --cross-entropy {TRAINER_LOSS})" if flag else ")")
+    if train.cross_entropy != trainer:
+        said += f" (shardwise train's default is {trainer}" + (
+            f": plan it with --cross-entropy {trainer})" if flag else ")")
     return said
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.config.load import validate
-from shardwise.config.schema import OptimizerSection, TrainConfig
+from shardwise.config.schema import LoraSection, OptimizerSection, TrainConfig
 from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.run import resolve
@@ -157,6 +157,16 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", *, family: str | None = N
     return TrainSpec(**(fields | overrides))
 
 
+def trainer_defaults(device: str, family: str, *, lora: bool) -> dict[str, Any]:
+    """The TrainSpec fields `shardwise train` runs when the YAML leaves every field at the schema's
+    default (with a `lora:` section at its defaults where `lora`), on `device`, for a model of
+    `family`: what `shardwise plan` plans for each run flag not given. The compile decision is
+    left per strategy (`compiled_engines`), as the trainer makes it per engine."""
+    cfg = TrainConfig(lora=LoraSection() if lora else None)
+    return train_spec(cfg, device, family=family).model_dump() | {
+        "compiled_engines": resolve.COMPILED_ENGINES if device == "cuda" else ()}
+
+
 def strategy(cfg: TrainConfig, device: str) -> Strategy:
     """Strategy with every knob: the config's values, the trainer's defaults where unset."""
     s = cfg.strategy
@@ -287,6 +297,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             f"the trainer runs data parallelism, and tensor parallelism (pp 1, no offload) with FSDP2 through "
             f"DTensor or with ZeRO-1/2 through DeepSpeed's AutoTP; {strategy.name} has tp {strategy.tp}, pp "
             f"{strategy.pp}, TP scheme {strategy.tp_scheme.name}")
+    train = train.for_engine(strategy.engine)
     notes: list[str] = []
     precision = train.precision
     if precision == "bf16-pure":

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from shardwise.config.base import Spec
 from shardwise.config.fields import DTYPE_BYTES
+from shardwise.config.strategy import Engine
 
 Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 Optimizer = Literal["adamw", "sgd", "adam8bit"]
@@ -69,6 +70,10 @@ class TrainSpec(Spec):
     optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")
     fused_kernels: bool = Field(False, description="elementwise work fused (torch.compile, Megatron-LM's fused "
                                 "kernels): priced as one read and write per fused region, fewer launches")
+    compiled_engines: tuple[Engine, ...] | None = Field(
+        None, description="the engines whose decoder layers run compiled, where the trainer decides (run.compile "
+        "unset): each strategy is planned with fused_kernels = its engine is one of them; None: fused_kernels "
+        "holds for every engine")
     fused_norm: bool = Field(False, description="RMSNorm as one fused kernel (torchtitan fused_rmsnorm, Liger, "
                              "apex; implied by fused_kernels): it saves its input and rstd, not the fp32 chain")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: "
@@ -82,6 +87,12 @@ class TrainSpec(Spec):
     tp_comm_overlap: bool = Field(False, description="TP's all-gathers/reduce-scatters overlapped with the "
                                   "adjacent GEMMs (Megatron-LM --tp-comm-overlap, Transformer Engine userbuffers; "
                                   "torchtitan's async TP); no effect at tp 1")
+
+    def for_engine(self, engine: str) -> TrainSpec:
+        """This spec as `engine` runs it: fused_kernels decided by `compiled_engines` where set."""
+        if self.compiled_engines is None:
+            return self
+        return self.model_copy(update={"fused_kernels": engine in self.compiled_engines, "compiled_engines": None})
 
     @property
     def norm_fused(self) -> bool:

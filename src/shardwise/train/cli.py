@@ -9,6 +9,7 @@ each rank validates the same way and joins the group the launcher set up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -115,7 +116,7 @@ def train_cmd(
                     pass
                 else:
                     if rank_fork.forkable():
-                        target = lambda: _forked_rank(run, check.planned_bytes, resume_dir)  # noqa: E731
+                        target = functools.partial(_worker, run, check.planned_bytes, resume_dir)
             # summary.json says `running` once the launcher's handlers are in place; when rank 0
             # could not write the final one (hung, killed, failed before it trained), `failed`.
             marker: dict = {}
@@ -237,15 +238,6 @@ def _preload(run) -> None:
         import shardwise.train.lora  # noqa: F401
 
 
-def _forked_rank(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
-    """A rank forked from the launcher: it inherits the run the launcher checked (config, plan,
-    the checkpoint to resume), so it trains at once. Its stop signals were blocked from the fork."""
-    from shardwise.train.signals import hold_at_start
-
-    hold_at_start()
-    return _worker(run, planned_bytes, resume_dir)
-
-
 def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     """One rank: train, export, write the summary with the run's status; return the exit code."""
     import traceback
@@ -275,7 +267,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     causal_lm_class(run_model_type(run))
     from shardwise.train.signals import hold_at_start, share
 
-    hold_at_start()  # (done already by a spawned rank's entry point, and by the in-process caller)
+    hold_at_start()  # (a forked rank's stop signals are blocked from the fork until here)
     share(_run_dir(cfg), int(found["rank"]), int(found["world_size"]))  # a stop signal's name reaches rank 0
     # Started before the process group, so a rank that never joins is named by those that did.
     watchdog = Watchdog(_run_dir(cfg), int(found["rank"]), int(found["world_size"]), cfg.run.timeout_s).start()

@@ -6,11 +6,11 @@ the process group, and end the process without the interpreter shutdown gloo can
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from shardwise.errors import ShardwiseError
 
@@ -137,11 +137,10 @@ def rank_main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m shardwise.train.launch (-m MODULE | SCRIPT) [ARGS...]")
 
 
-def run_cli(app: Callable[[], Any]) -> None:
-    """A CLI entry point (`shardwise`, `python -m shardwise.train.cli`): a process that joined a
-    process group (it trained, in-process or as a rank) ends through `os._exit`, which gloo
-    needs (see `run_rank_script`); every other command exits normally."""
-    run_rank_script(app, only_if_joined=True)
+# A CLI entry point (`shardwise`, `python -m shardwise.train.cli`): a process that joined a process
+# group (it trained, in-process or as a rank) ends through `os._exit`, which gloo needs (see
+# `run_rank_script`); every other command exits normally.
+run_cli = functools.partial(run_rank_script, only_if_joined=True)
 
 
 def init_distributed(device: str, timeout_s: float | None = None):
