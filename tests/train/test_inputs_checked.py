@@ -179,7 +179,8 @@ def test_ranks_racing_for_the_cache_build_it_once(tmp_path):
     log = tmp_path / "builds.log"
     script = textwrap.dedent(f"""
         import sys
-        from shardwise.data import DataConfig, default_tokenizer_path, load_tokenizer
+        from shardwise.config.data import DataConfig
+        from shardwise.data import default_tokenizer_path, load_tokenizer
         from shardwise.data import cache
         build = cache.build_dataset
         def counted(*a, **k):
