@@ -5,7 +5,7 @@ The checks are ordered cheap first (torch is imported only to ask about CUDA for
 so a bad config fails in a second with one message instead of N ranks each printing a
 traceback; the one expensive step, tokenising the data once into the cache every rank loads,
 comes last. The resume checks (the checkpoint `checkpointing.resume` names, against this config)
-are shardwise.train.preflight_resume's, re-exported here.
+are shardwise.train.preflight_resume's.
 """
 
 from __future__ import annotations
@@ -23,12 +23,6 @@ from shardwise.specs import Strategy
 from shardwise.specs.hardware import GIB
 from shardwise.train.lora import check_qlora
 from shardwise.train.model import attention_note, check_model_source
-from shardwise.train.preflight_resume import (  # noqa: F401 - re-exported: the resume checks' names
-    check_resumable,
-    check_same_adapters,
-    check_same_shapes,
-    resolve_checkpoint,
-)
 from shardwise.train.trackers import check_installed
 
 
