@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import run_once
 
-from shardwise.train.checkpoint import checkpoints_dir, read_manifest, step_dir_name, tensor_shapes
+from shardwise.train.checkpoint import read_manifest, tensor_shapes
+from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 
 pytestmark = pytest.mark.distributed
 

@@ -366,7 +366,7 @@ def _lineage_checkpoints(cfg: TrainConfig) -> int:
     """Checkpoints a `--resume latest` run continues next to (they are on disk already)."""
     if cfg.checkpointing.resume != "latest":
         return 0
-    from shardwise.train.checkpoint import checkpoints_dir, published
+    from shardwise.train.checkpoint_dir import checkpoints_dir, published
     from shardwise.train.lineage import read_lineage
 
     lin = read_lineage(cfg.checkpointing.output_dir)
