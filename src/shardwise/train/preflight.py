@@ -105,8 +105,8 @@ def check_data(cfg: TrainConfig) -> None:
 
 def check_eval(cfg: TrainConfig) -> None:
     """`run.eval_every_steps` needs a validation split (data.sft.validation_files or
-    data.sft.validation_fraction: the issue's eval_files / eval_fraction), and
-    `checkpointing.save_best` needs evaluations; refused here, before any rank starts."""
+    data.sft.validation_fraction), and `checkpointing.save_best` needs evaluations; refused
+    here, before any rank starts."""
     r, sft = cfg.run, cfg.data.sft
     if cfg.checkpointing.save_best is not None and r.eval_every_steps is None:
         raise ShardwiseError(f"{cfg.source}: checkpointing.save_best = {cfg.checkpointing.save_best!r} needs "
@@ -210,10 +210,9 @@ def check_memory(run: RunSpec, force: bool = False) -> MemoryCheck:
 
 def single_gpu_note(run: RunSpec) -> str | None:
     """On one GPU a sharding strategy shards nothing and still pays its engine's hooks and copies
-    (measured on an H200: qwen2.5-0.5b ran 45k tokens/s under FSDP2, 14k under ZeRO-3, 54k
-    under DDP). FSDP2 then runs as DDP where the plan says so (FSDPKnobs.single_rank): the note
-    says it did, with both plans. Otherwise it says so, with the plan's numbers, when DDP fits
-    and is planned faster."""
+    (docs/reference.md "One-rank shard groups"). FSDP2 then runs as DDP where the plan says so
+    (FSDPKnobs.single_rank): the note says it did, with both plans. Otherwise it says so, with
+    the plan's numbers, when DDP fits and is planned faster."""
     from shardwise.plan.evaluate import evaluate
 
     s = run.strategy
