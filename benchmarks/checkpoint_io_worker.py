@@ -168,7 +168,7 @@ def run_case(args) -> None:
     from shardwise.data.labels import count_target_tokens
     from shardwise.run import run_spec
     from shardwise.train import checkpoint as ckpt
-    from shardwise.train import checkpoint_manifest as ckpt_manifest
+    from shardwise.train.checkpoint_dir import MANIFEST, TRAINER_STATE
     from shardwise.train.data import SyntheticSource, build_source, stack
     from shardwise.train.engines import build_engine
     from shardwise.train.engines.base import model_inputs, token_loss_sum
@@ -184,7 +184,7 @@ def run_case(args) -> None:
 
     timers = Timers()
     # the save's file entries and read_manifest's verification both hash through this one function
-    ckpt_manifest._sha256 = timers.wrap("sha256", ckpt_manifest._sha256)
+    ckpt._sha256 = timers.wrap("sha256", ckpt._sha256)
     dcp.save = timers.wrap("dcp_save", dcp.save)
     dcp.load = timers.wrap("dcp_load", dcp.load)
     os.fsync = timers.wrap("fsync", os.fsync)
@@ -286,8 +286,8 @@ def run_case(args) -> None:
     files = manifest["files"]
     mine = {n: e["bytes"] for n, e in files.items()
             if n == f"rank-{env.rank:05d}.json" or (n.startswith(f"__{env.rank}_") and n.endswith(".distcp"))}
-    shared = {n: e["bytes"] for n, e in files.items() if n in (".metadata", ckpt.TRAINER_STATE)}
-    manifest_bytes = (path / ckpt.MANIFEST).stat().st_size
+    shared = {n: e["bytes"] for n, e in files.items() if n in (".metadata", TRAINER_STATE)}
+    manifest_bytes = (path / MANIFEST).stat().st_size
     rec["bytes"] = {"rank_files": mine, "rank_bytes": sum(mine.values()),
                     "all_listed_bytes": sum(e["bytes"] for e in files.values()),
                     "shared_files": shared, "manifest_bytes": manifest_bytes,

@@ -447,7 +447,8 @@ def export_check(name: str, cache: Path, steps: int) -> dict:
     import yaml
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardwise.train.checkpoint import checkpoints_dir, read_tensors, step_dir_name, tensor_shapes
+    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 
     strategy, mode, model = CASES[name]
     ckpt = checkpoint(cache, model)

@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise.catalog import build_hardware, get_model
-from shardwise.emit import EMIT_MANIFEST, emit_configs
+from shardwise.emit import emit_configs
+from shardwise.emit.safe_write import EMIT_MANIFEST
 from shardwise.errors import ShardwiseError
 from shardwise.specs import Strategy, TrainSpec
 

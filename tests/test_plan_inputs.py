@@ -284,7 +284,7 @@ def test_emit_writes_the_recommended_configuration(args, tmp_path):
     assert f"micro-batch {r['micro_batch']}, gradient accumulation {r['grad_accum']}" in readme
     assert f"activation checkpointing {r['checkpointing']}" in readme
     # every file is one emitted, beside the record of what was (the next emit removes only those)
-    from shardwise.emit import EMIT_MANIFEST
+    from shardwise.emit.safe_write import EMIT_MANIFEST
 
     assert (out / EMIT_MANIFEST).is_file()
     assert sorted(doc["emitted"]) == sorted(str(p) for p in out.iterdir() if p.name != EMIT_MANIFEST)

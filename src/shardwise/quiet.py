@@ -1,14 +1,13 @@
 """Third-party warnings, handled where they come from; `--verbose` shows them all.
 
-What used to flood a run's log was fixed at its source, not filtered:
-- DeepSpeed's backend called torch's deprecated `all_gather_into_tensor` / `reduce_scatter_tensor`
-  (a FutureWarning per call: 480 lines in a 60-step ZeRO-3 demo): it now calls their successors
-  (shardwise.train.engines.deepspeed.deepspeed_comm);
-- DeepSpeed built the JSON's lr scheduler beside the loop's and read it before step 0
-  ("Attempting to get learning rate from scheduler before it has started", once per rank): the
-  engine no longer has DeepSpeed build one (shardwise.train.engines.deepspeed);
-- PEFT's `PeftModel` reads transformers' deprecated `is_gradient_checkpointing`: the one call
-  that wraps a model in it ignores that one warning (shardwise.train.lora.peft_model).
+Warnings that shardwise's own calls would cause are avoided at their source, not filtered here
+(docs/training.md, "Warnings"):
+- torch's FutureWarning on the deprecated `all_gather_into_tensor` / `reduce_scatter_tensor`:
+  DeepSpeed's backend calls their successors (shardwise.train.engines.deepspeed.deepspeed_comm);
+- DeepSpeed's "Attempting to get learning rate from scheduler before it has started": the engine
+  has DeepSpeed build no lr scheduler beside the loop's (shardwise.train.engines.deepspeed);
+- transformers' deprecated `is_gradient_checkpointing`, which PEFT's `PeftModel` reads: the one
+  call that wraps a model in it ignores that one warning (shardwise.train.lora.peft_model).
 
 What is left here cannot be fixed from shardwise: messages a library prints on import that say
 nothing about the run. Each entry names exactly what it silences and why. `--verbose` on `train`

@@ -40,9 +40,9 @@ from shardwise.train.checkpoint import (
     read_manifest,
     read_tensors,
     save_checkpoint,
-    step_dir_name,
     tensor_shapes,
 )
+from shardwise.train.checkpoint_dir import step_dir_name
 from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, load_tensors, read_index
 
 

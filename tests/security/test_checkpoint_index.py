@@ -26,7 +26,8 @@ import torch
 from hostile_runs import copy_run, train_args
 
 from shardwise.errors import ShardwiseError
-from shardwise.train.checkpoint import TrainerState, read_manifest, save_checkpoint, step_dir_name
+from shardwise.train.checkpoint import TrainerState, read_manifest, save_checkpoint
+from shardwise.train.checkpoint_dir import step_dir_name
 from shardwise.train.checkpoint_index import UnsafeCheckpointError, _MetadataUnpickler, read_index
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from shardwise.errors import ShardwiseError
 from shardwise.train import checkpoint_dir
-from shardwise.train.checkpoint import TrainerState, read_manifest, save_checkpoint, step_dir_name
+from shardwise.train.checkpoint import TrainerState, read_manifest, save_checkpoint
+from shardwise.train.checkpoint_dir import step_dir_name
 from shardwise.train.preflight_resume import check_saved_config
 
 

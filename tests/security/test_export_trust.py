@@ -21,7 +21,7 @@ import pytest
 from hostile_runs import cli, copy_run
 from test_remote_code import model_with_auto_map
 
-from shardwise.train.checkpoint import step_dir_name
+from shardwise.train.checkpoint_dir import step_dir_name
 
 
 def _snapshot(d: Path) -> dict[str, str]:

@@ -18,7 +18,8 @@ import torch
 
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train.checkpoint import checkpoints_dir, resolve_resume, step_dir_name
+from shardwise.train.checkpoint import resolve_resume
+from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 from shardwise.train.launch import init_distributed, run_rank_script
 from shardwise.train.loop import train
 

@@ -22,7 +22,8 @@ import pytest
 from shardwise.config.load import load_config
 from shardwise.errors import ExitCode, ShardwiseError
 from shardwise.run import run_spec
-from shardwise.train.checkpoint import checkpoints_dir, read_manifest, step_dir_name
+from shardwise.train.checkpoint import read_manifest
+from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 from shardwise.train.outputs import checkpoint_bytes
 from shardwise.train.preflight import check_output_space, output_bytes
 

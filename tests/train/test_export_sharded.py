@@ -52,7 +52,7 @@ def bf16_run(tmp_path_factory) -> Path:
         argv += ["--set", s]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=ENV, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    from shardwise.train.checkpoint import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 
     ckpt = checkpoints_dir(out) / step_dir_name(2)
     assert (ckpt / "manifest.json").is_file()

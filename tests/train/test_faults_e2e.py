@@ -174,7 +174,8 @@ SLOW_SAVE = HERE / "fault_workers" / "slow_save.py"
 
 
 def test_sigkill_during_a_save_never_uses_the_partial_checkpoint(tmp_path):
-    from shardwise.train.checkpoint import checkpoints_dir, read_tensors, resolve_resume
+    from shardwise.train.checkpoint import read_tensors, resolve_resume
+    from shardwise.train.checkpoint_dir import checkpoints_dir
     from shardwise.train.outputs import clean_stale_outputs
 
     p = subprocess.Popen([sys.executable, str(SLOW_SAVE), str(tmp_path)], stdout=subprocess.PIPE, text=True)

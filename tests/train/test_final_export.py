@@ -44,7 +44,7 @@ def test_staged_and_checkpointed_final_exports_are_the_same_files(tmp_path, stra
     staged, saved = tmp_path / "staged", tmp_path / "saved"
     train(staged, "fsdp-synthetic-cpu.yaml", *sets)
     train(saved, "fsdp-synthetic-cpu.yaml", *sets, "checkpointing.save_every_steps=2")
-    from shardwise.train.checkpoint import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
     from shardwise.train.export import export_checkpoint
 
     assert not checkpoints_dir(staged).exists()  # the staged weights are gone, and the directory made for them
@@ -162,7 +162,7 @@ def test_end_of_run_export_host_memory_is_about_one_shard_not_the_model(tmp_path
         assert g < fp32_bytes / 2, (growth, fp32_bytes)  # a gather on rank 0 holds the whole fp32 model
     assert not list((out / "checkpoints").glob(".tmp-*"))  # the staged weights are gone
     # the export is the run's final fp32 master weights in bf16, exactly
-    from shardwise.train.checkpoint import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 
     if final == "checkpoint":
         ckpt = checkpoints_dir(out) / step_dir_name(1)

@@ -72,7 +72,8 @@ def reference_logits(base: Path, run: Path, ids: torch.Tensor) -> tuple[torch.Te
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoModelForCausalLM
 
-    from shardwise.train.checkpoint import checkpoints_dir, read_tensors, step_dir_name, tensor_shapes
+    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 
     ckpt = checkpoints_dir(run) / step_dir_name(2)
     keys = [k for k in tensor_shapes(ckpt) if k.startswith("model.")]

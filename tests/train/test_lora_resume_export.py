@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import run_once
 
-from shardwise.train.checkpoint import checkpoints_dir, read_manifest, step_dir_name, tensor_shapes
+from shardwise.train.checkpoint import read_manifest, tensor_shapes
+from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 
 pytestmark = pytest.mark.distributed
 
@@ -134,7 +135,7 @@ def test_resume_refuses_other_adapters_or_base(runs, change, message):
     from shardwise.config.schema import TrainConfig
     from shardwise.errors import ShardwiseError
     from shardwise.run import run_spec
-    from shardwise.train.preflight import check_resumable
+    from shardwise.train.preflight_resume import check_resumable
 
     raw = resume_config("zero3+lora", 2, runs / "x").model_dump()
     for section, value in change.items():

@@ -171,7 +171,7 @@ def saved(tmp_path_factory) -> tuple[Path, Path]:
 ], ids=["same", "deeper", "shallower", "vocab"])  # fmt: skip
 def test_check_same_shapes_compares_every_tensor(saved, tmp_path, change, fragment):
     from shardwise.run import run_spec
-    from shardwise.train.preflight import check_same_shapes
+    from shardwise.train.preflight_resume import check_same_shapes
 
     _, checkpoint = saved
     d = model_dir(tmp_path / "model", **change)

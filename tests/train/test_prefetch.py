@@ -77,7 +77,7 @@ def test_resume_is_bit_exact_with_the_producer_ahead_of_the_checkpoint(tmp_path,
     position is the step count, never how far the thread read."""
     import shardwise.train.checkpoint as ckpt
     import shardwise.train.data as data
-    from shardwise.train.checkpoint import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 
     pulled = {"n": 0}
     at_save: dict[int, int] = {}

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from shardwise.errors import ExitCode
-from shardwise.train.checkpoint import checkpoints_dir, read_manifest, step_dir_name
+from shardwise.train.checkpoint import read_manifest
+from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 from shardwise.train.lineage import read_lineage
 
 REPO = Path(__file__).resolve().parents[2]

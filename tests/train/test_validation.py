@@ -166,7 +166,7 @@ def test_save_best_keeps_the_best_checkpoint_beside_keep_last(runs):
 
 def test_prune_protects_only_the_named_step(tmp_path):
     """`_publish`'s pruning with `protect`: without it keep_last 1 deletes step 1 too."""
-    from shardwise.train.checkpoint import MANIFEST, published
+    from shardwise.train.checkpoint_dir import MANIFEST, published
 
     root = tmp_path / "checkpoints"
     for s in (1, 2, 3):

@@ -115,11 +115,10 @@ class DeepSpeedKnobs(Spec):
     communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="gradient reduction dtype")
     # ZeRO-3's fetch/release unit. DeepSpeed's default hooks every submodule (each Linear and
-    # norm, ~12 per decoder layer), each hook a Python fetch/release with its trace bookkeeping:
-    # on one H200, qwen2.5-0.5b under ZeRO-3 ran at a third of ZeRO-2's tokens/s, bound by them.
+    # norm, ~12 per decoder layer), each hook a Python fetch/release with its trace bookkeeping.
     # "layer" flags each decoder layer a ZeRO-3 leaf (`zero_optimization.leaf_module`): one
     # fetch per layer and pass, FSDP2's unit. "auto": layer when a layer fits both the
-    # gathered-parameter cap and DeepSpeed's leaf cap, else module (docs/reference.md).
+    # gathered-parameter cap and DeepSpeed's leaf cap, else module (docs/reference.md "ZeRO-3's fetch unit").
     fetch_unit: Literal["auto", "layer", "module"] = Field(
         "auto", description="ZeRO-3 fetch unit: decoder layer or every submodule (DeepSpeed's default)")
 
@@ -163,8 +162,7 @@ class FSDPKnobs(Spec):
     # all-gather and copies each gradient through its reduce-scatter buffer (torch 2.13
     # `_fsdp_param_group.wait_for_unshard`, `foreach_reduce`), and pays its hooks per layer.
     # "ddp": run such a group as DDP does (fp32 module under autocast, gradients all-reduced
-    # over the replicas), as torchtitan does with dp_shard 1; one H200, qwen2.5-0.5b: 53.9k
-    # tokens/s under (wrapped) DDP vs 45.3k under FSDP2, +4.5 GB. "fsdp": fully_shard anyway
+    # over the replicas), as torchtitan does with dp_shard 1. "fsdp": fully_shard anyway
     # (its resharding frees the bf16 weights between forward and backward). "auto": ddp where
     # that plan fits and is planned no slower, else fsdp (docs/reference.md "One-rank shard groups").
     single_rank: Literal["auto", "ddp", "fsdp"] = Field(
@@ -188,8 +186,7 @@ class DDPKnobs(Spec):
     # One replica has nothing to all-reduce, but DistributedDataParallel still hooks every
     # parameter and keeps its gradient buckets allocated across steps. shardwise runs the bare
     # module there, as torchtitan (no replicate dim) and torchtune's single-device recipes do:
-    # the grads then exist only from backward to the step. True keeps torch's wrapper (the
-    # H200 measurements of 2026-11-30 ran with it).
+    # the grads then exist only from backward to the step. True keeps torch's wrapper.
     wrap_one_rank: bool = Field(False, description="wrap in DistributedDataParallel even with one replica")
 
     def wrapped(self, replicas: int) -> bool:

@@ -1,10 +1,9 @@
 """Tokenise once: the built SFTDataset on disk, keyed by everything that determines it.
 
-Why: every rank used to run the whole pipeline itself (parse, validate, template, tokenise,
-pack), so N ranks held N copies of the token arrays and paid N times for a tokenisation that
-can take GBs (one 50 MB line cost 5.4 GB RSS per rank). Preflight builds the dataset once,
-writes it here, and every rank (and a later resume) loads it: memory-mapped, so the ranks of
-a node share one copy of the pages.
+The pipeline (parse, validate, template, tokenise, pack) runs once: preflight builds the
+dataset, writes it here, and every rank (and a later resume) loads it, memory-mapped, so the
+ranks of a node share one copy of the pages instead of each holding its own token arrays and
+paying for a tokenisation that can take GBs (docs/data.md "Tokenise once").
 
 Format, no pickle: the flat arrays of :class:`SFTDataset` as ``.npy`` files (read back with
 ``allow_pickle=False``) and ``meta.json`` (statistics, the "file:line" of every document).

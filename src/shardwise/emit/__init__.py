@@ -22,7 +22,7 @@ from shardwise.config.load import PLACEHOLDER
 from shardwise.config.schema import TrainConfig
 from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable
 from shardwise.emit.launch import launch_scripts
-from shardwise.emit.safe_write import EMIT_MANIFEST, publish, writable_dir  # noqa: F401 - EMIT_MANIFEST re-exported
+from shardwise.emit.safe_write import publish, writable_dir
 from shardwise.plan.evaluate import memory_as_run
 from shardwise.plan.memory import MemoryPlan
 from shardwise.run import RunSpec, config_dict, deepspeed_config, run_spec, to_config

@@ -19,9 +19,8 @@ def optimizer_temp(train: TrainSpec, n_params: float, largest: float) -> float:
     `largest` (torch/optim/adam.py): fused AdamW (`_fused_adamw_`, one kernel) and
     bitsandbytes' 8-bit Adam allocate none; foreach AdamW allocates `exp_avg_sq_sqrt` for
     every parameter at once (state dtype); the for-loop version two per tensor while it
-    runs (`exp_avg_sq.sqrt()` and its division). SGD with momentum updates in place.
-    Measured: llama-2-7b FSDP2 on one H200 with fused AdamW peaks 25 GiB below a foreach
-    step's 4Ψ (docs/accuracy.md)."""
+    runs (`exp_avg_sq.sqrt()` and its division). SGD with momentum updates in place
+    (docs/accuracy.md "Memory: what changed and why it agrees")."""
     if train.optimizer != "adamw" or train.optimizer_impl == "fused":
         return 0.0
     state = train.master_bytes

@@ -1,5 +1,5 @@
-"""A hardware profile: what the user's own GPUs, links and host sustain, measured there (the
-bench issue's `shardwise calibrate` writes it), replacing the catalog's figures in a plan.
+"""A hardware profile: what the user's own GPUs, links and host sustain, measured there
+(`shardwise calibrate` writes it), replacing the catalog's figures in a plan.
 
 Every field is optional; what a profile leaves out keeps the catalog's value. JSON, read with
 errors that name the file, the line or the field.

@@ -21,18 +21,21 @@ directory without a complete, matching manifest is never loaded; a save killed h
 only a `.tmp-*` directory (with shardwise's marker), removed and named when the next run starts.
 A save refuses a non-finite state, and any rank's failure is every rank's (out of space: exit 74).
 
-DCP keeps its own index (`.metadata`) as a pickle; it is read through an exact allow-list
-(shardwise.train.checkpoint_index), also by `read_manifest` (shardwise.train.checkpoint_manifest:
-the manifest's entries, its verification and `latest` resolved), so preflight and export refuse a
-crafted index before anything loads it, and every load goes through its `load_tensors` (tensors
-only: an index entry of bytes, which DCP would unpickle, is refused by name; the tensor files are
-read with `torch.load(weights_only=True)` by DCP itself).
+The reading side: `read_manifest` verifies a published checkpoint against its manifest (sizes,
+sha256, the trainer state and every rank's RNG file), and `resolve_resume` turns
+`checkpointing.resume` into one that verifies (`latest`: the newest of this run's lineage,
+damaged ones skipped and named). DCP keeps its own index (`.metadata`) as a pickle; it is read
+through an exact allow-list (shardwise.train.checkpoint_index), also by `read_manifest`, so
+preflight and export refuse a crafted index before anything loads it, and every load goes
+through its `load_tensors` (tensors only: an index entry of bytes, which DCP would unpickle, is
+refused by name; the tensor files are read with `torch.load(weights_only=True)` by DCP itself).
 """
 
 from __future__ import annotations
 
 import base64
 import errno
+import hashlib
 import os
 import random
 import shutil
@@ -50,24 +53,23 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardwise import strict_json
+from shardwise.errors import ShardwiseError
 from shardwise.train.checkpoint_dir import (
     _ANY,
     FORMAT,
     MANIFEST,
+    RANK_FILE,
     TRAINER_STATE,
     checkpoints_dir,
+    incomplete,
     published,
+    read_manifest_json,
     read_rank_rng,
     read_trainer_state,
     step_dir_name,
 )
-from shardwise.train.checkpoint_index import SafeReader, load_tensors
-from shardwise.train.checkpoint_manifest import (
-    _file_entries,
-    read_manifest,
-    resolve_resume,  # noqa: F401 - re-exported: resume's resolution
-    versions,
-)
+from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, load_tensors, read_index
+from shardwise.train.lineage import read_lineage
 from shardwise.train.outputs import (
     TMP_PREFIX,
     TMP_SUFFIX,
@@ -78,6 +80,7 @@ from shardwise.train.outputs import (
 from shardwise.train.save_failure import describe, free_bytes, gather, raise_save_failure, space_errno
 
 Reader = Callable[[dict[str, torch.Tensor]], None]
+_HASH_CHUNK = 1 << 22
 
 
 def tensor_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -157,6 +160,106 @@ class TrainerState:
     # consecutive skipped non-finite steps up to `step` (a stop right after one saves the state the
     # skip left, which is the last finite step's): a resumed run goes on counting from here
     nonfinite_streak: int = 0
+
+
+# --- the manifest: file entries, verification, `--resume` resolved ---------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_entries(d: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {n: {"bytes": (d / n).stat().st_size, "sha256": _sha256(d / n)} for n in names}
+
+
+def versions() -> dict[str, str]:
+    """What the manifest records (shardwise.versions.run_versions)."""
+    from shardwise.versions import run_versions
+
+    return run_versions()
+
+
+def read_manifest(path: Path, verify_hashes: bool = True) -> dict[str, Any]:
+    """The manifest of a published checkpoint, after checking every file it lists (size, and
+    sha256 unless `verify_hashes` is off) and reading DCP's index through the restricted
+    unpickler (a crafted index raises UnsafeCheckpointError: the manifest is no signature, whoever
+    can write the directory can refresh its hashes), then the trainer state and every rank's
+    random streams checked field by field; ShardwiseError naming what is wrong otherwise."""
+    manifest = read_manifest_json(path)
+    for name, entry in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise ShardwiseError(f"{path}: file {name} listed in the manifest is missing")
+        if f.stat().st_size != entry["bytes"]:
+            raise ShardwiseError(f"{path}: file {name} has {f.stat().st_size} bytes, the manifest says "
+                                 f"{entry['bytes']}: the checkpoint is damaged")
+        if verify_hashes and _sha256(f) != entry["sha256"]:
+            raise ShardwiseError(f"{path}: file {name} does not match its sha256 in the manifest: "
+                                 "the checkpoint is damaged")
+    read_index(path)
+    if TRAINER_STATE not in manifest["files"]:
+        raise ShardwiseError(f"{path}: the manifest lists no {TRAINER_STATE}: not a complete checkpoint")
+    read_trainer_state(path)
+    for name in manifest["files"]:
+        if RANK_FILE.fullmatch(name):
+            read_rank_rng(path, name)
+    return manifest
+
+
+def resolve_resume(spec: str | None, output_dir: str | Path, verify_hashes: bool = True) -> Path | None:
+    """`latest` -> the newest valid checkpoint of the output dir's current lineage (damaged
+    ones are skipped and named), the branch's parent when the lineage has saved nothing yet, or
+    None when the directory holds no checkpoint at all; if it holds some and none is valid, a
+    ShardwiseError naming each. An explicit checkpoint dir must verify; a run dir (or its
+    `checkpoints/`) means its latest. A crafted index is refused, never skipped."""
+    if spec is None:
+        return None
+    if spec != "latest":
+        p = Path(spec)
+        if p.is_dir() and not (p / MANIFEST).exists() and (checkpoints_dir(p).is_dir() or p.name == "checkpoints"):
+            root = p if p.name == "checkpoints" else checkpoints_dir(p)
+            lin = read_lineage(root.parent)
+            found = _newest_valid(root, verify_hashes, lin.lineage if lin else _ANY)
+            if found is None:
+                raise ShardwiseError(f"{root}: no complete checkpoint")
+            return found
+        read_manifest(p, verify_hashes)
+        return p
+    root = checkpoints_dir(output_dir)
+    lin = read_lineage(output_dir)
+    found = _newest_valid(root, verify_hashes, lin.lineage if lin else _ANY)
+    if found is None and lin is not None and lin.parent is not None:
+        parent = Path(lin.parent)
+        print(f"shardwise: --resume latest: the branch started from {parent} has saved no checkpoint yet; "
+              "resuming its parent")
+        read_manifest(parent, verify_hashes)
+        return parent
+    if found is None and (published(root) or incomplete(root)):
+        names = ", ".join(d.name for d in [*incomplete(root), *(d for _, d in published(root))])
+        raise ShardwiseError(
+            f"{root}: --resume latest: no valid checkpoint of this run's lineage among {names} (each is named "
+            "above with what is wrong); nothing was started. Pass one explicitly with --resume PATH, or start "
+            "over with --overwrite.")
+    return found
+
+
+def _newest_valid(root: Path, verify_hashes: bool, lineage: Any) -> Path | None:
+    for d in incomplete(root):
+        print(f"shardwise: skipping {d}: no {MANIFEST} (an incomplete or foreign directory); never loaded")
+    for _, d in reversed(published(root, lineage)):
+        try:
+            read_manifest(d, verify_hashes)
+            return d
+        except UnsafeCheckpointError:
+            raise
+        except ShardwiseError as e:
+            print(f"shardwise: skipping checkpoint {d}: {e}")
+    return None
 
 
 # --- save / load -----------------------------------------------------------------------------
@@ -319,7 +422,6 @@ def read_best(output_dir: str | Path, lineage: Any = _ANY) -> dict[str, Any] | N
     """The best.json record, when its checkpoint is still published (and, with `lineage`, of that
     lineage); None otherwise."""
     from shardwise.config.file import read_json_object
-    from shardwise.errors import ShardwiseError
 
     root = checkpoints_dir(output_dir)
     if not (root / BEST).exists():

@@ -2,8 +2,8 @@
 published (a manifest is present; optionally of one lineage), which are incomplete, and the
 checkpoint's JSON files read as untrusted input (shardwise.config.file: bounded, strict) with the
 types of every field shardwise reads checked: the manifest, `trainer_state.json` and the ranks'
-`rank-N.json` (nothing verified against the files: shardwise.train.checkpoint_manifest does that).
-The checkpoint, the lineage and the output-directory checks read them here."""
+`rank-N.json` (nothing verified against the files: shardwise.train.checkpoint.read_manifest does
+that). The checkpoint, the lineage and the output-directory checks read them here."""
 
 from __future__ import annotations
 

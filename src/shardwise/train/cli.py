@@ -244,10 +244,10 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 
     import torch
 
-    from shardwise.errors import ExitCode, OutOfSpaceError
+    from shardwise.errors import ExitCode, NonFiniteError, OutOfSpaceError
     from shardwise.plan.flops import run_flops_per_token
     from shardwise.train.launch import detect_env, init_distributed
-    from shardwise.train.loop import Interrupted, NonFiniteError, train
+    from shardwise.train.loop import Interrupted, train
     from shardwise.train.metrics import Metrics
     from shardwise.train.signals import StopRequest
     from shardwise.train.watchdog import Watchdog

@@ -16,8 +16,8 @@ Where. `run.compile` (None: on for CUDA; `shardwise.run.resolve.compile_enabled`
 the FSDP2 and DDP engines. DeepSpeed's ZeRO hooks run inside each module's call and are not
 compiled here, so `run.compile: true` with a DeepSpeed strategy is refused at preflight. The
 planner models compiled layers as `TrainSpec.fused_kernels`: elementwise work priced as fused,
-and the norms' saved tensors as a fused kernel's. Measured on CPU with inductor, a compiled
-layer saves 31% less than eager; the plan is 11% above that (tests).
+and the norms' saved tensors as a fused kernel's (measured against the plan: docs/training.md
+"Compiled decoder layers").
 """
 
 from __future__ import annotations

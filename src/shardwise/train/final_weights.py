@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardwise.train.checkpoint import checkpoints_dir, step_dir_name
+from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
 from shardwise.train.save_failure import describe, free_bytes, gather, space_errno
 
 STAGED = ".tmp-final-weights"  # a shardwise temp directory (marker inside): start-up clean-up removes a stray one

@@ -1,62 +1,13 @@
-"""The trainer's chunked cross-entropy: lm_head and the loss fused over chunks of tokens, so
+"""The trainer's chunked cross-entropy (`loss.implementation: chunked`, the default): lm_head and
+the loss fused over chunks of `loss.chunk_tokens` tokens, every gradient computed in forward, so
 the [tokens, vocab] logits never exist in fp32 (nor whole in any dtype).
 
-`loss.implementation: chunked` (the default; the planner's `cross_entropy: chunked` with
-`ce_chunk = loss.chunk_tokens`). Same contract as `engines.base.token_loss_sum`: labels are not
-pre-shifted (position t predicts labels[t + 1]), IGNORE_INDEX targets and each row's last
-position carry no loss, the result is the fp32 *sum* of the token losses (the loop scales it by
-`loss_scale`, engines/base.py).
-
-The math, per chunk of `chunk` tokens (one autograd Function, `_FusedLinearCrossEntropy`):
-
-    z = h_c · Wᵀ (+ b)                      GEMM in the compute dtype       [chunk, V]
-    ls = log_softmax(float(z))              fp32, as the standard path      [chunk, V] fp32
-    loss += −Σ_valid ls[i, t_i]
-    g = exp(ls) − onehot(t)                 one kernel into the compute dtype; targets set apart
-    grad_h_c = (g · W) ⊙ valid              GEMM; ignored rows zeroed       [chunk, H]
-    grad_W  += gᵀ · (h_c ⊙ valid)           GEMM accumulating in place      [V, H]
-
-Every gradient is computed in forward (as Liger's FusedLinearCrossEntropy does), so backward is
-one multiply of the held grads by the incoming scalar: no second pass over the vocabulary, no
-recomputed GEMM, and no [tokens, V] tensor beyond one chunk. The GEMMs are exactly the
-standard path's three (lm_head forward, input gradient, weight gradient), split by chunk, and
-the gradient of the logits is rounded to the compute dtype as the standard path's `.float()`
-backward rounds it. Differences from the standard path:
-
-- the weight gradient accumulates over chunks in W's dtype (the GEMM's beta=1 read of the
-  accumulator): in bf16 one rounding per chunk instead of one in all (Liger does the same); the
-  loss scale is applied to the held grads afterwards (one more rounding in 16-bit). In fp32 the
-  results equal the standard path's to ~1e-7 (tests/train/test_chunked_ce.py).
-- Gemma 2/3's final-logit soft-capping (cap · tanh(z / cap)) is applied in place on each
-  chunk's logits in the compute dtype, as HF applies it, and its derivative 1 − tanh² =
-  1 − (z/cap)² is folded into g in fp32 (one fused multiply-add).
-- Ignored positions still go through the GEMMs (their rows are masked, not dropped): shapes stay
-  static (no host sync, fake-tensor traceable) and the time is what the planner prices.
-
-Memory per chunk token: the fp32 log-softmax and its input (8·V bytes: upcast, then the
-log-softmax output; bf16 `log_softmax(dtype=float32)` upcasts outside the kernel), then the
-compute-dtype gradient beside the log-softmax; with soft-capping the capped fp32 logits stay
-for the slope, so the 16-bit gradient comes on top (8·V + c·V). Held from the
-loss to the start of backward: grad_W (c·V·H bytes, none when lm_head is frozen, e.g. LoRA) and
-grad_h (c·H per token, in place of the lm_head input the standard path saves). plan/loss.py
-books exactly these; the time model (plan/timing.py) prices the chunks' GEMMs and bytes.
-
-How it runs inside the engines: the lm_head module (nn.Linear) gets an instance-level
-`forward` that, while a `chunked_loss(...)` context holds this micro-batch's targets, returns
-the loss sum instead of logits. The model is called as before, so every engine's hooks fire on
-the same modules (FSDP2's root unshard, ZeRO-3's per-module gather of lm_head, DDP); the HF
-CausalLM passes lm_head's output through as `.logits` (checked per class: shardwise.train.loss_support).
-Why it is the default (at least as fast): the GEMM FLOPs are the standard path's; over the
-vocabulary a token moves (20 + 2c)·V bytes (upcast, log-softmax, exp into the gradient; fp32:
-20·V) against the standard path's (36 + 2c)·V (upcast, log-softmax, NLL gradient, log-softmax
-backward, cast back; fp32: 28·V). What chunking adds is traffic inside the GEMMs: each chunk
-re-reads the [V, H] weight, and the weight gradient's accumulator is read once more per chunk
-(c·V·H). At 1024 tokens per chunk those GEMMs do ~chunk/c ≈ 512 FLOP per byte in bf16, above
-an H200's ridge (~990 TFLOP/s over ~4.8 TB/s ≈ 200), so they stay compute-bound; plan/timing.py
-prices both sides and puts chunked at or below standard for the catalog's large-vocabulary
-models. Measured on CPU (benchmarks/cross_entropy.py, one thread): 1.35–1.57× faster forward +
-backward of the loss for the tiny-llama and qwen2.5-0.5b heads, fp32 and bf16, at 35–48% of
-the peak memory (benchmarks/results/cross_entropy.json).
+Same contract as `engines.base.token_loss_sum`: labels are not pre-shifted (position t predicts
+labels[t + 1]), IGNORE_INDEX targets and each row's last position carry no loss, and the result
+is the fp32 *sum* of the token losses (the loop scales it by `loss_scale`, engines/base.py).
+`chunked_loss(model, labels, chunk)` installs it in lm_head for one forward, so every engine's
+hooks fire on the same modules; a DTensor lm_head (TP) gets the vocab-parallel version. The math
+per chunk, its memory and time, and why it is the default: docs/training.md "The cross-entropy".
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The checks are ordered cheap first (torch is imported only to ask about CUDA for
 so a bad config fails in a second with one message instead of N ranks each printing a
 traceback; the one expensive step, tokenising the data once into the cache every rank loads,
 comes last. The resume checks (the checkpoint `checkpointing.resume` names, against this config)
-are shardwise.train.preflight_resume's, re-exported here.
+are shardwise.train.preflight_resume's.
 """
 
 from __future__ import annotations
@@ -23,12 +23,6 @@ from shardwise.specs import Strategy
 from shardwise.specs.hardware import GIB
 from shardwise.train.lora import check_qlora
 from shardwise.train.model import attention_note, check_model_source
-from shardwise.train.preflight_resume import (  # noqa: F401 - re-exported: the resume checks' names
-    check_resumable,
-    check_same_adapters,
-    check_same_shapes,
-    resolve_checkpoint,
-)
 from shardwise.train.trackers import check_installed
 
 
@@ -111,8 +105,8 @@ def check_data(cfg: TrainConfig) -> None:
 
 def check_eval(cfg: TrainConfig) -> None:
     """`run.eval_every_steps` needs a validation split (data.sft.validation_files or
-    data.sft.validation_fraction: the issue's eval_files / eval_fraction), and
-    `checkpointing.save_best` needs evaluations; refused here, before any rank starts."""
+    data.sft.validation_fraction), and `checkpointing.save_best` needs evaluations; refused
+    here, before any rank starts."""
     r, sft = cfg.run, cfg.data.sft
     if cfg.checkpointing.save_best is not None and r.eval_every_steps is None:
         raise ShardwiseError(f"{cfg.source}: checkpointing.save_best = {cfg.checkpointing.save_best!r} needs "
@@ -216,10 +210,9 @@ def check_memory(run: RunSpec, force: bool = False) -> MemoryCheck:
 
 def single_gpu_note(run: RunSpec) -> str | None:
     """On one GPU a sharding strategy shards nothing and still pays its engine's hooks and copies
-    (measured on an H200: qwen2.5-0.5b ran 45k tokens/s under FSDP2, 14k under ZeRO-3, 54k
-    under DDP). FSDP2 then runs as DDP where the plan says so (FSDPKnobs.single_rank): the note
-    says it did, with both plans. Otherwise it says so, with the plan's numbers, when DDP fits
-    and is planned faster."""
+    (docs/reference.md "One-rank shard groups"). FSDP2 then runs as DDP where the plan says so
+    (FSDPKnobs.single_rank): the note says it did, with both plans. Otherwise it says so, with
+    the plan's numbers, when DDP fits and is planned faster."""
     from shardwise.plan.evaluate import evaluate
 
     s = run.strategy
@@ -372,7 +365,7 @@ def _lineage_checkpoints(cfg: TrainConfig) -> int:
     """Checkpoints a `--resume latest` run continues next to (they are on disk already)."""
     if cfg.checkpointing.resume != "latest":
         return 0
-    from shardwise.train.checkpoint import checkpoints_dir, published
+    from shardwise.train.checkpoint_dir import checkpoints_dir, published
     from shardwise.train.lineage import read_lineage
 
     lin = read_lineage(cfg.checkpointing.output_dir)

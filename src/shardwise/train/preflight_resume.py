@@ -20,7 +20,7 @@ def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = Tru
     cp = cfg.checkpointing
     if cp.resume is None:  # a fresh run: the launcher needs no torch (seconds of start-up)
         return None
-    from shardwise.train.checkpoint_manifest import resolve_resume
+    from shardwise.train.checkpoint import resolve_resume
 
     resume = resolve_resume(cp.resume, cp.output_dir, verify_hashes=verify_hashes)
     if cp.resume == "latest" and resume is None:

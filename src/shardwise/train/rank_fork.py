@@ -1,7 +1,6 @@
 """Forked CPU ranks: on CPU, `shardwise train` starts its local ranks by forking itself, after it
 has checked the run and imported what a rank runs (torch, the model's transformers code, the
-engine). A rank's imports cost about 5 s of CPU (torch 1.7 s, a Llama's transformers modeling
-code 3 s more, DeepSpeed 2.7 s more: measured on this project's 2-core machines), more than a
+engine). A rank's imports cost seconds of CPU (docs/training.md "Flow", Launch), more than a
 short CPU run's training; forked, the job pays them once, and the ranks skip the checks the
 launcher has just made (they inherit its checked run).
 
