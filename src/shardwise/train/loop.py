@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from shardwise.data.labels import count_target_tokens
-from shardwise.errors import NonFiniteError  # noqa: F401 - re-exported for the CLI
 from shardwise.run import RunSpec
 from shardwise.train.data import Prefetcher, PreparedStep
 from shardwise.train.engines import build_engine
