@@ -151,9 +151,9 @@ def test_a_fitted_constant_at_its_bound_fails_the_fit():
 def test_time_model_constants_are_not_module_globals():
     """plan/timing.py keeps only derived counts as module constants; every tunable is hw.timing."""
     import shardwise.plan.timing as timing
-    from shardwise.specs.timing_model import constant_names
+    from shardwise.specs.timing_model import TimingModel
 
-    for name in constant_names():
+    for name in TimingModel.constant_names():
         assert not hasattr(timing, name.upper()), name
 
 

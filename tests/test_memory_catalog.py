@@ -11,7 +11,7 @@ import pytest
 
 from shardwise import catalog
 from shardwise.errors import ShardwiseError
-from shardwise.specs.memory_model import constant_names
+from shardwise.specs.memory_model import MemoryModel
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -19,7 +19,7 @@ GIB = 2**30
 
 def test_every_bundled_memory_constant_has_a_provenance():
     mm = catalog.memory_model()
-    assert set(mm.provenance) == set(constant_names())
+    assert set(mm.provenance) == set(MemoryModel.constant_names())
     for name, prov in mm.provenance.items():
         assert prov.kind in ("fitted", "measured", "derived", "assumed") and prov.basis, name
         if prov.kind == "fitted":
@@ -75,5 +75,5 @@ def test_memory_model_constants_are_not_module_globals():
     old = ("CUDA_CONTEXT", "NCCL_PER_GROUP", "ALLOCATOR_SLACK", "DEFAULT_MARGIN", "SUB_GROUP_SIZE", "PROCESS_BYTES",
            "CUDA_RUNTIME_BYTES", "LAUNCHER_BYTES", "DEFAULT_FILE_BYTES", "MMAP_THRESHOLD", "HEAP_FLOOR")
     for module in (memory, load, host_cpu, host_alloc):
-        for name in old + tuple(n.upper() for n in constant_names()):
+        for name in old + tuple(n.upper() for n in MemoryModel.constant_names()):
             assert not hasattr(module, name), (module.__name__, name)

@@ -11,9 +11,8 @@ from shardwise.config.fields import check_count, check_number
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.hardware import GB, GPUSpec, HardwareSpec, LinkSpec
 from shardwise.specs.memory_model import MemoryModel
-from shardwise.specs.memory_model import constant_names as memory_constant_names
 from shardwise.specs.model import ModelSpec
-from shardwise.specs.timing_model import Provenance, TimingModel, constant_names
+from shardwise.specs.timing_model import Provenance, TimingModel
 
 _HERE = Path(__file__).parent
 # libyaml's loader where PyYAML was built with it (10x the pure-Python one: every process of a
@@ -54,7 +53,7 @@ def timing_model() -> TimingModel:
     """The bundled time model (catalog/timing.yaml): its constants and their provenance."""
     engine = _timing()["engine"]
     values, prov = {}, {}
-    for name in constant_names():
+    for name in TimingModel.constant_names():
         values[name], prov[name] = _constant(engine[name])
     return TimingModel(**values, provenance=prov)
 
@@ -69,7 +68,7 @@ def memory_model() -> MemoryModel:
     """The bundled memory model (catalog/memory.yaml): its constants and their provenance. A
     constant missing from the file, or one the model does not have, is refused by name."""
     table = _memory()
-    names = memory_constant_names()
+    names = MemoryModel.constant_names()
     missing, unknown = [n for n in names if n not in table], sorted(set(table) - set(names))
     if missing or unknown:
         raise ShardwiseError(f"catalog/memory.yaml: missing {missing}, unknown {unknown}: expected one entry per "

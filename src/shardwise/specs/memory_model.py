@@ -13,16 +13,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from shardwise.config.base import Spec
-from shardwise.specs.timing_model import Provenance
+from shardwise.specs.timing_model import Constants
 
 Start = Literal["exec", "fork"]
 Library = Literal["torch", "deepspeed"]
 
 
-class MemoryModel(Spec):
+class MemoryModel(Constants):
     """What the memory plan needs beyond the specs. Bytes, unless the name says otherwise."""
 
     # the GPU outside the allocator's live bytes: the CUDA context of one process, one NCCL
@@ -50,22 +49,8 @@ class MemoryModel(Spec):
     # glibc's heap on a rank: the mmap threshold the trainer holds, what the heap keeps free after a step
     mmap_threshold_bytes: int = Field(gt=0)
     heap_floor_bytes: float = Field(ge=0)
-    provenance: dict[str, Provenance]
-
-    @model_validator(mode="after")
-    def _every_constant_has_provenance(self) -> MemoryModel:
-        names = set(constant_names())
-        missing = sorted(names - set(self.provenance))
-        unknown = sorted(set(self.provenance) - names)
-        if missing or unknown:
-            raise ValueError(f"provenance must name every constant: missing {missing}, unknown {unknown}")
-        return self
-
     def process_bytes(self, start: Start, library: Library) -> float:
         """A rank's interpreter and libraries on the host (CPU build), `start`ed by exec or fork,
         with torch's `library` set or DeepSpeed's besides."""
         return getattr(self, f"process_{start}_{library}_bytes")
 
-
-def constant_names() -> tuple[str, ...]:
-    return tuple(n for n in MemoryModel.model_fields if n != "provenance")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from shardwise.config.file import parse_json, read_text
 from shardwise.errors import ShardwiseError, user_error
 from shardwise.specs.hardware import HardwareSpec
-from shardwise.specs.timing_model import Provenance, constant_names
+from shardwise.specs.timing_model import Provenance, TimingModel
 
 PROFILE_VERSION = 1
 
@@ -69,9 +69,9 @@ class HardwareProfile(_Part):
 
     @model_validator(mode="after")
     def _timing_names(self) -> HardwareProfile:
-        unknown = sorted(set(self.timing) - set(constant_names()))
+        unknown = sorted(set(self.timing) - set(TimingModel.constant_names()))
         if unknown:
-            raise ValueError(f"timing: unknown constants {unknown} (expected some of {list(constant_names())})")
+            raise ValueError(f"timing: unknown constants {unknown} (expected some of {list(TimingModel.constant_names())})")
         return self
 
     @property

@@ -41,7 +41,26 @@ class Provenance(Spec):
         return self.kind
 
 
-class TimingModel(Spec):
+class Constants(Spec):
+    """A model's constants, each with the Provenance of its value (every field but `provenance`)."""
+
+    provenance: dict[str, Provenance]
+
+    @classmethod
+    def constant_names(cls) -> tuple[str, ...]:
+        return tuple(n for n in cls.model_fields if n != "provenance")
+
+    @model_validator(mode="after")
+    def _every_constant_has_provenance(self) -> Constants:
+        names = set(self.constant_names())
+        missing = sorted(names - set(self.provenance))
+        unknown = sorted(set(self.provenance) - names)
+        if missing or unknown:
+            raise ValueError(f"provenance must name every constant: missing {missing}, unknown {unknown}")
+        return self
+
+
+class TimingModel(Constants):
     """What `plan/timing.py` needs beyond the specs. Times in seconds; factors are multipliers
     of the idealised per-op byte or kernel counts of plan/kernels.py."""
 
@@ -77,22 +96,8 @@ class TimingModel(Spec):
     # LoRA: the share of the engines' copies a frozen base leaves (gathered as stored, no cast;
     # only the adapters' gradients reduced)
     lora_copy_share: float = Field(ge=0, le=1)
-    provenance: dict[str, Provenance]
-
-    @model_validator(mode="after")
-    def _every_constant_has_provenance(self) -> TimingModel:
-        names = set(constant_names())
-        missing = sorted(names - set(self.provenance))
-        unknown = sorted(set(self.provenance) - names)
-        if missing or unknown:
-            raise ValueError(f"provenance must name every constant: missing {missing}, unknown {unknown}")
-        return self
-
     def with_values(self, values: dict[str, float], provenance: dict[str, Provenance] | None = None) -> TimingModel:
         """A copy with `values` in place (and their new provenance, where given)."""
         prov = dict(self.provenance) | dict(provenance or {})
         return TimingModel(**(self.model_dump(exclude={"provenance"}) | values), provenance=prov)
 
-
-def constant_names() -> tuple[str, ...]:
-    return tuple(n for n in TimingModel.model_fields if n != "provenance")
