@@ -118,7 +118,8 @@ def plan(
     pp: int | None = typer.Option(None, "--pp", help="Pipeline-parallel degree of the table (default 1); given, "
                                   "the recommender keeps to it too (default: it sweeps 1, 2, 4)."),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
-    margin: float = typer.Option(0.05, "--margin", help="Fraction of GPU memory kept free."),
+    margin: float | None = typer.Option(None, "--margin", show_default=False, help="Fraction of GPU memory kept free "
+                                        "(default: the memory model's default_margin, catalog/memory.yaml)."),
     host_memory_gb: float | None = typer.Option(None, "--host-memory-gb", help="Host RAM per node (GB), default 2048."),
     nics_per_node: int | None = typer.Option(None, "--nics-per-node", help="Network cards per node (default: one per GPU on InfiniBand, one per node on Ethernet)."),
     profile: Path | None = typer.Option(None, "--profile", help="Hardware profile measured on your GPUs (JSON); replaces the catalog's rates."),
@@ -162,7 +163,7 @@ def plan(
             expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
             tp_comm_overlap=a["tp_comm_overlap"],
         )
-        check_margin(margin)
+        margin = a["margin"] = check_margin(margin)
         warnings = input_warnings(m, train)
         if accounting not in ("engine", "paper", "deepspeed"):
             raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
