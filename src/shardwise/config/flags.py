@@ -1,7 +1,8 @@
-"""`shardwise plan`'s engine-knob flags, generated from the spec classes.
+"""`shardwise plan`'s flags, from the schema: the engine knobs' flags generated from the knob
+classes, and the flags that set a field of the run (RUN_FLAGS), each with its YAML key.
 
 One schema: the pydantic fields of `DeepSpeedKnobs`, `FSDPKnobs` and `DDPKnobs`
-(shardwise.specs.strategy) give the trainer's YAML sections (`config/schema._overrides`), `--set`,
+(shardwise.config.strategy) give the trainer's YAML sections (`config/schema._overrides`), `--set`,
 these flags and what `plan --from` reads. Each field is the flag `--ds-FIELD` / `--fsdp-FIELD` /
 `--ddp-FIELD` (underscores as dashes), its help is the field's description and its default the
 field's default, stated once, there. Knobs that had a shorter flag before keep that name
@@ -22,6 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 import typer
 from pydantic import BaseModel
 
+from shardwise.config.schema import TrainConfig
 from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs, StrategyKnobs
 from shardwise.errors import ShardwiseError
 
@@ -288,13 +290,10 @@ RUN_FLAG = {f.param: f for f in RUN_FLAGS}
 def schema_field(key: str) -> Any:
     """The pydantic FieldInfo of a dotted training-YAML key (a section left null by default, such
     as `lora`, is read through its class)."""
-    from shardwise.config.schema import TrainConfig
-
     cls: Any = TrainConfig
     *sections, name = key.split(".")
     for part in sections:
-        ann = _base(cls.model_fields[part].annotation)
-        cls = ann
+        cls = _base(cls.model_fields[part].annotation)
     return cls.model_fields[name]
 
 
@@ -306,8 +305,6 @@ def schema_default(key: str) -> Any:
 
 def _section_absent(key: str) -> str | None:
     """The section on `key`'s path that the schema leaves null by default (lora), if any."""
-    from shardwise.config.schema import TrainConfig
-
     top = key.split(".")[0]
     return top if "." in key and TrainConfig.model_fields[top].default is None else None
 

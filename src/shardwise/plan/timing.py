@@ -306,7 +306,8 @@ def _above_peak(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
-    train = tp_train(train.for_engine(strategy.engine), strategy)  # without sequence parallelism where its TP has none
+    # as its engine runs it; without sequence parallelism where its TP has none
+    train = tp_train(train.for_engine(strategy.engine), strategy)
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica per step
     psi = replica_params(model, strategy, layout)
     ct = compute_time(model, hw, train, strategy, layout, psi)
