@@ -25,7 +25,13 @@ from shardwise.errors import ShardwiseError
 from shardwise.specs.families import ANALYTIC_FAMILIES
 from shardwise.train.engines.base import forward_loss_sum, token_loss_sum
 from shardwise.train.hf import causal_lm_class, causal_lm_name, forward_source
-from shardwise.train.loss import linear_cross_entropy_sum, output_heads, shifted_targets
+from shardwise.train.loss import (
+    LossHead,
+    install_loss_heads,
+    linear_cross_entropy_sum,
+    output_heads,
+    shifted_targets,
+)
 from shardwise.train.loss_support import check_run, forward_support, head_support
 
 LOSS_RTOL = 1e-6
@@ -209,7 +215,10 @@ def test_trainer_model_on_packed_batch_matches_standard(model: str, sft_batch) -
     assert _close(ours[worst], ref[worst]) <= GRAD_TOL, (worst, _close(ours[worst], ref[worst]))
     if model == "tiny-qwen":
         assert m.config.tie_word_embeddings and m.lm_head.weight is m.model.embed_tokens.weight
-    # outside a chunked_loss call lm_head is itself again: logits
+    # the loss head is the model's own output layer: a named module, the standard build's names
+    assert type(m.lm_head) is LossHead and m.get_output_embeddings() is m.lm_head
+    assert "LossHead(in_features=64" in repr(m)
+    # outside a `computing` call the LossHead returns logits
     with torch.no_grad():
         out = m(input_ids=sft_batch["input_ids"][:1]).logits
     assert out.shape == (1, sft_batch["input_ids"].size(1), 2048)
@@ -225,9 +234,12 @@ def test_gemma2_softcap_through_the_model(sft_batch) -> None:
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, final_logit_softcapping=3.0,
                        attn_implementation="eager")
 
-    def build(_run):
+    def build(run):
         torch.manual_seed(0)
-        return Gemma2ForCausalLM(cfg).float()
+        m = Gemma2ForCausalLM(cfg).float()
+        if run.train.cross_entropy == "chunked":  # as build_model does
+            install_loss_heads(m)
+        return m
 
     batch = {k: v for k, v in sft_batch.items() if k != "attention_mask"}  # Gemma2 builds its own masks
     run = _run("tiny-llama", "standard")

@@ -5,14 +5,15 @@ the [tokens, vocab] logits never exist in fp32 (nor whole in any dtype).
 Same contract as `engines.base.token_loss_sum`: labels are not pre-shifted (position t predicts
 labels[t + 1]), IGNORE_INDEX targets and each row's last position carry no loss, and the result
 is the fp32 *sum* of the token losses (the loop scales it by `loss_scale`, engines/base.py).
-`chunked_loss(model, labels, chunk)` installs it in lm_head for one forward, so every engine's
-hooks fire on the same modules; a DTensor lm_head (TP) gets the vocab-parallel version. The math
+The model computes it in its own forward: `install_loss_heads` replaces lm_head with a
+`LossHead` (same parameters) when the model is built, and `computing(model, labels, chunk)`
+hands it the targets of one call, so every engine's hooks fire on the same modules as for
+logits; a DTensor lm_head (TP) gets the vocab-parallel version. The math
 per chunk, its memory and time, and why it is the default: docs/training.md "The cross-entropy".
 """
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ from shardwise.errors import ShardwiseError
 from shardwise.train.loss_support import STANDARD_HINT, head_support
 
 DEFAULT_CHUNK_TOKENS = 1024
-_REQUEST = "_shardwise_ce_request"  # per-call attribute on the head module(s)
 
 
 # --------------------------------------------------------------------------- the math
@@ -184,6 +184,41 @@ def linear_cross_entropy_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 # --------------------------------------------------------------------------- the model side
+class LossHead(torch.nn.Linear):
+    """The model's output layer, able to return the loss: lm_head with the same parameters (the
+    same Parameter objects: names, tying and sharding unchanged), whose forward returns the
+    fp32 loss sum of `targets` while `computing` is open, and the logits otherwise.
+
+    `install_loss_heads` puts it in place of lm_head when the model is built; the model's own
+    forward then calls it, under every engine's hooks, as it called lm_head."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.request: _Request | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        req = self.request
+        if req is None:
+            return super().forward(x)
+        weight, bias, tp = self.weight, self.bias, {}
+        if isinstance(weight, DTensor):  # tensor parallelism: lm_head holds a vocabulary shard
+            mesh = weight.device_mesh
+            # x arrives all-gathered (Replicate); its gradient here is this rank's partial sum, which
+            # DTensor reduce-scatters back over the sequence (Partial → Shard(1))
+            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+            weight = weight.to_local()
+            bias = bias.to_local() if bias is not None else None
+            tp = {"group": mesh.get_group(), "vocab_start": mesh.get_local_rank() * weight.size(0)}
+        h = x.reshape(-1, x.size(-1))
+        if h.size(0) != req.targets.numel():
+            raise RuntimeError(f"chunked cross-entropy: lm_head got {h.size(0)} positions for {req.targets.numel()} "
+                               "targets (the model sliced its hidden states: logits_to_keep?)")
+        return linear_cross_entropy_sum(h, weight, bias, req.targets, req.chunk_tokens, req.softcap, **tp)
+
+
 @dataclass
 class _Request:
     targets: torch.Tensor  # [B·S], shifted
@@ -191,29 +226,8 @@ class _Request:
     softcap: float | None
 
 
-def _head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """lm_head's instance-level forward: the loss sum while a request is set, logits otherwise."""
-    req = self.__dict__.get(_REQUEST)
-    if req is None:
-        return type(self).forward(self, x)
-    weight, bias, tp = self.weight, self.bias, {}
-    if isinstance(weight, DTensor):  # tensor parallelism: lm_head holds a vocabulary shard
-        mesh = weight.device_mesh
-        # x arrives all-gathered (Replicate); its gradient here is this rank's partial sum, which
-        # DTensor reduce-scatters back over the sequence (Partial → Shard(1))
-        x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
-        weight = weight.to_local()
-        bias = bias.to_local() if bias is not None else None
-        tp = {"group": mesh.get_group(), "vocab_start": mesh.get_local_rank() * weight.size(0)}
-    h = x.reshape(-1, x.size(-1))
-    if h.size(0) != req.targets.numel():
-        raise RuntimeError(f"chunked cross-entropy: lm_head got {h.size(0)} positions for {req.targets.numel()} "
-                           "targets (the model sliced its hidden states: logits_to_keep?)")
-    return linear_cross_entropy_sum(h, weight, bias, req.targets, req.chunk_tokens, req.softcap, **tp)
-
-
 def _plain_linear(m: object) -> bool:
-    return isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+    return isinstance(m, torch.nn.Linear) and type(m).forward in (torch.nn.Linear.forward, LossHead.forward)
 
 
 def output_heads(model: Any) -> list[torch.nn.Linear]:
@@ -233,37 +247,51 @@ def output_heads(model: Any) -> list[torch.nn.Linear]:
                          f"{type(head).__name__}, not a plain nn.Linear (a LoRA adapter on lm_head?); {STANDARD_HINT}")
 
 
-def check_model(model: Any) -> tuple[list[torch.nn.Linear], float | None]:
-    """The heads to compute the loss in and the soft-cap to apply; raises ShardwiseError where
-    the chunked path cannot reproduce the model's logits."""
-    cls: Any = type(model)
-    capped, refusal = head_support(cls)
+def _softcap(model: Any) -> float | None:
+    """The logit soft-cap the loss applies (Gemma 2/3); raises ShardwiseError where the chunked
+    path cannot reproduce the model's logits (loss_support)."""
+    capped, refusal = head_support(type(model))
     if refusal:
         raise ShardwiseError(f"chunked cross-entropy: {refusal}; {STANDARD_HINT}")
-    heads = output_heads(model)
     cap = getattr(model.config, "final_logit_softcapping", None) if capped else None
-    return heads, (float(cap) if cap else None)
+    return float(cap) if cap else None
+
+
+def install_loss_heads(model: Any) -> None:
+    """Put a LossHead in place of the model's output layer (before adapters, engines and
+    tensor parallelism wrap it: PEFT's `modules_to_save` copies it, DTensor shards it). Raises
+    ShardwiseError where the chunked loss cannot reproduce the model's logits."""
+    _softcap(model)
+    (head,) = output_heads(model)
+    if not isinstance(head, LossHead):
+        model.set_output_embeddings(LossHead(head))
+
+
+def loss_heads(model: Any) -> list[LossHead]:
+    """The installed LossHead(s) of `model` (two under `modules_to_save: [lm_head]`)."""
+    heads = output_heads(model)
+    if not all(isinstance(h, LossHead) for h in heads):
+        raise RuntimeError(f"chunked cross-entropy: {type(model).__name__} was built without its loss head "
+                           "(shardwise.train.loss.install_loss_heads)")
+    return heads  # type: ignore[return-value]
 
 
 @contextmanager
-def chunked_loss(model: Any, labels: torch.Tensor, chunk_tokens: int) -> Iterator[None]:
+def computing(model: Any, labels: torch.Tensor, chunk_tokens: int) -> Iterator[None]:
     """While open, calling `model` returns this micro-batch's loss sum as `.logits` (fp32, 0-d):
-    lm_head computes it from the hidden states (module docstring). `model` is the unwrapped HF
-    CausalLM (the engines' `module`); the caller may call it through its wrapper (DDP,
-    DeepSpeedEngine). For Gemma 2/3 the model's own soft-capping is off during the call."""
-    heads, cap = check_model(model)
-    for head in heads:
-        if "forward" not in head.__dict__:
-            head.__dict__["forward"] = types.MethodType(_head_forward, head)  # the instance's own
+    its LossHead computes it from the hidden states. `model` is the unwrapped HF CausalLM (the
+    engines' `module`); the caller may call it through its wrapper (DDP, DeepSpeedEngine). For
+    Gemma 2/3 the model's own soft-capping is off during the call (the head applies it)."""
+    heads, cap = loss_heads(model), _softcap(model)
     req = _Request(shifted_targets(labels), chunk_tokens, cap)
     for head in heads:
-        head.__dict__[_REQUEST] = req
+        head.request = req
     if cap is not None:
         model.config.final_logit_softcapping = None
     try:
         yield
     finally:
         for head in heads:
-            head.__dict__.pop(_REQUEST, None)
+            head.request = None
         if cap is not None:
             model.config.final_logit_softcapping = cap

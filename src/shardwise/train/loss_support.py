@@ -4,7 +4,7 @@ CausalLM class's `forward`, what it does to lm_head's output before returning it
 Torch-free: the launcher refuses an unsupported run before any rank starts (`check_run`) from
 transformers' files alone (shardwise.train.hf.forward_source), without importing torch or the
 modeling code, seconds of start-up in a process that trains nothing; each rank checks the class
-of the model it built (shardwise.train.loss.check_model)."""
+of the model it built (shardwise.train.loss.install_loss_heads)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ _ASSIGN = re.compile(r"^\s*(\w+)\s*=\s*self\.(lm_head|get_output_embeddings\(\))
 def forward_support(name: str, forward_source: str) -> tuple[bool, str | None]:
     """(soft-capped, refusal) for the CausalLM class `name` whose `forward` reads
     `forward_source`. Nothing done to lm_head's output: supported. Gemma 2/3's
-    `final_logit_softcapping` lines: supported (`chunked_loss` folds the cap into the loss and
+    `final_logit_softcapping` lines: supported (the LossHead folds the cap into the loss and
     switches the model's own off for the call). Anything else (Cohere's logit_scale, Granite's
     logits_scaling, ...): refused, naming the line."""
     lines = forward_source.splitlines()
@@ -66,7 +66,7 @@ def check_run(run: Any) -> None:
     """Preflight: refuse `loss.implementation: chunked` before any rank starts where it cannot
     reproduce the model's logits: LoRA adapts lm_head, or the model's CausalLM class changes
     the logits after lm_head (other than Gemma's soft-cap). A class only a checkpoint's own code
-    defines is checked when the model is built (shardwise.train.loss.check_model)."""
+    defines is checked when the model is built (shardwise.train.loss.install_loss_heads)."""
     from shardwise.train.hf import causal_lm_class, causal_lm_name, forward_source, run_model_type
 
     if run.train.cross_entropy != "chunked":

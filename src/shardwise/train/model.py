@@ -150,6 +150,10 @@ def build_model(run: RunSpec, *, deferred: bool = False):
     else:  # no weights format shardwise reads itself: transformers loads it whole
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, **kw)
     model.config.use_cache = False  # no KV cache in training
+    if run.train.cross_entropy == "chunked":  # the model's forward computes the loss (train.loss)
+        from shardwise.train.loss import install_loss_heads
+
+        install_loss_heads(model)
     if run.train.checkpointing == "full":
         # Non-reentrant: works under FSDP2 and ZeRO-3 hooks and with frozen inputs.
         from shardwise.train.hf import enable_checkpointing

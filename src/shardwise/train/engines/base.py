@@ -146,8 +146,8 @@ def forward_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch:
     `forward` is what the engine calls (its wrapper: DDP, DeepSpeedEngine, the FSDP2 root), so
     the engine's hooks fire as for any forward; `model` is the unwrapped HF CausalLM. By
     `train.cross_entropy` (the run's `loss.implementation`, as planned):
-    - chunked: lm_head computes the loss chunk by chunk from the hidden states inside the model
-      call (shardwise.train.loss): no [tokens, vocab] fp32 logits;
+    - chunked: the model's LossHead (in lm_head's place, shardwise.train.loss) computes the loss
+      chunk by chunk from the hidden states inside the model call: no [tokens, vocab] fp32 logits;
     - standard: the model returns the logits, `token_loss_sum` upcasts them whole.
     `amp` (DDP's autocast) wraps the model call only, as before. One function per engine call:
     `shardwise bench` wraps it to mark the end of the forward."""
@@ -155,9 +155,9 @@ def forward_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch:
     inputs = model_inputs(batch, device)
     with amp if amp is not None else contextlib.nullcontext():
         if train.cross_entropy == "chunked":
-            from shardwise.train.loss import chunked_loss
+            from shardwise.train.loss import computing
 
-            with chunked_loss(model, labels, train.ce_chunk):
+            with computing(model, labels, train.ce_chunk):
                 return forward(**inputs).logits
         if train.cross_entropy != "standard":
             raise ValueError(f"cross_entropy {train.cross_entropy!r} is plan-only; the trainer runs chunked or standard")
