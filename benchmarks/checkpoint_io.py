@@ -1,4 +1,4 @@
-"""Save and load time and bytes per rank of the sharded checkpoint (shardwise.train.checkpoint),
+"""Save and load time and bytes per rank of the sharded checkpoint (shardwise.train.checkpoint.sharded),
 for tiny-llama and qwen2.5-0.5b on CPU, 2 gloo ranks, per strategy; and what a save costs a run.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python benchmarks/checkpoint_io.py           # ~10-15 min
@@ -92,7 +92,7 @@ def model_params(name: str) -> int:
 
 
 def run_case(model: str, strategy: str, tmp: Path, budget_left: float) -> dict:
-    from shardwise.train.spawn import spawn
+    from shardwise.train.launch.spawn import spawn
 
     seq, mb, steps, repeats, timeout = MODELS[model]
     case_dir = tmp / f"{model}-{strategy}"
@@ -406,7 +406,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     run_time = time.perf_counter() - t_start
     res = {
-        "what": "wall time of save_checkpoint / load_checkpoint (shardwise.train.checkpoint) per rank, bytes per "
+        "what": "wall time of save_checkpoint / load_checkpoint (shardwise.train.checkpoint.sharded) per rank, bytes per "
                 "rank from the manifest, per (model, strategy), 2 spawned gloo ranks on CPU; the save's share of "
                 "run time at the default interval (30 min) and at every 100 steps of the CPU step time",
         "machine": machine(),

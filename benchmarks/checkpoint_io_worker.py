@@ -167,14 +167,14 @@ def run_case(args) -> None:
     torch.set_num_threads(1)
     from shardwise.data.labels import count_target_tokens
     from shardwise.run import run_spec
-    from shardwise.train import checkpoint as ckpt
-    from shardwise.train.checkpoint_dir import MANIFEST, TRAINER_STATE
+    from shardwise.train.checkpoint import sharded as ckpt
+    from shardwise.train.checkpoint.directory import MANIFEST, TRAINER_STATE
     from shardwise.train.data import SyntheticSource, build_source, stack
     from shardwise.train.engines import build_engine
     from shardwise.train.engines.base import model_inputs, token_loss_sum
-    from shardwise.train.launch import init_distributed
+    from shardwise.train.launch.rank import init_distributed
     from shardwise.train.loop import seed_everything
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     env = init_distributed("cpu", timeout_s=900)
     out = Path(args.ckpt_dir)

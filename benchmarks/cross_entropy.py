@@ -5,7 +5,7 @@
 For each shape (tokens, hidden, vocab) and dtype: the loss from the lm_head input h through
 backward, as the engines run it (shardwise.train.engines.base.forward_loss_sum):
 - standard: logits = h·Wᵀ in the compute dtype, `token_loss_sum` (fp32 upcast of all logits);
-- chunked: `shardwise.train.loss.linear_cross_entropy_sum` (lm_head + loss per chunk).
+- chunked: `shardwise.train.model.loss.linear_cross_entropy_sum` (lm_head + loss per chunk).
 Wall time of forward + backward (best and median of --reps, the two interleaved), and the peak of
 live tensor bytes (torch's MemTracker, a separate untimed run) minus the inputs h and W, beside
 the planner's logits term for the same shape (plan/loss.py `logits_bytes`; the chunked term's
@@ -14,7 +14,7 @@ held by an HF-style caller, which the trainer's engines no longer hold through b
 
 Shapes: the test-size tiny-llama head (V 2048, H 64) and qwen2.5-0.5b's (V 151936, H 896),
 the issue's case. A GPU runs the same kernels; the argument for its speed is in the docstring of
-shardwise/train/loss.py and the planner's time model (plan/timing.py).
+shardwise/train/model/loss.py and the planner's time model (plan/timing.py).
 
 Writes benchmarks/results/cross_entropy.json and prints a table.
 """
@@ -35,7 +35,7 @@ from shardwise.catalog import get_model
 from shardwise.plan.loss import logits_bytes
 from shardwise.specs import TrainSpec
 from shardwise.train.engines.base import token_loss_sum
-from shardwise.train.loss import linear_cross_entropy_sum, shifted_targets
+from shardwise.train.model.loss import linear_cross_entropy_sum, shifted_targets
 
 OUT = Path(__file__).resolve().parent / "results" / "cross_entropy.json"
 # (label, catalog model whose head it is, micro_batch, seq_len)

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
 
-    from shardwise.train.launch import init_distributed
+    from shardwise.train.launch.rank import init_distributed
 
     if args.cpu:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -164,7 +164,7 @@ _STATUS = ("import json, os\ndef status():\n    d = {}\n    for line in open('/p
            "        k, _, v = line.partition(':')\n"
            "        if k in ('VmRSS', 'RssAnon', 'RssFile'):\n            d[k] = int(v.split()[0]) * 1024\n"
            "    return d\n")
-# A forking launcher (shardwise.train.rank_fork): single-threaded, the rank's imports and the
+# A forking launcher (shardwise.train.launch.fork): single-threaded, the rank's imports and the
 # model's transformers code loaded, collections frozen; the child reports right after the fork.
 _FORKED = ("import gc\nfrom transformers.models.llama import modeling_llama\ngc.freeze()\npid = os.fork()\n"
            "if pid == 0:\n    print(json.dumps(status()), flush=True)\n    os._exit(0)\nos.waitpid(pid, 0)\n")
@@ -258,7 +258,7 @@ def zero3_gathered(s: dict) -> float:
 def planned_load(config: Path) -> dict:
     from shardwise.config.load import load_config
     from shardwise.run.bridge import run_spec
-    from shardwise.train.weights import planned_load as load
+    from shardwise.train.model.weights import planned_load as load
 
     p = load(run_spec(load_config(config), RANKS, "cpu"))
     return {"per_rank": p.per_rank, "resident": p.resident, "read": p.read, "process": p.process, "path": p.path}
@@ -447,8 +447,8 @@ def export_check(name: str, cache: Path, steps: int) -> dict:
     import yaml
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardwise.train.checkpoint import read_tensors, tensor_shapes
-    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.sharded import read_tensors, tensor_shapes
 
     strategy, mode, model = CASES[name]
     ckpt = checkpoint(cache, model)

@@ -28,7 +28,7 @@ def measure(cache: Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests" / "train"))
     from big_checkpoint import make_checkpoint
 
-    from shardwise.train.spawn import spawn
+    from shardwise.train.launch.spawn import spawn
 
     rows = []
     for name, strategy, mode in CASES:

@@ -3,7 +3,7 @@
     python benchmarks/packed_attention.py [--reps 3] [--threads 1] [--seq 2048] [--no-flex] [--out PATH]
 
 One micro-batch row of `--seq` tokens holding several documents, attended as the trainer attends
-it (shardwise.train.packed_attention):
+it (shardwise.train.model.packed_attention):
 - dense: transformers' `sdpa_attention_forward` with the collator's additive [1, 1, S, S] mask
   (the stated fallback; with a mask transformers repeats GQA's k/v for SDPA);
 - sdpa_varlen: the CPU default, one causal SDPA call per document (`sdpa_varlen_forward`), the
@@ -73,7 +73,7 @@ def attention_paths(lens: list[int], seq: int, flex: bool) -> dict[str, Callable
     forward alone of flex, dense and sdpa_varlen (no grad)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from shardwise.train.packed_attention import sdpa_varlen_forward
+    from shardwise.train.model.packed_attention import sdpa_varlen_forward
 
     g = torch.Generator().manual_seed(0)
     q0, k0, v0 = (torch.randn(1, h, seq, HEAD_DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -119,7 +119,7 @@ def model_paths(lens_rows: list[list[int]], seq: int) -> dict[str, Callable[[], 
     from shardwise.data.labels import IGNORE_INDEX
     from shardwise.run import run_spec
     from shardwise.train.engines.base import forward_loss_sum
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
     from shardwise.train.sft_data import build_sft_split
 
     rng = np.random.default_rng(0)

@@ -50,7 +50,7 @@ def bare_loop(cfg, env, steps) -> list[float]:
 
     from shardwise.run import deepspeed_config, run_spec
     from shardwise.train.engines.base import decay_groups
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     run = run_spec(cfg, env.world_size, env.device)
     model = build_model(run)
@@ -108,7 +108,7 @@ def hf_trainer(cfg, env, steps) -> list[float]:
 
     from shardwise.run import deepspeed_config, run_spec
     from shardwise.train.data import SyntheticSource
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     run = run_spec(cfg, env.world_size, env.device)
     model = build_model(run)
@@ -156,7 +156,7 @@ def worker(args) -> None:
     import torch
 
     from shardwise.run import run_spec
-    from shardwise.train.launch import init_distributed
+    from shardwise.train.launch.rank import init_distributed
     from shardwise.train.loop import train
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,7 +240,7 @@ def main() -> None:
     args = ap.parse_args()
     if "RANK" in os.environ:
         return worker(args)
-    from shardwise.train.spawn import spawn
+    from shardwise.train.launch.spawn import spawn
 
     sys.exit(
         spawn([__file__, *sys.argv[1:]], args.nproc, extra_env={"DS_ACCELERATOR": "cpu"}, threads_per_rank=1)

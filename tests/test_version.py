@@ -47,6 +47,6 @@ def test_a_missing_library_is_said_not_installed(monkeypatch):
 
 
 def test_the_manifest_versions_are_the_same_reading():
-    from shardwise.train.checkpoint import versions
+    from shardwise.train.checkpoint.sharded import versions
 
     assert versions() == {p: version(p) for p in ("shardwise", "torch", "deepspeed", "transformers")}

@@ -55,7 +55,7 @@ def parity(cpu: bool, workdir: Path) -> dict:
     from shardwise.data.labels import count_target_tokens
     from shardwise.run import run_spec
     from shardwise.train.engines.base import forward_loss_sum
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
     from shardwise.train.sft_data import build_sft_split
 
     device = torch.device("cpu" if cpu else "cuda")
@@ -84,8 +84,8 @@ def train_run(packed: str, env, cpu: bool, workdir: Path, steps: int) -> dict:
 
     from shardwise.plan.evaluate import evaluate
     from shardwise.run import run_spec
-    from shardwise.train import packed_attention as pa
     from shardwise.train.loop import train
+    from shardwise.train.model import packed_attention as pa
     from shardwise.train.preflight import check_memory
 
     run = run_spec(config(packed, cpu, workdir, steps=steps), 1, "cpu" if cpu else "cuda")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
 
-    from shardwise.train.launch import init_distributed
+    from shardwise.train.launch.rank import init_distributed
 
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu for the dry run")

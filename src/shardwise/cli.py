@@ -328,7 +328,7 @@ def _passthrough(module: str, name: str, help_text: str):
 
 _passthrough("shardwise.data.cli", "data", "SFT data tools: `shardwise data inspect FILE`.")
 _passthrough("shardwise.train.cli", "train", "Train with DeepSpeed, FSDP2 or DDP from a YAML config.")
-_passthrough("shardwise.train.export_cli", "export", "Export a checkpoint as a Hugging Face model directory.")
+_passthrough("shardwise.train.export.cli", "export", "Export a checkpoint as a Hugging Face model directory.")
 _passthrough("shardwise.bench.calibrate_cli", "calibrate", "Measure this machine's GPUs and links into a hardware profile.")
 _passthrough("shardwise.bench.bench_cli", "bench", "Run a few trainer steps; measured memory, time and comm vs the plan.")
 _passthrough("shardwise.doctor.cli", "doctor", "This machine's GPUs, topology, network, NCCL settings and host: what "
@@ -357,7 +357,7 @@ whole_short_help(app)
 
 
 def main() -> None:
-    from shardwise.train.launch import run_cli
+    from shardwise.train.launch.rank import run_cli
 
     run_cli(app)
 

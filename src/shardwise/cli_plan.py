@@ -322,7 +322,7 @@ def plan_cpu(m, hw, train, strategies, knobs, a: dict, source) -> object:
     fmt_, largest = None, 0.0
     cfg_path = a.get("model_config")
     if cfg_path is not None and Path(cfg_path).is_dir():
-        from shardwise.train.weights import checkpoint_weights
+        from shardwise.train.model.weights import checkpoint_weights
 
         fmt_, largest = checkpoint_weights(cfg_path)
     evals, _ = plan_layouts(m, hw, train, strategies, tp=a["tp"] or 1, pp=a["pp"] or 1, knobs=knobs)

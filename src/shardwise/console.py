@@ -6,7 +6,7 @@
   cut: what a batch log can hold and `grep` can read.
 
 `logging.progress` picks the mode: `auto` (bar on a TTY, lines otherwise), `bar`, `lines` or
-`off`. The train loop decides *when* (shardwise.train.step_log: every `logging.every` steps or
+`off`. The train loop decides *when* (shardwise.train.observe.step_log: every `logging.every` steps or
 `logging.every_seconds`, whichever comes first); this module decides *how*. A final summary block
 is printed in either mode (a rich table on a terminal, `key: value` lines otherwise).
 

@@ -7,7 +7,7 @@ Warnings that shardwise's own calls would cause are avoided at their source, not
 - DeepSpeed's "Attempting to get learning rate from scheduler before it has started": the engine
   has DeepSpeed build no lr scheduler beside the loop's (shardwise.train.engines.deepspeed);
 - transformers' deprecated `is_gradient_checkpointing`, which PEFT's `PeftModel` reads: the one
-  call that wraps a model in it ignores that one warning (shardwise.train.lora.peft_model).
+  call that wraps a model in it ignores that one warning (shardwise.train.model.lora.peft_model).
 
 What is left here cannot be fixed from shardwise: messages a library prints on import that say
 nothing about the run. Each entry names exactly what it silences and why. `--verbose` on `train`

@@ -34,16 +34,16 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from shardwise.errors import ShardwiseError
-from shardwise.train import checkpoint_index
-from shardwise.train.checkpoint import (
+from shardwise.train.checkpoint import index as checkpoint_index
+from shardwise.train.checkpoint.directory import step_dir_name
+from shardwise.train.checkpoint.index import SafeReader, UnsafeCheckpointError, load_tensors, read_index
+from shardwise.train.checkpoint.sharded import (
     TrainerState,
     read_manifest,
     read_tensors,
     save_checkpoint,
     tensor_shapes,
 )
-from shardwise.train.checkpoint_dir import step_dir_name
-from shardwise.train.checkpoint_index import SafeReader, UnsafeCheckpointError, load_tensors, read_index
 
 
 class _Shell:
@@ -200,7 +200,7 @@ def test_no_dcp_or_torch_load_outside_the_guard():
             owner = ast.unparse(node.func.value)
             where = f"{path.relative_to(REPO)}:{node.lineno}"
             if owner in ("dcp", "torch.distributed.checkpoint", "checkpoint"):
-                assert path.name == "checkpoint_index.py", f"{where}: DCP load outside checkpoint_index.load_tensors"
+                assert path.parent.name == "checkpoint" and path.name == "index.py", f"{where}: DCP load outside checkpoint.index.load_tensors"
             if owner == "torch":
                 kw = {k.arg: k.value for k in node.keywords}
                 assert isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True, \
@@ -233,7 +233,7 @@ def test_crafted_bytes_entry_is_refused_by_resume_and_export_fsdp_demo(tmp_path,
     assert text.count(f"entry {key!r} is a BytesStorageMetadata") == 1, text[-3000:]  # once, before any rank
     assert "Traceback" not in text, text[-3000:]
 
-    e = _cli(str(step), str(tmp_path / "exported"), cwd=tmp_path, module="shardwise.train.export_cli")
+    e = _cli(str(step), str(tmp_path / "exported"), cwd=tmp_path, module="shardwise.train.export.cli")
     assert e.returncode == 2, e.stdout + e.stderr
     assert f"entry {key!r} is a BytesStorageMetadata" in e.stderr and "Traceback" not in e.stderr, e.stderr
     assert not (tmp_path / "exported").exists()
@@ -258,7 +258,7 @@ def test_quiet_payload_in_a_zero3_lora_checkpoint_is_refused(tmp_path, trained):
     text = t.stdout + t.stderr
     assert t.returncode == 2, text[-3000:]
     assert f"entry {key!r} is a BytesStorageMetadata" in text and "Traceback" not in text, text[-3000:]
-    e = _cli(str(out), str(tmp_path / "adapter"), cwd=tmp_path, module="shardwise.train.export_cli")
+    e = _cli(str(out), str(tmp_path / "adapter"), cwd=tmp_path, module="shardwise.train.export.cli")
     assert e.returncode == 2 and f"entry {key!r}" in e.stderr, e.stdout + e.stderr
     assert not marker.exists(), marker.read_text()
     assert _snapshot(out / "checkpoints") == before

@@ -26,9 +26,9 @@ import torch
 from hostile_runs import copy_run, train_args
 
 from shardwise.errors import ShardwiseError
-from shardwise.train.checkpoint import TrainerState, read_manifest, save_checkpoint
-from shardwise.train.checkpoint_dir import step_dir_name
-from shardwise.train.checkpoint_index import UnsafeCheckpointError, _MetadataUnpickler, read_index
+from shardwise.train.checkpoint.directory import step_dir_name
+from shardwise.train.checkpoint.index import UnsafeCheckpointError, _MetadataUnpickler, read_index
+from shardwise.train.checkpoint.sharded import TrainerState, read_manifest, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -176,7 +176,7 @@ def test_crafted_index_is_refused_by_export_and_resume_before_any_rank_starts(tm
     heartbeats = sorted((out / ".shardwise").rglob("rank-*.json"))
     stamps = [p.stat().st_mtime_ns for p in heartbeats]
 
-    e = _cli(str(step), str(tmp_path / "exported"), cwd=tmp_path, module="shardwise.train.export_cli")
+    e = _cli(str(step), str(tmp_path / "exported"), cwd=tmp_path, module="shardwise.train.export.cli")
     assert e.returncode == 2, e.stdout + e.stderr
     assert "refers to os:system" in e.stderr or "os.system" in e.stderr, e.stderr
     assert "Traceback" not in e.stdout + e.stderr and not (tmp_path / "exported").exists()

@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardwise.errors import ShardwiseError
-from shardwise.train import checkpoint_dir
-from shardwise.train.checkpoint import TrainerState, read_manifest, save_checkpoint
-from shardwise.train.checkpoint_dir import step_dir_name
-from shardwise.train.preflight_resume import check_saved_config
+from shardwise.train.checkpoint import directory as checkpoint_dir
+from shardwise.train.checkpoint.directory import step_dir_name
+from shardwise.train.checkpoint.resume_checks import check_saved_config
+from shardwise.train.checkpoint.sharded import TrainerState, read_manifest, save_checkpoint
 
 
 class _Stand:

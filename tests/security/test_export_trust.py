@@ -21,7 +21,7 @@ import pytest
 from hostile_runs import cli, copy_run
 from test_remote_code import model_with_auto_map
 
-from shardwise.train.checkpoint_dir import step_dir_name
+from shardwise.train.checkpoint.directory import step_dir_name
 
 
 def _snapshot(d: Path) -> dict[str, str]:
@@ -30,7 +30,7 @@ def _snapshot(d: Path) -> dict[str, str]:
 
 
 def _export(*args: str, cwd: Path):
-    return cli(*args, cwd=cwd, module="shardwise.train.export_cli")
+    return cli(*args, cwd=cwd, module="shardwise.train.export.cli")
 
 
 @pytest.mark.distributed
@@ -69,7 +69,7 @@ def test_overwrite_never_replaces_the_run_or_its_checkpoints(tmp_path, run):
     in-process (typer's runner: the same code, without a second interpreter start each)."""
     from typer.testing import CliRunner
 
-    from shardwise.train.export_cli import app
+    from shardwise.train.export.cli import app
 
     step = run / "checkpoints" / step_dir_name(4)
     before = _snapshot(run)
@@ -110,8 +110,8 @@ def test_export_on_a_full_disk_exits_74_and_leaves_out_as_it_was(tmp_path, monke
     import torch
     from typer.testing import CliRunner
 
-    from shardwise.train.checkpoint import TrainerState, save_checkpoint
-    from shardwise.train.export_cli import app
+    from shardwise.train.checkpoint.sharded import TrainerState, save_checkpoint
+    from shardwise.train.export.cli import app
 
     class Stand:
         def checkpoint_state(self):

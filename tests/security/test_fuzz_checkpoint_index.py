@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardwise.errors import ShardwiseError
-from shardwise.train.checkpoint import TrainerState, read_tensors, save_checkpoint
-from shardwise.train.checkpoint_index import UnsafeCheckpointError, _MetadataUnpickler, read_index
+from shardwise.train.checkpoint.index import UnsafeCheckpointError, _MetadataUnpickler, read_index
+from shardwise.train.checkpoint.sharded import TrainerState, read_tensors, save_checkpoint
 
 META = "torch.distributed.checkpoint.metadata"
 

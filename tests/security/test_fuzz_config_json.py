@@ -23,7 +23,7 @@ from shardwise.config.schema import ModelSection
 from shardwise.errors import ShardwiseError
 from shardwise.specs.hf_config import read_config_json
 from shardwise.specs.model import ModelSpec
-from shardwise.train.model import check_model_source
+from shardwise.train.model.build import check_model_source
 
 # a fixed seed (derandomize), no example database: every CI run tries the same cases
 FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))

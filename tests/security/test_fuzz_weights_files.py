@@ -1,5 +1,5 @@
 """Fuzz of a model directory's weights files as preflight and rank 0 open them
-(shardwise.train.weights_read.check_files / TensorFiles):
+(shardwise.train.model.weights_read.check_files / TensorFiles):
 
 - safetensors: generated headers (names, dtypes, shapes, offsets, metadata, raw bytes) under a
   generated or true header length, with data of generated length;
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from shardwise.errors import ShardwiseError
-from shardwise.train.weights_read import TensorFiles, check_files
+from shardwise.train.model.weights_read import TensorFiles, check_files
 
 # a fixed seed (derandomize), no example database: every CI run tries the same cases
 FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))

@@ -236,7 +236,7 @@ def _calls(tree: ast.AST):
 
 def test_every_from_pretrained_and_from_config_call_passes_trust_remote_code():
     """A static check of src/: each transformers loader call names trust_remote_code, directly
-    or through a **kwargs dict whose literal holds the key (train/model.py's `kw`)."""
+    or through a **kwargs dict whose literal holds the key (train/model/build.py's `kw`)."""
     seen, missing = 0, []
     for path in sorted(SRC.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))

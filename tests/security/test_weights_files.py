@@ -126,7 +126,7 @@ def test_bin_whose_zip_needs_a_newer_zip_version_is_refused(tmp_path):
 
 
 def test_a_good_bin_and_a_good_safetensors_pass_the_check(tmp_path):
-    from shardwise.train.weights_read import check_files
+    from shardwise.train.model.weights_read import check_files
 
     a = tmp_path / "a"
     a.mkdir()

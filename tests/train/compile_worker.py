@@ -23,7 +23,7 @@ from parity_worker import parity_config
 from shardwise.config.schema import TrainConfig
 from shardwise.data.labels import IGNORE_INDEX
 from shardwise.run import run_spec
-from shardwise.train.launch import init_distributed, run_rank_script
+from shardwise.train.launch.rank import init_distributed, run_rank_script
 from shardwise.train.loop import train
 
 LENGTHS = (32, 48, 48, 64, 40, 64)

@@ -20,7 +20,7 @@ TIMEOUT_S = 240
 
 
 def run_ranks(script: Path, args: list[str], nproc: int, timeout_s: float = TIMEOUT_S) -> None:
-    from shardwise.train.spawn import spawn
+    from shardwise.train.launch.spawn import spawn
 
     rc = spawn(
         [str(script), *args],

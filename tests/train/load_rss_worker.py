@@ -3,7 +3,7 @@ local checkpoint as the trainer does, records this process's peak RSS once the w
 (VmHWM: the process's lifetime peak, so one run per launch), then trains one step.
 
 `--runs CKPT:strategy:lora|full`; rank r writes `rank<r>.json` with the measured peak, the
-planner's load phase for the run (shardwise.train.weights.planned_load) and the step's loss.
+planner's load phase for the run (shardwise.train.model.weights.planned_load) and the step's loss.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from worker_common import start_worker
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
 from shardwise.train.engines import build_engine
-from shardwise.train.launch import run_rank_script
-from shardwise.train.model import build_model
-from shardwise.train.weights import planned_load, zero3
+from shardwise.train.launch.rank import run_rank_script
+from shardwise.train.model.build import build_model
+from shardwise.train.model.weights import planned_load, zero3
 
 
 def config(path: str, strategy: str, mode: str) -> TrainConfig:

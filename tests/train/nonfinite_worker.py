@@ -18,9 +18,9 @@ from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
 from shardwise.train.data import build_source
 from shardwise.train.engines import build_engine
-from shardwise.train.launch import run_rank_script
+from shardwise.train.launch.rank import run_rank_script
 from shardwise.train.loop import seed_everything
-from shardwise.train.model import build_model
+from shardwise.train.model.build import build_model
 
 
 def config(strategy: str, precision: str, fused: bool = False) -> TrainConfig:
@@ -78,7 +78,7 @@ class _Stand:
 def save_agreement(env, out: Path) -> None:
     """Rank 1's state holds a NaN: every rank refuses the save, none is left in a collective."""
     from shardwise.errors import NonFiniteError
-    from shardwise.train.checkpoint import TrainerState, save_checkpoint
+    from shardwise.train.checkpoint.sharded import TrainerState, save_checkpoint
 
     run_dir = out / "save-agreement"
     try:

@@ -1,6 +1,6 @@
 """One rank of the parity runs: trains every requested (strategy, grad_accum) in turn.
 
-Run by tests/train/test_parity.py through `shardwise.train.spawn.spawn`; rank 0 writes one
+Run by tests/train/test_parity.py through `shardwise.train.launch.spawn.spawn`; rank 0 writes one
 `<strategy>-ga<N>.pt` per run with the loss curve and the consolidated final weights.
 All runs share one process launch (interpreter and import cost paid once).
 """
@@ -12,7 +12,7 @@ from worker_common import start_worker
 
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train.launch import run_rank_script
+from shardwise.train.launch.rank import run_rank_script
 from shardwise.train.loop import train
 
 GLOBAL_BATCH = 4  # sequences per optimizer step, fixed across world sizes and accumulation

@@ -18,9 +18,9 @@ import torch
 
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train.checkpoint import resolve_resume
-from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
-from shardwise.train.launch import init_distributed, run_rank_script
+from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+from shardwise.train.checkpoint.sharded import resolve_resume
+from shardwise.train.launch.rank import init_distributed, run_rank_script
 from shardwise.train.loop import train
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,10 +44,10 @@ def resume_config(strategy: str, world: int, out: Path) -> TrainConfig:
 def eval_then_save(strategy: str, env, out: Path) -> None:
     """One step, then an evaluation forward (no backward), then a save and a load into a fresh
     engine: the loaded engine must give the saved engine's loss exactly."""
-    from shardwise.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+    from shardwise.train.checkpoint.sharded import TrainerState, load_checkpoint, save_checkpoint
     from shardwise.train.data import build_source
     from shardwise.train.engines import build_engine
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     run_dir = out / f"{strategy}-evalsave-w{env.world_size}"
     run = run_spec(resume_config(strategy, env.world_size, run_dir), env.world_size, "cpu")

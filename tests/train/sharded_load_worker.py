@@ -14,8 +14,8 @@ from worker_common import start_worker
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
 from shardwise.train.engines import build_engine
-from shardwise.train.launch import run_rank_script
-from shardwise.train.model import build_model
+from shardwise.train.launch.rank import run_rank_script
+from shardwise.train.model.build import build_model
 
 BATCH_SEED = 11
 

@@ -24,7 +24,7 @@ from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
 from shardwise.train import loop
 from shardwise.train.data import build_source
-from shardwise.train.launch import run_rank_script
+from shardwise.train.launch.rank import run_rank_script
 
 STEPS = 10
 EVERY = 4

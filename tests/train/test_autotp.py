@@ -70,7 +70,7 @@ def _initial(model: str) -> dict[str, torch.Tensor]:
     from parity_worker import parity_config
 
     from shardwise.run import run_spec
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     return build_model(run_spec(parity_config("ddp", 1, 1, model), 1, "cpu")).state_dict()
 
@@ -175,7 +175,7 @@ def test_autotp_resume_across_layouts(runs, resumed, source):
 
 
 def test_autotp_checkpoint_holds_full_tensors_by_name(runs):
-    from shardwise.train.checkpoint import read_tensors
+    from shardwise.train.checkpoint.sharded import read_tensors
 
     at3 = read_tensors(runs / f"{Z2}-full-w4" / "checkpoints" / "step-00000003")
     one = read_tensors(runs / "fsdp-full-w1" / "checkpoints" / "step-00000003")
@@ -188,7 +188,7 @@ def test_export_from_an_autotp_checkpoint(runs, tmp_path):
     from safetensors.torch import load_file
     from typer.testing import CliRunner
 
-    from shardwise.train.export_cli import app
+    from shardwise.train.export.cli import app
 
     out = tmp_path / "hf"
     res = CliRunner().invoke(app, [str(runs / f"{Z2}-full-w4"), str(out)])

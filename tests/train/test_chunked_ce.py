@@ -1,4 +1,4 @@
-"""The chunked cross-entropy (shardwise.train.loss) against the standard fp32 one, and the
+"""The chunked cross-entropy (shardwise.train.model.loss) against the standard fp32 one, and the
 planner's description of it.
 
 - Math, fp32 on CPU: loss within 1e-6 relative, gradients of h, W (and a bias) within 1e-5 of
@@ -24,15 +24,15 @@ from shardwise.data.labels import IGNORE_INDEX
 from shardwise.errors import ShardwiseError
 from shardwise.specs.families import ANALYTIC_FAMILIES
 from shardwise.train.engines.base import forward_loss_sum, token_loss_sum
-from shardwise.train.hf import causal_lm_class, causal_lm_name, forward_source
-from shardwise.train.loss import (
+from shardwise.train.model.hf import causal_lm_class, causal_lm_name, forward_source
+from shardwise.train.model.loss import (
     LossHead,
     install_loss_heads,
     linear_cross_entropy_sum,
     output_heads,
     shifted_targets,
 )
-from shardwise.train.loss_support import check_run, forward_support, head_support
+from shardwise.train.model.loss_support import check_run, forward_support, head_support
 
 LOSS_RTOL = 1e-6
 GRAD_TOL = 1e-5
@@ -195,7 +195,7 @@ def sft_batch() -> dict[str, torch.Tensor]:
 
 
 def _grads(run, batch, build=None):
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     torch.manual_seed(0)
     model = build(run) if build else build_model(run)

@@ -1,4 +1,4 @@
-"""Regional compilation (shardwise.train.compile): per-layer compiled forwards train the same
+"""Regional compilation (shardwise.train.model.compile): per-layer compiled forwards train the same
 model as eager under DDP and FSDP2 (2 gloo ranks, fp32), compile once per run plus at most one
 recompile when the sequence length first changes (never per step), and the planner's
 fused-kernel activations bound what inductor's compiled layers actually save."""
@@ -51,7 +51,7 @@ def test_planned_fused_activations_bound_what_inductor_saves():
     from shardwise.catalog import get_model
     from shardwise.plan.activations import activation_bytes
     from shardwise.specs.train import TrainSpec
-    from shardwise.train.compile import compile_layers
+    from shardwise.train.model.compile import compile_layers
 
     torch.set_num_threads(1)
     shape = dict(hidden_size=256, intermediate_size=704, num_heads=4, num_kv_heads=4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.train.compile import is_compile_error
+from shardwise.train.model.compile import is_compile_error
 
 BACKEND = "shardwise_test_failing_backend"
 

@@ -22,8 +22,8 @@ import pytest
 from shardwise.config.load import load_config
 from shardwise.errors import ExitCode, ShardwiseError
 from shardwise.run import run_spec
-from shardwise.train.checkpoint import read_manifest
-from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+from shardwise.train.checkpoint.sharded import read_manifest
 from shardwise.train.outputs import checkpoint_bytes
 from shardwise.train.preflight import check_output_space, output_bytes
 
@@ -56,7 +56,7 @@ def test_preflight_reserves_keep_last_plus_one_checkpoints_and_the_export(tmp_pa
 
 def test_a_final_export_without_a_last_checkpoint_reserves_the_staged_weights(tmp_path):
     """No checkpoint of the last step to stream the export from: the fp32 weights are staged for
-    it (shardwise.train.final_weights), 4 bytes per parameter beside the export's own."""
+    it (shardwise.train.export.final_weights), 4 bytes per parameter beside the export's own."""
     run = _run(tmp_path, "checkpointing.save_final=true", "checkpointing.save_every_minutes=null",
                "checkpointing.save_on_interrupt=false")
     need, how = output_bytes(run)
@@ -133,7 +133,7 @@ def test_a_save_that_finds_the_disk_full_fails_cleanly(small_disk):
 
 def test_a_summary_that_cannot_be_written_is_said_not_raised(small_disk, capsys):
     """A full disk at the very end must not turn the run's exit code into a traceback's."""
-    from shardwise.train.metrics import read_summary, write_summary
+    from shardwise.train.observe.metrics import read_summary, write_summary
 
     out = small_disk / "run"
     assert write_summary(out, {"status": "running"}) is not None

@@ -36,7 +36,7 @@ def tiny_cfg(tmp_path: Path, **extra) -> TrainConfig:
 
 @pytest.mark.parametrize(("mask", "expected"), [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
 def test_exported_model_safetensors_has_the_umask_mode_like_config_json(tmp_path, umask, mask, expected):
-    from shardwise.train.export import export_hf
+    from shardwise.train.export.hf_dir import export_hf
 
     umask(mask)
     out = export_hf(tiny_cfg(tmp_path), {"model.embed_tokens.weight": torch.zeros(4, 4)}, tmp_path / "model")
@@ -47,7 +47,7 @@ def test_exported_model_safetensors_has_the_umask_mode_like_config_json(tmp_path
 
 def test_every_exported_file_is_0644_under_umask_022(tmp_path, umask):
     """With SFT data the tokenizer is copied beside the weights: one mode for the whole directory."""
-    from shardwise.train.export import export_hf
+    from shardwise.train.export.hf_dir import export_hf
 
     out = export_hf(tiny_cfg(tmp_path), {"model.embed_tokens.weight": torch.zeros(4, 4)}, tmp_path / "model")
     files = [p for p in out.rglob("*") if p.is_file()]
@@ -57,8 +57,8 @@ def test_every_exported_file_is_0644_under_umask_022(tmp_path, umask):
 
 def test_exported_lora_adapter_has_the_umask_mode(tmp_path, umask):
     from shardwise.run import run_spec
-    from shardwise.train.export import export_lora
-    from shardwise.train.model import trainable_shapes
+    from shardwise.train.export.hf_dir import export_lora
+    from shardwise.train.model.build import trainable_shapes
 
     umask(0o027)
     cfg = tiny_cfg(tmp_path, lora={"rank": 4, "target_modules": ["q_proj", "v_proj"]})

@@ -27,7 +27,7 @@ def umask_022() -> None:
 
 
 def export(ckpt: Path, out: Path, *sets: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "shardwise.train.export_cli", str(ckpt), str(out)]
+    argv = [sys.executable, "-m", "shardwise.train.export.cli", str(ckpt), str(out)]
     for s in sets:
         argv += ["--set", s]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=ENV, check=False,
@@ -35,7 +35,7 @@ def export(ckpt: Path, out: Path, *sets: str, timeout: int = 300) -> subprocess.
 
 
 def ckpt_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+    from shardwise.train.checkpoint.sharded import read_tensors, tensor_shapes
 
     keys = [k for k in tensor_shapes(ckpt) if k.startswith("model.")]
     return {k.removeprefix("model."): v for k, v in read_tensors(ckpt, keys).items()}
@@ -52,7 +52,7 @@ def bf16_run(tmp_path_factory) -> Path:
         argv += ["--set", s]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=ENV, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
 
     ckpt = checkpoints_dir(out) / step_dir_name(2)
     assert (ckpt / "manifest.json").is_file()
@@ -172,7 +172,7 @@ def test_max_shard_size_units(tmp_path, value, expected):
                                                   ("fp32", torch.float32)])
 def test_auto_dtype_is_the_runs_compute_dtype(precision, dtype):
     from shardwise.config.schema import TrainConfig
-    from shardwise.train.export import export_dtype
+    from shardwise.train.export.hf_dir import export_dtype
 
     assert export_dtype(TrainConfig.model_validate({"precision": precision})) == dtype
     assert export_dtype(TrainConfig.model_validate({"precision": precision, "export": {"dtype": "fp32"}})) \
@@ -183,7 +183,7 @@ def test_fp16_overflow_is_refused_and_nothing_written(tmp_path):
     """A finite fp32 weight beyond fp16's range would be inf in the file: refused like a NaN."""
     from shardwise.config.schema import TrainConfig
     from shardwise.errors import NonFiniteError
-    from shardwise.train.export import export_hf
+    from shardwise.train.export.hf_dir import export_hf
 
     cfg = TrainConfig.model_validate({"model": {"name": "tiny-llama"}, "precision": "fp16-mixed",
                                       "data": {"kind": "synthetic"}})
@@ -197,7 +197,7 @@ def test_a_long_export_reports_progress_per_read_group_and_shard(tmp_path):
     is fetched and each shard is written, never only once, so an export longer than run.timeout_s
     is not taken for a hang. Four 16 KB fp32 tensors in 40 KB bf16 shards: 2 files, 2 groups each."""
     from shardwise.config.schema import TrainConfig
-    from shardwise.train.export import write_hf
+    from shardwise.train.export.hf_dir import write_hf
 
     cfg = TrainConfig.model_validate({"model": {"name": "tiny-llama"}, "precision": "bf16-mixed",
                                       "data": {"kind": "synthetic"}, "export": {"max_shard_size": "20KB"}})
@@ -226,14 +226,14 @@ MEASURE = textwrap.dedent("""
     from pathlib import Path
     import huggingface_hub.serialization, safetensors.torch, torch, torch.distributed.checkpoint
     import transformers.models.auto.modeling_auto
-    import shardwise.train.checkpoint, shardwise.train.export, shardwise.train.outputs
+    import shardwise.train.checkpoint.sharded, shardwise.train.export.hf_dir, shardwise.train.outputs
 
     def status(field):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     base = status("VmRSS")
-    shardwise.train.export.export_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]),
+    shardwise.train.export.hf_dir.export_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]),
                                              overrides=("export.max_shard_size=%s",))
     print(json.dumps({"baseline": base, "peak": status("VmHWM")}))
     """ % SHARD)  # noqa: UP031 (the script's own braces would need doubling under str.format)
@@ -244,7 +244,7 @@ def test_export_host_memory_is_about_one_shard_not_the_model(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardwise.config.schema import TrainConfig
-    from shardwise.train.checkpoint import TrainerState, save_checkpoint
+    from shardwise.train.checkpoint.sharded import TrainerState, save_checkpoint
 
     model_dir = tmp_path / "base"
     model_dir.mkdir()
@@ -281,7 +281,7 @@ def test_export_host_memory_is_about_one_shard_not_the_model(tmp_path):
     # the export is the checkpoint in bf16, exactly (spot-check: the first, a middle and the last tensor)
     from safetensors import safe_open
 
-    from shardwise.train.checkpoint import read_tensors
+    from shardwise.train.checkpoint.sharded import read_tensors
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"].keys() == shapes.keys()

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardwise.errors import ExitCode
-from shardwise.train.watchdog import heartbeat_path, proc_state
+from shardwise.train.launch.watchdog import heartbeat_path, proc_state
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -165,7 +165,7 @@ def test_nan_loss_stops_the_run_and_exports_nothing(tmp_path):
     assert summary["status"] == "failed" and "non-finite" in summary["reason"]
     assert not (tmp_path / "model").exists()
     for d in (tmp_path / "checkpoints").glob("step-*"):  # any checkpoint holds finite weights
-        from shardwise.train.checkpoint import read_tensors
+        from shardwise.train.checkpoint.sharded import read_tensors
 
         assert all(bool(torch.isfinite(t).all()) for t in read_tensors(d).values()), d
 
@@ -174,8 +174,8 @@ SLOW_SAVE = HERE / "fault_workers" / "slow_save.py"
 
 
 def test_sigkill_during_a_save_never_uses_the_partial_checkpoint(tmp_path):
-    from shardwise.train.checkpoint import read_tensors, resolve_resume
-    from shardwise.train.checkpoint_dir import checkpoints_dir
+    from shardwise.train.checkpoint.directory import checkpoints_dir
+    from shardwise.train.checkpoint.sharded import read_tensors, resolve_resume
     from shardwise.train.outputs import clean_stale_outputs
 
     p = subprocess.Popen([sys.executable, str(SLOW_SAVE), str(tmp_path)], stdout=subprocess.PIPE, text=True)

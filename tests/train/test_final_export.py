@@ -1,6 +1,6 @@
 """The end-of-run export (`checkpointing.save_final`, issue 22 items 3 and 6) streams from disk
 with bounded host memory: the last step's checkpoint, or the final weights staged for it by every
-rank (shardwise.train.final_weights), written shard by shard on rank 0 as `shardwise export`
+rank (shardwise.train.export.final_weights), written shard by shard on rank 0 as `shardwise export`
 writes them; never the whole fp32 model gathered on one host."""
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def test_staged_and_checkpointed_final_exports_are_the_same_files(tmp_path, stra
     staged, saved = tmp_path / "staged", tmp_path / "saved"
     train(staged, "fsdp-synthetic-cpu.yaml", *sets)
     train(saved, "fsdp-synthetic-cpu.yaml", *sets, "checkpointing.save_every_steps=2")
-    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
-    from shardwise.train.export import export_checkpoint
+    from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+    from shardwise.train.export.hf_dir import export_checkpoint
 
     assert not checkpoints_dir(staged).exists()  # the staged weights are gone, and the directory made for them
     again = export_checkpoint(checkpoints_dir(saved) / step_dir_name(2), tmp_path / "again")
@@ -71,7 +71,7 @@ RUN_SHARD = 20 * 10**6  # export.max_shard_size
 MEASURE_RUN = textwrap.dedent("""
     import ctypes, ctypes.util, json, sys
     from pathlib import Path
-    import shardwise.train.export as export, shardwise.train.final_weights as final_weights
+    import shardwise.train.export.hf_dir as export, shardwise.train.export.final_weights as final_weights
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
 
@@ -162,7 +162,7 @@ def test_end_of_run_export_host_memory_is_about_one_shard_not_the_model(tmp_path
         assert g < fp32_bytes / 2, (growth, fp32_bytes)  # a gather on rank 0 holds the whole fp32 model
     assert not list((out / "checkpoints").glob(".tmp-*"))  # the staged weights are gone
     # the export is the run's final fp32 master weights in bf16, exactly
-    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
 
     if final == "checkpoint":
         ckpt = checkpoints_dir(out) / step_dir_name(1)

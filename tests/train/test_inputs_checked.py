@@ -590,7 +590,7 @@ def test_gemma2_under_sdpa_is_built_eager_as_planned_with_a_note(tmp_path, capsy
     """transformers refuses attn_implementation="sdpa" for Gemma2 (no SDPA path for its
     softcapping); the planner already plans eager for it, so the trainer builds eager and says so."""
     from shardwise.plan.activations import attention_kind
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     cfg = arch_config(tmp_path, _arch_dir(tmp_path, "gemma2", GEMMA2))
     assert cfg.model.attention == "sdpa"  # the default
@@ -612,7 +612,7 @@ def test_sdpa_the_architecture_lacks_is_refused_naming_the_field(tmp_path, name,
     """Where the plan assumed SDPA but transformers has none (MPT's plan is llm-foundry's fused
     kernel; a meta-path architecture without `_supports_sdpa`), running eager would break the
     memory check: refused before any rank starts, naming model.attention; eager then builds."""
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     path = _arch_dir(tmp_path, name, arch)
     with pytest.raises(ShardwiseError, match=r"model\.attention is 'sdpa'.*no SDPA path.*set model\.attention: eager"):
@@ -628,7 +628,7 @@ def test_no_sdpa_table_matches_transformers():
     the installed transformers' causal-LM classes say."""
     from shardwise.run.resolve import NO_SDPA
     from shardwise.specs.families import ANALYTIC_FAMILIES
-    from shardwise.train.hf import causal_lm_class
+    from shardwise.train.model.hf import causal_lm_class
 
     lacking = {f for f in ANALYTIC_FAMILIES if not causal_lm_class(f)._supports_sdpa}
     assert lacking == set(NO_SDPA)

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import ExitCode, ShardwiseError
-from shardwise.train.spawn import spawn
-from shardwise.train.watchdog import Watchdog, describe_peers, heartbeat_path, proc_state
+from shardwise.train.launch.spawn import spawn
+from shardwise.train.launch.watchdog import Watchdog, describe_peers, heartbeat_path, proc_state
 
 WORKERS = Path(__file__).parent / "fault_workers"
 SLEEPER = WORKERS / "sleeper.py"

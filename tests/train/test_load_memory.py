@@ -1,6 +1,6 @@
 """Host memory of the weight load at real size, on 2 gloo CPU ranks (tests/train/load_rss_worker.py):
 each rank's peak RSS once the weights are in, against the planner's load phase
-(shardwise.plan.load via shardwise.train.weights.planned_load) and one fp32 copy of the model.
+(shardwise.plan.load via shardwise.train.model.weights.planned_load) and one fp32 copy of the model.
 
 - LoRA of a 1.36B-parameter Llama (random bf16 weights, 6 safetensors shards of 500 MB, made by
   tests/train/big_checkpoint.py and cached in pytest's cache) under ZeRO-3: within 25% of the plan
@@ -51,6 +51,6 @@ def test_peak_host_memory_of_the_load(checkpoints, tmp_path, case):
 
 def test_chunk_constant_is_the_planners():
     from shardwise.plan.load import ZERO3_CHUNK_BYTES
-    from shardwise.train.weights import ZERO3_CHUNK_BYTES as TRAINER
+    from shardwise.train.model.weights import ZERO3_CHUNK_BYTES as TRAINER
 
     assert ZERO3_CHUNK_BYTES == TRAINER

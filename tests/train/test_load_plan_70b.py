@@ -1,5 +1,5 @@
 """The 70B load without GPUs: llama-2-70b built on the meta device as the trainer builds it from a
-checkpoint (shardwise.train.weights.meta_model), sharded by FSDP2 on a fake process group of 8 and
+checkpoint (shardwise.train.model.weights.meta_model), sharded by FSDP2 on a fake process group of 8 and
 64 ranks; rank 0's shard bytes (what `weights.materialize` allocates and reads) equal the part the
 planner books for the load (shardwise.plan.load, `resident` on a CPU-resident run), and
 `shardwise plan --json` reports the load phase per rank and per node."""
@@ -47,10 +47,10 @@ def test_rank0_shard_bytes_are_the_planned_part(llama70b_dir, world, lora):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardwise.train.engines.fsdp import shard_model
-    from shardwise.train.lora import apply_lora
-    from shardwise.train.model import attention_implementation
-    from shardwise.train.parallel import build_mesh
-    from shardwise.train.weights import defer, meta_model
+    from shardwise.train.engines.mesh import build_mesh
+    from shardwise.train.model.build import attention_implementation
+    from shardwise.train.model.lora import apply_lora
+    from shardwise.train.model.weights import defer, meta_model
 
     run = run_spec(_config(str(llama70b_dir), lora), world, "cpu", environ={"LOCAL_WORLD_SIZE": "8"})
     if dist.is_initialized():

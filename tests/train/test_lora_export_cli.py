@@ -72,8 +72,8 @@ def reference_logits(base: Path, run: Path, ids: torch.Tensor) -> tuple[torch.Te
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoModelForCausalLM
 
-    from shardwise.train.checkpoint import read_tensors, tensor_shapes
-    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.sharded import read_tensors, tensor_shapes
 
     ckpt = checkpoints_dir(run) / step_dir_name(2)
     keys = [k for k in tensor_shapes(ckpt) if k.startswith("model.")]
@@ -130,7 +130,7 @@ MEASURE_EXPORT = textwrap.dedent("""
     from pathlib import Path
     import huggingface_hub.serialization, peft, safetensors.torch, torch, torch.distributed.checkpoint
     import transformers.models.llama.modeling_llama, transformers.models.auto.modeling_auto
-    import shardwise.train.checkpoint, shardwise.train.export, shardwise.train.export_cli, shardwise.train.outputs
+    import shardwise.train.checkpoint.sharded, shardwise.train.export.hf_dir, shardwise.train.export.cli, shardwise.train.outputs
     from peft.tuners.lora import LoraModel
 
     def status(field):
@@ -141,7 +141,7 @@ MEASURE_EXPORT = textwrap.dedent("""
     base = status("VmRSS")
     sys.argv = ["shardwise export", *sys.argv[1:]]
     try:
-        shardwise.train.export_cli.main()
+        shardwise.train.export.cli.main()
         code = 0
     except SystemExit as e:
         code = e.code or 0
@@ -163,8 +163,8 @@ def lora_checkpoint(root: Path, model: dict, lora: dict, shapes: dict | None = N
     with `save_checkpoint`: `shapes`, or the adapters the config's model takes (from the meta device)."""
     from shardwise.config.schema import TrainConfig
     from shardwise.run import run_spec
-    from shardwise.train.checkpoint import TrainerState, save_checkpoint
-    from shardwise.train.model import trainable_shapes
+    from shardwise.train.checkpoint.sharded import TrainerState, save_checkpoint
+    from shardwise.train.model.build import trainable_shapes
 
     cfg = TrainConfig.model_validate({"model": model, "data": {"kind": "synthetic"}, "precision": "bf16-mixed",
                                       "lora": lora, **extra})
@@ -216,7 +216,7 @@ def test_merged_export_streams_the_base_shard_by_shard(request, tmp_path):
     from big_checkpoint import make_checkpoint
     from safetensors import safe_open
 
-    from shardwise.train.checkpoint import read_tensors
+    from shardwise.train.checkpoint.sharded import read_tensors
 
     base = make_checkpoint(Path(request.config.cache.mkdir("shardwise-checkpoints")), "llama-134m")
     shard = 20 * 10**6
@@ -255,8 +255,8 @@ def test_qlora_checkpoint_merges_into_the_full_precision_base(tmp_path):
     from safetensors.torch import load_file
     from typer.testing import CliRunner
 
-    from shardwise.train.checkpoint import read_tensors, tensor_shapes
-    from shardwise.train.export_cli import app
+    from shardwise.train.checkpoint.sharded import read_tensors, tensor_shapes
+    from shardwise.train.export.cli import app
 
     base = tiny_base(tmp_path)
     ckpt = lora_checkpoint(tmp_path, {"path": str(base)}, LORA | {"quantization": "nf4"})

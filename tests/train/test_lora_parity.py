@@ -24,7 +24,7 @@ SAVE_RUNS = [f"tiny-llama:{s}:1:lorasave" for s in ("zero3", "fsdp")]
 def initial_weights(flag: str) -> dict[str, torch.Tensor]:
     """The seeded starting point of the LoRA runs: base and fresh adapters, as the loop builds it."""
     from shardwise.run import run_spec
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     return build_model(run_spec(parity_config("ddp", 1, 1, flags=(flag,)), 1, "cpu")).state_dict()
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import run_once
 
-from shardwise.train.checkpoint import read_manifest, tensor_shapes
-from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+from shardwise.train.checkpoint.sharded import read_manifest, tensor_shapes
 
 pytestmark = pytest.mark.distributed
 
@@ -72,7 +72,7 @@ def test_lora_resumes_on_another_engine_and_world_size(runs, resumed, exact):
 def exported(runs, tmp_path_factory):
     from typer.testing import CliRunner
 
-    from shardwise.train.export_cli import app
+    from shardwise.train.export.cli import app
 
     root = tmp_path_factory.mktemp("lora-export")
     out = {}
@@ -88,7 +88,7 @@ def _base_and_ids():
     from parity_worker import parity_config
 
     from shardwise.run import run_spec
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     cfg = parity_config("ddp", 1, 1)
     base = build_model(run_spec(cfg, 1, "cpu")).eval()
@@ -135,7 +135,7 @@ def test_resume_refuses_other_adapters_or_base(runs, change, message):
     from shardwise.config.schema import TrainConfig
     from shardwise.errors import ShardwiseError
     from shardwise.run import run_spec
-    from shardwise.train.preflight_resume import check_resumable
+    from shardwise.train.checkpoint.resume_checks import check_resumable
 
     raw = resume_config("zero3+lora", 2, runs / "x").model_dump()
     for section, value in change.items():

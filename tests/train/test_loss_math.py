@@ -11,7 +11,7 @@ from shardwise.data.labels import count_target_tokens
 from shardwise.run import run_spec
 from shardwise.train.data import SyntheticSource, stack
 from shardwise.train.engines.base import model_inputs, token_loss_sum
-from shardwise.train.model import build_model
+from shardwise.train.model.build import build_model
 
 
 def _grads(model, batches, scales):

@@ -120,8 +120,8 @@ def test_within_the_patience_a_nan_step_is_skipped_and_the_run_goes_on(tmp_path,
     assert [n != n for n in norms] == [False, False, True, False, False]  # step 3 only is NaN
     assert "grad norm nan: update skipped (1 of run.nonfinite_patience=1 consecutive)" in capsys.readouterr().out
     assert all(bool(torch.isfinite(v).all()) for v in result.final_weights.values())
-    from shardwise.train.checkpoint import read_tensors
-    from shardwise.train.checkpoint_dir import checkpoints_dir
+    from shardwise.train.checkpoint.directory import checkpoints_dir
+    from shardwise.train.checkpoint.sharded import read_tensors
 
     # step 3 was not checkpointed; every checkpoint written holds finite weights
     names = sorted(d.name for d in checkpoints_dir(tmp_path).glob("step-*"))
@@ -140,13 +140,13 @@ def test_a_skipped_last_step_ends_the_run_non_finite_even_within_the_patience(tm
     with pytest.raises(NonFiniteError, match=r"step 4 \(the last\).*1 skipped non-finite step\(s\) \(within "
                        r"run.nonfinite_patience=3\); nothing was exported"):
         _train_with_nan_at(monkeypatch, _cfg(tmp_path, steps=4, patience=3, save_every=2), {4})
-    from shardwise.train.checkpoint_dir import checkpoints_dir
+    from shardwise.train.checkpoint.directory import checkpoints_dir
 
     assert sorted(d.name for d in checkpoints_dir(tmp_path).glob("step-*")) == ["step-00000002"]
 
 
 def test_export_refuses_non_finite_weights(tmp_path):
-    from shardwise.train.export import refuse_nonfinite
+    from shardwise.train.export.hf_dir import refuse_nonfinite
 
     with pytest.raises(NonFiniteError, match=r"refusing to export non-finite weights \(1 of 2 tensors, e.g. b\)"):
         refuse_nonfinite({"a": torch.ones(2), "b": torch.tensor([1.0, float("inf")])}, tmp_path / "model")
@@ -172,8 +172,8 @@ def test_a_stop_right_after_a_skipped_step_saves_and_the_resumed_run_keeps_count
     import signal
 
     import shardwise.train.loop as loop
-    from shardwise.train.checkpoint import read_tensors
-    from shardwise.train.checkpoint_dir import checkpoints_dir
+    from shardwise.train.checkpoint.directory import checkpoints_dir
+    from shardwise.train.checkpoint.sharded import read_tensors
 
     real_build = loop.build_engine
 

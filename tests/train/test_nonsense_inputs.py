@@ -76,9 +76,9 @@ def test_the_bounds_themselves_are_accepted_and_the_longest_timeout_works_in_glo
                                   f"run.timeout_s={MAX_TIMEOUT_S}", "data.sft.max_length=1048576"])  # fmt: skip
     assert (cfg.run.micro_batch, cfg.run.grad_accum, cfg.run.timeout_s, cfg.data.sft.max_length) == (
         MAX_MICRO_BATCH, MAX_GRAD_ACCUM, MAX_TIMEOUT_S, 1 << 20)
-    # what every rank does with it (shardwise.train.launch.init_distributed): timeout + the margin
+    # what every rank does with it (shardwise.train.launch.rank.init_distributed): timeout + the margin
     code = ("import datetime, tempfile, torch, torch.distributed as dist\n"
-            "from shardwise.train.launch import COLLECTIVE_MARGIN_S\n"
+            "from shardwise.train.launch.rank import COLLECTIVE_MARGIN_S\n"
             f"t = datetime.timedelta(seconds={MAX_TIMEOUT_S} + COLLECTIVE_MARGIN_S)\n"
             "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1, timeout=t)\n"
             "x = torch.ones(3); dist.all_reduce(x); dist.destroy_process_group(); print('ok', int(x.sum()))\n")  # fmt: skip
@@ -171,15 +171,15 @@ def saved(tmp_path_factory) -> tuple[Path, Path]:
 ], ids=["same", "deeper", "shallower", "vocab"])  # fmt: skip
 def test_check_same_shapes_compares_every_tensor(saved, tmp_path, change, fragment):
     from shardwise.run import run_spec
-    from shardwise.train.preflight_resume import check_same_shapes
+    from shardwise.train.checkpoint.resume_checks import check_same_shapes
 
     _, checkpoint = saved
     d = model_dir(tmp_path / "model", **change)
     cfg = load_config(SYNTHETIC, [f"model.path={d}", "model.random_init=true"])
     run = run_spec(cfg, 2, "cpu", environ={})
     if fragment is None:
-        from shardwise.train.checkpoint import tensor_shapes
-        from shardwise.train.model import trainable_shapes
+        from shardwise.train.checkpoint.sharded import tensor_shapes
+        from shardwise.train.model.build import trainable_shapes
 
         held = {k.removeprefix("model."): s for k, (s, _) in tensor_shapes(checkpoint).items() if k.startswith("model.")}
         assert trainable_shapes(run) == held and len(held) == 2 * 9 + 3  # 9 a layer; embedding, norm, lm_head

@@ -124,7 +124,7 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
 def test_summary_sets_the_measured_peak_beside_its_own_plan(capsys, kind, planned):
     """A GPU's allocated peak against the GPU plan; a CPU rank's host RSS against the plan of a
     CPU rank's resident set (shardwise.plan.host_cpu), never against the GPU plan."""
-    from shardwise.train.metrics import print_summary
+    from shardwise.train.observe.metrics import print_summary
 
     print_summary({"status": "completed", "steps": 3, "first_loss": 7.0, "final_loss": 6.0, "median_step_s": 0.1,
                    "tokens_per_s": 1000.0, "planned_gpu_bytes": 2 * 2**30, "planned_host_bytes": 1.25 * 2**30,
@@ -135,7 +135,7 @@ def test_summary_sets_the_measured_peak_beside_its_own_plan(capsys, kind, planne
 
 
 def test_a_cpu_summary_without_a_host_plan_says_so(capsys):
-    from shardwise.train.metrics import print_summary
+    from shardwise.train.observe.metrics import print_summary
 
     print_summary({"status": "completed", "steps": 3, "first_loss": 7.0, "final_loss": 6.0, "median_step_s": 0.1,
                    "tokens_per_s": 1000.0, "planned_gpu_bytes": 2 * 2**30, "measured_memory_bytes": 2**30,

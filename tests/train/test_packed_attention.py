@@ -1,4 +1,4 @@
-"""Packed attention without a dense mask (issue 22 item 2; shardwise.train.packed_attention).
+"""Packed attention without a dense mask (issue 22 item 2; shardwise.train.model.packed_attention).
 
 The trainer's default packed path on CPU (one SDPA call per document, padding-free [1, T]
 batches) allocates no [B, 1, S, S] or T×T tensor in forward and backward, and trains the same
@@ -18,7 +18,7 @@ from shardwise.config.schema import TrainConfig
 from shardwise.data.labels import count_target_tokens
 from shardwise.errors import ShardwiseError
 from shardwise.run import resolve, run_spec
-from shardwise.train import packed_attention as pa
+from shardwise.train.model import packed_attention as pa
 
 TOL = 1e-5
 CPU = torch.device("cpu")
@@ -36,7 +36,7 @@ def built(cfg: TrainConfig, device: str = "cpu", mode: TorchDispatchMode | None 
     collated under `mode`."""
     from contextlib import nullcontext
 
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
     from shardwise.train.sft_data import build_sft_split
 
     run = run_spec(cfg, 1, device)
@@ -265,7 +265,7 @@ def test_resolve_refuses_what_cannot_run(choice, device, attention, family, says
 
 def test_the_family_lists_match_the_installed_transformers():
     from shardwise.specs.families import ANALYTIC_FAMILIES
-    from shardwise.train.hf import causal_lm_class
+    from shardwise.train.model.hf import causal_lm_class
 
     for family in ANALYTIC_FAMILIES:
         cls = causal_lm_class(family)
@@ -277,7 +277,7 @@ def test_the_family_lists_match_the_installed_transformers():
 
 def test_dense_is_noted_with_its_cost_and_the_planned_value_round_trips():
     from shardwise.run import to_config
-    from shardwise.train.model import attention_note
+    from shardwise.train.model.build import attention_note
 
     run = run_spec(config(packed="dense"), 1, "cpu")
     note = attention_note(run)

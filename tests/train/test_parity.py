@@ -52,7 +52,7 @@ def initial_weights() -> dict[str, torch.Tensor]:
     from parity_worker import parity_config
 
     from shardwise.run import run_spec
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     run = run_spec(parity_config("ddp", 1, 1), 1, "cpu")
     return build_model(run).state_dict()

@@ -75,9 +75,9 @@ def test_resume_is_bit_exact_with_the_producer_ahead_of_the_checkpoint(tmp_path,
     """SFT data (the bundled sample through the sampler): 8 steps straight, and 3 then a resume.
     The step-3 save waits until the prefetch thread has read rows past step 5: the checkpoint's
     position is the step count, never how far the thread read."""
-    import shardwise.train.checkpoint as ckpt
+    import shardwise.train.checkpoint.sharded as ckpt
     import shardwise.train.data as data
-    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
 
     pulled = {"n": 0}
     at_save: dict[int, int] = {}

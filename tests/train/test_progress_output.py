@@ -123,7 +123,7 @@ def test_every_seconds_makes_each_boundary_a_logging_step_and_the_line_shows_the
 
 
 def test_the_clock_rule_of_the_logging_interval():
-    from shardwise.train.step_log import Guard, StepLog, StepRecord
+    from shardwise.train.observe.step_log import Guard, StepLog, StepRecord
 
     now = [0.0]
     shown = []

@@ -14,7 +14,7 @@ import yaml
 
 from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
-from shardwise.train.lora import check_qlora, qlora_strategies
+from shardwise.train.model.lora import check_qlora, qlora_strategies
 
 
 def _cfg(strategy: str = "ddp", **extra) -> TrainConfig:
@@ -23,7 +23,7 @@ def _cfg(strategy: str = "ddp", **extra) -> TrainConfig:
 
 
 def test_qlora_refused_where_bitsandbytes_has_no_kernels(monkeypatch):
-    import shardwise.train.lora as lora
+    import shardwise.train.model.lora as lora
 
     check_qlora(_cfg(), "cpu")  # bitsandbytes 0.50+ (the test extras) quantises on CPU
     monkeypatch.setattr(lora, "nf4_supported", lambda device: False)
@@ -46,7 +46,7 @@ def test_qlora_trains_on_cpu_on_two_engines(qlora_runs):
     from parity_worker import parity_config
 
     from shardwise.run import run_spec
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     ddp, zero2 = (torch.load(qlora_runs / f"{r.replace(':', '-')}-w2.pt") for r in QLORA_RUNS)
     assert ddp["losses"][-1] < ddp["losses"][0] - 0.2, ddp["losses"]

@@ -1,4 +1,4 @@
-"""CPU ranks forked from the launcher (shardwise.train.rank_fork) train exactly as ranks started
+"""CPU ranks forked from the launcher (shardwise.train.launch.fork) train exactly as ranks started
 as fresh interpreters, and the launcher forks only where it is safe."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import ShardwiseError
-from shardwise.train import rank_fork
+from shardwise.train.launch import fork as rank_fork
 
 REPO = Path(__file__).parents[2]
 
@@ -77,7 +77,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 def test_a_single_threaded_launcher_forks_ranks_that_run_their_own_thread_pools():
-    """The premise shardwise.train.rank_fork rests on, on the installed torch: a launcher held to
+    """The premise shardwise.train.launch.fork rests on, on the installed torch: a launcher held to
     one OpenMP thread from before torch loaded forks a child whose 2-thread matmul completes (a
     launcher that ran 2 threads first would leave it hung: the check below times out instead)."""
     code = FORK_PREMISE.format(threads='os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"')

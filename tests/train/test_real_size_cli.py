@@ -76,8 +76,8 @@ def test_the_adapter_loads_onto_the_base_with_the_checkpoints_logits(run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardwise.train.checkpoint import read_tensors, tensor_shapes
-    from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+    from shardwise.train.checkpoint.sharded import read_tensors, tensor_shapes
 
     assert run["r"].returncode == 0
     ids = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(0))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import run_once
 
-from shardwise.train.checkpoint import read_tensors
+from shardwise.train.checkpoint.sharded import read_tensors
 
 HERE = Path(__file__).parent
 WORKER = HERE / "resume_worker.py"
@@ -101,7 +101,7 @@ def test_export_from_a_two_rank_checkpoint_on_one_process(runs, source, tmp_path
     from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
 
-    from shardwise.train.export_cli import app
+    from shardwise.train.export.cli import app
 
     out = tmp_path / "hf"
     res = CliRunner().invoke(app, [str(runs / source), str(out)])  # a run dir: its latest (step 8)

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from shardwise.errors import ExitCode
-from shardwise.train.checkpoint import read_manifest
-from shardwise.train.checkpoint_dir import checkpoints_dir, step_dir_name
-from shardwise.train.lineage import read_lineage
+from shardwise.train.checkpoint.directory import checkpoints_dir, step_dir_name
+from shardwise.train.checkpoint.lineage import read_lineage
+from shardwise.train.checkpoint.sharded import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "fsdp-synthetic-cpu.yaml"
@@ -129,7 +129,7 @@ def test_latest_of_a_branch_that_saved_nothing_is_its_parent(tmp_path):
     step4 = checkpoints_dir(tmp_path) / step_dir_name(4)
     r = train(tmp_path, "--resume", str(step4), "--set", "run.timeout_s=abc", steps=8, every=4, keep=3)
     assert r.returncode == ExitCode.USER_ERROR  # a bad start writes no lineage
-    from shardwise.train.lineage import Lineage, write_lineage
+    from shardwise.train.checkpoint.lineage import Lineage, write_lineage
 
     write_lineage(tmp_path, Lineage("crashed", "crashed", parent=str(step4.resolve())))  # as a branch killed early
     r = train(tmp_path, "--resume", "latest", steps=8, every=4, keep=3)

@@ -67,7 +67,7 @@ def tree(d: Path) -> dict[str, str]:
 
 
 def test_sigterm_after_a_skipped_step_saves_the_last_finite_state_in_strict_json(tmp_path):
-    from shardwise.train.checkpoint import read_tensors
+    from shardwise.train.checkpoint.sharded import read_tensors
 
     out = tmp_path / "out"
     theirs = out / "tensorboard" / "events.out.tfevents.123.other-tool"  # this run writes no TensorBoard
@@ -113,7 +113,7 @@ def test_a_sigkilled_rank_is_named_in_the_summary_with_its_signal(tmp_path):
 
 
 def test_a_full_disk_at_the_export_exits_74_with_a_summary(small_disk):  # noqa: F811
-    from shardwise.train.checkpoint import read_manifest
+    from shardwise.train.checkpoint.sharded import read_manifest
 
     out = small_disk / "run"
     r = one_rank(out, "--fill-before-export", str(small_disk),
@@ -192,7 +192,7 @@ def test_a_fresh_run_never_deletes_another_tools_logs(tmp_path):
 def test_only_logs_recorded_as_shardwises_are_replaced(tmp_path):
     """In-process: what write_summary and the record say; a file replaced by another tool (a new
     inode at the same name) is no longer shardwise's."""
-    from shardwise.train.metrics import write_summary
+    from shardwise.train.observe.metrics import write_summary
     from shardwise.train.outputs import check_fresh_output, clear_earlier_run, foreign
 
     write_summary(tmp_path, {"status": "completed"})

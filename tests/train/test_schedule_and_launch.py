@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.train.launch import detect_env
+from shardwise.train.launch.rank import detect_env
 from shardwise.train.schedule import lr_at
 
 PEAK, TOTAL, WARM = 1e-3, 100, 10
@@ -48,7 +48,7 @@ def test_detect_launchers():
 
 _EXIT_PROBE = """
 import atexit, sys
-from shardwise.train import launch
+from shardwise.train.launch import rank as launch
 atexit.register(lambda: print("atexit ran", flush=True))
 launch._JOINED_GROUP = {joined}
 def main():
@@ -88,7 +88,7 @@ def test_run_cli_skips_interpreter_shutdown_only_after_joining_a_group(joined, b
 LAUNCHER_PROBE = """
 import os, sys
 import shardwise.train.cli as cli
-import shardwise.train.spawn as spawn
+import shardwise.train.launch.spawn as spawn
 
 preload = cli._preload
 
@@ -117,7 +117,7 @@ def test_the_launcher_checks_a_fresh_run_without_torch_then_forks_single_threade
     """Every preflight check of a fresh 2-rank CPU run (the chunked loss's model check included)
     runs without torch or transformers' modeling code; then the launcher imports what a rank
     imports (the model's code, the engine, the loop), once, and forks its ranks from a process whose OpenMP and MKL pools were held to
-    one thread since before torch loaded (shardwise.train.rank_fork: libgomp is not fork-safe);
+    one thread since before torch loaded (shardwise.train.launch.fork: libgomp is not fork-safe);
     the ranks get their own thread count, and the user's MKL_NUM_THREADS (here unset) back.
     `run.device: auto` (the default) forks too: it is decided after the launcher is single-threaded."""
     import os

@@ -1,4 +1,4 @@
-"""A local bf16 safetensors checkpoint read into each rank's part (shardwise.train.weights) on 2
+"""A local bf16 safetensors checkpoint read into each rank's part (shardwise.train.model.weights) on 2
 gloo ranks: every engine ends with exactly the checkpoint's weights, and its forward gives the
 logits (within 1e-5) and the loss `from_pretrained` in fp32 gives (ZeRO-3's own linear differs in
 the last digits: 1e-5 relative)."""
@@ -102,7 +102,7 @@ def test_adapters_equal_on_every_engine(loaded):
 
 
 def test_key_mapping():
-    from shardwise.train.weights_read import checkpoint_key
+    from shardwise.train.model.weights_read import checkpoint_key
 
     assert checkpoint_key("model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
     assert checkpoint_key("model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
@@ -118,8 +118,8 @@ def test_checkpoint_missing_tensor_is_refused(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from shardwise.errors import ShardwiseError
-    from shardwise.train.weights import meta_model
-    from shardwise.train.weights_read import load_safetensors
+    from shardwise.train.model.weights import meta_model
+    from shardwise.train.model.weights_read import load_safetensors
 
     bad = tmp_path / "bad"
     shutil.copytree(checkpoint, bad)

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.errors import ExitCode
-from shardwise.train.metrics import read_summary, run_ended, run_started, write_summary
-from shardwise.train.watchdog import proc_state
+from shardwise.train.launch.watchdog import proc_state
+from shardwise.train.observe.metrics import read_summary, run_ended, run_started, write_summary
 
 WORKERS = Path(__file__).parent / "fault_workers"
 STOP_WORKER = WORKERS / "stop_worker.py"
@@ -202,7 +202,7 @@ def run_py(code: str, **kw) -> subprocess.CompletedProcess:
 def test_stop_request_handles_sighup_unless_ignored():
     code = """
         import os, signal
-        from shardwise.train.signals import StopRequest
+        from shardwise.train.launch.signals import StopRequest
         with StopRequest() as stop:
             os.kill(os.getpid(), signal.SIGHUP)
             print(stop.requested, stop.signum == signal.SIGHUP, signal.getsignal(signal.SIGHUP) != signal.SIG_IGN)
@@ -219,7 +219,7 @@ def test_stop_request_handles_sighup_unless_ignored():
 def test_a_stop_received_before_training_is_taken_over_and_named():
     r = run_py("""
         import os, signal
-        from shardwise.train.signals import StopRequest, hold_at_start
+        from shardwise.train.launch.signals import StopRequest, hold_at_start
         hold_at_start()
         os.kill(os.getpid(), signal.SIGUSR1)  # while "starting": recorded, not fatal
         with StopRequest() as stop:
@@ -235,7 +235,7 @@ def test_a_rank_stopping_on_a_peers_vote_names_the_peers_signal(tmp_path):
     run_dir = tmp_path / "run"
     r1 = run_py(f"""
         import os, signal
-        from shardwise.train.signals import StopRequest, share
+        from shardwise.train.launch.signals import StopRequest, share
         share({str(run_dir)!r}, 1, 2)
         with StopRequest() as stop:
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -244,7 +244,7 @@ def test_a_rank_stopping_on_a_peers_vote_names_the_peers_signal(tmp_path):
     assert r1.stdout.strip() == "True", r1.stderr
     r0 = run_py(f"""
         from shardwise.train.loop import Interrupted
-        from shardwise.train.signals import StopRequest, share
+        from shardwise.train.launch.signals import StopRequest, share
         share({str(run_dir)!r}, 0, 2)
         with StopRequest() as stop:
             import signal
@@ -257,7 +257,7 @@ def test_a_rank_stopping_on_a_peers_vote_names_the_peers_signal(tmp_path):
     # No peer published (another host, no shared dir): no signal is made up.
     r = run_py(f"""
         from shardwise.train.loop import Interrupted
-        from shardwise.train.signals import StopRequest, share
+        from shardwise.train.launch.signals import StopRequest, share
         share({str(tmp_path / "elsewhere")!r}, 0, 2)
         import signal
         with StopRequest() as stop:

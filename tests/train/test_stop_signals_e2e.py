@@ -24,7 +24,7 @@ from test_faults_e2e import CONFIG, _alive, finish, rank_pids, wait_for_step
 from test_stop_signals import children, wait_until
 
 from shardwise.errors import ExitCode
-from shardwise.train.watchdog import heartbeat_path
+from shardwise.train.launch.watchdog import heartbeat_path
 
 pytestmark = pytest.mark.distributed
 
@@ -71,7 +71,7 @@ def rank_of(pid: int) -> int | None:
 
 def an_earlier_completed_run(out: Path) -> None:
     """Its summary, written (and recorded as shardwise's) as a run writes it: a fresh run may replace it."""
-    from shardwise.train.metrics import write_summary
+    from shardwise.train.observe.metrics import write_summary
 
     write_summary(out, {"status": "completed", "reason": None, "steps": 12})
 

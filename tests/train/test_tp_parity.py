@@ -75,7 +75,7 @@ def _initial(model: str) -> dict[str, torch.Tensor]:
     from parity_worker import parity_config
 
     from shardwise.run import run_spec
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     return build_model(run_spec(parity_config("ddp", 1, 1, model), 1, "cpu")).state_dict()
 

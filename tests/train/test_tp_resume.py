@@ -64,7 +64,7 @@ def test_tp_resume_across_degrees(runs, resumed, source):
 
 
 def test_checkpoint_holds_full_tensors_by_name(runs):
-    from shardwise.train.checkpoint import read_tensors
+    from shardwise.train.checkpoint.sharded import read_tensors
 
     at3 = read_tensors(runs / f"{TP}-full-w2" / "checkpoints" / "step-00000003")
     one = read_tensors(runs / "fsdp-full-w1" / "checkpoints" / "step-00000003")
@@ -77,7 +77,7 @@ def test_export_from_a_tp_checkpoint(runs, tmp_path):
     from safetensors.torch import load_file
     from typer.testing import CliRunner
 
-    from shardwise.train.export_cli import app
+    from shardwise.train.export.cli import app
 
     out = tmp_path / "hf"
     res = CliRunner().invoke(app, [str(runs / f"{TP}-full-w2"), str(out)])

@@ -95,7 +95,7 @@ def test_train_prints_the_deprecation_once_before_anything_runs(tmp_path):
 def test_missing_tracker_package_refused_by_preflight(monkeypatch):
     import importlib.util
 
-    from shardwise.train import trackers
+    from shardwise.train.observe import trackers
     from shardwise.train.preflight import preflight
 
     real = importlib.util.find_spec
@@ -111,7 +111,7 @@ def test_missing_tracker_package_refused_by_preflight(monkeypatch):
 
 
 def test_wandb_online_without_credentials_refused_by_preflight(tmp_path, monkeypatch):
-    from shardwise.train.trackers import check_installed
+    from shardwise.train.observe.trackers import check_installed
 
     for k in [k for k in os.environ if k.startswith("WANDB_")]:
         monkeypatch.delenv(k)
@@ -162,7 +162,7 @@ def test_train_without_mlflow_installed_stops_before_any_rank(tmp_path):
 
 
 def test_rows_are_named_train_and_eval():
-    from shardwise.train.trackers import tracker_metrics
+    from shardwise.train.observe.trackers import tracker_metrics
 
     step, m = tracker_metrics({"step": 4, "loss": 1.5, "lr": 1e-4, "tokens": 96, "mfu": 0.25})
     assert (step, m) == (4, {"train/loss": 1.5, "train/lr": 1e-4, "train/tokens": 96, "train/mfu": 0.25})
@@ -186,7 +186,7 @@ class _Fake:
 
 
 def test_a_tracker_failing_mid_run_is_dropped_and_the_others_go_on(capsys):
-    from shardwise.train.trackers import Trackers
+    from shardwise.train.observe.trackers import Trackers
 
     t = Trackers()
     ok, bad = _Fake("tensorboard"), _Fake("mlflow", fail_at=2)
@@ -407,7 +407,7 @@ def test_an_interrupted_run_is_killed_in_mlflow_and_preempted_in_wandb(tmp_path,
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
-    from shardwise.train.trackers import Trackers
+    from shardwise.train.observe.trackers import Trackers
 
     t = Trackers()
     t.start(_cfg(tmp_path, ["wandb", "mlflow"], wandb={"mode": "offline"}))  # offline from the config
@@ -424,7 +424,7 @@ def test_an_interrupted_run_is_killed_in_mlflow_and_preempted_in_wandb(tmp_path,
 
 
 def test_a_tracker_that_cannot_start_fails_the_start_and_closes_the_others(tmp_path):
-    from shardwise.train.trackers import Trackers
+    from shardwise.train.observe.trackers import Trackers
 
     t = Trackers()
     with pytest.raises(RuntimeError, match=r"logging.trackers: mlflow could not start: .*nosuch"):

@@ -53,7 +53,7 @@ def test_demo_config_trains_and_writes_outputs(demo_run, strategy):
         assert torch.equal(state[name], tensor), name
     assert AutoTokenizer.from_pretrained(out / "model").eos_token is not None
     # and gives the last checkpoint's logits: the same architecture filled with its saved tensors
-    from shardwise.train.checkpoint import read_tensors, tensor_shapes
+    from shardwise.train.checkpoint.sharded import read_tensors, tensor_shapes
 
     last = Path(summary["checkpoint"])
     saved = {k.removeprefix("model."): v for k, v in read_tensors(last, [k for k in tensor_shapes(last)

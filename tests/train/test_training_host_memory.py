@@ -7,7 +7,7 @@ its parameters in the decoder layers, each weight 2-6 MiB in bf16: under glibc's
 threshold (up to 32 MiB) every layer FSDP2 gathered and freed left a hole in the heap that the
 activations saved for backward split, and each rank grew by most of the unsharded model in its
 first forward (measured on this checkpoint, the step's peak over the RSS after the load: +300 to
-+380 MiB per rank; with shardwise.train.host_alloc holding the threshold at 1 MiB: +135 MiB,
++380 MiB per rank; with shardwise.train.launch.host_alloc holding the threshold at 1 MiB: +135 MiB,
 against the bound of 207 MiB below).
 
 The ranks run with benchmarks/host_memory_probe first on PYTHONPATH, which only reads: each
@@ -111,7 +111,7 @@ def test_a_step_adds_what_fsdp2_gathers_and_the_activations_only(run):
 def test_the_threshold_is_set_once_and_restored_by_the_outermost_context(monkeypatch):
     """The load's context nests inside the run's: only the outermost one sets glibc's threshold
     and sets it back, so the load's exit does not end the run's setting."""
-    from shardwise.train import host_alloc
+    from shardwise.train.launch import host_alloc
 
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(host_alloc, "_mallopt", lambda: lambda param, value: calls.append((param, value)))

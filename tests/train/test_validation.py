@@ -55,7 +55,7 @@ def reference_eval_loss(weights: dict[str, torch.Tensor], rows: list | None = No
     alone (batch 1, no mask, positions from 0), token_loss_sum summed, over the target count."""
     from shardwise.run import run_spec
     from shardwise.train.engines.base import token_loss_sum
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     cfg, all_rows = validation_rows()
     rows = all_rows if rows is None else rows
@@ -147,7 +147,7 @@ def test_eval_records_in_metrics_summary_and_tensorboard(runs):
 def test_save_best_keeps_the_best_checkpoint_beside_keep_last(runs):
     """ddp:best: lr 0.5 without clipping overshoots, so the eval loss is lowest after step 1;
     an evaluation every step, each saves; keep_last 1 keeps step 6, save_best keeps step 1."""
-    from shardwise.train.checkpoint import read_manifest
+    from shardwise.train.checkpoint.sharded import read_manifest
 
     out = runs / "ddp-best-w2"
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -166,14 +166,14 @@ def test_save_best_keeps_the_best_checkpoint_beside_keep_last(runs):
 
 def test_prune_protects_only_the_named_step(tmp_path):
     """`_publish`'s pruning with `protect`: without it keep_last 1 deletes step 1 too."""
-    from shardwise.train.checkpoint_dir import MANIFEST, published
+    from shardwise.train.checkpoint.directory import MANIFEST, published
 
     root = tmp_path / "checkpoints"
     for s in (1, 2, 3):
         d = root / f"step-{s:08d}"
         d.mkdir(parents=True)
         (d / MANIFEST).write_text(json.dumps({"lineage": None}))
-    from shardwise.train import checkpoint as ckpt
+    from shardwise.train.checkpoint import sharded as ckpt
 
     # exercise the real pruning loop through _publish on a fourth checkpoint
     tmp = root / ".tmp-step-00000004"

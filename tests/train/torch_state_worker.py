@@ -16,11 +16,11 @@ from worker_common import start_worker
 
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train import checkpoint as ckpt
+from shardwise.train.checkpoint import sharded as ckpt
 from shardwise.train.engines import build_engine
-from shardwise.train.launch import run_rank_script
+from shardwise.train.launch.rank import run_rank_script
 from shardwise.train.loop import seed_everything
-from shardwise.train.model import build_model
+from shardwise.train.model.build import build_model
 
 CANONICAL = ("model", "optim.exp_avg", "optim.exp_avg_sq")
 

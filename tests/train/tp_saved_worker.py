@@ -12,7 +12,7 @@ import json
 import torch
 from worker_common import start_worker
 
-from shardwise.train.launch import run_rank_script
+from shardwise.train.launch.rank import run_rank_script
 
 LAYERS = 2
 
@@ -34,7 +34,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardwise.bench import saved
-    from shardwise.train.tensor_parallel import parallelize
+    from shardwise.train.model.tensor_parallel import parallelize
 
     mesh = init_device_mesh("cpu", (env.world_size,), mesh_dim_names=("tp",))
     for item in runs:

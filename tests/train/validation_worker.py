@@ -17,7 +17,7 @@ from worker_common import start_worker
 
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train.launch import run_rank_script
+from shardwise.train.launch.rank import run_rank_script
 from shardwise.train.loop import train
 
 GLOBAL_BATCH = 4  # rows per optimizer step, the same on every world size
@@ -47,7 +47,7 @@ def validation_config(strategy: str, world: int, out: Path, flags: tuple[str, ..
 
 
 def main() -> None:
-    from shardwise.train.metrics import Metrics
+    from shardwise.train.observe.metrics import Metrics
 
     runs, env, out = start_worker("strategy[:flag...]")
     for item in runs:

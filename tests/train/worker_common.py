@@ -13,7 +13,7 @@ def start_worker(runs_help: str):
     """Parse the worker's arguments and join the group; returns (run items, DistEnv, out dir)."""
     import torch
 
-    from shardwise.train.launch import init_distributed
+    from shardwise.train.launch.rank import init_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)

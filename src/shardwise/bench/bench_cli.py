@@ -65,7 +65,7 @@ def bench(
 
 
 def main() -> None:
-    from shardwise.train.launch import run_cli
+    from shardwise.train.launch.rank import run_cli
 
     run_cli(app)
 

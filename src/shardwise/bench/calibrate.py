@@ -237,7 +237,7 @@ def measure_collectives(world: int, quick: bool = False, timeout_s: float = 120,
     """Spawn `world` local ranks and measure; `local_world` below `world` makes them measure as
     if nodes were that many ranks (the intra/inter split, testable on one machine)."""
     from shardwise.errors import ShardwiseError
-    from shardwise.train.spawn import spawn
+    from shardwise.train.launch.spawn import spawn
 
     node_groups(world, local_world or world)  # refuse a bad layout before starting anything
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,7 +253,7 @@ def measure_collectives(world: int, quick: bool = False, timeout_s: float = 120,
 
 def collectives_here(quick: bool = False) -> dict[str, Any] | None:
     """Under an outer launcher: this process is a rank of the measurement; rank 0 gets the result."""
-    from shardwise.train.launch import detect_env
+    from shardwise.train.launch.rank import detect_env
 
     found = detect_env() or {"rank": 0, "world_size": 1, "local_rank": 0}
     for key, value in (("RANK", found["rank"]), ("WORLD_SIZE", found["world_size"]),
@@ -318,7 +318,7 @@ def calibrate(gpus: int = 1, out: Path | str | None = None, model: str = "llama-
     measures its device and writes; every rank takes part in the collectives; the other ranks
     return (None, None)."""
     from shardwise.specs.profile import HardwareProfile, default_profile_path
-    from shardwise.train.launch import detect_env
+    from shardwise.train.launch.rank import detect_env
 
     launched = detect_env()
     rank = int(launched["rank"]) if launched else 0

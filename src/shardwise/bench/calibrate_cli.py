@@ -62,6 +62,6 @@ def calibrate(
 
 
 def main() -> None:
-    from shardwise.train.launch import run_cli
+    from shardwise.train.launch.rank import run_cli
 
     run_cli(app)

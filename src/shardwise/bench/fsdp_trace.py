@@ -51,8 +51,8 @@ def trace_fsdp(model_name: str, world: int, seq_len: int, micro_batch: int,
     from shardwise.run import run_spec
     from shardwise.train.engines import build_engine
     from shardwise.train.engines.base import DistEnv
-    from shardwise.train.model import build_model
-    from shardwise.train.parallel import build_mesh
+    from shardwise.train.engines.mesh import build_mesh
+    from shardwise.train.model.build import build_model
 
     t0 = time.perf_counter()
     run = run_spec(trace_config(model_name, seq_len, micro_batch, checkpointing, strategy), world, "cpu",

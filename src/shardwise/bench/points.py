@@ -5,7 +5,7 @@ Each point (the config, its `--set` overrides, one `--sweep` combination) is val
 `shardwise train` does (load_config + preflight: the same RunSpec, the same planner) before any
 runs. Then, as the trainer does:
 - without a launcher in the environment, each point is launched with
-  `shardwise.train.spawn.spawn` as `python -m shardwise.bench.run_bench CONFIG --set ...` on
+  `shardwise.train.launch.spawn.spawn` as `python -m shardwise.bench.run_bench CONFIG --set ...` on
   `nproc` local ranks, which write `rank<r>.json` under `<out>/runs/<point>/bench`;
 - under torchrun, the `deepspeed` launcher or `srun` (RANK / WORLD_SIZE or SLURM_* in the
   environment) this process IS a rank: it runs each point in-process (`run_bench.run_rank`)
@@ -98,7 +98,7 @@ def _slug(label: str) -> str:
 def outer_launcher() -> dict[str, Any] | None:
     """The launcher's rank/world when an outer launcher started this process, else None (a rank
     of our own spawn runs `python -m shardwise.bench.run_bench`, never this CLI)."""
-    from shardwise.train.launch import detect_env
+    from shardwise.train.launch.rank import detect_env
 
     return None if os.environ.get("SHARDWISE_LAUNCHED") == "1" else detect_env()
 
@@ -137,7 +137,7 @@ def launch(config: Path, p: Point, out: Path) -> list[dict[str, Any]]:
     """Run one point on `p.world` spawned local ranks; return the per-rank results (rank order)."""
     from shardwise.bench.probe import OUT_ENV
     from shardwise.train.cli import _own_output_dir, _run_dir
-    from shardwise.train.spawn import spawn
+    from shardwise.train.launch.spawn import spawn
 
     rank_dir = out / "runs" / p.slug / "bench"
     rank_dir.mkdir(parents=True, exist_ok=True)

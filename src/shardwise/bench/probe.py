@@ -71,7 +71,7 @@ class Probe:
         """Layer hooks for the timeline, gradient hooks for DDP's backward tail."""
         self.engine = engine
         try:
-            from shardwise.train.hf import decoder_layers
+            from shardwise.train.model.hf import decoder_layers
 
             self.timeline.attach(decoder_layers(engine.module))
         except Exception:  # a model without `model.layers`: phase samples only

@@ -75,7 +75,8 @@ def _installed(probe: _Probe):
     import importlib
     from dataclasses import asdict
 
-    from shardwise.train import loop, metrics
+    from shardwise.train import loop
+    from shardwise.train.observe import metrics
 
     engine_mod = importlib.import_module(_ENGINE_MODULES[probe.run.engine_strategy.engine])
     orig_build, orig_loss, orig_log = loop.build_engine, engine_mod.forward_loss_sum, metrics.Metrics.log_step
@@ -159,7 +160,7 @@ def rank_main(argv: list[str] | None = None) -> int:
 
     from shardwise import quiet
     from shardwise.config.load import load_config
-    from shardwise.train.launch import detect_env
+    from shardwise.train.launch.rank import detect_env
     from shardwise.train.preflight import preflight
 
     quiet.apply()  # `shardwise bench --verbose` reaches the ranks through the environment
@@ -181,6 +182,6 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from shardwise.train.launch import run_rank_script
+    from shardwise.train.launch.rank import run_rank_script
 
     run_rank_script(rank_main)  # no interpreter shutdown: see its docstring (a gloo abort at exit)

@@ -277,13 +277,13 @@ def build_model(shape: str, layers: int, precision: str, attention: str, checkpo
     d = dict(SHAPES[shape])
     cfg = AutoConfig.for_model(d.pop("model_type"), num_hidden_layers=layers, **d)
     cfg._attn_implementation = attention
-    cfg.use_cache = False  # as the trainer runs (train/model.py): no KV cache holding k/v copies
+    cfg.use_cache = False  # as the trainer runs (train/model/build.py): no KV cache holding k/v copies
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)  # a built-in shape: no code to run
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if checkpointing == "full":
-        from shardwise.train.hf import enable_checkpointing
+        from shardwise.train.model.hf import enable_checkpointing
 
         enable_checkpointing(model, use_reentrant=reentrant)
     elif checkpointing == "selective":  # per decoder layer, as torchtitan wraps its blocks

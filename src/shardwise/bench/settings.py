@@ -62,7 +62,7 @@ def planned_settings(run) -> dict[str, Any]:
 def _fetch_unit(module) -> str:
     """What ZeRO-3 hooked: "layer" when the decoder layers carry its forward hooks and nothing
     inside them does, "module" when their submodules do too."""
-    from shardwise.train.hf import decoder_layers
+    from shardwise.train.model.hf import decoder_layers
 
     layers = decoder_layers(module)
     inner = [m for layer in layers for m in layer.modules() if m is not layer and m._forward_pre_hooks]
@@ -74,7 +74,7 @@ def _fetch_unit(module) -> str:
 def engine_settings(engine) -> dict[str, Any]:
     """The same keys as `planned_settings`, read from the live engine."""
     module = engine.module
-    from shardwise.train.hf import checkpointing_enabled
+    from shardwise.train.model.hf import checkpointing_enabled
 
     out: dict[str, Any] = {"activation_checkpointing": checkpointing_enabled(module)}
     if engine.name == "deepspeed":
@@ -96,7 +96,7 @@ def engine_settings(engine) -> dict[str, Any]:
                     "fetch_unit": _fetch_unit(module),
                     "zero3_hooked_modules": sum(1 for m in module.modules() if m._forward_pre_hooks)}
     elif engine.name == "fsdp2":
-        from shardwise.train.hf import decoder_layers
+        from shardwise.train.model.hf import decoder_layers
 
         layer = decoder_layers(module)[0]._get_fsdp_state()._fsdp_param_group
         last = decoder_layers(module)[-1]._get_fsdp_state()._fsdp_param_group
@@ -159,7 +159,7 @@ def _rank_main(rank: int, cases: list[str], out_dir: str, world: int) -> None:
     from shardwise import quiet
     from shardwise.train.engines import build_engine
     from shardwise.train.engines.base import DistEnv
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
     from shardwise.train.preflight import preflight
 
     torch.set_num_threads(1)

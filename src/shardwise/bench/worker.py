@@ -126,7 +126,7 @@ def start_engine(variant: str, rank: int, ga: int = 1):
 
     from shardwise.train.engines import build_engine
     from shardwise.train.engines.base import DistEnv
-    from shardwise.train.model import build_model
+    from shardwise.train.model.build import build_model
 
     run = bench_run(variant, ga)
     model = build_model(run)
@@ -200,8 +200,8 @@ def _rank_main(rank: int, strategies: list[str], out_dir: str) -> None:
 
 def _rank_then_exit(rank: int, rank_main, *args) -> None:
     """A spawned rank: `rank_main(rank, *args)`, then the end without interpreter shutdown that
-    gloo needs (shardwise.train.launch.run_rank_script; exit 0, or 1 after a traceback)."""
-    from shardwise.train.launch import run_rank_script
+    gloo needs (shardwise.train.launch.rank.run_rank_script; exit 0, or 1 after a traceback)."""
+    from shardwise.train.launch.rank import run_rank_script
 
     run_rank_script(lambda: rank_main(rank, *args))
 
@@ -213,7 +213,7 @@ def spawn_ranks(rank_main, names: list[str], timeout_s: float, world: int = WORL
     the names every rank finished; kills its own processes on timeout."""
     import torch.multiprocessing as mp
 
-    from shardwise.train.launch import free_port
+    from shardwise.train.launch.rank import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu",
                       OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

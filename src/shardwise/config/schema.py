@@ -55,7 +55,7 @@ class SFTSection(DataConfig):
         "auto", description="how the documents of a row are kept apart: varlen (flash-attn's varlen kernel where "
         "installed, else one SDPA call per document), flex (FlexAttention's document block mask; CUDA), dense (a "
         "[B, 1, S, S] mask, full S² attention); auto: flash-attn, else flex on CUDA, else varlen; dense with "
-        "eager attention (shardwise.train.packed_attention)")
+        "eager attention (shardwise.train.model.packed_attention)")
 
 
 class DataSection(_Section):
@@ -147,7 +147,7 @@ class ScheduleSection(_Section):
 MAX_MICRO_BATCH = 4096  # sequences per rank per forward
 MAX_GRAD_ACCUM = 65536  # micro-batches per optimizer step
 # A week: a finite timeout that datetime.timedelta, gloo and NCCL accept (with the collective backstop's
-# margin added, shardwise.train.launch.COLLECTIVE_MARGIN_S); inf or 1e30 overflowed in every rank.
+# margin added, shardwise.train.launch.rank.COLLECTIVE_MARGIN_S); inf or 1e30 overflowed in every rank.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # At least a second: the process-group rendezvous, the weights' broadcast and a checkpoint's
 # collectives take longer than that on a healthy machine; a shorter timeout fails healthy runs.
@@ -248,7 +248,7 @@ class LoraSection(_Section):
 
 
 class LossSection(_Section):
-    """`loss:` — how the next-token cross-entropy is computed (shardwise.train.loss). Both give
+    """`loss:` — how the next-token cross-entropy is computed (shardwise.train.model.loss). Both give
     the same loss and gradients (fp32 log-softmax, the same normalisation); they differ in
     memory and bytes moved. The planner plans the one set here (`cross_entropy`, `ce_chunk`)."""
 
@@ -278,7 +278,7 @@ class HardwareSection(_Section):
 
 # --- logging: how often and where a run reports (the console, metrics.jsonl, the trackers)
 
-# The experiment trackers `logging.trackers` may list (shardwise.train.trackers opens them).
+# The experiment trackers `logging.trackers` may list (shardwise.train.observe.trackers opens them).
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
 # The keys `logging.trackers` replaced, still read (a checkpoint's manifest records them) and
 # rewritten into the new ones; `shardwise train` says so (LoggingSection.deprecation).
@@ -426,7 +426,7 @@ def shard_size_bytes(value: int | str) -> int:
 
 class ExportSection(_Section):
     """`export:` — the Hugging Face directory written by `checkpointing.save_final`, `shardwise export`
-    and a LoRA run's merged model (shardwise.train.export.write_hf)."""
+    and a LoRA run's merged model (shardwise.train.export.hf_dir.write_hf)."""
 
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="dtype of the exported weights; auto = the run's compute dtype (precision "

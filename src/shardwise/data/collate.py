@@ -3,7 +3,7 @@
 Batch contract (docs/data.md): ``input_ids``, ``labels`` (NOT shifted, -100 = ignored) and
 ``position_ids`` (restart at 0 per document) are int64. Two layouts:
 
-- mask="varlen" (the trainer's default, shardwise.train.packed_attention): padding-free [1, T],
+- mask="varlen" (the trainer's default, shardwise.train.model.packed_attention): padding-free [1, T],
   the micro-batch's rows concatenated, with the documents' boundaries (``cu_seq_lens_q/k``)
   and no mask tensor: the attention kernel keeps the documents apart.
 - mask="additive"/"bool" (the dense fallback): [B, S] rows and a 4-D block-diagonal causal

@@ -331,7 +331,7 @@ def _stages(model: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
 def gathered_inputs(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = False) -> tuple[float, float]:
     """Per token, what DTensor's tensor parallelism saves beyond Megatron-LM's sequence
     parallelism: (per decoder layer, at lm_head). ColwiseParallel (the trainer's TP plan,
-    shardwise.train.tensor_parallel, and torchtitan's `parallelize_llama`) all-gathers a block's
+    shardwise.train.model.tensor_parallel, and torchtitan's `parallelize_llama`) all-gathers a block's
     input before its linears, which then save that gathered input; Megatron-SP's linears save
     the sequence-sharded input and all-gather it again in backward (Korthikanti et al. 2022
     §4.2.2), which is what `_norms` counts. The difference is (1 − 1/tp) of the linears' saved

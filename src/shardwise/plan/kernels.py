@@ -99,7 +99,7 @@ def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: in
 def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
     """Memory-bound bytes per token of the loss over the vocabulary (after lm_head's GEMM).
     standard (HF `ForCausalLMLoss`): the fp32 upcast, log-softmax (two reads, one write), NLL's
-    gradient, log-softmax backward, the cast back; chunked (the trainer's, shardwise.train.loss):
+    gradient, log-softmax backward, the cast back; chunked (the trainer's, shardwise.train.model.loss):
     per chunk the upcast, log-softmax, and exp(log-softmax) written once in the compute dtype
     as the gradient (no NLL gradient, no log-softmax backward; fp32: exp in place), plus the
     row masks on the h-sized tensors. Gemma's soft-cap: standard runs HF's div, tanh and multiply
@@ -135,7 +135,7 @@ def ce_chunks(train: TrainSpec) -> int:
 
 def head_gemm_time(model: ModelSpec, train: TrainSpec, tp: int, flops_s: float, bytes_s: float) -> float:
     """lm_head's GEMMs of one micro-batch: forward, input gradient and (when lm_head trains)
-    weight gradient. Chunked (shardwise.train.loss): the same three per chunk of `ce_chunk`
+    weight gradient. Chunked (shardwise.train.model.loss): the same three per chunk of `ce_chunk`
     tokens, each reading the [V, H] weight again, and the weight gradient accumulating in place
     (every chunk after the first also reads the accumulator: c·V·H more bytes). At 1024 tokens
     these GEMMs stay compute-bound (~chunk/c FLOP per byte), so the soft roofline charges the

@@ -1,6 +1,6 @@
 """Host memory while a rank reads the checkpoint (the load phase): pure functions, no torch.
 
-The trainer's paths (shardwise.train.weights):
+The trainer's paths (shardwise.train.model.weights):
 - "sharded" (safetensors; DDP, ZeRO-0/1/2, FSDP2): the model is built on the meta device and
   each rank's part is read straight into the device it trains on. What stays on the host is that
   part only where the host is where it lives (a CPU run; FSDP2's CPUOffloadPolicy). In flight:
@@ -46,11 +46,11 @@ def process_bytes(device: str, engine: str, forked: bool = False) -> float:
 
 def forked_ranks(device: str, ranks_per_node: int) -> bool:
     """Whether `shardwise train` forks the ranks of a node from its launcher: on CPU, when it
-    starts more than one (shardwise.train.rank_fork, which also says when it falls back to exec)."""
+    starts more than one (shardwise.train.launch.fork, which also says when it falls back to exec)."""
     return device == "cpu" and ranks_per_node > 1
 
 
-ZERO3_CHUNK_BYTES = float(1 << 28)  # the trainer's chunk (shardwise.train.weights reads it from here)
+ZERO3_CHUNK_BYTES = float(1 << 28)  # the trainer's chunk (shardwise.train.model.weights reads it from here)
 
 
 def load_path(strategy: Strategy, weights: str | None = "safetensors") -> LoadPath:

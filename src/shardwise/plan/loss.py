@@ -18,7 +18,7 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
       per token conservative (measured 12·V: benchmarks/results/cross_entropy.json).
     - inplace (flash-attn's cross-entropy kernel, llm-foundry MPT's default `fused_crossentropy`):
       the c-byte logits are kept and overwritten by their gradient; fp32 per-row statistics only.
-    - chunked (the trainer's, shardwise.train.loss: lm_head and the loss fused per `ce_chunk`
+    - chunked (the trainer's, shardwise.train.model.loss: lm_head and the loss fused per `ce_chunk`
       tokens, every gradient computed in forward): one chunk's fp32 log-softmax and its fp32
       input (8·V per token; with Gemma's soft-cap the capped fp32 logits stay for the slope, so
       a 16-bit gradient comes on top: (8 + c)·V), and, held from the

@@ -4,7 +4,7 @@ fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain
 Only configurations that `shardwise train` and `plan --emit` run exactly are ranked
 (`runnable`: a data-parallel strategy at pp 1 with no or full activation checkpointing, at tp 1
 or with TP on a family the trainer's TP plan covers: FSDP2 without offload through DTensor with
-sequence parallelism (shardwise.train.tensor_parallel), ZeRO-1/2 without offload through
+sequence parallelism (shardwise.train.model.tensor_parallel), ZeRO-1/2 without offload through
 DeepSpeed's AutoTP; each planned as its own TP scheme, specs.strategy.TP_SCHEMES). The others
 are plan-only: when one would be faster (or is the only thing that
 fits) it is named as an `Alternative`, with the tool that runs it and the numbers. A user who

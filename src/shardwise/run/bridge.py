@@ -35,7 +35,7 @@ def trainer_knobs(device: str) -> tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs]:
     reduce_dtype=fp32 and DDP's fp32 grads; the planner counts the 4 bytes it costs.
     ZeRO-3's fetch unit is the planned one on every device. (CPU runs kept DeepSpeed's
     per-submodule unit while gloo ranks could abort in the interpreter's shutdown, more often
-    with whole layers; every rank now ends through `os._exit`: shardwise.train.launch.)
+    with whole layers; every rank now ends through `os._exit`: shardwise.train.launch.rank.)
     """
     ds: dict[str, Any] = {"communication_data_type": "fp32"}
     if device == "cpu":
@@ -97,7 +97,7 @@ def _adamw_impl(fused: bool, device: str) -> str:
 
 
 def compiled(cfg: TrainConfig, device: str) -> bool:
-    """Whether the trainer compiles the decoder layers (shardwise.train.compile): the planner
+    """Whether the trainer compiles the decoder layers (shardwise.train.model.compile): the planner
     prices and saves them as fused kernels (`TrainSpec.fused_kernels`)."""
     try:
         engine = Strategy.from_name(cfg.strategy.name).engine

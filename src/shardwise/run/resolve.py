@@ -1,7 +1,7 @@
 """What a run decides from its config for the device, torch-free and once, in the run bridge
 (`shardwise.run.bridge`), so that the plan and the build agree: whether the decoder layers are
-compiled (shardwise.train.compile) and what keeps packed documents apart
-(shardwise.train.packed_attention)."""
+compiled (shardwise.train.model.compile) and what keeps packed documents apart
+(shardwise.train.model.packed_attention)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def packed_attention(choice: str, *, data_kind: str, device: str, attention: str
 
 
 def check_tensor_parallel(run: Any) -> None:
-    """Refuse, before any rank starts, what the trainer's TP (FSDP2: shardwise.train.tensor_parallel;
+    """Refuse, before any rank starts, what the trainer's TP (FSDP2: shardwise.train.model.tensor_parallel;
     ZeRO-1/2: DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section) cannot split or does not run."""
     tp = run.layout.tp
     if tp == 1:

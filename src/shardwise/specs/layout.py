@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from shardwise.config.base import Spec
 from shardwise.errors import ShardwiseError
 
-# The families `shardwise train` runs with tensor parallelism (shardwise.train.tensor_parallel's
+# The families `shardwise train` runs with tensor parallelism (shardwise.train.model.tensor_parallel's
 # plan: transformers' Llama/Qwen2/Mistral module names, attention reshaped with -1 local heads).
 TRAINER_TP_FAMILIES = ("llama", "qwen2", "mistral")
 

@@ -53,7 +53,7 @@ class TPScheme:
 
 
 TP_SCHEMES: dict[str, TPScheme] = {
-    # torch DTensor `parallelize_module` (shardwise.train.tensor_parallel, torchtitan's parallelize_llama)
+    # torch DTensor `parallelize_module` (shardwise.train.model.tensor_parallel, torchtitan's parallelize_llama)
     "dtensor": TPScheme("dtensor", sequence_parallel=True, vocab_parallel=True, saves_gathered_input=True,
                         reduces_per_linear=False),
     # Megatron-LM (and Megatron-DeepSpeed) with --sequence-parallel: the published Megatron rows
@@ -204,7 +204,7 @@ class Strategy(Spec):
     @property
     def trainable(self) -> bool:
         """`shardwise train` runs it: its data-parallel engines without PP; TP with FSDP2 without
-        offload (DTensor, shardwise.train.tensor_parallel) or with ZeRO-1/2 without offload
+        offload (DTensor, shardwise.train.model.tensor_parallel) or with ZeRO-1/2 without offload
         (DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section), as its own scheme."""
         offload = self.offload_params or self.offload_optimizer
         tp_ok = self.tp == 1 or (not offload and (

@@ -20,7 +20,7 @@ CrossEntropy = Literal["standard", "chunked", "fused", "inplace"]
 # of the parameters), for-loop (the CPU default: one tensor at a time), or DeepSpeed's own
 # (FusedAdam / CPU Adam, chosen by the engine).
 OptimizerImpl = Literal["fused", "foreach", "forloop"]
-# How documents packed into one row are kept apart (shardwise.train.packed_attention): none (rows
+# How documents packed into one row are kept apart (shardwise.train.model.packed_attention): none (rows
 # of one document, a causal kernel), flash-attn's varlen kernel, one causal SDPA call per
 # document, FlexAttention with a document BlockMask, or a dense additive [B, 1, S, S] mask.
 PackedAttention = Literal["none", "flash_varlen", "sdpa_varlen", "flex", "dense"]

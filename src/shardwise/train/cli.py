@@ -71,9 +71,9 @@ def train_cmd(
     from shardwise import quiet
 
     quiet.apply(verbose or None)  # spawned ranks inherit --verbose through the environment
-    from shardwise.train.launch import detect_env
-    from shardwise.train.signals import StoppedBeforeStart, stop_before_start
-    from shardwise.train.spawn import spawn_job
+    from shardwise.train.launch.rank import detect_env
+    from shardwise.train.launch.signals import StoppedBeforeStart, stop_before_start
+    from shardwise.train.launch.spawn import spawn_job
 
     overrides = list(set_ or []) + ([f"checkpointing.resume={resume}"] if resume else [])
     overrides += ["checkpointing.overwrite=true"] if overwrite else []
@@ -93,8 +93,8 @@ def train_cmd(
         return
     owner = lock is not None
     try:
-        from shardwise.train.metrics import run_ended, run_started
-        from shardwise.train.signals import hold_at_start
+        from shardwise.train.launch.signals import hold_at_start
+        from shardwise.train.observe.metrics import run_ended, run_started
 
         out = cfg.checkpointing.output_dir
         if launched is None and world > 1:
@@ -105,8 +105,8 @@ def train_cmd(
             # CPU ranks share the cores: one intra-op pool per rank that does not oversubscribe.
             threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else None
             target = None
-            if fork is not None:  # forked ranks (shardwise.train.rank_fork): they get their thread counts back
-                from shardwise.train import rank_fork
+            if fork is not None:  # forked ranks (shardwise.train.launch.fork): they get their thread counts back
+                from shardwise.train.launch import fork as rank_fork
 
                 extra |= {name: value for name, value in fork.items() if name != "OMP_NUM_THREADS"}
                 os.environ["DS_ACCELERATOR"] = extra["DS_ACCELERATOR"]  # CPU ranks; read as deepspeed loads
@@ -148,9 +148,9 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
     (shardwise's launcher, the in-process rank, torchrun's rank 0), else None, and, where this
     launcher will fork its ranks, the thread variables' values to give them back, else None)."""
     from shardwise.config.load import load_config
+    from shardwise.train.checkpoint.resume_checks import resolve_checkpoint
+    from shardwise.train.launch.fork import launch_device
     from shardwise.train.preflight import preflight
-    from shardwise.train.preflight_resume import resolve_checkpoint
-    from shardwise.train.rank_fork import launch_device
 
     cfg = load_config(config, overrides)
     world = int(launched["world_size"]) if launched else (nproc if nproc is not None else cfg.run.nproc)
@@ -170,7 +170,7 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
 
 
 def _run_dir(cfg) -> Path:
-    """Where ranks keep their heartbeats (shardwise.train.watchdog) for the launcher to read."""
+    """Where ranks keep their heartbeats (shardwise.train.launch.watchdog) for the launcher to read."""
     return Path(cfg.checkpointing.output_dir) / ".shardwise"
 
 
@@ -186,8 +186,8 @@ def _check_fresh(cfg) -> None:
 def _own_output_dir(cfg, resume_dir: Path | None):
     """Lock the output dir for this run, clear what killed runs left behind (and, for a fresh
     run, the earlier run's logs, or with --overwrite all its outputs), and record this run's
-    lineage (shardwise.train.lineage) for its ranks: all before any rank starts."""
-    from shardwise.train.lineage import RUN_ID_ENV, start_lineage, write_lineage
+    lineage (shardwise.train.checkpoint.lineage) for its ranks: all before any rank starts."""
+    from shardwise.train.checkpoint.lineage import RUN_ID_ENV, start_lineage, write_lineage
     from shardwise.train.outputs import OutputLock, clean_stale_outputs, clear_earlier_run
 
     cp = cfg.checkpointing
@@ -222,12 +222,12 @@ def _preload(run) -> None:
     import torch
     import torch.distributed  # noqa: F401
 
-    import shardwise.train.export
+    import shardwise.train.export.hf_dir
+    import shardwise.train.launch.watchdog
     import shardwise.train.loop
-    import shardwise.train.metrics
-    import shardwise.train.watchdog
+    import shardwise.train.observe.metrics
     from shardwise.train.engines import engine_class
-    from shardwise.train.hf import causal_lm_class, run_model_type
+    from shardwise.train.model.hf import causal_lm_class, run_model_type
 
     for name in getattr(engine_class(run), "libraries", ()):  # what the engine imports as it starts
         importlib.import_module(name)
@@ -235,7 +235,7 @@ def _preload(run) -> None:
     if run.config.lora is not None:
         import peft  # noqa: F401
 
-        import shardwise.train.lora  # noqa: F401
+        import shardwise.train.model.lora  # noqa: F401
 
 
 def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
@@ -246,11 +246,11 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 
     from shardwise.errors import ExitCode, NonFiniteError, OutOfSpaceError
     from shardwise.plan.flops import run_flops_per_token
-    from shardwise.train.launch import detect_env, init_distributed
+    from shardwise.train.launch.rank import detect_env, init_distributed
+    from shardwise.train.launch.signals import StopRequest
+    from shardwise.train.launch.watchdog import Watchdog
     from shardwise.train.loop import Interrupted, train
-    from shardwise.train.metrics import Metrics
-    from shardwise.train.signals import StopRequest
-    from shardwise.train.watchdog import Watchdog
+    from shardwise.train.observe.metrics import Metrics
 
     cfg, device = run.config, run.device
     if device == "cpu" and "OMP_NUM_THREADS" in os.environ:
@@ -260,12 +260,12 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 
     # transformers' own bars ("Loading weights", downloads): rank 0's on a terminal only
     library_bars(int(found["rank"]) == 0 and resolve_mode(cfg.logging.progress) == "bar")
-    from shardwise.train.hf import causal_lm_class, run_model_type
+    from shardwise.train.model.hf import causal_lm_class, run_model_type
 
     # transformers' modeling code for this model (seconds of imports) before the watchdog starts:
     # run.timeout_s bounds a rank that stalls, not a rank's start-up
     causal_lm_class(run_model_type(run))
-    from shardwise.train.signals import hold_at_start, share
+    from shardwise.train.launch.signals import hold_at_start, share
 
     hold_at_start()  # (a forked rank's stop signals are blocked from the fork until here)
     share(_run_dir(cfg), int(found["rank"]), int(found["world_size"]))  # a stop signal's name reaches rank 0
@@ -297,7 +297,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
                            resume=resume_dir, stop=stop, watchdog=watchdog, lineage=_lineage(cfg, env))  # fmt: skip
             extra["checkpoint"] = str(result.checkpoint) if result.checkpoint else None
             if env.is_main and result.final is not None:  # streamed from disk, one shard at a time
-                from shardwise.train.export import export_dir, export_final
+                from shardwise.train.export.hf_dir import export_dir, export_final
 
                 watchdog.phase("export write", cfg.run.steps)
                 try:
@@ -333,7 +333,7 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
 def _lineage(cfg, env):
     """The lineage the launcher recorded for this run (rank 0 writes the manifests); None lets
     the loop start one (a rank whose launcher is not shardwise's: torchrun, srun)."""
-    from shardwise.train.lineage import RUN_ID_ENV, read_lineage
+    from shardwise.train.checkpoint.lineage import RUN_ID_ENV, read_lineage
 
     if not env.is_main:
         return None
@@ -342,7 +342,7 @@ def _lineage(cfg, env):
 
 
 def main() -> None:
-    from shardwise.train.launch import run_cli
+    from shardwise.train.launch.rank import run_cli
 
     run_cli(app)
 

@@ -47,8 +47,8 @@ def planned_cpu(run: RunSpec):
     """The planner's host memory of one rank of this CPU run (shardwise.plan.host_cpu), its load
     phase read off the checkpoint's own files."""
     from shardwise.plan.host_cpu import cpu_rank_memory
-    from shardwise.train.rank_fork import exec_forced
-    from shardwise.train.weights import run_weights
+    from shardwise.train.launch.fork import exec_forced
+    from shardwise.train.model.weights import run_weights
 
     return cpu_rank_memory(run.model, run.hardware, run.train, run.strategy, *run_weights(run),
                            forked=False if exec_forced() else None)
@@ -88,7 +88,7 @@ def _cpu_shortfall(run: RunSpec, available: float) -> str | None:
 
 def _cuda_shortfall(run: RunSpec, available: float) -> str | None:
     from shardwise.plan.evaluate import memory_as_run
-    from shardwise.train.weights import planned_load
+    from shardwise.train.model.weights import planned_load
 
     load = planned_load(run)
     offload = memory_as_run(run.model, run.hardware, run.train, run.strategy).host.total

@@ -13,7 +13,7 @@ the final weights and `teardown()`.
    vote, a timed-save vote, a timed-log vote] starts;
 4. `step()` (the engine clips, skips the update where the grad norm is not finite, updates; the
    global grad norm stays on the device) and `zero_grad()`, while that all-reduce completes;
-5. the step's record, pending until a flush (shardwise.train.step_log).
+5. the step's record, pending until a flush (shardwise.train.observe.step_log).
 
 `after_step(s, step)`, after every step, the last included: wait for that all-reduce, then,
 where due and in this order: flush the pending records (loss = all-reduced loss sum / global
@@ -39,13 +39,13 @@ from shardwise.run import RunSpec
 from shardwise.train.data import Prefetcher, PreparedStep
 from shardwise.train.engines import build_engine
 from shardwise.train.engines.base import DistEnv, Engine
-from shardwise.train.host_alloc import large_allocations_returned
-from shardwise.train.model import build_model
+from shardwise.train.launch.host_alloc import large_allocations_returned
+from shardwise.train.model.build import build_model
+from shardwise.train.observe.step_log import Guard, StepLog, StepRecord
 from shardwise.train.schedule import build_schedule
-from shardwise.train.step_log import Guard, StepLog, StepRecord
 
 if TYPE_CHECKING:
-    from shardwise.train.final_weights import FinalWeights
+    from shardwise.train.export.final_weights import FinalWeights
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Interrupted(Exception):
     message names the signal received, on whichever rank it was (signals.describe)."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None, note: str = ""):
-        from shardwise.train.signals import describe
+        from shardwise.train.launch.signals import describe
 
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (checkpointing.save_on_interrupt off)"
@@ -157,15 +157,15 @@ def train(
     every StepRecord (rank 0 writes it). With `export_weights`, rank 0 gets the final
     consolidated weights in memory (a collective: every rank must ask); with `final_export`, every
     rank gets `result.final`, a DCP directory holding them (the last step's checkpoint, or staged:
-    shardwise.train.final_weights) for rank 0's streamed export. `resume`: a verified checkpoint
-    directory to continue from. `stop`: a StopRequest (shardwise.train.signals) whose request
+    shardwise.train.export.final_weights) for rank 0's streamed export. `resume`: a verified checkpoint
+    directory to continue from. `stop`: a StopRequest (shardwise.train.launch.signals) whose request
     on any rank ends the run at the next step boundary with a checkpoint (raises Interrupted).
-    `watchdog` is told each phase (shardwise.train.watchdog). `lineage`: the run's
-    (shardwise.train.lineage); by default rank 0 starts one from `resume` and records it in the
+    `watchdog` is told each phase (shardwise.train.launch.watchdog). `lineage`: the run's
+    (shardwise.train.checkpoint.lineage); by default rank 0 starts one from `resume` and records it in the
     output dir, so pruning and `--resume latest` never cross runs. The caller closes `metrics`
     (with the run's final status, after any export).
 
-    Host memory: the run holds glibc's mmap threshold at 1 MiB (shardwise.train.host_alloc),
+    Host memory: the run holds glibc's mmap threshold at 1 MiB (shardwise.train.launch.host_alloc),
     so tensors freed and gathered again per layer or step return to the system and never leave
     holes in the heap.
     """
@@ -233,7 +233,7 @@ def setup(run: RunSpec, env: DistEnv, *, steps: Iterator[list[dict[str, torch.Te
     and its engine, the checkpoint to resume loaded into it, the data, the validation batches, the
     lr schedule, the metrics' start, the non-finite guard, the host-side group, the step log and
     the prefetch thread. Collective (the engine, the checkpoint load, the group)."""
-    from shardwise.train import checkpoint as ckpt
+    from shardwise.train.checkpoint import sharded as ckpt
 
     cfg = run.config
     cp = cfg.checkpointing
@@ -255,7 +255,7 @@ def setup(run: RunSpec, env: DistEnv, *, steps: Iterator[list[dict[str, torch.Te
     phase = watchdog.phase if watchdog is not None else (lambda name, step: None)
     start, train_time = 0, 0.0
     if lineage is None and env.is_main:  # only rank 0 writes manifests and prunes
-        from shardwise.train.lineage import start_lineage, write_lineage
+        from shardwise.train.checkpoint.lineage import start_lineage, write_lineage
 
         lineage = start_lineage(cp.output_dir, resume)
         write_lineage(cp.output_dir, lineage)
@@ -460,7 +460,7 @@ def _evaluate(s: LoopState, step: int) -> EvalRecord:
 def _save(s: LoopState, step: int) -> Path:
     """A checkpoint of the state after step `step` (collective); with save_best, rank 0 records it
     as the best when its evaluation was."""
-    from shardwise.train import checkpoint as ckpt
+    from shardwise.train.checkpoint import sharded as ckpt
 
     cfg = s.run.config
     cp = cfg.checkpointing
@@ -486,7 +486,7 @@ def _final_weights(s: LoopState, export_weights: bool, final_export: bool) -> No
         s.phase("export gather", s.total)
         s.result.final_weights = s.engine.consolidated_state_dict()  # export refuses non-finite ones
     if final_export:
-        from shardwise.train.final_weights import final_weights
+        from shardwise.train.export.final_weights import final_weights
 
         s.phase("export staging", s.total)
         out = s.run.config.checkpointing.output_dir

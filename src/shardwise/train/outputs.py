@@ -27,8 +27,8 @@ from pathlib import Path
 from shardwise import strict_json
 from shardwise.errors import ShardwiseError
 from shardwise.specs.hardware import GIB
-from shardwise.train.checkpoint_dir import checkpoints_dir, step_dirs
-from shardwise.train.lineage import lineage_path
+from shardwise.train.checkpoint.directory import checkpoints_dir, step_dirs
+from shardwise.train.checkpoint.lineage import lineage_path
 
 LOCK_NAME = ".shardwise.lock"
 TMP_PREFIX = ".tmp-"

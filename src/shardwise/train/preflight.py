@@ -5,7 +5,7 @@ The checks are ordered cheap first (torch is imported only to ask about CUDA for
 so a bad config fails in a second with one message instead of N ranks each printing a
 traceback; the one expensive step, tokenising the data once into the cache every rank loads,
 comes last. The resume checks (the checkpoint `checkpointing.resume` names, against this config)
-are shardwise.train.preflight_resume's.
+are shardwise.train.checkpoint.resume_checks's.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from shardwise.numfmt import rate
 from shardwise.run import RunSpec, run_spec, train_spec
 from shardwise.specs import Strategy
 from shardwise.specs.hardware import GIB
-from shardwise.train.lora import check_qlora
-from shardwise.train.model import attention_note, check_model_source
-from shardwise.train.trackers import check_installed
+from shardwise.train.model.build import attention_note, check_model_source
+from shardwise.train.model.lora import check_qlora
+from shardwise.train.observe.trackers import check_installed
 
 
 def check_launch(world_size: int, device: str, source: str = "<config>") -> None:
@@ -77,12 +77,12 @@ def _local_ranks(world_size: int) -> int:
 def check_weights(cfg: TrainConfig) -> None:
     """The weights files of a local `model.path` (not `random_init`) opened as rank 0 opens them:
     safetensors headers checked, `.bin` archives checked and read through torch's weights_only
-    allow-list with their tensors mapped, not read (shardwise.train.weights_read.check_files).
+    allow-list with their tensors mapped, not read (shardwise.train.model.weights_read.check_files).
     A bad file is refused here, naming it, instead of inside rank 0 after every rank started."""
     m = cfg.model
     if m.path is None or m.random_init:
         return
-    from shardwise.train.weights_read import check_files
+    from shardwise.train.model.weights_read import check_files
 
     try:
         check_files(m.path)
@@ -307,7 +307,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     note = attention_note(run)  # refuses an SDPA request the architecture cannot run
     if note:
         print(f"shardwise: {note}")
-    from shardwise.train.loss_support import check_run
+    from shardwise.train.model.loss_support import check_run
 
     check_run(run)  # refuses the chunked cross-entropy where the model changes its logits
     memory = check_memory(run, force)
@@ -350,7 +350,7 @@ def output_bytes(run: RunSpec, existing_checkpoints: int = 0) -> tuple[int, str]
         if cfg.lora is not None and cfg.lora.save_merged:
             export += 4 * run.model.params
         # no checkpoint of the last step to export from: the fp32 weights are staged beside the
-        # checkpoints for the export, then removed (shardwise.train.final_weights)
+        # checkpoints for the export, then removed (shardwise.train.export.final_weights)
         last_saved = cp.save_every_steps is not None or cp.save_every_minutes is not None or (
             cp.save_best is not None and cfg.run.eval_every_steps is not None)
         staged = 0 if last_saved else 4 * trained
@@ -365,8 +365,8 @@ def _lineage_checkpoints(cfg: TrainConfig) -> int:
     """Checkpoints a `--resume latest` run continues next to (they are on disk already)."""
     if cfg.checkpointing.resume != "latest":
         return 0
-    from shardwise.train.checkpoint_dir import checkpoints_dir, published
-    from shardwise.train.lineage import read_lineage
+    from shardwise.train.checkpoint.directory import checkpoints_dir, published
+    from shardwise.train.checkpoint.lineage import read_lineage
 
     lin = read_lineage(cfg.checkpointing.output_dir)
     root = checkpoints_dir(cfg.checkpointing.output_dir)

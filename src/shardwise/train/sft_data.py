@@ -117,7 +117,7 @@ def build_sft_split(run: RunSpec, split: str) -> tuple[Any, Any]:
         collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8, mask_dtype=compute_dtype(run))
     else:
         # Padding-free [1, T]: the documents' boundaries from position_ids / cu_seq_lens, no mask
-        # (shardwise.train.packed_attention); the same target tokens, so the same loss.
+        # (shardwise.train.model.packed_attention); the same target tokens, so the same loss.
         collate = SFTCollator(tok.pad_token_id, mask="varlen")
     return ds, collate
 

@@ -67,7 +67,7 @@ if args.nan_then_sigterm is not None:
     loop.build_engine = build
 
 if args.fill_before_export is not None:
-    import shardwise.train.export as export
+    import shardwise.train.export.hf_dir as export
 
     real_export, disk = export.export_final, args.fill_before_export
 

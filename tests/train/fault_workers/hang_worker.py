@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.train.launch import init_distributed
-from shardwise.train.watchdog import Watchdog
+from shardwise.train.launch.rank import init_distributed
+from shardwise.train.launch.watchdog import Watchdog
 
 p = argparse.ArgumentParser()
 p.add_argument("--run-dir", type=Path, required=True)

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from shardwise.train.spawn import spawn_job
+from shardwise.train.launch.spawn import spawn_job
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", type=Path, required=True)

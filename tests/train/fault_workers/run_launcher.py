@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwise.train.spawn import spawn
+from shardwise.train.launch.spawn import spawn
 
 p = argparse.ArgumentParser()
 p.add_argument("--nproc", type=int, default=2)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise.train.checkpoint import TrainerState, save_checkpoint
-from shardwise.train.launch import init_distributed
+from shardwise.train.checkpoint.sharded import TrainerState, save_checkpoint
+from shardwise.train.launch.rank import init_distributed
 
 
 class Stand:

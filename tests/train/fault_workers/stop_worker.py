@@ -34,7 +34,7 @@ write(f"hup-{rank}", hup)
 write(f"pid-{rank}", str(os.getpid()))
 time.sleep(args.start_s)  # "start-up": a signal now is fatal unless something holds it
 
-from shardwise.train.signals import StopRequest  # noqa: E402
+from shardwise.train.launch.signals import StopRequest  # noqa: E402
 
 with StopRequest() as stop:
     deadline = time.monotonic() + args.live_s

@@ -29,7 +29,7 @@ def engine_class(run: RunSpec) -> type[Engine]:
 
 def build_engine(model, run: RunSpec, env: DistEnv, *, mesh: Any = None) -> Engine:
     """Wrap `model` (fp32, on CPU) as `run` says. `mesh`: a device mesh built beforehand by
-    `shardwise.train.parallel.build_mesh(run.layout, ...)` (FSDP2 builds it itself otherwise)."""
+    `shardwise.train.engines.mesh.build_mesh(run.layout, ...)` (FSDP2 builds it itself otherwise)."""
     if env.world_size != run.world_size:
         raise ValueError(f"the run was planned for {run.world_size} ranks but {env.world_size} joined")
     cls = engine_class(run)

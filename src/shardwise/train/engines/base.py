@@ -101,11 +101,11 @@ class Engine(Protocol):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full, unsharded model weights on CPU on rank 0 (None elsewhere): a snapshot, for tests and
         in-process callers (`train(export_weights=True)`); `shardwise train`'s export streams from
-        disk instead (shardwise.train.final_weights). Collective."""
+        disk instead (shardwise.train.export.final_weights). Collective."""
         ...
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The canonical training state (shardwise.train.checkpoint): tensors named
+        """The canonical training state (shardwise.train.checkpoint.sharded): tensors named
         `model.<fqn>`, `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>` (fp32 master values,
         DTensors where the engine shards them; a rank may hold a subset), plus JSON-safe
         extras (`optimizer_step`, `scaler`). Collective."""
@@ -123,7 +123,7 @@ class Engine(Protocol):
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropies over target positions, in fp32: the standard
-    implementation (`loss.implementation: standard`; the chunked default is shardwise.train.loss,
+    implementation (`loss.implementation: standard`; the chunked default is shardwise.train.model.loss,
     same contract, held to this one by tests/train/test_chunked_ce.py).
 
     `labels` are not pre-shifted (the collator's contract): position t predicts labels[t+1].
@@ -146,7 +146,7 @@ def forward_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch:
     `forward` is what the engine calls (its wrapper: DDP, DeepSpeedEngine, the FSDP2 root), so
     the engine's hooks fire as for any forward; `model` is the unwrapped HF CausalLM. By
     `train.cross_entropy` (the run's `loss.implementation`, as planned):
-    - chunked: the model's LossHead (in lm_head's place, shardwise.train.loss) computes the loss
+    - chunked: the model's LossHead (in lm_head's place, shardwise.train.model.loss) computes the loss
       chunk by chunk from the hidden states inside the model call: no [tokens, vocab] fp32 logits;
     - standard: the model returns the logits, `token_loss_sum` upcasts them whole.
     `amp` (DDP's autocast) wraps the model call only, as before. One function per engine call:
@@ -155,7 +155,7 @@ def forward_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch:
     inputs = model_inputs(batch, device)
     with amp if amp is not None else contextlib.nullcontext():
         if train.cross_entropy == "chunked":
-            from shardwise.train.loss import computing
+            from shardwise.train.model.loss import computing
 
             with computing(model, labels, train.ce_chunk):
                 return forward(**inputs).logits

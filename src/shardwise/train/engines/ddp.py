@@ -24,7 +24,7 @@ class DDPEngine(TorchOptimizerEngine):
 
     def __init__(self, model: torch.nn.Module, run: RunSpec, env: DistEnv):
         self.run, self.env = run, env
-        from shardwise.train.weights import materialize
+        from shardwise.train.model.weights import materialize
 
         materialize(model, env.torch_device)  # a checkpoint read straight to the device (meta-built model)
         self.module = model.to(env.torch_device)

@@ -88,7 +88,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.run, self.env, self.stage = run, env, run.strategy.zero_stage or 0
-        from shardwise.train.weights import materialize
+        from shardwise.train.model.weights import materialize
 
         materialize(model, env.torch_device)  # ZeRO-0/1/2 from a meta build: a replica per rank
         self.config = deepspeed_config(run)

@@ -6,7 +6,7 @@
 - grad-op: reshard_after_forward=False (params stay gathered between forward and backward,
   like ZeRO-2's memory for params during the step; gradients still reduce-scattered).
 - hybrid: a 2-D (replicate, shard) mesh: shard inside a group, replicate across groups.
-The mesh comes from the run's ParallelLayout (shardwise.train.parallel), the knobs from its
+The mesh comes from the run's ParallelLayout (shardwise.train.engines.mesh), the knobs from its
 Strategy: what the preflight planned. Gradients are reduce-scattered with averaging over the
 data-parallel ranks (FSDP2 default), which is what the loop's `loss_scale` assumes.
 """
@@ -30,9 +30,9 @@ from shardwise.train.engines._torch_common import (
     grad_scaler,
 )
 from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
-from shardwise.train.hf import decoder_layers
-from shardwise.train.parallel import build_mesh, data_parallel_mesh
-from shardwise.train.weights import materialize
+from shardwise.train.engines.mesh import build_mesh, data_parallel_mesh
+from shardwise.train.model.hf import decoder_layers
+from shardwise.train.model.weights import materialize
 
 
 def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.device) -> torch.nn.Module:
@@ -51,7 +51,7 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
     elif next(model.parameters()).device not in (device, torch.device("meta")):
         model = model.to(device)  # a meta model is allocated after sharding (weights.materialize)
     if run.layout.tp > 1:  # TP first, then FSDP2 over dp_shard (torchtitan's order): 2-D DTensors
-        from shardwise.train.tensor_parallel import parallelize, tp_mesh_of
+        from shardwise.train.model.tensor_parallel import parallelize, tp_mesh_of
 
         parallelize(model, tp_mesh_of(mesh))
         if run.layout.dp == 1:  # TP alone: no data-parallel group to shard over
@@ -108,7 +108,7 @@ class FSDP2Engine(TorchOptimizerEngine):
     def _loss_parallel(self):
         # TP with the standard loss: the logits stay a vocabulary shard (Shard(-1)); torch's
         # loss_parallel computes F.cross_entropy on it, forward and backward inside the context.
-        # (The chunked loss is vocab-parallel itself: shardwise.train.loss.)
+        # (The chunked loss is vocab-parallel itself: shardwise.train.model.loss.)
         if self.run.layout.tp > 1 and self.run.train.cross_entropy == "standard":
             from torch.distributed.tensor.parallel import loss_parallel
 

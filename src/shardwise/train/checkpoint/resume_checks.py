@@ -1,0 +1,127 @@
+"""The resume checks, run once before any rank starts (after shardwise.train.preflight's launch,
+data and memory checks): which checkpoint `checkpointing.resume` names, its manifest verified,
+and that it belongs to this config: the same model, tensor for tensor and shape for shape, the
+same LoRA adapters on the same base, a step not past `run.steps`. Refused here with one message
+naming the field, instead of as a shape error in every rank's load (the checkpoint's format:
+shardwise.train.checkpoint.sharded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.config.schema import TrainConfig
+from shardwise.errors import ShardwiseError
+from shardwise.run import RunSpec
+
+
+def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = True) -> Path | None:
+    """The checkpoint to resume from: `checkpointing.resume` resolved and its manifest verified
+    (sizes, and sha256 when `verify_hashes`) before any rank starts. None: start fresh."""
+    cp = cfg.checkpointing
+    if cp.resume is None:  # a fresh run: the launcher needs no torch (seconds of start-up)
+        return None
+    from shardwise.train.checkpoint.sharded import resolve_resume
+
+    resume = resolve_resume(cp.resume, cp.output_dir, verify_hashes=verify_hashes)
+    if cp.resume == "latest" and resume is None:
+        print(f"shardwise: --resume latest: no checkpoint under {cp.output_dir}/checkpoints yet; starting at step 0")
+    if resume is not None:
+        check_resumable(cfg, run, resume)
+    return resume
+
+
+def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
+    """Refuse a checkpoint of another model (its tensors would not fit this one) and say what a
+    changed global batch means; engine, world size and precision may change freely."""
+    from shardwise.train.checkpoint.directory import read_manifest_json
+
+    manifest = read_manifest_json(checkpoint)
+    saved = manifest["config"]
+    check_saved_config(saved, checkpoint)
+    old_model = {k: (saved.get("model") or {}).get(k) for k in ("name", "path")}
+    new_model = {"name": cfg.model.name, "path": cfg.model.path}
+    if (old_model["path"] or old_model["name"]) != (new_model["path"] or new_model["name"]):
+        raise ShardwiseError(
+            f"{cfg.source}: model {new_model['path'] or new_model['name']!r} cannot resume {checkpoint}, which "
+            f"holds {old_model['path'] or old_model['name']!r}; use the checkpoint's model or another output_dir"
+        )
+    check_same_adapters(cfg, saved, checkpoint)
+    check_same_shapes(cfg, run, checkpoint)
+    if manifest["step"] > cfg.run.steps:
+        raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
+                             f"{manifest['step']}; raise run.steps to train on")
+    r = saved.get("run") or {}
+    old_tp = int((saved.get("strategy") or {}).get("tp", 1) or 1)
+    old_batch = r.get("micro_batch", 0) * r.get("grad_accum", 0) * (manifest.get("world_size", 0) // old_tp)
+    new_batch = cfg.run.micro_batch * cfg.run.grad_accum * run.layout.dp
+    if old_batch != new_batch:
+        print(f"shardwise: resuming {checkpoint} with a global batch of {new_batch} sequences (it was trained with "
+              f"{old_batch}): the data continues from the same sample, the curve is not the uninterrupted one")
+
+
+def check_same_shapes(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
+    """The checkpoint's tensors (`model.<name>`, from its index alone) are the ones the config
+    builds, name for name and shape for shape: a `model.path` whose config.json changed since
+    the save (another width, depth or vocabulary) is refused here, naming the first tensor that
+    differs, instead of failing in every rank's load."""
+    from shardwise.train.checkpoint.sharded import tensor_shapes
+    from shardwise.train.model.build import trainable_shapes
+
+    saved = {k.removeprefix("model."): s for k, (s, _) in tensor_shapes(checkpoint).items() if k.startswith("model.")}
+    built = trainable_shapes(run)
+    model = f"model.path {cfg.model.path!r}" if cfg.model.path else f"model.name {cfg.model.name!r}"
+    fix = "resume with the model it was trained with, or start a fresh run in another checkpointing.output_dir"
+    for name, shape in built.items():
+        if name not in saved:
+            raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: the model has tensor {name!r} "
+                                 f"{list(shape)}, which the checkpoint does not hold ({len(saved)} tensors, the "
+                                 f"model {len(built)}); {fix}")
+        if tuple(saved[name]) != shape:
+            raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: tensor {name!r} is "
+                                 f"{list(shape)} in the model this config builds but {list(saved[name])} in the "
+                                 f"checkpoint (the model's shape changed since it was saved); {fix}")
+    extra = [k for k in saved if k not in built]
+    if extra:
+        raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: the checkpoint holds tensor "
+                             f"{extra[0]!r} {list(saved[extra[0]])}, which the model does not have ({len(extra)} "
+                             f"such); {fix}")
+
+
+def check_saved_config(saved: dict, checkpoint: Path) -> None:
+    """The manifest's config, as far as resuming reads it: sections are objects and the counts
+    are integers (a manifest is no signature: `"micro_batch": "x" * ...` must not reach arithmetic)."""
+    where = f"{checkpoint / 'manifest.json'}: field 'config"
+    for name in ("model", "run", "strategy", "lora"):
+        if saved.get(name) is not None and not isinstance(saved[name], dict):
+            raise ShardwiseError(f"{where}.{name}': expected an object, got {type(saved[name]).__name__}")
+    for section, key in (("run", "micro_batch"), ("run", "grad_accum"), ("run", "seed"), ("strategy", "tp")):
+        v = (saved.get(section) or {}).get(key)
+        if v is not None and type(v) is not int:
+            raise ShardwiseError(f"{where}.{section}.{key}': expected an integer, got {v!r}")
+    for key in ("name", "path"):
+        v = (saved.get("model") or {}).get(key)
+        if v is not None and not isinstance(v, str):
+            raise ShardwiseError(f"{where}.model.{key}': expected a string, got {v!r}")
+
+
+def check_same_adapters(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None:
+    """A LoRA checkpoint holds adapters only: it resumes a run with the same adapters on the same
+    base. Refuse full ↔ LoRA, another rank/targets/modules_to_save, and (for a base built from the
+    seeded random init rather than weights on disk) another run.seed."""
+    old, new = saved.get("lora"), cfg.lora.model_dump(mode="json") if cfg.lora is not None else None
+    if (old is None) != (new is None):
+        held = "LoRA adapters only" if old is not None else "a full fine-tuning state"
+        raise ShardwiseError(f"{cfg.source}: lora is {'set' if new else 'not set'}, but {checkpoint} holds {held}; "
+                             "resume it with the same lora section it was trained with")
+    if old is None:
+        return
+    shape = ("rank", "target_modules", "modules_to_save", "quantization")
+    diff = [k for k in shape if old.get(k) != new[k]]
+    if diff:
+        raise ShardwiseError(f"{cfg.source}: lora.{diff[0]} = {new[diff[0]]!r}, but {checkpoint} was trained with "
+                             f"{old.get(diff[0])!r}; its adapters fit only that shape")
+    random_base = cfg.model.path is None or cfg.model.random_init
+    old_seed = (saved.get("run") or {}).get("seed")
+    if random_base and old_seed != cfg.run.seed:
+        raise ShardwiseError(f"{cfg.source}: run.seed = {cfg.run.seed}, but {checkpoint} trained adapters on the "
+                             f"base built from seed {old_seed} (random init); resume with run.seed: {old_seed}")
