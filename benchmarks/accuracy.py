@@ -17,8 +17,8 @@ Bands: memory ±10%, tokens/s ±20%. Tokens/s is reported in-sample (today's con
 with every source among the data) and held out (each source planned by a time model fitted
 without it: leave-one-source-out, from benchmarks/results/timing_fit.json, which
 benchmarks/fit_timing.py writes; run it first). Nothing is asserted here
-(tests/test_published_runs.py checks the schema and that every run evaluates,
-tests/test_accuracy_doc.py the held-out bands and that these files are fresh); the numbers go
+(tests/accuracy/test_published_runs.py checks the schema and that every run evaluates,
+tests/accuracy/test_accuracy_doc.py the held-out bands and that these files are fresh); the numbers go
 to benchmarks/results/accuracy_published.{json,md}.
 
     python benchmarks/accuracy.py            # writes both result files, prints the summary

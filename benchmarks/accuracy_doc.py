@@ -4,7 +4,7 @@ Every table between `<!-- BEGIN GENERATED: name -->` and `<!-- END GENERATED: na
 docs/accuracy.md is rendered here from benchmarks/results/timing_fit.json (fit_timing.py),
 h200_cases.json (h200_cases.py), accuracy_published.json (accuracy.py) and
 src/shardwise/catalog/timing.yaml; the prose around them is hand-written and quotes no figure
-these tables do not show. tests/test_accuracy_doc.py regenerates the result files and this
+these tables do not show. tests/accuracy/test_accuracy_doc.py regenerates the result files and this
 doc and fails when a committed one differs.
 
     python benchmarks/accuracy_doc.py           # rewrite docs/accuracy.md's generated tables
@@ -27,7 +27,7 @@ TIMING_YAML = HERE.parent / "src" / "shardwise" / "catalog" / "timing.yaml"
 H200_SOURCE = "shardwise-h200"
 LOO_BAND = 0.25  # the issue's held-out band for every H200 case
 TPS_BAND = 0.20  # published runs
-DEVICE_BAND = 0.15  # the H200 device total against nvidia-smi (tests/test_h200_cases.py)
+DEVICE_BAND = 0.15  # the H200 device total against nvidia-smi (tests/accuracy/test_h200_cases.py)
 BLOCK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n).*?(<!-- END GENERATED: (?P=name) -->)", re.S)
 
 
@@ -160,7 +160,7 @@ def render_constants() -> str:
 
 
 def readme_claims(fit: dict, published: dict | None = None) -> list[str]:
-    """The held-out and in-sample counts the README quotes (tests/test_accuracy_doc.py checks
+    """The held-out and in-sample counts the README quotes (tests/accuracy/test_accuracy_doc.py checks
     that README.md says them)."""
     s = summary(fit)
     h, p = s["h200"], s["published"]

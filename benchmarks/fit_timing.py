@@ -23,7 +23,7 @@ tokens/s by more than INFORM (2%). Then, on a set of training cases:
 Held out by construction: leave-one-out (LOO) refits without each H200 case, leave-one-source-
 out (LOSO) without each source, and each held-out case is planned with constants that never saw
 it. `--write` puts the all-cases fit into catalog/timing.yaml; the default run writes
-benchmarks/results/timing_fit.json (tests/test_accuracy_doc.py regenerates it and fails when
+benchmarks/results/timing_fit.json (tests/accuracy/test_accuracy_doc.py regenerates it and fails when
 the committed file differs).
 
     python benchmarks/fit_timing.py            # fit, LOO, LOSO -> benchmarks/results/timing_fit.json

@@ -9,7 +9,7 @@ constants, which were fitted or measured with these cases among the data) and he
 planned by a fit without it: leave-one-out, read from benchmarks/results/timing_fit.json, which
 `benchmarks/fit_timing.py` writes; run it first).
 
-tests/test_h200_cases.py asserts the bands (allocated ±5%, tokens/s in-sample ±20% — labelled
+tests/accuracy/test_h200_cases.py asserts the bands (allocated ±5%, tokens/s in-sample ±20% — labelled
 in-sample — and held out within ±25% on the cases docs/accuracy.md does not name, fits).
 """
 

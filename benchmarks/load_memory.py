@@ -4,7 +4,7 @@ Builds (once, cached) random bf16 Llama checkpoints in 500 MB safetensors shards
 (tests/train/big_checkpoint.py), runs tests/train/load_rss_worker.py per case in a fresh pair of
 ranks (VmHWM: a process's own lifetime peak) and writes benchmarks/results/load_memory.json;
 `--table` prints the markdown table docs/training.md quotes from that file
-(tests/test_load_memory_doc.py keeps the two equal). The same measurement is asserted, within
+(tests/accuracy/test_load_memory_doc.py keeps the two equal). The same measurement is asserted, within
 25% of the plan, by tests/train/test_load_memory.py.
 
     python benchmarks/load_memory.py [--cache DIR] [--table]

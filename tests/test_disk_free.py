@@ -52,7 +52,7 @@ def test_the_issues_7b_preflight_is_refused_at_20_gib_and_passes_when_a_test_ask
     run = run_spec(cfg, 8, "cuda", environ={})
     with pytest.raises(ShardwiseError, match=r"checkpointing.output_dir: .* has 20.00 GiB free; this run needs"):
         check_output_space(run)
-    disk_free(1 << 50)  # what tests/test_run_bridge.py and test_train_config.py now ask for
+    disk_free(1 << 50)  # what tests/run/test_run_bridge.py and test_train_config.py now ask for
     check_output_space(run)
 
 

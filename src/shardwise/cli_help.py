@@ -6,7 +6,7 @@ with a `<bool>` value it does not take. Click's formatter never cuts a name: a n
 its column puts the help on the next line, and only the help text is wrapped (to the terminal
 width, COLUMNS when piped, at most 120 columns so prose stays readable). Flags show as flags
 (`--force`, `--packing / --no-packing`). Every `typer.Typer(...)` of the project passes
-`**HELP`; tests/test_help_and_tables.py checks every command at 80 columns.
+`**HELP`; tests/cli/test_help_and_tables.py checks every command at 80 columns.
 """
 
 from __future__ import annotations

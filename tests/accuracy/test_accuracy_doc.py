@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from bench_scripts import load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))

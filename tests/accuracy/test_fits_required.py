@@ -15,7 +15,7 @@ from shardwise import catalog
 from shardwise.plan.memory import plan_memory
 from shardwise.specs import Strategy, TrainSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 
 

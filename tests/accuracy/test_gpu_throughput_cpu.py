@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.distributed
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def test_every_case_runs_and_learns_on_cpu(tmp_path):

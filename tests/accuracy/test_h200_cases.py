@@ -25,7 +25,7 @@ def test_allocated_peak_within_5_percent(name):
 def test_tokens_per_s_in_sample_within_20_percent(name):
     """IN-SAMPLE: these 11 cases are among the data the time model's constants were fitted or
     measured on (catalog/timing.yaml), so this band guards the fit, not accuracy; the held-out
-    (leave-one-out, ±25%) band is tests/test_accuracy_doc.py's. The fit weighs every source
+    (leave-one-out, ±25%) band is tests/accuracy/test_accuracy_doc.py's. The fit weighs every source
     alike, so the H200 runs are not fitted alone (llama2-7b-fsdp-ac sits at about -17%)."""
     row = h200.compare(CASES[name])
     assert abs(row["tokens_per_s"]["rel_err"]) <= 0.20, (row["tokens_per_s"], row["time_parts_s"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from bench_scripts import load
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 hm = load("host_memory")
 DOC = json.loads(hm.RESULT.read_text())
 

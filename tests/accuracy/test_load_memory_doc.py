@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench_scripts import load
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def _script():

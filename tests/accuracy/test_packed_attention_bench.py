@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "packed_attention.py"
 RESULT = ROOT / "benchmarks" / "results" / "packed_attention.json"
 ATTENTION = {"dense", "sdpa_varlen", "causal"}

@@ -14,7 +14,7 @@ from bench_scripts import load
 
 from shardwise.specs import ModelSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED = ROOT / "benchmarks" / "published"
 
 

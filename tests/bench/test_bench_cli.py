@@ -75,7 +75,7 @@ def test_bench_modules_import_no_torch() -> None:
     code = ("import sys, shardwise.cli, shardwise.bench.bench_cli, shardwise.bench.run_bench, shardwise.bench.points, "
             "shardwise.bench.bench_report; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")})
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
     assert out.stdout.strip() == "False"
 
 
@@ -208,7 +208,7 @@ def test_measured_collectives_match_the_plan(swept) -> None:
     bad = []
     for p in doc["points"]:
         # Kinds below 0.1% of the step's traffic (DDP's 128-byte broadcast, ZeRO-3's
-        # 8-byte all-reduce per step) are compared in absolute terms, as tests/test_measured_comm.py does.
+        # 8-byte all-reduce per step) are compared in absolute terms, as tests/accuracy/test_measured_comm.py does.
         small = 1e-3 * sum(v["measured"] for v in p["comm"].values())
         for k, v in p["comm"].items():
             m, pr = v["measured"], v["predicted"]

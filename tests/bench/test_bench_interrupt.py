@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-# tests/test_bench_cli.py's tiny config: the catalog's tiny-llama-bench, fp32, 2 gloo ranks
+# tests/bench/test_bench_cli.py's tiny config: the catalog's tiny-llama-bench, fp32, 2 gloo ranks
 CONFIG = """\
 name: bench-tiny
 model: {name: tiny-llama-bench, attention: sdpa}

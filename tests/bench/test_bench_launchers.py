@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 from test_bench_cli import CONFIG, PARTS, TOL_STATES
 
 pytestmark = pytest.mark.distributed
-SRC = str(Path(__file__).parents[1] / "src")
+SRC = str(Path(__file__).parents[2] / "src")
 
 
 def _torchrun(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:

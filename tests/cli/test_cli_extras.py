@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The packages of the `train` extra, as import names.
 BLOCKED = ("torch", "transformers", "deepspeed", "datasets", "safetensors", "tokenizers", "peft", "accelerate",
            "matplotlib", "tensorboard", "pyarrow", "bitsandbytes")  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 from shardwise.config.load import load_config
 from shardwise.errors import ShardwiseError
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
 
 def _error(path, overrides) -> str:

@@ -20,7 +20,7 @@ from shardwise.doctor.setup import Setup, read_setup, silent_failures
 from shardwise.errors import ShardwiseError
 from shardwise.specs.machine import MachineHardware, load_machine
 
-FIX = Path(__file__).parent / "doctor_fixtures"
+FIX = Path(__file__).parent / "fixtures"
 runner = CliRunner()
 VERSIONS = {"python": "3.11.9", "torch": "2.6.0+cu124", "deepspeed": "0.16.4", "transformers": "4.49.0",
             "accelerate": "1.4.0", "peft": "0.14.0", "nccl": "2.21.5", "torch cuda": "12.4"}

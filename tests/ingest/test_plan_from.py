@@ -24,8 +24,8 @@ from typer.testing import CliRunner
 
 from shardwise.cli import app
 
-DATA = Path(__file__).parent / "data" / "from"
-ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parents[1] / "data" / "from"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan(*args: str) -> dict:

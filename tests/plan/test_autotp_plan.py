@@ -2,7 +2,7 @@
 embedding, lm_head and logits whole on every TP rank, no sequence parallelism. Preflight's memory
 check reads that plan, so a run that fits only under Megatron's accounting (vocabulary-parallel,
 sequence-parallel) is refused before any rank starts. The measured checks of the scheme are
-tests/train/test_tp_saved.py (saved bytes, params per rank) and tests/test_measured_tp_comm.py."""
+tests/train/test_tp_saved.py (saved bytes, params per rank) and tests/accuracy/test_measured_tp_comm.py."""
 
 from __future__ import annotations
 

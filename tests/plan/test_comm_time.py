@@ -83,7 +83,7 @@ def test_tensor_parallel_all_reduces():
     c = plan_comm(M7, HW8, train, Strategy.from_name("zero1", tp=2, tp_impl="megatron"))
     # Megatron: 2 all-reduces of b·s·h (bf16) forward and 2 backward per layer, plus the
     # vocabulary-parallel root's one per pass (embedding, lm_head) and the vocab-parallel loss's
-    # two fp32 per token and its sum (measured: tests/test_measured_tp_comm.py)
+    # two fp32 per token and its sum (measured: tests/accuracy/test_measured_tp_comm.py)
     act = 2 * 2048 * M7.hidden_size
     tp_bytes = (4 * M7.num_layers + 2) * act + 4 * (2 * 2048 + 1)
     assert c.all_reduce - 2 * (M7.params / 2) == pytest.approx(tp_bytes, rel=1e-6)

@@ -1,4 +1,4 @@
-"""Activation-model facts that the measured totals (tests/test_measured_memory.py) do not pin
+"""Activation-model facts that the measured totals (tests/accuracy/test_measured_memory.py) do not pin
 down on their own: the matmul order torchtitan's selective policy counts, per family, as the
 real transformers layer dispatches it; the layer kinds of MoE models; sequence parallelism."""
 

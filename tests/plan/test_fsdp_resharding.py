@@ -1,7 +1,7 @@
 """FSDP2's resharding and gradient-sync knobs (`fsdp.reshard_after_forward` all | not-last | none,
 `fsdp.reduce_every_micro_batch`): the planner's bytes from hand arithmetic on llama-2-7b (bf16
 params gathered, fp32 reduce-scatter), the spec's and the CLI's refusals, the trainer YAML and
-the emitted accelerate key. The counts of live 2-rank runs are tests/test_measured_comm.py's."""
+the emitted accelerate key. The counts of live 2-rank runs are tests/accuracy/test_measured_comm.py's."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from shardwise.plan.comm import CommBreakdown
 from shardwise.plan.evaluate import evaluate
 from shardwise.specs.layout import ParallelLayout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 # What each GPU has between the GPUs of one node, from the vendors' product descriptions:

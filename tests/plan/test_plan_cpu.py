@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from shardwise.cli import app
 from shardwise.specs.hardware import GIB
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan(*args: str) -> tuple[int, dict]:

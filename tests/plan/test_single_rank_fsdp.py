@@ -1,6 +1,6 @@
 """FSDP2 with a one-rank shard group (FSDPKnobs.single_rank): it shards nothing, so it runs as DDP
 where the plan says so, and the plan, the trainer's engine and the reports all say the same.
-The running engine is read back on 2 ranks in tests/test_run_bridge.py (`fsdp-hybrid:sg1`) and
+The running engine is read back on 2 ranks in tests/run/test_run_bridge.py (`fsdp-hybrid:sg1`) and
 the loss curves are compared in tests/train/test_parity.py."""
 
 from __future__ import annotations

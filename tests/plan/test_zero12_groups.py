@@ -3,7 +3,7 @@ that overlaps its slice of a group whole. The trainer's AdamW groups (train/engi
 decay_groups): the decayed tensors, then norms, biases and embeddings; two groups under weight
 decay. This, not the reduce bucket, is what the README's bench command measured: examples/demo.yaml
 (tiny-llama, weight_decay 0.01) had ZeRO-2's model states 13.9% under the census when the plan
-partitioned one group in HF order; a reduce bucket ≥ Ψ changes nothing (tests/test_measured_memory.py
+partitioned one group in HF order; a reduce bucket ≥ Ψ changes nothing (tests/accuracy/test_measured_memory.py
 `-bigbucket`, and the sweep below)."""
 
 from __future__ import annotations

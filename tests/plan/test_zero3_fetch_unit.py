@@ -1,7 +1,7 @@
 """ZeRO-3's fetch unit (DeepSpeedKnobs.fetch_unit): the decoder layer as a ZeRO-3 leaf where it fits
 the gathered-parameter caps, every submodule otherwise — in the JSON DeepSpeed receives, in the
 plan's memory and hook time, and checked on the engine. The engine's hooked modules are counted
-against the plan on 2 ranks in tests/test_run_bridge.py (`zero3`, `zero3:module`); losses and
+against the plan on 2 ranks in tests/run/test_run_bridge.py (`zero3`, `zero3:module`); losses and
 adapters under the layer unit are checked by the parity tests (tests/train)."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_gathered_params_cover_a_whole_layer_when_layers_are_leaves():
 
 
 def test_the_layer_unit_plans_fewer_hooks_but_not_past_zero2():
-    """qwen2.5-0.5b on one H200 ran hook-bound under per-submodule ZeRO-3 (tests/test_h200_cases.py
+    """qwen2.5-0.5b on one H200 ran hook-bound under per-submodule ZeRO-3 (tests/accuracy/test_h200_cases.py
     checks that plan against the measurement). The layer unit must take most of that host time
     away, and cannot make ZeRO-3 faster than ZeRO-2 on one GPU (same work, plus gathers)."""
     model = get_model("qwen2.5-0.5b")
@@ -132,7 +132,7 @@ def _train_losses(tmp_path, name: str, unit: str, lora: bool) -> list[float]:
     import sys
     from pathlib import Path
 
-    example = Path(__file__).resolve().parents[1] / "examples" / ("lora-demo.yaml" if lora else "fsdp-synthetic-cpu.yaml")
+    example = Path(__file__).resolve().parents[2] / "examples" / ("lora-demo.yaml" if lora else "fsdp-synthetic-cpu.yaml")
     out = tmp_path / name
     cmd = [sys.executable, "-m", "shardwise.train.cli", str(example), "--set", "strategy.name=zero3",
            "--set", f"strategy.deepspeed.fetch_unit={unit}", "--set", "run.nproc=1", "--set", "run.steps=4",

@@ -29,7 +29,7 @@ from shardwise.plan.evaluate import evaluate
 from shardwise.run import run_spec, to_config
 from shardwise.specs import Strategy, TrainSpec
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
+SRC = Path(__file__).resolve().parents[2] / "src" / "shardwise"
 
 # Knob grid: None = the trainer's default; the others differ from every default.
 DS_GRID = [{}, {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 3_000_000},

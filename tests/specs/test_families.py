@@ -351,7 +351,7 @@ def test_mpt_published_num_params_are_exact() -> None:
 
     import yaml
 
-    path = Path(__file__).parents[1] / "benchmarks/published/llm-foundry-mpt-benchmarks.yaml"
+    path = Path(__file__).parents[2] / "benchmarks/published/llm-foundry-mpt-benchmarks.yaml"
     runs = yaml.safe_load(path.read_text())["runs"]
     checked = set()
     for run in runs:

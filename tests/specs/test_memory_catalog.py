@@ -13,7 +13,7 @@ from shardwise import catalog
 from shardwise.errors import ShardwiseError
 from shardwise.specs.memory_model import MemoryModel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 
 

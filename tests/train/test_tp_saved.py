@@ -1,6 +1,6 @@
 """Saved-for-backward bytes per rank under the trainer's TP plan (issue 26 item d), fp32, 2 gloo
 ranks, the activation bench's tiny Llama and Qwen2 (shardwise.bench.saved, 2 layers, 2 × 128
-tokens), measured with the same storage-deduped hook as tests/test_measured_memory.py.
+tokens), measured with the same storage-deduped hook as tests/accuracy/test_measured_memory.py.
 
 Megatron-LM's sequence parallelism has its column-parallel linears save their *sharded* input
 and all-gather it again in backward (Korthikanti et al. 2022); DTensor's ColwiseParallel (the

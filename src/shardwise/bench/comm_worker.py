@@ -46,7 +46,7 @@ VARIANTS = ("ddp", "zero0", "zero1", "zero1-nomrba", "zero2", "zero2-nomrba", "z
             # LoRA (shardwise.bench.worker: rank 8 on every decoder linear): adapter grads only
             "ddp-lora", "zero2-lora", "zero3-lora", "fsdp-lora", "zero3-lora-bf16", "fsdp-lora-bf16")
 GAS = (1, 2)
-# Tensor + sequence parallel cases (tests/test_measured_tp_comm.py): their collectives are of
+# Tensor + sequence parallel cases (tests/accuracy/test_measured_tp_comm.py): their collectives are of
 # activations, so they are held to the planner's total volume, not to test_measured_comm's kinds.
 TP_VARIANTS = ("fsdp-tp2", "zero1-tp2", "zero2-tp2")
 

@@ -105,7 +105,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 # The shapes of the original Llama-block derivation (measured over every precision, attention and
-# checkpointing); the others are the further families (tests/test_measured_memory.py).
+# checkpointing); the others are the further families (tests/accuracy/test_measured_memory.py).
 LLAMA_BLOCK_SHAPES = ("tiny-llama", "tiny-qwen2")
 
 

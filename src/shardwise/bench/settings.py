@@ -1,7 +1,7 @@
 """What a running engine actually uses, read back from the engine objects (not from our config):
 bucket sizes, shard group, precision, gradient reduce dtype, resharding, activation
 checkpointing. Set beside the RunSpec the planner saw, any disagreement between "what was
-planned" and "what runs" shows as a differing key (tests/test_run_bridge.py).
+planned" and "what runs" shows as a differing key (tests/run/test_run_bridge.py).
 
 `measure_settings(cases)` builds each case's engine on 2 CPU ranks (gloo; `world=1` for one) through the trainer's
 path (TrainConfig -> run bridge -> build_model -> build_engine) and returns both views per rank.

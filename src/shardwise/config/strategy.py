@@ -94,7 +94,7 @@ FINITE = ConfigDict(allow_inf_nan=False)
 
 class DeepSpeedKnobs(Spec):
     """DeepSpeed ZeRO config keys that change memory or traffic. Defaults are DeepSpeed's own
-    (`deepspeed/runtime/zero/config.py` DeepSpeedZeroConfig; tests/test_run_bridge.py checks
+    (`deepspeed/runtime/zero/config.py` DeepSpeedZeroConfig; tests/run/test_run_bridge.py checks
     them against the installed DeepSpeed), except `fetch_unit`, which shardwise chooses."""
 
     model_config = FINITE

@@ -4,7 +4,7 @@ Korthikanti et al. 2022 (Table 2) give sbh(34 + 5as/h) for a GPT block with drop
 4h GeLU MLP. The transformers blocks differ (RMSNorm, SwiGLU/GeGLU, RoPE, no dropout, q/k
 norms, sandwich or post norms, fused projections, MLA, routed experts), so we derive each
 saved tensor of `transformers`' decoder layer per family (docs/planner.md has the walk-through)
-and check the sums by measuring saved-for-backward bytes (tests/test_measured_memory.py,
+and check the sums by measuring saved-for-backward bytes (tests/accuracy/test_measured_memory.py,
 shardwise.bench.saved.SHAPES: a tiny config of every family). c = bytes of the compute dtype,
 x = s·b tokens; everything below is per token.
 
@@ -38,7 +38,7 @@ _SANDWICH = ("gemma2", "gemma3_text")
 # and the C tanh GeLU save their input (fc1's output) and fc2 their output (2); ReLU, tanh and
 # sigmoid save their output, which is fc2's input (1); the Python compositions save their
 # intermediates (gelu_new: input, tanh, 0.5·x and 1 + tanh, then the output: 5). Keys:
-# specs.families.GPT_ACTIVATIONS (tests/test_families_activations.py measures each).
+# specs.families.GPT_ACTIVATIONS (tests/plan/test_families_activations.py measures each).
 GPT_ACT_SAVED = {"gelu": 2, "gelu_pytorch_tanh": 2, "gelu_new": 5, "gelu_fast": 8, "gelu_python": 4,
                  "gelu_accurate": 5, "gelu_10": 3, "quick_gelu": 3, "relu": 1, "silu": 2, "mish": 2, "tanh": 1,
                  "sigmoid": 1}

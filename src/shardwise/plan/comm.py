@@ -1,6 +1,6 @@
 """Communication per GPU per optimizer step: bytes by collective and by link. Pure functions.
 
-Counting unit (shared with the measurement in tests/test_measured_comm.py): all_reduce = bytes
+Counting unit (shared with the measurement in tests/accuracy/test_measured_comm.py): all_reduce = bytes
 of the tensors all-reduced; all_gather = bytes of the gathered output; reduce_scatter = bytes
 of the full input; broadcast, p2p (send + recv), all_to_all = bytes sent. `total` is the ring
 traffic volume 2·AR + AG + RS + the rest, so that DDP = 2Ψ and ZeRO-3 = 3Ψ elements (ZeRO paper).
@@ -209,7 +209,7 @@ def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
     (all-gather in backward) and lm_head's all-gather (reduce-scatter in backward). The
     vocab-parallel loss all-reduces two fp32 per token (the row max, the sum of exponentials)
     and the loss sum. PP: activations forward and their grads backward across each stage boundary.
-    Measured on 2 gloo ranks (`strategy.tp: 2`, tests/test_measured_tp_comm.py).
+    Measured on 2 gloo ranks (`strategy.tp: 2`, tests/accuracy/test_measured_tp_comm.py).
 
     DeepSpeed's AutoTP (`scheme.reduces_per_linear`, no vocabulary parallelism) all-reduces each
     row-parallel output in forward (o, down: 2 per layer and forward pass) and each
@@ -217,7 +217,7 @@ def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
     Llama; DeepSpeed 0.19 module_inject/layers.py: `LinearAllreduce` through `RowParallel`,
     `LinearLayer` through `ColumnParallel`, whose backward all-reduces); the embedding, lm_head
     and loss are whole on every rank and move nothing. Measured
-    on 2 gloo ranks (zero1/zero2 × tp 2, tests/test_measured_tp_comm.py)."""
+    on 2 gloo ranks (zero1/zero2 × tp 2, tests/accuracy/test_measured_tp_comm.py)."""
     out = CommBreakdown()
     act = c * train.micro_batch * train.seq_len * model.hidden_size
     layers = -(-model.num_layers // layout.pp)

@@ -3,7 +3,7 @@
 Three accountings of model states:
 - "engine" (default): what the installed engines allocate (DeepSpeed 0.19 stage_1_and_2.py /
   stage3.py, torch FSDP2 `_fully_shard`, DDP), incl. buffers; checked against a per-rank
-  census in tests/test_measured_memory.py.
+  census in tests/accuracy/test_measured_memory.py.
 - "paper": the ZeRO paper's 2Ψ + 2Ψ + KΨ (K = 12) with its sharding rules, no buffers;
 - "deepspeed": DeepSpeed's own estimators (estimate_zero{2,3}_model_states_mem_needs);
   both in plan/memory_estimators.py.

@@ -1,7 +1,7 @@
 """Model states of a LoRA/QLoRA run per engine (pure, no torch): the frozen base stored as the
 engine stores parameters, the trainable adapters (and `modules_to_save` copies) with the engine's
 full treatment. Checked per part against a census of the real engines on 2 gloo ranks
-(tests/test_measured_memory.py, the `-lora` and `-qlora` variants)."""
+(tests/accuracy/test_measured_memory.py, the `-lora` and `-qlora` variants)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     """LoRA/QLoRA (plan/lora.py counts the adapters A; `modules_to_save` adds trainable copies):
     the frozen base B is stored as the engine stores parameters and never gets grads or optimizer
     state; the trainable A get the engine's full treatment. Measured per rank on 2 gloo ranks
-    (tests/test_measured_memory.py, `-lora` variants; trainer: shardwise.train.model.lora):
+    (tests/accuracy/test_measured_memory.py, `-lora` variants; trainer: shardwise.train.model.lora):
     - DDP: base in the compute dtype c, adapters fp32 (c·B + 4A), fp32 grads and AdamW of A;
     - DeepSpeed casts the whole module to c (adapters too: c·(B + A)), fp32 master of A/N,
       grads of A in c (stage 0 whole, 1 whole under accumulation, 2-3 A/N); stage 3 partitions

@@ -94,7 +94,7 @@ def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight
     flattens each optimizer group (`optimizer_groups`) and splits it into N slices; every
     tensor that overlaps the rank's slice of a group is held whole (stage_1_and_2.py:
     params_in_partition). Measured exactly on both ranks of tiny Llamas, one group and two
-    (tests/test_measured_memory.py, tests/test_zero12_groups.py)."""
+    (tests/accuracy/test_measured_memory.py, tests/plan/test_zero12_groups.py)."""
     if n <= 1:
         return stage_params(model, tp, pp, vocab_tp)
     if tp > 1 or pp > 1:  # per-rank tensor order under TP/PP is engine-specific: use the ideal

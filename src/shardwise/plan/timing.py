@@ -244,7 +244,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
 # all the same (ZeRO-3 hooks every module): per layer the decoder layer, its attention and MLP
 # containers and the MLP's activation; around the layers the CausalLM, its inner model, the layer
 # list and the rotary embedding. Counted on HF Llama/Qwen2/Mistral (transformers 5); the running
-# engine's count is checked against this in tests/test_run_bridge.py.
+# engine's count is checked against this in tests/run/test_run_bridge.py.
 CONTAINERS_PER_LAYER = 4
 CONTAINERS_OUTSIDE_LAYERS = 4
 

@@ -1,7 +1,7 @@
 """ModelSpec: the architecture numbers the planner needs, and the parameter count derived from them.
 
 The count must equal what `transformers` builds for the same config, to the parameter
-(tests/test_model_spec.py and tests/test_families.py build each on the meta device and check).
+(tests/specs/test_model_spec.py and tests/specs/test_families.py build each on the meta device and check).
 
 Two paths (docs/planner.md "Architectures"):
 
