@@ -236,7 +236,7 @@ def test_generated_flags_keep_the_old_names_and_take_the_spec_defaults():
 def test_from_runs_on_the_planner_only_install(tmp_path):
     """Every reader is torch-free: `plan --from` works where torch, transformers, deepspeed and
     accelerate cannot be imported (the core install)."""
-    from tests.test_cli_extras import planner_only
+    from tests.cli.test_cli_extras import planner_only
 
     example = ROOT / "examples" / "fsdp-synthetic-cpu.yaml"
     # (the LLaMA-Factory example names its DeepSpeed JSON relative to the repository root, and
