@@ -107,3 +107,33 @@ def test_auto_that_finds_a_gpu_gives_the_launcher_its_thread_variables_back(monk
     cfg = SimpleNamespace(run=SimpleNamespace(device="auto"), resolved_device=lambda: "cpu")
     assert rank_fork.launch_device(cfg, 2) == ("cpu", {"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": "3"})
     assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "1"
+
+
+def test_a_rank_execd_by_the_launcher_takes_its_preflight(monkeypatch, tmp_path):
+    """A rank exec'd by shardwise's own launcher (CUDA ranks) reads the config again but does not
+    repeat preflight: it takes the launcher's verdict, and its run is the one the launcher checked;
+    a config file edited since the launcher checked it is refused, naming the file."""
+    import hashlib
+
+    from shardwise.config.load import load_config
+    from shardwise.run import run_spec
+    from shardwise.train import cli, preflight
+
+    config = tmp_path / "run.yaml"
+    config.write_text((REPO / "examples" / "fsdp-synthetic-cpu.yaml").read_text())
+    overrides = [f"checkpointing.output_dir={tmp_path / 'out'}"]
+    memory = {"planned_bytes": 123.0, "capacity_bytes": 456.0, "fits": True, "gpu": "cpu"}
+    monkeypatch.setenv(cli.HANDOFF_ENV, json.dumps({"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+                                                    "memory": memory}))
+
+    def repeated(*_a, **_k):
+        raise AssertionError("preflight ran again in an exec'd rank")
+
+    monkeypatch.setattr(preflight, "preflight", repeated)
+    _, world, device, run, check, _, lock, _ = cli._checked(config, overrides, {"rank": 1, "world_size": 2},
+                                                              True, None, False)
+    assert (world, lock, check.planned_bytes, check.fits) == (2, None, 123.0, True)
+    assert run == run_spec(load_config(config, overrides), 2, device)
+    config.write_text(config.read_text() + "\n# edited\n")
+    with pytest.raises(ShardwiseError, match=r"run\.yaml: changed since `shardwise train` checked it"):
+        cli._checked(config, overrides, {"rank": 1, "world_size": 2}, True, None, False)

@@ -2,14 +2,19 @@
 
 Without a launcher in the environment this process validates everything (config, model,
 data, strategy vs world size, the planner's memory check) and then starts `--nproc` local
-ranks (or trains in-process for one). Under torchrun, the `deepspeed` launcher or `srun`
-each rank validates the same way and joins the group the launcher set up.
+ranks (or trains in-process for one). Ranks it forks inherit the checked run; ranks it execs
+(CUDA) read the config again and take preflight's verdict from the launcher (`HANDOFF_ENV`,
+refused if the file changed since). Under torchrun, the `deepspeed` launcher or `srun` each
+rank validates the same way and joins the group the launcher set up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -19,6 +24,8 @@ import typer
 
 from shardwise.cli_help import HELP
 from shardwise.errors import ExitCode, ShardwiseError
+
+HANDOFF_ENV = "SHARDWISE_PREFLIGHT"  # to exec'd ranks: the config file's sha256, preflight's verdict
 
 app = typer.Typer(
     add_completion=False,
@@ -102,6 +109,7 @@ def train_cmd(
             argv += ["--force"] if force else []
             argv += ["--resume", str(resume_dir)] if resume_dir else []
             extra = {"SHARDWISE_LAUNCHED": "1"} | ({"DS_ACCELERATOR": "cpu"} if device == "cpu" else {})
+            extra[HANDOFF_ENV] = json.dumps({"config_sha256": _sha256(config), "memory": dataclasses.asdict(check)})
             # CPU ranks share the cores: one intra-op pool per rank that does not oversubscribe.
             threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else None
             target = None
@@ -163,10 +171,34 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
         note = cfg.logging.deprecation(cfg.source)
         if note:
             print(f"shardwise: {note}", file=sys.stderr, flush=True)
-    run, check = preflight(cfg, world, device, force=force)
+    handoff = _handoff(config) if by_us else None
+    if handoff is None:
+        run, check = preflight(cfg, world, device, force=force)
+    else:  # a rank exec'd by shardwise's launcher, which ran preflight on this file
+        from shardwise.run.bridge import run_spec
+        from shardwise.train.preflight import MemoryCheck
+
+        run, check = run_spec(cfg, world, device), MemoryCheck(**handoff["memory"])
     resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
     lock = _own_output_dir(cfg, resume_dir) if owner else None
     return cfg, world, device, run, check, resume_dir, lock, fork
+
+
+def _sha256(config: Path) -> str:
+    return hashlib.sha256(Path(config).read_bytes()).hexdigest()
+
+
+def _handoff(config: Path) -> dict | None:
+    """What shardwise's launcher checked, for a rank it exec'd (HANDOFF_ENV; None without it).
+    The config file must be the one it checked."""
+    given = os.environ.get(HANDOFF_ENV)
+    if given is None:
+        return None
+    handoff = json.loads(given)
+    if handoff["config_sha256"] != _sha256(config):
+        raise ShardwiseError(f"{config}: changed since `shardwise train` checked it and started the ranks; "
+                             "start the run again")
+    return handoff
 
 
 def _run_dir(cfg) -> Path:
