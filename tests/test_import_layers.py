@@ -170,8 +170,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("plan", ("shardwise.plan", "shardwise.doctor")),
     ("run", ("shardwise.run", "shardwise.data")),
     ("train/measure", ("shardwise.train", "shardwise.bench", "shardwise.ingest", "shardwise.emit")),
-    ("cli", ("shardwise.cli", "shardwise.cli_plan", "shardwise.render", "shardwise.render_cpu",
-             "shardwise.render_explain")),
+    ("cli", ("shardwise.cli",)),
 )
 
 

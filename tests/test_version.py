@@ -8,7 +8,7 @@ from importlib.metadata import version
 from typer.testing import CliRunner
 
 import shardwise
-from shardwise.cli import app
+from shardwise.cli.app import app
 
 
 def test_version_flag_prints_the_installed_version():

@@ -114,7 +114,7 @@ def test_plan_cli_takes_the_implementation_settings():
 
     from typer.testing import CliRunner
 
-    from shardwise.cli import NOTHING_FITS_EXIT, app
+    from shardwise.cli.app import NOTHING_FITS_EXIT, app
 
     def run(*flags):
         res = CliRunner().invoke(app, ["plan", "--json", "--model", "llama-2-7b", "--gpu", "h200", "--gpus", "1",

@@ -24,7 +24,7 @@ pytest.importorskip("matplotlib")
 from typer.testing import CliRunner
 
 from shardwise.bench.points import parse_sweep
-from shardwise.cli import app
+from shardwise.cli.app import app
 
 STRATEGIES = ("ddp", "zero2", "zero3", "fsdp")
 PARTS = ("params", "grads", "master_params", "optimizer_states")
@@ -72,7 +72,7 @@ def swept(tiny_config, tmp_path_factory) -> tuple[Path, dict]:
 
 # ---------------------------------------------------------------- no launch
 def test_bench_modules_import_no_torch() -> None:
-    code = ("import sys, shardwise.cli, shardwise.bench.bench_cli, shardwise.bench.run_bench, shardwise.bench.points, "
+    code = ("import sys, shardwise.cli.app, shardwise.bench.bench_cli, shardwise.bench.run_bench, shardwise.bench.points, "
             "shardwise.bench.bench_report; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})

@@ -35,7 +35,7 @@ def test_sigterm_after_the_first_point_reports_the_measured_points(tmp_path):
     cfg.write_text(CONFIG)
     out = tmp_path / "bench"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "bench", str(cfg), "--steps", "2", "--nproc", "2",
+    p = subprocess.Popen([sys.executable, "-m", "shardwise.cli.app", "bench", str(cfg), "--steps", "2", "--nproc", "2",
                           "--out", str(out), "--sweep", "strategy.name=" + ",".join(SWEEP)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     first = out / "runs" / "strategy.name_ddp" / "bench"

@@ -27,7 +27,7 @@ def _torchrun(*args: str, cwd: Path, timeout: float = 180) -> subprocess.Complet
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SHARDWISE_LAUNCHED"):
         env.pop(key, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "shardwise.cli", *args]
+           "-m", "shardwise.cli.app", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.distributed
 def profile(tmp_path_factory):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     out = tmp_path_factory.mktemp("calibrate") / "profile.json"
     t0 = time.perf_counter()

@@ -51,7 +51,7 @@ class NotInstalled(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 sys.meta_path.insert(0, NotInstalled())
 sys.argv = ["shardwise", *{args!r}]
-from shardwise.cli import main
+from shardwise.cli.app import main
 
 main()
 '''
@@ -98,7 +98,7 @@ def test_train_extra_is_what_pyproject_names():
     block = re.search(r"^train = \[(.*?)^\]", text, re.S | re.M).group(1)
     names = set(re.findall(r'^\s*"([A-Za-z0-9_-]+)', block, re.M))
     assert {"torch", "transformers", "deepspeed", "datasets", "tokenizers", "peft"} <= names
-    from shardwise.cli import EXTRA_OF, NEEDS
+    from shardwise.cli.app import EXTRA_OF, NEEDS
 
     assert {m for need in NEEDS.values() for m in need} <= set(EXTRA_OF) and EXTRA_OF["bitsandbytes"] == "qlora"
 

@@ -17,7 +17,7 @@ import typer
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.config.strategy import STRATEGY_NAMES
 
 
@@ -25,7 +25,7 @@ def _shardwise(*args: str, columns: int) -> subprocess.CompletedProcess:
     """`shardwise ARGS` with stdout a pipe, as under sbatch / nohup / `| tee`."""
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TERMINAL_WIDTH")}
     env["COLUMNS"] = str(columns)
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "shardwise.cli.app", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 
 

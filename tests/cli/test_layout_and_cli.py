@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.errors import ShardwiseError
 from shardwise.specs import ParallelLayout, Strategy
@@ -136,6 +136,6 @@ def test_planner_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, shardwise.cli, shardwise.plan; shardwise.plan.plan_memory; print('torch' in sys.modules)"
+    code = "import sys, shardwise.cli.app, shardwise.plan; shardwise.plan.plan_memory; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -10,7 +10,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 
 
 def run(*args):

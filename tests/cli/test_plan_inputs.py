@@ -14,7 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.errors import ShardwiseError
 from shardwise.plan.planner import build_specs
 from shardwise.plan.recommend import recommend

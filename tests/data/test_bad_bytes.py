@@ -72,7 +72,7 @@ def test_a_bad_byte_deep_in_a_big_line_is_found_in_its_line(tok, tmp_path):
 
 def run(args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shardwise.cli.app", *args], capture_output=True, text=True,
                           timeout=300, check=False, env=env)  # fmt: skip
 
 

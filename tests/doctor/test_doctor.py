@@ -13,7 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.doctor import FakeReader, diagnose
 from shardwise.doctor.readers import IBV_DEVINFO, NVIDIA_SMI_GPUS, NVIDIA_SMI_TOPO
 from shardwise.doctor.setup import Setup, read_setup, silent_failures

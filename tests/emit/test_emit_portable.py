@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from shardwise.catalog import build_hardware
-from shardwise.cli import NOTHING_FITS_EXIT, app
+from shardwise.cli.app import NOTHING_FITS_EXIT, app
 from shardwise.config.schema import LossSection, TrainConfig
 from shardwise.emit import emitted_run
 from shardwise.specs import ModelSpec, Strategy, TrainSpec

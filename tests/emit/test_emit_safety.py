@@ -127,7 +127,7 @@ def test_a_manifest_cannot_make_an_emit_remove_anything_else(tmp_path):
 
 def test_plan_emit_cli_for_another_strategy_leaves_no_ds_config(tmp_path):
     """The issue's reproduction: `plan --emit DIR` for ZeRO-2, then for DDP into the same DIR."""
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     out = tmp_path / "emit"
     for strategy in ("zero2", "ddp"):

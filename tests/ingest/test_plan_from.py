@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 
 DATA = Path(__file__).parents[1] / "data" / "from"
 ROOT = Path(__file__).resolve().parents[2]

@@ -65,7 +65,7 @@ def test_plan_tp_impl_megatron_plans_megatron_deepspeed():
 
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     def plan(*args):
         r = CliRunner().invoke(app, ["plan", "--json", "-m", "llama-3.1-8b", "--tp", "2", "-s", "zero2", *args])

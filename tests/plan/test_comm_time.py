@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.plan.comm import ideal_comm, plan_comm
 from shardwise.plan.evaluate import evaluate

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 
 runner = CliRunner()
 

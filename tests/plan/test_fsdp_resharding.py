@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.config.strategy import FSDPKnobs, StrategyKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import plan_comm

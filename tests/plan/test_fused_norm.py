@@ -9,7 +9,7 @@ import json
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.plan.activations import layer_saved_per_token
 from shardwise.plan.kernels import elementwise_bytes
 from shardwise.specs import TrainSpec

@@ -15,7 +15,7 @@ from bench_scripts import load
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.errors import ShardwiseError
 from shardwise.plan import network
 from shardwise.plan.comm import CommBreakdown

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.specs.hardware import GIB
 
 ROOT = Path(__file__).resolve().parents[2]

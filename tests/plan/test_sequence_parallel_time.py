@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardwise import catalog
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.plan.activations import layer_saved_per_token, seq_shards
 from shardwise.plan.evaluate import evaluate
 from shardwise.plan.kernels import elementwise_bytes

@@ -94,7 +94,7 @@ def test_the_trainer_builds_the_engine_the_plan_chose():
 def test_yaml_and_plan_flag_take_the_knob(tmp_path):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     def row(*flags):
         r = CliRunner().invoke(app, ["plan", "--json", "--model", "qwen2.5-0.5b", "--gpu", "h200", "--gpus", "1",
@@ -120,7 +120,7 @@ def test_yaml_and_plan_flag_take_the_knob(tmp_path):
 def test_emit_says_what_shardwise_train_runs(tmp_path):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     for knob, says in (("auto", True), ("fsdp", False)):
         out = tmp_path / knob
@@ -137,7 +137,7 @@ def test_one_replica_ddp_keeps_no_buckets_unless_told():
     gradient_as_bucket_view keeps them (the buckets) allocated through the next forward."""
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     def mem(*flags):
         r = CliRunner().invoke(app, ["plan", "--json", "--model", "qwen2.5-0.5b", "--gpu", "h200", "--gpus", "1",

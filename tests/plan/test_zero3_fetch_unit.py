@@ -105,7 +105,7 @@ def test_engine_refuses_a_planned_leaf_it_does_not_find(monkeypatch):
 def test_plan_flag_sets_the_unit_and_emit_carries_it(tmp_path):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     for unit, leaf in (("module", False), ("layer", True)):
         out = tmp_path / unit
@@ -173,7 +173,7 @@ def test_one_gpu_sharding_is_pointed_to_ddp_with_the_plans_numbers():
 def test_emitted_readme_says_what_lora_under_the_layer_unit_needs(tmp_path):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     r = CliRunner().invoke(app, ["plan", "-m", "qwen2.5-0.5b", "--gpus", "8", "--lora-rank", "16", "--emit",
                                  str(tmp_path), "--emit-strategy", "zero3"])

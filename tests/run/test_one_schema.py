@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.config.flags import RUN_FLAGS, schema_default
 from shardwise.config.load import load_config
 from shardwise.config.schema import TrainConfig

@@ -303,7 +303,7 @@ def test_plan_flags_set_the_engine_knobs_and_emit_carries_them(tmp_path):
     plan (bucket bytes follow them) and the emitted files run exactly those knobs."""
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     def grad_buffers(*flags: str) -> float:
         r = CliRunner().invoke(app, ["plan", "-s", "zero2", "--gpus", "8", "--json", *flags])

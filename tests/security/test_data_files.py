@@ -134,7 +134,7 @@ def test_inspect_refuses_a_2gb_line_with_exit_2(tmp_path):
     sparse line): exit 2, file:line named, no traceback."""
     path = sparse_line(tmp_path / "big.jsonl", 2 << 30)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "data", "inspect", str(path), "--plain"],
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli.app", "data", "inspect", str(path), "--plain"],
                        capture_output=True, text=True, timeout=300, check=False, env=env)  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 2 and "Traceback" not in out, out[-3000:]

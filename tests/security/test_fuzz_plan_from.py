@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.errors import ShardwiseError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@
   counts) refuses NaN, ±inf and values past its bound, naming the flag; a --from file's
   out-of-range knob names the flag and the file;
 - the shipped examples (examples/, tests/data/from/) have no duplicate keys;
-- the issue's exact cases as a user runs them (`python -m shardwise.cli plan ...` subprocesses
+- the issue's exact cases as a user runs them (`python -m shardwise.cli.app plan ...` subprocesses
   under a 1 GiB address-space limit), exit 2, no "Traceback": nested JSON, NaN, a 5,000-digit
   integer, a 1 GiB file (sparse: no disk used) refused by its size unread, /dev/zero and a FIFO
   refused as not regular files without blocking, --ds-reduce-bucket nan, --ds-prefetch inf,
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from shardwise.cli import app
+from shardwise.cli.app import app
 from shardwise.config.file import MAX_CONFIG_BYTES, read_text
 from shardwise.config.flags import FLAGS
 from shardwise.config.safe_yaml import read_yaml
@@ -234,7 +234,7 @@ def _limited() -> None:
 
 
 def test_the_issues_cases_as_a_user_runs_them(tmp_path):
-    """`python -m shardwise.cli plan ...` for each of the issue's cases, run side by side, each
+    """`python -m shardwise.cli.app plan ...` for each of the issue's cases, run side by side, each
     under a 1 GiB address-space limit (a reader that took the 1 GiB file or /dev/zero whole
     fails there, not in the test process) and a time limit (opening a FIFO without a writer
     would wait forever)."""
@@ -262,7 +262,7 @@ def test_the_issues_cases_as_a_user_runs_them(tmp_path):
     run_yaml = tmp_path / "lr.yaml"
     run_yaml.write_text(RUN_TWICE["optimizer: lr twice"][0])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    commands = {name: ["shardwise.cli", "plan", *args] for name, (args, _) in cases.items()}
+    commands = {name: ["shardwise.cli.app", "plan", *args] for name, (args, _) in cases.items()}
     commands["the run YAML's lr twice"] = ["shardwise.train.cli", str(run_yaml)]  # `shardwise train lr.yaml`
     cases["the run YAML's lr twice"] = ([], "lr.yaml:5: key 'optimizer.lr' given twice (first at line 3)")
     procs = {name: subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

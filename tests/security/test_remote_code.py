@@ -118,7 +118,7 @@ def train_config(tmp_path: Path, *, tokenizer: Path | None = None, model: Path |
 
 def shardwise(args: list[str], tmp_path: Path, stdin: str | None = "y\n" * 5) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, answering "y" to any prompt (the old bypass)."""
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], input=stdin, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "shardwise.cli.app", *args], input=stdin, capture_output=True,
                           text=True, timeout=300, check=False, env=env(tmp_path),
                           stdin=subprocess.DEVNULL if stdin is None else None)  # fmt: skip
 

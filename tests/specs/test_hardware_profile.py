@@ -74,7 +74,7 @@ def test_trainer_config_applies_the_profile(tmp_path):
 def test_plan_cli_takes_a_profile_and_nics(tmp_path):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     def tps(*flags: str) -> float:
         res = CliRunner().invoke(app, ["plan", "--json", "--gpu", "h100-sxm", "--gpus", "16", "--gpus-per-node", "8",
@@ -145,7 +145,7 @@ def test_a_cpu_profile_is_refused_for_a_gpu_plan_naming_the_file(tmp_path):
     "0 tokens/s per GPU". `plan --profile` refuses it, naming the file and why."""
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     path = _write(tmp_path, _cpu_profile_doc())
     for args in (["plan", "--profile", path], ["plan", "--json", "--profile", path]):

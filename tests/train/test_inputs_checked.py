@@ -310,7 +310,7 @@ def test_emitted_config_is_refused_until_its_placeholders_are_filled(tmp_path):
     """`plan --emit` then `train` on the emitted file unchanged: exit 2 naming both fields."""
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     out = tmp_path / "emit"
     r = CliRunner().invoke(app, ["plan", "-m", "tiny-llama", "--gpus", "1", "--emit", str(out),
@@ -442,7 +442,7 @@ def test_nproc_zero_on_the_command_line_is_one_error(tmp_path):
 def emit(target: Path):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     return CliRunner().invoke(app, ["plan", "-m", "tiny-llama", "--gpus", "1", "--emit", str(target),
                                     "--emit-strategy", "ddp"])  # fmt: skip

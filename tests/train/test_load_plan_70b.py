@@ -80,7 +80,7 @@ def test_rank0_shard_bytes_are_the_planned_part(llama70b_dir, world, lora):
 def test_plan_json_shows_the_load_per_rank_and_node(gpus):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
 
     res = CliRunner().invoke(app, ["plan", "--model", "llama-2-70b", "--gpus", str(gpus), "--gpus-per-node", "8",
                                    "--json"])

@@ -125,7 +125,7 @@ def test_qlora_trains_on_gpu_within_plan(tmp_path, strategy):
     }
     path = tmp_path / "q.yaml"
     path.write_text(yaml.safe_dump(raw))
-    proc = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", str(path)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "shardwise.cli.app", "train", str(path)], capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()

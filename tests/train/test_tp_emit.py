@@ -24,7 +24,7 @@ pytestmark = pytest.mark.distributed
 def test_plan_tp_emit_then_train_on_two_ranks(tmp_path, strategies, note):
     from typer.testing import CliRunner
 
-    from shardwise.cli import app
+    from shardwise.cli.app import app
     from shardwise.data import sample_data_path
 
     emit = tmp_path / "emit"

@@ -1,5 +1,5 @@
 """Turn plans into the `--json` object (schema: docs/plan-json.md) and the lines printed around the
-tables (links, the load phase, a row's label); the tables and formats: shardwise/render.py."""
+tables (links, the load phase, a row's label); the tables and formats: shardwise/cli/render.py."""
 
 from __future__ import annotations
 

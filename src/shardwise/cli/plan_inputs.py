@@ -1,4 +1,4 @@
-"""The `plan` and `explain` commands' input handling (shardwise.cli): the hardware spec and the
+"""The `plan` and `explain` commands' input handling (shardwise.cli.app): the hardware spec and the
 flags given beside it, a --from file's values under the flags, flags that would change nothing,
 the input warnings, and --emit with its fitting hint. Torch-free, as the planner."""
 
@@ -311,9 +311,9 @@ def plan_cpu(m, hw, train, strategies, knobs, a: dict, source) -> object:
     load phase is read off `--model-config`'s directory when it holds weights (else the model is
     built from its config, as the trainer builds a catalog model); the node's memory is
     --host-memory-gb, else MemAvailable of this machine."""
+    from shardwise.cli.render_cpu import CpuPlan, cpu_rows
     from shardwise.plan.host_cpu import cpu_rank_memory
     from shardwise.plan.planner import plan_layouts
-    from shardwise.render_cpu import CpuPlan, cpu_rows
     from shardwise.specs.hardware import GIB
     from shardwise.train.host_memory import node_memory
 

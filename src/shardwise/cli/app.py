@@ -7,8 +7,7 @@ from pathlib import Path
 import typer
 
 from shardwise import strict_json
-from shardwise.cli_help import HELP, whole_short_help
-from shardwise.cli_plan import (
+from shardwise.cli.plan_inputs import (
     check_flags_apply,
     check_fsdp_flags,
     emit_plan,
@@ -21,6 +20,7 @@ from shardwise.cli_plan import (
     run_fields,
     trainer_run,
 )
+from shardwise.cli_help import HELP, whole_short_help
 from shardwise.config.flags import build_knobs, run_option, schema_default, with_knob_flags
 from shardwise.errors import ShardwiseError
 
@@ -138,9 +138,9 @@ def plan(
     """Per-GPU memory, communication and step time of every strategy; the recommended one and why.
     The engine knobs (--ds-*, --fsdp-*, --ddp-*) are generated from shardwise.specs' knob classes:
     each is the trainer YAML's strategy.deepspeed/fsdp/ddp field of the same name."""
+    from shardwise.cli.render import PlanOutput, check_format, print_plan
     from shardwise.plan.planner import build_specs, check_margin, plan_layouts
     from shardwise.plan.recommend import NothingFits, recommend
-    from shardwise.render import PlanOutput, check_format, print_plan
 
     rec = rec_error = None
     alternatives: tuple = ()
@@ -188,7 +188,7 @@ def plan(
     except ShardwiseError as e:
         _fail(naming_file(e, source.path if source is not None else None))
     if cpu is not None:
-        from shardwise.render_cpu import print_cpu_plan
+        from shardwise.cli.render_cpu import print_cpu_plan
 
         print_warnings(warnings)
         print_cpu_plan(cpu, fmt)
@@ -247,11 +247,11 @@ def explain(
     """ZeRO-1/2/3 vs FSDP for your model and hardware: what each shards, memory, traffic, crossovers."""
     from dataclasses import asdict
 
+    from shardwise.cli.render import check_format
+    from shardwise.cli.render_explain import print_explain
     from shardwise.plan.explain import compare
     from shardwise.plan.explain import explain as explain_text
     from shardwise.plan.planner import build_specs
-    from shardwise.render import check_format
-    from shardwise.render_explain import print_explain
 
     try:
         fmt = check_format(fmt, as_json)

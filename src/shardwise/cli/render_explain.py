@@ -8,7 +8,7 @@ import io
 import textwrap
 
 from shardwise import strict_json
-from shardwise.render import table_width, yes_no
+from shardwise.cli.render import table_width, yes_no
 
 # the comparison's columns (plan/explain.py compare), as CSV
 EXPLAIN_KEYS = ("name", "model_states_gb", "total_gb", "fits", "ideal_comm_gb", "engine_comm_gb", "step_s",
