@@ -1,5 +1,5 @@
 """shardwise.console: the plain progress line, the bar/lines choice, the ETA and the summary block,
-and shardwise.quiet's policy (issue 25 item 1, 2). Torch-free; the cadence of the lines in the loop
+and shardwise.quiet's policy. Torch-free; the cadence of the lines in the loop
 is tests/train/test_progress_output.py."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The suite does not depend on the free disk of the machine that runs it (issue 21, item 6:
-`bash .ci/run` failed on a machine with 70 GiB free, where two preflights of a planned
+"""The suite does not depend on the free disk of the machine that runs it (`bash .ci/run`
+once failed on a machine with 70 GiB free, where two preflights of a planned
 llama-2-7b run met the output-space check, 75.3 GiB). tests/conftest.py fakes 20 GiB free for
-every test; these tests prove the fake is what the space check sees, that it bites (the issue's
+every test; these tests prove the fake is what the space check sees, that it bites (that
 7B run is refused under it, so a test that forgets to ask for more fails on every machine, not
 only on small ones), and that the runs the suite launches as subprocesses (which see the real
 disk) need less than 20 GiB."""

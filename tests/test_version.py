@@ -1,4 +1,4 @@
-"""`shardwise --version` and `shardwise version --full` (issue 25 item 4)."""
+"""`shardwise --version` and `shardwise version --full`."""
 
 from __future__ import annotations
 

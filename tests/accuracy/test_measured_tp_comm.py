@@ -1,5 +1,5 @@
 """Collective bytes of tensor + sequence parallelism (`strategy.tp: 2`, TP alone on 2 gloo ranks)
-counted on the live engine against the planner (issue 26).
+counted on the live engine against the planner.
 
 The bench model (shardwise.bench.worker: tiny-llama-bench, 4 layers, hidden 128, fp32, micro-batch
 2 × 64 tokens) runs 4 optimizer steps at accumulation 1 and 2; shardwise.bench.comm counts steps

@@ -1,4 +1,4 @@
-"""benchmarks/packed_attention.py and its committed result (issue 22 item 2): attention per step at
+"""benchmarks/packed_attention.py and its committed result: attention per step at
 seq 2048 on CPU for the dense mask and the default mask-free path. The committed file has both
 paths for both document mixes, its bundled-data row is the one the data packs today, and the
 script still writes that structure (run here at seq 128, without FlexAttention's compile)."""

@@ -1,5 +1,5 @@
 """`shardwise bench` stopped by SIGTERM writes bench.json and report.md for the points it already
-measured (issue 21, item 12c: it wrote nothing), says which were not, and exits 75."""
+measured (it once wrote nothing), says which were not, and exits 75."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A planner-only install (issue 21, item 12b).
+"""A planner-only install.
 
 `pip install -e .` installs the planner (pydantic, typer, rich, PyYAML). Its `train`, `bench`,
 `export`, `calibrate` and `data` used to answer with a 63-line ModuleNotFoundError traceback;

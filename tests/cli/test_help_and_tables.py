@@ -1,4 +1,4 @@
-"""Help and tables that fit (issue 25 item 3): every flag name whole in `--help` at 80 columns,
+"""Help and tables that fit: every flag name whole in `--help` at 80 columns,
 flags shown as flags, `plan` and `explain` within the terminal's width when piped (COLUMNS),
 and `--format markdown|csv` that parse and carry the numbers of `--format json`."""
 

@@ -209,7 +209,7 @@ def test_strategy_flag_restricts_the_recommendation():
 
 
 def test_tp_flag_restricts_the_recommendation_and_says_plan_only():
-    doc = plan_json("--tp", "2")  # FSDP2 x TP runs in shardwise train (issue 26)
+    doc = plan_json("--tp", "2")  # FSDP2 x TP runs in shardwise train
     r = doc["recommended_setting"]
     assert r["tp"] == 2 and r["runnable"] is True and r["tool"] == "shardwise train" and r["needs"] == []
     assert r["strategy"] in ("fsdp", "fsdp-grad-op", "fsdp-hybrid")
@@ -244,7 +244,7 @@ def test_pipeline_table_leaves_out_what_cannot_combine():
 
 def test_library_recommend_honours_pinned_layouts():
     m, hw = catalog.get_model("llama-2-7b"), catalog.build_hardware(gpus=8)
-    r = recommend(m, hw, TrainSpec(), tps=(2,))  # FSDP2 x TP runs in shardwise train (issue 26)
+    r = recommend(m, hw, TrainSpec(), tps=(2,))  # FSDP2 x TP runs in shardwise train
     assert r.best.memory.layout.tp == 2 and r.runnable and r.tool == "shardwise train"
     r = recommend(m, hw, TrainSpec(), tps=(2,), strategies=["zero3", "ddp"])
     assert r.best.memory.layout.tp == 2 and not r.runnable and r.tool != "shardwise train"

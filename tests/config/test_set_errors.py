@@ -1,5 +1,5 @@
-"""`--set` errors name the override, not the file's line, and say how to write a list (issue 25
-item 5); a value from the file still cites its line."""
+"""`--set` errors name the override, not the file's line, and say how to write a list; a
+value from the file still cites its line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A non-UTF-8 byte in a data file names its line (issue 21, item 12a).
+"""A non-UTF-8 byte in a data file names its line.
 
 It used to be reported as "not UTF-8 text (invalid start byte at byte 5242893)": a byte
 offset into the whole file, with no line to open. Now: file:line, the byte's column in that

@@ -54,7 +54,7 @@ def write_big_record(path: Path, role: str, repeats: int) -> Path:
 
 
 CHILD = textwrap.dedent("""
-    import json, os, resource, sys
+    import json, resource, sys
     from shardwise.run import run_spec
     from shardwise.config.schema import TrainConfig
     from shardwise.train.sft_data import prepare_sft
@@ -69,9 +69,6 @@ CHILD = textwrap.dedent("""
     docs = [ds.document(i) for i in range(ds.num_documents)]
     print(json.dumps({"before": before, "peak": peak, "stats": ds.stats.summary(),
                       "lengths": ds.stats.encode.lengths,
-                      "imported": sorted({m.split(".")[0] for m in sys.modules if not m.startswith("_")}),
-                      "environ": sorted(k for k in os.environ if k.startswith(("SHARDWISE", "RANK", "WORLD", "PYTHON",
-                                                                               "LD_", "MALLOC", "TORCH"))),
                       "docs": [[a.tolist(), b.tolist()] for a, b in docs]}))
 """)
 
@@ -107,8 +104,7 @@ def test_a_100_mb_record_is_prepared_under_1_gib_rss(tmp_path, tok, role, trunca
     big = write_big_record(tmp_path / "big.jsonl", role, repeats)
     assert big.stat().st_size > 100_000_000
     out = prepare_in_child(tmp_path, big, truncation=truncation)
-    assert out["peak"] < GIB, (f"peak RSS {out['peak'] / GIB:.2f} GiB (imports: {out['before'] / GIB:.2f} GiB; "
-                               f"modules {out['imported']}, environment {out['environ']})")
+    assert out["peak"] < GIB, f"peak RSS {out['peak'] / GIB:.2f} GiB (imports: {out['before'] / GIB:.2f} GiB)"
     assert "truncated 1" in out["stats"] and "2 samples" in out["stats"], out["stats"]
     assert len(out["docs"][1][0]) == 2048 and out["lengths"][1] > 2048  # the histogram's "over" bin
     # The kept tokens are those of whole-text tokenisation: the same record at 20,000 phrases

@@ -1,4 +1,4 @@
-"""`shardwise doctor` (issue 24 item 3): this machine (no GPU here), and captured readings of an
+"""`shardwise doctor`: this machine (no GPU here), and captured readings of an
 8× H100 NVLink node with 8 InfiniBand NICs, a mixed A100/V100 box (read through NVML) and a DGX
 A100 with NCCL_IB_DISABLE=1 — the hardware spec each gives, the warnings, the spec file that
 `plan --hardware` reads, and the known silent failures of a setup."""

@@ -1,4 +1,4 @@
-"""`plan --emit` writes what was planned, portably (issue 24 item 5): a config.json from any
+"""`plan --emit` writes what was planned, portably: a config.json from any
 directory, the model named from its config, no emitted file naming the directory it was written
 to (the directory moved, then launched through fake `scontrol`/`srun`/`accelerate`), the planned
 AdamW in the HF Trainer command (parsed by transformers' own argument parser), the loss the plan

@@ -1,4 +1,4 @@
-"""`plan --emit` into a directory that already holds things (issue 21, item 12a): it never writes
+"""`plan --emit` into a directory that already holds things: it never writes
 through a symlink already there, and an emit removes the files of an earlier emit that it does
 not write again (a `ds_config.json` beside a new FSDP plan), nothing else; what it cannot tell
 apart (an edited earlier file, stale emit files without a record) is refused before anything is

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 × TP is planned as the DeepSpeed AutoTP that `shardwise train` runs (issue 26): the
+"""ZeRO-1/2 × TP is planned as the DeepSpeed AutoTP that `shardwise train` runs: the
 embedding, lm_head and logits whole on every TP rank, no sequence parallelism. Preflight's memory
 check reads that plan, so a run that fits only under Megatron's accounting (vocabulary-parallel,
 sequence-parallel) is refused before any rank starts. The measured checks of the scheme are

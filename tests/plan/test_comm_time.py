@@ -169,7 +169,7 @@ def test_explain_default_numbers():
     row = {m[0]: float(m[1]) for m in re.findall(r"\| (\w+) \| ([\d.]+) \|", out)}
     assert row["zero2"] == pytest.approx((2 * PSI + 14 * PSI / 8) / 1e9, rel=0.01)
     assert row["zero3"] == pytest.approx(16 * PSI / 8 / 1e9, abs=0.05)
-    # nothing about some other setup: the seed material's fixed scenarios are gone (issue 24 item 4)
+    # nothing about some other setup: the seed material's fixed scenarios are gone
     assert "seed material" not in out and "13B on 8×80 GB" not in out
 
 

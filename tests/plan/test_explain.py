@@ -1,4 +1,4 @@
-"""`shardwise explain` says only what its own table shows (issue 24 item 4): each statement the
+"""`shardwise explain` says only what its own table shows: each statement the
 issue quoted as wrong, on the setup it was quoted for, checked against the table printed beside it
 and against arithmetic done here (Ψ from the catalog, GPU memory from hardware.yaml)."""
 

@@ -1,4 +1,4 @@
-"""The planner prices the packed attention that runs (TrainSpec.packed_attention; issue 22 item 2).
+"""The planner prices the packed attention that runs (TrainSpec.packed_attention).
 
 Expected bytes are derived by hand from the collator and transformers' SDPA path, not copied
 from the code: the dense mask is the additive [B, 1, S, S] in the compute dtype (B·S²·c), and

@@ -1,4 +1,4 @@
-"""A checkpoint index (DCP's `.metadata`, a pickle) cannot run code (issue 21, item 1).
+"""A checkpoint index (DCP's `.metadata`, a pickle) cannot run code.
 
 - the allow-list is exactly what a fresh index needs (read off a real save, not copied);
 - pickles of protocols 0-5 that reach os.system, builtins.exec, subprocess, torch.load, and

@@ -1,4 +1,4 @@
-"""Nothing from a file runs code (issue 21, item 2).
+"""Nothing from a file runs code.
 
 A tokenizer or model directory with an `auto_map` names a Python file of its own. transformers
 imports it when `trust_remote_code` is True, and when it is not given at all it *asks on stdin*

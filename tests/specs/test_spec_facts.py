@@ -1,5 +1,5 @@
 """Facts the planner and the trainer once restated in several places, now named once on the spec
-they belong to (issue #23): mixed precision, DDP's autocast, passes over a layer, lm_head's
+they belong to: mixed precision, DDP's autocast, passes over a layer, lm_head's
 size, the fused-AdamW rule. Expected values are stated by hand, from the definitions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 × TP through DeepSpeed's AutoTP training (issue 26 item 2), CPU gloo, fp32.
+"""ZeRO-1/2 × TP through DeepSpeed's AutoTP training, CPU gloo, fp32.
 
 `strategy: {name: zero1, tp: 2}` on 2 ranks (TP alone: one data-parallel rank) and
 `{name: zero2, tp: 2}` on 4 ranks (ZeRO-2 over 2 data ranks × TP 2), against one process,

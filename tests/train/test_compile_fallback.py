@@ -1,4 +1,4 @@
-"""A torch.compile failure never ends a run (issue 22 item 7): the decoder layers fall back to
+"""A torch.compile failure never ends a run: the decoder layers fall back to
 eager at the failing call, one warning names the error and the plan re-priced without compiled
 layers, and the run trains exactly as an eager run (fp32, one process). Errors the model's own
 code raises are not mistaken for compile failures."""

@@ -1,5 +1,5 @@
 """Disk space: preflight counts what a run really holds, and a save that finds the disk full
-fails cleanly (issue 21, item 5).
+fails cleanly.
 
 - preflight reserves keep_last + 1 checkpoints (a save publishes before it prunes) plus the
   export, less the checkpoints a resumed lineage already has on disk (free disk faked);

@@ -1,5 +1,5 @@
-"""The exported files all have the same mode, the umask's (issue 21, item 12b: `model.safetensors`
-was 0600, safetensors' temp-file mode, while config.json and the rest were 0644)."""
+"""The exported files all have the same mode, the umask's (`model.safetensors`
+was once 0600, safetensors' temp-file mode, while config.json and the rest were 0644)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Export at scale (issue 22 item 3): sharded safetensors with Hugging Face's index, in the run's
+"""Export at scale: sharded safetensors with Hugging Face's index, in the run's
 compute dtype, written one shard at a time with bounded host memory, config.json naming the
 architecture and the dtype; every file 0644."""
 

@@ -1,4 +1,4 @@
-"""The end-of-run export (`checkpointing.save_final`, issue 22 items 3 and 6) streams from disk
+"""The end-of-run export (`checkpointing.save_final`) streams from disk
 with bounded host memory: the last step's checkpoint, or the final weights staged for it by every
 rank (shardwise.train.export.final_weights), written shard by shard on rank 0 as `shardwise export`
 writes them; never the whole fp32 model gathered on one host."""

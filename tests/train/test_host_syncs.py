@@ -1,4 +1,4 @@
-"""A step that does not wait on the host (issue 22 item 5).
+"""A step that does not wait on the host.
 
 - Host reads per step, counted on 2 gloo ranks (tests/train/sync_worker.py: every `.item()`,
   `.tolist()`, `float()`, `int()`, `bool()`, `__index__`, `.cpu()`, `.numpy()` on the training

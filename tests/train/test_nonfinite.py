@@ -1,4 +1,4 @@
-"""Non-finite steps are skipped, counted and never published (issue 21, item 4).
+"""Non-finite steps are skipped, counted and never published.
 
 - every engine skips the update of a step whose global gradient norm is NaN or Inf: weights
   stay as they were, and the next finite step's gradient norm is the same on every engine (so

@@ -1,4 +1,4 @@
-"""Nonsense that used to start ranks (issue 21, item 8) is refused before any rank starts: exit 2,
+"""Nonsense that used to start ranks is refused before any rank starts: exit 2,
 one message naming the field (or file) and the value, no traceback, and no rank ever ran (no
 heartbeat directory, no metrics.jsonl in the output dir).
 
@@ -66,7 +66,7 @@ def assert_refused_before_ranks(r: subprocess.CompletedProcess, out: Path, *frag
 def test_out_of_bounds_field_is_refused_naming_it(tmp_path, config, setting, fragments):
     out = tmp_path / "out"
     r = train(config, out, setting)
-    # the value came from --set: the error names the override, not a line of the file (issue 25)
+    # the value came from --set: the error names the override, not a line of the file
     assert_refused_before_ranks(r, out, f"--set {setting}:", *fragments)
     assert not out.exists()  # refused while reading the config: nothing was created
 

@@ -64,7 +64,7 @@ def test_two_runs_cannot_share_an_output_dir(tmp_path):
 def test_stale_temp_files_are_removed_and_named_and_summary_has_a_status(tmp_path):
     """Start-up clean-up removes what shardwise's killed saves and exports left (their `.tmp-`
     names, each directory with shardwise's marker inside, as they are created) and nothing else:
-    a user's own `.tmp-important/thesis.tex` and `.tmp-notes.txt` survive (issue 21, item 11)."""
+    a user's own `.tmp-important/thesis.tex` and `.tmp-notes.txt` survive."""
     from shardwise.train.outputs import TMP_MARKER
 
     stale = tmp_path / ".tmp-model-4242"

@@ -1,4 +1,4 @@
-"""Packed attention without a dense mask (issue 22 item 2; shardwise.train.model.packed_attention).
+"""Packed attention without a dense mask ( shardwise.train.model.packed_attention).
 
 The trainer's default packed path on CPU (one SDPA call per document, padding-free [1, T]
 batches) allocates no [B, 1, S, S] or T×T tensor in forward and backward, and trains the same

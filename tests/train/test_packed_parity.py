@@ -1,5 +1,5 @@
-"""Parity across strategies holds with packed SFT rows on the default packed path (issue 22
-item 2): the bundled SFT data packed into rows of 128 tokens (several documents per row), SDPA,
+"""Parity across strategies holds with packed SFT rows on the default packed path: the
+bundled SFT data packed into rows of 128 tokens (several documents per row), SDPA,
 which on CPU attends one SDPA call per document on padding-free [1, T] micro-batches.
 
 - At one world size the default path and the dense-mask reference ([B, 1, S, S], padded rows)

@@ -1,4 +1,4 @@
-"""What a batch log of `shardwise train` holds (issue 25 items 1 and 2).
+"""What a batch log of `shardwise train` holds.
 
 - The piped output (stdout and stderr into one pipe, not a TTY) of the bundled demos, 60 steps on
   2 CPU ranks, under FSDP2 (examples/demo.yaml), ZeRO-3 (the same with strategy.name=zero3) and

@@ -1,4 +1,4 @@
-"""Checkpoints belong to a run (issue 21, items 3 and 12): pruning and `--resume latest` never
+"""Checkpoints belong to a run: pruning and `--resume latest` never
 cross runs, a fresh run never mixes with an earlier one, and damaged checkpoints are named.
 
 The runs are real `shardwise train` processes on one CPU rank (lineage is rank 0's business:

@@ -1,4 +1,4 @@
-"""Stop signals and summary.json without torch (issue 21 items 9 and 10; the 2-rank runs of
+"""Stop signals and summary.json without torch ( the 2-rank runs of
 `shardwise train` are in test_stop_signals_e2e.py).
 
 - a stop that reaches a rank while it starts (before the trainer's StopRequest exists, even

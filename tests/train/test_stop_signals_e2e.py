@@ -1,5 +1,5 @@
 """`shardwise train` on 2 gloo ranks (CPU), real signals: what a closed SSH session, nohup, a
-stop during start-up and SIGUSR1 do, and what summary.json says (issue 21 items 9 and 10).
+stop during start-up and SIGUSR1 do, and what summary.json says.
 
 - SIGHUP to the launcher: a checkpoint, exit 75, the summary names SIGHUP;
 - SIGHUP ignored at start (nohup), then SIGHUP to the launcher and to a rank: the run completes;

@@ -1,4 +1,4 @@
-"""DDP and FSDP2 checkpoints through torch's state-dict API (issue 22 item 6): `get_state_dict` /
+"""DDP and FSDP2 checkpoints through torch's state-dict API: `get_state_dict` /
 `set_state_dict` mapped onto the canonical names, on 2 gloo ranks (tests/train/torch_state_worker.py).
 
 The canonical keys are exactly the trained parameters' (a tied weight once, a LoRA base never),

@@ -1,5 +1,5 @@
 """`shardwise plan --tp 2 ... --emit` writes a shardwise YAML with `strategy.tp: 2` that `shardwise
-train` runs on 2 CPU ranks as planned (issue 26), and the refusals of what TP does not run."""
+train` runs on 2 CPU ranks as planned, and the refusals of what TP does not run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Evaluation under tensor parallelism (issue 26): `strategy.tp: 2` on 2 gloo ranks evaluates the
+"""Evaluation under tensor parallelism: `strategy.tp: 2` on 2 gloo ranks evaluates the
 validation split (the bundled SFT sample, tests/train/validation_worker.py) through the engine's
 own TP forward and the vocab-parallel loss (`zero1`: DeepSpeed's AutoTP, the chunked loss on its
 replicated lm_head); its eval losses and step losses equal one process's

@@ -1,4 +1,4 @@
-"""Tensor (and sequence) parallelism trains what one process trains (issue 26).
+"""Tensor (and sequence) parallelism trains what one process trains.
 
 `strategy.tp: 2` on 2 gloo ranks (TP alone: FSDP2 has no data-parallel group to shard over) and
 FSDP2 × TP = 2 × 2 on 4 ranks, against one process, fp32, gradient accumulation 2, 8 steps, a

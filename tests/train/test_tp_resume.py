@@ -1,4 +1,4 @@
-"""Checkpoints across tensor-parallel degrees (issue 26 item 3), CPU gloo, fp32, synthetic data.
+"""Checkpoints across tensor-parallel degrees, CPU gloo, fp32, synthetic data.
 
 The canonical checkpoint names full tensors (DCP saves each DTensor as its global tensor, by
 name): a `strategy.tp: 2` run resumes bit-exact on its own layout (2 ranks TP alone, 4 ranks

@@ -1,4 +1,4 @@
-"""Saved-for-backward bytes per rank under the trainer's TP plan (issue 26 item d), fp32, 2 gloo
+"""Saved-for-backward bytes per rank under the trainer's TP plan, fp32, 2 gloo
 ranks, the activation bench's tiny Llama and Qwen2 (shardwise.bench.saved, 2 layers, 2 × 128
 tokens), measured with the same storage-deduped hook as tests/accuracy/test_measured_memory.py.
 

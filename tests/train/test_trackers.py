@@ -1,4 +1,4 @@
-"""Experiment trackers (issue 25 item 6): `logging.trackers: [tensorboard, wandb, mlflow]`.
+"""Experiment trackers: `logging.trackers: [tensorboard, wandb, mlflow]`.
 
 The end-to-end run: `shardwise train examples/demo.yaml` on 2 CPU ranks (FSDP2), 6 steps, a
 validation split evaluated every 3 steps, all three trackers, W&B offline (WANDB_MODE) and

@@ -1,4 +1,4 @@
-"""Validation (issue 22 item 4): `run.eval_every_steps` evaluates the validation split.
+"""Validation: `run.eval_every_steps` evaluates the validation split.
 
 The runs (tests/train/validation_worker.py): tiny Llama, fp32, the bundled SFT sample with
 `validation_fraction` 0.25 (61 packed rows of at most 64 tokens, 1185 target tokens), global

@@ -60,7 +60,7 @@ class BenchFailed(Exception):
         self.code = code
 
 
-# Short names for the usual axes (the issue's `--sweep strategies=zero2,zero3 --sweep micro_batch=1,2,4`).
+# Short names for the usual axes (`--sweep strategies=zero2,zero3 --sweep micro_batch=1,2,4`).
 ALIASES = {"strategy": "strategy.name", "strategies": "strategy.name", "micro_batch": "run.micro_batch",
            "grad_accum": "run.grad_accum", "checkpointing": "checkpointing.activation"}
 
