@@ -1,4 +1,4 @@
-"""Memory bounded by max_length, not by the record (issue 21, item 7).
+"""Memory bounded by max_length, not by the record.
 
 One 100 MB JSONL record used to drive preflight past 8 GiB RSS before any rank started: the
 whole record was tokenised (~170 bytes of RSS per character) before truncation kept 2048
@@ -54,17 +54,23 @@ def write_big_record(path: Path, role: str, repeats: int) -> Path:
 
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     from shardwise.run import run_spec
     from shardwise.config.schema import TrainConfig
     from shardwise.train.sft_data import prepare_sft
     from shardwise.data import load_dataset
 
+    def peak_rss():
+        # VmHWM: this address space's high-water mark. Not ru_maxrss, which Linux carries over
+        # from the image before exec: a pytest worker grown past 1 GiB would be reported instead.
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
     raw = json.loads(sys.argv[1])
     run = run_spec(TrainConfig.model_validate(raw), 1, "cpu")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # imports: the floor
+    before = peak_rss()  # imports: the floor
     cache = prepare_sft(run)  # what preflight does with the data: tokenise once into the cache
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     ds = load_dataset(cache)
     docs = [ds.document(i) for i in range(ds.num_documents)]
     print(json.dumps({"before": before, "peak": peak, "stats": ds.stats.summary(),
