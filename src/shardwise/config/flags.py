@@ -281,6 +281,7 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("weight_decay", "--weight-decay", "optimizer.weight_decay"),
     RunFlag("optimizer_impl", "--optimizer-impl", "optimizer.fused", also=("fused", "foreach", "forloop"),
             note="(fused where set, else fused on CUDA; foreach / forloop: torch's non-fused kernels)"),
+    RunFlag("optimizer_in_backward", "--optimizer-in-backward", "optimizer.in_backward"),
     RunFlag("fused_kernels", "--fused-kernels", "run.compile",
             note="(compiled decoder layers: elementwise work fused; unset: on CUDA under fsdp* and ddp)"),
 )
@@ -331,5 +332,5 @@ def run_option(param: str) -> Any:
     text = (f"{desc}{': ' + ' | '.join(choices) if choices else ''} {f.note}".strip()
             + f" (YAML {f.key}; default {shown}).")
     text = text[0].upper() + text[1:]
-    names = ["--fused-kernels/--no-fused-kernels"] if param == "fused_kernels" else [f.flag]
+    names = [f"{f.flag}/--no-{f.flag[2:]}"] if kind is bool or param == "fused_kernels" else [f.flag]
     return typer.Option(None, *names, help=text, show_default=False)

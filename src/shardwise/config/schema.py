@@ -127,6 +127,9 @@ class OptimizerSection(_Section):
     weight_decay: Finite = Field(0.0, ge=0, description="set explicitly: torch AdamW's default is 0.01")
     max_grad_norm: Finite = Field(1.0, ge=0, description="global-norm clipping; 0 disables")
     fused: bool | None = Field(None, description="fused AdamW; None = on CUDA only")
+    in_backward: bool = Field(False, description="each parameter's AdamW step runs in backward as soon as its "
+                              "gradient is final, which is then freed (no step holds every gradient); needs "
+                              "max_grad_norm 0, grad_accum 1, an fsdp strategy or one ddp rank, no fp16")
 
     def fused_on(self, device: str) -> bool:
         """Whether AdamW runs torch's fused kernel on `device`: `fused` where set, else on CUDA

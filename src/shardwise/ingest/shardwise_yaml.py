@@ -13,6 +13,7 @@ TOP = {"name", "model", "data", "strategy", "optimizer", "schedule", "precision"
 # Keys (dotted prefixes) that change the plan; the rest are the trainer's own business.
 PLANNED = ("model", "data.kind", "data.sft.max_length", "data.sft.packing", "data.sft.packed_attention",
            "data.synthetic.seq_len", "strategy", "optimizer.weight_decay", "optimizer.fused", "optimizer.name",
+           "optimizer.in_backward",
            "precision", "run.micro_batch", "run.grad_accum", "run.nproc", "run.compile", "checkpointing.activation",
            "hardware.gpu", "hardware.gpus_per_node", "hardware.profile", "hardware.host_memory_gb", "lora", "loss")
 UNUSED = {"lora.alpha", "lora.dropout", "lora.save_merged", "model.trust_remote_code", "model.random_init"}
@@ -67,7 +68,7 @@ def read(doc: Doc, ctx: Context) -> Source:
           "packed_attention": t.packed_attention, "lora_rank": t.lora_rank, "lora_targets": ",".join(t.lora_targets),
           "lora_modules_to_save": ",".join(t.lora_modules_to_save), "qlora": t.base_quant == "nf4",
           "cross_entropy": t.cross_entropy, "optimizer_impl": t.optimizer_impl, "weight_decay": t.weight_decay,
-          "fused_kernels": t.fused_kernels, "fused_norm": t.fused_norm, "expandable_segments": t.expandable_segments,
+          "optimizer_in_backward": t.optimizer_in_backward, "fused_kernels": t.fused_kernels, "fused_norm": t.fused_norm, "expandable_segments": t.expandable_segments,
           "strategy": [s.name]}
     if t.cross_entropy == "chunked":
         v["ce_chunk"] = t.ce_chunk

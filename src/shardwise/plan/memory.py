@@ -105,6 +105,13 @@ def _engine(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     w = train.master_bytes
     wrapped = s.ddp.wrapped(layout.dp_replicate)
     view = wrapped and s.ddp.gradient_as_bucket_view
+    if train.optimizer_in_backward and not wrapped:
+        # one replica, unwrapped: each parameter steps as its gradient is accumulated and the
+        # gradient is freed at once (a wrapped replica's buckets would hold them all: the trainer
+        # refuses that); one tensor's gradient and optimizer temporaries at a time
+        largest = model.largest_module / layout.tp
+        return MemoryBreakdown(params=w * psi, grads=w * largest, optimizer_states=os_ * psi,
+                               step_buffers=optimizer_temp(train, largest, largest)), HostBreakdown()
     return MemoryBreakdown(
         params=w * psi, grads=w * psi, optimizer_states=os_ * psi,
         step_buffers=optimizer_temp(train, psi, model.largest_module / layout.tp),
@@ -240,6 +247,13 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         grads_persist=accumulating and not unsharded_held,
         grads_pending=0.0 if accumulating else w * (layer + root) / n,
     )
+    if train.optimizer_in_backward:
+        # Each parameter steps in the hook FSDP2 runs after its group's reduce-scatter, and its
+        # sharded grad is freed there: one group's shards at a time (a layer, or the root at the
+        # end), and one parameter's optimizer temporaries (trainer: _torch_common.InBackwardAdamW).
+        largest = model.largest_module / layout.tp / n
+        mem = replace(mem, grads=w * max(layer, root) / n, grads_persist=False, grads_pending=0.0,
+                      step_buffers=max(optimizer_temp(train, largest, largest), root_rs))
     host = HostBreakdown()
     if s.offload_params:  # CPUOffloadPolicy: sharded params, grads and optimizer step on the CPU
         host = HostBreakdown(

@@ -149,6 +149,7 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", *, family: str | None = N
         "cross_entropy": cfg.loss.implementation,
         "ce_chunk": cfg.loss.chunk_tokens,
         "weight_decay": cfg.optimizer.weight_decay,
+        "optimizer_in_backward": cfg.optimizer.in_backward,
     }
     if cfg.lora is not None:
         t = cfg.lora.target_modules
@@ -347,6 +348,8 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
     raw["optimizer"]["weight_decay"] = train.weight_decay  # its optimizer groups are in the plan
+    if train.optimizer_in_backward:  # not clipped by the global norm: nothing waits for every gradient
+        raw["optimizer"] |= {"in_backward": True, "max_grad_norm": 0.0}
     # fused kernels = compiled decoder layers; the DeepSpeed engines run eagerly here
     compiles = strategy.engine in resolve.COMPILED_ENGINES
     current = raw["run"].get("compile")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shardwise.config.base import Spec
 from shardwise.config.fields import DTYPE_BYTES
 from shardwise.config.strategy import Engine
+from shardwise.errors import ShardwiseError
 
 Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 Optimizer = Literal["adamw", "sgd", "adam8bit"]
@@ -68,6 +69,9 @@ class TrainSpec(Spec):
     cross_entropy: CrossEntropy = "standard"
     ce_chunk: int = Field(1024, gt=0, le=MAX_SEQ_LEN, description="tokens per chunk for chunked cross-entropy")
     optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")
+    optimizer_in_backward: bool = Field(False, description="each parameter's optimizer step runs in backward as "
+                                        "soon as its gradient is final, which is then freed (torchtune's "
+                                        "optimizer_in_bwd): no phase holds every gradient")
     fused_kernels: bool = Field(False, description="elementwise work fused (torch.compile, Megatron-LM's fused "
                                 "kernels): priced as one read and write per fused region, fewer launches")
     compiled_engines: tuple[Engine, ...] | None = Field(
@@ -87,6 +91,15 @@ class TrainSpec(Spec):
     tp_comm_overlap: bool = Field(False, description="TP's all-gathers/reduce-scatters overlapped with the "
                                   "adjacent GEMMs (Megatron-LM --tp-comm-overlap, Transformer Engine userbuffers; "
                                   "torchtitan's async TP); no effect at tp 1")
+
+    @model_validator(mode="after")
+    def _in_backward_steps_once(self) -> TrainSpec:
+        if self.optimizer_in_backward and self.grad_accum > 1:
+            raise ShardwiseError(
+                "the optimizer step in backward (--optimizer-in-backward; YAML optimizer.in_backward) updates in "
+                f"each micro-batch's backward, so it cannot accumulate: gradient accumulation (--grad-accum; YAML "
+                f"run.grad_accum) must be 1, not {self.grad_accum} (raise the micro-batch instead)")
+        return self
 
     def for_engine(self, engine: str) -> TrainSpec:
         """This spec as `engine` runs it: fused_kernels decided by `compiled_engines` where set."""

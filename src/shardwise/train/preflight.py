@@ -127,6 +127,33 @@ def check_eval(cfg: TrainConfig) -> None:
         resolve_files(sft.validation_files, where=f"{cfg.source}: data.sft.validation_files")
 
 
+def check_in_backward(run: RunSpec) -> None:
+    """`optimizer.in_backward` (shardwise.train.engines._torch_common.InBackwardAdamW): refused,
+    naming the field to change, where a parameter's update cannot run as soon as its gradient is
+    final, or where it would save nothing (accumulation: TrainSpec refuses it, for plan alike)."""
+    cfg = run.config
+    if not cfg.optimizer.in_backward:
+        return
+    where = f"{cfg.source}: optimizer.in_backward"
+    engine = run.engine_strategy
+    if cfg.optimizer.max_grad_norm:
+        raise ShardwiseError(f"{where} updates each parameter as soon as its gradient is final, so nothing can clip "
+                             f"by the global norm: set optimizer.max_grad_norm: 0 (it is {cfg.optimizer.max_grad_norm:g})")
+    if run.train.compute_dtype == "fp16":
+        raise ShardwiseError(f"{where}: fp16's loss scaling unscales every gradient before any update; use "
+                             "precision: bf16 (or fp32)")
+    if engine.engine == "deepspeed":
+        raise ShardwiseError(f"{where}: DeepSpeed's engine owns the optimizer step (strategy.name "
+                             f"{cfg.strategy.name!r}); use an fsdp strategy")
+    if run.layout.tp > 1:
+        raise ShardwiseError(f"{where} is not run with tensor parallelism (strategy.tp {run.layout.tp}); use "
+                             "strategy.tp: 1")
+    if engine.engine == "ddp" and engine.ddp.wrapped(run.layout.dp):
+        raise ShardwiseError(f"{where}: DDP keeps every gradient in its reducer's buckets (nothing would be saved) "
+                             "and a parameter's hook fires before their all-reduce; use strategy.name: fsdp "
+                             "(or one ddp rank)")
+
+
 def prepare_data(run: RunSpec) -> Path | None:
     """The expensive part, last, once: the tokenizer against the model's vocabulary, then the
     files parsed, validated, templated, tokenised and packed into the data cache every rank
@@ -303,13 +330,17 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_installed(cfg)  # the packages logging.trackers needs
     check_data(cfg)
     check_eval(cfg)
-    run = run_spec(cfg, world_size, device)
+    try:
+        run = run_spec(cfg, world_size, device)
+    except ShardwiseError as e:  # a combination the specs refuse: name the file it came from
+        raise e if str(e).startswith(cfg.source) else ShardwiseError(f"{cfg.source}: {e}") from None
     note = attention_note(run)  # refuses an SDPA request the architecture cannot run
     if note:
         print(f"shardwise: {note}")
     from shardwise.train.model.loss_support import check_run
 
     check_run(run)  # refuses the chunked cross-entropy where the model changes its logits
+    check_in_backward(run)
     memory = check_memory(run, force)
     from shardwise.train.host_memory import check_host_memory
 

@@ -1,5 +1,6 @@
-"""What the DDP and FSDP2 engines share: AdamW construction, autocast, fp16 loss scaling, and
-the optimizer side of the Engine protocol (both own a plain torch optimizer)."""
+"""What the DDP and FSDP2 engines share: AdamW construction (one optimizer, or one per parameter
+stepped in backward), autocast, fp16 loss scaling, and the optimizer side of the Engine protocol
+(both own plain torch optimizers)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,83 @@ def compute_dtype(run: RunSpec) -> torch.dtype:
     return TORCH_DTYPES[run.train.compute_dtype]
 
 
-def build_adamw(run: RunSpec, model: torch.nn.Module, env: DistEnv) -> torch.optim.AdamW:
+def build_adamw(run: RunSpec, model: torch.nn.Module, env: DistEnv) -> torch.optim.Optimizer:
     """AdamW with every default that matters stated: weight decay (torch's default is 0.01),
-    betas, eps. Fused where the device has it (CUDA), else the for-loop/foreach reference."""
+    betas, eps. Fused where the device has it (CUDA), else the for-loop/foreach reference.
+    With `optimizer.in_backward`, an InBackwardAdamW: the same AdamW per parameter."""
+    o = run.config.optimizer
+    if o.in_backward:
+        return InBackwardAdamW(run, model, env)
+    return _adamw(run, decay_groups(model, o.weight_decay), env)
+
+
+def _adamw(run: RunSpec, groups: list[dict[str, Any]], env: DistEnv) -> torch.optim.AdamW:
     o = run.config.optimizer
     kw: dict[str, Any] = {"fused": True} if o.fused_on(env.device) else {}
-    return torch.optim.AdamW(
-        decay_groups(model, o.weight_decay),
-        lr=o.lr,
-        betas=o.betas,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        **kw,
-    )
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kw)
+
+
+class InBackwardAdamW:
+    """The optimizer step in backward (`optimizer.in_backward`, torchtune's optimizer_in_bwd): one
+    AdamW per trainable parameter, stepped by that parameter's post-accumulate-grad hook as soon
+    as its gradient is final (FSDP2 runs the hook on the sharded parameter after its
+    reduce-scatter), the gradient freed at once: no step ever holds every gradient.
+
+    The contract, checked before any rank starts (shardwise.train.preflight): no clipping by the
+    global norm (no update may wait for every gradient), one micro-batch per step, FSDP2 or an
+    unwrapped replica (a DDP reducer keeps every gradient's bucket, and its hook fires before the
+    all-reduce), no fp16 loss scaling. A parameter whose gradient is not finite is not updated (a
+    per-parameter skip: the update cannot wait for the global norm); the step then reports a
+    non-finite norm, so the loop counts it skipped. `finish_step` returns the global gradient
+    norm, summed from the squares each hook saw."""
+
+    def __init__(self, run: RunSpec, model: torch.nn.Module, env: DistEnv):
+        o = run.config.optimizer
+        self.by_param: dict[torch.nn.Parameter, torch.optim.AdamW] = {
+            p: _adamw(run, [{**group, "params": [p]}], env)
+            for group in decay_groups(model, o.weight_decay) for p in group["params"]}
+        self.optimizers = list(self.by_param.values())
+        self._squares: torch.Tensor | None = None  # Σ‖g‖² of this step's gradients (a Partial DTensor when sharded)
+        self._handles = [p.register_post_accumulate_grad_hook(self._step_one) for p in self.by_param]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def _step_one(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        squares = grad.detach().float().square().sum()
+        self._squares = squares if self._squares is None else self._squares + squares
+        local = squares.to_local() if isinstance(squares, DTensor) else squares
+        opt = self.by_param[p]
+        if getattr(opt, "_step_supports_amp_scaling", False):  # fused: skipped on the device, no sync
+            opt.found_inf = torch.isfinite(local).logical_not().to(torch.float32)  # type: ignore[attr-defined]
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf  # type: ignore[attr-defined]
+        elif bool(torch.isfinite(local)):
+            opt.step()
+        p.grad = None
+
+    def finish_step(self) -> torch.Tensor:
+        """The step's global gradient norm (one all-reduce where the parameters are sharded);
+        the next step starts from zero."""
+        squares, self._squares = self._squares, None
+        if squares is None:
+            return torch.zeros(())
+        total = squares.full_tensor() if isinstance(squares, DTensor) else squares
+        return total.sqrt()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for opt in self.optimizers:
+            opt.state.clear()
 
 
 def autocast(run: RunSpec, env: DistEnv):
@@ -71,7 +136,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer | InBackwardAdamW, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
 
@@ -82,7 +147,7 @@ class TorchOptimizerEngine:
     consolidated state dict and close; `_global_norm` turns the clipped norm into one number."""
 
     module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | InBackwardAdamW
     scaler: torch.amp.GradScaler | None
     run: RunSpec
 
@@ -101,7 +166,11 @@ class TorchOptimizerEngine:
         optimizer's `found_inf` attribute, which GradScaler sets, inside its kernel and leaves
         parameters, moments and the step count as they were when it is 1 (torch/optim/adam.py,
         `_fused_adam`: the step count it increments is decremented by found_inf). Elsewhere one
-        `bool()` of `isfinite(norm)` decides: the step's one host sync."""
+        `bool()` of `isfinite(norm)` decides: the step's one host sync.
+
+        In backward (InBackwardAdamW) the updates are done when this is called: the norm only."""
+        if isinstance(self.optimizer, InBackwardAdamW):
+            return self.optimizer.finish_step().detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -124,6 +193,13 @@ class TorchOptimizerEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def close_optimizer(self) -> None:
+        """Drop the optimizer's state (and the hooks of one stepped in backward)."""
+        if isinstance(self.optimizer, InBackwardAdamW):
+            self.optimizer.close()
+        else:
+            self.optimizer.state.clear()
+
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -140,9 +216,10 @@ class TorchOptimizerEngine:
         it takes a zero-lr step, leaving the step count at 1, so a save before the first applied
         update (every step skipped as non-finite) would change the next update's bias correction."""
         for group in self.optimizer.param_groups:
+            opt = self._owner(group)
             on_device = group.get("fused") or group.get("capturable")
             for p in group["params"]:
-                st = self.optimizer.state[p]
+                st = opt.state[p]
                 if st:
                     continue
                 st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
@@ -154,7 +231,15 @@ class TorchOptimizerEngine:
         """`get_state_dict`: the model's and the optimizer's state keyed by FQN, aliasing the live
         tensors (DTensor shards under FSDP2), frozen parameters left out (a LoRA base)."""
         self._init_optimizer_state()
-        return get_state_dict(self.module, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        return get_state_dict(self.module, self._optimizers(), options=StateDictOptions(ignore_frozen_params=True))
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        opt = self.optimizer
+        return list(opt.optimizers) if isinstance(opt, InBackwardAdamW) else [opt]
+
+    def _owner(self, group: dict[str, Any]) -> torch.optim.Optimizer:
+        """The torch optimizer whose `param_groups` holds `group`."""
+        return next(o for o in self._optimizers() if any(g is group for g in o.param_groups))
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         model_sd, optim_sd = self._state_dicts()
@@ -168,7 +253,7 @@ class TorchOptimizerEngine:
         model_sd, optim_sd = from_canonical(tensors, optim_sd, int(extra["optimizer_step"]))
         # strict=False: the dict holds the trained parameters only (no frozen base, buffers or
         # second name of a tied weight); a name the model lacks would be a bug here (asserted).
-        missing = set_state_dict(self.module, self.optimizer, model_state_dict=model_sd,
+        missing = set_state_dict(self.module, self._optimizers(), model_state_dict=model_sd,
                                  optim_state_dict=optim_sd, options=StateDictOptions(strict=False))
         assert not missing.unexpected_keys, missing.unexpected_keys
         if self.scaler and extra.get("scaler"):

@@ -68,4 +68,5 @@ class DDPEngine(TorchOptimizerEngine):
         return full_state_dict(self.module, self.env.is_main)
 
     def close(self) -> None:
+        self.close_optimizer()
         self.ddp = None

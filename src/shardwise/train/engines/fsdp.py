@@ -159,4 +159,4 @@ class FSDP2Engine(TorchOptimizerEngine):
         return full_state_dict(self.module, self.env.is_main)  # collective: all ranks call it
 
     def close(self) -> None:
-        self.optimizer.state.clear()
+        self.close_optimizer()
