@@ -9,8 +9,9 @@ post-accumulate-grad hook as soon as its gradient is final, the gradient then fr
 - What it saves, counted on the engine's tensors on 2 gloo ranks (tests/train/in_backward_worker.py):
   the gradient bytes a rank holds at its peak, stock minus in backward, within 10% of the plan's
   change of its `grads` term.
-- Refused before any rank starts, naming the field: clipping by the global norm, accumulation
-  (plan and train alike), DeepSpeed, DDP's reducer, tensor parallelism, fp16.
+- Refused before any rank starts, naming the field: clipping by the global norm, accumulation,
+  DeepSpeed, DDP's reducer, tensor parallelism, fp16; the planner refuses the same strategies
+  (left out of a bare plan with the reason, refused when named) and never recommends them.
 """
 
 from __future__ import annotations
@@ -117,10 +118,10 @@ def _run(**changes):
 
 @pytest.mark.parametrize(("changes", "says"), [
     ({"optimizer.max_grad_norm": "1.0"}, r"nothing can clip by the global norm: set optimizer\.max_grad_norm: 0"),
-    ({"strategy.name": "zero3"}, r"DeepSpeed's engine owns the optimizer step \(strategy\.name 'zero3'\)"),
+    ({"strategy.name": "zero3"}, r"DeepSpeed's engine owns the optimizer step \(zero3\).*\(strategy\.name 'zero3'"),
     ({"strategy.name": "ddp"}, r"DDP keeps every gradient in its reducer's buckets"),
-    ({"strategy.tp": "2"}, r"not run with tensor parallelism \(strategy\.tp 2\)"),
-    ({"precision": "fp16-mixed"}, r"fp16's loss scaling"),
+    ({"strategy.tp": "2"}, r"not run with tensor or pipeline parallelism \(tp 2, pp 1\)"),
+    ({"precision": "fp16-mixed"}, r"cannot run under fp16: its loss scaling"),
 ])
 def test_what_it_cannot_run_is_refused_naming_the_field(changes, says) -> None:
     from shardwise.train.preflight import check_in_backward
@@ -142,3 +143,44 @@ def test_accumulation_is_refused_by_plan_and_train_alike(tmp_path) -> None:
     r = train(tmp_path / "out", "--set", "optimizer.in_backward=true", "--set", "run.grad_accum=2")
     assert r.returncode == 2 and f"{CONFIG}: the optimizer step in backward" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_the_planner_plans_it_where_the_trainer_runs_it() -> None:
+    """A bare plan leaves the DeepSpeed strategies out with the reason, a named one is refused,
+    and the recommendation is a strategy the trainer runs it with (llama-3.1-8b on 8 GPUs)."""
+    from shardwise.catalog import build_hardware, get_model
+    from shardwise.plan.planner import plan_layouts
+    from shardwise.plan.recommend import recommend
+    from shardwise.specs import TrainSpec
+
+    model, hw = get_model("llama-3.1-8b"), build_hardware(gpu="h100-sxm", gpus=8)
+    train = TrainSpec(micro_batch=1, optimizer_in_backward=True)
+    plans, left_out = plan_layouts(model, hw, train)
+    assert {e.strategy.engine for e in plans} == {"fsdp2"}
+    assert "ddp" in left_out and all(n.startswith("zero") or n == "ddp" for n in left_out), sorted(left_out)
+    assert all("DeepSpeed's engine owns the optimizer step" in left_out[n] for n in left_out if n != "ddp")
+    assert "reducer's buckets" in left_out["ddp"]
+    with pytest.raises(ShardwiseError, match=r"--optimizer-in-backward with zero3: DeepSpeed's engine owns"):
+        plan_layouts(model, hw, train, ["zero3"])
+    best = recommend(model, hw, train).best
+    assert best.strategy.engine == "fsdp2" and best.train.grad_accum == 1 and best.train.optimizer_in_backward
+
+
+def test_the_recommender_reaches_for_it_before_it_says_nothing_fits() -> None:
+    """A 1.5B model on one 24 GB RTX 4090 with 16 GB of host memory: no configuration fits with
+    the stock optimizer step (offload needs more host memory); the recommendation is one that
+    steps in backward, says so, and is what --emit writes."""
+    from shardwise.catalog import build_hardware
+    from shardwise.plan.recommend import recommend, runnable, sweep
+    from shardwise.run.bridge import to_config
+    from shardwise.specs import ModelSpec, TrainSpec
+
+    model = ModelSpec.from_params(1.5e9)
+    hw = build_hardware(gpu="rtx-4090", gpus=1, host_memory_bytes=16e9)
+    assert not [e for e in sweep(model, hw, TrainSpec()) if runnable(e) and e.fits]
+    rec = recommend(model, hw, TrainSpec())
+    assert rec.best.fits and rec.runnable and rec.best.train.optimizer_in_backward
+    assert rec.best.train.grad_accum == 1
+    assert "It fits only with the optimizer step in backward (--optimizer-in-backward" in rec.reason
+    cfg, _ = to_config(model, hw, rec.best.train, rec.best.strategy)
+    assert cfg.optimizer.in_backward and cfg.optimizer.max_grad_norm == 0 and cfg.run.grad_accum == 1

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import CommBreakdown, ideal_comm, plan_comm
 from shardwise.plan.memory import MemoryPlan, plan_memory
 from shardwise.plan.stage import replica_params
 from shardwise.plan.timing import TimeBreakdown, step_time
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
+from shardwise.specs.layout import ParallelLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,11 @@ def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy
 def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
              accounting: str = "engine", margin: float | None = None) -> Evaluation:
     train = train.for_engine(strategy.engine)
+    if train.optimizer_in_backward:
+        layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
+        why = strategy.in_backward_refusal(layout.dp)
+        if why:
+            raise ShardwiseError(f"--optimizer-in-backward with {strategy.name}: {why}")
     mem = memory_as_run(model, hw, train, strategy, accounting=accounting, margin=margin)
     runs = mem.engine_strategy  # FSDP2 with a one-rank shard group may run as DDP
     comm = plan_comm(model, hw, train, runs, mem.layout)

@@ -14,7 +14,7 @@ pins `--tp`/`--pp` above 1 gets the best of those layouts, marked plan-only.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardwise.config.strategy import STRATEGIES, STRATEGY_NAMES, StrategyKnobs
 from shardwise.errors import ShardwiseError
@@ -166,17 +166,25 @@ def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=Non
           accounting: str = "engine") -> list[Evaluation]:
     """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
     where it divides, so that candidates train the same thing. `accounting` (`plan
-    --accounting`) decides the model states, so what fits and the recommendation's memory."""
+    --accounting`) decides the model states, so what fits and the recommendation's memory.
+    With the optimizer step in backward (no accumulation) the micro-batch is the global batch's
+    share of each data-parallel rank."""
     margin = check_margin(margin)
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
     pps = pps or tuple(p for p in (1, 2, 4) if p <= model.num_layers and hw.world_size % p == 0)
     out = []
     global_samples = base.micro_batch * base.grad_accum * hw.world_size  # of the pure-DP base
+    seen_mb: dict[tuple, set[int]] = {}
     for name, mb, ck, tp, pp in itertools.product(strategies or STRATEGY_NAMES, micro_batches,
                                                   checkpointing, tps, pps):
         try:
             s = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
             dp = hw.world_size // (tp * pp)
+            if base.optimizer_in_backward:  # one micro-batch per step: the micro-batch is the rank's share
+                mb = global_samples // dp if dp and global_samples % dp == 0 else 0
+                if mb < 1 or mb in seen_mb.setdefault((name, ck, tp, pp), set()):
+                    continue
+                seen_mb[(name, ck, tp, pp)].add(mb)
             ga = global_samples // (mb * dp) if dp and global_samples % (mb * dp) == 0 else 0
             if ga < 1:
                 continue
@@ -208,6 +216,9 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Reco
     fitting = [e for e in eligible if e.fits]
     if not fitting:
         alts = _alternatives(None, others)
+        saver = None if base.optimizer_in_backward or not ours else _in_backward(model, hw, base, kw)
+        if saver is not None:
+            return saver
         raise NothingFits(_nothing_fits(model, hw, eligible, plan_only=not ours) + _alt_clause(alts), alts)
     best = _rank(fitting)
     rivals = [e for e in fitting if e.strategy.name != best.strategy.name]
@@ -220,6 +231,22 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Reco
                    f"{' and '.join(trainer_gaps(best.strategy, best.train, model))}: "
                    f"run it with {tool_for(best.strategy, best.train, model)}.")
     return Recommendation(best, runner, len(eligible), len(fitting), reason, alts)
+
+
+def _in_backward(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, kw: dict) -> Recommendation | None:
+    """What fits when the optimizer steps in backward (each gradient freed as it is applied), where
+    nothing fits with the stock step; None when that does not fit either."""
+    try:
+        rec = recommend(model, hw, base.model_copy(update={"optimizer_in_backward": True}), **kw)
+    except NothingFits:
+        return None
+    if not rec.runnable:
+        return None
+    reason = (f"{rec.reason} It fits only with the optimizer step in backward (--optimizer-in-backward, YAML "
+              "optimizer.in_backward: each parameter updated as soon as its gradient is final, so no step holds "
+              "every gradient; no clipping by the global norm, one micro-batch per step): nothing fits with the "
+              "stock step.")
+    return replace(rec, reason=reason)
 
 
 def _nothing_fits(model: ModelSpec, hw: HardwareSpec, evals: list[Evaluation], plan_only: bool) -> str:

@@ -186,6 +186,19 @@ class Strategy(Spec):
         """`fully_shard(reshard_after_forward=...)` of a decoder layer (`last`: the final one)."""
         return self.resharding == "all" or (self.resharding == "not-last" and not last)
 
+    def in_backward_refusal(self, dp: int) -> str | None:
+        """Why the optimizer step in backward (`optimizer.in_backward`) does not run with this
+        strategy at `dp` data-parallel ranks, or None where it does (FSDP2; one unwrapped DDP
+        replica). The trainer's preflight and the planner both ask here."""
+        if self.engine == "deepspeed":
+            return f"DeepSpeed's engine owns the optimizer step ({self.name}); use an fsdp strategy"
+        if self.tp > 1 or self.pp > 1:
+            return f"it is not run with tensor or pipeline parallelism (tp {self.tp}, pp {self.pp})"
+        if self.engine == "ddp" and self.ddp.wrapped(dp):
+            return ("DDP keeps every gradient in its reducer's buckets (nothing would be saved) and a parameter's "
+                    "hook fires before their all-reduce; use an fsdp strategy (or one ddp rank)")
+        return None
+
     def single_rank_ddp(self, world_size: int, gpus_per_node: int) -> Strategy | None:
         """The DDP strategy this FSDP2 strategy may run as: its data-parallel shard group is
         one rank, nothing is offloaded, no TP/PP, and `fsdp.single_rank` is not "fsdp" (whether

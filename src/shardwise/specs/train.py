@@ -99,6 +99,10 @@ class TrainSpec(Spec):
                 "the optimizer step in backward (--optimizer-in-backward; YAML optimizer.in_backward) updates in "
                 f"each micro-batch's backward, so it cannot accumulate: gradient accumulation (--grad-accum; YAML "
                 f"run.grad_accum) must be 1, not {self.grad_accum} (raise the micro-batch instead)")
+        if self.optimizer_in_backward and self.compute_dtype == "fp16":
+            raise ShardwiseError("the optimizer step in backward (--optimizer-in-backward; YAML optimizer.in_backward) "
+                                 "cannot run under fp16: its loss scaling unscales every gradient before any update; "
+                                 "use bf16-mixed (or fp32)")
         return self
 
     def for_engine(self, engine: str) -> TrainSpec:

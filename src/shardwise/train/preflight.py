@@ -130,7 +130,8 @@ def check_eval(cfg: TrainConfig) -> None:
 def check_in_backward(run: RunSpec) -> None:
     """`optimizer.in_backward` (shardwise.train.engines._torch_common.InBackwardAdamW): refused,
     naming the field to change, where a parameter's update cannot run as soon as its gradient is
-    final, or where it would save nothing (accumulation: TrainSpec refuses it, for plan alike)."""
+    final, or where it would save nothing (accumulation and fp16: TrainSpec refuses them, and the
+    strategy's own refusal is Strategy.in_backward_refusal: for plan alike)."""
     cfg = run.config
     if not cfg.optimizer.in_backward:
         return
@@ -139,19 +140,9 @@ def check_in_backward(run: RunSpec) -> None:
     if cfg.optimizer.max_grad_norm:
         raise ShardwiseError(f"{where} updates each parameter as soon as its gradient is final, so nothing can clip "
                              f"by the global norm: set optimizer.max_grad_norm: 0 (it is {cfg.optimizer.max_grad_norm:g})")
-    if run.train.compute_dtype == "fp16":
-        raise ShardwiseError(f"{where}: fp16's loss scaling unscales every gradient before any update; use "
-                             "precision: bf16 (or fp32)")
-    if engine.engine == "deepspeed":
-        raise ShardwiseError(f"{where}: DeepSpeed's engine owns the optimizer step (strategy.name "
-                             f"{cfg.strategy.name!r}); use an fsdp strategy")
-    if run.layout.tp > 1:
-        raise ShardwiseError(f"{where} is not run with tensor parallelism (strategy.tp {run.layout.tp}); use "
-                             "strategy.tp: 1")
-    if engine.engine == "ddp" and engine.ddp.wrapped(run.layout.dp):
-        raise ShardwiseError(f"{where}: DDP keeps every gradient in its reducer's buckets (nothing would be saved) "
-                             "and a parameter's hook fires before their all-reduce; use strategy.name: fsdp "
-                             "(or one ddp rank)")
+    why = engine.in_backward_refusal(run.layout.dp)
+    if why:
+        raise ShardwiseError(f"{where}: {why} (strategy.name {cfg.strategy.name!r}, strategy.tp {run.layout.tp})")
 
 
 def prepare_data(run: RunSpec) -> Path | None:
