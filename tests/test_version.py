@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from importlib.metadata import version
 
 from typer.testing import CliRunner
@@ -16,6 +18,13 @@ def test_version_flag_prints_the_installed_version():
     assert res.exit_code == 0, res.output
     assert res.output.strip() == f"shardwise {shardwise.__version__}"
     assert shardwise.__version__ == version("shardwise")  # the package's own and its metadata agree
+
+
+def test_python_m_shardwise_cli_is_the_command():
+    """`python -m shardwise.cli` (what benchmarks/gpu/session.sh runs) is the console script."""
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "--version"], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == f"shardwise {shardwise.__version__}", r.stderr[-2000:]
 
 
 def test_version_full_names_the_libraries_a_run_depends_on():
