@@ -226,6 +226,10 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     kernels += k * (tm.step_kernels + tm.ce_kernels_per_chunk * ce_chunks(train))
     if train.optimizer_impl == "forloop":
         kernels += tm.forloop_kernels_per_tensor * len(model.hf_order) / pp
+    elif train.optimizer_in_backward:  # one optimizer per tensor (the trainer's InBackwardAdamW): the fused
+        # kernel launched per tensor, the foreach ops once per tensor each, instead of once over all tensors
+        per_tensor = 1 if train.optimizer_impl == "fused" else tm.forloop_kernels_per_tensor
+        kernels += per_tensor * len(model.hf_order) / pp
     launch = kernels * tm.launch_s
     passes = 2 + recompute
     hooks = serial = 0.0
