@@ -105,7 +105,7 @@ def test_every_field_the_planner_reads_is_a_plan_flag():
     unflagged = sorted(found - flags - set(EXCEPT))
     assert not unflagged, f"schema fields the planner reads with no plan flag: {unflagged}"
     # a key with one value in the schema (optimizer.name: adamw) cannot move the plan; the planner
-    # prices the values it names beyond the trainer's (--optimizer sgd, adam8bit)
+    # prices the values it names beyond the trainer's (--optimizer sgd, adamw8bit, ...)
     single = {k for k, ann in _leaves(TrainConfig) if not _other_values(ann, schema_default(k))}
     stale = sorted(flags - found - single)
     assert not stale, f"plan flags whose YAML key the planner does not read: {stale}"

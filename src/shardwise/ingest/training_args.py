@@ -26,8 +26,9 @@ from shardwise.ingest.common import (
 
 # HF optim names -> the planner's optimizer
 OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_apex_fused": "adamw",
-         "adamw_torch_xla": "adamw", "adamw_8bit": "adam8bit", "adamw_bnb_8bit": "adam8bit",
-         "paged_adamw_8bit": "adam8bit", "paged_adamw_32bit": "adamw", "sgd": "sgd"}
+         "adamw_torch_xla": "adamw", "adamw_8bit": "adamw8bit", "adamw_bnb_8bit": "adamw8bit",
+         "adamw_torch_8bit": "adamw8bit", "adamw_torch_4bit": "adamw4bit",
+         "paged_adamw_8bit": "paged_adamw8bit", "paged_adamw_32bit": "adamw", "sgd": "sgd"}
 OPTIM_IMPL = {"adamw_torch_fused": "fused", "adamw_torch": "foreach"}
 NO_EFFECT = {"output_dir", "learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio",
              "warmup_steps", "logging_steps", "save_steps", "save_strategy", "eval_strategy", "evaluation_strategy",

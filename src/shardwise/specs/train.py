@@ -12,7 +12,11 @@ from shardwise.config.strategy import Engine
 from shardwise.errors import ShardwiseError
 
 Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
-Optimizer = Literal["adamw", "sgd", "adam8bit"]
+# AdamW with fp32/bf16 states, SGD with momentum, and AdamW with block-quantized states: 8-bit
+# (torchao AdamW8bit; bitsandbytes AdamW8bit alike), 4-bit (torchao AdamW4bit), and bitsandbytes'
+# PagedAdamW8bit, whose states live in CUDA unified memory that the driver pages to the host
+# (plan/optimizer.py states the bytes of each).
+Optimizer = Literal["adamw", "sgd", "adamw8bit", "adamw4bit", "paged_adamw8bit"]
 Checkpointing = Literal["none", "full", "selective"]
 Attention = Literal["eager", "sdpa", "flash"]
 CrossEntropy = Literal["standard", "chunked", "fused", "inplace"]
@@ -72,6 +76,9 @@ class TrainSpec(Spec):
     optimizer_in_backward: bool = Field(False, description="each parameter's optimizer step runs in backward as "
                                         "soon as its gradient is final, which is then freed (torchtune's "
                                         "optimizer_in_bwd): no phase holds every gradient")
+    activation_offload: bool = Field(False, description="the tensors saved for backward are moved to host memory "
+                                     "in forward and brought back in backward (torchtune's and torchao's "
+                                     "activation offloading); with checkpointing, only the layers' kept inputs")
     fused_kernels: bool = Field(False, description="elementwise work fused (torch.compile, Megatron-LM's fused "
                                 "kernels): priced as one read and write per fused region, fewer launches")
     compiled_engines: tuple[Engine, ...] | None = Field(
