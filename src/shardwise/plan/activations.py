@@ -395,3 +395,18 @@ def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: b
     if train.checkpointing == "selective" and attention_kind(model, train) != "eager":
         kept += (train.compute_bytes * model.o_dim + 4 * model.num_heads) / tp
     return tokens * max(0.0, full - kept - final_norm_saved(model, train, autocast, tp))
+
+
+def offload_kept(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:
+    """Saved-for-backward bytes per GPU that stay on the device under activation offloading
+    (`activation_offload`): one decoder layer's saved set. torchtune's OffloadActivations
+    (torchtune/training/_activation_offloading.py, with streams) keeps the last
+    `max_fwd_stash_size` (5) offloaded tensors alive until their copies complete, which at the
+    end of forward are the last layer's; in backward it brings back one autograd node's tensors at
+    a time and frees the previous node's. With full checkpointing a layer's saved set is its kept
+    input (the recomputed layer is `recompute_bytes`, on the device as before)."""
+    tokens = train.micro_batch * train.seq_len
+    if train.checkpointing == "full":
+        return tokens * (4 if autocast else train.compute_bytes) * model.hidden_size / seq_shards(train, tp)
+    per_layer = selective_saved_per_token if train.checkpointing == "selective" else layer_saved_per_token
+    return tokens * per_layer(model, train, tp, autocast)

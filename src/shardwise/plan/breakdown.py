@@ -165,12 +165,14 @@ class HostBreakdown:
     master_params: float = 0.0
     optimizer_states: float = 0.0
     pinned_buffers: float = 0.0
+    activations: float = 0.0  # saved-for-backward tensors offloaded to pinned host memory
     load: LoadBreakdown = field(default_factory=LoadBreakdown)
 
     @property
     def total(self) -> float:
         """The training phase's offloaded bytes per node."""
-        return self.params + self.grads + self.master_params + self.optimizer_states + self.pinned_buffers
+        return (self.params + self.grads + self.master_params + self.optimizer_states + self.pinned_buffers
+                + self.activations)
 
     @property
     def training(self) -> float:

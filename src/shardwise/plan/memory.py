@@ -15,13 +15,13 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from shardwise.catalog import memory_model
-from shardwise.plan.activations import activation_bytes, recompute_bytes
+from shardwise.plan.activations import activation_bytes, mask_bytes, offload_kept, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.load import load_phase
 from shardwise.plan.loss import logits_bytes
 from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_states
 from shardwise.plan.memory_lora import lora_states
-from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
+from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp, paged_states
 from shardwise.plan.stage import (
     Replica,
     fsdp_gathered_params,
@@ -295,6 +295,35 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
             "allocator_slack": overlap + splitting, "allocator_unreclaimable": 0.0 if expandable else splitting}
 
 
+def saved_for_backward(model: ModelSpec, train: TrainSpec, strategy: Strategy,
+                       layout: ParallelLayout) -> tuple[float, float]:
+    """(saved-for-backward bytes at the end of forward, the recomputed layer's) per GPU, before
+    any offloading. `train` as tp_train gives it."""
+    # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
+    autocast = train.autocasts(strategy.engine)
+    # DTensor's column-parallel linears save their gathered input, Megatron-SP's their sharded one
+    # (plan.activations.gathered_inputs); AutoTP has no sequence parallelism (`tp_train`)
+    acts = activation_bytes(model, train, layout.tp, layout.pp, autocast,
+                            gathered=strategy.tp_scheme.saves_gathered_input)
+    recompute = recompute_bytes(model, train, layout.tp, autocast)
+    if autocast:
+        cached, recast = autocast_cache(model, train, layout)
+        acts += cached
+        recompute = max(0.0, recompute + recast)
+    return acts, recompute
+
+
+def offloaded_activations(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout) -> float:
+    """Bytes per GPU that activation offloading (`activation_offload`) moves to the host in each
+    micro-batch's forward and back in its backward: the saved set but the layer in flight
+    (plan.activations.offload_kept) and a dense mask (one tensor every layer saves)."""
+    if not train.activation_offload:
+        return 0.0
+    acts = saved_for_backward(model, train, strategy, layout)[0]
+    kept = offload_kept(model, train, layout.tp, train.autocasts(strategy.engine)) + mask_bytes(train)
+    return max(0.0, acts - kept)
+
+
 def plan_memory(
     model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
     accounting: Accounting = "engine", margin: float | None = None, runs_as: Strategy | None = None,
@@ -314,22 +343,19 @@ def plan_memory(
     layout.check_model(model)
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
-    # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
-    autocast = train.autocasts(strategy.engine)
-    # DTensor's column-parallel linears save their gathered input, Megatron-SP's their sharded one
-    # (plan.activations.gathered_inputs); AutoTP has no sequence parallelism (`tp_train`)
-    acts = activation_bytes(model, train, layout.tp, layout.pp, autocast,
-                            gathered=strategy.tp_scheme.saves_gathered_input)
-    recompute = recompute_bytes(model, train, layout.tp, autocast)
-    if autocast:
-        cached, recast = autocast_cache(model, train, layout)
-        acts += cached
-        recompute = max(0.0, recompute + recast)
+    acts, recompute = saved_for_backward(model, train, strategy, layout)
+    per_node = max(1, min(layout.world_size, hw.gpus_per_node))  # ranks sharing one host
+    if train.activation_offload:  # the saved tensors wait in pinned host memory, but a layer's
+        moved = offloaded_activations(model, train, strategy, layout)
+        host = replace(host, activations=moved * per_node)
+        acts -= moved
+    if paged_states(train) and states.optimizer_states:  # CUDA unified memory, outside torch's allocator
+        host = replace(host, optimizer_states=host.optimizer_states + states.optimizer_states * per_node)
+        states = replace(states, optimizer_states=0.0)
     logits = logits_bytes(model, train, vocab_shards(strategy, layout.tp))
     draft = replace(states, activations=acts, recompute=recompute, logits=logits)
     gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
     if accounting == "engine":  # the trainer's load phase (safetensors, on GPUs): plan/load.py
-        per_node = max(1, min(layout.world_size, hw.gpus_per_node))
         host = replace(host, load=load_phase(model, train, strategy, layout, per_node))
     return MemoryPlan(
         strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,

@@ -140,8 +140,9 @@ class Recommendation:
         return {
             "strategy": b.strategy.name, "tp": b.memory.layout.tp, "pp": b.memory.layout.pp,
             "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
-            "checkpointing": b.train.checkpointing, "runnable": self.runnable, "tool": self.tool,
-            "needs": trainer_gaps(b.strategy, b.train, b.model),
+            "checkpointing": b.train.checkpointing, "precision": b.train.precision, "optimizer": b.train.optimizer,
+            "optimizer_in_backward": b.train.optimizer_in_backward, "activation_offload": b.train.activation_offload,
+            "runnable": self.runnable, "tool": self.tool, "needs": trainer_gaps(b.strategy, b.train, b.model),
             "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
             "memory_required": b.memory.gpu.required,
         }  # fmt: skip
@@ -202,13 +203,15 @@ def _rank(fitting: list[Evaluation]) -> Evaluation:
     return min(near, key=lambda e: (_complexity(e), -e.time.tokens_per_s_per_gpu))
 
 
-def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Recommendation:
+def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, savers: bool = True, **kw) -> Recommendation:
     """The best runnable configuration of the sweep (`sweep`'s keywords: `strategies`, `tps`,
     `pps`, ... restrict it), the runner-up, and the plan-only alternatives that beat it.
 
     When the sweep holds no runnable candidate at all (the caller pinned tp or pp above 1), the
     best of the pinned layouts is recommended and marked plan-only (`Recommendation.runnable`).
-    Raises `NothingFits` (with the plan-only configurations that do fit) when nothing eligible fits.
+    Where nothing eligible fits, `savers` adds the memory savers (SAVERS) the trainer runs, the
+    fewest that make a run fit, and says so in the reason; else raises `NothingFits` (with the
+    plan-only configurations that do fit).
     """
     evals = sweep(model, hw, base, **kw)
     ours = [e for e in evals if runnable(e)]
@@ -216,9 +219,9 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Reco
     fitting = [e for e in eligible if e.fits]
     if not fitting:
         alts = _alternatives(None, others)
-        saver = None if base.optimizer_in_backward or not ours else _in_backward(model, hw, base, kw)
-        if saver is not None:
-            return saver
+        saved = _savers(model, hw, base, kw) if savers and ours else None
+        if saved is not None:
+            return saved
         raise NothingFits(_nothing_fits(model, hw, eligible, plan_only=not ours) + _alt_clause(alts), alts)
     best = _rank(fitting)
     rivals = [e for e in fitting if e.strategy.name != best.strategy.name]
@@ -233,20 +236,72 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Reco
     return Recommendation(best, runner, len(eligible), len(fitting), reason, alts)
 
 
-def _in_backward(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, kw: dict) -> Recommendation | None:
-    """What fits when the optimizer steps in backward (each gradient freed as it is applied), where
-    nothing fits with the stock step; None when that does not fit either."""
-    try:
-        rec = recommend(model, hw, base.model_copy(update={"optimizer_in_backward": True}), **kw)
-    except NothingFits:
+@dataclass(frozen=True, slots=True)
+class Saver:
+    """A memory saver the recommender may add when nothing fits: the TrainSpec fields it sets,
+    and how the reason names it (its flag and YAML key)."""
+
+    name: str
+    fields: dict
+    says: str
+
+
+# Tried in this order, each on top of those before it (torchtune's ladder: optimizer step in
+# backward, activation offloading, 8-bit AdamW, under pure bf16), the ones that keep the run's
+# numbers first; paged 8-bit states replace the on-GPU ones last. What a fitting rung does not
+# need is dropped again (`_savers`).
+SAVERS = (
+    Saver("in_backward", {"optimizer_in_backward": True},
+          "the optimizer step in backward (--optimizer-in-backward, YAML optimizer.in_backward: each parameter "
+          "updated as soon as its gradient is final, so no step holds every gradient; no clipping by the global "
+          "norm, one micro-batch per step)"),
+    Saver("offload", {"activation_offload": True},
+          "activation offloading (--activation-offload, YAML checkpointing.offload: the saved activations wait in "
+          "pinned host memory, copied beside the compute)"),
+    Saver("adamw8bit", {"optimizer": "adamw8bit"},
+          "8-bit AdamW states (--optimizer adamw8bit, YAML optimizer.name: block-quantized moments, 2.03 bytes "
+          "per parameter instead of 8)"),
+    Saver("bf16-pure", {"precision": "bf16-pure"},
+          "pure bf16 (--precision bf16-pure: weights, gradients and AdamW states in bf16, no fp32 master "
+          "weights; updates below bf16's resolution are lost)"),
+    Saver("paged", {"optimizer": "paged_adamw8bit"},
+          "paged 8-bit AdamW states (--optimizer paged_adamw8bit: bitsandbytes keeps them in CUDA unified "
+          "memory, paged to the host when the GPU needs the room)"),
+)
+
+
+def _savers(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, kw: dict) -> Recommendation | None:
+    """What fits with the fewest memory savers (SAVERS, in order, each rung on top of the ones
+    before; then each earlier rung the fitting one does not need is dropped), where nothing fits
+    with the user's settings; None when the whole ladder does not fit either."""
+    def attempt(rungs: list[Saver]) -> Recommendation | None:
+        fields: dict = {}
+        for r in rungs:
+            fields |= r.fields
+        if all(getattr(base, k) == v for k, v in fields.items()):
+            return None  # the user's own settings: already swept
+        try:
+            rec = recommend(model, hw, base.model_copy(update=fields), savers=False, **kw)
+        except (NothingFits, ShardwiseError):
+            return None
+        return rec if rec.runnable else None
+
+    rungs: list[Saver] = []
+    found = None
+    for saver in SAVERS:
+        rungs = [r for r in rungs if r.fields.keys() != saver.fields.keys()] + [saver]  # paged replaces 8-bit
+        found = attempt(rungs)
+        if found is not None:
+            break
+    if found is None:
         return None
-    if not rec.runnable:
-        return None
-    reason = (f"{rec.reason} It fits only with the optimizer step in backward (--optimizer-in-backward, YAML "
-              "optimizer.in_backward: each parameter updated as soon as its gradient is final, so no step holds "
-              "every gradient; no clipping by the global norm, one micro-batch per step): nothing fits with the "
-              "stock step.")
-    return replace(rec, reason=reason)
+    for r in list(rungs[:-1]):
+        fewer = [x for x in rungs if x is not r]
+        if (rec := attempt(fewer)) is not None:
+            rungs, found = fewer, rec
+    said = "; ".join(r.says for r in rungs)
+    reason = f"{found.reason} It fits only with {said}: nothing fits with the settings as given."
+    return replace(found, reason=reason)
 
 
 def _nothing_fits(model: ModelSpec, hw: HardwareSpec, evals: list[Evaluation], plan_only: bool) -> str:

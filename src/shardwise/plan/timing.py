@@ -33,8 +33,10 @@ from shardwise.plan.kernels import (
     update_bytes,
 )
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
+from shardwise.plan.memory import offloaded_activations
 from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.plan.network import comm_time
+from shardwise.plan.optimizer import optimizer_bytes, paged_states
 from shardwise.plan.stage import replica_params, stage_layer_params, tp_train, vocab_shards
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
@@ -344,7 +346,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         blocking_exposed = blocking - hidden
     comm_s += blocking
     exposed += blocking_exposed
-    offload = _offload_time(model, hw, strategy, layout, comm, train)
+    offload = _offload_time(model, hw, strategy, layout, comm, train) + _saver_copies(model, hw, train, strategy, layout, psi, work, bwd)
     bubble = 0.0
     if layout.pp > 1:  # 1F1B bubble (p−1)/(m+p−1) of the pipeline's time
         frac = (layout.pp - 1) / (train.grad_accum + layout.pp - 1)
@@ -380,6 +382,28 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     # with accumulation DDP/ZeRO-1 only reduce in the last micro-batch's backward
     window = bwd / train.grad_accum if not s.shards_grads else bwd
     return max(0.0, reduce - hide * window) + reduce * tm.exposed_reduce_share + ag_after_step
+
+
+def _saver_copies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout,
+                  psi: float, work: float, bwd: float) -> float:
+    """What the memory savers' host copies add to the step. Activation offloading copies each
+    micro-batch's offloaded tensors to the host in forward and back in backward on a side stream
+    beside the compute (torchtune's OffloadActivations): exposed only past what the step's work
+    hides (torchtune's ladder measured −0.11% tokens/s for it on one A100: README, 'Optimization
+    flags'). bitsandbytes' paged states are taken as paged out and back in every step (an upper
+    bound: the GPU's free memory keeps some resident); with the step in backward the paging
+    overlaps backward, else it follows it."""
+    tm = hw.timing
+    out = 0.0
+    if train.activation_offload:
+        moved = offloaded_activations(model, train, s, layout) * train.grad_accum
+        out += max(0.0, 2 * moved / hw.pcie_bytes_per_s - tm.overlap_efficiency * work)
+    if paged_states(train):
+        trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else psi
+        shard = trainable / (layout.dp_shard if s.shards_optimizer else 1)
+        paging = 2 * optimizer_bytes(train) * shard / hw.pcie_bytes_per_s
+        out += max(0.0, paging - tm.overlap_efficiency * (bwd if train.optimizer_in_backward else 0.0))
+    return out
 
 
 def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: TrainSpec) -> float:
