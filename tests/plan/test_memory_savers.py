@@ -163,3 +163,22 @@ def test_low_bit_states_are_their_codes_and_block_scales() -> None:
     assert states["paged_adamw8bit"].gpu.optimizer_states == 0
     assert states["paged_adamw8bit"].host.optimizer_states == pytest.approx(
         8 * states["adamw8bit"].gpu.optimizer_states)
+
+
+def test_plan_from_names_the_savers_in_what_to_change(tmp_path) -> None:
+    """`plan --from` a shardwise YAML that fits nowhere as written (Llama 3.1 8B, FSDP on one RTX
+    4090, 32 GB of host memory): no edit of strategy, batch or checkpointing fits, so what to
+    change is the savers' keys of that YAML, which `shardwise train` then reads."""
+    f = tmp_path / "run.yaml"
+    f.write_text("model: {name: llama-3.1-8b}\ndata: {kind: synthetic, synthetic: {seq_len: 2048}}\n"
+                 "strategy: {name: fsdp}\nrun: {nproc: 1, micro_batch: 2, device: cuda}\n"
+                 "hardware: {gpu: rtx-4090, host_memory_gb: 32}\n")
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "plan", "--from", str(f)], capture_output=True,
+                       text=True, timeout=300, check=False, env={**__import__("os").environ, "COLUMNS": "400"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    out = r.stdout
+    assert "with memory savers:" in out, out[-3000:]
+    line = out[out.index("with memory savers:"):]
+    for edit in ("optimizer.in_backward: true", "optimizer.max_grad_norm: 0.0", "optimizer.name: paged_adamw8bit",
+                 "precision: bf16-pure", "checkpointing.activation: full"):
+        assert edit in line, line

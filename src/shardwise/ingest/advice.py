@@ -80,6 +80,8 @@ def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str =
             if all(s[2] != edits for s in shown):
                 shown.append((n, e, edits))
         out["to_fit"] = [_item(e, ed, None, src.format) for _, e, ed in shown]
+        if not shown and (saved := _with_savers(src, m, hw, train, knobs, family, margin, base_keys)):
+            out["to_fit"] = [saved]
         floor = max((e.time.tokens_per_s_per_gpu for _, e, _ in shown[:1]), default=0.0)
         base = shown[0][1].time.tokens_per_s_per_gpu if shown else None
     else:
@@ -98,6 +100,24 @@ def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str =
     out["faster"] = [_item(e, ed, base, src.format) for _, e, ed in frontier[:MAX_SHOWN]]
     src.advice = out
     return src
+
+
+def _with_savers(src: Source, m, hw, train, knobs, family: list[str], margin: float,
+                 base_keys: dict[str, Any]) -> dict[str, Any] | None:
+    """Where no edit of strategy, batch or checkpointing fits: the fewest memory savers that make
+    a run of this file's strategies fit (shardwise.plan.recommend.with_savers), as this format's
+    edits; None where nothing does or the format cannot say a saver."""
+    from shardwise.plan.recommend import with_savers
+
+    if src.saver_keys is None or src.keys_of is None:
+        return None
+    rec = with_savers(m, hw, train, strategies=family, tps=(1,), pps=(1,), margin=margin, knobs=knobs)
+    said = src.saver_keys(rec.best.train) if rec is not None else None
+    if not said:
+        return None
+    keys = src.keys_of(_setting(rec.best)) | said
+    edits = {k: v for k, v in keys.items() if base_keys.get(k) != v and v is not None}
+    return _item(rec.best, edits, None, src.format) | {"savers": True}
 
 
 def _line(item: dict, fmt: str) -> str:
@@ -136,7 +156,10 @@ def print_source(console, src: Source) -> None:
     cur = a["current"]
     if "shortfall" in a:
         p(f"  As written it does not fit ({a['shortfall']}).")
-        if a["to_fit"]:
+        if a["to_fit"] and a["to_fit"][0].get("savers"):
+            p("  No edit of this file's strategy, micro-batch or checkpointing makes it fit here; with memory savers:")
+            p(f"    - {_line(a['to_fit'][0], src.format)}")
+        elif a["to_fit"]:
             p("  To fit (fewest edits first):")
             for item in a["to_fit"]:
                 p(f"    - {_line(item, src.format)}")

@@ -59,6 +59,9 @@ class Source:
     # (strategies this file's format can switch to, setting -> {key: value} in its format)
     family: tuple[str, ...] = ()
     keys_of: Callable[[Setting], dict[str, Any]] | None = None
+    # the memory savers a TrainSpec turns on (shardwise.plan.recommend.SAVERS) -> {key: value} in
+    # this format; None where the format cannot say one of them
+    saver_keys: Callable[[Any], dict[str, Any] | None] | None = None
     advice: dict[str, Any] | None = None  # filled by shardwise.ingest.advice.advise
 
     def as_flags(self) -> list[str]:

@@ -94,6 +94,19 @@ def read(doc: Doc, ctx: Context) -> Source:
     src.keys_of = lambda st: {"strategy.name": st.strategy, "run.micro_batch": st.micro_batch,
                               "run.grad_accum": st.grad_accum,
                               "checkpointing.activation": "none" if st.checkpointing == "none" else "full"}
+    src.saver_keys = _saver_keys
     return src
 
 
+def _saver_keys(t) -> dict[str, Any]:
+    """The training YAML's keys for the memory savers `t` (a TrainSpec) has on."""
+    out: dict[str, Any] = {}
+    if t.optimizer_in_backward:  # nothing may wait for every gradient: no clipping by the global norm
+        out |= {"optimizer.in_backward": True, "optimizer.max_grad_norm": 0.0}
+    if t.activation_offload:
+        out["checkpointing.offload"] = True
+    if t.optimizer != "adamw":
+        out["optimizer.name"] = t.optimizer
+    if t.precision == "bf16-pure":
+        out["precision"] = "bf16-pure"
+    return out

@@ -219,7 +219,7 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, savers: bo
     fitting = [e for e in eligible if e.fits]
     if not fitting:
         alts = _alternatives(None, others)
-        saved = _savers(model, hw, base, kw) if savers and ours else None
+        saved = with_savers(model, hw, base, **kw) if savers and ours else None
         if saved is not None:
             return saved
         raise NothingFits(_nothing_fits(model, hw, eligible, plan_only=not ours) + _alt_clause(alts), alts)
@@ -249,7 +249,7 @@ class Saver:
 # Tried in this order, each on top of those before it (torchtune's ladder: optimizer step in
 # backward, activation offloading, 8-bit AdamW, under pure bf16), the ones that keep the run's
 # numbers first; paged 8-bit states replace the on-GPU ones last. What a fitting rung does not
-# need is dropped again (`_savers`).
+# need is dropped again (`with_savers`).
 SAVERS = (
     Saver("in_backward", {"optimizer_in_backward": True},
           "the optimizer step in backward (--optimizer-in-backward, YAML optimizer.in_backward: each parameter "
@@ -270,7 +270,7 @@ SAVERS = (
 )
 
 
-def _savers(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, kw: dict) -> Recommendation | None:
+def with_savers(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, **kw) -> Recommendation | None:
     """What fits with the fewest memory savers (SAVERS, in order, each rung on top of the ones
     before; then each earlier rung the fitting one does not need is dropped), where nothing fits
     with the user's settings; None when the whole ladder does not fit either."""
