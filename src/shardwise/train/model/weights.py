@@ -6,7 +6,8 @@ without weights and the engine fills it after placing it:
 
 - DDP, DeepSpeed ZeRO-0/1/2, FSDP2: the model is built on the meta device (buffers, e.g. RoPE's
   `inv_freq`, are computed for real: accelerate's `init_empty_weights(include_buffers=False)`),
-  LoRA adapters are injected and cast there (frozen base in the compute dtype, trainable fp32),
+  LoRA adapters are injected and cast there (frozen base in the compute dtype, trainable in the
+  master dtype: fp32, bf16 under bf16-pure; bf16-pure casts a full model's parameters too),
   the engine places it (FSDP2 shards the meta parameters), then `materialize` allocates each
   rank's part (`to_empty`) and `torch.distributed.checkpoint.load` with its
   `HuggingFaceStorageReader` reads every tensor's slice for that part straight from the
