@@ -267,7 +267,7 @@ class TorchOptimizerEngine:
             self.scaler.load_state_dict(extra["scaler"])
 
 
-# The canonical checkpoint (shardwise.train.checkpoint.sharded) names each trained parameter's fp32 value
+# The canonical checkpoint (shardwise.train.checkpoint.sharded) names each trained parameter's master value
 # and AdamW moments by FQN: `model.<fqn>`, `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>`. The
 # DeepSpeed engine maps ZeRO's flat partitions onto the same names.
 MOMENTS = ("exp_avg", "exp_avg_sq")
