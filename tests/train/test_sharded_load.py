@@ -135,3 +135,31 @@ def test_checkpoint_missing_tensor_is_refused(checkpoint, tmp_path):
     model.to_empty(device="cpu")
     with pytest.raises(ShardwiseError, match=r"1 tensor\(s\) missing \(e.g. \['model.norm.weight'\]\)"):
         load_safetensors(model, bad)
+
+
+def test_a_tied_lm_head_is_the_embedding_it_was_saved_as(tmp_path):
+    """A checkpoint with tied embeddings (Qwen2.5, Llama-3.2) holds the embedding only: lm_head
+    must be that tensor on the meta build (which FSDP2 shards) and after `materialize` allocates
+    it (DDP, ZeRO-0/1/2), not a tensor of its own left unfilled (zeros or heap garbage)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardwise.config.schema import TrainConfig
+    from shardwise.run import run_spec
+    from shardwise.train.model.build import build_model
+    from shardwise.train.model.weights import materialize
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    embedding = load_file(str(tmp_path / "model.safetensors"))["model.embed_tokens.weight"]
+    for precision in ("bf16-mixed", "bf16-pure"):
+        run = run_spec(TrainConfig.model_validate({
+            "model": {"name": None, "path": str(tmp_path)}, "strategy": {"name": "ddp"}, "precision": precision,
+            "data": {"kind": "synthetic"}, "run": {"device": "cpu", "nproc": 1}}), 1, "cpu", environ={})
+        model = build_model(run, deferred=True)
+        assert model.lm_head.weight is model.get_input_embeddings().weight and model.lm_head.weight.is_meta
+        materialize(model, torch.device("cpu"))
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+        assert torch.equal(model.lm_head.weight, embedding.to(model.lm_head.weight.dtype)), precision

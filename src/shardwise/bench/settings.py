@@ -44,12 +44,12 @@ def planned_settings(run) -> dict[str, Any]:
                     "fetch_unit": k.zero3_unit(run.model.params_per_layer / s.tp),
                     "zero3_hooked_modules": zero3_hooked_modules(run.model, k, s.tp)}
     elif s.engine == "fsdp2":
-        mixed = t.compute_dtype != "fp32"
+        mixed = t.mixed_precision  # fp32 and bf16-pure: no policy, reduced in the parameters' dtype
         # the first decoder layer and the last (Strategy.resharding); the root never reshards
         out |= {"reshard_after_forward": s.reshards_layer(last=run.model.num_layers == 1),
                 "root_reshard_after_forward": False, "last_layer_reshard_after_forward": s.reshards_layer(last=True),
                 "param_dtype": t.compute_dtype,
-                "reduce_dtype": ("fp32" if s.fsdp.reduce_dtype == "fp32" else t.compute_dtype) if mixed else "fp32",
+                "reduce_dtype": ("fp32" if s.fsdp.reduce_dtype == "fp32" else t.compute_dtype) if mixed else t.master_dtype,
                 "cpu_offload": s.offload_params or s.offload_optimizer}
     else:
         out["ddp_wrapper"] = s.ddp.wrapped(lay.dp_replicate)
@@ -120,7 +120,8 @@ def engine_settings(engine) -> dict[str, Any]:
         ctx = autocast(engine.run, engine.env)  # the context forward_backward runs under
         out |= {"engine": "ddp", "dp_shard": 1,
                 "dp_replicate": ddp.process_group.size() if ddp is not None else engine.env.world_size,
-                "compute_dtype": DTYPE_NAMES[getattr(ctx, "fast_dtype", torch.float32)],
+                # no autocast: the module's own dtype (fp32, or bf16 under bf16-pure)
+                "compute_dtype": DTYPE_NAMES[getattr(ctx, "fast_dtype", None) or next(module.parameters()).dtype],
                 "ddp_wrapper": ddp is not None}
         if ddp is not None:
             out |= {"bucket_cap_bytes": ddp.bucket_bytes_cap, "gradient_as_bucket_view": ddp.gradient_as_bucket_view}

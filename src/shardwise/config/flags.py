@@ -264,7 +264,7 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("seq_len", "--seq-len", "data.sft.max_length", note="(data.synthetic.seq_len for synthetic data)"),
     RunFlag("micro_batch", "--micro-batch", "run.micro_batch"),
     RunFlag("grad_accum", "--grad-accum", "run.grad_accum"),
-    RunFlag("precision", "--precision", "precision", also=("bf16-pure",)),
+    RunFlag("precision", "--precision", "precision"),
     RunFlag("optimizer", "--optimizer", "optimizer.name", also=("sgd", "adamw8bit", "adamw4bit", "paged_adamw8bit")),
     RunFlag("checkpointing", "--checkpointing", "checkpointing.activation", also=("selective",)),
     RunFlag("attention", "--attention", "model.attention", also=("flash",)),

@@ -21,7 +21,13 @@ from shardwise.config.fields import Finite, Int, NonBlank, Seed, bounded
 from shardwise.config.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.errors import did_you_mean
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
+PRECISION_WHY = (
+    "the dtypes of weights, gradients and AdamW states, and of the compute. bf16-mixed / fp16-mixed: fp32 master "
+    "weights, gradients and states, computed in 16 bits (fp16 with loss scaling); fp32: fp32 throughout; "
+    "bf16-pure (torchtune's default): weights, gradients and AdamW states all bf16, no fp32 copy, about half "
+    "bf16-mixed's model-state memory, but an update smaller than bf16's resolution (about 1/256 of the weight) "
+    "is rounded away and lost; DDP and FSDP2 only (DeepSpeed keeps fp32 master weights)")
 
 
 class ModelSection(_Section):
@@ -401,8 +407,9 @@ def _translate_legacy(data: Any) -> tuple[Any, tuple[str, ...]]:
 
 # --- export: the dtype and the largest safetensors file of an exported Hugging Face directory
 
-# `export.dtype: auto`: the dtype the run computes in (bf16-mixed trains in bf16, so its model is used in bf16).
-EXPORT_DTYPE_OF_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
+# `export.dtype: auto`: the dtype the run computes in (bf16-mixed trains in bf16, so its model is used in bf16;
+# bf16-pure's weights are bf16 already).
+EXPORT_DTYPE_OF_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32", "bf16-pure": "bf16"}
 SIZE_UNITS = "units TB, GB, MB, KB: powers of 1000, as Hugging Face's max_shard_size"
 
 
@@ -433,7 +440,8 @@ class ExportSection(_Section):
 
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="dtype of the exported weights; auto = the run's compute dtype (precision "
-        "bf16-mixed: bf16, fp16-mixed: fp16, fp32: fp32); the checkpoint keeps the fp32 master weights")
+        "bf16-mixed and bf16-pure: bf16, fp16-mixed: fp16, fp32: fp32); the checkpoint keeps the master weights "
+        "(fp32; bf16 under bf16-pure)")
     max_shard_size: int | str = Field(
         "5GB", description="largest safetensors file: bytes, or a size like '5GB'/'500MB' (TB, GB, MB, KB: "
         "powers of 1000); more weights than this are split into model-0000i-of-0000N.safetensors with a "
@@ -457,7 +465,7 @@ class TrainConfig(_Section):
     strategy: StrategySection = StrategySection()
     optimizer: OptimizerSection = OptimizerSection()
     schedule: ScheduleSection = ScheduleSection()
-    precision: Precision = "bf16-mixed"
+    precision: Precision = Field("bf16-mixed", description=PRECISION_WHY)
     run: RunSection = RunSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
     logging: LoggingSection = LoggingSection()

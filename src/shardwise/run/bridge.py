@@ -287,7 +287,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 
     Sections the specs do not describe (optimizer values, schedule, data files, logging, output)
     come from `base` (default: TrainConfig's defaults). Where the plan used a setting the trainer
-    does not offer (bf16-pure, selective checkpointing, flash attention, SGD/8-bit Adam, LoRA),
+    does not offer (bf16-pure under DeepSpeed, selective checkpointing, flash attention, SGD/8-bit Adam),
     the nearest accepted value is written and the difference is returned as a note: a silently
     different run would make the plan's numbers lie.
     """
@@ -301,8 +301,10 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     train = train.for_engine(strategy.engine)
     notes: list[str] = []
     precision = train.precision
-    if precision == "bf16-pure":
-        notes.append("planned bf16-pure; the trainer runs bf16-mixed (fp32 master weights: more memory)")
+    if precision == "bf16-pure" and strategy.engine == "deepspeed":
+        # the trainer refuses bf16-pure there (shardwise.train.preflight.check_precision)
+        notes.append(f"planned bf16-pure; the trainer runs {strategy.name} in bf16-mixed (DeepSpeed's bf16 keeps fp32 "
+                     "master weights: more memory), or pick an fsdp or ddp strategy for bf16-pure")
         precision = "bf16-mixed"
     activation = {"none": "none", "full": "full", "selective": "full"}[train.checkpointing]
     if train.checkpointing == "selective":

@@ -145,6 +145,33 @@ def check_in_backward(run: RunSpec) -> None:
         raise ShardwiseError(f"{where}: {why} (strategy.name {cfg.strategy.name!r}, strategy.tp {run.layout.tp})")
 
 
+def check_precision(run: RunSpec) -> None:
+    """`precision: bf16-pure` (bf16 weights, gradients and AdamW states, no fp32 master copy) runs
+    with the torch engines (DDP, FSDP2), whose optimizer updates the module's own parameters.
+    DeepSpeed's bf16, as shardwise runs it, keeps an fp32 master copy of the weights, and fp32
+    AdamW states, inside its optimizer: refused there, naming the field, rather than run as
+    bf16-mixed under the name. (DeepSpeed's own `bf16.bf16_master_weights_and_grads` with
+    `bf16_optimizer_states`, ZeRO-1 to 3, is not wired in: the canonical checkpoint of its
+    partitions and the plan's DeepSpeed model states are fp32 masters.)
+    FSDP2 reduce-scatters bf16-pure's gradients in their own dtype (no MixedPrecisionPolicy, as
+    planned): an explicit `strategy.fsdp.reduce_dtype: fp32` would not be honoured, so it is
+    refused too."""
+    cfg = run.config
+    if cfg.precision != "bf16-pure":
+        return
+    if run.engine_strategy.engine == "deepspeed":
+        raise ShardwiseError(
+            f"{cfg.source}: precision 'bf16-pure' keeps no fp32 copy of the weights, but DeepSpeed's bf16 keeps fp32 "
+            f"master weights and AdamW states in its optimizer as shardwise runs it (strategy.name "
+            f"{cfg.strategy.name!r}); use precision bf16-mixed with this strategy, or an fsdp or ddp strategy for "
+            "bf16-pure")
+    if cfg.strategy.fsdp.reduce_dtype == "fp32" and run.strategy.engine == "fsdp2":
+        raise ShardwiseError(
+            f"{cfg.source}: strategy.fsdp.reduce_dtype 'fp32' is mixed precision's setting: under precision "
+            "'bf16-pure' the gradients are bf16 and FSDP2 reduce-scatters them in bf16 (no MixedPrecisionPolicy); "
+            "remove strategy.fsdp.reduce_dtype, or use precision bf16-mixed for an fp32 reduce")
+
+
 def prepare_data(run: RunSpec) -> Path | None:
     """The expensive part, last, once: the tokenizer against the model's vocabulary, then the
     files parsed, validated, templated, tokenised and packed into the data cache every rank
@@ -332,6 +359,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
 
     check_run(run)  # refuses the chunked cross-entropy where the model changes its logits
     check_in_backward(run)
+    check_precision(run)
     memory = check_memory(run, force)
     from shardwise.train.host_memory import check_host_memory
 

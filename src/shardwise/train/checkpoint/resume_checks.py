@@ -32,7 +32,9 @@ def resolve_checkpoint(cfg: TrainConfig, run: RunSpec, verify_hashes: bool = Tru
 
 def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
     """Refuse a checkpoint of another model (its tensors would not fit this one) and say what a
-    changed global batch means; engine, world size and precision may change freely."""
+    changed global batch or master dtype means; engine, world size and precision may change
+    freely (a bf16-pure checkpoint's bf16 tensors load widened into fp32 masters, an fp32 one's
+    rounded into bf16-pure's parameters: `precision_note`)."""
     from shardwise.train.checkpoint.directory import read_manifest_json
 
     manifest = read_manifest_json(checkpoint)
@@ -50,6 +52,9 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
     if manifest["step"] > cfg.run.steps:
         raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
                              f"{manifest['step']}; raise run.steps to train on")
+    note = precision_note(run, checkpoint, saved.get("precision"))
+    if note:
+        print(f"shardwise: {note}")
     r = saved.get("run") or {}
     old_tp = int((saved.get("strategy") or {}).get("tp", 1) or 1)
     old_batch = r.get("micro_batch", 0) * r.get("grad_accum", 0) * (manifest.get("world_size", 0) // old_tp)
@@ -85,6 +90,30 @@ def check_same_shapes(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
         raise ShardwiseError(f"{cfg.source}: {model} cannot resume {checkpoint}: the checkpoint holds tensor "
                              f"{extra[0]!r} {list(saved[extra[0]])}, which the model does not have ({len(extra)} "
                              f"such); {fix}")
+
+
+def precision_note(run: RunSpec, checkpoint: Path, saved_precision: object = None) -> str | None:
+    """What resuming does to the weights and AdamW moments when the checkpoint holds them in
+    another dtype than this run's master dtype (DCP casts each tensor as it loads it): bf16-pure
+    from a mixed-precision or fp32 checkpoint rounds the fp32 values to bf16 (the digits below
+    bf16's resolution are dropped); the other way widens bf16 to fp32 exactly. None: same dtype."""
+    import torch
+
+    from shardwise.train.checkpoint.sharded import tensor_shapes
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    held = {d for k, (_, d) in tensor_shapes(checkpoint).items() if k.startswith("model.")}
+    want = run.train.master_dtype
+    if not held or {names.get(d) for d in held} == {want}:
+        return None
+    was = ", ".join(sorted(names.get(d, str(d)) for d in held))
+    by = f" (precision {saved_precision})" if isinstance(saved_precision, str) else ""
+    now = f"precision {run.config.precision}"
+    if want == "bf16":
+        return (f"{checkpoint} holds {was} weights and AdamW moments{by}; {now} loads them rounded to bf16, so the run "
+                "continues from the rounded values (not the curve the checkpoint's precision would have given)")
+    return (f"{checkpoint} holds {was} weights and AdamW moments{by}; {now} loads them widened to {want} (exactly) "
+            f"and keeps {want} master weights from here on")
 
 
 def check_saved_config(saved: dict, checkpoint: Path) -> None:

@@ -3,8 +3,11 @@
 One format for every engine: a `torch.distributed.checkpoint` (DCP) directory holding the
 *canonical* training state, keyed by parameter name, never by engine or rank:
 
-- `model.<fqn>`: the fp32 master weights (what the optimizer updates);
-- `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>`: AdamW's moments, fp32, same shape.
+- `model.<fqn>`: the master weights (what the optimizer updates): fp32, bf16 under bf16-pure;
+- `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>`: AdamW's moments, same shape and dtype.
+
+A checkpoint of one dtype resumes a run of the other: DCP casts each tensor into the engine's
+as it loads (shardwise.train.checkpoint.resume_checks.precision_note says what that does).
 
 Each engine maps its own layout onto these names (`Engine.checkpoint_state`): FSDP2 hands
 over its DTensor shards, DDP its replicated tensors (DCP writes one copy), DeepSpeed ZeRO

@@ -27,6 +27,12 @@ def compute_dtype(run: RunSpec) -> torch.dtype:
     return TORCH_DTYPES[run.train.compute_dtype]
 
 
+def master_dtype(run: RunSpec) -> torch.dtype:
+    """The dtype of the parameters the optimizer updates (so of their gradients and AdamW's
+    states, which torch creates like the parameters): fp32, bf16 under bf16-pure."""
+    return TORCH_DTYPES[run.train.master_dtype]
+
+
 def build_adamw(run: RunSpec, model: torch.nn.Module, env: DistEnv) -> torch.optim.Optimizer:
     """AdamW with every default that matters stated: weight decay (torch's default is 0.01),
     betas, eps. Fused where the device has it (CUDA), else the for-loop/foreach reference.
@@ -107,8 +113,9 @@ class InBackwardAdamW:
 
 
 def autocast(run: RunSpec, env: DistEnv):
-    """Mixed precision for the replicated engine: autocast keeps fp32 weights and grads."""
-    if run.train.compute_dtype == "fp32":
+    """Mixed precision for the replicated engine: autocast keeps fp32 weights and grads. None
+    for fp32, and for bf16-pure, whose weights are bf16 already (nothing to cast)."""
+    if not run.train.mixed_precision:
         return contextlib.nullcontext()
     return torch.autocast(env.torch_device.type, dtype=compute_dtype(run))
 
@@ -260,7 +267,7 @@ class TorchOptimizerEngine:
             self.scaler.load_state_dict(extra["scaler"])
 
 
-# The canonical checkpoint (shardwise.train.checkpoint.sharded) names each trained parameter's fp32 value
+# The canonical checkpoint (shardwise.train.checkpoint.sharded) names each trained parameter's master value
 # and AdamW moments by FQN: `model.<fqn>`, `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>`. The
 # DeepSpeed engine maps ZeRO's flat partitions onto the same names.
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -106,9 +106,9 @@ class Engine(Protocol):
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The canonical training state (shardwise.train.checkpoint.sharded): tensors named
-        `model.<fqn>`, `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>` (fp32 master values,
-        DTensors where the engine shards them; a rank may hold a subset), plus JSON-safe
-        extras (`optimizer_step`, `scaler`). Collective."""
+        `model.<fqn>`, `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>` (master values: fp32,
+        bf16 under bf16-pure; DTensors where the engine shards them; a rank may hold a subset),
+        plus JSON-safe extras (`optimizer_step`, `scaler`). Collective."""
         ...
 
     def load_checkpoint_state(self, read: Any, extra: dict[str, Any]) -> None:

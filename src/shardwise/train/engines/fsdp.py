@@ -40,9 +40,14 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
     fake tensors by the full-size trace, shardwise.bench.fsdp_trace)."""
     s = run.strategy
     kw: dict[str, Any] = {"mesh": data_parallel_mesh(mesh)}
-    if run.train.compute_dtype != "fp32":
+    if run.train.mixed_precision:
         # Compute in low precision; reduce in the knob's dtype (default fp32: a bf16
         # reduce-scatter over many ranks loses digits the fp32 master update then keeps).
+        # fp32 and bf16-pure take no policy: the parameters already are the compute dtype, so
+        # they are gathered as they are and their gradients reduce-scattered in it: bf16 under
+        # bf16-pure, as planned and as torchtune runs it (the reduce_dtype knob is mixed
+        # precision's; an fp32 reduce would sum more exactly, in buffers twice the size, and
+        # still round the result into the bf16 sharded gradient).
         param = compute_dtype(run)
         reduce = torch.float32 if s.fsdp.reduce_dtype == "fp32" else param
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)

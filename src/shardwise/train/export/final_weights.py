@@ -30,7 +30,7 @@ STAGED = ".tmp-final-weights"  # a shardwise temp directory (marker inside): sta
 
 @dataclass(frozen=True)
 class FinalWeights:
-    path: Path  # a DCP directory holding the final `model.<fqn>` tensors (fp32)
+    path: Path  # a DCP directory holding the final `model.<fqn>` tensors (the master dtype)
     temporary: bool  # staged for the export only: removed once it is written
 
     def discard(self) -> None:

@@ -121,7 +121,8 @@ def build_model(run: RunSpec, *, deferred: bool = False):
     (`weights.materialize`), or, for DeepSpeed ZeRO-3, already partitioned and filled inside
     `deepspeed.zero.Init`. Without `deferred` (export, tools) a meta-built model is filled on this
     process's CPU before it is returned. Other models: fp32 master weights on CPU (engines move,
-    cast and shard them), as `from_pretrained`/`from_config` build them."""
+    cast and shard them), as `from_pretrained`/`from_config` build them; under bf16-pure the
+    parameters are cast to bf16 here (`cast_parameters`), meta-built ones included."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,6 +151,8 @@ def build_model(run: RunSpec, *, deferred: bool = False):
     else:  # no weights format shardwise reads itself: transformers loads it whole
         model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, **kw)
     model.config.use_cache = False  # no KV cache in training
+    if run.train.master_dtype != "fp32":
+        cast_parameters(model, run)
     if run.train.cross_entropy == "chunked":  # the model's forward computes the loss (train.loss)
         from shardwise.train.model.loss import install_loss_heads
 
@@ -182,6 +185,19 @@ def build_model(run: RunSpec, *, deferred: bool = False):
 
         compile_layers(model, run.config.run.compile_backend, run)
     return model
+
+
+def cast_parameters(model, run: RunSpec) -> None:
+    """bf16-pure: every floating-point parameter in the master dtype (bf16), once, before the engine
+    wraps the model: there is no fp32 copy to keep (a meta-built model gets bf16 meta parameters,
+    which the engine's read fills in bf16). Buffers keep their dtype: RoPE's `inv_freq` stays fp32
+    (transformers computes the rotary angles in fp32 and casts cos/sin to the activations' dtype)."""
+    from shardwise.train.engines._torch_common import master_dtype
+
+    dtype = master_dtype(run)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype and not hasattr(p, "ds_id"):
+            p.data = p.data.to(dtype)
 
 
 def _rank() -> int:

@@ -6,8 +6,9 @@ root module: every engine wraps, shards and hooks the same modules as for full f
 unchanged, and parameter names only gain PEFT's `.base_layer` / `.lora_A.default` parts.
 
 - Frozen base: every parameter PEFT does not mark trainable is cast to the compute dtype
-  (bf16/fp16; fp32 runs keep fp32). Adapters (and `modules_to_save` copies) stay fp32: the
-  engines' mixed precision casts them for compute and keeps fp32 master values.
+  (bf16/fp16; fp32 runs keep fp32). Adapters (and `modules_to_save` copies) are in the master
+  dtype: fp32 under mixed precision (the engines cast them for compute and keep fp32 master
+  values), bf16 under bf16-pure (everything bf16, as torchtune's LoRA recipes run it).
 - Only trainable parameters reach the optimizer (`decay_groups` skips frozen ones) and the
   checkpoint (the canonical state holds `requires_grad` tensors): a LoRA checkpoint is the
   adapters and their AdamW moments. The base is rebuilt from the config (local weights, or the
@@ -115,12 +116,12 @@ def quantize_base(model: Any, run: RunSpec) -> None:
 
 def apply_lora(model: Any, run: RunSpec) -> Any:
     """Inject the run's adapters into `model` (in place; returned): base frozen in the compute
-    dtype, adapters fp32, initialised from the run's seed (`init_adapters`), so every
+    dtype, adapters in the master dtype (fp32; bf16 under bf16-pure), initialised from the run's seed (`init_adapters`), so every
     rank (and a later resume or export) builds the same starting point. `model` may be on the
     meta device (a checkpoint read later by the engine: shardwise.train.model.weights)."""
     from peft import inject_adapter_in_model
 
-    from shardwise.train.engines._torch_common import compute_dtype
+    from shardwise.train.engines._torch_common import compute_dtype, master_dtype
 
     section = run.config.lora
     assert section is not None
@@ -133,12 +134,12 @@ def apply_lora(model: Any, run: RunSpec) -> Any:
     # Adapters drawn from the run's seed after injection, on CPU, whatever built the base (from
     # its config, from a checkpoint, on the meta device): equal on every rank, engine and resume.
     init_adapters(model, section, run.config.run.seed)
-    dtype = compute_dtype(run)
+    dtype, master = compute_dtype(run), master_dtype(run)
     for p in model.parameters():
         if hasattr(p, "ds_id"):  # a ZeRO-3 partition (zero.Init): already in DeepSpeed's dtype
             continue
         if p.requires_grad:
-            p.data = p.data.float()
+            p.data = p.data.to(master)
         elif p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return model

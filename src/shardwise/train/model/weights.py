@@ -6,7 +6,8 @@ without weights and the engine fills it after placing it:
 
 - DDP, DeepSpeed ZeRO-0/1/2, FSDP2: the model is built on the meta device (buffers, e.g. RoPE's
   `inv_freq`, are computed for real: accelerate's `init_empty_weights(include_buffers=False)`),
-  LoRA adapters are injected and cast there (frozen base in the compute dtype, trainable fp32),
+  LoRA adapters are injected and cast there (frozen base in the compute dtype, trainable in the
+  master dtype: fp32, bf16 under bf16-pure; bf16-pure casts a full model's parameters too),
   the engine places it (FSDP2 shards the meta parameters), then `materialize` allocates each
   rank's part (`to_empty`) and `torch.distributed.checkpoint.load` with its
   `HuggingFaceStorageReader` reads every tensor's slice for that part straight from the
@@ -82,7 +83,10 @@ def pending(model: Any) -> Pending | None:
 
 
 def meta_model(run: Any, attn_implementation: str) -> Any:
-    """The run's HF model with meta parameters (fp32) and real buffers, from the checkpoint's config."""
+    """The run's HF model with meta parameters (fp32) and real buffers, from the checkpoint's config.
+    Tied weights are tied again after the build: `init_empty_weights` re-registers every parameter
+    it sees assigned (a new meta Parameter), so transformers' own tying inside `from_config` leaves
+    lm_head a tensor of its own, which the files (holding the embedding only) never fill."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -90,8 +94,10 @@ def meta_model(run: Any, attn_implementation: str) -> Any:
     cfg = run.config.model
     hf_cfg = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation=attn_implementation,
-                                                trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                 trust_remote_code=cfg.trust_remote_code)
+    model.tie_weights()
+    return model
 
 
 def defer(model: Any, run: Any) -> Any:
@@ -120,7 +126,10 @@ def materialize(module: Any, device: Any) -> None:
     todo = pending(module)
     if todo is None:
         return
+    ties = _ties(module)
     module.to_empty(device=device)
+    for owner, name, (first, first_name) in ties:  # to_empty gave each holder a Parameter of its own
+        owner._parameters[name] = first._parameters[first_name]
     own_buffers = dict(module.named_buffers())
     with torch.no_grad(), large_allocations_returned():
         for name, value in todo.buffers.items():
@@ -131,6 +140,23 @@ def materialize(module: Any, device: Any) -> None:
         for name, full in todo.initial.items():
             copy_full(params[name], full)
     delattr(module, PENDING_ATTR)
+
+
+def _ties(module: Any) -> list[tuple[Any, str, tuple[Any, str]]]:
+    """(module, name, (module, name) of its first holder) for every parameter held under a second
+    name (a tied lm_head): `to_empty` replaces each holder's Parameter with a new one, which
+    would untie them and leave the second never filled (the files hold the first only)."""
+    first: dict[int, tuple[Any, str]] = {}
+    out = []
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first and first[id(p)] != (mod, name):
+                out.append((mod, name, first[id(p)]))
+            else:
+                first.setdefault(id(p), (mod, name))
+    return out
 
 
 def checkpoint_weights(path: str | Path) -> tuple[str | None, float]:
