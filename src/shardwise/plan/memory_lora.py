@@ -31,7 +31,8 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
       grads of A in c (stage 0 whole, 1 whole under accumulation, 2-3 A/N); stage 3 partitions
       base and adapters alike (persistent small tensors whole) with its reduce bucket;
     - FSDP2 shards both, each in its stored dtype: (c·B + 4A)/N, grads 4A/N, AdamW A/N.
-    QLoRA's base linears are NF4 (`base_bytes`)."""
+    Under pure bf16 the torch engines keep the adapters, their grads and AdamW in bf16 too (the
+    master dtype w). QLoRA's base linears are NF4 (`base_bytes`)."""
     model, train, s, layout, psi, n = r.model, r.train, r.strategy, r.layout, r.psi, r.n
     c = train.compute_bytes
     a = trainable_params(model, train, layout.tp, layout.pp)
@@ -40,6 +41,7 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     temp = optimizer_temp(train, a, a)
     layer = model.params_per_layer / layout.tp
     host = HostBreakdown()
+    w = train.master_bytes  # the adapters' dtype in the torch engines
     if s.engine == "deepspeed":
         stage, ds = s.zero_stage, s.ds
         w = c
@@ -67,10 +69,10 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
             mem = replace(mem, master_params=0.0, optimizer_states=0.0, step_buffers=0.0)
         return mem, host
     if s.engine == "fsdp2":
-        reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else 4
+        reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
         gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
         mem = MemoryBreakdown(
-            params=(base + 4 * a) / n, grads=4 * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
+            params=(base + w * a) / n, grads=w * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,
             held_grads=reduce * a if train.grad_accum > 1 and not s.fsdp.reduce_every_micro_batch else 0.0,
             grads_persist=train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch)
@@ -81,8 +83,8 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     wrapped = s.ddp.wrapped(layout.dp_replicate)  # one replica: no DDP wrapper, no buckets
     view = wrapped and s.ddp.gradient_as_bucket_view  # DDP: buckets hold the adapters' grads only
     return MemoryBreakdown(
-        params=base + 4 * a, grads=4 * a, optimizer_states=os_ * a, step_buffers=temp,
-        engine_buffers=4 * a if wrapped and not view else 0, grads_persist=view or train.grad_accum > 1,
+        params=base + w * a, grads=w * a, optimizer_states=os_ * a, step_buffers=temp,
+        engine_buffers=w * a if wrapped and not view else 0, grads_persist=view or train.grad_accum > 1,
     ), host
 
 

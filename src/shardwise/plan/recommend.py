@@ -33,6 +33,9 @@ MEGATRON_DS = "Megatron-DeepSpeed"
 TORCHTITAN = "torchtitan"
 DS_PIPE = "DeepSpeed's pipeline engine (deepspeed.pipe)"
 DS_AUTOTP = "DeepSpeed AutoTP training (tensor_parallel.autotp_size)"
+# DeepSpeed itself runs what its engine under shardwise does not: pure bf16 through
+# bf16.bf16_master_weights_and_grads + bf16_optimizer_states, a low-bit AdamW as a client optimizer.
+DS_OWN = "DeepSpeed with a config of its own (bf16 master weights, a client optimizer)"
 TRAINER_CHECKPOINTING = ("none", "full")  # what `shardwise train` offers (checkpointing.activation)
 # QLoRA with sharded parameters: bitsandbytes' 4-bit weights stored in a float dtype
 # (`bnb_4bit_quant_storage`) so FSDP can flatten them: HF accelerate/Trainer (Answer.AI's FSDP-QLoRA).
@@ -63,6 +66,11 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
         gaps.append(f"{train.checkpointing} activation checkpointing")
     if train.base_quant == "nf4" and (strategy.shards_params or strategy.offload_params):
         gaps.append(QLORA_SHARDED)
+    if strategy.engine == "deepspeed":  # DeepSpeed's engine keeps fp32 masters and builds its own AdamW
+        if train.precision == "bf16-pure":
+            gaps.append("pure bf16 under DeepSpeed")
+        if train.optimizer != "adamw":
+            gaps.append(f"{train.optimizer} under DeepSpeed")
     return gaps
 
 
@@ -80,6 +88,8 @@ def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = Non
         return TRAINER
     if gaps == [QLORA_SHARDED]:
         return FSDP_QLORA
+    if all(g.endswith(" under DeepSpeed") for g in gaps):
+        return DS_OWN
     if strategy.engine == "fsdp2":
         return TORCHTITAN
     if strategy.engine == "deepspeed":
