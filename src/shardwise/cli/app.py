@@ -102,6 +102,7 @@ def plan(
     optimizer_impl: str | None = run_option("optimizer_impl"),
     weight_decay: float | None = run_option("weight_decay"),
     optimizer_in_backward: bool | None = run_option("optimizer_in_backward"),
+    activation_offload: bool | None = run_option("activation_offload"),
     fused_kernels: bool | None = run_option("fused_kernels"),
     fused_norm: bool = typer.Option(False, "--fused-norm", help="RMSNorm as one fused kernel (torchtitan's fused_rmsnorm, "
                                     "Liger, apex; implied by --fused-kernels): its saved tensors and the bytes it moves."),

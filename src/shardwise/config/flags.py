@@ -282,6 +282,7 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("optimizer_impl", "--optimizer-impl", "optimizer.fused", also=("fused", "foreach", "forloop"),
             note="(fused where set, else fused on CUDA; foreach / forloop: torch's non-fused kernels)"),
     RunFlag("optimizer_in_backward", "--optimizer-in-backward", "optimizer.in_backward"),
+    RunFlag("activation_offload", "--activation-offload", "checkpointing.offload"),
     RunFlag("fused_kernels", "--fused-kernels", "run.compile",
             note="(compiled decoder layers: elementwise work fused; unset: on CUDA under fsdp* and ddp)"),
 )

@@ -84,7 +84,8 @@ class Source:
                 words += [w for s in v for w in ("-s", s)]
             elif isinstance(v, bool):
                 words += [flag] if v else ([f"--no-{flag[2:]}"] if name in ("sequence_parallel", "fused_kernels",
-                                                                                   "optimizer_in_backward")
+                                                                                   "optimizer_in_backward",
+                                                                                   "activation_offload")
                                            else [])
             elif v is not None:
                 words += [flag, str(v)]

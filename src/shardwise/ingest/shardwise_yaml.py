@@ -15,6 +15,7 @@ PLANNED = ("model", "data.kind", "data.sft.max_length", "data.sft.packing", "dat
            "data.synthetic.seq_len", "strategy", "optimizer.weight_decay", "optimizer.fused", "optimizer.name",
            "optimizer.in_backward",
            "precision", "run.micro_batch", "run.grad_accum", "run.nproc", "run.compile", "checkpointing.activation",
+           "checkpointing.offload",
            "hardware.gpu", "hardware.gpus_per_node", "hardware.profile", "hardware.host_memory_gb", "lora", "loss")
 UNUSED = {"lora.alpha", "lora.dropout", "lora.save_merged", "model.trust_remote_code", "model.random_init"}
 
@@ -68,7 +69,7 @@ def read(doc: Doc, ctx: Context) -> Source:
           "packed_attention": t.packed_attention, "lora_rank": t.lora_rank, "lora_targets": ",".join(t.lora_targets),
           "lora_modules_to_save": ",".join(t.lora_modules_to_save), "qlora": t.base_quant == "nf4",
           "cross_entropy": t.cross_entropy, "optimizer_impl": t.optimizer_impl, "weight_decay": t.weight_decay,
-          "optimizer_in_backward": t.optimizer_in_backward, "fused_kernels": t.fused_kernels, "fused_norm": t.fused_norm, "expandable_segments": t.expandable_segments,
+          "optimizer_in_backward": t.optimizer_in_backward, "activation_offload": t.activation_offload, "fused_kernels": t.fused_kernels, "fused_norm": t.fused_norm, "expandable_segments": t.expandable_segments,
           "strategy": [s.name]}
     if t.cross_entropy == "chunked":
         v["ce_chunk"] = t.ce_chunk

@@ -150,6 +150,7 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", *, family: str | None = N
         "ce_chunk": cfg.loss.chunk_tokens,
         "weight_decay": cfg.optimizer.weight_decay,
         "optimizer_in_backward": cfg.optimizer.in_backward,
+        "activation_offload": cfg.checkpointing.offload,
     }
     if cfg.lora is not None:
         t = cfg.lora.target_modules
@@ -364,6 +365,8 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         notes.append("planned a fused RMSNorm kernel; the trainer runs HF's eager RMSNorm unless its layers are "
                      "compiled (run.compile)")
     raw["checkpointing"]["activation"] = activation
+    if train.activation_offload:
+        raw["checkpointing"]["offload"] = True
     raw["loss"] = {"implementation": "standard" if train.cross_entropy == "standard" else "chunked",
                    "chunk_tokens": train.ce_chunk}
     if train.cross_entropy in ("fused", "inplace"):
