@@ -354,6 +354,10 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
         reason = f"{type(e).__name__}: {e}"
         traceback.print_exc()
     finally:
+        if cfg.checkpointing.offload:  # what this rank moved to host memory (shardwise.train.model.activation_offload)
+            from shardwise.train.model.activation_offload import process_totals
+
+            extra["activation_offload"] = process_totals()
         metrics.close(status, reason, **extra)
         import torch.distributed as dist
 

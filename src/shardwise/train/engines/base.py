@@ -149,19 +149,24 @@ def forward_loss_sum(forward: Callable[..., Any], model: torch.nn.Module, batch:
     - chunked: the model's LossHead (in lm_head's place, shardwise.train.model.loss) computes the loss
       chunk by chunk from the hidden states inside the model call: no [tokens, vocab] fp32 logits;
     - standard: the model returns the logits, `token_loss_sum` upcasts them whole.
-    `amp` (DDP's autocast) wraps the model call only, as before. One function per engine call:
+    `amp` (DDP's autocast) wraps the model call only, as before; so does activation offloading
+    (`train.activation_offload`, shardwise.train.model.activation_offload: its hooks stay with the
+    saved tensors, so the engine's backward brings them back). One function per engine call:
     `shardwise bench` wraps it to mark the end of the forward."""
     labels = batch["labels"].to(device)
     inputs = model_inputs(batch, device)
+    from shardwise.train.model.activation_offload import offloaded
+
     with amp if amp is not None else contextlib.nullcontext():
         if train.cross_entropy == "chunked":
             from shardwise.train.model.loss import computing
 
-            with computing(model, labels, train.ce_chunk):
+            with computing(model, labels, train.ce_chunk), offloaded(model, device, train):
                 return forward(**inputs).logits
         if train.cross_entropy != "standard":
             raise ValueError(f"cross_entropy {train.cross_entropy!r} is plan-only; the trainer runs chunked or standard")
-        logits = forward(**inputs).logits
+        with offloaded(model, device, train):
+            logits = forward(**inputs).logits
     return token_loss_sum(logits, labels)
 
 
