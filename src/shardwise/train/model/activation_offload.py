@@ -189,7 +189,7 @@ class ActivationOffloader:
             compute.wait_event(done)  # the compute stream reuses the block only after the copy read it
         self.stream.wait_stream(compute)  # the copy starts once the compute stream has produced `t`
         with torch.cuda.stream(self.stream):
-            host = torch.empty_like(src, device="cpu", pin_memory=True)
+            host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)  # torch's caching host allocator
             host.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
