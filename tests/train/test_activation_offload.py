@@ -7,9 +7,9 @@ memory in forward and back in backward (shardwise.train.model.activation_offload
 - A run resumed from its step-4 checkpoint ends with the same losses and the same checkpoint,
   every tensor bit-exact.
 - What it moves, counted on 2 gloo ranks (tests/train/activation_offload_worker.py): the bytes it
-  holds on the host at its peak in one micro-batch are every decoder layer's saved bytes but the
-  last one's, as the planner's per-layer figures count them (within 10%), and the plan's change
-  of `gpu.activations` (within 10%, once the planner models it); backward frees all of it.
+  holds on the host at its peak in one micro-batch are the plan's change of `gpu.activations`
+  (within 10%; and within 10% of it less the output layer's input, which the plan counts as
+  moved and which stays, with full checkpointing too); backward frees all of it.
 - Not refused where it was tried and runs: DeepSpeed ZeRO-3 with every parameter partitioned
   (its fetch and release hooks) trains the same losses, and compiled decoder layers (run.compile)
   give the same gradients with the hooks as without, from the same compiled graphs.
@@ -113,40 +113,30 @@ def measured():
 
 
 @pytest.mark.parametrize("activation", ["none", "full"])
-def test_the_bytes_it_moves_are_the_layers_but_the_last(measured, activation) -> None:
-    """The planner's own per-layer saved bytes (plan.activations): without checkpointing every
-    tensor a layer saves, with it each layer's kept input; all layers but the last, which stays
-    with the final norm and the loss head. What it moves beyond that: the token ids the embedding
-    saves and the rotary cos and sin (once, however many layers read them)."""
-    from shardwise.bench import worker
-    from shardwise.plan.activations import layer_saved_per_token
-
-    run = worker.bench_run("fsdp")
-    t, m = run.train, run.model
-    tokens = t.micro_batch * t.seq_len
-    layer = m.hidden_size * t.compute_bytes if activation == "full" else layer_saved_per_token(m, t)
-    expected = (m.num_layers - 1) * layer * tokens
-    for rank, r in enumerate(measured[activation]):
-        assert abs(r["peak"] - expected) <= 0.10 * expected, (rank, r, expected)
-        assert r["moved"] == r["peak"] and r["after_backward"] == 0, (rank, r)
-
-
-@pytest.mark.parametrize("activation", ["none", "full"])
 def test_the_bytes_it_moves_are_the_plans(measured, activation) -> None:
+    """The bytes held on the host at the peak of one micro-batch against the plan's change of
+    `gpu.activations` (plan.memory.offloaded_activations: every saved byte but one decoder
+    layer's). The plan also counts as moved the output layer's input, which stays: lm_head saves
+    it for backward (kept, as torchtune keeps its output layer), and the chunked loss holds its
+    gradient on its autograd context instead, which no saved-tensor hook sees. Without
+    checkpointing that is 1.5% of the plan's figure; with full checkpointing, a sixth of it."""
     from shardwise.bench import worker
     from shardwise.plan.evaluate import memory_as_run
 
     run = worker.bench_run("fsdp")
+    t, m = run.train, run.model
 
     def planned(offload: bool) -> float:
-        train = run.train.model_copy(update={"activation_offload": offload, "checkpointing": activation})
-        return memory_as_run(run.model, run.hardware, train, run.strategy).gpu.activations
+        train = t.model_copy(update={"activation_offload": offload, "checkpointing": activation})
+        return memory_as_run(m, run.hardware, train, run.strategy).gpu.activations
 
     plan_saves = planned(False) - planned(True)
-    if plan_saves == 0:
-        pytest.xfail("the planner does not model checkpointing.offload yet (gpu.activations unchanged)")
+    head_input = t.micro_batch * t.seq_len * m.hidden_size * t.compute_bytes
     for rank, r in enumerate(measured[activation]):
-        assert abs(r["peak"] - plan_saves) <= 0.10 * plan_saves, (rank, r["peak"], plan_saves)
+        assert r["moved"] == r["peak"] and r["after_backward"] == 0, (rank, r)
+        assert abs(r["peak"] - (plan_saves - head_input)) <= 0.10 * (plan_saves - head_input), (rank, r, plan_saves)
+        if activation == "none":
+            assert abs(r["peak"] - plan_saves) <= 0.10 * plan_saves, (rank, r["peak"], plan_saves)
 
 
 def test_compiled_layers_run_under_the_hooks() -> None:

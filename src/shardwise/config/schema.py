@@ -202,7 +202,7 @@ class CheckpointingSection(_Section):
     activation: Literal["none", "full"] = Field("none", description="activation checkpointing per layer")
     offload: bool = Field(False, description="the tensors saved for backward move to host memory in forward and "
                           "come back in backward (with activation: full, only each layer's kept input); the last "
-                          "decoder layer's, the final norm's and the loss's stay on the device (docs/training.md)")
+                          "decoder layer's and the output layer's stay on the device (docs/training.md)")
     output_dir: NonBlank = Field("runs/shardwise", description="metrics, TensorBoard, checkpoints and exports go here")
     save_final: bool = Field(False, description="write consolidated weights (safetensors) at the end")
     save_every_steps: Int | None = Field(None, gt=0, description="sharded checkpoint every N optimizer steps")

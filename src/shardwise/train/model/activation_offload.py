@@ -12,13 +12,15 @@ MIN_BYTES, copied once per forward however many saved tensors view it (the q, k 
 projections' views of one normed input; every layer's view of the rotary cos and sin), as long
 as the saved tensor is not a parameter, a view of one, a cast of one (autocast's cached weight
 copies) or a leaf that gets a gradient. DTensors (tensor parallelism) move their local tensor
-and are rebuilt around it. What stays: those, and everything saved from the start of the last
-decoder layer on (that layer, the final norm, lm_head or the chunked loss's LossHead): backward
-reads them first, so moving them would only make it wait for their copy back (DeepSpeed's
-activation offload keeps its last checkpoint so too); the standard loss (`token_loss_sum`) runs
-after the model call, outside the hooks. With activation checkpointing each checkpointed layer
-saves only its inputs under these hooks (torch's checkpoint saves them before it pushes its own
-hooks, which then keep the layer's inner tensors as recompute placeholders; docs/training.md).
+and are rebuilt around it. What stays: those; what the last decoder layer saves (backward reads
+it first: moving it would only make backward wait for its copy back; one layer's saved set on
+the device, as the planner books it, plan.activations.offload_kept); and what the output layer
+saves (lm_head's input, as torchtune keeps its output layer; the chunked loss's LossHead saves
+nothing through hooks, its gradients are on its autograd context). The standard loss
+(`token_loss_sum`) runs after the model call, outside the hooks. With activation checkpointing
+each checkpointed layer saves only its inputs under these hooks (torch's checkpoint saves them
+before it pushes its own hooks, which then keep the layer's inner tensors as recompute
+placeholders; docs/training.md).
 
 CUDA: each storage is copied into pinned host memory on a side stream once the compute stream
 has produced it; the device tensor is kept alive until that copy's event has completed, at most
@@ -99,7 +101,7 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         _ALL_STATS.append(self.stats)
         self._active = False
-        self._tail = False  # from the last decoder layer's start to the forward's end: nothing moves
+        self._kept = 0  # > 0 inside the last decoder layer or the output layer: nothing moves
         # this forward's storages already on the host: id(storage) -> (weakref to it, its copies)
         self._seen: dict[int, tuple[weakref.ref, list[_Stored]]] = {}
         from torch.distributed.tensor import DTensor
@@ -109,11 +111,17 @@ class ActivationOffloader:
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
             self._in_flight: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
-        _tail_start(model).register_forward_pre_hook(self._enter_tail)
+        for module in _kept_modules(model):
+            module.register_forward_pre_hook(self._enter_kept)
+            module.register_forward_hook(self._leave_kept)
 
-    def _enter_tail(self, *_: Any) -> None:
+    def _enter_kept(self, *_: Any) -> None:
         if self._active:
-            self._tail = True
+            self._kept += 1
+
+    def _leave_kept(self, *_: Any) -> None:
+        if self._active and self._kept:
+            self._kept -= 1
 
     # ------------------------------------------------------------------ one forward
     @contextlib.contextmanager
@@ -122,20 +130,20 @@ class ActivationOffloader:
         s = self.stats
         s.micro_batches += 1
         s.last_bytes, s.last_peak_bytes = 0, s.host_bytes
-        self._active, self._tail = True, False
+        self._active, self._kept = True, 0
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            self._active, self._tail = False, False
+            self._active, self._kept = False, 0  # (a forward that raised left its module unbalanced)
             self._seen.clear()
-            if self.cuda:  # the tail's compute has covered the last copies: the compute stream waits (no host sync)
+            if self.cuda:  # the last layer's compute has covered the copies: the compute stream waits (no host sync)
                 self._drain(torch.cuda.current_stream(self.device))
             s.max_bytes = max(s.max_bytes, s.last_bytes)
             s.max_peak_bytes = max(s.max_peak_bytes, s.last_peak_bytes)
 
     def _moves(self, t: torch.Tensor) -> bool:
-        if self._tail or t.device != self.device or type(t) not in (torch.Tensor, self._dtensor):
+        if self._kept or t.device != self.device or type(t) not in (torch.Tensor, self._dtensor):
             return False  # tensor subclasses other than DTensor (an NF4 weight, a collective's future) stay
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
             return False  # a weight (a DTensor parameter is of type DTensor), or a view of one (weight.t())
@@ -238,16 +246,23 @@ def _freed(stats: OffloadStats, nbytes: int) -> None:
     stats.host_bytes -= nbytes
 
 
-def _tail_start(model: torch.nn.Module) -> torch.nn.Module:
-    """Where the tail begins that backward reads first: the last decoder layer (then the final
-    norm and the output layer), or the output layer of a model without `model.layers`."""
+def _kept_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Whose saved tensors stay on the device: the last decoder layer (backward's first, as the
+    planner keeps one layer's saved set: plan.activations.offload_kept) and the output layer(s),
+    lm_head or its LossHead, and the trainable copies under PEFT's `modules_to_save`."""
     from shardwise.errors import ShardwiseError
     from shardwise.train.model.hf import decoder_layers
 
     try:
-        return decoder_layers(model)[-1]
-    except (ShardwiseError, IndexError):
-        return model.get_output_embeddings()
+        out = decoder_layers(model)[-1:]
+    except ShardwiseError:
+        out = []
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is not None:
+        copies = getattr(head, "modules_to_save", None)
+        out += [head, *(copies.values() if copies is not None else ())]
+    return out
 
 
 _OFFLOADERS: weakref.WeakKeyDictionary[torch.nn.Module, ActivationOffloader] = weakref.WeakKeyDictionary()
