@@ -49,7 +49,7 @@ def _planned_peak(run: dict) -> float:
 
 def test_each_rung_of_torchtunes_ladder_moves_the_planned_peak_as_measured() -> None:
     """Each rung lowers the peak in torchtune's table and in the plan. Measured vs planned change
-    (GiB): step in backward −1.8 vs −3.5, activation offloading −1.3 vs −1.4, 8-bit AdamW −4.2 vs
+    (GiB): step in backward −1.8 vs −3.5, activation offloading −1.3 vs −1.3, 8-bit AdamW −4.2 vs
     −5.9, LoRA −9.1 vs −6.3, QLoRA −3.9 vs −3.9. The plan's step-in-backward rung saves every
     gradient but the largest; torchtune's peak then moves to the loss (its chunked loss keeps every
     chunk's logits, the trainer's fuses lm_head per chunk: planned as the trainer's), so it saves
@@ -122,7 +122,7 @@ def test_where_nothing_else_fits_the_recommender_climbs_the_ladder_to_torchtunes
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_activation_offloading_moves_all_but_one_layer_to_the_host(checkpointing) -> None:
-    """Planned terms: the saved activations leave the GPU but one layer's set (the tensors in
+    """Planned terms: the saved activations leave the GPU but one layer's set and lm_head's input (in
     flight), the host holds the rest per rank, and the step pays only the copy time its work does
     not hide."""
     from shardwise.catalog import build_hardware, get_model

@@ -116,10 +116,8 @@ def measured():
 def test_the_bytes_it_moves_are_the_plans(measured, activation) -> None:
     """The bytes held on the host at the peak of one micro-batch against the plan's change of
     `gpu.activations` (plan.memory.offloaded_activations: every saved byte but one decoder
-    layer's). The plan also counts as moved the output layer's input, which stays: lm_head saves
-    it for backward (kept, as torchtune keeps its output layer), and the chunked loss holds its
-    gradient on its autograd context instead, which no saved-tensor hook sees. Without
-    checkpointing that is 1.5% of the plan's figure; with full checkpointing, a sixth of it."""
+    layer's and lm_head's input, which lm_head saves for backward and which stays, as torchtune
+    keeps its output layer), within 10%."""
     from shardwise.bench import worker
     from shardwise.plan.evaluate import memory_as_run
 
@@ -131,12 +129,9 @@ def test_the_bytes_it_moves_are_the_plans(measured, activation) -> None:
         return memory_as_run(m, run.hardware, train, run.strategy).gpu.activations
 
     plan_saves = planned(False) - planned(True)
-    head_input = t.micro_batch * t.seq_len * m.hidden_size * t.compute_bytes
     for rank, r in enumerate(measured[activation]):
         assert r["moved"] == r["peak"] and r["after_backward"] == 0, (rank, r)
-        assert abs(r["peak"] - (plan_saves - head_input)) <= 0.10 * (plan_saves - head_input), (rank, r, plan_saves)
-        if activation == "none":
-            assert abs(r["peak"] - plan_saves) <= 0.10 * plan_saves, (rank, r["peak"], plan_saves)
+        assert abs(r["peak"] - plan_saves) <= 0.10 * plan_saves, (rank, r["peak"], plan_saves)
 
 
 def test_compiled_layers_run_under_the_hooks() -> None:

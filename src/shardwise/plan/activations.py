@@ -399,14 +399,19 @@ def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: b
 
 def offload_kept(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:
     """Saved-for-backward bytes per GPU that stay on the device under activation offloading
-    (`activation_offload`): one decoder layer's saved set. torchtune's OffloadActivations
-    (torchtune/training/_activation_offloading.py, with streams) keeps the last
+    (`activation_offload`): one decoder layer's saved set and lm_head's input. torchtune's
+    OffloadActivations (torchtune/training/_activation_offloading.py, with streams) keeps the last
     `max_fwd_stash_size` (5) offloaded tensors alive until their copies complete, which at the
-    end of forward are the last layer's; in backward it brings back one autograd node's tensors at
-    a time and frees the previous node's. With full checkpointing a layer's saved set is its kept
-    input (the recomputed layer is `recompute_bytes`, on the device as before)."""
+    end of forward are the last layer's, brings back one autograd node's tensors at a time in
+    backward, and leaves its output layer alone (NoOpManager: backward needs it first); the
+    trainer's offloader keeps the same (shardwise.train.model.activation_offload, measured on 2
+    gloo ranks: tests/train/test_activation_offload.py). With full checkpointing a layer's saved
+    set is its kept input (the recomputed layer is `recompute_bytes`, on the device as before)."""
     tokens = train.micro_batch * train.seq_len
+    head_input = train.compute_bytes * model.hidden_size / seq_shards(train, tp)
     if train.checkpointing == "full":
-        return tokens * (4 if autocast else train.compute_bytes) * model.hidden_size / seq_shards(train, tp)
-    per_layer = selective_saved_per_token if train.checkpointing == "selective" else layer_saved_per_token
-    return tokens * per_layer(model, train, tp, autocast)
+        layer = (4 if autocast else train.compute_bytes) * model.hidden_size / seq_shards(train, tp)
+    else:
+        per_layer = selective_saved_per_token if train.checkpointing == "selective" else layer_saved_per_token
+        layer = per_layer(model, train, tp, autocast)
+    return tokens * (layer + head_input)

@@ -76,23 +76,28 @@ def cpu_rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strate
     per_node = max(1, min(hw.world_size, hw.gpus_per_node))
     load = load_phase(model, train, runs, plan.layout, per_node, device="cpu", path=load_path(runs, weights),
                       max_file_bytes=max_file_bytes, forked=forked)
-    return CpuRankMemory(process=load.process, allocated=plan.gpu.allocated, heap_slack=heap_slack(model, train, plan),
+    # activation offloading on CPU ranks copies the saved tensors into the same memory: they stay
+    moved = plan.host.activations / per_node
+    return CpuRankMemory(process=load.process, allocated=plan.gpu.allocated + moved,
+                         heap_slack=heap_slack(model, train, plan, moved),
                          load=load, launcher=memory_model().launcher_bytes, ranks_per_node=per_node)
 
 
-def heap_slack(model: ModelSpec, train: TrainSpec, plan) -> float:
+def heap_slack(model: ModelSpec, train: TrainSpec, plan, offloaded: float = 0.0) -> float:
     """The heap's floor, and the activations saved for backward where a layer's hidden states
     (one micro-batch's tokens × hidden × the compute dtype) are below the mmap threshold the
     trainer holds: they were allocated from the heap and stay in it, free, after backward.
     autocast's copies of the weights (DDP's fp32 module) are weight-sized and mapped: not heap.
-    Floor and threshold: the memory model's `heap_floor_bytes`, `mmap_threshold_bytes`."""
+    `offloaded`: the saved bytes activation offloading copied out of `plan.gpu.activations` (on a
+    CPU rank, into the same heap). Floor and threshold: the memory model's `heap_floor_bytes`,
+    `mmap_threshold_bytes`."""
     from shardwise.plan.memory import autocast_cache
 
     mm = memory_model()
     row = train.seq_len * train.micro_batch * model.hidden_size / plan.layout.tp * train.compute_bytes
     if row >= mm.mmap_threshold_bytes:
         return mm.heap_floor_bytes
-    acts = plan.gpu.activations
+    acts = plan.gpu.activations + offloaded
     if train.autocasts(plan.engine_strategy.engine):
         acts -= autocast_cache(model, train, plan.layout)[0]
     return mm.heap_floor_bytes + max(0.0, acts)
