@@ -90,6 +90,27 @@ def optimizer_impl(cfg: TrainConfig, device: str) -> str:
     return _adamw_impl(cfg.optimizer.fused_on(device), device)
 
 
+def low_bit_refusal(optimizer: str, engine: Strategy, tp: int, device: str) -> str | None:
+    """Why the trainer does not run the low-bit `optimizer` (optimizer.name adamw8bit, adamw4bit,
+    paged_adamw8bit; shardwise.train.engines.low_bit) with `engine` (the strategy the engines run:
+    RunSpec.engine_strategy), or None where it does (and for adamw). Preflight refuses with it, and
+    `to_config` writes adamw with it as the note."""
+    if optimizer not in ("adamw8bit", "adamw4bit", "paged_adamw8bit"):
+        return None
+    if engine.engine == "deepspeed":
+        return f"DeepSpeed's engine owns the optimizer and its states ({engine.name}); use an fsdp or ddp strategy"
+    if tp > 1:
+        return f"low-bit states are run with data parallelism only, not with tensor parallelism (tp {tp})"
+    if optimizer == "paged_adamw8bit":
+        if device != "cuda":
+            return (f"bitsandbytes' paged optimizer keeps its states in CUDA unified memory (cudaMallocManaged), and "
+                    f"this run is on {device}; adamw8bit (torchao) runs on any device")
+        if engine.engine == "fsdp2":
+            return (f"bitsandbytes' optimizer kernels take plain tensors, not FSDP2's DTensor shards ({engine.name}); "
+                    "use ddp, or adamw8bit (torchao, which shards with FSDP2)")
+    return None
+
+
 def _adamw_impl(fused: bool, device: str) -> str:
     if fused:
         return "fused"
@@ -310,8 +331,19 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     attention = "sdpa" if train.attention == "flash" else train.attention
     if train.attention == "flash":
         notes.append("planned flash attention; the trainer uses sdpa (same O(seq) memory with its flash kernel)")
-    if train.optimizer != "adamw":
+    optimizer = train.optimizer
+    if optimizer == "sgd":
         notes.append(f"planned optimizer {train.optimizer!r}; the trainer (and the DeepSpeed JSON) use AdamW")
+        optimizer = "adamw"
+    else:
+        from shardwise.plan.evaluate import single_rank_runs_as
+
+        engine = single_rank_runs_as(model, hw, train, strategy) or strategy
+        why = low_bit_refusal(optimizer, engine, strategy.tp, device)
+        if why:
+            notes.append(f"planned optimizer {optimizer!r}, which the trainer does not run here: {why}; "
+                         "it runs AdamW (fp32 states)")
+            optimizer = "adamw"
 
     b = base or TrainConfig(name=f"{model.name}-{strategy.name}")
     raw = b.model_dump(exclude={"source"})
@@ -348,6 +380,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
     raw["optimizer"]["weight_decay"] = train.weight_decay  # its optimizer groups are in the plan
+    raw["optimizer"]["name"] = optimizer
     if train.optimizer_in_backward:  # not clipped by the global norm: nothing waits for every gradient
         raw["optimizer"] |= {"in_backward": True, "max_grad_norm": 0.0}
     # fused kernels = compiled decoder layers; the DeepSpeed engines run eagerly here

@@ -145,6 +145,25 @@ def check_in_backward(run: RunSpec) -> None:
         raise ShardwiseError(f"{where}: {why} (strategy.name {cfg.strategy.name!r}, strategy.tp {run.layout.tp})")
 
 
+def check_low_bit(run: RunSpec) -> None:
+    """A low-bit `optimizer.name` (shardwise.train.engines.low_bit): refused, naming the field,
+    where the trainer cannot run it (run.bridge.low_bit_refusal: `to_config` asks it too), and its
+    library imported here (a missing or broken install is one message, not a traceback per rank)."""
+    from shardwise.run.bridge import low_bit_refusal
+
+    cfg = run.config
+    name = cfg.optimizer.name
+    if name == "adamw":  # torch's own (and no torch import for the check)
+        return
+    why = low_bit_refusal(name, run.engine_strategy, run.layout.tp, run.device)
+    if why:
+        raise ShardwiseError(f"{cfg.source}: optimizer.name {name!r}: {why} (strategy.name {cfg.strategy.name!r}, "
+                             f"strategy.tp {run.layout.tp}, run.device {run.device!r}); or set optimizer.name: adamw")
+    from shardwise.train.engines.low_bit import optimizer_class
+
+    optimizer_class(name, cfg.source)
+
+
 def prepare_data(run: RunSpec) -> Path | None:
     """The expensive part, last, once: the tokenizer against the model's vocabulary, then the
     files parsed, validated, templated, tokenised and packed into the data cache every rank
@@ -332,6 +351,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
 
     check_run(run)  # refuses the chunked cross-entropy where the model changes its logits
     check_in_backward(run)
+    check_low_bit(run)
     memory = check_memory(run, force)
     from shardwise.train.host_memory import check_host_memory
 
