@@ -69,8 +69,8 @@ def optimizer_class(name: str, source: str = "<config>") -> type[torch.optim.Opt
         import torchao.optim
     except ImportError as e:
         raise ShardwiseError(f"{source}: optimizer.name {name!r} runs torchao's {TORCHAO[name]}, and torchao does not "
-                             f"import here ({e}): pip install torchao (shardwise's extra: pip install 'shardwise[lowbit]'), or "
-                             "use optimizer.name: adamw") from None
+                             f"import here ({e}): pip install torchao (shardwise's extra: pip install "
+                             "'shardwise[lowbit]'), or use optimizer.name: adamw") from None
     return getattr(torchao.optim, TORCHAO[name])
 
 
@@ -104,8 +104,8 @@ def _tagged(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
             with torch.compiler.config.patch(cache_key_tag=f"{torch.compiler.config.cache_key_tag}|{tag}"):
                 return super(tagged, self).step(closure)
 
-        tagged = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__,
-                                             "__doc__": _tagged.__doc__})
+        doc = f"torchao's {cls.__name__}, its step compiled under the cache tag {tag!r} (low_bit._tagged)."
+        tagged = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__, "__doc__": doc})
         _TAGGED[cls] = tagged
     return _TAGGED[cls]
 
