@@ -32,6 +32,34 @@ QUIET_LOGGERS: tuple[tuple[str, int, str], ...] = (
 )
 
 
+# (logger, how the message starts, why): one message of a logger whose other messages may matter
+QUIET_MESSAGES: tuple[tuple[str, str, str], ...] = (
+    ("torchao", "Failed to load ",
+     "torchao logs one line on import for each optional compiled extension built for another Python or "
+     "CUDA (its MX/FP8 GEMMs, CUTLASS kernels); the low-bit optimizers (optimizer.name adamw8bit, "
+     "adamw4bit) use none of them"),
+    ("torch.utils._pytree", "<enum ",
+     "torchao 0.18 registers two Enums with pytree on import, which torch 2.13 logs as deprecated "
+     "(`register_constant` on an Enum subclass): nothing a run does, nothing shardwise can change"),
+)
+# (message regex, category, why): warnings a library raises once per process
+QUIET_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    (r"OptimState(8|4)bit does not implement _stable_hash_for_caching", UserWarning,
+     "torch's AOT autograd cache on the first compiled step of torchao's low-bit AdamW: its state "
+     "subclasses have no stable hash, so that graph is not cached across processes (the FX graph "
+     "cache still is); a note to torchao, not to the run"),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
 def verbose() -> bool:
     """`--verbose` was given here or to the process that spawned this rank."""
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
@@ -48,3 +76,9 @@ def apply(verbose_flag: bool | None = None) -> None:
         return
     for name, level, _why in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    for name in {n for n, _, _ in QUIET_MESSAGES}:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(tuple(m for n, m, _ in QUIET_MESSAGES if n == name)))
+    for message, category, _why in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -265,7 +265,7 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("micro_batch", "--micro-batch", "run.micro_batch"),
     RunFlag("grad_accum", "--grad-accum", "run.grad_accum"),
     RunFlag("precision", "--precision", "precision"),
-    RunFlag("optimizer", "--optimizer", "optimizer.name", also=("sgd", "adamw8bit", "adamw4bit", "paged_adamw8bit")),
+    RunFlag("optimizer", "--optimizer", "optimizer.name", also=("sgd",)),
     RunFlag("checkpointing", "--checkpointing", "checkpointing.activation", also=("selective",)),
     RunFlag("attention", "--attention", "model.attention", also=("flash",)),
     RunFlag("packed_attention", "--packed-attention", "data.sft.packed_attention",

@@ -124,8 +124,17 @@ LR_WHY = ("AdamW moves each weight by about lr a step: any rate that trains is f
 Beta = Annotated[Finite, bounded(ge=0, lt=1, why="torch.optim.AdamW's range: a moment's decay rate")]
 
 
+# AdamW with its two moments kept as fp32 tensors, or block-quantized (docs/training.md, "Low-bit
+# optimizer states"): the names the planner prices (shardwise.plan.optimizer.LOW_BIT_STATE_BYTES).
+OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "paged_adamw8bit"]
+
+
 class OptimizerSection(_Section):
-    name: Literal["adamw"] = "adamw"
+    name: OptimizerName = Field(
+        "adamw", description="adamw: torch's AdamW, fp32 moments; adamw8bit / adamw4bit: torchao's AdamW8bit / "
+        "AdamW4bit, each moment 8-bit (4-bit) codes with one fp32 scale per 256 (128) elements, under fsdp or ddp "
+        "(pip install torchao); paged_adamw8bit: bitsandbytes' PagedAdamW8bit, 8-bit moments in CUDA unified "
+        "memory, under ddp on CUDA. Not with DeepSpeed (its engine owns the optimizer) nor tensor parallelism")
     lr: Annotated[Finite, bounded(gt=0, le=MAX_LR, why=LR_WHY)] = Field(
         1e-4, description=f"peak learning rate (above 0, at most {MAX_LR:g})")
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW's moment decay rates, each in [0, 1)")

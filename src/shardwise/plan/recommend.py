@@ -43,7 +43,8 @@ QLORA_SHARDED = "QLoRA with sharded parameters"
 FSDP_QLORA = "HF accelerate (FSDP-QLoRA, bnb_4bit_quant_storage)"
 
 
-def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = None) -> list[str]:
+def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = None,
+                 runs: Strategy | None = None) -> list[str]:
     """What `shardwise train` (and `plan --emit`) lacks to run this configuration exactly; empty
     when it runs it. The sweep's own choices only: settings the user gave (precision, optimizer,
     LoRA, ...) are theirs, and --emit notes how it writes them."""
@@ -71,19 +72,22 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
             gaps.append("pure bf16 under DeepSpeed")
         if train.optimizer != "adamw":
             gaps.append(f"{train.optimizer} under DeepSpeed")
+    elif (runs or strategy).low_bit_refusal(train.optimizer, "cuda"):
+        gaps.append(f"{train.optimizer} with {(runs or strategy).name}" + (f" tp {strategy.tp}" if strategy.tp > 1 else ""))
     return gaps
 
 
 def runnable(e: Evaluation) -> bool:
-    return not trainer_gaps(e.strategy, e.train, e.model)
+    return not trainer_gaps(e.strategy, e.train, e.model, e.memory.engine_strategy)
 
 
-def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = None) -> str:
+def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = None,
+             runs: Strategy | None = None) -> str:
     """The tool that runs a configuration: shardwise's trainer, or for plan-only ones
     torchtitan (FSDP2 with TP/PP/selective checkpointing), DeepSpeed's pipeline engine
     (ZeRO-0/1 with PP alone), Megatron-DeepSpeed (DeepSpeed ZeRO with Megatron's TP, or
     selective recompute), Megatron-LM (its DDP with TP/PP or selective recompute)."""
-    gaps = trainer_gaps(strategy, train, model)
+    gaps = trainer_gaps(strategy, train, model, runs)
     if not gaps:
         return TRAINER
     if gaps == [QLORA_SHARDED]:
@@ -142,7 +146,7 @@ class Recommendation:
 
     @property
     def tool(self) -> str:
-        return tool_for(self.best.strategy, self.best.train, self.best.model)
+        return tool_for(self.best.strategy, self.best.train, self.best.model, self.best.memory.engine_strategy)
 
     def setting(self) -> dict:
         """The recommended configuration, as `--json` prints it (`recommended_setting`)."""
@@ -152,7 +156,7 @@ class Recommendation:
             "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
             "checkpointing": b.train.checkpointing, "precision": b.train.precision, "optimizer": b.train.optimizer,
             "optimizer_in_backward": b.train.optimizer_in_backward, "activation_offload": b.train.activation_offload,
-            "runnable": self.runnable, "tool": self.tool, "needs": trainer_gaps(b.strategy, b.train, b.model),
+            "runnable": self.runnable, "tool": self.tool, "needs": trainer_gaps(b.strategy, b.train, b.model, b.memory.engine_strategy),
             "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
             "memory_required": b.memory.gpu.required,
         }  # fmt: skip
@@ -339,7 +343,7 @@ def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Al
     by_tool: dict[str, list[Evaluation]] = {}
     for e in others:
         if e.fits:
-            by_tool.setdefault(tool_for(e.strategy, e.train, e.model), []).append(e)
+            by_tool.setdefault(tool_for(e.strategy, e.train, e.model, e.memory.engine_strategy), []).append(e)
     out = []
     for tool, group in by_tool.items():
         e = _rank(group)
@@ -347,7 +351,7 @@ def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Al
         speedup = t / best.time.tokens_per_s_per_gpu if best else None
         if speedup is not None and speedup <= 1 + NEAR_TIE:
             continue
-        gaps = tuple(trainer_gaps(e.strategy, e.train, e.model))
+        gaps = tuple(trainer_gaps(e.strategy, e.train, e.model, e.memory.engine_strategy))
         m = e.memory
         vs = ""
         if best is not None and speedup is not None:

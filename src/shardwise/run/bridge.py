@@ -313,8 +313,19 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     attention = "sdpa" if train.attention == "flash" else train.attention
     if train.attention == "flash":
         notes.append("planned flash attention; the trainer uses sdpa (same O(seq) memory with its flash kernel)")
-    if train.optimizer != "adamw":
+    optimizer = train.optimizer
+    if optimizer == "sgd":
         notes.append(f"planned optimizer {train.optimizer!r}; the trainer (and the DeepSpeed JSON) use AdamW")
+        optimizer = "adamw"
+    else:
+        from shardwise.plan.evaluate import single_rank_runs_as
+
+        engine = single_rank_runs_as(model, hw, train, strategy) or strategy
+        why = engine.low_bit_refusal(optimizer, device)
+        if why:
+            notes.append(f"planned optimizer {optimizer!r}, which the trainer does not run here: {why}; "
+                         "it runs AdamW (fp32 states)")
+            optimizer = "adamw"
 
     b = base or TrainConfig(name=f"{model.name}-{strategy.name}")
     raw = b.model_dump(exclude={"source"})
@@ -351,6 +362,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             notes.append("planned a for-loop AdamW step; on CUDA the trainer runs foreach unless fused")
     raw["run"] |= {"micro_batch": train.micro_batch, "grad_accum": train.grad_accum}
     raw["optimizer"]["weight_decay"] = train.weight_decay  # its optimizer groups are in the plan
+    raw["optimizer"]["name"] = optimizer
     if train.optimizer_in_backward:  # not clipped by the global norm: nothing waits for every gradient
         raw["optimizer"] |= {"in_backward": True, "max_grad_norm": 0.0}
     # fused kernels = compiled decoder layers; the DeepSpeed engines run eagerly here

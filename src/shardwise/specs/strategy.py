@@ -199,6 +199,26 @@ class Strategy(Spec):
                     "hook fires before their all-reduce; use an fsdp strategy (or one ddp rank)")
         return None
 
+    def low_bit_refusal(self, optimizer: str, device: str) -> str | None:
+        """Why the trainer does not run the low-bit `optimizer` (optimizer.name adamw8bit,
+        adamw4bit, paged_adamw8bit; shardwise.train.engines.low_bit) with this strategy as the
+        engines run it (RunSpec.engine_strategy) on `device`, or None where it does (and for the
+        other optimizers). The trainer's preflight, `to_config` and the recommender ask here."""
+        if optimizer not in ("adamw8bit", "adamw4bit", "paged_adamw8bit"):
+            return None
+        if self.engine == "deepspeed":
+            return f"DeepSpeed's engine owns the optimizer and its states ({self.name}); use an fsdp or ddp strategy"
+        if self.tp > 1:
+            return f"low-bit states are run with data parallelism only, not with tensor parallelism (tp {self.tp})"
+        if optimizer == "paged_adamw8bit":
+            if device != "cuda":
+                return (f"bitsandbytes' paged optimizer keeps its states in CUDA unified memory (cudaMallocManaged), "
+                        f"and this run is on {device}; adamw8bit (torchao) runs on any device")
+            if self.engine == "fsdp2":
+                return (f"bitsandbytes' optimizer kernels take plain tensors, not FSDP2's DTensor shards ({self.name}); "
+                        "use ddp, or adamw8bit (torchao, which shards with FSDP2)")
+        return None
+
     def single_rank_ddp(self, world_size: int, gpus_per_node: int) -> Strategy | None:
         """The DDP strategy this FSDP2 strategy may run as: its data-parallel shard group is
         one rank, nothing is offloaded, no TP/PP, and `fsdp.single_rank` is not "fsdp" (whether

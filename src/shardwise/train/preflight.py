@@ -172,6 +172,23 @@ def check_precision(run: RunSpec) -> None:
             "remove strategy.fsdp.reduce_dtype, or use precision bf16-mixed for an fp32 reduce")
 
 
+def check_low_bit(run: RunSpec) -> None:
+    """A low-bit `optimizer.name` (shardwise.train.engines.low_bit): refused, naming the field,
+    where the trainer cannot run it (Strategy.low_bit_refusal: `to_config` and the planner ask it too), and its
+    library imported here (a missing or broken install is one message, not a traceback per rank)."""
+    cfg = run.config
+    name = cfg.optimizer.name
+    if name == "adamw":  # torch's own (and no torch import for the check)
+        return
+    why = run.engine_strategy.low_bit_refusal(name, run.device)
+    if why:
+        raise ShardwiseError(f"{cfg.source}: optimizer.name {name!r}: {why} (strategy.name {cfg.strategy.name!r}, "
+                             f"strategy.tp {run.layout.tp}, run.device {run.device!r}); or set optimizer.name: adamw")
+    from shardwise.train.engines.low_bit import optimizer_class
+
+    optimizer_class(name, cfg.source)
+
+
 def prepare_data(run: RunSpec) -> Path | None:
     """The expensive part, last, once: the tokenizer against the model's vocabulary, then the
     files parsed, validated, templated, tokenised and packed into the data cache every rank
@@ -360,6 +377,7 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_run(run)  # refuses the chunked cross-entropy where the model changes its logits
     check_in_backward(run)
     check_precision(run)
+    check_low_bit(run)
     memory = check_memory(run, force)
     from shardwise.train.host_memory import check_host_memory
 

@@ -48,6 +48,7 @@ def check_resumable(cfg: TrainConfig, run: RunSpec, checkpoint: Path) -> None:
             f"holds {old_model['path'] or old_model['name']!r}; use the checkpoint's model or another output_dir"
         )
     check_same_adapters(cfg, saved, checkpoint)
+    check_same_optimizer(cfg, saved, checkpoint)
     check_same_shapes(cfg, run, checkpoint)
     if manifest["step"] > cfg.run.steps:
         raise ShardwiseError(f"{cfg.source}: run.steps = {cfg.run.steps}, but {checkpoint} is already at step "
@@ -120,17 +121,37 @@ def check_saved_config(saved: dict, checkpoint: Path) -> None:
     """The manifest's config, as far as resuming reads it: sections are objects and the counts
     are integers (a manifest is no signature: `"micro_batch": "x" * ...` must not reach arithmetic)."""
     where = f"{checkpoint / 'manifest.json'}: field 'config"
-    for name in ("model", "run", "strategy", "lora"):
+    for name in ("model", "run", "strategy", "lora", "optimizer"):
         if saved.get(name) is not None and not isinstance(saved[name], dict):
             raise ShardwiseError(f"{where}.{name}': expected an object, got {type(saved[name]).__name__}")
     for section, key in (("run", "micro_batch"), ("run", "grad_accum"), ("run", "seed"), ("strategy", "tp")):
         v = (saved.get(section) or {}).get(key)
         if v is not None and type(v) is not int:
             raise ShardwiseError(f"{where}.{section}.{key}': expected an integer, got {v!r}")
-    for key in ("name", "path"):
-        v = (saved.get("model") or {}).get(key)
+    for section, key in (("model", "name"), ("model", "path"), ("optimizer", "name")):
+        v = (saved.get(section) or {}).get(key)
         if v is not None and not isinstance(v, str):
-            raise ShardwiseError(f"{where}.model.{key}': expected a string, got {v!r}")
+            raise ShardwiseError(f"{where}.{section}.{key}': expected a string, got {v!r}")
+
+
+# What each optimizer.name keeps per moment: a checkpoint holds its states in that form
+_STATES = {"adamw": "fp32 moments", "adamw8bit": "torchao's 8-bit codes and scales",
+           "adamw4bit": "torchao's 4-bit codes and scales", "paged_adamw8bit": "bitsandbytes' 8-bit codes and scales"}
+
+
+def check_same_optimizer(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None:
+    """A checkpoint resumes with the optimizer.name it was trained with: its moments are that
+    optimizer's (fp32, or one library's quantized codes and scales: shardwise.train.engines.
+    low_bit), and another's would start from states it did not write. A manifest without the
+    field was written by adamw, the only optimizer before the low-bit ones."""
+    old = (saved.get("optimizer") or {}).get("name") or "adamw"
+    new = cfg.optimizer.name
+    if old != new:
+        raise ShardwiseError(
+            f"{cfg.source}: optimizer.name = {new!r}, but {checkpoint} was trained with {old!r} and holds its "
+            f"optimizer states ({_STATES.get(old, 'another optimizer')}), not {new!r}'s "
+            f"({_STATES.get(new, new)}); resume with optimizer.name: {old}, or start a fresh run in another "
+            "checkpointing.output_dir")
 
 
 def check_same_adapters(cfg: TrainConfig, saved: dict, checkpoint: Path) -> None:

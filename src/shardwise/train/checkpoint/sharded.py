@@ -4,7 +4,9 @@ One format for every engine: a `torch.distributed.checkpoint` (DCP) directory ho
 *canonical* training state, keyed by parameter name, never by engine or rank:
 
 - `model.<fqn>`: the master weights (what the optimizer updates): fp32, bf16 under bf16-pure;
-- `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>`: AdamW's moments, same shape and dtype.
+- `optim.exp_avg.<fqn>`, `optim.exp_avg_sq.<fqn>`: AdamW's moments, same shape and dtype (a
+  low-bit optimizer's quantized moments as plain codes and scales instead:
+  `optim.exp_avg_codes.<fqn>`, `optim.exp_avg_scale.<fqn>`, ...; shardwise.train.engines.low_bit).
 
 A checkpoint of one dtype resumes a run of the other: DCP casts each tensor into the engine's
 as it loads (shardwise.train.checkpoint.resume_checks.precision_note says what that does).
@@ -446,6 +448,20 @@ def read_best(output_dir: str | Path, lineage: Any = _ANY) -> dict[str, Any] | N
     return record if any(s == step for s, _ in published(root)) else None
 
 
+class CheckpointReader:
+    """What an engine's `load_checkpoint_state` reads with: called with a dict of tensors, it
+    fills them in place from the checkpoint (DCP reshards each key into this rank's tensors);
+    `saved` is every tensor the checkpoint holds (key -> global shape and dtype, from its index),
+    for an engine whose keys depend on what was saved (low-bit optimizer states)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.saved = tensor_shapes(path)
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_tensors(tensors, SafeReader(str(self.path)))
+
+
 def load_checkpoint(engine: Any, path: Path) -> TrainerState:
     """Load `path` into `engine` (collective) and this rank's RNG streams; return the loop's
     state. The manifest was verified by preflight; here its presence and sizes are checked
@@ -453,11 +469,7 @@ def load_checkpoint(engine: Any, path: Path) -> TrainerState:
     read_manifest(path, verify_hashes=False)
     rank, _ = _world()
     state = TrainerState(**read_trainer_state(path))
-
-    def read(tensors: dict[str, torch.Tensor]) -> None:
-        load_tensors(tensors, SafeReader(str(path)))
-
-    engine.load_checkpoint_state(read, state.engine)
+    engine.load_checkpoint_state(CheckpointReader(path), state.engine)
     rank_file = f"rank-{rank:05d}.json"
     if (path / rank_file).is_file():  # a new rank (resumed on more ranks) keeps its seeded streams
         set_rng_state(read_rank_rng(path, rank_file))

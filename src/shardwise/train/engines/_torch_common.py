@@ -1,6 +1,6 @@
 """What the DDP and FSDP2 engines share: AdamW construction (one optimizer, or one per parameter
-stepped in backward), autocast, fp16 loss scaling, and the optimizer side of the Engine protocol
-(both own plain torch optimizers)."""
+stepped in backward; torch's AdamW, or a low-bit one: shardwise.train.engines.low_bit), autocast,
+fp16 loss scaling, and the optimizer side of the Engine protocol (both own their optimizers)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 from shardwise.run import RunSpec
+from shardwise.train.engines import low_bit
 from shardwise.train.engines.base import DistEnv, decay_groups
 
 # TrainSpec.compute_dtype -> torch dtype: the one place precision names become torch dtypes.
@@ -35,7 +37,8 @@ def master_dtype(run: RunSpec) -> torch.dtype:
 
 def build_adamw(run: RunSpec, model: torch.nn.Module, env: DistEnv) -> torch.optim.Optimizer:
     """AdamW with every default that matters stated: weight decay (torch's default is 0.01),
-    betas, eps. Fused where the device has it (CUDA), else the for-loop/foreach reference.
+    betas, eps. Fused where the device has it (CUDA), else the for-loop/foreach reference; the
+    low-bit `optimizer.name`s build their library's AdamW with the same values and groups.
     With `optimizer.in_backward`, an InBackwardAdamW: the same AdamW per parameter."""
     o = run.config.optimizer
     if o.in_backward:
@@ -43,8 +46,11 @@ def build_adamw(run: RunSpec, model: torch.nn.Module, env: DistEnv) -> torch.opt
     return _adamw(run, decay_groups(model, o.weight_decay), env)
 
 
-def _adamw(run: RunSpec, groups: list[dict[str, Any]], env: DistEnv) -> torch.optim.AdamW:
+def _adamw(run: RunSpec, groups: list[dict[str, Any]], env: DistEnv) -> torch.optim.Optimizer:
     o = run.config.optimizer
+    if low_bit.is_low_bit(o.name):
+        return low_bit.build(o.name, groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                             source=run.config.source)
     kw: dict[str, Any] = {"fused": True} if o.fused_on(env.device) else {}
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kw)
 
@@ -65,7 +71,7 @@ class InBackwardAdamW:
 
     def __init__(self, run: RunSpec, model: torch.nn.Module, env: DistEnv):
         o = run.config.optimizer
-        self.by_param: dict[torch.nn.Parameter, torch.optim.AdamW] = {
+        self.by_param: dict[torch.nn.Parameter, torch.optim.Optimizer] = {
             p: _adamw(run, [{**group, "params": [p]}], env)
             for group in decay_groups(model, o.weight_decay) for p in group["params"]}
         self.optimizers = list(self.by_param.values())
@@ -145,7 +151,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def set_lr(optimizer: torch.optim.Optimizer | InBackwardAdamW, lr: float) -> None:
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        low_bit.set_lr(g, lr)
 
 
 class TorchOptimizerEngine:
@@ -209,19 +215,27 @@ class TorchOptimizerEngine:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return float(self.optimizer.param_groups[0]["lr"])  # a tensor in torchao's groups
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
 
     # --- checkpoints: torch's state-dict API, mapped onto the canonical names ------------------
 
+    def _low_bit(self) -> bool:
+        return low_bit.is_low_bit(self.run.config.optimizer.name)
+
     def _init_optimizer_state(self) -> None:
         """AdamW creates its state at the first step; a checkpoint loads into it, so create it
         now exactly as `torch.optim.AdamW._init_group` would (zeros, step 0). Not the library's
         `state_dict._init_optim_state`, which get_state_dict calls on an optimizer without state:
         it takes a zero-lr step, leaving the step count at 1, so a save before the first applied
-        update (every step skipped as non-finite) would change the next update's bias correction."""
+        update (every step skipped as non-finite) would change the next update's bias correction.
+        (The low-bit optimizers' states exist from the start: low_bit.init_states.)"""
+        if self._low_bit():
+            for opt in self._optimizers():
+                low_bit.init_states(opt)
+            return
         for group in self.optimizer.param_groups:
             opt = self._owner(group)
             on_device = group.get("fused") or group.get("capturable")
@@ -250,11 +264,19 @@ class TorchOptimizerEngine:
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         model_sd, optim_sd = self._state_dicts()
-        tensors, step = to_canonical(model_sd, optim_sd)
+        if self._low_bit():  # plain codes and scales (low_bit's module docstring), never the subclasses
+            params = low_bit.entries(self._optimizers(), optim_sd)
+            tensors, step = low_bit.canonical(params)
+            tensors |= {f"model.{fqn}": model_sd[fqn] for fqn, _, _ in params}
+        else:
+            tensors, step = to_canonical(model_sd, optim_sd)
         return tensors, {"optimizer_step": step, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_checkpoint_state(self, read: Any, extra: dict[str, Any]) -> None:
         model_sd, optim_sd = self._state_dicts()
+        if self._low_bit():
+            self._load_low_bit(read, extra, model_sd, optim_sd)
+            return
         tensors, _ = to_canonical(model_sd, optim_sd)
         read(tensors)  # in place: DCP copies each key's slice into this rank's tensors
         model_sd, optim_sd = from_canonical(tensors, optim_sd, int(extra["optimizer_step"]))
@@ -262,6 +284,19 @@ class TorchOptimizerEngine:
         # second name of a tied weight); a name the model lacks would be a bug here (asserted).
         missing = set_state_dict(self.module, self._optimizers(), model_state_dict=model_sd,
                                  optim_state_dict=optim_sd, options=StateDictOptions(strict=False))
+        assert not missing.unexpected_keys, missing.unexpected_keys
+        if self.scaler and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+
+    def _load_low_bit(self, read: Any, extra: dict[str, Any], model_sd: dict[str, Any],
+                      optim_sd: dict[str, Any]) -> None:
+        """The low-bit states read into the live ones (low_bit.load; the optimizer's own
+        load_state_dict would cast and copy the subclasses), the model as above."""
+        params = low_bit.entries(self._optimizers(), optim_sd)
+        model = {f"model.{fqn}": model_sd[fqn] for fqn, _, _ in params}
+        low_bit.load(params, read.saved, read, model, int(extra["optimizer_step"]))
+        model_sd = {fqn: model[f"model.{fqn}"] for fqn, _, _ in params}
+        missing = set_model_state_dict(self.module, model_sd, options=StateDictOptions(strict=False))
         assert not missing.unexpected_keys, missing.unexpected_keys
         if self.scaler and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
