@@ -2,7 +2,7 @@
 # Run THERE, on one GPU, as one device call (about 9 minutes, 12 with the packed SFT case: split it over
 # two calls if the lease allows less; timeout_s 600 each), after wheels.sh here:
 #   run(command="bash benchmarks/gpu/session.sh", carry=[".whl"], timeout_s=600)
-# Measures what only a GPU can, for issues #10, #12, #13 and #22, and leaves under $OUT (8 files):
+# Measures what only a GPU can, for issues #10, #12, #13 and #22, and leaves under $OUT (9 files):
 #   gpu_throughput.json  the H200 trainer cases now vs 2026-11-30 (tokens/s, MFU, peak allocated;
 #                        fsdp cases run as the plan chooses: DDP on one GPU where it fits and is no slower)
 #   gpu_throughput_fully_shard.json  q05-fsdp kept on fully_shard
@@ -11,6 +11,8 @@
 #   profile.json         shardwise calibrate --quick: this GPU's rates
 #   packed_sft.json      packed SFT of qwen2.5-0.5b on the bundled chat data (issue 22 item 2): the
 #                        mask-free path (FlexAttention / flash-attn varlen) vs the dense mask, fp32 parity
+#   memory_savers.json   each memory saver on qwen2.5-0.5b (step in backward, activation offloading,
+#                        8/4-bit and paged AdamW, pure bf16, torchtune's 8B recipe): peak and tokens/s vs plan
 #   session.log          everything printed
 # Copy them to benchmarks/results/ here afterwards.
 set -uo pipefail
@@ -43,6 +45,8 @@ timeout 150 python3 -m shardwise.cli bench /tmp/q05.yaml --steps 6 --out /tmp/be
   && cp /tmp/bench-q05/bench.json "$OUT/bench-q05.json" && cp /tmp/bench-q05/report.md "$OUT/bench-q05.md"
 step "packed SFT: qwen2.5-0.5b on the bundled chat data, rows of 2048, flex/varlen vs the dense mask"
 timeout 200 python3 benchmarks/gpu/packed_sft.py --out "$OUT/packed_sft.json"
+step "memory savers: qwen2.5-0.5b, one rank, each saver vs the baseline and the plan"
+timeout 200 python3 benchmarks/gpu/memory_savers.py --out "$OUT/memory_savers.json"
 step "calibrate"
 timeout 60 python3 -m shardwise.cli calibrate --quick --out "$OUT/profile.json"
 step "done"

@@ -11,7 +11,8 @@ dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version
          "${plat[@]}" -d .whl "$@"; }
 v() { python3 -c "import importlib.metadata as m; print(m.version('$1'))"; }
 dl "pydantic==$(v pydantic)" "pydantic-core==$(v pydantic_core)" "annotated-types==$(v annotated-types)" \
-   "typing-inspection==$(v typing-inspection)" "hjson==$(v hjson)" "bitsandbytes==$(v bitsandbytes)"
+   "typing-inspection==$(v typing-inspection)" "hjson==$(v hjson)" "bitsandbytes==$(v bitsandbytes)" \
+   "torchao==$(v torchao)"
 # deepspeed has no wheel on PyPI: built here it is pure Python (its ops compile where they run)
 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==$(v deepspeed)"
 ls -la .whl && du -sh .whl
