@@ -6,9 +6,7 @@ forward), the bytes it moved, and what it still held after backward."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
+from worker_common import measure_ranks
 
 
 def measure(rank: int, activation: str) -> dict[str, int]:
@@ -38,15 +36,4 @@ def measure(rank: int, activation: str) -> dict[str, int]:
 
 
 def rank_main(rank: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for name in names:
-            Path(out_dir, f"{name}.rank{rank}.json").write_text(json.dumps(measure(rank, name)))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    measure_ranks(rank, names, out_dir, measure)

@@ -7,9 +7,7 @@ same count taken as each parameter's step starts, its own gradient still alive."
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
+from worker_common import measure_ranks
 
 
 def grad_bytes(module) -> int:
@@ -63,16 +61,4 @@ def measure(rank: int, in_backward: bool) -> int:
 
 
 def rank_main(rank: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for name in names:
-            peak = measure(rank, in_backward=name == "in_backward")
-            Path(out_dir, f"{name}.rank{rank}.json").write_text(json.dumps({"grad_peak": peak}))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    measure_ranks(rank, names, out_dir, lambda r, name: {"grad_peak": measure(r, in_backward=name == "in_backward")})

@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardwise.train.checkpoint.sharded import read_tensors
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "fsdp-synthetic-cpu.yaml"
 
@@ -66,17 +68,6 @@ def test_it_trains_as_without_it(tmp_path, nproc, activation) -> None:
     assert moved["peak_host_bytes"] >= moved["bytes_per_micro_batch"]
 
 
-def _checkpoint(d: Path) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(d).read_metadata()
-    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-          if hasattr(v, "size")}
-    dcp.load(sd, storage_reader=FileSystemReader(d), no_dist=True)
-    return sd
-
-
 def test_a_resumed_run_is_bit_exact(tmp_path) -> None:
     keep = ["--set", "checkpointing.offload=true", "--set", "checkpointing.save_every_steps=4",
             "--set", "checkpointing.keep_last=4"]
@@ -88,8 +79,8 @@ def test_a_resumed_run_is_bit_exact(tmp_path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     whole, half = steps(tmp_path / "whole"), steps(tmp_path / "half")
     assert [whole[s] for s in range(5, 9)] == [half[s] for s in range(5, 9)]
-    a = _checkpoint(tmp_path / "whole" / "checkpoints" / "step-00000008")
-    b = _checkpoint(tmp_path / "half" / "checkpoints" / "step-00000008")
+    a = read_tensors(tmp_path / "whole" / "checkpoints" / "step-00000008")
+    b = read_tensors(tmp_path / "half" / "checkpoints" / "step-00000008")
     assert a.keys() == b.keys() and any(k.startswith("optim.exp_avg_sq.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
