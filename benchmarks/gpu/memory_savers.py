@@ -16,12 +16,12 @@ and the term each saver moves. The CPU dry run checks the flow, not the numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import kit
 
 # name -> the training YAML's changes from the baseline
 SAVERS: dict[str, dict] = {
@@ -101,19 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated savers (default: all)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    import os
-
-    if args.cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch
-
-    from shardwise.train.launch.rank import init_distributed
-
-    if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --cpu for the dry run")
-    env = init_distributed("cpu" if args.cpu else "cuda")
-    doc = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "runs": []}
+    env, doc = kit.start(args.cpu)
     names = [n for n in (args.only.split(",") if args.only else SAVERS) if not (args.cpu and n in CUDA_ONLY)]
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -121,14 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = train_run(name, env, args.cpu, Path(tmp), args.steps)
             except Exception as e:  # recorded; the other savers still run
                 row = {"saver": name, "error": f"{type(e).__name__}: {e}"[:2000]}
-            doc["runs"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(doc, indent=1) + "\n")  # what is done so far survives a timeout
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    print(f"wrote {args.out}")
+            kit.record(doc, row, args.out)
+    kit.finish(args.out)
     return 0
 
 

@@ -21,8 +21,9 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import kit
 
 CHOICES = ("auto", "varlen", "dense")
 
@@ -112,19 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    import os
-
-    if args.cpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch
-
-    from shardwise.train.launch.rank import init_distributed
-
-    if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --cpu for the dry run")
-    env = init_distributed("cpu" if args.cpu else "cuda")
-    doc = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "runs": []}
+    env, doc = kit.start(args.cpu)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             doc["parity_fp32"] = parity(args.cpu, Path(tmp))
@@ -136,14 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = train_run(packed, env, args.cpu, Path(tmp), args.steps)
             except Exception as e:
                 row = {"choice": packed, "error": f"{type(e).__name__}: {e}"[:2000]}
-            doc["runs"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(doc, indent=1) + "\n")  # what is done so far survives a timeout
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    print(f"wrote {args.out}")
+            kit.record(doc, row, args.out)
+    kit.finish(args.out)
     return 0
 
 
