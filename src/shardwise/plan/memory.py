@@ -313,13 +313,16 @@ def saved_for_backward(model: ModelSpec, train: TrainSpec, strategy: Strategy,
     return acts, recompute
 
 
-def offloaded_activations(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout) -> float:
+def offloaded_activations(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
+                          acts: float | None = None) -> float:
     """Bytes per GPU that activation offloading (`activation_offload`) moves to the host in each
-    micro-batch's forward and back in its backward: the saved set but the layer in flight
-    (plan.activations.offload_kept) and a dense mask (one tensor every layer saves)."""
+    micro-batch's forward and back in its backward: the saved set (`acts`, where the caller has
+    it: saved_for_backward's) but the layer in flight (plan.activations.offload_kept) and a dense
+    mask (one tensor every layer saves)."""
     if not train.activation_offload:
         return 0.0
-    acts = saved_for_backward(model, train, strategy, layout)[0]
+    if acts is None:
+        acts = saved_for_backward(model, train, strategy, layout)[0]
     kept = offload_kept(model, train, layout.tp, train.autocasts(strategy.engine)) + mask_bytes(train)
     return max(0.0, acts - kept)
 
@@ -346,7 +349,7 @@ def plan_memory(
     acts, recompute = saved_for_backward(model, train, strategy, layout)
     per_node = max(1, min(layout.world_size, hw.gpus_per_node))  # ranks sharing one host
     if train.activation_offload:  # the saved tensors wait in pinned host memory, but a layer's
-        moved = offloaded_activations(model, train, strategy, layout)
+        moved = offloaded_activations(model, train, strategy, layout, acts)
         host = replace(host, activations=moved * per_node)
         acts -= moved
     if paged_states(train) and states.optimizer_states:  # CUDA unified memory, outside torch's allocator

@@ -103,6 +103,13 @@ def optimizer_time(shard: float, train: TrainSpec, strategy: Strategy, hw: Hardw
     return shard * (update_bytes(train) / update_bw + rest / bytes_s)
 
 
+def optimizer_shard(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout, psi: float) -> float:
+    """Parameters whose optimizer state one GPU steps: the trainable ones (LoRA: the adapters) of
+    its replica, over the data-parallel shard where the strategy shards the optimizer."""
+    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else psi
+    return trainable / (layout.dp_shard if s.shards_optimizer else 1)
+
+
 def forward_share(train: TrainSpec) -> float:
     """The forward's share of a step's work: a third (backward is about twice the forward), a
     quarter with full recompute (the forward runs again inside backward)."""
@@ -219,8 +226,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         mem += k * passes_q * linear_weight_params(model, tp, pp) * (NF4_BYTES + c)
     memory_bound = mem / bytes_s
 
-    trainable = adapter_params(model, train, tp, pp) if train.lora_rank else psi
-    shard = trainable / (layout.dp_shard if s.shards_optimizer else 1)
+    shard = optimizer_shard(model, train, s, layout, psi)
     optimizer = 0.0 if s.offload_optimizer else optimizer_time(shard, train, s, hw)
 
     # host: launch gaps, and the engines' Python hooks (they wait on their collectives' streams)
@@ -399,9 +405,7 @@ def _saver_copies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strat
         moved = offloaded_activations(model, train, s, layout) * train.grad_accum
         out += max(0.0, 2 * moved / hw.pcie_bytes_per_s - tm.overlap_efficiency * work)
     if paged_states(train):
-        trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else psi
-        shard = trainable / (layout.dp_shard if s.shards_optimizer else 1)
-        paging = 2 * optimizer_bytes(train) * shard / hw.pcie_bytes_per_s
+        paging = 2 * optimizer_bytes(train) * optimizer_shard(model, train, s, layout, psi) / hw.pcie_bytes_per_s
         out += max(0.0, paging - tm.overlap_efficiency * (bwd if train.optimizer_in_backward else 0.0))
     return out
 
