@@ -41,6 +41,11 @@ class _Instrumented:
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._engine, name, value)
 
+    def forward_backward_step(self, micro: list[dict[str, Any]], loss_scale: float) -> Any:
+        from shardwise.train.engines.base import accumulate
+
+        return accumulate(self, micro, loss_scale)  # each micro-batch through the measured forward_backward
+
     def forward_backward(self, batch: dict[str, Any], loss_scale: float) -> Any:
         p = self._probe
         p.begin_forward_backward(batch)

@@ -18,7 +18,7 @@ from pydantic import (
 from shardwise.config.base import Section as _Section
 from shardwise.config.data import MAX_LENGTH_CAP, DataConfig
 from shardwise.config.fields import Finite, Int, NonBlank, Seed, bounded
-from shardwise.config.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs
+from shardwise.config.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs, PPSchedule
 from shardwise.errors import did_you_mean
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
@@ -97,6 +97,12 @@ class StrategySection(_Section):
     shard_group: Int | None = Field(None, gt=0, description="fsdp-hybrid: ranks per shard group (default: a node)")
     tp: Int = Field(1, gt=0, description="tensor-parallel degree (sequence parallel on; FSDP2 strategies; "
                                          "world size = data-parallel degree × tp)")
+    pp: Int = Field(1, gt=0, description="pipeline-parallel degree (fsdp strategies; decoder layers split into "
+                                         "stages; world size = data-parallel degree × tp × pp)")
+    pp_schedule: PPSchedule = Field("1f1b", description="pipeline schedule: gpipe, 1f1b or interleaved-1f1b "
+                                                        "(torch.distributed.pipelining); its micro-batches are "
+                                                        "run.grad_accum's")
+    pp_virtual_stages: Int = Field(1, gt=0, description="stages per pipeline rank (interleaved-1f1b: 2 or more)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
     fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]

@@ -22,6 +22,10 @@ FsdpSharding = Literal["full", "grad-op", "hybrid"]
 # parameter memory; the fsdp-grad-op strategy). The root unit never reshards after forward:
 # torch forces it off (`_fsdp_state.py` `_lazy_init`, the root's `post_forward_mesh_info = None`).
 Resharding = Literal["all", "not-last", "none"]
+# The pipeline schedules (strategy.pp_schedule): torch.distributed.pipelining's ScheduleGPipe,
+# Schedule1F1B and ScheduleInterleaved1F1B (shardwise.specs.pipeline).
+PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 

@@ -34,7 +34,8 @@ class SFTCollator:
     mask="additive": float mask, 0 = attend, dtype-min = blocked; works for SDPA *and* eager
         (eager adds the mask to the scores). Pass ``mask_dtype`` = the model's compute dtype.
     mask="bool": True = attend; SDPA only (eager would add the booleans as 0/1).
-    mask="varlen": the batch is flattened to [1, T] without padding, no attention_mask, plus
+    mask="varlen": the batch is flattened to [1, T] without padding (with ``pad_to``: T = pad_to,
+        the rest one padding document whose labels are ignored), no attention_mask, plus
         ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` that transformers' flash-attention
         path and shardwise's per-document SDPA use as variable-length boundaries (FlexAttention
         reads them from ``position_ids``).
@@ -79,6 +80,11 @@ class SFTCollator:
         lens = [k for it in items for k in it["seq_lens"]]
         ids = np.concatenate([it["input_ids"] for it in items])[None]
         labels = np.concatenate([it["labels"] for it in items])[None]  # doc starts already -100
+        short = (self.pad_to or 0) - ids.shape[1]
+        if short > 0:  # `pad_to` tokens in all: a padding document of its own, every label ignored
+            ids = np.concatenate([ids, np.full((1, short), self.pad, dtype=ids.dtype)], axis=1)
+            labels = np.concatenate([labels, np.full((1, short), IGNORE_INDEX, dtype=labels.dtype)], axis=1)
+            lens = [*lens, short]
         pos = np.concatenate([np.arange(k) for k in lens])[None]
         cu = torch.tensor(np.concatenate(([0], np.cumsum(lens))), dtype=torch.int32)
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),

@@ -22,6 +22,7 @@ from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.run import resolve
 from shardwise.specs import HardwareSpec, ModelSpec, ParallelLayout, Strategy, TrainSpec
+from shardwise.specs.pipeline import schedule_refusal
 
 # DeepSpeed's 5e8-element default buckets allocate GBs per rank on CPU and slow tiny runs
 # 3-5× (docs/reference.md "DeepSpeed defaults and their memory effect"); on CPU the trainer uses 1e6.
@@ -183,6 +184,10 @@ def strategy(cfg: TrainConfig, device: str) -> Strategy:
         kw["shard_group"] = s.shard_group
     if s.tp != 1:
         kw["tp"] = s.tp
+    if s.pp != 1:
+        kw |= {"pp": s.pp, "pp_schedule": s.pp_schedule, "pp_virtual_stages": s.pp_virtual_stages}
+    elif s.pp_virtual_stages != 1:
+        kw["pp_virtual_stages"] = s.pp_virtual_stages  # refused by Strategy: it needs pp > 1
     try:
         return Strategy.from_name(s.name, **kw)
     except ShardwiseError as e:
@@ -252,11 +257,16 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
         layout = ParallelLayout.for_strategy(strat, world_size, per_node)
         layout.check_model(model)
     except ShardwiseError as e:
-        what = f"strategy.name {strat.name!r}" + (f" with strategy.tp {strat.tp}" if strat.tp > 1 else "")
+        what = (f"strategy.name {strat.name!r}" + (f" with strategy.tp {strat.tp}" if strat.tp > 1 else "")
+                + (f" with strategy.pp {strat.pp}" if strat.pp > 1 else ""))
         raise ShardwiseError(f"{cfg.source}: {what} cannot run on {world_size} rank(s): {e}") from None
+    why = schedule_refusal(strat.pp, strat.pp_schedule, strat.pp_virtual_stages, cfg.run.grad_accum, model.num_layers)
+    if why:
+        raise ShardwiseError(f"{cfg.source}: strategy.pp_schedule / run.grad_accum: {why}")
     run = RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg, device, family=model.family),
                   strategy=strat, layout=layout)
     resolve.check_tensor_parallel(run)
+    resolve.check_pipeline(run)
     return run
 
 
@@ -351,6 +361,9 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         "name": strategy.name,
         "shard_group": strategy.shard_group,
         "tp": strategy.tp,
+        "pp": strategy.pp,
+        "pp_schedule": strategy.pp_schedule,
+        "pp_virtual_stages": strategy.pp_virtual_stages,
         "deepspeed": _knob_overrides(strategy.ds, knobs[0]),
         "fsdp": _knob_overrides(strategy.fsdp, knobs[1]),
         "ddp": _knob_overrides(strategy.ddp, knobs[2]),
@@ -405,6 +418,7 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     raw = cfg.model_dump(mode="json", exclude={"source"})
     raw["strategy"] = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
                        for k, v in raw["strategy"].items()}
-    raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None) and (k, v) != ("tp", 1)}
+    at_default = {("tp", 1), ("pp", 1), ("pp_schedule", "1f1b"), ("pp_virtual_stages", 1)}
+    raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None) and (k, v) not in at_default}
     raw["data"]["sft"] = cfg.data.sft.model_dump(mode="json", exclude_defaults=True)
     return raw

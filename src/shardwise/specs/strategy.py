@@ -19,6 +19,7 @@ from shardwise.config.strategy import (
     Engine,
     FSDPKnobs,
     FsdpSharding,
+    PPSchedule,
     Resharding,
     StrategyFacts,
     StrategyKnobs,
@@ -72,6 +73,8 @@ class Strategy(Spec):
     name: str
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
+    pp_schedule: PPSchedule = Field("1f1b", description="the pipeline schedule (pp > 1; shardwise.specs.pipeline)")
+    pp_virtual_stages: int = Field(1, gt=0, description="stages per pipeline rank (interleaved 1F1B: ≥ 2)")
     shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: GPUs per shard group (default: a node)")
     tp_impl: TPImpl = Field("auto", description="tensor-parallel implementation planned (TP_SCHEMES): auto = "
                             "the engine's (torch's engines: dtensor; DeepSpeed ZeRO-0/1/2 at pp 1: autotp; "
@@ -88,6 +91,12 @@ class Strategy(Spec):
             raise ShardwiseError(
                 f"strategy {self.name!r} cannot run with pipeline parallelism (pp {self.pp}): DeepSpeed's "
                 "pipeline engine supports ZeRO stage 0 and 1 only")
+        if self.pp > 1 and (self.pp_virtual_stages > 1) != (self.pp_schedule == "interleaved-1f1b"):
+            raise ShardwiseError(
+                f"pp_schedule {self.pp_schedule!r} with pp_virtual_stages {self.pp_virtual_stages}: interleaved-1f1b "
+                "runs 2 or more stages per pipeline rank, gpipe and 1f1b one")
+        if self.pp == 1 and self.pp_virtual_stages > 1:
+            raise ShardwiseError(f"pp_virtual_stages {self.pp_virtual_stages} needs pipeline parallelism (pp > 1)")
         if self.shard_group is not None and self.fsdp_sharding != "hybrid":
             raise ShardwiseError(f"shard_group {self.shard_group} applies to fsdp-hybrid only, not {self.name!r}")
         if self.tp_impl == "autotp" and (self.engine != "deepspeed" or self.pp > 1 or self.zero_stage == 3):

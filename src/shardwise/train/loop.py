@@ -248,9 +248,9 @@ def setup(run: RunSpec, env: DistEnv, *, steps: Iterator[list[dict[str, torch.Te
     num_params = sum(p.numel() for p in model.parameters())
     engine = build_engine(model, run, env)
     build_s = time.perf_counter() - t_build
-    # Data parallelism is over the TP groups: a group's ranks read one batch, and only one of
-    # them adds its counts and loss sums to the global ones (`w`), so each batch counts once.
-    denv = env.data_parallel(run.layout.tp)
+    # Data parallelism is over the TP groups and pipeline stages: they read one batch, and only one
+    # rank of them adds its counts and loss sums to the global ones (`w`), so each batch counts once.
+    denv = env.data_parallel(run.layout.tp, run.layout.pp)
     global_batch = cfg.run.micro_batch * cfg.run.grad_accum * denv.world_size
     phase = watchdog.phase if watchdog is not None else (lambda name, step: None)
     start, train_time = 0, 0.0
@@ -291,7 +291,7 @@ def setup(run: RunSpec, env: DistEnv, *, steps: Iterator[list[dict[str, torch.Te
     # global before its first forward) and the votes (each rank's clock differs: any rank's vote
     # makes every rank act, so they always act together).
     meta = _MetaReduce()
-    s = LoopState(run=run, engine=engine, denv=denv, w=1.0 if env.counts_data(run.layout.tp) else 0.0,
+    s = LoopState(run=run, engine=engine, denv=denv, w=1.0 if env.counts_data(run.layout.tp, run.layout.pp) else 0.0,
              global_batch=global_batch, phase=phase, is_main=env.is_main, start=start, train_time=train_time,
              lineage=lineage, eval_batches=eval_batches,
              eval_targets=sum(count_target_tokens(b) for b in eval_batches), best_loss=best_loss,
@@ -324,11 +324,7 @@ def train_step(s: LoopState, step: int) -> None:
 
     # 2. forward and backward of each micro-batch; gradients sync on the last one only
     s.phase("forward_backward", step)
-    sums = []  # kept on the device until the next flush
-    for i, batch in enumerate(micro):
-        with s.engine.sync_grads(i == len(micro) - 1):
-            sums.append(s.engine.forward_backward(batch, loss_scale))
-    loss_sum = torch.stack(sums).double().sum()
+    loss_sum = s.engine.forward_backward_step(micro, loss_scale)  # kept on the device until the next flush
 
     # 3. the next step's micro-batches, and the all-reduce of [their counts, this rank's votes]
     if step < s.total:

@@ -112,13 +112,18 @@ def build_sft_split(run: RunSpec, split: str) -> tuple[Any, Any]:
     dc = data_config(cfg)
     cached = find_cache(dc, tok_dir, data_cache_dir(cfg), split=split)
     ds = load_dataset(cached) if cached is not None else build_dataset(dc, tok, split=split)
+    # Pipeline stages fix their buffers' shape at the first step (shardwise.train.engines.pipeline):
+    # there every micro-batch is padded to its longest possible shape (ignored labels: same loss).
+    rows = dc.max_length if run.layout.pp > 1 else None
     if run.train.packed_attention == "dense":
         # The stated fallback: an additive [B, 1, S, S] mask in the compute dtype (eager attention).
-        collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8, mask_dtype=compute_dtype(run))
+        collate = SFTCollator(tok.pad_token_id, mask="additive", pad_to_multiple_of=8, mask_dtype=compute_dtype(run),
+                              pad_to=rows)
     else:
         # Padding-free [1, T]: the documents' boundaries from position_ids / cu_seq_lens, no mask
         # (shardwise.train.model.packed_attention); the same target tokens, so the same loss.
-        collate = SFTCollator(tok.pad_token_id, mask="varlen")
+        collate = SFTCollator(tok.pad_token_id, mask="varlen",
+                              pad_to=rows * cfg.run.micro_batch if rows is not None else None)
     return ds, collate
 
 

@@ -11,6 +11,10 @@ from shardwise.train.engines.base import DistEnv, Engine
 
 def engine_class(run: RunSpec) -> type[Engine]:
     """The Engine class that runs `run` (importing it imports its engine: deepspeed, FSDP2)."""
+    if run.layout.pp > 1:  # FSDP2 and TP inside each stage (shardwise.run.resolve.check_pipeline refuses the rest)
+        from shardwise.train.engines.pipeline import PipelineEngine
+
+        return PipelineEngine
     engine = run.engine_strategy.engine  # FSDP2 with a one-rank shard group may run as DDP
     if run.layout.tp > 1 and engine != "deepspeed":
         engine = "fsdp2"  # TP (alone: planned as DDP at tp, one data rank) runs in the FSDP2 engine; ZeRO × TP in AutoTP

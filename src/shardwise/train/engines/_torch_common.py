@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.run import RunSpec
 from shardwise.train.engines import low_bit
-from shardwise.train.engines.base import DistEnv, decay_groups
+from shardwise.train.engines.base import DistEnv, accumulate, decay_groups
 
 # TrainSpec.compute_dtype -> torch dtype: the one place precision names become torch dtypes.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -164,8 +164,15 @@ class TorchOptimizerEngine:
     scaler: torch.amp.GradScaler | None
     run: RunSpec
 
+    def forward_backward_step(self, micro: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+        return accumulate(self, micro, loss_scale)
+
     def _global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         return norm
+
+    def _clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the gradients to a global norm of at most `max_norm`; return the global norm."""
+        return self._global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def step(self) -> torch.Tensor:
         """Clip and update, unless the global gradient norm is not finite: then the update is
@@ -188,7 +195,7 @@ class TorchOptimizerEngine:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.run.config.optimizer.max_grad_norm or float("inf")
-        norm = self._global_norm(torch.nn.utils.clip_grad_norm_(params, max_norm)).detach()
+        norm = self._clip(params, max_norm).detach()
         opt = self.optimizer
         if self.scaler:
             self.scaler.step(opt)  # skips the update itself when it found inf/NaN

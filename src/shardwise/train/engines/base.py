@@ -48,25 +48,36 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def data_parallel(self, tp: int) -> DistEnv:
-        """The data-parallel view of this rank: with tensor parallelism the `tp` consecutive ranks
-        of a TP group (the mesh's innermost dimension) read the same batch, as one data rank."""
-        if tp == 1:
+    def data_parallel(self, tp: int, pp: int = 1) -> DistEnv:
+        """The data-parallel view of this rank. The mesh orders ranks (pp, data, tp), tp innermost
+        (shardwise.train.engines.mesh): the `tp` consecutive ranks of a TP group, and the same data
+        rank of every pipeline stage, read the same batch, as one data rank."""
+        if tp == 1 and pp == 1:
             return self
-        return replace(self, rank=self.rank // tp, world_size=self.world_size // tp)
+        dp = self.world_size // (tp * pp)
+        return replace(self, rank=(self.rank // tp) % dp, world_size=dp)
 
-    def counts_data(self, tp: int) -> bool:
+    def counts_data(self, tp: int, pp: int = 1) -> bool:
         """Whether this rank's batch counts in global sums (targets, tokens, loss): one rank per
-        TP group, so each data-parallel batch counts once."""
-        return self.rank % tp == 0
+        TP group, on the last pipeline stage (it alone computes the loss), so each data-parallel
+        batch counts once."""
+        last_stage = self.rank // (self.world_size // pp) == pp - 1
+        return self.rank % tp == 0 and last_stage
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """One optimizer step = GA × (`sync_grads(last)` + `forward_backward`) then `step`, `zero_grad`."""
+    """One optimizer step = `forward_backward_step` (GA × (`sync_grads(last)` + `forward_backward`)
+    in a data-parallel engine) then `step`, `zero_grad`."""
 
     name: str
     module: torch.nn.Module  # the user's (possibly sharded) model, for state and hooks
+
+    def forward_backward_step(self, micro: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+        """Forward and backward of one optimizer step's micro-batches; the detached loss sum over
+        them (fp64). Data-parallel engines run them one after another (`accumulate`); a pipeline
+        runs them through its schedule."""
+        ...
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         """Forward, backward of `token_loss_sum * loss_scale`; return the detached fp32 loss sum."""
@@ -119,6 +130,16 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release engine resources (hooks, buffers) so another engine can start in-process."""
         ...
+
+
+def accumulate(engine: Engine, micro: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+    """A step's micro-batches one after another, gradients synchronised on the last one only
+    (`Engine.forward_backward_step` of the data-parallel engines); the loss sums stay on the device."""
+    sums = []
+    for i, batch in enumerate(micro):
+        with engine.sync_grads(i == len(micro) - 1):
+            sums.append(engine.forward_backward(batch, loss_scale))
+    return torch.stack(sums).double().sum()
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

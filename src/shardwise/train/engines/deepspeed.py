@@ -21,7 +21,13 @@ import torch
 
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec, deepspeed_config
-from shardwise.train.engines.base import DistEnv, decay_groups, evaluate_loss_sum, forward_loss_sum
+from shardwise.train.engines.base import (
+    DistEnv,
+    accumulate,
+    decay_groups,
+    evaluate_loss_sum,
+    forward_loss_sum,
+)
 
 
 def _no_scheduler(optimizer: Any) -> None:
@@ -137,6 +143,9 @@ class DeepSpeedEngine:
 
         self._boundary = enabled
         return contextlib.nullcontext()
+
+    def forward_backward_step(self, micro: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+        return accumulate(self, micro, loss_scale)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         if self.ds.is_gradient_accumulation_boundary() != self._boundary:

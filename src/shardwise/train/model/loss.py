@@ -250,7 +250,8 @@ def output_heads(model: Any) -> list[torch.nn.Linear]:
 def _softcap(model: Any) -> float | None:
     """The logit soft-cap the loss applies (Gemma 2/3); raises ShardwiseError where the chunked
     path cannot reproduce the model's logits (loss_support)."""
-    capped, refusal = head_support(type(model))
+    # a pipeline stage answers for the CausalLM class it was cut from (shardwise.train.model.pipeline)
+    capped, refusal = head_support(getattr(model, "causal_lm_class", type(model)))
     if refusal:
         raise ShardwiseError(f"chunked cross-entropy: {refusal}; {STANDARD_HINT}")
     cap = getattr(model.config, "final_logit_softcapping", None) if capped else None

@@ -89,20 +89,32 @@ def root_plan() -> dict[str, Any]:
 
 
 def parallelize(model: torch.nn.Module, tp_mesh: Any) -> torch.nn.Module:
-    """Apply the plan in place (every parameter becomes a DTensor on `tp_mesh`); returns `model`."""
+    """Apply the plan in place (every parameter becomes a DTensor on `tp_mesh`); returns `model`:
+    a CausalLM, or a pipeline stage (shardwise.train.model.pipeline), which lacks the root modules
+    of the other stages."""
     from shardwise.train.model.hf import decoder_layers
 
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    embed, head = _present(model, "model.embed_tokens"), _present(model, "lm_head")
+    tied = embed is not None and head is not None and head.weight is embed.weight
     for layer in decoder_layers(model):
         attn = layer.self_attn
         heads = getattr(attn.config, "num_attention_heads", None)
         if heads is not None and heads % tp_mesh.size():
             raise ShardwiseError(f"tp {tp_mesh.size()} does not divide the {heads} attention heads")
         parallelize_module(layer, tp_mesh, layer_plan())
-    parallelize_module(model, tp_mesh, root_plan())
+    parallelize_module(model, tp_mesh, {k: v for k, v in root_plan().items() if _present(model, k) is not None})
     if tied:  # each module's copy was distributed on its own: one parameter again (both Shard(0))
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        head.weight = embed.weight
     return model
+
+
+def _present(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The submodule `name` where this model (or stage) holds one with parameters, else None."""
+    try:
+        mod = model.get_submodule(name)
+    except AttributeError:
+        return None
+    return mod if mod is not None and any(True for _ in mod.parameters()) else None
 
 
 def tp_mesh_of(mesh: Any) -> Any | None:
