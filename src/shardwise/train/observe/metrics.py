@@ -208,9 +208,12 @@ class Metrics:
         self.progress = TrainProgress(resolve_mode(cfg.logging.progress), cfg.run.steps, start_step)
         self.t0 = time.perf_counter()
         if self.progress.mode != "off":
-            m = cfg.model
+            m, st = cfg.model, cfg.strategy
+            layout = (f" tp {st.tp}" if st.tp > 1 else "") + (
+                f" pp {st.pp} ({st.pp_schedule}" + (f", {st.pp_virtual_stages} stages per rank" if st.pp_virtual_stages > 1
+                                                    else "") + ")" if st.pp > 1 else "")
             self.progress.note(
-                f"train {cfg.name} | {m.path or m.name} ({num_params:,} parameters) | {cfg.strategy.name} on "
+                f"train {cfg.name} | {m.path or m.name} ({num_params:,} parameters) | {st.name}{layout} on "
                 f"{env.world_size} rank(s), {env.device} | steps {start_step + 1}-{cfg.run.steps}"
                 + (f" (resumed after {start_step})" if start_step else "")
                 + (f" | model and engine ready in {build_s:.1f} s" if build_s is not None else "")
