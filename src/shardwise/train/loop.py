@@ -7,7 +7,8 @@ the final weights and `teardown()`.
 1. the step's micro-batches (read, collated and counted ahead by the prefetch thread,
    shardwise.train.data.Prefetcher) and its GLOBAL target count (all micro-batches, all
    ranks), all-reduced while the previous step ran;
-2. for each micro-batch: `sync_grads(last)` + `forward_backward(batch, dp_world / targets)`;
+2. `forward_backward_step(micro, dp_world / targets)`: each micro-batch's forward and backward
+   (`sync_grads(last)` + `forward_backward`, or a pipeline's schedule);
    the loss sums stay on the device;
 3. the next step's micro-batches are taken and one host-side all-reduce of [their counts, a stop
    vote, a timed-save vote, a timed-log vote] starts;

@@ -164,8 +164,7 @@ class TorchOptimizerEngine:
     scaler: torch.amp.GradScaler | None
     run: RunSpec
 
-    def forward_backward_step(self, micro: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
-        return accumulate(self, micro, loss_scale)
+    forward_backward_step = accumulate  # the micro-batches one after another (engines/base.py)
 
     def _global_norm(self, norm: torch.Tensor) -> torch.Tensor:
         return norm

@@ -144,8 +144,7 @@ class DeepSpeedEngine:
         self._boundary = enabled
         return contextlib.nullcontext()
 
-    def forward_backward_step(self, micro: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
-        return accumulate(self, micro, loss_scale)
+    forward_backward_step = accumulate  # the micro-batches one after another (engines/base.py)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         if self.ds.is_gradient_accumulation_boundary() != self._boundary:
