@@ -79,3 +79,11 @@ def test_refused_before_any_rank_starts(tmp_path, sets, needle):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_bench_refuses_a_pipeline_layout_naming_the_field(tmp_path):
+    argv = [sys.executable, "-m", "shardwise.cli", "bench", str(DEMO), "--set", "strategy.pp=2", "--set",
+            "run.micro_batch=8", "--steps", "3", "--out", str(tmp_path / "bench")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "strategy.pp 2" in proc.stderr and "Traceback" not in proc.stderr

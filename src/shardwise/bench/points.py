@@ -128,6 +128,11 @@ def prepare(config: Path, overrides: list[str], steps: int, nproc: int | None, o
         p.world = world if world is not None else nproc if nproc is not None else cfg.run.nproc
         p.device = cfg.resolved_device()
         p.run, check = preflight(cfg, p.world, p.device, force=force)
+        if p.run.layout.pp > 1:
+            raise ShardwiseError(f"{config}: point {label!r}: strategy.pp {p.run.layout.pp}: the bench splits each "
+                                 "micro-batch's forward, backward and optimizer step, and a pipeline schedule "
+                                 "interleaves the micro-batches of all stages; bench a pp 1 layout (shardwise train "
+                                 "runs pp > 1 and reports its step time and memory)")
         p.planned_bytes = check.planned_bytes
         points.append(p)
     return points
