@@ -23,14 +23,15 @@ from shardwise.train.loop import seed_everything
 from shardwise.train.model.build import build_model
 
 
-def config(strategy: str, precision: str, fused: bool = False) -> TrainConfig:
+def config(strategy: str, precision: str, fused: bool = False, pp: int = 1) -> TrainConfig:
+    """`pp` 2: two pipeline stages on the 2 ranks (one data rank, reading both ranks' rows)."""
     return TrainConfig.model_validate({
         "model": {"name": "tiny-llama", "attention": "eager"},
         "data": {"kind": "synthetic", "synthetic": {"samples": 64, "seq_len": 16, "seed": 7}},
-        "strategy": {"name": strategy},
+        "strategy": {"name": strategy} | ({"pp": pp, "pp_schedule": "gpipe"} if pp > 1 else {}),
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "max_grad_norm": 1.0, "fused": fused},
         "precision": precision,
-        "run": {"steps": 4, "micro_batch": 2, "grad_accum": 1, "seed": 3, "device": "cpu"},
+        "run": {"steps": 4, "micro_batch": 2 * pp, "grad_accum": 1, "seed": 3, "device": "cpu"},
         "logging": {"progress": False, "tensorboard": False},
     })
 
@@ -39,20 +40,20 @@ def weights(engine) -> dict[str, torch.Tensor] | None:
     return engine.consolidated_state_dict()
 
 
-def one(strategy: str, precision: str, env, out: Path, fused: bool = False) -> None:
-    cfg = config(strategy, precision, fused)
+def one(strategy: str, precision: str, env, out: Path, fused: bool = False, pp: int = 1) -> None:
+    cfg = config(strategy, precision, fused, pp)
     run = run_spec(cfg, env.world_size, "cpu")
     seed_everything(cfg.run.seed)
     model = build_model(run)
     engine = build_engine(model, run, env)
-    source = build_source(run, env, model.config.vocab_size, consumed=0)
+    denv = env.data_parallel(1, pp)
+    source = build_source(run, denv, model.config.vocab_size, consumed=0)
     record = []
     for scale in (1.0, float("nan"), float("inf"), 1.0):
         before = weights(engine)
         engine.set_lr(cfg.optimizer.lr)  # the loop's schedule sets it every step
-        for batch in next(source):
-            with engine.sync_grads(True):
-                engine.forward_backward(batch, scale)
+        # the loop's contract, loss scale ∝ data ranks: the same gradient with and without stages
+        engine.forward_backward_step(next(source), scale * denv.world_size / env.world_size)
         norm = engine.step()
         engine.zero_grad()
         after = weights(engine)
@@ -62,7 +63,8 @@ def one(strategy: str, precision: str, env, out: Path, fused: bool = False) -> N
             record.append({"scale": str(scale), "grad_norm": str(float(norm)), "changed": changed, "finite": finite})
     engine.close()
     if env.is_main:
-        (out / f"{strategy}-{precision}{'-fused' if fused else ''}.json").write_text(json.dumps(record))
+        name = f"{strategy}-{precision}{'-fused' if fused else ''}{f'-pp{pp}' if pp > 1 else ''}"
+        (out / f"{name}.json").write_text(json.dumps(record))
 
 
 class _Stand:
@@ -97,7 +99,7 @@ def main() -> None:
             save_agreement(env, out)
             continue
         strategy, precision, *flags = item.split(":")
-        one(strategy, precision, env, out, fused="fused" in flags)
+        one(strategy, precision, env, out, fused="fused" in flags, pp=2 if "pp2" in flags else 1)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ REPO = HERE.parent.parent
 WORKER = HERE / "nonfinite_worker.py"
 # `:fused`: fused AdamW skips on the device (found_inf), without a host sync (the CUDA default)
 RUNS = ["ddp:fp32", "fsdp:fp32", "zero0:fp32", "zero1:fp32", "zero3:fp32", "zero2:bf16-mixed", "fsdp:bf16-mixed",
-        "ddp:fp32:fused", "fsdp:fp32:fused"]
+        "ddp:fp32:fused", "fsdp:fp32:fused", "fsdp:fp32:pp2"]  # pp2: two pipeline stages (gpipe)
 
 
 @pytest.fixture(scope="module")
