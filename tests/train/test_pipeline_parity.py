@@ -11,7 +11,8 @@ weights: tests/train/test_tp_parity.py's docstring), clipping at 1.0, on gloo:
   virtual stages per rank (Llama);
 - pp 2 × dp 2 (FSDP2 inside each stage, Qwen2) and pp 2 × tp 2 (DTensor TP inside each stage,
   Llama) on 4 ranks; dp 2 × tp 2 × pp 2 (Qwen2) on 8 ranks;
-- LoRA (rank 4, every decoder linear) at pp 2; the validation split evaluated at steps 4 and 8.
+- LoRA (rank 4, every decoder linear) and full activation checkpointing at pp 2; the validation
+  split evaluated at steps 4 and 8.
 Against one process (DDP on 1 rank): loss curves and final weights within 1e-5 relative. Measured
 (torch 2.13): loss curves 0 to 1.1e-7, weights 0 to 5e-7, but Qwen2's k_proj bias at
 dp 2 × tp 2 × pp 2, 1.8e-6 (its gradient is zero in exact arithmetic: test_packed_parity; left out
@@ -46,6 +47,7 @@ ONE_F1B = f"pp-llama:fsdp:4:pp2:{F}:eval:save4"  # 1F1B, the default schedule
 GPIPE = f"pp-qwen2:fsdp:4:pp2:{F}:gpipe"
 INTERLEAVED = f"pp-llama:fsdp:4:pp2:{F}:eval:interleaved2"
 LORA = f"pp-llama:fsdp:4:pp2:{F}:eval:lora"
+CKPT = f"pp-llama:fsdp:4:pp2:{F}:eval:ckpt"  # activation checkpointing of every decoder layer
 PP_DP = f"pp-qwen2:fsdp:4:pp2:{F}:save4"
 PP_TP = f"pp-llama:fsdp:4:pp2:tp2:{F}:eval"
 THREE_D = f"pp-qwen2:fsdp:4:pp2:tp2:{F}"
@@ -62,7 +64,7 @@ TO_ZERO3 = f"pp-qwen2:zero3:2:{F}:from={_dir(PP_DP)}@4"  # pp 2 × dp 2 -> ZeRO-
 
 LAUNCHES = [
     ([LLAMA_REF, QWEN_REF, LORA_REF], 1, 240),
-    ([ONE_F1B, GPIPE, INTERLEAVED, LORA, SAME, FROM_ONE], 2, 300),
+    ([ONE_F1B, GPIPE, INTERLEAVED, LORA, CKPT, SAME, FROM_ONE], 2, 300),
     ([TO_ONE], 1, 120),
     ([PP_DP, PP_TP, TO_ZERO3], 4, 420),
     ([THREE_D], 8, 300),
@@ -93,6 +95,7 @@ def _weights_close(got: dict, ref: dict) -> None:
     (PP_TP, LLAMA_REF, dict(pp=2, dp_shard=1, tp=2)),
     (THREE_D, QWEN_REF, dict(pp=2, dp_shard=2, tp=2)),
     (LORA, LORA_REF, dict(pp=2, dp_shard=1, tp=1)),
+    (CKPT, LLAMA_REF, dict(pp=2, dp_shard=1, tp=1)),
 ])
 def test_pipeline_matches_one_process(item, ref, layout, runs):
     got, want = _get(runs, item), _get(runs, ref)
