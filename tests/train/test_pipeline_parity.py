@@ -19,7 +19,7 @@ dp 2 × tp 2 × pp 2, 1.8e-6 (its gradient is zero in exact arithmetic: test_pac
 as in test_tp_parity).
 
 Resume: from step 4 on the same layout (pp 2), bit-exact (losses and every final weight); pp 2 → 1,
-1 → 2 and pp 2 × dp 2 → ZeRO-3 (DeepSpeed, 4 ranks) within 1e-5. Export: `shardwise export` of a
+1 → 2, and pp 2 × dp 2 → ZeRO-3 (DeepSpeed), FSDP2 and pp 4 on 4 ranks, within 1e-5. Export: `shardwise export` of a
 pp 2 checkpoint loads with `from_pretrained` and holds the run's final weights.
 """
 
@@ -61,12 +61,14 @@ SAME = f"pp-llama:fsdp:4:pp2:{F}:eval:from={_dir(ONE_F1B)}@4"  # resumed on the 
 TO_ONE = f"pp-llama:fsdp:4:{F}:eval:from={_dir(ONE_F1B)}@4"  # pp 2 -> 1 (one rank: DDP)
 FROM_ONE = f"pp-llama:fsdp:4:pp2:{F}:eval:from={_dir(LLAMA_REF)}@4"  # 1 -> pp 2
 TO_ZERO3 = f"pp-qwen2:zero3:2:{F}:from={_dir(PP_DP)}@4"  # pp 2 × dp 2 -> ZeRO-3 on 4 ranks
+TO_FSDP = f"pp-qwen2:fsdp:2:{F}:from={_dir(PP_DP)}@4"  # pp 2 × dp 2 -> FSDP2 over 4 data ranks
+TO_PP4 = f"pp-qwen2:fsdp:4:pp4:{F}:from={_dir(PP_DP)}@4"  # pp 2 × dp 2 -> pp 4 (a layer per stage)
 
 LAUNCHES = [
     ([LLAMA_REF, QWEN_REF, LORA_REF], 1, 240),
     ([ONE_F1B, GPIPE, INTERLEAVED, LORA, CKPT, SAME, FROM_ONE], 2, 300),
     ([TO_ONE], 1, 120),
-    ([PP_DP, PP_TP, TO_ZERO3], 4, 420),
+    ([PP_DP, PP_TP, TO_ZERO3, TO_FSDP, TO_PP4], 4, 480),
     ([THREE_D], 8, 300),
 ]
 
@@ -120,7 +122,8 @@ def test_resume_on_the_same_layout_is_bit_exact(runs):
     assert all(torch.equal(resumed["weights"][k], full["weights"][k]) for k in full["weights"])
 
 
-@pytest.mark.parametrize("item, source", [(TO_ONE, ONE_F1B), (FROM_ONE, LLAMA_REF), (TO_ZERO3, PP_DP)])
+@pytest.mark.parametrize("item, source", [(TO_ONE, ONE_F1B), (FROM_ONE, LLAMA_REF), (TO_ZERO3, PP_DP),
+                                          (TO_FSDP, PP_DP), (TO_PP4, PP_DP)])
 def test_resume_across_pipeline_degrees_and_engines(item, source, runs):
     got, full = _get(runs, item), _get(runs, source)
     assert len(got["losses"]) == 4
