@@ -222,7 +222,7 @@ def plan(
         if source is not None:
             from shardwise.ingest.advice import advise
 
-            source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting)
+            source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting, tp=tp or 1, pp=pp or 1)
     except ShardwiseError as e:
         _fail(naming_file(e, source.path if source is not None else None))
     print_warnings(warnings)
