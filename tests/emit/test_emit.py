@@ -202,9 +202,11 @@ def test_emission_refuses_what_it_cannot_express(tmp_path):
     hw = build_hardware(gpus=8)
     with pytest.raises(ShardwiseError, match=r"data parallelism, and tensor parallelism with FSDP2.*plan-only, run it with Megatron-DeepSpeed"):
         emit_configs(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("zero3", tp=2), tmp_path)
-    with pytest.raises(ShardwiseError, match="run it with torchtitan"):
-        emit_configs(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("fsdp", pp=2), tmp_path)
+    with pytest.raises(ShardwiseError, match="run it with torchtitan"):  # FSDP2 stages run without offload only
+        emit_configs(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("fsdp+offload", pp=2), tmp_path)
     with pytest.raises(ShardwiseError, match=r"run it with DeepSpeed's pipeline engine"):
         accelerate_config(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("zero1", pp=2))
+    with pytest.raises(ShardwiseError, match=r"no accelerate config for fsdp with tp 1, pp 2"):  # shardwise train's
+        accelerate_config(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("fsdp", pp=2))
     with pytest.raises(ShardwiseError, match="not DeepSpeed"):
         deepspeed_config(emitted_run(get_model("llama-2-7b"), hw, TRAIN, Strategy.from_name("fsdp"))[0])

@@ -11,7 +11,20 @@ commands/config/cluster.py; activation checkpointing answered yes); llama_factor
 hiyouga/LLaMA-Factory examples/train_full/llama3_full_sft.yaml (commit 03da9a7) with its
 `deepspeed:` path pointed here, and lf_ds_z3_config.json: its examples/deepspeed/ds_z3_config.json
 (commit 1d6e8b2), verbatim; axolotl_qlora.yaml: axolotl-ai-cloud/axolotl examples/llama-2/qlora.yml
-(commit 013495e), verbatim.
+(commit 013495e), verbatim. ds_zero1_pipeline_tp.json (JSON has no comments: its sources are
+here): 64 GPUs as ZeRO-1 × PP 4 × the file's TP (the issue's example: its title says TP 8, its
+file `"tensor_parallel": {"tp_size": 4}`, which is planned), written from DeepSpeed's and
+Megatron-DeepSpeed's sources: the `pipeline` block's keys and defaults (stages "auto", partition,
+seed_layers, activation_checkpoint_interval, pipe_partitioned, grad_partitioned) are
+deepspeedai/DeepSpeed deepspeed/runtime/config.py `get_pipeline_config` (commit edaa722), of which
+runtime/pipe/engine.py reads activation_checkpoint_interval, pipe_partitioned and grad_partitioned
+and asserts ZeRO stage < 2 and train_batch_size = micro × accumulation × the pipeline grid's
+data-parallel size; the stage count itself is PipelineModule(num_stages=...) or
+deepspeedai/Megatron-DeepSpeed's --pipeline-model-parallel-size (megatron/model/gpt_model.py
+GPTModelPipe, commit 4efb479), which also reads pipeline.pipe_partitioned/grad_partitioned from
+the config; `tensor_parallel.autotp_size` (and `tp.tp_size`) are DeepSpeed's training keys
+(runtime/tensor_parallel/config.py TPTrainingConfig), `tensor_parallel.tp_size` is
+deepspeed.init_inference's, which the training config refuses (extra keys forbidden).
 """
 
 from __future__ import annotations
@@ -319,3 +332,97 @@ def test_autotp_under_zero3_is_refused_naming_the_key(tmp_path):
     r = CliRunner().invoke(app, ["plan", "--from", str(f)])
     assert r.exit_code == 2
     assert "tensor_parallel.autotp_size" in r.output and "ZeRO stage 0, 1 or 2" in " ".join(r.output.split())
+
+
+# --- pipeline and tensor parallelism in a DeepSpeed JSON, pipelines in a shardwise YAML -------------
+
+PIPE = DATA / "ds_zero1_pipeline_tp.json"
+H100_64 = ["--gpus", "64", "--gpu", "h100-sxm"]
+
+
+def test_a_deepspeed_pipeline_is_planned_as_deepspeed_runs_it():
+    """ZeRO-1 × pp 4 × the file's tp 4 on 64 GPUs: one row, zero1 tp4 pp4 (Megatron-DeepSpeed's TP
+    beside DeepSpeed's pipeline engine), plan-only with that tool, and the recommendation names
+    what shardwise train runs at the same layout: FSDP2 stages, tp 4, pp 4."""
+    src = same(["--from", str(PIPE), *H100_64],
+               [*H100_64, "-s", "zero1", "--pp", "4", "--tp", "4", "--micro-batch", "1", "--grad-accum", "32",
+                "--precision", "bf16-mixed", "--checkpointing", "full", "--ds-reduce-bucket", "500000000"])
+    doc = plan("--from", str(PIPE), *H100_64)
+    assert [(s["name"], s["tp"], s["pp"], s["dp"]) for s in doc["strategies"]] == [("zero1", 4, 4, 4)]
+    r = doc["recommended_setting"]
+    assert (r["strategy"], r["tp"], r["pp"], r["runnable"], r["tool"]) == ("zero1", 4, 4, False, "Megatron-DeepSpeed")
+    eq = r["runnable_equivalent"]
+    assert eq["strategy"] in ("fsdp", "fsdp-grad-op", "fsdp-hybrid") and (eq["tp"], eq["pp"]) == (4, 4)
+    assert f"shardwise train runs the same layout as {eq['strategy']} tp4 pp4" in doc["reason"]
+    read = {i["key"]: i["as"] for i in src["read"]}
+    assert read["pipeline.stages"].startswith("--pp 4") and read["tensor_parallel.tp_size"].startswith("--tp 4")
+    assert read["pipeline.activation_checkpoint_interval"].startswith("--checkpointing full")
+    assert read["train_batch_size"] == "checked: 1 × 32 × 4 data-parallel ranks (64 GPUs / (pp 4 × tp 4))"
+    ignored = {i["key"] for i in src["ignored"]}
+    assert {"pipeline.partition", "pipeline.pipe_partitioned", "pipeline.grad_partitioned"} <= ignored
+    assert any("tensor_parallel.tp_size: deepspeed.init_inference's key" in n for n in src["notes"])
+    # what to change stays in the file's own keys: a pipeline's checkpointing is the engine's interval
+    edits = [k for item in src["what_to_change"]["faster"] for k in item["edits"]]
+    assert edits and not [k for k in edits if k.startswith("TrainingArguments")]
+    assert all(item["strategy"] in ("zero0", "zero1") for item in src["what_to_change"]["faster"])
+
+
+def test_pipeline_parallel_size_and_autotp_beside_stages(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"zero_optimization": {"stage": 0}, "pipeline_parallel_size": 2,
+                             "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}},
+                             "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}))
+    doc = plan("--from", str(f), "--gpus", "16")
+    assert [(s["name"], s["tp"], s["pp"]) for s in doc["strategies"]] == [("zero0", 2, 2)]
+    read = {i["key"]: i["as"] for i in doc["from"]["read"]}
+    assert read["pipeline_parallel_size"].startswith("--pp 2") and "Megatron-DeepSpeed" in read["tensor_parallel.autotp_size"]
+    assert read["tensor_parallel.tp.tp_size"].startswith("checked")
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    ({"zero_optimization": {"stage": 2}, "pipeline": {"stages": 2}},
+     ["pipeline.stages = 2", "ZeRO stage 0 or 1 with pipeline stages", "incompatible with pipeline"]),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}, "pipeline_parallel_size": 4},
+     ["pipeline_parallel_size = 4", "2, the pipeline.stages of the same file"]),
+    ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}},
+     ["tensor_parallel.tp.tp_size = 4", "1 or 2, the tensor_parallel.autotp_size"]),
+    ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2, "tp_size": 4}},
+     ["tensor_parallel.tp_size = 4", "2, the tensor_parallel.autotp_size of the same file"]),
+    ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}, "train_micro_batch_size_per_gpu": 1,
+      "gradient_accumulation_steps": 4, "train_batch_size": 32},
+     ["train_batch_size = 32", "1 × accumulation 4 × 4 data-parallel ranks (8 GPUs / (pp 2 × tp 1)) = 16"]),
+    ({"zero_optimization": {"stage": 1}, "pipeline": "two"}, ["pipeline = 'two'", "a mapping"]),
+])  # fmt: skip
+def test_bad_model_parallel_keys_name_the_key(tmp_path, data, says):
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps(data))
+    r = CliRunner().invoke(app, ["plan", "--from", str(f), "--gpus", "8"])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    for s in says:
+        assert s in text
+
+
+def test_a_shardwise_yaml_pipeline_is_planned(tmp_path):
+    """strategy.pp / pp_schedule / pp_virtual_stages of a shardwise YAML go through run_spec into
+    the plan: the emitted pipeline plans as its flags do, and says them as flags."""
+    out = tmp_path / "emit"
+    setup = ["-m", "llama-2-7b", "--gpus", "16", "-s", "fsdp", "--pp", "2", "--pp-schedule", "interleaved-1f1b",
+             "--pp-virtual-stages", "2", "--micro-batch", "1", "--grad-accum", "8"]
+    r = CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "fsdp"])
+    assert r.exit_code == 0, r.output
+    got = plan(str(out / "shardwise.yaml"), "--set", "model.path=", "--gpus", "16")
+    src = got.pop("from")
+    assert got == plan(*setup)
+    assert [(s["name"], s["pp"]) for s in got["strategies"]] == [("fsdp", 2)]
+    r = got["recommended_setting"]
+    assert (r["pp"], r["pp_schedule"], r["pp_virtual_stages"]) == (2, "interleaved-1f1b", 2)
+    flags = src["as_flags"]
+    assert flags[flags.index("--pp") + 1] == "2" and flags[flags.index("--pp-schedule") + 1] == "interleaved-1f1b"
+    assert flags[flags.index("--pp-virtual-stages") + 1] == "2"
+    # a schedule the trainer refuses is refused by --from as by shardwise train, naming the YAML's keys
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((out / "shardwise.yaml").read_text().replace("grad_accum: 8", "grad_accum: 5"))
+    res = CliRunner().invoke(app, ["plan", str(bad), "--set", "model.path=", "--gpus", "16"])
+    assert res.exit_code == 2 and "strategy.pp_schedule / run.grad_accum" in " ".join(res.output.split())
+

@@ -10,6 +10,7 @@ from shardwise import strict_json
 from shardwise.cli.plan_inputs import (
     check_flags_apply,
     check_fsdp_flags,
+    check_schedule_flags,
     emit_plan,
     hardware_inputs,
     input_warnings,
@@ -21,7 +22,7 @@ from shardwise.cli.plan_inputs import (
     trainer_run,
 )
 from shardwise.cli_help import HELP, whole_short_help
-from shardwise.config.flags import build_knobs, run_option, schema_default, with_knob_flags
+from shardwise.config.flags import build_knobs, run_option, schema_default, strategy_option, with_knob_flags
 from shardwise.errors import ShardwiseError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
@@ -119,6 +120,10 @@ def plan(
                                   "recommender keeps to it too (default: it sweeps 1, 2, 4, 8)."),
     pp: int | None = typer.Option(None, "--pp", help="Pipeline-parallel degree of the table (default 1); given, "
                                   "the recommender keeps to it too (default: it sweeps 1, 2, 4)."),
+    pp_schedule: str | None = strategy_option(
+        "pp_schedule", note="for the PP rows; given, the recommender keeps to it too (unset: the table plans 1f1b, "
+        "the recommender sweeps 1f1b and, for FSDP2 stages, interleaved-1f1b over 2 stages a rank)"),
+    pp_virtual_stages: int | None = strategy_option("pp_virtual_stages"),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float | None = typer.Option(None, "--margin", show_default=False, help="Fraction of GPU memory kept free "
                                         "(default: the memory model's default_margin, catalog/memory.yaml)."),
@@ -177,7 +182,9 @@ def plan(
             from shardwise.run.bridge import trainer_knobs
 
             base = trainer_knobs(a["device"])
-        knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"], base=base)
+        knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"], base=base, pp_schedule=a["pp_schedule"],
+                            pp_virtual_stages=a["pp_virtual_stages"])
+        check_schedule_flags(pp, knobs, m, train)
         if a["device"] not in ("cuda", "cpu"):
             raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")
         if a["device"] == "cpu":
@@ -203,7 +210,8 @@ def plan(
         # -s, --tp and --pp restrict the recommender as they restrict the table
         try:
             rec = recommend(m, hw, train, strategies=strategy or None, tps=(tp,) if tp else None,
-                            pps=(pp,) if pp else None, margin=margin, knobs=knobs, accounting=accounting)
+                            pps=(pp,) if pp else None, margin=margin, knobs=knobs, accounting=accounting,
+                            base_layout=(tp or 1, pp or 1))
             alternatives = rec.alternatives
         except NothingFits as no_fit:
             rec_error, alternatives = str(no_fit), no_fit.alternatives
@@ -214,7 +222,7 @@ def plan(
         if source is not None:
             from shardwise.ingest.advice import advise
 
-            source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting)
+            source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting, tp=tp or 1, pp=pp or 1)
     except ShardwiseError as e:
         _fail(naming_file(e, source.path if source is not None else None))
     print_warnings(warnings)

@@ -145,6 +145,26 @@ def check_flags_apply(strategies: list[str] | None, emit_strategy: str | None, g
                                      "add one with -s, or drop the flag")
 
 
+def check_schedule_flags(pp: int | None, knobs, model, train) -> None:
+    """--pp-schedule / --pp-virtual-stages (or a --from file's schedule) against the table's layout:
+    with --pp 1 they change nothing; with --pp N the schedule must run its stages and the run's
+    micro-batches (specs.pipeline.schedule_refusal, what the trainer's bridge asks). Without --pp
+    they apply to the recommender's PP rows."""
+    from shardwise.specs.pipeline import schedule_refusal
+
+    if (knobs.pp_schedule is None and knobs.pp_virtual_stages is None) or pp is None:
+        return
+    given = " ".join(f"{flag} {v}" for flag, v in (("--pp-schedule", knobs.pp_schedule),
+                                                   ("--pp-virtual-stages", knobs.pp_virtual_stages)) if v is not None)
+    if pp == 1:
+        raise ShardwiseError(f"{given} sets the schedule of pipeline stages, but --pp is 1: give --pp 2 or more, "
+                             "or drop it (without --pp it applies to the recommender's PP rows)")
+    why = schedule_refusal(pp, knobs.pp_schedule or "1f1b", knobs.pp_virtual_stages or 1, train.grad_accum,
+                           model.num_layers)
+    if why:
+        raise ShardwiseError(f"--pp {pp} {given} with --grad-accum {train.grad_accum}: {why}")
+
+
 def input_warnings(model, train) -> list[str]:
     """What is accepted but worth saying: a sequence beyond the model's trained context."""
     out = []
@@ -244,6 +264,7 @@ def emit_plan(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, mar
     from shardwise.plan.evaluate import evaluate
     from shardwise.plan.recommend import describe, tool_for
     from shardwise.specs import Strategy
+    from shardwise.specs.pipeline import trainer_pp_gap
 
     if name:
         flags = f"--emit-strategy {name}" + (f" --tp {tp}" if tp and tp > 1 else "") + (
@@ -261,12 +282,18 @@ def emit_plan(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, mar
         chosen = rec.best
         what = f"--emit: the recommended {describe(chosen)}"
         drop = "drop --tp/--pp for a recommendation it can run"
+        if rec.equivalent is not None:
+            drop += f" (at this layout it runs {describe(rec.equivalent)})"
     s = chosen.strategy
     if not s.trainable:
         raise ShardwiseError(
-            f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism, and tensor "
-            f"parallelism with FSDP2 (pp 1), this has tp {s.tp}, pp {s.pp}. Run it with "
-            f"{tool_for(s, chosen.train, m)}, or {drop}.")
+            f"{what} is plan-only: shardwise train and the emitted launchers run data parallelism, tensor "
+            f"parallelism with FSDP2 or ZeRO-1/2 (no offload) and pipeline parallelism with FSDP2 (no offload); this "
+            f"is {s.name} with tp {s.tp}, pp {s.pp}. Run it with {tool_for(s, chosen.train, m)}, or {drop}.")
+    why = trainer_pp_gap(m, s, chosen.train)
+    if why:
+        raise ShardwiseError(f"{what} is plan-only: shardwise train does not run its pipeline stages: {why}. Run "
+                             f"it with {tool_for(s, chosen.train, m)}, or {drop}.")
     if not chosen.fits:
         raise ShardwiseError(f"{what} does not fit: {_shortfall(chosen)}{_fitting_hint(m, hw, train, s, knobs, margin, accounting)}")
     notes = emitted_run(m, hw, chosen.train, s)[1]
@@ -295,7 +322,8 @@ def _fitting_hint(m, hw, train, strategy, knobs, margin, accounting="engine") ->
     from shardwise.plan.recommend import sweep
 
     found = [e for e in sweep(m, hw, train, strategies=[strategy.name], tps=(strategy.tp,), pps=(strategy.pp,),
-                              checkpointing=("none", "full"), margin=margin, knobs=knobs, accounting=accounting)
+                              checkpointing=("none", "full"), margin=margin, knobs=knobs, accounting=accounting,
+                              base_layout=(strategy.tp, strategy.pp))
              if e.fits]
     if not found:
         return f". No micro-batch (1-8) or checkpointing makes {strategy.name} fit here."

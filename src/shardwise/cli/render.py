@@ -268,11 +268,14 @@ def plan_doc(o: PlanOutput) -> dict:
         doc["reason"] = o.rec_error
         doc["plan_only_alternatives"] = [a.as_dict() for a in o.alternatives]
     if o.emitted:
+        from shardwise.plan.recommend import schedule_of
+
         chosen, paths = o.emitted
         lay = chosen.memory.layout
         doc["emitted"] = [str(p) for p in paths]
         doc["emitted_setting"] = {
-            "strategy": chosen.strategy.name, "tp": lay.tp, "pp": lay.pp, "micro_batch": chosen.train.micro_batch,
+            "strategy": chosen.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(chosen),
+            "micro_batch": chosen.train.micro_batch,
             "grad_accum": chosen.train.grad_accum, "checkpointing": chosen.train.checkpointing,
             "tokens_per_s_per_gpu": chosen.time.tokens_per_s_per_gpu, "memory_total": chosen.memory.gpu.total,
             "notes": list(o.notes)}  # fmt: skip

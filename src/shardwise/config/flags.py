@@ -1,5 +1,6 @@
 """`shardwise plan`'s flags, from the schema: the engine knobs' flags generated from the knob
-classes, and the flags that set a field of the run (RUN_FLAGS), each with its YAML key.
+classes, the flags that set a field of the run (RUN_FLAGS) and the pipeline schedule's
+(STRATEGY_FLAGS: strategy.pp_schedule, strategy.pp_virtual_stages), each with its YAML key.
 
 One schema: the pydantic fields of `DeepSpeedKnobs`, `FSDPKnobs` and `DDPKnobs`
 (shardwise.config.strategy) give the trainer's YAML sections (`config/schema._overrides`), `--set`,
@@ -24,7 +25,14 @@ import typer
 from pydantic import BaseModel
 
 from shardwise.config.schema import TrainConfig
-from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs, StrategyKnobs
+from shardwise.config.strategy import (
+    PP_SCHEDULES,
+    DDPKnobs,
+    DeepSpeedKnobs,
+    FSDPKnobs,
+    StrategyKnobs,
+    virtual_refusal,
+)
 from shardwise.errors import ShardwiseError
 
 # (StrategyKnobs attribute, flag prefix, the section's name in the trainer YAML, class)
@@ -219,16 +227,26 @@ def as_flags(section: str, field: str, value: Any) -> list[str]:
 
 
 def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_impl: str | None = None,
-                base: tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs] | None = None) -> StrategyKnobs:
+                base: tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs] | None = None, *, pp_schedule: str | None = None,
+                pp_virtual_stages: int | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}}, the rest at `base` (the trainer's knobs for the
-    device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own); a bad
-    value names its flag."""
+    device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own), with
+    the pipeline schedule of the PP rows where given; a bad value names its flag."""
     from shardwise.config.fields import check_count
 
     if shard_group is not None:
         check_count("--shard-group", shard_group, hint=" (GPUs per fsdp-hybrid shard group)")
     if tp_impl not in (None, "auto", "megatron"):
         raise ShardwiseError(f"--tp-impl {tp_impl!r}: expected auto or megatron")
+    if pp_schedule is not None and pp_schedule not in PP_SCHEDULES:
+        raise ShardwiseError(f"--pp-schedule {pp_schedule!r}: expected {', '.join(PP_SCHEDULES)}")
+    if pp_virtual_stages is not None:
+        check_count("--pp-virtual-stages", pp_virtual_stages, hint=" (stages per pipeline rank)")
+    why = virtual_refusal(pp_schedule or "1f1b", pp_virtual_stages or 1)
+    if why:
+        given = (f"--pp-schedule {pp_schedule}" if pp_schedule else "") + (
+            f" --pp-virtual-stages {pp_virtual_stages}" if pp_virtual_stages is not None else "")
+        raise ShardwiseError(f"{given.strip()}: {why}")
     built = {}
     for section, _, _, cls in SECTIONS:
         for field, v in knobs.get(section, {}).items():  # each value on its own: the error names its flag
@@ -239,7 +257,8 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
         except ShardwiseError as e:
             fields = ", ".join(flag_of(section, f) for f in knobs.get(section, {}))
             raise ShardwiseError(f"{fields}: {e}") from None
-    return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto")
+    return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto", pp_schedule=pp_schedule,
+                         pp_virtual_stages=pp_virtual_stages)
 
 
 # --- plan's flags that set a field of the run -------------------------------------------------
@@ -335,3 +354,24 @@ def run_option(param: str) -> Any:
     text = text[0].upper() + text[1:]
     names = [f"{f.flag}/--no-{f.flag[2:]}"] if kind is bool or param == "fused_kernels" else [f.flag]
     return typer.Option(None, *names, help=text, show_default=False)
+
+
+# --- plan's flags that set a field of the strategy the planner's Strategy takes ----------------
+
+
+STRATEGY_FLAGS: dict[str, str] = {  # plan()'s parameter (the Strategy field) -> its flag
+    "pp_schedule": "--pp-schedule",
+    "pp_virtual_stages": "--pp-virtual-stages",
+}
+
+
+def strategy_option(param: str, note: str = "") -> Any:
+    """plan's typer.Option for a `strategy.FIELD` of the training YAML (STRATEGY_FLAGS): None unless
+    given; the help is the schema's description, choices and default, with the YAML key."""
+    key = f"strategy.{param}"
+    field = schema_field(key)
+    kind = _base(field.annotation)
+    choices = " | ".join(str(c) for c in get_args(kind)) if get_origin(kind) is Literal else ""
+    desc = (field.description or param.replace("_", " ")).rstrip(".")
+    text = f"{desc}{': ' + choices if choices else ''} {note}".strip() + f" (YAML {key}; default {schema_default(key)})."
+    return typer.Option(None, STRATEGY_FLAGS[param], help=text[0].upper() + text[1:], show_default=False)

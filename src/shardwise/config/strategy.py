@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from shardwise.config.base import Spec
 from shardwise.config.fields import DTYPE_BYTES
+from shardwise.errors import ShardwiseError
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 FsdpSharding = Literal["full", "grad-op", "hybrid"]
@@ -26,6 +27,19 @@ Resharding = Literal["all", "not-last", "none"]
 # Schedule1F1B and ScheduleInterleaved1F1B (shardwise.specs.pipeline).
 PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def virtual_refusal(schedule: str, virtual: int) -> str | None:
+    """Why `schedule` does not run `virtual` stages per pipeline rank (None: it does): several
+    stages a rank are interleaved 1F1B's, which runs at least 2; gpipe and 1f1b run one."""
+    if schedule not in PP_SCHEDULES:
+        return f"pp_schedule {schedule!r}: expected one of {', '.join(PP_SCHEDULES)}"
+    if virtual > 1 and schedule != "interleaved-1f1b":
+        return (f"pp_virtual_stages {virtual} with pp_schedule {schedule!r}: virtual stages (several stages per "
+                "rank) are interleaved 1F1B's")
+    if schedule == "interleaved-1f1b" and virtual < 2:
+        return "pp_schedule 'interleaved-1f1b' runs at least 2 stages per rank: set pp_virtual_stages ≥ 2"
+    return None
 
 
 
@@ -206,6 +220,19 @@ class StrategyKnobs(Spec):
     # "megatron": plan the TP rows of DeepSpeed and DDP strategies as Megatron-LM's / Megatron-DeepSpeed's
     # (FSDP2's stay DTensor's: torchtitan); "auto": each engine's own (Strategy.tp_scheme)
     tp_impl: Literal["auto", "megatron"] = "auto"
+    # The schedule of the PP rows (Strategy.pp_schedule / pp_virtual_stages; at pp 1 nothing):
+    # None = 1f1b in the table, and the sweep tries 1f1b and, where it runs, interleaved-1f1b
+    # over 2 stages a rank (shardwise.plan.recommend.sweep)
+    pp_schedule: PPSchedule | None = None
+    pp_virtual_stages: int | None = Field(None, gt=0)
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()
+
+    @model_validator(mode="after")
+    def _schedule(self) -> StrategyKnobs:
+        if self.pp_schedule is not None or self.pp_virtual_stages is not None:
+            why = virtual_refusal(self.pp_schedule or "1f1b", self.pp_virtual_stages or 1)
+            if why:
+                raise ShardwiseError(why)
+        return self

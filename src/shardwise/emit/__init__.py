@@ -20,7 +20,7 @@ import yaml
 from shardwise import strict_json
 from shardwise.config.load import PLACEHOLDER
 from shardwise.config.schema import TrainConfig
-from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, check_emittable
+from shardwise.emit.accelerate import DS_HF_FILE, accelerate_config, accelerate_launches, check_emittable
 from shardwise.emit.launch import launch_scripts
 from shardwise.emit.safe_write import publish, writable_dir
 from shardwise.plan.evaluate import memory_as_run
@@ -76,14 +76,14 @@ def emit_configs(
     # Portable: no file names the directory it was emitted to. accelerate resolves
     # deepspeed_config_file against the directory it is launched from, so the YAML holds the
     # name and launch_accelerate.sh passes the path beside the script (--deepspeed_config_file).
-    # TP runs through `shardwise train` only: accelerate launches a user's script on its own
-    # FSDP, which does not apply the trainer's tensor-parallel plan.
-    if strategy.tp == 1:
+    # TP and PP run through `shardwise train` only (accelerate_launches).
+    accelerate = accelerate_launches(strategy)
+    if accelerate:
         acc = accelerate_config(model, hw, train, strategy, ds_config_file=DS_HF_FILE)
         write("accelerate.yaml", yaml.safe_dump(acc, sort_keys=False))
 
     for name, text in launch_scripts(hw, train, strategy).items():
-        if strategy.tp == 1 or name != "launch_accelerate.sh":
+        if accelerate or name != "launch_accelerate.sh":
             write(name, text, executable=True)
 
     names = [*files, "README.md"]
@@ -168,8 +168,12 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
             f"Emitted by `shardwise plan --emit`. Training setup: sequence {train.seq_len}, micro-batch "
             f"{train.micro_batch}, gradient accumulation {train.grad_accum} (global batch "
             f"{train.micro_batch * train.grad_accum * lay.dp} sequences), {train.precision}, optimizer "
-            f"{train.optimizer}, activation checkpointing {train.checkpointing}. Layout: data-parallel "
-            f"{lay.dp} (shard {lay.dp_shard} x replicate {lay.dp_replicate})."
+            f"{train.optimizer}, activation checkpointing {train.checkpointing}. Layout: "
+            + (f"tensor-parallel {lay.tp}, " if lay.tp > 1 else "")
+            + (f"pipeline-parallel {lay.pp} ({strategy.pp_schedule} schedule over the {train.grad_accum} "
+               f"micro-batches of a step" + (f", {strategy.pp_virtual_stages} stages a rank" if
+                                             strategy.pp_virtual_stages > 1 else "") + "), " if lay.pp > 1 else "")
+            + f"data-parallel {lay.dp} (shard {lay.dp_shard} x replicate {lay.dp_replicate})."
         ),
         "",
         "## Files",

@@ -21,15 +21,24 @@ MIXED_PRECISION = {"bf16-mixed": "bf16", "bf16-pure": "bf16", "fp16-mixed": "fp1
 
 
 def check_emittable(strategy: Strategy) -> None:
-    """Emission covers what `shardwise train` runs: data parallelism, and TP with FSDP2 (no PP).
-    The refusal names the tool that runs the configuration instead."""
+    """Emission covers what `shardwise train` runs (`Strategy.trainable`): data parallelism, TP
+    with FSDP2 or ZeRO-1/2, PP with FSDP2. The refusal names the tool that runs the configuration
+    instead."""
     if not strategy.trainable:
         from shardwise.plan.recommend import tool_for
 
         raise ShardwiseError(
-            f"config emission supports data parallelism, and tensor parallelism with FSDP2 (pp 1); {strategy.name} has "
-            f"tp {strategy.tp}, pp {strategy.pp}: it is plan-only, run it with {tool_for(strategy, TrainSpec())}"
+            f"config emission supports data parallelism, and tensor parallelism with FSDP2 or ZeRO-1/2 and pipeline "
+            f"parallelism with FSDP2 (no offload); {strategy.name} has tp {strategy.tp}, pp {strategy.pp}: it is "
+            f"plan-only, run it with {tool_for(strategy, TrainSpec())}"
         )
+
+
+def accelerate_launches(strategy: Strategy) -> bool:
+    """Whether an accelerate config runs this plan: accelerate launches a user's script on its own
+    FSDP or DeepSpeed, which applies neither the trainer's tensor-parallel plan nor its pipeline
+    stages, so TP and PP runs go through `shardwise train` only."""
+    return strategy.tp == 1 and strategy.pp == 1
 
 
 def accelerate_config(
@@ -37,6 +46,10 @@ def accelerate_config(
 ) -> dict[str, Any]:
     """The accelerate config dict; `ds_config_file` is where DEEPSPEED reads its JSON from."""
     check_emittable(strategy)
+    if not accelerate_launches(strategy):
+        raise ShardwiseError(f"no accelerate config for {strategy.name} with tp {strategy.tp}, pp {strategy.pp}: "
+                             "accelerate's FSDP and DeepSpeed plugins run neither the trainer's TP plan nor its "
+                             "pipeline stages; launch shardwise train (launch_torchrun.sh, slurm.sbatch)")
     world = hw.world_size
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",

@@ -9,7 +9,7 @@ environment, so the same file serves every node of a multi-node job.
 from __future__ import annotations
 
 from shardwise.emit.accelerate import DS_HF_FILE, MIXED_PRECISION
-from shardwise.specs import HardwareSpec, Strategy, TrainSpec
+from shardwise.specs import HardwareSpec, ParallelLayout, Strategy, TrainSpec
 
 TRAINER = "shardwise.train.cli"
 CPUS_PER_GPU = 8  # a common allotment; DeepSpeed CPU Adam (offload) wants more
@@ -25,8 +25,20 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 """
 
 
+def planned(strategy: Strategy, hw: HardwareSpec) -> str:
+    """The strategy with its model-parallel layout, as the scripts' comments name it:
+    `fsdp tp 4 × pp 4 (1f1b) × dp 4` (the name alone without TP or PP)."""
+    if strategy.tp == 1 and strategy.pp == 1:
+        return strategy.name
+    lay = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
+    schedule = strategy.pp_schedule + (f", {strategy.pp_virtual_stages} stages a rank"
+                                       if strategy.pp_virtual_stages > 1 else "")
+    return (f"{strategy.name} " + (f"tp {lay.tp} × " if lay.tp > 1 else "")
+            + (f"pp {lay.pp} ({schedule}) × " if lay.pp > 1 else "") + f"dp {lay.dp}")
+
+
 def _header(title: str, hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> str:
-    return _HEADER.format(title=title, strategy=strategy.name, nodes=hw.nodes, gpus=hw.gpus_per_node,
+    return _HEADER.format(title=title, strategy=planned(strategy, hw), nodes=hw.nodes, gpus=hw.gpus_per_node,
                           gpu=hw.gpu.name, ckpt=train.checkpointing)  # fmt: skip
 
 
@@ -103,7 +115,7 @@ def slurm_script(hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> str:
 #SBATCH --cpus-per-task={cpus}
 #SBATCH --output=%x-%j.out
 # One task per node runs torchrun, which starts {hw.gpus_per_node} ranks there; rank 0's node is the
-# rendezvous. Planned: {strategy.name} on {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) ({hw.gpu.name}).
+# rendezvous. Planned: {planned(strategy, hw)} on {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) ({hw.gpu.name}).
 # Activation checkpointing: set in shardwise.yaml (checkpointing.activation={train.checkpointing}).
 # Activate the environment that has shardwise installed before `sbatch`, or here.
 # The emitted directory: EMIT_DIR, else where this script was submitted from (sbatch runs a copy).

@@ -41,8 +41,10 @@ def _item(e, edits: dict[str, Any], base_tps: float | None, fmt: str) -> dict[st
             "speedup": t / base_tps if base_tps else None}
 
 
-def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str = "engine") -> Source:
-    """Fill `src.advice` (and return `src`)."""
+def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str = "engine", tp: int = 1,
+           pp: int = 1) -> Source:
+    """Fill `src.advice` (and return `src`): at the planned layout (`tp`, `pp`: the file's, or the
+    flags'), which the file's edits keep."""
     from shardwise.errors import ShardwiseError
     from shardwise.plan.evaluate import evaluate
     from shardwise.plan.recommend import NEAR_TIE, sweep
@@ -52,12 +54,13 @@ def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str =
     if src.keys_of is None or name is None:
         src.advice = None
         return src
-    current = evaluate(m, hw, train, Strategy.with_knobs(name, knobs), accounting=accounting, margin=margin)
+    current = evaluate(m, hw, train, Strategy.with_knobs(name, knobs, tp=tp, pp=pp), accounting=accounting,
+                       margin=margin)
     base_keys = src.keys_of(_setting(current))
     family = [n for n in (src.family or (name,))]
     cands = sweep(m, hw, train, strategies=family, micro_batches=tuple(sorted({1, 2, 4, 8, train.micro_batch})),
-                  checkpointing=tuple(dict.fromkeys((train.checkpointing, "none", "full"))), tps=(1,), pps=(1,),
-                  margin=margin, knobs=knobs)
+                  checkpointing=tuple(dict.fromkeys((train.checkpointing, "none", "full"))), tps=(tp,), pps=(pp,),
+                  margin=margin, knobs=knobs, base_layout=(tp, pp))
     rows = []
     for e in cands:
         try:
@@ -80,7 +83,7 @@ def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str =
             if all(s[2] != edits for s in shown):
                 shown.append((n, e, edits))
         out["to_fit"] = [_item(e, ed, None, src.format) for _, e, ed in shown]
-        if not shown and (saved := _with_savers(src, m, hw, train, knobs, family, margin, base_keys)):
+        if not shown and (saved := _with_savers(src, m, hw, train, knobs, family, margin, base_keys, tp, pp)):
             out["to_fit"] = [saved]
         floor = max((e.time.tokens_per_s_per_gpu for _, e, _ in shown[:1]), default=0.0)
         base = shown[0][1].time.tokens_per_s_per_gpu if shown else None
@@ -103,7 +106,7 @@ def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str =
 
 
 def _with_savers(src: Source, m, hw, train, knobs, family: list[str], margin: float,
-                 base_keys: dict[str, Any]) -> dict[str, Any] | None:
+                 base_keys: dict[str, Any], tp: int = 1, pp: int = 1) -> dict[str, Any] | None:
     """Where no edit of strategy, batch or checkpointing fits: the fewest memory savers that make
     a run of this file's strategies fit (shardwise.plan.recommend.with_savers), as this format's
     edits; None where nothing does or the format cannot say a saver."""
@@ -111,7 +114,8 @@ def _with_savers(src: Source, m, hw, train, knobs, family: list[str], margin: fl
 
     if src.saver_keys is None or src.keys_of is None:
         return None
-    rec = with_savers(m, hw, train, strategies=family, tps=(1,), pps=(1,), margin=margin, knobs=knobs)
+    rec = with_savers(m, hw, train, strategies=family, tps=(tp,), pps=(pp,), margin=margin, knobs=knobs,
+                      base_layout=(tp, pp))
     said = src.saver_keys(rec.best.train) if rec is not None else None
     if not said:
         return None

@@ -9,6 +9,14 @@ optimizer values from the trainer's arguments (here: the flags, or the TrainingA
 LLaMA-Factory / axolotl file that names this JSON), and from the model's hidden size h
 `reduce_bucket_size` = h², `stage3_prefetch_bucket_size` = int(0.9·h²),
 `stage3_param_persistence_threshold` = 10·h (the last two under ZeRO-3 only).
+
+Model parallelism as the file states it: `tensor_parallel.autotp_size` (DeepSpeed's AutoTP
+training, deepspeed/runtime/tensor_parallel/config.py `TPTrainingConfig`), `pipeline.stages`
+(DeepSpeed's `pipeline` block, deepspeed/runtime/config.py `get_pipeline_config`; its engine takes
+the stage count from `PipelineModule(num_stages=...)` or Megatron-DeepSpeed's
+`--pipeline-model-parallel-size`, so the key is the file's statement of it) and the spellings
+configs carry beside them (`pipeline_parallel_size`, `tensor_parallel.tp_size`): each key read or
+ignored is listed with why (`_pipeline`, `_tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ NO_EFFECT = {
     "fp16.loss_scale": "loss scaling", "fp16.initial_scale_power": "loss scaling",
     "fp16.loss_scale_window": "loss scaling", "fp16.hysteresis": "loss scaling", "fp16.min_loss_scale": "loss scaling",
     "fp16.auto_cast": "autocast of inputs", "bf16.immediate_grad_update": "fp32 grad accumulation timing",
+    "pipeline.seed_layers": "per-layer random seeds at initialisation",
+    "pipeline.use_reentrant": "the checkpoint function (reentrant or not: the same saved inputs)",
 }
 IGNORED = {
     "activation_checkpointing": "DeepSpeed's checkpointing API, used only by models that call "
@@ -73,6 +83,15 @@ IGNORED = {
     "zero_optimization.offload_param.nvme_path": "NVMe offload is planned as CPU offload",
     "zero_optimization.offload_optimizer.fast_init": "initialisation only",
     "zero_optimization.offload_optimizer.ratio": "partial offload is not planned",
+    "pipeline.partition": "which layers each stage holds: planned as runs of decoder layers of near-equal length "
+    "(specs.pipeline.stage_layers; PipelineModule's partition_method, set in code, decides it in DeepSpeed)",
+    "pipeline.partition_method": "which layers each stage holds: planned as runs of decoder layers of near-equal "
+    "length (specs.pipeline.stage_layers; DeepSpeed reads partition_method from PipelineModule's arguments, not "
+    "from its config)",
+    "pipeline.pipe_partitioned": "stage-to-stage activations split over the TP ranks: their traffic is not planned "
+    "per key",
+    "pipeline.grad_partitioned": "stage-to-stage gradients split over the TP ranks: their traffic is not planned "
+    "per key",
 }
 NO_EFFECT_PREFIXES = ("scheduler.",)  # the learning-rate schedule
 
@@ -85,7 +104,8 @@ def is_deepspeed(data: dict[str, Any]) -> bool:
 def read(doc: Doc, ctx: Context) -> Source:
     src = Source("deepspeed", doc.path, family=DS_FAMILY)
     flat = read_into(doc, doc.data, src, ctx, under="HF Trainer / accelerate (flags)")
-    src.keys_of = lambda s: {**zero_keys(s, flat, ctx, src), **trainer_keys(s, flat)}
+    src.keys_of = lambda s: {**zero_keys(s, flat, ctx, src), **(
+        pipeline_keys(s) if (ctx.value("pp", src) or 1) > 1 else trainer_keys(s, flat))}
     return src
 
 
@@ -197,7 +217,8 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
         ds["communication_data_type"] = dtype
         src.read.append((dotted(key("communication_data_type")), f"communication_data_type {dtype}"))
 
-    _tensor_parallel(doc, data, src, got, key, stage)
+    pp = _pipeline(doc, data, src, got, key, stage)
+    _tensor_parallel(doc, data, src, got, key, stage, pp)
     _batch(doc, flat, src, ctx, got, key, under)
     _precision(doc, src, got, key, under)
     _optimizer(doc, data, src, got, key, under)
@@ -216,9 +237,74 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
     return flat
 
 
-def _tensor_parallel(doc: Doc, data: dict[str, Any], src: Source, got, key, stage: int) -> None:
-    """`tensor_parallel.autotp_size` (DeepSpeed's AutoTP training, >= 0.16.4; ZeRO 0-2): planned as
-    AutoTP (`--tp N`; the autotp TP scheme: decoder linears split, no sequence parallelism)."""
+def _pipeline(doc: Doc, data: dict[str, Any], src: Source, got, key, stage: int) -> int:
+    """The pipeline degree the file states (`pipeline.stages`, or a top-level `pipeline_parallel_size`),
+    planned as DeepSpeed's pipeline engine runs it: ZeRO stage 0 or 1 (deepspeed/runtime/pipe/engine.py
+    asserts `zero_optimization_stage() < ZeroStageEnum.gradients`), the stages' micro-batches the
+    file's accumulation steps; `pipeline.activation_checkpoint_interval` above 0 checkpoints the
+    stages' layers (`--checkpointing full`). Returns the degree (1: none)."""
+    block = data.get("pipeline")
+    if block is not None and not isinstance(block, dict):
+        raise doc.error(key("pipeline"), block, "a mapping of pipeline settings (stages, partition, "
+                        "activation_checkpoint_interval, ...)")
+    block = block or {}
+    found: dict[tuple, int] = {}
+    for k in (("pipeline", "stages"), ("pipeline_parallel_size",)):
+        v = got(*k)
+        if v is None:
+            continue
+        if _is_auto(v):  # DeepSpeed's own default for pipeline.stages
+            src.ignored.append((dotted(key(*k)), "\"auto\": the stage count is PipelineModule's (num_stages or its "
+                                "topology); pass --pp"))
+            continue
+        found[k] = as_count(doc, key(*k), v)
+    if len(set(found.values())) > 1:
+        (k1, v1), (k2, v2) = found.items()
+        raise doc.error(key(*k2), v2, f"{v1}, the {dotted(key(*k1))} of the same file (one pipeline degree)")
+    pp = next(iter(found.values()), 1)
+    for k, v in found.items():
+        if k == ("pipeline_parallel_size",):
+            why = ("DeepSpeed's config parser does not read this key (launchers that build the pipeline do); the "
+                   "file's pipeline degree")
+        else:
+            why = ("DeepSpeed's pipeline engine takes the stage count from PipelineModule(num_stages=...) or "
+                   "Megatron-DeepSpeed's --pipeline-model-parallel-size, which this key states")
+        src.read.append((dotted(key(*k)), f"--pp {v} ({why})" if v > 1 else f"{v}: no pipeline stages"))
+    if pp > 1:
+        if stage > 1:
+            k = next(iter(found))
+            raise doc.error(key(*k), pp, f"ZeRO stage 0 or 1 with pipeline stages (this file has stage {stage}: "
+                            "DeepSpeed's pipeline engine asserts \"ZeRO-2 and ZeRO-3 are incompatible with pipeline "
+                            "parallelism\")")
+        src.values["pp"] = pp
+        src.notes.append("pipeline stages planned as DeepSpeed's pipeline engine runs them over the micro-batches "
+                         "of a step (its TrainSchedule alternates forwards and backwards: planned as pp_schedule "
+                         "1f1b); shardwise train runs pipelines with FSDP2 stages (strategy fsdp*), and the "
+                         "recommendation names that run at this layout")
+    interval = got("pipeline", "activation_checkpoint_interval")
+    if interval is not None:
+        n = as_count(doc, key("pipeline", "activation_checkpoint_interval"), interval, zero=True)
+        k = dotted(key("pipeline", "activation_checkpoint_interval"))
+        if n == 0:  # DeepSpeed then keeps the module's own interval (runtime/pipe/engine.py)
+            src.read.append((k, "0: the module's own checkpointing (no change to the plan)"))
+        elif pp == 1:
+            src.ignored.append((k, "read by DeepSpeed's pipeline engine only, and this file has no pipeline stages"))
+        else:
+            src.values["checkpointing"] = "full"
+            src.read.append((k, f"--checkpointing full (the pipeline engine checkpoints every {n} layer(s)"
+                             + (": planned per layer, a group's recompute held at once is not" if n > 1 else "")
+                             + ")"))
+    return pp
+
+
+def _tensor_parallel(doc: Doc, data: dict[str, Any], src: Source, got, key, stage: int, pp: int) -> None:
+    """The TP degree the file states. `tensor_parallel.autotp_size` (DeepSpeed's AutoTP training,
+    >= 0.16.4; ZeRO 0-2) at pp 1 is planned as AutoTP (`--tp N`; the autotp TP scheme: decoder linears
+    split, no sequence parallelism). Beside pipeline stages, or spelled `tensor_parallel.tp_size`
+    (deepspeed.init_inference's key, which DeepSpeed's training config refuses), the degree is
+    planned as the tensor parallelism a DeepSpeed pipeline runs with: Megatron-DeepSpeed's (the
+    model axis of its PipeModelDataParallelTopology). `tensor_parallel.tp.tp_size` must match
+    autotp_size (DeepSpeed's engine raises otherwise)."""
     tp = data.get("tensor_parallel")
     if tp is None:
         return
@@ -226,28 +312,64 @@ def _tensor_parallel(doc: Doc, data: dict[str, Any], src: Source, got, key, stag
         raise doc.error(key("tensor_parallel"), tp, "a mapping with autotp_size")
     for k in flatten(tp):
         got("tensor_parallel", *k)  # read here: what is not planned is named below
-    size = tp.get("autotp_size")
-    if size is None or _is_auto(size):
+    sizes: dict[str, int] = {}
+    for name in ("autotp_size", "tp_size"):
+        v = tp.get(name)
+        if v is not None and not _is_auto(v):
+            sizes[name] = as_count(doc, key("tensor_parallel", name), v, zero=True)
+    inner = tp.get("tp")
+    inner_size = inner.get("tp_size") if isinstance(inner, dict) else None
+    if inner_size is not None and not _is_auto(inner_size):
+        inner_size = as_count(doc, key("tensor_parallel", "tp", "tp_size"), inner_size, zero=True)
+        if inner_size not in (1, sizes.get("autotp_size", inner_size)):
+            raise doc.error(key("tensor_parallel", "tp", "tp_size"), inner_size,
+                            f"1 or {sizes['autotp_size']}, the tensor_parallel.autotp_size (DeepSpeed's engine raises "
+                            "\"tensor_parallel.tp.tp_size ... does not match tensor_parallel.autotp_size\")")
+    if len(set(sizes.values())) > 1:
+        raise doc.error(key("tensor_parallel", "tp_size"), sizes["tp_size"],
+                        f"{sizes['autotp_size']}, the tensor_parallel.autotp_size of the same file (one TP degree)")
+    if not sizes:
         src.ignored.append((dotted(key("tensor_parallel")), "no autotp_size: AutoTP training is off"))
         return
-    size = as_count(doc, key("tensor_parallel", "autotp_size"), size, zero=True)
+    name, size = next(iter(sizes.items()))
+    k = dotted(key("tensor_parallel", name))
     if size <= 1:
-        src.read.append((dotted(key("tensor_parallel", "autotp_size")), f"{size}: no tensor parallelism"))
+        src.read.append((k, f"{size}: no tensor parallelism"))
         return
-    if stage == 3:
+    if name == "autotp_size" and stage == 3 and pp == 1:
         raise doc.error(key("tensor_parallel", "autotp_size"), size,
                         "ZeRO stage 0, 1 or 2 with autotp_size (DeepSpeed's AutoTP training does not run under ZeRO-3)")
     src.values["tp"] = size
-    src.read.append((dotted(key("tensor_parallel", "autotp_size")), f"--tp {size} (DeepSpeed's AutoTP: the decoder "
-                     "linears split, embedding, lm_head and norms whole, no sequence parallelism)"))
-    if tp.get("vocab_parallel_lm_head") is not False:
+    if pp > 1:
+        src.read.append((k, f"--tp {size} (beside pipeline stages: Megatron-DeepSpeed's tensor parallelism, "
+                         "sequence parallel, vocabulary-parallel; the model axis of DeepSpeed's "
+                         "PipeModelDataParallelTopology)"))
+    elif name == "tp_size":
+        src.read.append((k, f"--tp {size} (Megatron-DeepSpeed's tensor parallelism: its --tensor-model-parallel-size)"))
+    else:
+        src.read.append((k, f"--tp {size} (DeepSpeed's AutoTP: the decoder linears split, embedding, lm_head and "
+                         "norms whole, no sequence parallelism)"))
+    if name == "tp_size":
+        src.notes.append(f"{k}: deepspeed.init_inference's key; DeepSpeed's training config refuses it (its "
+                         "TPTrainingConfig allows no other key: write tensor_parallel.autotp_size for DeepSpeed's "
+                         f"own TP, or pass --tensor-model-parallel-size {size} to Megatron-DeepSpeed); planned as "
+                         f"tp {size}, as the file states it")
+    elif pp == 1 and tp.get("vocab_parallel_lm_head") is not False:
         src.notes.append(f"{dotted(key('tensor_parallel'))}: lm_head planned whole on every TP rank (as with "
                          "vocab_parallel_lm_head: false, what shardwise train writes); DeepSpeed may shard a tied "
                          "lm_head over the vocabulary when the key is left out")
     for k in tp:
-        if k not in ("autotp_size", "vocab_parallel_lm_head"):
+        if k not in ("autotp_size", "tp_size", "vocab_parallel_lm_head", "tp"):
             src.ignored.append((dotted(key("tensor_parallel", k)), "AutoTP's layer specs are planned as the "
                                 "standard q/k/v, gate/up column-wise and o/down row-wise split"))
+    if isinstance(inner, dict):
+        for k in inner:
+            if k == "tp_size":
+                src.read.append((dotted(key("tensor_parallel", "tp", k)), "checked: 1 or autotp_size (DeepSpeed sets "
+                                 "it to autotp_size; no change to the plan)"))
+            else:
+                src.ignored.append((dotted(key("tensor_parallel", "tp", k)), "DeepSpeed's TP group settings: not "
+                                    "planned"))
 
 
 def _batch(doc: Doc, flat, src: Source, ctx: Context, got, key, under: str) -> None:
@@ -272,28 +394,40 @@ def _batch(doc: Doc, flat, src: Source, ctx: Context, got, key, under: str) -> N
             src.read.append((dotted(key("train_batch_size")), f"\"auto\": micro-batch × accumulation × GPUs ({under})"))
         return
     total = as_count(doc, key("train_batch_size"), total)
-    gpus = ctx.value("gpus", src)
+    gpus, ranks = batch_ranks(ctx, src)
     mb, acc = ctx.value("micro_batch", src), ctx.value("grad_accum", src)
     if "micro_batch" in vals and "grad_accum" not in vals and "grad_accum" not in ctx.given:
         acc, rem = divmod(total, mb * gpus)
         if rem or acc < 1:
             raise doc.error(key("train_batch_size"), total, f"a multiple of train_micro_batch_size_per_gpu {mb} × "
-                            f"{gpus} GPUs (DeepSpeed derives gradient_accumulation_steps from it)")
+                            f"{ranks} (DeepSpeed derives gradient_accumulation_steps from it)")
         src.values["grad_accum"] = acc
-        src.read.append((dotted(key("train_batch_size")), f"--grad-accum {acc} (= {total} / ({mb} × {gpus} GPUs))"))
+        src.read.append((dotted(key("train_batch_size")), f"--grad-accum {acc} (= {total} / ({mb} × {ranks}))"))
         return
     if "grad_accum" in vals and "micro_batch" not in vals and "micro_batch" not in ctx.given:
         mb, rem = divmod(total, acc * gpus)
         if rem or mb < 1:
-            raise doc.error(key("train_batch_size"), total, f"a multiple of gradient_accumulation_steps {acc} × {gpus} GPUs")
+            raise doc.error(key("train_batch_size"), total, f"a multiple of gradient_accumulation_steps {acc} × {ranks}")
         src.values["micro_batch"] = mb
-        src.read.append((dotted(key("train_batch_size")), f"--micro-batch {mb} (= {total} / ({acc} × {gpus} GPUs))"))
+        src.read.append((dotted(key("train_batch_size")), f"--micro-batch {mb} (= {total} / ({acc} × {ranks}))"))
         return
     if mb * acc * gpus != total:
-        raise doc.error(key("train_batch_size"), total, f"micro-batch {mb} × accumulation {acc} × {gpus} GPUs = "
+        raise doc.error(key("train_batch_size"), total, f"micro-batch {mb} × accumulation {acc} × {ranks} = "
                         f"{mb * acc * gpus} (DeepSpeed asserts train_batch_size = micro × accumulation × "
                         "data-parallel ranks); fix the file or --gpus")
-    src.read.append((dotted(key("train_batch_size")), f"checked: {mb} × {acc} × {gpus} GPUs"))
+    src.read.append((dotted(key("train_batch_size")), f"checked: {mb} × {acc} × {ranks}"))
+
+
+def batch_ranks(ctx: Context, src: Source) -> tuple[int, str]:
+    """The ranks DeepSpeed counts in `train_batch_size`, and how to say them: every GPU without
+    pipeline stages (AutoTP's ranks too: DeepSpeedConfig without an mpu takes the default group);
+    with them the data-parallel degree, GPUs / (pp × tp) (the pipeline grid's, as PipelineEngine
+    asserts it)."""
+    gpus = ctx.value("gpus", src)
+    pp, tp = ctx.value("pp", src) or 1, ctx.value("tp", src) or 1
+    if pp == 1:
+        return gpus, f"{gpus} GPUs"
+    return gpus // (pp * tp), f"{gpus // (pp * tp)} data-parallel ranks ({gpus} GPUs / (pp {pp} × tp {tp}))"
 
 
 def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
@@ -363,8 +497,15 @@ def zero_keys(s: Setting, flat: dict, ctx: Context, src: Source, where: str = ""
         if flat.get((file_key,)) is not None and not _is_auto(flat[(file_key,)]):
             out[where + file_key] = value
     if flat.get(("train_batch_size",)) is not None and not _is_auto(flat[("train_batch_size",)]):
-        out[where + "train_batch_size"] = s.micro_batch * s.grad_accum * ctx.value("gpus", src)
+        out[where + "train_batch_size"] = s.micro_batch * s.grad_accum * batch_ranks(ctx, src)[0]
     return out
+
+
+def pipeline_keys(s: Setting) -> dict[str, Any]:
+    """A pipeline's checkpointing: DeepSpeed's pipeline engine checkpoints every
+    `activation_checkpoint_interval` layers (0: the module's own setting; HF Trainer, whose
+    gradient_checkpointing the other configs use, does not run a PipelineModule)."""
+    return {"pipeline.activation_checkpoint_interval": 0 if s.checkpointing == "none" else 1}
 
 
 def trainer_keys(s: Setting, flat: dict) -> dict[str, Any]:

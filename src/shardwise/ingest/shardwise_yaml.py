@@ -75,6 +75,10 @@ def read(doc: Doc, ctx: Context) -> Source:
         v["ce_chunk"] = t.ce_chunk
     if s.tp > 1:  # FSDP2 x TP (DTensor) or ZeRO-1/2 x AutoTP, planned as the trainer runs it
         v["tp"] = s.tp
+    if s.pp > 1:  # FSDP2 stages under the schedule the trainer runs (run_spec refused any it does not)
+        v |= {"pp": s.pp, "pp_schedule": s.pp_schedule}
+        if s.pp_virtual_stages > 1:
+            v["pp_virtual_stages"] = s.pp_virtual_stages
     for sec, knobs, cls in (("ds", s.ds, DeepSpeedKnobs), ("fsdp", s.fsdp, FSDPKnobs), ("ddp", s.ddp, DDPKnobs)):
         default = cls()
         src.knobs[sec] = {k: x for k, x in knobs.model_dump().items() if x != getattr(default, k)}

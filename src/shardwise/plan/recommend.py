@@ -1,14 +1,17 @@
-"""The recommender: sweep strategies × micro-batch × checkpointing × TP/PP, drop what does not
-fit, rank by tokens/s per GPU, prefer the simpler strategy on near-ties, explain in numbers.
+"""The recommender: sweep strategies × micro-batch × checkpointing × TP/PP (and the pipeline
+schedule), drop what does not fit, rank by tokens/s per GPU, prefer the simpler strategy on
+near-ties, explain in numbers.
 
 Only configurations that `shardwise train` and `plan --emit` run exactly are ranked
-(`runnable`: a data-parallel strategy at pp 1 with no or full activation checkpointing, at tp 1
-or with TP on a family the trainer's TP plan covers: FSDP2 without offload through DTensor with
-sequence parallelism (shardwise.train.model.tensor_parallel), ZeRO-1/2 without offload through
-DeepSpeed's AutoTP; each planned as its own TP scheme, specs.strategy.TP_SCHEMES). The others
-are plan-only: when one would be faster (or is the only thing that
-fits) it is named as an `Alternative`, with the tool that runs it and the numbers. A user who
-pins `--tp`/`--pp` above 1 gets the best of those layouts, marked plan-only.
+(`runnable`: no or full activation checkpointing; at tp 1 or with TP on a family the trainer's
+TP plan covers: FSDP2 without offload through DTensor with sequence parallelism
+(shardwise.train.model.tensor_parallel), ZeRO-1/2 without offload through DeepSpeed's AutoTP,
+each planned as its own TP scheme, specs.strategy.TP_SCHEMES; at pp 1 or with FSDP2 stages
+without offload where the model, the run and the schedule allow it,
+specs.pipeline.trainer_pp_gap). The others are plan-only: when one would be faster (or is the
+only thing that fits) it is named as an `Alternative`, with the tool that runs it and the
+numbers. A user who pins a strategy or a `--tp`/`--pp` layout the trainer does not run gets the
+best of those, marked plan-only, and the best runnable configuration at that layout beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from shardwise.plan.planner import check_margin
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 from shardwise.specs.hardware import GIB
 from shardwise.specs.layout import trainer_tp_gap
+from shardwise.specs.pipeline import schedule_refusal, stage_engine_refusal, trainer_pp_gap
 
 NEAR_TIE = 0.03  # within 3% tokens/s, the simpler strategy wins
 TRAINER = "shardwise train"
@@ -62,7 +66,10 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
         if train.lora_rank:
             gaps.append(f"LoRA with tensor parallelism (tp {strategy.tp})")
     if strategy.pp > 1:
-        gaps.append(f"pipeline parallelism (pp {strategy.pp})")
+        if stage_engine_refusal(strategy):  # DeepSpeed, DDP, offload, another TP: the trainer runs FSDP2 stages
+            gaps.append(f"pipeline parallelism (pp {strategy.pp}) with {strategy.name}")
+        elif why := trainer_pp_gap(model, strategy, train):
+            gaps.append(f"pipeline parallelism (pp {strategy.pp}) for this run: {why}")
     if train.checkpointing not in TRAINER_CHECKPOINTING:
         gaps.append(f"{train.checkpointing} activation checkpointing")
     if train.base_quant == "nf4" and (strategy.shards_params or strategy.offload_params):
@@ -120,7 +127,7 @@ class Alternative:
         e = self.evaluation
         lay = e.memory.layout
         return {
-            "strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp,
+            "strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(e), "dp": lay.dp,
             "micro_batch": e.train.micro_batch, "grad_accum": e.train.grad_accum,
             "checkpointing": e.train.checkpointing, "tool": self.tool, "needs": list(self.gaps),
             "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "memory_total": e.memory.gpu.total,
@@ -137,6 +144,9 @@ class Recommendation:
     reason: str
     # plan-only configurations (other tools) that would be faster, best first, one per tool
     alternatives: tuple[Alternative, ...] = field(default=())
+    # where `best` is plan-only (a pinned strategy or layout): the best runnable configuration at
+    # its tp and pp (`runnable_equivalent`)
+    equivalent: Evaluation | None = None
 
     @property
     def runnable(self) -> bool:
@@ -153,13 +163,28 @@ class Recommendation:
         b = self.best
         return {
             "strategy": b.strategy.name, "tp": b.memory.layout.tp, "pp": b.memory.layout.pp,
-            "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
+            **schedule_of(b), "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
             "checkpointing": b.train.checkpointing, "precision": b.train.precision, "optimizer": b.train.optimizer,
             "optimizer_in_backward": b.train.optimizer_in_backward, "activation_offload": b.train.activation_offload,
             "runnable": self.runnable, "tool": self.tool, "needs": trainer_gaps(b.strategy, b.train, b.model, b.memory.engine_strategy),
             "tokens_per_s_per_gpu": b.time.tokens_per_s_per_gpu, "memory_total": b.memory.gpu.total,
             "memory_required": b.memory.gpu.required,
+            "runnable_equivalent": None if self.equivalent is None else equivalent_dict(self.equivalent),
         }  # fmt: skip
+
+
+def schedule_of(e: Evaluation) -> dict:
+    """The pipeline schedule of a configuration, as `--json` names it (at pp 1 too: 1f1b, 1)."""
+    return {"pp_schedule": e.strategy.pp_schedule, "pp_virtual_stages": e.strategy.pp_virtual_stages}
+
+
+def equivalent_dict(e: Evaluation) -> dict:
+    """`recommended_setting.runnable_equivalent`: what shardwise train runs at a plan-only layout."""
+    lay = e.memory.layout
+    return {"strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(e), "dp": lay.dp,
+            "micro_batch": e.train.micro_batch, "grad_accum": e.train.grad_accum,
+            "checkpointing": e.train.checkpointing, "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu,
+            "memory_total": e.memory.gpu.total, "memory_required": e.memory.gpu.required}
 
 
 class NothingFits(ShardwiseError):
@@ -172,41 +197,62 @@ class NothingFits(ShardwiseError):
 
 def _complexity(e: Evaluation) -> tuple:
     lay = e.memory.layout
-    return (lay.tp * lay.pp, e.strategy.facts.simplicity, e.train.checkpointing != "none")
+    return (lay.tp * lay.pp, e.strategy.pp_virtual_stages, e.strategy.facts.simplicity,
+            e.train.checkpointing != "none")
+
+
+# The schedules the sweep tries for PP rows when none is pinned (StrategyKnobs.pp_schedule):
+# 1F1B, and for FSDP2 stages (torch.distributed.pipelining's schedules, what the trainer runs)
+# interleaved 1F1B over 2 stages a rank where that schedule runs the candidate's micro-batches.
+SWEPT_SCHEDULES = ({"pp_schedule": "1f1b"}, {"pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2})
+
+
+def _schedules(name: str, knobs: StrategyKnobs | None, pp: int, grad_accum: int, num_layers: int) -> list[dict]:
+    """The schedule fields of the sweep's candidates of strategy `name` at `pp` (at pp 1, or
+    pinned by `knobs`: the one `Strategy.with_knobs` applies)."""
+    if pp == 1 or (knobs is not None and knobs.pp_schedule is not None):
+        return [{}]
+    facts = STRATEGIES.get(name.strip().lower())
+    interleaved = facts is not None and facts.engine == "fsdp2"
+    return [s for s in SWEPT_SCHEDULES if s["pp_schedule"] != "interleaved-1f1b" or (
+        interleaved and not schedule_refusal(pp, s["pp_schedule"], s["pp_virtual_stages"], grad_accum, num_layers))]
 
 
 def sweep(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, strategies=None,
           micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
           tps=None, pps=None, margin: float | None = None, knobs: StrategyKnobs | None = None,
-          accounting: str = "engine") -> list[Evaluation]:
+          accounting: str = "engine", base_layout: tuple[int, int] = (1, 1)) -> list[Evaluation]:
     """Every combination; the global batch (micro-batch × accumulation × dp) of `base` is kept
-    where it divides, so that candidates train the same thing. `accounting` (`plan
-    --accounting`) decides the model states, so what fits and the recommendation's memory.
-    With the optimizer step in backward (no accumulation) the micro-batch is the global batch's
-    share of each data-parallel rank."""
+    where it divides, so that candidates train the same thing: `base_layout` is the (tp, pp)
+    `base`'s micro-batch and accumulation are given at (the table's, a file's), whose
+    data-parallel degree makes the global batch. `accounting` (`plan --accounting`) decides the
+    model states, so what fits and the recommendation's memory. With the optimizer step in
+    backward (no accumulation) the micro-batch is the global batch's share of each data-parallel
+    rank."""
     margin = check_margin(margin)
     tps = tps or tuple(t for t in (1, 2, 4, 8) if t <= hw.gpus_per_node)
     pps = pps or tuple(p for p in (1, 2, 4) if p <= model.num_layers and hw.world_size % p == 0)
     out = []
-    global_samples = base.micro_batch * base.grad_accum * hw.world_size  # of the pure-DP base
+    global_samples = base.micro_batch * base.grad_accum * max(1, hw.world_size // (base_layout[0] * base_layout[1]))
     seen_mb: dict[tuple, set[int]] = {}
     for name, mb, ck, tp, pp in itertools.product(strategies or STRATEGY_NAMES, micro_batches,
                                                   checkpointing, tps, pps):
-        try:
-            s = Strategy.with_knobs(name, knobs, tp=tp, pp=pp)
-            dp = hw.world_size // (tp * pp)
-            if base.optimizer_in_backward:  # one micro-batch per step: the micro-batch is the rank's share
-                mb = global_samples // dp if dp and global_samples % dp == 0 else 0
-                if mb < 1 or mb in seen_mb.setdefault((name, ck, tp, pp), set()):
-                    continue
-                seen_mb[(name, ck, tp, pp)].add(mb)
-            ga = global_samples // (mb * dp) if dp and global_samples % (mb * dp) == 0 else 0
-            if ga < 1:
+        dp = hw.world_size // (tp * pp)
+        if base.optimizer_in_backward:  # one micro-batch per step: the micro-batch is the rank's share
+            mb = global_samples // dp if dp and global_samples % dp == 0 else 0
+            if mb < 1 or mb in seen_mb.setdefault((name, ck, tp, pp), set()):
                 continue
-            train = base.model_copy(update={"micro_batch": mb, "grad_accum": ga, "checkpointing": ck})
-            out.append(evaluate(model, hw, train, s, accounting=accounting, margin=margin))
-        except ShardwiseError:
-            continue  # layout impossible for this model/hardware: not a candidate
+            seen_mb[(name, ck, tp, pp)].add(mb)
+        ga = global_samples // (mb * dp) if dp and global_samples % (mb * dp) == 0 else 0
+        if ga < 1:
+            continue
+        train = base.model_copy(update={"micro_batch": mb, "grad_accum": ga, "checkpointing": ck})
+        for schedule in _schedules(name, knobs, pp, ga, model.num_layers):
+            try:
+                s = Strategy.with_knobs(name, knobs, tp=tp, pp=pp, **schedule)
+                out.append(evaluate(model, hw, train, s, accounting=accounting, margin=margin))
+            except ShardwiseError:
+                continue  # layout impossible for this model/hardware: not a candidate
     return out
 
 
@@ -242,12 +288,30 @@ def recommend(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, *, savers: bo
     runner = max(rivals, key=lambda e: e.time.tokens_per_s_per_gpu) if rivals else None
     alts = _alternatives(best, others)
     reason = explain_choice(model, hw, best, runner, eligible)
+    equivalent = None
     if not ours:
-        reason += (f" Plan-only: shardwise train and --emit run data parallelism, and tensor parallelism with "
-                   f"FSDP2 (pp 1, no or full checkpointing); {_describe(best)} needs "
-                   f"{' and '.join(trainer_gaps(best.strategy, best.train, model))}: "
+        reason += (f" Plan-only: shardwise train and --emit run data parallelism, tensor parallelism with FSDP2 "
+                   f"or ZeRO-1/2 and pipeline parallelism with FSDP2 (no or full checkpointing); {_describe(best)} "
+                   f"needs {' and '.join(trainer_gaps(best.strategy, best.train, model))}: "
                    f"run it with {tool_for(best.strategy, best.train, model)}.")
-    return Recommendation(best, runner, len(eligible), len(fitting), reason, alts)
+        equivalent = runnable_equivalent(model, hw, base, best, **kw)
+        if equivalent is not None:
+            t = equivalent.time.tokens_per_s_per_gpu
+            reason += (f" shardwise train runs the same layout as {_describe(equivalent)}: {rate(t)} tokens/s per "
+                       f"GPU ({t / best.time.tokens_per_s_per_gpu - 1:+.0%}), "
+                       f"{equivalent.memory.gpu.total / GIB:.1f} GiB per GPU.")
+    return Recommendation(best, runner, len(eligible), len(fitting), reason, alts, equivalent)
+
+
+def runnable_equivalent(model: ModelSpec, hw: HardwareSpec, base: TrainSpec, e: Evaluation,
+                        **kw) -> Evaluation | None:
+    """The best fitting configuration `shardwise train` runs at the layout of the plan-only `e`
+    (its tp and pp), over every strategy (`sweep`'s other keywords kept): what to run instead of a
+    DeepSpeed or DDP pipeline, or of another tool's TP. None where none fits."""
+    lay = e.memory.layout
+    kw = kw | {"strategies": None, "tps": (lay.tp,), "pps": (lay.pp,)}
+    fitting = [x for x in sweep(model, hw, base, **kw) if x.fits and runnable(x)]
+    return _rank(fitting) if fitting else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,8 +430,9 @@ def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Al
 
 
 def _describe(e: Evaluation) -> str:
-    lay = e.memory.layout
-    extra = (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" pp{lay.pp}" if lay.pp > 1 else "")
+    lay, s = e.memory.layout, e.strategy
+    schedule = s.pp_schedule + (f"×{s.pp_virtual_stages}" if s.pp_virtual_stages > 1 else "")
+    extra = (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" pp{lay.pp} {schedule}" if lay.pp > 1 else "")
     return (f"{e.strategy.name}{extra} (micro-batch {e.train.micro_batch} × accum {e.train.grad_accum}, "
             f"checkpointing {e.train.checkpointing})")
 

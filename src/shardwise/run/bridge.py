@@ -306,9 +306,9 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 
     if not strategy.trainable:
         raise ShardwiseError(
-            f"the trainer runs data parallelism, and tensor parallelism (pp 1, no offload) with FSDP2 through "
-            f"DTensor or with ZeRO-1/2 through DeepSpeed's AutoTP; {strategy.name} has tp {strategy.tp}, pp "
-            f"{strategy.pp}, TP scheme {strategy.tp_scheme.name}")
+            f"the trainer runs data parallelism, pipeline parallelism with FSDP2 (no offload), and tensor "
+            f"parallelism (no offload) with FSDP2 through DTensor or with ZeRO-1/2 through DeepSpeed's AutoTP; "
+            f"{strategy.name} has tp {strategy.tp}, pp {strategy.pp}, TP scheme {strategy.tp_scheme.name}")
     train = train.for_engine(strategy.engine)
     notes: list[str] = []
     precision = train.precision
@@ -414,11 +414,14 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     """`cfg` as the YAML mapping `load_config` reads back to an equal TrainConfig: every field,
-    except unset engine knobs (None = the trainer's default) and data.sft fields at their default."""
+    except unset engine knobs (None = the trainer's default), data.sft fields at their default, and
+    strategy.tp / pp at 1 (with pp 1, the pipeline schedule at its default too)."""
     raw = cfg.model_dump(mode="json", exclude={"source"})
     raw["strategy"] = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
                        for k, v in raw["strategy"].items()}
-    at_default = {"tp": 1, "pp": 1, "pp_schedule": "1f1b", "pp_virtual_stages": 1}
+    at_default = {"tp": 1, "pp": 1}
+    if cfg.strategy.pp == 1:  # a pipeline's schedule is written out: it says what its stages run
+        at_default |= {"pp_schedule": "1f1b", "pp_virtual_stages": 1}
     raw["strategy"] = {k: v for k, v in raw["strategy"].items()
                        if v not in ({}, None) and not (k in at_default and v == at_default[k])}
     raw["data"]["sft"] = cfg.data.sft.model_dump(mode="json", exclude_defaults=True)

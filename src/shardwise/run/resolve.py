@@ -72,41 +72,20 @@ def packed_attention(choice: str, *, data_kind: str, device: str, attention: str
     return "flex" if device == "cuda" and family not in NO_FLEX else "sdpa_varlen"
 
 
-# The families whose decoder forward a pipeline stage reuses (shardwise.train.model.pipeline:
-# transformers' <Family>Model.forward over the stage's layers, `inputs_embeds` between stages).
-TRAINER_PP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-
-
 def check_pipeline(run: Any) -> None:
     """Refuse, before any rank starts, what the trainer's pipeline (strategy.pp > 1,
-    shardwise.train.engines.pipeline) does not run."""
+    shardwise.train.engines.pipeline) does not run: the rule is shardwise.specs.pipeline's
+    `trainer_pp_gap`, which the recommender asks too."""
+    from shardwise.specs.pipeline import stage_engine_refusal, trainer_pp_gap
+
     pp = run.layout.pp
     if pp == 1:
         return
-    cfg, m, s = run.config, run.model, run.strategy
-    where = f"{cfg.source}: strategy.pp {pp}"
-    if s.engine != "fsdp2" or s.offload_params or s.offload_optimizer:
-        why = ("DeepSpeed's pipeline engine needs the model rewritten as its PipelineModule of LayerSpecs and saves "
-               "pickled checkpoints (docs/architecture.md, \"Pipeline parallelism\")" if s.engine == "deepspeed" else
-               "offloading to the host is not built under pipeline stages" if s.engine == "fsdp2" else
-               "DDP replicates the whole model; the stages' data-parallel ranks are FSDP2's")
-        raise ShardwiseError(f"{where} with strategy {s.name!r}: pipeline stages run with FSDP2 inside each stage "
-                             f"(strategy fsdp, fsdp-grad-op or fsdp-hybrid): {why}")
-    if m.family not in TRAINER_PP_FAMILIES:
-        raise ShardwiseError(f"{where}: the trainer's pipeline stages run transformers' decoder forward of families "
-                             f"{', '.join(TRAINER_PP_FAMILIES)}, not {m.family!r}; set strategy.pp: 1")
-    if m.tie_embeddings:
-        raise ShardwiseError(f"{where}: {m.name} ties lm_head to the input embedding, and the two sit on the first "
-                             "and the last stage; set strategy.pp: 1 (or untie them: tie_word_embeddings false)")
-    if run.train.compute_dtype == "fp16":
-        raise ShardwiseError(f"{where}: fp16-mixed under pipeline stages is not supported (each stage's loss "
-                             "scaler would decide its own skips); use precision bf16-mixed")
-    if run.train.activation_offload:
-        raise ShardwiseError(f"{where}: checkpointing.offload under pipeline stages is not built (its hooks are "
-                             "opened per engine call, and a schedule interleaves the micro-batches); set it false")
-    if cfg.optimizer.name != "adamw":
-        raise ShardwiseError(f"{where}: optimizer.name {cfg.optimizer.name!r} under pipeline stages is not verified "
-                             "by shardwise's parity tests; use adamw")
+    s = run.strategy
+    why = trainer_pp_gap(run.model, s, run.train)
+    if why:
+        named = f" with strategy {s.name!r}" if stage_engine_refusal(s) else ""
+        raise ShardwiseError(f"{run.config.source}: strategy.pp {pp}{named}: {why}")
 
 
 def check_tensor_parallel(run: Any) -> None:

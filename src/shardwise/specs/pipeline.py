@@ -12,8 +12,14 @@ micro-batches.
 
 from __future__ import annotations
 
-from shardwise.config.strategy import PP_SCHEDULES
+from typing import Any
+
+from shardwise.config.strategy import virtual_refusal
 from shardwise.errors import ShardwiseError
+
+# The families whose decoder forward a pipeline stage reuses (shardwise.train.model.pipeline:
+# transformers' <Family>Model.forward over the stage's layers, `inputs_embeds` between stages).
+TRAINER_PP_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -44,13 +50,9 @@ def schedule_refusal(pp: int, schedule: str, virtual: int, micro_batches: int, n
         if virtual != 1:
             return f"pp_virtual_stages {virtual} needs pipeline parallelism (pp > 1)"
         return None
-    if schedule not in PP_SCHEDULES:
-        return f"pp_schedule {schedule!r}: expected one of {', '.join(PP_SCHEDULES)}"
-    if virtual > 1 and schedule != "interleaved-1f1b":
-        return (f"pp_virtual_stages {virtual} with pp_schedule {schedule!r}: virtual stages (several stages per "
-                "rank) are interleaved 1F1B's")
-    if schedule == "interleaved-1f1b" and virtual < 2:
-        return "pp_schedule 'interleaved-1f1b' runs at least 2 stages per rank: set pp_virtual_stages ≥ 2"
+    why = virtual_refusal(schedule, virtual)
+    if why:
+        return why
     if pp * virtual > num_layers:
         return (f"pp {pp} × pp_virtual_stages {virtual} = {pp * virtual} stages need a decoder layer each; the "
                 f"model has {num_layers}")
@@ -62,3 +64,56 @@ def schedule_refusal(pp: int, schedule: str, virtual: int, micro_batches: int, n
         return (f"interleaved 1F1B runs the micro-batches in rounds of about pp (torch's ScheduleInterleaved1F1B: "
                 f"{rounds} rounds); grad_accum {micro_batches} must be a multiple of {rounds}")
     return None
+
+
+def stage_engine_refusal(strategy: Any) -> str | None:
+    """Why the trainer's pipeline stages do not run `strategy` (a shardwise.specs.Strategy) at its
+    pp, or None where they do (and at pp 1): FSDP2 inside each stage without offload, TP inside a
+    stage DTensor's (FSDP2 × TP × PP on one mesh). `Strategy.trainable` and `trainer_pp_gap` ask here."""
+    if strategy.pp == 1:
+        return None
+    where = "pipeline stages run with FSDP2 inside each stage (strategy fsdp, fsdp-grad-op or fsdp-hybrid)"
+    if strategy.engine == "deepspeed":
+        return (f"{where}: DeepSpeed's pipeline engine needs the model rewritten as its PipelineModule of LayerSpecs "
+                "and saves pickled checkpoints (docs/architecture.md, \"Pipeline parallelism\")")
+    if strategy.engine != "fsdp2":
+        return f"{where}: DDP replicates the whole model; the stages' data-parallel ranks are FSDP2's"
+    if strategy.offload_params or strategy.offload_optimizer:
+        return f"{where}: offloading to the host is not built under pipeline stages"
+    if strategy.tp > 1 and strategy.tp_scheme.name != "dtensor":
+        return (f"tensor parallelism inside a pipeline stage is DTensor's (tp_impl dtensor), not "
+                f"{strategy.tp_scheme.name}'s")
+    return None
+
+
+def trainer_pp_gap(model: Any, strategy: Any, train: Any) -> str | None:
+    """Why `shardwise train` does not run `strategy` at its pp for this model and run (None: it
+    does, and at pp 1): the strategy itself (`stage_engine_refusal`), the model's family and tied
+    embeddings, the run's precision, activation offloading and optimizer, and the schedule's needs
+    (`schedule_refusal`: the run's grad_accum micro-batches). `model` (a ModelSpec) None: the
+    strategy and the run only. The run bridge's check (shardwise.run.resolve.check_pipeline) and
+    the recommender (shardwise.plan.recommend.trainer_gaps) both ask here."""
+    if strategy.pp == 1:
+        return None
+    why = stage_engine_refusal(strategy)
+    if why:
+        return why
+    if model is not None:
+        if model.family not in TRAINER_PP_FAMILIES:
+            return (f"the trainer's pipeline stages run transformers' decoder forward of families "
+                    f"{', '.join(TRAINER_PP_FAMILIES)}, not {model.family!r}")
+        if model.tie_embeddings:
+            return (f"{model.name} ties lm_head to the input embedding, and the two sit on the first and the last "
+                    "stage (untie them: tie_word_embeddings false)")
+    if train.compute_dtype == "fp16":
+        return ("fp16-mixed under pipeline stages is not supported (each stage's loss scaler would decide its own "
+                "skips); use precision bf16-mixed")
+    if train.activation_offload:
+        return ("activation offloading (checkpointing.offload) under pipeline stages is not built (its hooks are "
+                "opened per engine call, and a schedule interleaves the micro-batches)")
+    if train.optimizer != "adamw":
+        return (f"optimizer {train.optimizer!r} under pipeline stages is not verified by shardwise's parity tests; "
+                "use adamw")
+    # without a model, only the micro-batches are checked: as many layers as stages
+    layers = model.num_layers if model is not None else strategy.pp * strategy.pp_virtual_stages
+    return schedule_refusal(strategy.pp, strategy.pp_schedule, strategy.pp_virtual_stages, train.grad_accum, layers)

@@ -23,9 +23,11 @@ from shardwise.config.strategy import (
     Resharding,
     StrategyFacts,
     StrategyKnobs,
+    virtual_refusal,
 )
 from shardwise.errors import ShardwiseError, did_you_mean
 from shardwise.specs.layout import ParallelLayout
+from shardwise.specs.pipeline import stage_engine_refusal
 
 # How the TP dimension splits the model (`TPScheme`): "auto" takes the engine's own (`Strategy.tp_scheme`).
 TPImpl = Literal["auto", "dtensor", "megatron", "autotp"]
@@ -91,10 +93,8 @@ class Strategy(Spec):
             raise ShardwiseError(
                 f"strategy {self.name!r} cannot run with pipeline parallelism (pp {self.pp}): DeepSpeed's "
                 "pipeline engine supports ZeRO stage 0 and 1 only")
-        if self.pp > 1 and (self.pp_virtual_stages > 1) != (self.pp_schedule == "interleaved-1f1b"):
-            raise ShardwiseError(
-                f"pp_schedule {self.pp_schedule!r} with pp_virtual_stages {self.pp_virtual_stages}: interleaved-1f1b "
-                "runs 2 or more stages per pipeline rank, gpipe and 1f1b one")
+        if self.pp > 1 and (why := virtual_refusal(self.pp_schedule, self.pp_virtual_stages)):
+            raise ShardwiseError(why)
         if self.pp == 1 and self.pp_virtual_stages > 1:
             raise ShardwiseError(f"pp_virtual_stages {self.pp_virtual_stages} needs pipeline parallelism (pp > 1)")
         if self.shard_group is not None and self.fsdp_sharding != "hybrid":
@@ -120,16 +120,19 @@ class Strategy(Spec):
 
     @classmethod
     def with_knobs(cls, name: str, knobs: StrategyKnobs | None = None, **overrides) -> Strategy:
-        """`name` with the engine knobs of `knobs` (the shard group only where it applies)."""
+        """`name` with the engine knobs of `knobs` (the shard group and the pipeline schedule only
+        where they apply); `overrides` win."""
         k = knobs or StrategyKnobs()
         facts = STRATEGIES.get(name.strip().lower())  # an unknown name fails in from_name, with choices
         extra = {"shard_group": k.shard_group} if facts and facts.fsdp_sharding == "hybrid" and k.shard_group else {}
+        if overrides.get("pp", 1) > 1:  # the schedule applies to pipeline stages only
+            extra |= {f: getattr(k, f) for f in ("pp_schedule", "pp_virtual_stages") if getattr(k, f) is not None}
         if facts and facts.engine != "fsdp2" and k.tp_impl != "auto":
             extra["tp_impl"] = k.tp_impl
         fsdp = k.fsdp
         if facts and facts.fsdp_sharding == "grad-op":  # its resharding is its definition, not a knob
             fsdp = FSDPKnobs(**k.fsdp.model_dump(exclude_unset=True, exclude={"reshard_after_forward"}))
-        return cls.from_name(name, ds=k.ds, fsdp=fsdp, ddp=k.ddp, **extra, **overrides)
+        return cls.from_name(name, ds=k.ds, fsdp=fsdp, ddp=k.ddp, **(extra | overrides))
 
     @property
     def facts(self) -> StrategyFacts:
@@ -245,11 +248,14 @@ class Strategy(Spec):
 
     @property
     def trainable(self) -> bool:
-        """`shardwise train` runs it: its data-parallel engines without PP; TP with FSDP2 without
-        offload (DTensor, shardwise.train.model.tensor_parallel) or with ZeRO-1/2 without offload
-        (DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section), as its own scheme."""
+        """`shardwise train` runs it: its data-parallel engines; TP with FSDP2 without offload
+        (DTensor, shardwise.train.model.tensor_parallel) or with ZeRO-1/2 without offload
+        (DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section), as its own scheme; PP with
+        FSDP2 without offload, DTensor's TP inside the stages (`specs.pipeline.stage_engine_refusal`).
+        What the model and the run decide on top (families, tied embeddings, the schedule's
+        micro-batches) is `specs.pipeline.trainer_pp_gap`'s and `specs.layout.trainer_tp_gap`'s."""
         offload = self.offload_params or self.offload_optimizer
         tp_ok = self.tp == 1 or (not offload and (
             (self.engine == "fsdp2" and self.tp_scheme.name == "dtensor")
             or (self.zero_stage in (1, 2) and self.tp_scheme.name == "autotp")))
-        return self.facts.trainer and tp_ok and self.pp == 1
+        return self.facts.trainer and tp_ok and stage_engine_refusal(self) is None
