@@ -10,7 +10,7 @@ weights: tests/train/test_tp_parity.py's docstring), clipping at 1.0, on gloo:
 - pp 2 on 2 ranks with each schedule: 1F1B (Llama), GPipe (Qwen2), interleaved 1F1B with 2
   virtual stages per rank (Llama);
 - pp 2 × dp 2 (FSDP2 inside each stage, Qwen2) and pp 2 × tp 2 (DTensor TP inside each stage,
-  Llama) on 4 ranks; dp 2 × tp 2 × pp 2 (Qwen2) on 8 ranks;
+  Llama; with the chunked loss and with the standard one under loss_parallel) on 4 ranks; dp 2 × tp 2 × pp 2 (Qwen2) on 8 ranks;
 - LoRA (rank 4, every decoder linear) and full activation checkpointing at pp 2; the validation
   split evaluated at steps 4 and 8.
 Against one process (DDP on 1 rank): loss curves and final weights within 1e-5 relative. Measured
@@ -43,6 +43,7 @@ F = "sft:eps1e-5"
 LLAMA_REF = f"pp-llama:ddp:4:{F}:eval:save4"
 QWEN_REF = f"pp-qwen2:ddp:4:{F}"
 LORA_REF = f"pp-llama:ddp:4:{F}:eval:lora"
+STD_REF = f"pp-llama:ddp:4:{F}:eval:std"  # the standard loss (logits, then cross-entropy)
 ONE_F1B = f"pp-llama:fsdp:4:pp2:{F}:eval:save4"  # 1F1B, the default schedule
 GPIPE = f"pp-qwen2:fsdp:4:pp2:{F}:gpipe"
 INTERLEAVED = f"pp-llama:fsdp:4:pp2:{F}:eval:interleaved2"
@@ -50,6 +51,7 @@ LORA = f"pp-llama:fsdp:4:pp2:{F}:eval:lora"
 CKPT = f"pp-llama:fsdp:4:pp2:{F}:eval:ckpt"  # activation checkpointing of every decoder layer
 PP_DP = f"pp-qwen2:fsdp:4:pp2:{F}:save4"
 PP_TP = f"pp-llama:fsdp:4:pp2:tp2:{F}:eval"
+PP_TP_STD = f"pp-llama:fsdp:4:pp2:tp2:{F}:eval:std"  # vocabulary-parallel logits under loss_parallel
 THREE_D = f"pp-qwen2:fsdp:4:pp2:tp2:{F}"
 
 
@@ -65,10 +67,10 @@ TO_FSDP = f"pp-qwen2:fsdp:2:{F}:from={_dir(PP_DP)}@4"  # pp 2 × dp 2 -> FSDP2 o
 TO_PP4 = f"pp-qwen2:fsdp:4:pp4:{F}:from={_dir(PP_DP)}@4"  # pp 2 × dp 2 -> pp 4 (a layer per stage)
 
 LAUNCHES = [
-    ([LLAMA_REF, QWEN_REF, LORA_REF], 1, 240),
+    ([LLAMA_REF, QWEN_REF, LORA_REF, STD_REF], 1, 240),
     ([ONE_F1B, GPIPE, INTERLEAVED, LORA, CKPT, SAME, FROM_ONE], 2, 300),
     ([TO_ONE], 1, 120),
-    ([PP_DP, PP_TP, TO_ZERO3, TO_FSDP, TO_PP4], 4, 480),
+    ([PP_DP, PP_TP, PP_TP_STD, TO_ZERO3, TO_FSDP, TO_PP4], 4, 480),
     ([THREE_D], 8, 300),
 ]
 
@@ -95,6 +97,7 @@ def _weights_close(got: dict, ref: dict) -> None:
     (INTERLEAVED, LLAMA_REF, dict(pp=2, dp_shard=1, tp=1)),
     (PP_DP, QWEN_REF, dict(pp=2, dp_shard=2, tp=1)),
     (PP_TP, LLAMA_REF, dict(pp=2, dp_shard=1, tp=2)),
+    (PP_TP_STD, STD_REF, dict(pp=2, dp_shard=1, tp=2)),
     (THREE_D, QWEN_REF, dict(pp=2, dp_shard=2, tp=2)),
     (LORA, LORA_REF, dict(pp=2, dp_shard=1, tp=1)),
     (CKPT, LLAMA_REF, dict(pp=2, dp_shard=1, tp=1)),

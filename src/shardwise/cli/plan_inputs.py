@@ -283,7 +283,8 @@ def emit_plan(m, hw, train, rec, *, rec_error, out_dir, name, tp, pp, knobs, mar
         what = f"--emit: the recommended {describe(chosen)}"
         drop = "drop --tp/--pp for a recommendation it can run"
         if rec.equivalent is not None:
-            drop += f" (at this layout it runs {describe(rec.equivalent)})"
+            drop += (f" (at this layout it runs {describe(rec.equivalent)}: add -s {rec.equivalent.strategy.name} to "
+                     "emit that)")
     s = chosen.strategy
     if not s.trainable:
         raise ShardwiseError(

@@ -74,6 +74,17 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
     return model
 
 
+def loss_parallel_if_needed(run: RunSpec):
+    """TP with the standard loss: the logits stay a vocabulary shard (Shard(-1)); torch's
+    loss_parallel computes F.cross_entropy on it, forward and backward inside the context.
+    (The chunked loss is vocab-parallel itself: shardwise.train.model.loss.)"""
+    if run.layout.tp > 1 and run.train.cross_entropy == "standard":
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 def _whole(loss: torch.Tensor) -> torch.Tensor:
     """loss_parallel's loss is a replicated DTensor: its (equal) local value."""
     return loss.to_local() if isinstance(loss, DTensor) else loss
@@ -111,14 +122,7 @@ class FSDP2Engine(TorchOptimizerEngine):
         return None
 
     def _loss_parallel(self):
-        # TP with the standard loss: the logits stay a vocabulary shard (Shard(-1)); torch's
-        # loss_parallel computes F.cross_entropy on it, forward and backward inside the context.
-        # (The chunked loss is vocab-parallel itself: shardwise.train.model.loss.)
-        if self.run.layout.tp > 1 and self.run.train.cross_entropy == "standard":
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return loss_parallel_if_needed(self.run)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_scale: float) -> torch.Tensor:
         self._reshard_after_eval()

@@ -41,7 +41,7 @@ from shardwise.train.engines._torch_common import (
     build_adamw,
 )
 from shardwise.train.engines.base import DistEnv, model_inputs, token_loss_sum
-from shardwise.train.engines.fsdp import shard_model
+from shardwise.train.engines.fsdp import _whole, loss_parallel_if_needed, shard_model
 from shardwise.train.engines.mesh import build_mesh
 from shardwise.train.model.hf import decoder_layers
 from shardwise.train.model.pipeline import split
@@ -103,7 +103,7 @@ class PipelineEngine(TorchOptimizerEngine):
         """torch's loss_fn on the last stage: the micro-batch's fp32 loss sum (kept for the record)
         times the loop's loss scale."""
         total = output if self.run.train.cross_entropy == "chunked" else token_loss_sum(output, labels)
-        self._sums.append(total.detach())
+        self._sums.append(_whole(total).detach())
         return total * self._scale
 
     def forward_backward_step(self, micro: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
@@ -129,7 +129,8 @@ class PipelineEngine(TorchOptimizerEngine):
         for stage in self.stages:
             stage.has_backward = True
             stage.clear_runtime_states()
-        sched._step_microbatches(args, kwargs, targets, None, False)
+        with loss_parallel_if_needed(self.run):  # TP's standard loss on the logits' vocabulary shards
+            sched._step_microbatches(args, kwargs, targets, None, False)
         if not self._sums:
             return torch.zeros((), dtype=torch.float64, device=device)
         # the last len(micro): at the first step the stages' shape inference calls the loss too
@@ -154,7 +155,7 @@ class PipelineEngine(TorchOptimizerEngine):
         for p in self.parts:
             p.train(False)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), loss_parallel_if_needed(self.run):
                 for s in range(self.num_stages):
                     if s not in self.local:
                         continue
@@ -164,7 +165,7 @@ class PipelineEngine(TorchOptimizerEngine):
                     if s < self.num_stages - 1:
                         self._send(y, s + 1)
                     elif part.loss_chunk is None:
-                        out = token_loss_sum(y, labels)
+                        out = _whole(token_loss_sum(y, labels))
                     else:
                         out = y.float()
         finally:
