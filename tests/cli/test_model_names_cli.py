@@ -18,9 +18,12 @@ from tests.specs.test_model_names import AUTO_MAP, TINY, fake_hub_cache
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def shardwise(args: list[str], cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": str(ROOT / "src")}
+def shardwise(args: list[str], cache: Path, *, home: bool = False) -> subprocess.CompletedProcess:
+    """The CLI with the Hugging Face cache at `cache`: HF_HUB_CACHE names it, or (`home`)
+    HF_HOME names its parent (the cache is HF_HOME/hub)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_HOME", "HUGGINGFACE_HUB_CACHE")}
+    env |= {"HF_HOME": str(cache.parent)} if home else {"HF_HUB_CACHE": str(cache)}
+    env |= {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], capture_output=True, text=True,
                           timeout=120, check=False, cwd=ROOT, env=env)
 
@@ -35,12 +38,14 @@ def test_a_catalog_models_hub_id_plans_without_another_flag(hub_id, key, params,
     assert got["recommended"]
 
 
-def test_an_id_outside_the_catalog_plans_from_the_hugging_face_cache(tmp_path):
-    path = fake_hub_cache(tmp_path, "acme/tiny-chat", TINY)
-    r = shardwise(["plan", "--model", "acme/tiny-chat", "--gpus", "2", "--json"], tmp_path)
+@pytest.mark.parametrize("home", [False, True], ids=["HF_HUB_CACHE", "HF_HOME"])
+def test_an_id_outside_the_catalog_plans_from_the_hugging_face_cache(home, tmp_path):
+    cache = tmp_path / "hub"
+    path = fake_hub_cache(cache, "acme/tiny-chat", TINY)
+    r = shardwise(["plan", "--model", "acme/tiny-chat", "--gpus", "2", "--json"], cache, home=home)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)["model"]
-    r = shardwise(["plan", "--model-config", str(path), "--gpus", "2", "--json"], tmp_path)
+    r = shardwise(["plan", "--model-config", str(path), "--gpus", "2", "--json"], cache)
     assert got["name"] == "acme/tiny-chat" and got["params"] == json.loads(r.stdout)["model"]["params"]
 
 

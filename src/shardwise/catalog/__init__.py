@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 
@@ -197,8 +198,6 @@ def find_model(name: str, *, trust_remote_code: bool = False,
 def _similar_key(hub_id: str) -> str | None:
     """A catalog key named like a Hugging Face id's model (`unsloth/Llama-3.2-3B-Instruct` ->
     llama-3.2-3b), offered as a hint only: a fine-tune or re-upload may have another shape."""
-    import re
-
     n = hub_id.rstrip("/").split("/")[-1].lower()
     n = re.sub(r"^meta-", "", n)
     for _ in range(2):
