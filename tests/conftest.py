@@ -7,7 +7,8 @@ free and none depends on this one's disk (the output-space check of a planned ll
 space check asks for more (`disk_free(PLENTY)`); the tests of the space check set their own value.
 Host memory is faked the same way (`SUITE_HOST_BYTES` MemAvailable, as the preflight's host-memory
 check reads /proc/meminfo). Subprocesses (the CLI tests) see the real disk and memory: they train tiny models, whose needs
-tests/test_disk_free.py checks against the same 20 GiB.
+tests/test_disk_free.py checks against the same 20 GiB. No test reaches the Hugging Face Hub:
+HF_HUB_OFFLINE=1 in every test's environment (and so its subprocesses').
 """
 
 from __future__ import annotations
@@ -71,3 +72,11 @@ def _suite_host_memory(host_memory):
 def _suite_free_disk(disk_free):
     """Every test runs as on a machine with SUITE_FREE_BYTES free (see the module docstring)."""
     disk_free(SUITE_FREE_BYTES)
+
+
+@pytest.fixture(autouse=True)
+def _hub_offline(monkeypatch):
+    """No test reaches the Hugging Face Hub (none can here): a model id outside the catalog is
+    looked up in the Hugging Face cache only (shardwise.specs.hf_hub). The tests of the download
+    path unset this and stand a fake `hf_hub_download` in."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -107,7 +107,7 @@ def test_params_and_model_config(tmp_path):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--model", "llama-3-8b"], "llama-3.1-8b"),
+        (["--model", "llama-3.1-7b"], "unknown model 'llama-3.1-7b'"),
         (["--gpu", "a100"], "a100-80g"),
         (["--interconnect", "infiniband"], "ib-200"),
         (["--strategy", "zero4"], "zero3"),

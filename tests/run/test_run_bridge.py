@@ -323,3 +323,21 @@ def test_plan_flags_set_the_engine_knobs_and_emit_carries_them(tmp_path):
     filled = ["model.path=", "data.sft.train_files=[train.jsonl]"]  # its placeholders, as a user fills them
     ds = run_spec(load_config(out / "shardwise.yaml", filled), 8, "cuda", environ={}).strategy.ds
     assert (ds.param_persistence_threshold, ds.prefetch_bucket_size, ds.communication_data_type) == (0, 12345, "fp32")
+
+
+def test_model_name_may_be_a_hugging_face_id_of_a_catalog_model():
+    """model.name as users write it (`Qwen/Qwen3-0.6B`, an id the catalog entry lists): the run is
+    that entry's, as its key gives it, preflight's model check passes, and the trainer builds it
+    from the entry's config (random init; on the meta device here: no memory)."""
+    torch = pytest.importorskip("torch")
+    from shardwise.train.model.build import build_model, check_model_source
+
+    by_id = TrainConfig.model_validate({"model": {"name": "Qwen/Qwen3-0.6B"}})
+    run = run_spec(by_id, 2, "cpu", environ={})
+    assert run.model == run_spec(TrainConfig.model_validate({"model": {"name": "qwen3-0.6b"}}), 2, "cpu",
+                                 environ={}).model
+    assert run.model.name == "qwen3-0.6b"
+    check_model_source(by_id.model)
+    with torch.device("meta"):
+        model = build_model(run)
+    assert sum({id(p): p.numel() for p in model.parameters()}.values()) == run.model.params

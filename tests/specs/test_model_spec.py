@@ -70,6 +70,39 @@ def test_published_sizes_sanity():
     near("olmo-2-7b", 7.30e9)
     near("deepseek-v3", 671e9, 37e9)  # "671B total, 37B activated" (without the 14B MTP module)
     near("mpt-7b", 6.7e9)  # "6.7B parameters"
+    # The entries named by Hugging Face ids: the model card's size, else the size its Hub page
+    # shows (from the safetensors) where the card says only "8B" or "14B".
+    near("llama-3-8b", 8.03e9)
+    near("llama-3-70b", 70.6e9)
+    near("llama-3.2-1b", 1.23e9)  # "1B (1.23B)"
+    near("llama-3.2-3b", 3.21e9)  # "3B (3.21B)"
+    near("llama-3.3-70b", 70.6e9)
+    near("mistral-7b-v0.3", 7.25e9)
+    near("zephyr-7b", 7.24e9)
+    near("mixtral-8x22b", 141e9, 39e9)  # "141B parameters, 39B active"
+    near("mixtral-8x22b-instruct", 141e9, 39e9)
+    near("qwen2.5-1.5b", 1.54e9)  # "Number of Parameters: 1.54B"
+    near("qwen2.5-3b", 3.09e9)
+    near("qwen2.5-32b", 32.5e9)
+    near("qwen3-0.6b", 0.6e9)  # "0.6B"
+    near("qwen3-1.7b", 1.7e9, tol=0.02)  # "1.7B" (1.72B counted)
+    near("qwen3-4b", 4.0e9)
+    near("qwen3-14b", 14.8e9)
+    near("qwen3-32b", 32.8e9)
+    near("qwen3-30b-a3b-2507", 30.5e9, 3.3e9)  # "30.5B in total, 3.3B activated"
+    near("qwen3-235b-a22b", 235e9, 22e9)  # "235B in total, 22B activated"
+    near("gemma-2-2b", 2.61e9)
+    near("gemma-2-27b", 27.2e9)
+    near("gemma-3-1b", 1.0e9)
+    near("gemma-3-4b", 4.30e9 - 0.42e9)  # 4.3B with the vision tower, text only here (as gemma-3-12b)
+    near("gemma-3-27b", 27.4e9 - 0.42e9)
+    near("phi-3.5-mini", 3.82e9)  # "3.8B"
+    near("phi-4", 14.7e9)
+    near("olmo-2-13b", 13.7e9)
+    near("olmo-2-32b", 32.2e9)
+    near("smollm2-135m", 135e6)
+    near("smollm2-360m", 360e6)
+    near("smollm2-1.7b", 1.7e9)
 
 
 def test_hf_config_roundtrip(tmp_path):

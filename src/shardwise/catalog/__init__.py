@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import yaml
 
 from shardwise.config.fields import check_count, check_number
 from shardwise.errors import ShardwiseError, did_you_mean
+from shardwise.specs import hf_hub
 from shardwise.specs.hardware import GB, GPUSpec, HardwareSpec, LinkSpec
 from shardwise.specs.memory_model import MemoryModel
 from shardwise.specs.model import ModelSpec
@@ -123,10 +125,84 @@ def _entry(table: dict[str, dict], name: str, kind: str) -> tuple[str, dict]:
     return key, table[key]
 
 
+_MODEL_KEYS = frozenset({"shape", "hf", "source"})
+
+
 @cache
+def _hub_ids() -> dict[str, str]:
+    """Lower-cased Hugging Face id -> catalog key (models.yaml `hf:`); an entry with a key it
+    does not know, or an id listed under two entries, is refused by name."""
+    out: dict[str, str] = {}
+    for key, entry in _models().items():
+        unknown = sorted(set(entry) - _MODEL_KEYS)
+        if unknown or "shape" not in entry:
+            raise ShardwiseError(f"catalog/models.yaml {key}: keys {unknown or 'without shape'}: expected shape "
+                                 "(the ModelSpec fields), hf (its Hugging Face ids) and source")
+        for hub_id in entry.get("hf", ()):
+            other = out.setdefault(hub_id.lower(), key)
+            if other != key:
+                raise ShardwiseError(f"catalog/models.yaml: {hub_id!r} is listed under {other} and {key}")
+    return out
+
+
+def model_key(name: str) -> str | None:
+    """The catalog key a model name means: a key (`qwen3-4b`) or a Hugging Face id an entry
+    lists (`Qwen/Qwen3-4B`), either without regard to case; None for any other name."""
+    name = name.strip().lower()
+    return name if name in _models() else _hub_ids().get(name)
+
+
+def model_hub_ids(key: str) -> list[str]:
+    """The Hugging Face ids catalog entry `key` lists (models.yaml `hf:`)."""
+    return list(_models()[key].get("hf", ()))
+
+
+@cache
+def _catalog_model(key: str) -> ModelSpec:
+    _hub_ids()  # every entry's keys checked, once
+    return ModelSpec(name=key, **_models()[key]["shape"])
+
+
 def get_model(name: str) -> ModelSpec:
-    key, m = _entry(_models(), name, "model")
-    return ModelSpec(name=key, **m)
+    """The ModelSpec a model name means (find_model, without remote code)."""
+    return find_model(name)[0]
+
+
+def find_model(name: str, *, trust_remote_code: bool = False,
+               opt_in: str | None = None) -> tuple[ModelSpec, Path | None]:
+    """The one resolution of a model name (`plan --model`, `explain`, a `plan --from` file's
+    model id, the trainer's `model.name`): its ModelSpec, and the config.json it was read from
+    (None for a catalog entry).
+
+    1. the bundled catalog: an entry's key or one of the Hugging Face ids it lists;
+    2. any other Hugging Face id (ORG/NAME): its config.json from the local Hugging Face cache,
+       else downloaded from the Hub unless HF_HUB_OFFLINE is set (shardwise.specs.hf_hub: the
+       config.json only; one that ships its own code, `auto_map`, is refused unless
+       `trust_remote_code`; `opt_in` says how this caller's user asks for that).
+
+    Any other name is refused listing the catalog's keys, closest first."""
+    key = model_key(name)
+    if key is not None:
+        return _catalog_model(key), None
+    name = name.strip()
+    if hf_hub.is_hub_id(name):
+        try:
+            return hf_hub.spec_from_hub(name, trust_remote_code=trust_remote_code, opt_in=opt_in)
+        except ShardwiseError as e:
+            hint = _similar_key(name)
+            raise ShardwiseError(f"{e}{f' (the catalog has {hint!r}: --model {hint})' if hint else ''}") from None
+    raise ShardwiseError(f"unknown model {name!r}: expected a catalog model or a Hugging Face id (ORG/NAME). "
+                         f"{did_you_mean(name.lower(), model_names())}")
+
+
+def _similar_key(hub_id: str) -> str | None:
+    """A catalog key named like a Hugging Face id's model (`unsloth/Llama-3.2-3B-Instruct` ->
+    llama-3.2-3b), offered as a hint only: a fine-tune or re-upload may have another shape."""
+    n = hub_id.rstrip("/").split("/")[-1].lower()
+    n = re.sub(r"^meta-", "", n)
+    for _ in range(2):
+        n = re.sub(r"-(hf|instruct|chat|base|it|pt)$", "", n)
+    return n if n in _models() else None
 
 
 @cache

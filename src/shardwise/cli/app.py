@@ -71,7 +71,7 @@ def plan(
                                           "it override the file."),
     set_: list[str] | None = typer.Option(None, "--set", help="With a shardwise YAML: KEY=VALUE override, the "
                                           "trainer's syntax (repeatable)."),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model name."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model or Hugging Face id (ORG/NAME)."),
     model_config: Path | None = typer.Option(None, "--model-config", help="Local HF config.json (overrides --model)."),
     params: float | None = typer.Option(None, "--params", help="Parameter count, e.g. 7e9 (Llama shape; overrides --model)."),
     gpu: str = typer.Option("a100-80g", "--gpu", help="GPU preset."),
@@ -235,7 +235,7 @@ def plan(
 
 @app.command()
 def explain(
-    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model name."),
+    model: str = typer.Option(DEFAULT_MODEL, "--model", "-m", help="Catalog model or Hugging Face id (ORG/NAME)."),
     model_config: Path | None = typer.Option(None, "--model-config", help="Local HF config.json."),
     params: float | None = typer.Option(None, "--params", help="Parameter count (Llama shape)."),
     gpu: str = typer.Option("a100-80g", "--gpu"),

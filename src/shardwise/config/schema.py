@@ -31,7 +31,8 @@ PRECISION_WHY = (
 
 
 class ModelSection(_Section):
-    name: str | None = Field("tiny-llama", description="catalog model built from its config with random init")
+    name: str | None = Field("tiny-llama", description="catalog model or Hugging Face id, built from its config "
+                             "with random init")
     path: NonBlank | None = Field(None, description="local HF directory (config.json + weights); overrides name")
     random_init: bool = Field(False, description="with `path`: build from its config.json, ignore weights")
     trust_remote_code: bool = Field(False, description="allow code shipped with the checkpoint to run")

@@ -39,9 +39,9 @@ def read(doc: Doc, ctx: Context) -> Source:
     hub_model(doc, ("base_model",), d.get("base_model"), src, ctx)  # first: "auto" buckets need its hidden size
     seen = read_trainer_args(doc, {**d, "fsdp_config": fsdp_cfg}, src, ctx, batch_key="micro_batch_size",
                              ckpt_key="gradient_checkpointing")
-    seen |= {"base_model", "sequence_len", "adapter", "lora_r", "lora_target_modules", "lora_target_linear",
-             "load_in_4bit", "sample_packing", "fsdp_version", "fsdp_config", "fsdp", "lora_modules_to_save",
-             "plugins", "liger_fused_linear_cross_entropy"}
+    seen |= {"base_model", "trust_remote_code", "sequence_len", "adapter", "lora_r", "lora_target_modules",
+             "lora_target_linear", "load_in_4bit", "sample_packing", "fsdp_version", "fsdp_config", "fsdp",
+             "lora_modules_to_save", "plugins", "liger_fused_linear_cross_entropy"}
     if "sequence_len" in d:
         src.values["seq_len"] = as_count(doc, ("sequence_len",), d["sequence_len"])
         src.read.append(("sequence_len", f"--seq-len {src.values['seq_len']}"))

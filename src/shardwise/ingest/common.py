@@ -263,12 +263,22 @@ class Context:
 
 def hub_model(doc: Doc, key: tuple, value: Any, src: Source, ctx: Context) -> None:
     """A model named as the tools name it (`model_name_or_path`, `base_model`): a local directory
-    with config.json is read; a Hub id is matched to the catalog (Llama-2-7b-hf -> llama-2-7b);
-    otherwise --model / --model-config must say which model it is."""
+    with config.json is read; any other name resolves as `--model` does
+    (shardwise.catalog.find_model: the catalog by its key or a Hugging Face id it lists, else the
+    id's config.json from the Hugging Face cache or, online, the Hub). The file's own
+    `trust_remote_code: true` (LLaMA-Factory's and axolotl's key) lets a Hub config.json that
+    ships its own code (`auto_map`) be planned as transformers' own class for its model_type;
+    that plan names the file read (--model-config), since no flag of plan trusts code."""
     from shardwise import catalog
+    from shardwise.specs.hf_config import read_config_json
 
     if not isinstance(value, str) or not value.strip():
         raise doc.error(key, value, "a model id or a local directory")
+    trust = as_bool(doc, ("trust_remote_code",), doc.data.get("trust_remote_code", False))
+    if "trust_remote_code" in doc.data:
+        src.read.append(("trust_remote_code", "lets a Hugging Face config.json with auto_map be planned as "
+                         "transformers' own class (shardwise runs no checkpoint code)" if trust else
+                         "no change to memory or time"))
     if any(k in ctx.given for k in ("model", "model_config", "params")):
         src.read.append((dotted(key), f"{value} (overridden by the --model/--model-config/--params given)"))
         return
@@ -277,24 +287,21 @@ def hub_model(doc: Doc, key: tuple, value: Any, src: Source, ctx: Context) -> No
         src.values["model_config"] = local
         src.read.append((dotted(key), f"--model-config {local}"))
         return
-    name = catalog_name(value)
-    if name in catalog.model_names():
+    name = value.strip()
+    try:
+        spec, path = catalog.find_model(name, trust_remote_code=trust, opt_in=(
+            f"set trust_remote_code: true in {doc.path.name} to plan transformers' own class for it, or "
+            "pass --model-config DIR/config.json"))
+    except ShardwiseError as e:
+        raise ShardwiseError(f"{doc.where(*key)}: {dotted(key)} = {value!r}: {e}") from None
+    if path is None:
+        src.values["model"] = spec.name
+        src.read.append((dotted(key), f"--model {spec.name}" + ("" if spec.name == name.lower() else
+                                                                 f" (the catalog entry listing {name})")))
+    elif read_config_json(path)[0].get("auto_map"):  # trusted by this file: plan has no flag for it
+        src.values["model_config"] = path
+        src.read.append((dotted(key), f"--model-config {path} (its Hugging Face config.json, which ships its own "
+                                      "code: planned as transformers' own class, trust_remote_code: true)"))
+    else:
         src.values["model"] = name
-        src.read.append((dotted(key), f"--model {name}"))
-        return
-    from shardwise.errors import did_you_mean
-
-    raise ShardwiseError(f"{doc.where(*key)}: {dotted(key)} = {value!r}: not a local directory with a config.json, "
-                         f"and no catalog model is named like it; pass --model NAME or --model-config "
-                         f"DIR/config.json. {did_you_mean(name, catalog.model_names())}")
-
-
-def catalog_name(hub_id: str) -> str:
-    """`meta-llama/Llama-2-7b-hf` -> `llama-2-7b`, `Qwen/Qwen2.5-7B-Instruct` -> `qwen2.5-7b`."""
-    import re
-
-    n = hub_id.rstrip("/").split("/")[-1].lower()
-    n = re.sub(r"^meta-", "", n)
-    n = re.sub(r"-(hf|instruct|chat|base|it)$", "", n)
-    n = re.sub(r"-(hf|instruct|chat|base|it)$", "", n)
-    return re.sub(r"-v\d+(\.\d+)*$", "", n)
+        src.read.append((dotted(key), f"--model {name} (its config.json: {path})"))

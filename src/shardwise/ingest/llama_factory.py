@@ -15,7 +15,7 @@ from shardwise.ingest.training_args import NO_EFFECT, read_trainer_args, rest
 
 LF_KEYS = {"stage", "finetuning_type", "cutoff_len", "template", "lora_target", "dataset"}
 LF_NO_EFFECT = NO_EFFECT | {"stage", "template", "dataset", "dataset_dir", "max_samples", "overwrite_cache",
-                            "preprocessing_num_workers", "trust_remote_code", "val_size", "lora_alpha",
+                            "preprocessing_num_workers", "val_size", "lora_alpha",
                             "lora_dropout", "quantization_method", "flash_attn", "eval_dataset", "image_max_pixels",
                             "video_max_pixels", "mix_strategy", "neat_packing", "tokenized_path", "report_to",
                             "do_predict", "predict_with_generate", "infer_backend", "quantization_type"}
@@ -31,8 +31,9 @@ def read(doc: Doc, ctx: Context) -> Source:
     # the model first: a DeepSpeed JSON's "auto" buckets are derived from its hidden size
     hub_model(doc, ("model_name_or_path",), d.get("model_name_or_path"), src, ctx)
     seen = read_trainer_args(doc, d, src, ctx, ckpt_key=None)
-    seen |= {"model_name_or_path", "cutoff_len", "finetuning_type", "lora_rank", "lora_target", "quantization_bit",
-             "disable_gradient_checkpointing", "additional_target", "packing", "enable_liger_kernel", "pure_bf16"}
+    seen |= {"model_name_or_path", "trust_remote_code", "cutoff_len", "finetuning_type", "lora_rank", "lora_target",
+             "quantization_bit", "disable_gradient_checkpointing", "additional_target", "packing",
+             "enable_liger_kernel", "pure_bf16"}
     src.values["seq_len"] = as_count(doc, ("cutoff_len",), d.get("cutoff_len", 2048))
     src.read.append(("cutoff_len", f"--seq-len {src.values['seq_len']}" + ("" if "cutoff_len" in d else
                                                                           " (LLaMA-Factory's default 2048)")))

@@ -50,6 +50,8 @@ def read(doc: Doc, ctx: Context) -> Source:
     if "model_name_or_path" in doc.data:  # first: a DeepSpeed JSON's "auto" buckets need its hidden size
         hub_model(doc, ("model_name_or_path",), doc.data["model_name_or_path"], src, ctx)
     seen = read_trainer_args(doc, doc.data, src, ctx) | {"model_name_or_path"}
+    if "model_name_or_path" in doc.data:
+        seen.add("trust_remote_code")  # hub_model read it
     for k in ("max_length", "max_seq_length"):
         if k in doc.data and doc.data[k] is not None:
             seen.add(k)

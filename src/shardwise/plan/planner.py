@@ -1,6 +1,7 @@
 """Build specs from user-facing names and plan a set of strategies (pure, no I/O but reading
-a user's config.json). Every number a user gives is checked here or in
-`catalog.build_hardware` before any planning, with the flag named in the message."""
+a user's config.json, itself or through the catalog's lookup of a Hugging Face id). Every number
+a user gives is checked here or in `catalog.build_hardware` before any planning, with the flag
+named in the message."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def check_params(params: float) -> float:
 
 def resolve_model(model: str | None = None, model_config: str | Path | None = None,
                   params: float | None = None) -> ModelSpec:
+    """The model of `--model-config` (a local config.json), else `--params` (the default shape),
+    else `--model` as shardwise.catalog.get_model resolves a name (default llama-2-7b)."""
     if model_config is not None:
         return ModelSpec.from_hf_config(model_config)
     if params is not None:

@@ -75,7 +75,9 @@ def seq_len(cfg: TrainConfig) -> int:
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
-    """The planner's ModelSpec of the configured model: catalog name or the local config.json."""
+    """The planner's ModelSpec of the configured model: `model.name` as shardwise.catalog.get_model
+    resolves a name (a catalog key or Hugging Face id; another id's config.json from the Hugging
+    Face cache or Hub), or `model.path`'s config.json."""
     if cfg.model.path is None:
         from shardwise.catalog import get_model
 
