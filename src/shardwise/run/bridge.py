@@ -418,7 +418,8 @@ def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     raw = cfg.model_dump(mode="json", exclude={"source"})
     raw["strategy"] = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
                        for k, v in raw["strategy"].items()}
-    at_default = {("tp", 1), ("pp", 1), ("pp_schedule", "1f1b"), ("pp_virtual_stages", 1)}
+    # a tuple, not a set: an engine knob's value is a dict, which a set lookup cannot hash
+    at_default = (("tp", 1), ("pp", 1), ("pp_schedule", "1f1b"), ("pp_virtual_stages", 1))
     raw["strategy"] = {k: v for k, v in raw["strategy"].items() if v not in ({}, None) and (k, v) not in at_default}
     raw["data"]["sft"] = cfg.data.sft.model_dump(mode="json", exclude_defaults=True)
     return raw
