@@ -37,7 +37,14 @@ from shardwise.plan.memory import offloaded_activations
 from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.plan.network import comm_time
 from shardwise.plan.optimizer import optimizer_bytes, paged_states
-from shardwise.plan.stage import replica_params, stage_layer_params, tp_train, vocab_shards
+from shardwise.plan.stage import (
+    busiest_layers,
+    fullest_rank,
+    rank_layer_params,
+    replica_params,
+    tp_train,
+    vocab_shards,
+)
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -105,8 +112,9 @@ def optimizer_time(shard: float, train: TrainSpec, strategy: Strategy, hw: Hardw
 
 def optimizer_shard(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout, psi: float) -> float:
     """Parameters whose optimizer state one GPU steps: the trainable ones (LoRA: the adapters) of
-    its replica, over the data-parallel shard where the strategy shards the optimizer."""
-    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else psi
+    its replica (the fullest pipeline rank's), over the data-parallel shard where the strategy
+    shards the optimizer."""
+    trainable = adapter_params(model, train, layout.tp, rank=fullest_rank(model, s, layout)) if train.lora_rank else psi
     return trainable / (layout.dp_shard if s.shards_optimizer else 1)
 
 
@@ -125,10 +133,11 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     ZeRO: gathers into new buffers, grads through the reduce bucket into the partition;
     DDP under autocast: the weights cast per forward and the fp32 grad accumulation."""
     c, k, n = train.compute_bytes, train.grad_accum, max(layout.dp_shard, 1)
-    layers = stage_layer_params(model, layout.pp) / layout.tp
+    rank = fullest_rank(model, s, layout)
+    layers = rank_layer_params(model, rank) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else c
-        gathered = psi + layers * fsdp_regather_share(model, s, layout)
+        gathered = psi + layers * fsdp_regather_share(s, rank)
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
@@ -177,7 +186,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     tp, pp, k = layout.tp, layout.pp, train.grad_accum
     vocab_tp = vocab_shards(s, tp)  # lm_head and the loss: whole on every TP rank under AutoTP
     tokens = train.micro_batch * train.seq_len
-    layers = -(-model.num_layers // pp)
+    layers = busiest_layers(model, s, layout)  # the pipeline rank with the most decoder layers
     # replayed in backward: full checkpointing replays the whole forward; torchtitan's per-op
     # selective policy keeps SDPA's output and every other matmul's, replaying the rest
     recompute = {"full": 1.0, "selective": 1.0, "none": 0.0}[train.checkpointing]
@@ -223,7 +232,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     mem += copies * (tm.fsdp2_copy_exposed if s.engine == "fsdp2" else 1.0)
     if train.base_quant == "nf4":  # QLoRA: each 4-bit weight is dequantised to c bytes in every pass
         passes_q = train.layer_passes
-        mem += k * passes_q * linear_weight_params(model, tp, pp) * (NF4_BYTES + c)
+        mem += k * passes_q * linear_weight_params(model, tp, pp, s.pp_virtual_stages if pp > 1 else 1) * (NF4_BYTES + c)
     memory_bound = mem / bytes_s
 
     shard = optimizer_shard(model, train, s, layout, psi)
@@ -329,7 +338,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     fwd = work * forward_share(train)
     bwd = work - fwd
     comm_s = comm_time(comm, hw, layout)
-    units = -(-model.num_layers // layout.pp) + 1  # one per decoder layer and the root's
+    # one per decoder layer and each stage's root group, on the pipeline rank with the most layers
+    units = busiest_layers(model, strategy, layout) + (strategy.pp_virtual_stages if layout.pp > 1 else 1)
     exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm, hw.timing, units))
     # TP all-reduces stay inside the node (TP ranks are packed on NVLink); PP sends cross
     # nodes when the stages do. Both sit on the critical path.
@@ -418,8 +428,8 @@ def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: Tr
         return 0.0
     per_node = min(layout.world_size, hw.gpus_per_node)
     pcie = comm.pcie / hw.pcie_bytes_per_s
-    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else replica_params(
-        model, s, layout)
+    trainable = adapter_params(model, train, layout.tp, rank=fullest_rank(model, s, layout)) if train.lora_rank \
+        else replica_params(model, s, layout)
     params_on_node = trainable / max(layout.dp_shard, 1) * per_node
     rate = hw.timing.host_adam_params_per_s if s.engine == "deepspeed" else hw.timing.host_torch_adam_params_per_s
     return pcie + params_on_node / rate

@@ -1,0 +1,168 @@
+"""Pipeline ranks and schedules as the trainer runs them (pure, no torch): what each pipeline rank
+holds, the order in which it runs its forwards and backwards, and what follows from that order —
+the saved activations a rank holds at its peak.
+
+**What a rank holds** is shardwise.specs.pipeline's split, the one the trainer cuts the model by:
+`pp × virtual` stages of consecutive decoder layers (lengths differing by at most one, the longer
+first), rank r running stages r, r + pp, …; the embedding sits with stage 0 (rank 0), the final
+norm and lm_head with the last stage (rank pp − 1).
+
+**The order** is torch 2.13's (torch/distributed/pipelining/schedules.py), rebuilt here from its
+rules without importing torch; m micro-batches (the run's grad_accum), p ranks, v stages each:
+
+- GPipe (`ScheduleGPipe._step_microbatches`): every micro-batch's forward, then every backward.
+- 1F1B (`Schedule1F1B._step_microbatches`): rank r first runs `warmup_chunks` = min(m, p − r)
+  forwards, then one backward and one forward at a time, then the remaining backwards.
+- Interleaved 1F1B (`ScheduleInterleaved1F1B._calculate_single_rank_operations`, its
+  `_get_warmup_ops` and `_get_1f1b_rank_ops`): the micro-batches run in rounds of
+  `microbatches_per_round` = m // max(1, m // p); rank r's warmup is (v − 1)·mpr + 2·(p − 1 − r)
+  forwards (at most v·m), the forward of step k on local stage (k // mpr) mod v, the backward of
+  step k on local stage v − 1 − ((k − warmup) // mpr) mod v; then one forward and one backward
+  per step, then the remaining backwards.
+
+The runtime executes a rank's actions in this order (the schedule's slots without an action are
+waits, not work), so the order alone fixes what a rank holds.
+
+**Activations in flight** (`in_flight_peak`): the peak, over a rank's order, of the saved bytes of
+every (stage, micro-batch) whose forward has run and whose backward has not. GPipe holds all m
+micro-batches at the end of forward; 1F1B holds min(m, p − r) on rank r (the first rank the most);
+interleaved 1F1B holds what its order says (pp 2, v 2, m 4: five stage-forwards on rank 0, three
+on rank 1).
+
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, NamedTuple
+
+from shardwise.errors import ShardwiseError
+from shardwise.specs.pipeline import rank_stages, stage_layers
+
+Kind = Literal["F", "B"]
+
+
+class Action(NamedTuple):
+    """One compute action of a rank: a forward ("F") or full backward ("B") of one micro-batch
+    through one stage."""
+
+    kind: Kind
+    stage: int
+    micro_batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineRank:
+    """One pipeline rank's share of the model: its stages (in order) and each stage's decoder
+    layers; whether it holds the embedding (stage 0) and the head (the last stage: final norm and
+    lm_head). At pp 1 the one rank holds everything."""
+
+    index: int
+    stages: tuple[int, ...]
+    stage_layers: tuple[tuple[int, ...], ...]
+    embedding: bool
+    head: bool
+    last_stage: int  # the pipeline's last stage (pp × virtual − 1)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Every decoder layer this rank holds, in order (the union of its stages')."""
+        return tuple(i for layers in self.stage_layers for i in layers)
+
+
+@lru_cache(maxsize=1024)
+def pipeline_ranks(num_layers: int, pp: int, virtual: int = 1) -> tuple[PipelineRank, ...]:
+    """Every pipeline rank's share, rank 0 first (specs.pipeline's split)."""
+    n = pp * virtual
+    ranges = stage_layers(num_layers, n)
+    out = []
+    for r in range(pp):
+        stages = tuple(rank_stages(r, pp, virtual))
+        out.append(PipelineRank(r, stages, tuple(tuple(ranges[s]) for s in stages), embedding=0 in stages,
+                                head=n - 1 in stages, last_stage=n - 1))
+    return tuple(out)
+
+
+def _interleaved(rank: int, pp: int, virtual: int, m: int) -> list[Action]:
+    """ScheduleInterleaved1F1B's compute actions of `rank`, in order (its slots without an action
+    left out). Torch refuses m that the rounds do not divide; so does this."""
+    rounds = max(1, m // pp)
+    if m % rounds:
+        raise ShardwiseError(f"interleaved 1F1B runs the micro-batches in {rounds} rounds (torch's "
+                             f"ScheduleInterleaved1F1B); grad_accum {m} must be a multiple of {rounds}")
+    per_round = m // rounds
+    ops = virtual * m
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), ops)
+
+    def forward_stage(step: int) -> int:
+        return (step // per_round) % virtual * pp + rank
+
+    def backward_stage(step: int) -> int:
+        return (virtual - 1 - ((step - warmup) // per_round) % virtual) * pp + rank
+
+    fwd: dict[int, int] = {}
+    bwd: dict[int, int] = {}
+    out: list[Action] = []
+
+    def add(kind: Kind, stage: int, seen: dict[int, int]) -> None:
+        out.append(Action(kind, stage, seen.get(stage, 0)))
+        seen[stage] = seen.get(stage, 0) + 1
+
+    for step in range(ops + warmup):  # warmup forwards, (forward, backward) pairs, cooldown backwards
+        if step < ops:
+            add("F", forward_stage(step), fwd)
+        if step >= warmup:
+            add("B", backward_stage(step), bwd)
+    return out
+
+
+@lru_cache(maxsize=4096)
+def rank_actions(schedule: str, pp: int, virtual: int, micro_batches: int, rank: int) -> tuple[Action, ...]:
+    """The compute actions pipeline rank `rank` runs in one step, in torch's order (module
+    docstring). pp 1: each micro-batch's forward then its backward."""
+    m = micro_batches
+    if pp == 1:
+        return tuple(a for i in range(m) for a in (Action("F", 0, i), Action("B", 0, i)))
+    if schedule == "gpipe":
+        return tuple([Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)])
+    if schedule == "1f1b":
+        warmup = min(m, pp - rank)
+        out = [Action("F", rank, i) for i in range(warmup)]
+        for i in range(m):
+            out.append(Action("B", rank, i))
+            if warmup + i < m:
+                out.append(Action("F", rank, warmup + i))
+        return tuple(out)
+    if schedule == "interleaved-1f1b":
+        return tuple(_interleaved(rank, pp, virtual, m))
+    raise ShardwiseError(f"pp_schedule {schedule!r}: expected gpipe, 1f1b or interleaved-1f1b")
+
+
+def in_flight_peak(actions: Sequence[Action], stage_bytes: Mapping[int, float],
+                   per_micro_batch: float = 0.0) -> float:
+    """The peak, over `actions` (one rank's order), of the bytes held for backward: each (stage,
+    micro-batch) whose forward has run and whose backward has not holds `stage_bytes[stage]`, and
+    each micro-batch with any such stage holds `per_micro_batch` once (what all its stages on the
+    rank share, e.g. a dense attention mask)."""
+    live = peak = 0.0
+    stages_of: dict[int, int] = {}
+    for a in actions:
+        if a.kind == "F":
+            live += stage_bytes[a.stage]
+            if not stages_of.get(a.micro_batch):
+                live += per_micro_batch
+            stages_of[a.micro_batch] = stages_of.get(a.micro_batch, 0) + 1
+            peak = max(peak, live)
+        else:
+            live -= stage_bytes[a.stage]
+            stages_of[a.micro_batch] -= 1
+            if not stages_of[a.micro_batch]:
+                live -= per_micro_batch
+    return peak
+
+
+def stage_in_flight(actions: Sequence[Action], stage: int) -> int:
+    """The most micro-batches of `stage` held at once in `actions` (forward run, backward not)."""
+    return round(in_flight_peak([a for a in actions if a.stage == stage], {stage: 1.0}))
