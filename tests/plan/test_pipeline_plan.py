@@ -1,5 +1,6 @@
-"""The planner's pipeline (plan.pipeline): the trainer's split, each rank's part of the model and
-the micro-batches each schedule keeps in flight, checked against what they are by construction."""
+"""The planner's pipeline (plan.pipeline): the trainer's split, each rank's part of the model, the
+micro-batches each schedule keeps in flight and the bubble, checked against what they are by
+construction and the closed forms of Narayanan et al. 2021 (arXiv:2104.04473, §2.2)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from shardwise.catalog import build_hardware, get_model
 from shardwise.plan.memory import plan_memory
-from shardwise.plan.pipeline import in_flight_peak, pipeline_ranks, rank_actions
+from shardwise.plan.pipeline import bubble_share, in_flight_peak, pipeline_ranks, rank_actions
 from shardwise.plan.stage import rank_params
 from shardwise.specs import ModelSpec, Strategy, TrainSpec
 from shardwise.specs.pipeline import rank_stages, stage_layers
@@ -61,6 +62,20 @@ def test_interleaved_order_is_torchs():
         assert got == text
     assert [in_flight_peak(rank_actions("interleaved-1f1b", 2, 2, 4, r), dict.fromkeys(range(4), 1.0))
             for r in range(2)] == [5, 3]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_equal_stages_bubble_is_narayanans(p, m):
+    """Equal stages, any backward/forward ratio: GPipe and 1F1B idle (p − 1)/(m + p − 1) of the
+    step, interleaved 1F1B (p − 1)/(v·m + p − 1) where its rounds divide m (§2.2.1-2.2.2)."""
+    for ratio in (1.0, 2.0, 3.0):
+        for schedule in ("gpipe", "1f1b"):
+            assert bubble_share(schedule, p, 1, m, (1.0,) * p, ratio) == pytest.approx((p - 1) / (m + p - 1))
+        if m >= p and m % p == 0:
+            for v in (2, 3):
+                got = bubble_share("interleaved-1f1b", p, v, m, (1.0,) * (p * v), ratio)
+                assert got == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_interleaved_refuses_micro_batches_its_rounds_do_not_divide():

@@ -1,6 +1,6 @@
 """Pipeline ranks and schedules as the trainer runs them (pure, no torch): what each pipeline rank
 holds, the order in which it runs its forwards and backwards, and what follows from that order —
-the saved activations a rank holds at its peak.
+the saved activations a rank holds at its peak and the share of the step the ranks sit idle.
 
 **What a rank holds** is shardwise.specs.pipeline's split, the one the trainer cuts the model by:
 `pp × virtual` stages of consecutive decoder layers (lengths differing by at most one, the longer
@@ -29,6 +29,14 @@ micro-batches at the end of forward; 1F1B holds min(m, p − r) on rank r (the f
 interleaved 1F1B holds what its order says (pp 2, v 2, m 4: five stage-forwards on rank 0, three
 on rank 1).
 
+**The bubble** (`pipeline_idle`): each rank's order run with each action starting when its rank is
+free and its input is ready (a forward after the previous stage's forward of that micro-batch, a
+backward after the next stage's backward), forwards taking a stage's layers' share of the time and
+backwards `backward_ratio` times that, communication free. For equal stages this gives GPipe's and
+1F1B's (p − 1)/(m + p − 1) and interleaved 1F1B's (p − 1)/(v·m + p − 1) of the step (Narayanan et
+al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+arXiv:2104.04473, §2.2.1-2.2.2; tests/plan/test_pipeline_plan.py checks both); for stages of
+unequal length it counts what the order leaves idle.
 """
 
 from __future__ import annotations
@@ -166,3 +174,58 @@ def in_flight_peak(actions: Sequence[Action], stage_bytes: Mapping[int, float],
 def stage_in_flight(actions: Sequence[Action], stage: int) -> int:
     """The most micro-batches of `stage` held at once in `actions` (forward run, backward not)."""
     return round(in_flight_peak([a for a in actions if a.stage == stage], {stage: 1.0}))
+
+
+@lru_cache(maxsize=1024)
+def pipeline_idle(schedule: str, pp: int, virtual: int, micro_batches: int,
+                  stage_work: tuple[float, ...], backward_ratio: float = 2.0) -> float:
+    """Idle time of the step per unit of the busiest rank's compute: (step − busiest rank's work)
+    / its work, the step being the simulated order's makespan (module docstring). `stage_work`:
+    each stage's forward time (any unit: its decoder layers); a backward takes `backward_ratio`
+    times its forward. 0 at pp 1."""
+    if pp == 1:
+        return 0.0
+    n, m = pp * virtual, micro_batches
+    orders = [rank_actions(schedule, pp, virtual, m, r) for r in range(pp)]
+    # an action as one integer (stage, micro-batch, kind), finish times in a flat list
+    finish = [-1.0] * (2 * n * m)
+
+    def key(kind: str, stage: int, mb: int) -> int:
+        return 2 * (stage * m + mb) + (kind == "B")
+
+    plans = [[(key(*a), key("F", a.stage - 1, a.micro_batch) if a.kind == "F" and a.stage > 0 else
+               key("B", a.stage + 1, a.micro_batch) if a.kind == "B" and a.stage < n - 1 else
+               key("F", a.stage, a.micro_batch) if a.kind == "B" else -1,
+               stage_work[a.stage] * (1.0 if a.kind == "F" else backward_ratio)) for a in order] for order in orders]
+    clock = [0.0] * pp
+    busy = [0.0] * pp
+    nxt = [0] * pp
+    waiting: dict[int, int] = {}
+    ready = list(range(pp))
+    while ready:
+        r = ready.pop()
+        plan, t, i = plans[r], clock[r], nxt[r]
+        while i < len(plan):
+            k, dep, d = plan[i]
+            if dep >= 0:
+                if finish[dep] < 0:
+                    waiting[dep] = r
+                    break
+                t = max(t, finish[dep])
+            t += d
+            busy[r] += d
+            finish[k] = t
+            i += 1
+            if k in waiting:
+                ready.append(waiting.pop(k))
+        clock[r], nxt[r] = t, i
+    if any(nxt[r] < len(plans[r]) for r in range(pp)):  # the orders are torch's: never reached
+        raise ShardwiseError(f"pipeline schedule {schedule} (pp {pp}, v {virtual}, m {m}) deadlocks")
+    return max(clock) / max(busy) - 1.0
+
+
+def bubble_share(schedule: str, pp: int, virtual: int, micro_batches: int, stage_work: tuple[float, ...],
+                 backward_ratio: float = 2.0) -> float:
+    """The bubble's share of the step: idle / (work + idle), the busiest rank's (`pipeline_idle`)."""
+    idle = pipeline_idle(schedule, pp, virtual, micro_batches, stage_work, backward_ratio)
+    return idle / (1.0 + idle)

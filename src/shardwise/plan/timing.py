@@ -37,11 +37,13 @@ from shardwise.plan.memory import offloaded_activations
 from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.plan.network import comm_time
 from shardwise.plan.optimizer import optimizer_bytes, paged_states
+from shardwise.plan.pipeline import pipeline_idle
 from shardwise.plan.stage import (
     busiest_layers,
     fullest_rank,
     rank_layer_params,
     replica_params,
+    strategy_ranks,
     tp_train,
     vocab_shards,
 )
@@ -122,6 +124,21 @@ def forward_share(train: TrainSpec) -> float:
     """The forward's share of a step's work: a third (backward is about twice the forward), a
     quarter with full recompute (the forward runs again inside backward)."""
     return 1 / 4 if train.checkpointing == "full" else 1 / 3
+
+
+def pipeline_bubble(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout) -> float:
+    """The pipeline's idle time per unit of the busiest rank's work (0 at pp 1): the schedule's
+    order simulated (plan.pipeline.pipeline_idle) with each stage's forward as long as its decoder
+    layers and backward (1 − f)/f times that, f the forward's share (`forward_share`). Equal stages
+    give (p − 1)/(m + p − 1) of the step for GPipe and 1F1B and (p − 1)/(v·m + p − 1) for
+    interleaved 1F1B (Narayanan et al. 2021 §2.2), m = grad_accum."""
+    if layout.pp == 1:
+        return 0.0
+    layers = {st: len(held) for r in strategy_ranks(model, s, layout)
+              for st, held in zip(r.stages, r.stage_layers, strict=True)}
+    work = tuple(float(layers[st]) for st in range(len(layers)))
+    f = forward_share(train)
+    return pipeline_idle(s.pp_schedule, layout.pp, s.pp_virtual_stages, train.grad_accum, work, (1 - f) / f)
 
 
 def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout,
@@ -363,10 +380,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     comm_s += blocking
     exposed += blocking_exposed
     offload = _offload_time(model, hw, strategy, layout, comm, train) + _saver_copies(model, hw, train, strategy, layout, psi, work, bwd)
-    bubble = 0.0
-    if layout.pp > 1:  # 1F1B bubble (p−1)/(m+p−1) of the pipeline's time
-        frac = (layout.pp - 1) / (train.grad_accum + layout.pp - 1)
-        bubble = work * frac / (1 - frac)
+    bubble = work * pipeline_bubble(model, train, strategy, layout)
     step = work + exposed + offload + bubble
     share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
     tps = tokens / share / step
