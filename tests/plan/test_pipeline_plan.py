@@ -1,6 +1,7 @@
 """The planner's pipeline (plan.pipeline): the trainer's split, each rank's part of the model, the
 micro-batches each schedule keeps in flight and the bubble, checked against what they are by
-construction and the closed forms of Narayanan et al. 2021 (arXiv:2104.04473, §2.2)."""
+construction and the closed forms of Narayanan et al. 2021 (arXiv:2104.04473, §2.2). The
+trainer's measured figures: tests/accuracy/test_measured_pipeline.py."""
 
 from __future__ import annotations
 

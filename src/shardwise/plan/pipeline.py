@@ -21,7 +21,9 @@ rules without importing torch; m micro-batches (the run's grad_accum), p ranks, 
   per step, then the remaining backwards.
 
 The runtime executes a rank's actions in this order (the schedule's slots without an action are
-waits, not work), so the order alone fixes what a rank holds.
+waits, not work), so the order alone fixes what a rank holds. The order of a real step is recorded
+and compared with this one on 2 gloo ranks (tests/accuracy/test_measured_pipeline.py), with each
+rank's saved activations and the bubble.
 
 **Activations in flight** (`in_flight_peak`): the peak, over a rank's order, of the saved bytes of
 every (stage, micro-batch) whose forward has run and whose backward has not. GPipe holds all m
