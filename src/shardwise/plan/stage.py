@@ -67,8 +67,10 @@ def rank_layer_params(model: ModelSpec, rank: PipelineRank) -> int:
 def rank_root_params(model: ModelSpec, rank: PipelineRank) -> float:
     """Parameters outside the decoder layers that a pipeline rank holds (whole, before any TP
     split): the token embedding (and a learned position table) with stage 0, the final norm and
-    lm_head with the last stage. A tied lm_head is the embedding's own matrix at pp 1, and its own
-    copy on the last stage's rank under pipeline parallelism (shardwise.train.model.pipeline)."""
+    lm_head with the last stage. A tied lm_head is the embedding's own matrix at pp 1, and a copy
+    of it on the last stage's rank under pipeline parallelism (Megatron-LM keeps one there and
+    all-reduces the two gradients; shardwise's trainer refuses tied models under PP,
+    run.resolve.check_pipeline)."""
     if rank.embedding and rank.head:
         return model.root_params
     embed = model.vocab_size * model.hidden_size + model.position_embedding_params
