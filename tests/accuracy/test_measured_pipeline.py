@@ -13,8 +13,9 @@ plans the very TrainConfig (run bridge → `evaluate`), each pipeline rank from 
   the live tensors after step 2's backward, on every rank: within 2% (TOL_STATES). Measured:
   m7 pp 2 1F1B rank 0 (layers 0-3, embedding) 51,675,284 B, rank 1 (layers 4-6, norm, lm_head)
   39,022,708 B; the interleaved split (stages 0 and 2: layers 0-1 and 4-5; stages 1 and 3: 2-3
-  and 6) the same bytes; pp 2 × dp 2: half of each. Planned: 51,675,136 and 39,022,592 B
-  (−0.0003%: the AdamW step counters).
+  and 6) the same bytes; pp 2 × dp 2, each data-parallel rank: 25,837,716 and 19,511,412 B.
+  Planned: 51,675,136 and 39,022,592 B; 25,837,568 and 19,511,296 B (−0.0003% and −0.0006%: the
+  AdamW step counters).
 - Saved activations: the peak of live saved-for-backward bytes on each rank over step 2's
   forwards and backwards (bench.saved.following_saved: storage-deduped, every parameter —
   sharded or gathered — and the batch not counted), against the rank's planned activations (its
@@ -29,23 +30,33 @@ plans the very TrainConfig (run bridge → `evaluate`), each pipeline rank from 
   where the chunked loss keeps its input gradient instead (not a saved tensor).
 - The order: each rank's recorded forwards and backwards are plan.pipeline.rank_actions', every
   timed step (the runtime's order is torch's, as the planner rebuilds it).
-- The bubble share at pp 2: each timed step's timeline rebuilt from what the ranks recorded —
-  every forward and backward in its rank's recorded order, lasting the CPU time its thread spent
-  in it, starting when its rank is free and its input exists (a forward after the previous
-  stage's forward of that micro-batch, a backward after the next stage's backward) — and its
-  idle share 1 − (busiest rank's compute) / (the step), the planner's definition
-  (plan.timing.pipeline_bubble); the median of the 5 timed steps within 5 points (TOL_BUBBLE).
-  Why CPU time and not the wall clock: the 2 vCPUs this was developed on are shared with work
-  outside the test (a single-thread busy loop got 0.79 s of CPU in 2 s of wall time, and the ranks'
-  forwards and backwards took up to twice their CPU time), so the wall clock's gaps are mostly the
-  host's scheduling; the wall-clock share (first action to last, 1 − busiest rank's time in its
-  actions / that) is printed, not asserted. Communication is left out on both sides (the planner
-  prices the p2p transfers apart, plan.comm). Measured (median of the CPU-time timelines) /
-  planned: GPipe 0.215 / 0.200, 1F1B 0.195 / 0.200, interleaved 1F1B 0.094 / 0.111 (the last
-  stage's loss makes rank 1 the busiest); the wall clock's medians were 0.189, 0.186 and 0.184 —
+- The bubble share at pp 2, from the timeline of a typical step rebuilt from what the ranks
+  recorded: every forward and backward in its rank's recorded order (the same in every step),
+  lasting the median over the 6 timed steps of the CPU time its thread spent in it, each rank's
+  times scaled by one factor to the ranks' mean total (the planner's ranks run at one speed; a
+  rank's own forwards and backwards, stages and micro-batches keep their relative times), each
+  starting when its rank is free and its input exists (a forward after the previous stage's
+  forward of that micro-batch, a backward after the next stage's backward); its idle share is
+  1 − (busiest rank's compute) / (the step), the planner's definition
+  (plan.timing.pipeline_bubble): within 5 points (TOL_BUBBLE). Communication is left out on both
+  sides (the planner prices the p2p transfers apart, plan.comm).
+  Why CPU time, medians and one speed: the 2 vCPUs this was developed on are shared with work
+  outside the test. A single-thread busy loop got 0.79 s of CPU in 2 s of wall time, so the wall
+  clock's gaps are mostly the host's scheduling; the same forward took 24 to 80 ms of CPU time
+  within one step, so one step's timeline is mostly that noise (each step's share ranged
+  0.11-0.29 for 1F1B and 0.03-0.12 for interleaved 1F1B over the runs below); and a rank can run
+  slower than the other for a whole run (1F1B, run 4: rank 0's backwards 55 ms median, rank 1's
+  47 ms for the same work; equal in the quiet runs), which moves the busiest rank's idle share.
+  The typical step at the ranks' own speeds, each step's share and the wall clock's (first
+  action to last) are printed beside it, not asserted.
+  Measured / planned, five runs (run 3 beside a concurrent test run): GPipe 0.233, 0.220, 0.215,
+  0.215, 0.231 / 0.200; 1F1B 0.223, 0.203, 0.199, 0.205, 0.203 / 0.200; interleaved 1F1B 0.137,
+  0.111, 0.116, 0.113, 0.109 / 0.111. At the ranks' own speeds: GPipe 0.223, 0.214, 0.200, 0.206,
+  0.215; 1F1B 0.209, 0.180, 0.190, 0.170, 0.201; interleaved 0.118, 0.107, 0.112, 0.113, 0.105.
+  The wall clock's shares, median over the steps, in a quiet run: 0.189, 0.186 and 0.184 —
   interleaved 7.3 points over its plan: each micro-batch crosses between the ranks 3 times each
-  way (1F1B and GPipe: once), and on a loaded CPU each gloo transfer waits for the receiving
-  rank's thread.
+  way, where GPipe and 1F1B cross once, and on a loaded CPU each gloo transfer waits for the
+  receiving rank's thread.
 """
 
 from __future__ import annotations
@@ -141,8 +152,8 @@ def test_each_rank_runs_the_planned_order(item, measured):
 
 
 def _timeline_share(ranks: list[list[list]], stages: int) -> float:
-    """Idle share of one step rebuilt from each rank's recorded actions [kind, stage, micro-batch,
-    start, end, CPU s] (the module docstring): 1 − busiest rank's compute / the step."""
+    """Idle share of a step rebuilt from each rank's actions [kind, stage, micro-batch, start, end,
+    CPU s] in its order (the module docstring): 1 − busiest rank's compute / the step."""
     finish: dict[tuple, float] = {}
     clock = [0.0] * len(ranks)
     nxt = [0] * len(ranks)
@@ -166,6 +177,20 @@ def _timeline_share(ranks: list[list[list]], stages: int) -> float:
     return 1 - busiest / max(clock)
 
 
+def _typical(steps: list[dict]) -> list[list]:
+    """One rank's actions of its first timed step, each with its median CPU time over the timed
+    steps (every step runs the same order: test_each_rank_runs_the_planned_order)."""
+    return [[*a[:5], statistics.median(s["actions"][i][5] for s in steps)] for i, a in enumerate(steps[0]["actions"])]
+
+
+def _one_speed(ranks: list[list[list]]) -> list[list[list]]:
+    """Each rank's actions with their CPU times scaled by one factor per rank to the ranks' mean
+    total (the relative times of a rank's own actions kept)."""
+    totals = [sum(a[5] for a in acts) for acts in ranks]
+    mean = sum(totals) / len(totals)
+    return [[[*a[:5], a[5] * mean / total] for a in acts] for acts, total in zip(ranks, totals, strict=True)]
+
+
 def _wall_share(steps: list[dict]) -> float:
     """The same share read off the wall clock: from the first action's start to the last's end."""
     start = min(s["actions"][0][3] for s in steps)
@@ -180,10 +205,12 @@ def test_bubble_share(item, measured):
     planned = t.bubble_s / (t.step_s - t.exposed_comm_s - t.offload_s)  # idle / (compute + idle)
     ranks = sorted(_ranks(measured, item), key=lambda r: r["pp_rank"])
     stages = run.layout.pp * run.strategy.pp_virtual_stages
+    typical = [_typical(r["steps"]) for r in ranks]
+    got = _timeline_share(_one_speed(typical), stages)
+    as_run = _timeline_share(typical, stages)
     steps = list(zip(*(r["steps"] for r in ranks), strict=True))
-    cpu = [_timeline_share([s["actions"] for s in step], stages) for step in steps]
+    each = [_timeline_share([s["actions"] for s in step], stages) for step in steps]
     wall = [_wall_share(list(step)) for step in steps]
-    got = statistics.median(cpu)
-    print(f"\n{item}: planned {planned:.3f}; CPU-time timeline {[round(x, 3) for x in cpu]} (median {got:.3f}); "
-          f"wall clock {[round(x, 3) for x in wall]} (median {statistics.median(wall):.3f})")
-    assert abs(got - planned) <= TOL_BUBBLE, (got, planned, cpu)
+    print(f"\n{item}: planned {planned:.3f}; typical step at one speed {got:.3f}, at the ranks' own {as_run:.3f}; "
+          f"each step's {[round(x, 3) for x in each]}; wall clock {[round(x, 3) for x in wall]}")
+    assert abs(got - planned) <= TOL_BUBBLE, (got, planned, as_run, each)
