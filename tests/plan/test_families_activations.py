@@ -75,8 +75,9 @@ def test_selective_replays_the_other_matmuls() -> None:
 
 
 def test_mixed_layers_are_summed_per_kind() -> None:
-    """DeepSeek-V3: 3 dense layers, 58 MoE layers; the plan sums each kind, and a pipeline's
-    worst stage is the one with the most MoE layers."""
+    """DeepSeek-V3: 3 dense layers, 58 MoE layers; the plan sums each kind, and a pipeline rank
+    holds its own layers' (the final norm on the last stage's rank) for each micro-batch 1F1B
+    keeps in flight there: min(grad_accum, pp − r)."""
     m = catalog.get_model("deepseek-v3")
     train = TrainSpec(seq_len=1024)
     dense = layer_saved_per_token(m, train, moe=False)
@@ -84,9 +85,15 @@ def test_mixed_layers_are_summed_per_kind() -> None:
     assert moe > dense
     final = final_norm_saved(m, train)
     assert activation_bytes(m, train) == pytest.approx(1024 * (3 * dense + 58 * moe + final))
-    # pp 2: stages of 31 and 30 layers (3 dense + 28 MoE, 30 MoE); the larger, 2 micro-batches in flight
-    worst = max(3 * dense + 28 * moe, 30 * moe)
-    assert activation_bytes(m, train, pp=2) == pytest.approx(2 * 1024 * (worst + final))
+    # pp 2: stages of 31 and 30 layers (3 dense + 28 MoE; 30 MoE and the final norm)
+    first, last = 3 * dense + 28 * moe, 30 * moe + final
+    # grad_accum 1: one micro-batch in flight on either rank
+    assert activation_bytes(m, train, pp=2) == pytest.approx(1024 * max(first, last))
+    # grad_accum 4: two on rank 0, one on rank 1
+    four = train.model_copy(update={"grad_accum": 4})
+    assert activation_bytes(m, four, pp=2) == pytest.approx(1024 * max(2 * first, last))
+    # GPipe: all four on both
+    assert activation_bytes(m, four, pp=2, schedule="gpipe") == pytest.approx(4 * 1024 * max(first, last))
 
 
 def _gpt(family: str = "mpt", **over) -> ModelSpec:

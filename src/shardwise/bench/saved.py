@@ -21,8 +21,8 @@ fp32 and autocast's bf16 weight copies are saved by every linear, a different la
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -183,6 +183,25 @@ class _SavedBook:
             self.live -= key[1]
 
 
+@contextmanager
+def following_saved(skip: Callable[[int], bool]) -> Iterator[_SavedBook]:
+    """Inside the block, follow the live saved-for-backward bytes (storage-deduped) of every
+    tensor autograd packs, from its pack until autograd drops it (after its node's backward, or
+    with the graph): the book's `live` and `peak`. `skip(data_ptr)`, asked at pack time: a storage
+    not to count (parameters, the batch). Read-only: what autograd saves is handed back as is."""
+    book = _SavedBook()
+
+    def pack(t: torch.Tensor) -> Any:
+        k = storage_key(t)
+        return t if k is None or skip(k[0]) else _Held(t, k, book)
+
+    def unpack(h: Any) -> torch.Tensor:
+        return h.t if isinstance(h, _Held) else h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield book
+
+
 def peak_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], precision: str = "fp32") -> int:
     """Peak of live saved-for-backward bytes over one forward AND its backward (storage-deduped,
     params/buffers/batch excluded). With checkpointing this includes the recomputed layer's
@@ -190,16 +209,7 @@ def peak_saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], pre
     hook (non-reentrant recomputes under its own hook, invisible here). The backward is driven
     by summing the logits (no labels: the loss side is measured separately)."""
     skip = _model_keys(model, batch.values())
-    book = _SavedBook()
-
-    def pack(t: torch.Tensor) -> Any:
-        k = storage_key(t)
-        return t if k is None or k[0] in skip else _Held(t, k, book)
-
-    def unpack(h: Any) -> torch.Tensor:
-        return h.t if isinstance(h, _Held) else h
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with following_saved(skip.__contains__) as book:
         with _autocast(precision):
             out = model(**batch)
         out.logits.float().sum().backward()

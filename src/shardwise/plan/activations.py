@@ -22,8 +22,9 @@ none).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Mapping, Sequence
 
+from shardwise.plan.pipeline import PipelineRank, in_flight_peak, pipeline_ranks, rank_actions
 from shardwise.plan.selective import mm_order
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
@@ -316,16 +317,10 @@ def selective_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, a
     return kept + (4 if autocast else c) * h / seq_shards(train, tp)
 
 
-@lru_cache(maxsize=1024)
-def _stages(model: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
-    """(dense, MoE) decoder layers of each pipeline stage: ceil(L/pp) consecutive layers each."""
-    n = -(-model.num_layers // pp)
-    kinds = model.moe_layers if model.inventory is None else (model.is_moe,) * model.num_layers
-    out = set()
-    for start in range(0, model.num_layers, n):
-        stage = kinds[start:start + n]
-        out.add((len(stage) - sum(stage), sum(stage)))
-    return tuple(sorted(out))
+def layer_kinds(model: ModelSpec) -> tuple[bool, ...]:
+    """Per decoder layer: planned as a routed-experts layer (True) or a dense one. A model read on
+    the meta device (an inventory) is planned with one kind for every layer."""
+    return model.moe_layers if model.inventory is None else (model.is_moe,) * model.num_layers
 
 
 def gathered_inputs(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = False) -> tuple[float, float]:
@@ -346,36 +341,64 @@ def gathered_inputs(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool 
     return 2 * c * h * rest, c * h * rest
 
 
-def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
-                     autocast: bool = False, gathered: bool = False) -> float:
-    """Saved-for-backward bytes per GPU at the end of forward (the activation peak).
-    `autocast`: an fp32 module under torch.autocast (DDP mixed precision) instead of a module
-    in the compute dtype (DeepSpeed bf16/fp16, FSDP2 param_dtype). `gathered`: tensor parallelism
-    through DTensor (FSDP2 and DDP engines: the trainer's, torchtitan's), whose linears save their
-    all-gathered input (`gathered_inputs`); False: Megatron-LM's sequence parallelism."""
+def stage_saved(model: ModelSpec, train: TrainSpec, tp: int, layers: Sequence[int], last: bool,
+                autocast: bool = False, gathered: bool = False) -> float:
+    """Saved-for-backward bytes of one micro-batch's forward through one pipeline stage: its
+    decoder `layers` and, on the `last` stage, the final norm (whose output lm_head reads); the
+    whole model at pp 1. What a micro-batch holds once on a rank whatever its stages (the dense
+    mask) is `mask_bytes`. `autocast` and `gathered` as `activation_bytes`."""
     tokens = train.micro_batch * train.seq_len
-    stages = _stages(model, pp)
     c, h = train.compute_bytes, model.hidden_size
+    kinds = layer_kinds(model)
     if train.checkpointing == "full":
         # Only each layer's input is kept (Korthikanti et al. §4.1: 2sbh per layer in 16-bit;
         # the fp32 residual stream under autocast); the layer recomputed in backward is
         # `recompute_bytes`.
-        layer = {False: (4 if autocast else c) * h / seq_shards(train, tp)}
-        layer[True] = layer[False]
+        per = {moe: (4 if autocast else c) * h / seq_shards(train, tp) for moe in (False, True)}
     else:
         per_layer = selective_saved_per_token if train.checkpointing == "selective" else layer_saved_per_token
-        kinds = {moe for dense, moes in stages for moe, n in ((False, dense), (True, moes)) if n}
-        layer = {moe: per_layer(model, train, tp, autocast, moe=moe) for moe in kinds}
-    body = max(dense * layer.get(False, 0.0) + moe * layer.get(True, 0.0) for dense, moe in stages)  # worst stage
-    final_norm = final_norm_saved(model, train, autocast, tp)  # its output feeds lm_head
-    # 1F1B keeps up to pp micro-batches in flight on the first stage (Megatron's 1F1B schedule).
+        per = {moe: per_layer(model, train, tp, autocast, moe=moe) for moe in {kinds[i] for i in layers}}
+    body = sum(per[kinds[i]] for i in layers)
     if gathered:  # DTensor TP: the linears save their gathered input (full checkpointing: only at lm_head)
         per_layer_extra, head_extra = gathered_inputs(model, train, tp, autocast)
         if train.checkpointing == "none":
-            body += max(dense + moe for dense, moe in stages) * per_layer_extra
-        final_norm += head_extra
-    in_flight = pp if pp > 1 else 1
-    return (tokens * (body + final_norm) + mask_bytes(train)) * in_flight
+            body += len(layers) * per_layer_extra
+        if last:
+            body += head_extra
+    if last:
+        body += final_norm_saved(model, train, autocast, tp)  # its output feeds lm_head
+    return tokens * body
+
+
+def rank_saved(model: ModelSpec, train: TrainSpec, tp: int, rank: PipelineRank, pp: int = 1,
+               schedule: str = "1f1b", virtual: int = 1, autocast: bool = False, gathered: bool = False,
+               extra: Mapping[int, float] | None = None) -> float:
+    """Saved-for-backward bytes one pipeline rank holds at its peak: its stages' (`stage_saved`,
+    plus `extra[stage]` where given) for every micro-batch in flight in the schedule's order
+    (plan.pipeline: GPipe all grad_accum micro-batches, 1F1B min(m, pp − r) on rank r, interleaved
+    1F1B its order's peak), and the dense mask once per micro-batch in flight. One micro-batch at
+    pp 1 (its forward, then its backward)."""
+    extra = extra or {}
+    per_stage = {s: stage_saved(model, train, tp, layers, s == rank.last_stage, autocast, gathered) + extra.get(s, 0.0)
+                 for s, layers in zip(rank.stages, rank.stage_layers, strict=True)}
+    if pp == 1:
+        return per_stage[0] + mask_bytes(train)
+    actions = rank_actions(schedule, pp, virtual, train.grad_accum, rank.index)
+    return in_flight_peak(actions, per_stage, mask_bytes(train))
+
+
+def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
+                     autocast: bool = False, gathered: bool = False, schedule: str = "1f1b",
+                     virtual: int = 1) -> float:
+    """Saved-for-backward bytes per GPU at its peak (the end of forward at pp 1; in flight under
+    pipeline parallelism, the fullest rank: `rank_saved`).
+    `autocast`: an fp32 module under torch.autocast (DDP mixed precision) instead of a module
+    in the compute dtype (DeepSpeed bf16/fp16, FSDP2 param_dtype). `gathered`: tensor parallelism
+    through DTensor (FSDP2 and DDP engines: the trainer's, torchtitan's), whose linears save their
+    all-gathered input (`gathered_inputs`); False: Megatron-LM's sequence parallelism.
+    `schedule`, `virtual`: the pipeline's (strategy.pp_schedule, pp_virtual_stages)."""
+    return max(rank_saved(model, train, tp, rank, pp, schedule, virtual, autocast, gathered)
+               for rank in pipeline_ranks(model.num_layers, pp, virtual))
 
 
 def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:

@@ -19,7 +19,15 @@ from dataclasses import dataclass, fields
 
 from shardwise.plan.activations import input_linears
 from shardwise.plan.lora import adapter_params, adapter_tensors
-from shardwise.plan.stage import persistent_params, replica_params, stage_layer_params, tp_train
+from shardwise.plan.pipeline import PipelineRank
+from shardwise.plan.stage import (
+    busiest_layers,
+    fullest_rank,
+    persistent_params,
+    rank_layer_params,
+    replica_params,
+    tp_train,
+)
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -87,16 +95,18 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     """Bytes each GPU asks collectives to move per optimizer step, as the engines do it."""
     layout = layout or ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     train = tp_train(train, strategy)
-    psi = replica_params(model, strategy, layout)
+    rank = fullest_rank(model, strategy, layout)
+    psi = replica_params(model, strategy, layout, rank)
     k = train.grad_accum
     c = train.compute_bytes
-    out = _dp_comm(model, train, strategy, layout, hw, psi, k, c)
-    out = out + _tp_pp_comm(model, train, layout, k, c, strategy.tp_scheme)
+    out = _dp_comm(model, train, strategy, layout, hw, psi, k, c, rank)
+    out = out + _tp_pp_comm(model, train, strategy, layout, k, c)
     return out
 
 
-def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
-    """Data-parallel traffic. `psi` is the replica's parameters (what ZeRO-3/FSDP gather); with
+def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRank) -> CommBreakdown:
+    """Data-parallel traffic of one GPU of pipeline rank `rank` (the fullest). `psi` is the
+    replica's parameters (what ZeRO-3/FSDP gather); with
     LoRA (train.lora_rank > 0) only the adapters are trainable: the engines reduce only their
     gradients (DDP and DeepSpeed bucket only parameters that require grad, FSDP2 reduce-scatters
     only the gradients that exist) and ZeRO-1/2 all-gather only the updated adapters, while
@@ -106,7 +116,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         return CommBreakdown()
     link = _dp_link(hw, layout, layout.dp)
     lora = train.lora_rank > 0
-    adapters = adapter_params(model, train, layout.tp, layout.pp)
+    adapters = adapter_params(model, train, layout.tp, rank=rank)
     trained = adapters if lora else psi  # parameters whose gradients are reduced
     if not s.shards_optimizer:
         # DDP reduces fp32 grads once per step (no_sync on the other micro-batches; autocast keeps
@@ -139,8 +149,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
         # persistence threshold stay whole (LoRA's r × d matrices usually are).
         persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
         if lora:
-            layers = -(-model.num_layers // layout.pp)
-            persist += sum(m * per * layers for m, per in adapter_tensors(model, train, layout.tp)
+            persist += sum(m * per * len(rank.layers) for m, per in adapter_tensors(model, train, layout.tp)
                            if m < ds.param_persistence_threshold)
         gathered = psi + adapters - persist
         # Params are released after forward and re-gathered in backward unless the whole model
@@ -166,16 +175,16 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
     # decoder-layer units and are gathered with them.
     p = c
     reduce = s.fsdp.reduce_bytes(c) if (train.mixed_precision or lora) else train.master_bytes
-    layers = stage_layer_params(model, layout.pp) / layout.tp + adapters
+    layers = rank_layer_params(model, rank) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
-    share = fsdp_regather_share(model, s, layout)
+    share = fsdp_regather_share(s, rank)
     regathered = layers * share
     ag_bwd = p * regathered * k
     # shardwise's trainer reduce-scatters once per step; torch's default (sync left on) every micro-batch
     reductions = k if s.fsdp.reduce_every_micro_batch else 1
     rs = reduce * trained * reductions
-    units = model.num_layers // layout.pp + 1
-    calls = k * (units + round((units - 1) * share)) + units * reductions
+    units = len(rank.layers) + len(rank.stages)  # each decoder layer, and each stage's root group
+    calls = k * (units + round(len(rank.layers) * share)) + units * reductions
     w = c if lora else 4  # bytes of a stored parameter shard (LoRA: the frozen base in the compute dtype)
     pcie = (w * (psi + regathered) / n * k + 4 * trained / n) if s.offload_params else 0.0
     if s.fsdp_sharding == "hybrid":
@@ -189,26 +198,27 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c) -> CommBreakdown:
                          **_on(link, ag_fwd + ag_bwd + rs))
 
 
-def fsdp_regather_share(model: ModelSpec, s: Strategy, layout: ParallelLayout) -> float:
-    """The share of a stage's decoder-layer parameters FSDP2 gathers again in backward: the layers
-    it resharded after forward (`Strategy.resharding`): every one ("all"), all but the stage's
-    last ("not-last") or none; the root group never is."""
+def fsdp_regather_share(s: Strategy, rank: PipelineRank) -> float:
+    """The share of a pipeline rank's decoder layers FSDP2 gathers again in backward: the layers
+    it resharded after forward (`Strategy.resharding`): every one ("all"), all but each stage's
+    last ("not-last": the trainer shards each stage as a model, engines/fsdp.shard_model) or none;
+    the root group never is."""
     if s.resharding == "all":
         return 1.0
     if s.resharding != "not-last":
         return 0.0
-    per_stage = model.num_layers // layout.pp
-    return (per_stage - 1) / per_stage
+    return (len(rank.layers) - len(rank.stages)) / len(rank.layers)
 
 
-def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
+def _tp_pp_comm(model, train, s: Strategy, layout, k, c) -> CommBreakdown:
     """Megatron TP: 2 all-reduces of b·s·h in forward and 2 in backward per layer (+2 with full
     recompute); with sequence parallelism each is an all-gather + reduce-scatter pair of the same
     ring volume (counted here as the all-reduce it equals). The vocabulary-parallel root adds one
     such pair per pass, forward and backward (never recomputed): the embedding's reduce-scatter
     (all-gather in backward) and lm_head's all-gather (reduce-scatter in backward). The
     vocab-parallel loss all-reduces two fp32 per token (the row max, the sum of exponentials)
-    and the loss sum. PP: activations forward and their grads backward across each stage boundary.
+    and the loss sum. PP: activations forward and their grads backward across each stage boundary,
+    received and sent once per stage a rank runs (virtual stages cross more boundaries).
     Measured on 2 gloo ranks (`strategy.tp: 2`, tests/accuracy/test_measured_tp_comm.py).
 
     DeepSpeed's AutoTP (`scheme.reduces_per_linear`, no vocabulary parallelism) all-reduces each
@@ -219,8 +229,9 @@ def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
     and loss are whole on every rank and move nothing. Measured
     on 2 gloo ranks (zero1/zero2 × tp 2, tests/accuracy/test_measured_tp_comm.py)."""
     out = CommBreakdown()
+    scheme = s.tp_scheme
     act = c * train.micro_batch * train.seq_len * model.hidden_size
-    layers = -(-model.num_layers // layout.pp)
+    layers = busiest_layers(model, s, layout)
     if layout.tp > 1:
         if scheme.reduces_per_linear:
             per_layer = 2 * (train.layer_passes - 1) + sum(input_linears(model))  # forward passes, backward
@@ -232,6 +243,7 @@ def _tp_pp_comm(model, train, layout, k, c, scheme) -> CommBreakdown:
         n = (per_layer * layers + root) * k
         out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=n, blocking_calls=n)
     if layout.pp > 1:
-        p2p = 2 * act / layout.tp * k * 2  # send + recv, forward activations and backward grads
-        out = out + CommBreakdown(p2p=p2p, calls=4 * k, blocking=p2p, blocking_calls=4 * k)
+        v = s.pp_virtual_stages
+        p2p = 2 * act / layout.tp * k * 2 * v  # send + recv, forward activations and backward grads, per stage
+        out = out + CommBreakdown(p2p=p2p, calls=4 * k * v, blocking=p2p, blocking_calls=4 * k * v)
     return out

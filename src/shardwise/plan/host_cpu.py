@@ -92,12 +92,16 @@ def heap_slack(model: ModelSpec, train: TrainSpec, plan, offloaded: float = 0.0)
     CPU rank, into the same heap). Floor and threshold: the memory model's `heap_floor_bytes`,
     `mmap_threshold_bytes`."""
     from shardwise.plan.memory import autocast_cache
+    from shardwise.plan.stage import whole_model
 
     mm = memory_model()
     row = train.seq_len * train.micro_batch * model.hidden_size / plan.layout.tp * train.compute_bytes
     if row >= mm.mmap_threshold_bytes:
         return mm.heap_floor_bytes
     acts = plan.gpu.activations + offloaded
+    # one micro-batch's casts; under pipeline parallelism the other micro-batches in flight hold
+    # theirs too, left in here (an overestimate of the heap: autocast runs there only with TP alone)
     if train.autocasts(plan.engine_strategy.engine):
-        acts -= autocast_cache(model, train, plan.layout)[0]
+        rank = plan.rank or whole_model(model, plan.layout, None)
+        acts -= autocast_cache(model, train, plan.layout.tp, rank.layers, rank.head)[0]
     return mm.heap_floor_bytes + max(0.0, acts)

@@ -63,13 +63,14 @@ def load_path(strategy: Strategy, weights: str | None = "safetensors") -> LoadPa
 
 
 def model_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1,
-                vocab_tp: int | None = None) -> tuple[float, float]:
-    """(trainable, frozen) bytes of the model as the trainer builds it before the engine casts:
-    trainable parameters in fp32, a LoRA base in the compute dtype."""
-    psi = stage_params(model, tp, pp, vocab_tp)
+                vocab_tp: int | None = None, virtual: int = 1) -> tuple[float, float]:
+    """(trainable, frozen) bytes of the model as the trainer builds it before the engine casts
+    (the fullest pipeline rank's part): trainable parameters in fp32, a LoRA base in the compute
+    dtype."""
+    psi = stage_params(model, tp, pp, vocab_tp, virtual)
     if not train.lora_rank:
         return 4 * psi, 0.0
-    adapters = trainable_params(model, train, tp, pp)
+    adapters = trainable_params(model, train, tp, pp, virtual)
     return 4 * adapters, train.compute_bytes * psi
 
 
@@ -82,7 +83,8 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     `forked_ranks`)."""
     path = path or load_path(strategy)
     vocab_tp = vocab_shards(strategy, layout.tp)
-    trainable, frozen = model_bytes(model, train, layout.tp, layout.pp, vocab_tp)
+    virtual = strategy.pp_virtual_stages if layout.pp > 1 else 1
+    trainable, frozen = model_bytes(model, train, layout.tp, layout.pp, vocab_tp, virtual)
     n = layout.dp_shard if strategy.shards_params else 1
     on_host = device == "cpu" or strategy.offload_params
     largest = max((size for size, _ in model.tensor_sizes()), default=0) / layout.tp
@@ -95,12 +97,12 @@ def load_phase(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: P
     if path == "whole":
         # the whole model in fp32 on the host, a LoRA base too (on every device: the engine moves
         # it afterwards)
-        whole = 4 * stage_params(model, layout.tp, layout.pp, vocab_tp)
+        whole = 4 * stage_params(model, layout.tp, layout.pp, vocab_tp, virtual)
         return LoadBreakdown("whole", resident=whole, read=max_file_bytes, process=process,
                              ranks_per_node=ranks_per_node)
     if path == "zero3":
         ds_bytes = train.compute_bytes  # zero.Init builds in DeepSpeed's dtype
-        part = ds_bytes * stage_params(model, layout.tp, layout.pp, vocab_tp) / layout.dp_shard
+        part = ds_bytes * stage_params(model, layout.tp, layout.pp, vocab_tp, virtual) / layout.dp_shard
         chunk = ZERO3_CHUNK_BYTES + ds_bytes * largest  # the chunk may overrun by one tensor
         # rank 0 reads one tensor at a time into the gathered chunk: its copy and its mapped pages
         read = 2 * stored * largest

@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from shardwise.errors import ShardwiseError
+from shardwise.plan.pipeline import PipelineRank, pipeline_ranks
 from shardwise.specs.families import root_modules
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
@@ -247,15 +248,23 @@ def adapter_params_per_layer(model: ModelSpec, train: TrainSpec) -> float:
     return max(_layer_adapters(model, train))
 
 
-def adapter_params(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> float:
-    """Trainable adapter parameters one GPU's model replica holds: the layers of the fullest
-    pipeline stage (ceil(L/pp) consecutive layers each), split over the TP ranks (0 without
-    LoRA)."""
+def _held_layers(model: ModelSpec, pp: int, virtual: int, rank: PipelineRank | None) -> list[tuple[int, ...]]:
+    """The decoder layers of pipeline rank `rank`, or of every pipeline rank (the split the
+    trainer runs: plan.pipeline) where none is named."""
+    if rank is not None:
+        return [rank.layers]
+    return [r.layers for r in pipeline_ranks(model.num_layers, pp, virtual)]
+
+
+def adapter_params(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1, virtual: int = 1,
+                   rank: PipelineRank | None = None) -> float:
+    """Trainable adapter parameters one GPU's model replica holds: the layers of pipeline rank
+    `rank` (default: the fullest of pp ranks with `virtual` stages each), split over the TP ranks
+    (0 without LoRA)."""
     if not train.lora_rank:
         return 0.0
     per_layer = _layer_adapters(model, train)
-    n = -(-model.num_layers // pp)
-    return max(sum(per_layer[i:i + n]) for i in range(0, model.num_layers, n)) / tp
+    return max(sum(per_layer[i] for i in layers) for layers in _held_layers(model, pp, virtual, rank)) / tp
 
 
 def saved_module_params(model: ModelSpec, names: tuple[str, ...] | list[str], tp: int = 1) -> float:
@@ -277,16 +286,18 @@ def saved_module_params(model: ModelSpec, names: tuple[str, ...] | list[str], tp
     return total
 
 
-def trainable_params(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1) -> float:
-    """What a LoRA run trains on one GPU: the adapters plus the `modules_to_save` copies."""
-    return adapter_params(model, train, tp, pp) + saved_module_params(model, train.lora_modules_to_save, tp)
+def trainable_params(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 1, virtual: int = 1,
+                     rank: PipelineRank | None = None) -> float:
+    """What a LoRA run trains on one GPU: the adapters (`adapter_params`) plus the
+    `modules_to_save` copies (all of them, wherever the pipeline puts them: an upper bound)."""
+    return adapter_params(model, train, tp, pp, virtual, rank) + saved_module_params(model, train.lora_modules_to_save, tp)
 
 
-def linear_weight_params(model: ModelSpec, tp: int = 1, pp: int = 1) -> float:
-    """Weights of the decoder layers' nn.Linear modules on one GPU (the fullest pipeline stage):
-    what QLoRA stores in 4-bit. Routed experts (fused 3-D parameters) and the routers are not
-    Linear modules and stay in the compute dtype."""
+def linear_weight_params(model: ModelSpec, tp: int = 1, pp: int = 1, virtual: int = 1,
+                         rank: PipelineRank | None = None) -> float:
+    """Weights of the decoder layers' nn.Linear modules on one GPU (pipeline rank `rank`, default
+    the fullest): what QLoRA stores in 4-bit. Routed experts (fused 3-D parameters) and the
+    routers are not Linear modules and stay in the compute dtype."""
     per = {moe: sum(d_in * d_out for _, d_in, d_out in layer_linears(model, moe)) for moe in set(model.moe_layers)}
     kinds = model.moe_layers
-    n = -(-model.num_layers // pp)
-    return max(sum(per[moe] for moe in kinds[i:i + n]) for i in range(0, model.num_layers, n)) / tp
+    return max(sum(per[kinds[i]] for i in layers) for layers in _held_layers(model, pp, virtual, rank)) / tp

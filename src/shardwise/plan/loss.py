@@ -49,3 +49,28 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
 def head_trainable(train: TrainSpec) -> bool:
     """lm_head gets a gradient: full fine-tuning, or LoRA with lm_head in modules_to_save."""
     return not train.lora_rank or "lm_head" in train.lora_modules_to_save
+
+
+def loss_held_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
+    """What one micro-batch's loss holds from its forward to its backward, beyond the peak of
+    `logits_bytes` (which one micro-batch reaches at a time): under pipeline parallelism the last
+    stage computes each micro-batch's loss as its forward ends (torch.distributed.pipelining's
+    `_maybe_compute_loss`) and runs its backward later, as the schedule orders it
+    (plan.pipeline), holding this meanwhile. Derived from the implementations, not measured:
+
+    - chunked (shardwise.train.model.loss): every gradient is computed in forward and kept on the
+      autograd node until backward: lm_head's weight gradient (c·V·H; none when lm_head is frozen)
+      — its input gradient replaces the lm_head input the activations' final-norm term counts;
+    - fused (Liger's kernel, computing the gradients in forward too): the same weight gradient;
+    - standard: the logits (c·V per token, the stage's output) and log-softmax's saved fp32 output
+      (4·V), with the soft-capped logits' tanh output where Gemma caps them;
+    - inplace: the c-byte logits, overwritten by their gradient, and per-row statistics."""
+    v = model.vocab_size / tp
+    c = train.compute_bytes
+    tokens = train.micro_batch * train.seq_len
+    cap = c * v if model.final_logit_softcapping else 0.0
+    if train.cross_entropy in ("chunked", "fused"):
+        return c * v * model.hidden_size if head_trainable(train) else 0.0
+    if train.cross_entropy == "inplace":
+        return tokens * (c * v + cap + 8)
+    return tokens * ((c + 4) * v + cap)

@@ -11,26 +11,30 @@ Three accountings of model states:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from shardwise.catalog import memory_model
-from shardwise.plan.activations import activation_bytes, mask_bytes, offload_kept, recompute_bytes
+from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.load import load_phase
-from shardwise.plan.loss import logits_bytes
+from shardwise.plan.loss import logits_bytes, loss_held_bytes
 from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_states
 from shardwise.plan.memory_lora import lora_states
 from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp, paged_states
+from shardwise.plan.pipeline import PipelineRank, rank_actions, stage_in_flight
 from shardwise.plan.stage import (
     Replica,
     fsdp_gathered_params,
-    partition_holding,
+    fullest_rank,
     persistent_params,
-    replica_params,
-    stage_layer_params,
+    rank_params,
+    replica_partition,
+    strategy_ranks,
     tp_train,
     vocab_shards,
+    whole_model,
     zero3_gathered,
 )
 from shardwise.specs.hardware import HardwareSpec
@@ -54,6 +58,10 @@ class MemoryPlan:
     # What the engines run when it is not `strategy`: FSDP2 with a one-rank shard group runs
     # as DDP (FSDPKnobs.single_rank); comm and time are planned for this one.
     runs_as: Strategy | None = None
+    # Under pipeline parallelism each pipeline rank's GPU, rank 0 first (`gpu` is the one whose
+    # requirement is the largest, `rank` its share); one entry at pp 1.
+    pipeline: tuple[MemoryBreakdown, ...] = ()
+    rank: PipelineRank | None = None
 
     @property
     def engine_strategy(self) -> Strategy:
@@ -74,17 +82,19 @@ class MemoryPlan:
 
 def model_states(
     model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
-    accounting: Accounting = "engine", gpus_per_node: int = 8,
+    accounting: Accounting = "engine", gpus_per_node: int = 8, rank: PipelineRank | None = None,
 ) -> tuple[MemoryBreakdown, HostBreakdown]:
-    """Model states (params, grads, master, optimizer) and engine buffers on GPU and host."""
-    psi = replica_params(model, strategy, layout)
+    """Model states (params, grads, master, optimizer) and engine buffers on GPU and host, of one
+    GPU of pipeline rank `rank` (default: the fullest, `stage.fullest_rank`)."""
+    rank = rank or fullest_rank(model, strategy, layout)
+    psi = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
     n = layout.dp_shard
     per_node = max(1, min(layout.world_size, gpus_per_node))  # GPUs sharing one host
     if accounting == "paper":
         return paper_model_states(psi, n, strategy), HostBreakdown()
     if accounting == "deepspeed":
         return deepspeed_estimator(model, psi, n, strategy, layout, per_node)
-    return _engine(Replica(model, train, strategy, layout, psi, n, per_node))
+    return _engine(Replica(model, train, strategy, layout, psi, n, per_node, rank))
 
 
 def _engine(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
@@ -119,23 +129,26 @@ def _engine(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     ), HostBreakdown()
 
 
-def autocast_cache(model: ModelSpec, train: TrainSpec, layout: ParallelLayout) -> tuple[float, float]:
+def autocast_cache(model: ModelSpec, train: TrainSpec, tp: int, layers: Sequence[int],
+                   head: bool) -> tuple[float, float]:
     """torch.autocast casts each linear weight to the compute dtype once per forward and the
-    linear saves the cast for backward (the input embedding is a lookup, never cast).
-    Checkpointed layers run their forward without grad, so nothing is cached for them: only
-    lm_head's cast stays, and backward re-casts one layer at a time while lm_head's cast is
-    already freed. Returns (bytes saved by forward, change during recompute); measured exactly
-    on tiny Llama/Qwen2 (benchmarks/results/measured_activations.json, bf16-autocast)."""
+    linear saves the cast for backward (the input embedding is a lookup, never cast): one
+    micro-batch's forward through decoder `layers` and, with the `head`, lm_head (a pipeline
+    stage's; the whole model at pp 1). Checkpointed layers run their forward without grad, so
+    nothing is cached for them: only lm_head's cast stays, and backward re-casts one layer at a
+    time while lm_head's cast is already freed. Returns (bytes saved by forward, change during
+    recompute); measured exactly on tiny Llama/Qwen2
+    (benchmarks/results/measured_activations.json, bf16-autocast)."""
     c = train.compute_bytes
-    lm_head = model.lm_head_params / layout.tp
+    lm_head = model.lm_head_params / tp if head else 0.0
     # routed experts are fused 3-D parameters, not nn.Linear: autocast does not cast them
-    n_moe = sum(model.moe_layers)
-    experts_per_layer = model.expert_params / n_moe if n_moe else 0.0
-    stage_experts = experts_per_layer * sum(model.moe_layers[:-(-model.num_layers // layout.pp)])
-    layers = (stage_layer_params(model, layout.pp) - stage_experts) / layout.tp
+    moe = model.moe_layers
+    experts_per_layer = model.expert_params / sum(moe) if any(moe) else 0.0
+    sizes = model.layer_sizes
+    cast = sum(sizes[i] - (experts_per_layer if moe[i] else 0.0) for i in layers) / tp
     if train.checkpointing == "full":
-        return c * lm_head, c * ((model.params_per_layer - experts_per_layer) / layout.tp - lm_head)
-    return c * (layers + lm_head), 0.0
+        return c * lm_head, c * ((model.params_per_layer - experts_per_layer) / tp - lm_head)
+    return c * (cast + lm_head), 0.0
 
 
 def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
@@ -162,8 +175,7 @@ def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     if stage in (1, 2):
         # ZeRO-1 under accumulation keeps full grads until the boundary; ZeRO-2 reduces each
         # micro-batch into the partition (docs/reference.md "What the engines allocate").
-        grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * partition_holding(
-            model, n, layout.tp, layout.pp, train.weight_decay, vocab_shards(r.strategy, layout.tp))
+        grads = w * psi if (stage == 1 and train.grad_accum > 1) else w * replica_partition(r)
         # the reduce buckets are set up at the first backward hook and released after it
         # (stage_1_and_2.py setup_buckets; measured ~0 after backward)
         mem = MemoryBreakdown(
@@ -193,7 +205,7 @@ def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     mem = MemoryBreakdown(
         params=params, grads=w * psi / n, master_params=4 * psi / n, optimizer_states=os_ * psi / n,
         step_buffers=4 * sub_group + optimizer_temp(train, sub_group, sub_group),
-        engine_buffers=ds.reduce_bucket_size * w, gathered_params=w * zero3_gathered(model, train, ds, layout),
+        engine_buffers=ds.reduce_bucket_size * w, gathered_params=w * zero3_gathered(model, train, ds, layout, r.rank),
         # the module in backward produces its whole gradient before reduce-scatter: fused MoE
         # experts are one module (DeepSeek-V3: 11.3B elements)
         grad_buffers=w * model.largest_module / layout.tp, grads_persist=True,
@@ -223,9 +235,9 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     model, train, s, layout, psi, n, per_node, layer = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node, r.layer
     c, os_ = train.compute_bytes, optimizer_bytes(train)
     w = train.master_bytes
-    root = psi - stage_layer_params(model, layout.pp) / layout.tp
+    root = psi - r.layers
     reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
-    gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
+    gathered = fsdp_gathered_params(s, c, psi, r.layers, layer)
     lm_head = model.lm_head_params / layout.tp
     rs = (c + reduce) * layer + c * lm_head
     # Accumulation. The trainer turns gradient sync off on non-final micro-batches: FSDP2 then
@@ -295,34 +307,39 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
             "allocator_slack": overlap + splitting, "allocator_unreclaimable": 0.0 if expandable else splitting}
 
 
-def saved_for_backward(model: ModelSpec, train: TrainSpec, strategy: Strategy,
-                       layout: ParallelLayout) -> tuple[float, float]:
-    """(saved-for-backward bytes at the end of forward, the recomputed layer's) per GPU, before
-    any offloading. `train` as tp_train gives it."""
+def saved_for_backward(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
+                       rank: PipelineRank | None = None) -> tuple[float, float]:
+    """(saved-for-backward bytes at their peak, the recomputed layer's) per GPU of pipeline rank
+    `rank` (default: the whole model, pp 1), before any offloading: the end of forward at pp 1,
+    the micro-batches in flight in the schedule's order under pipeline parallelism
+    (plan.activations.rank_saved). `train` as tp_train gives it."""
+    rank = whole_model(model, layout, rank)
     # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
     autocast = train.autocasts(strategy.engine)
+    recompute = recompute_bytes(model, train, layout.tp, autocast)
+    cached: dict[int, float] = {}
+    if autocast:  # each micro-batch's forward caches its own casts (one per stage)
+        for stage, layers in zip(rank.stages, rank.stage_layers, strict=True):
+            cached[stage], recast = autocast_cache(model, train, layout.tp, layers, stage == rank.last_stage)
+        recompute = max(0.0, recompute + recast)
     # DTensor's column-parallel linears save their gathered input, Megatron-SP's their sharded one
     # (plan.activations.gathered_inputs); AutoTP has no sequence parallelism (`tp_train`)
-    acts = activation_bytes(model, train, layout.tp, layout.pp, autocast,
-                            gathered=strategy.tp_scheme.saves_gathered_input)
-    recompute = recompute_bytes(model, train, layout.tp, autocast)
-    if autocast:
-        cached, recast = autocast_cache(model, train, layout)
-        acts += cached
-        recompute = max(0.0, recompute + recast)
+    acts = rank_saved(model, train, layout.tp, rank, layout.pp, strategy.pp_schedule, strategy.pp_virtual_stages,
+                      autocast, gathered=strategy.tp_scheme.saves_gathered_input, extra=cached)
     return acts, recompute
 
 
 def offloaded_activations(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
-                          acts: float | None = None) -> float:
+                          acts: float | None = None, rank: PipelineRank | None = None) -> float:
     """Bytes per GPU that activation offloading (`activation_offload`) moves to the host in each
     micro-batch's forward and back in its backward: the saved set (`acts`, where the caller has
-    it: saved_for_backward's) but the layer in flight (plan.activations.offload_kept) and a dense
-    mask (one tensor every layer saves)."""
+    it: saved_for_backward's; else pipeline rank `rank`'s, by default the fullest) but the layer
+    in flight (plan.activations.offload_kept) and a dense mask (one tensor every layer saves)."""
     if not train.activation_offload:
         return 0.0
     if acts is None:
-        acts = saved_for_backward(model, train, strategy, layout)[0]
+        rank = rank or (fullest_rank(model, strategy, layout) if layout.pp > 1 else None)
+        acts = saved_for_backward(model, train, strategy, layout, rank)[0]
     kept = offload_kept(model, train, layout.tp, train.autocasts(strategy.engine)) + mask_bytes(train)
     return max(0.0, acts - kept)
 
@@ -345,8 +362,23 @@ def plan_memory(
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
-    states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node)
-    acts, recompute = saved_for_backward(model, train, strategy, layout)
+    # one GPU of each pipeline rank (one rank at pp 1); the plan's GPU is the one that needs most
+    ranks = strategy_ranks(model, strategy, layout)
+    each = [_rank_memory(model, hw, train, strategy, layout, accounting, rank) for rank in ranks]
+    worst = max(range(len(ranks)), key=lambda i: each[i][0].required)
+    gpu, host = each[worst]
+    return MemoryPlan(
+        strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,
+        margin=margin, host_capacity_bytes=hw.host_memory_bytes, pipeline=tuple(g for g, _ in each),
+        rank=ranks[worst],
+    )
+
+
+def _rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
+                 accounting: Accounting, rank: PipelineRank) -> tuple[MemoryBreakdown, HostBreakdown]:
+    """GPU and host memory of one GPU of pipeline rank `rank` (`train` as tp_train gives it)."""
+    states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node, rank)
+    acts, recompute = saved_for_backward(model, train, strategy, layout, rank)
     per_node = max(1, min(layout.world_size, hw.gpus_per_node))  # ranks sharing one host
     if train.activation_offload:  # the saved tensors wait in pinned host memory, but a layer's
         moved = offloaded_activations(model, train, strategy, layout, acts)
@@ -355,12 +387,16 @@ def plan_memory(
     if paged_states(train) and states.optimizer_states:  # CUDA unified memory, outside torch's allocator
         host = replace(host, optimizer_states=host.optimizer_states + states.optimizer_states * per_node)
         states = replace(states, optimizer_states=0.0)
-    logits = logits_bytes(model, train, vocab_shards(strategy, layout.tp))
+    logits = 0.0
+    if rank.head:  # the loss is the last stage's: the one computing, and those waiting for their backward
+        logits = logits_bytes(model, train, vocab_shards(strategy, layout.tp))
+        if layout.pp > 1:
+            actions = rank_actions(strategy.pp_schedule, layout.pp, strategy.pp_virtual_stages, train.grad_accum,
+                                   rank.index)
+            waiting = stage_in_flight(actions, rank.last_stage) - 1
+            logits += waiting * loss_held_bytes(model, train, vocab_shards(strategy, layout.tp))
     draft = replace(states, activations=acts, recompute=recompute, logits=logits)
     gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
     if accounting == "engine":  # the trainer's load phase (safetensors, on GPUs): plan/load.py
         host = replace(host, load=load_phase(model, train, strategy, layout, per_node))
-    return MemoryPlan(
-        strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,
-        margin=margin, host_capacity_bytes=hw.host_memory_bytes,
-    )
+    return gpu, host

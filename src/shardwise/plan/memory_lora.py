@@ -15,7 +15,8 @@ from shardwise.plan.lora import (
     trainable_params,
 )
 from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
-from shardwise.plan.stage import Replica, fsdp_gathered_params, persistent_params, zero3_gathered
+from shardwise.plan.pipeline import PipelineRank
+from shardwise.plan.stage import Replica, fsdp_gathered_params, persistent_params, whole_model, zero3_gathered
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
@@ -35,8 +36,8 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     master dtype w). QLoRA's base linears are NF4 (`base_bytes`)."""
     model, train, s, layout, psi, n = r.model, r.train, r.strategy, r.layout, r.psi, r.n
     c = train.compute_bytes
-    a = trainable_params(model, train, layout.tp, layout.pp)
-    base = base_bytes(model, train, layout, psi)  # frozen base, whole, as stored
+    a = trainable_params(model, train, layout.tp, rank=r.rank)
+    base = base_bytes(model, train, layout, psi, r.rank)  # frozen base, whole, as stored
     os_ = optimizer_bytes(train)
     temp = optimizer_temp(train, a, a)
     layer = model.params_per_layer / layout.tp
@@ -49,13 +50,13 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         if stage == 3:
             # small tensors stay whole on every rank, base and adapters alike (QLoRA never runs here)
             persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
-            persist += sum(e * k * model.num_layers for e, k in adapter_tensors(model, train, layout.tp)
+            persist += sum(e * k * len(r.rank.layers) for e, k in adapter_tensors(model, train, layout.tp)
                            if e < ds.param_persistence_threshold)
             whole = w * persist
             mem = MemoryBreakdown(
                 params=whole + (base_w + w * a) / n, grads=w * a / n, master_params=4 * a / n,
                 optimizer_states=os_ * a / n, step_buffers=4 * a / n + temp / n,
-                engine_buffers=ds.reduce_bucket_size * w, gathered_params=w * zero3_gathered(model, train, ds, layout),
+                engine_buffers=ds.reduce_bucket_size * w, gathered_params=w * zero3_gathered(model, train, ds, layout, r.rank),
                 grads_persist=True)
         else:
             whole_grads = stage == 0 or (stage == 1 and train.grad_accum > 1)
@@ -70,7 +71,7 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         return mem, host
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
-        gathered = fsdp_gathered_params(model, s, layout, c, psi, layer)
+        gathered = fsdp_gathered_params(s, c, psi, r.layers, layer)
         mem = MemoryBreakdown(
             params=(base + w * a) / n, grads=w * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,
@@ -88,8 +89,10 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     ), host
 
 
-def base_bytes(model: ModelSpec, train: TrainSpec, layout: ParallelLayout, psi: float) -> float:
-    """The frozen base of a LoRA run as one rank's replica stores it: Ψ in the compute dtype,
+def base_bytes(model: ModelSpec, train: TrainSpec, layout: ParallelLayout, psi: float,
+               rank: PipelineRank | None = None) -> float:
+    """The frozen base of a LoRA run as one rank's replica (of pipeline rank `rank`, default the
+    whole model at pp 1) stores it: Ψ in the compute dtype,
     or for QLoRA (`base_quant` nf4) the decoder layers' linear weights in bitsandbytes NF4 —
     4 bits plus a double-quantised scale per 64-element block (8-bit absmax, and one fp32
     scale per 256 blocks: 0.5 + 1/64 + 4/(64·256) bytes per weight; Dettmers et al. 2023) —
@@ -97,7 +100,7 @@ def base_bytes(model: ModelSpec, train: TrainSpec, layout: ParallelLayout, psi: 
     c = train.compute_bytes
     if train.base_quant == "none":
         return c * psi
-    quantized = linear_weight_params(model, layout.tp, layout.pp)
+    quantized = linear_weight_params(model, layout.tp, rank=whole_model(model, layout, rank))
     return c * (psi - quantized) + NF4_BYTES * quantized
 
 

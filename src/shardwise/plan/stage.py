@@ -1,13 +1,15 @@
-"""The parameters one GPU's model replica holds (pure, no torch): a pipeline stage's layers
-and root split over TP, ZeRO-3's persistent tensors, ZeRO-1/2's gradient partition, and what
-ZeRO-3 and FSDP2 keep gathered. Memory, communication, time and the load phase read them here
-(plan/memory.py, memory_lora.py, comm.py, timing.py, load.py)."""
+"""The parameters one GPU's model replica holds (pure, no torch): a pipeline rank's layers and
+its part of the root (plan.pipeline: the trainer's split) split over TP, ZeRO-3's persistent
+tensors, ZeRO-1/2's gradient partition, and what ZeRO-3 and FSDP2 keep gathered. Memory,
+communication, time and the load phase read them here (plan/memory.py, memory_lora.py, comm.py,
+timing.py, load.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shardwise.plan.pipeline import PipelineRank, pipeline_ranks
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
@@ -17,8 +19,8 @@ from shardwise.specs.train import TrainSpec
 @dataclass(frozen=True, slots=True)
 class Replica:
     """One GPU's share of the model under a strategy, as each engine's model-state rule reads it
-    (plan/memory.py, memory_lora.py): the specs, ψ (the replica's parameters, `stage_params`),
-    the shard group's size n and the GPUs sharing one host."""
+    (plan/memory.py, memory_lora.py): the specs, its pipeline rank, ψ (the parameters it holds,
+    `rank_params`), the shard group's size n and the GPUs sharing one host."""
 
     model: ModelSpec
     train: TrainSpec
@@ -27,19 +29,60 @@ class Replica:
     psi: float
     n: int
     per_node: int
+    rank: PipelineRank
 
     @property
     def layer(self) -> float:
         """One decoder layer's parameters on this TP rank."""
         return self.model.params_per_layer / self.layout.tp
 
+    @property
+    def layers(self) -> float:
+        """The decoder-layer parameters this replica holds, on this TP rank."""
+        return rank_layer_params(self.model, self.rank) / self.layout.tp
 
-def stage_layer_params(model: ModelSpec, pp: int) -> int:
-    """Decoder-layer parameters of the fullest pipeline stage (⌈L/pp⌉ consecutive layers each;
-    layers differ where dense layers sit among MoE layers)."""
+
+def strategy_ranks(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> tuple[PipelineRank, ...]:
+    """Every pipeline rank's share under `strategy` (its pp_virtual_stages) and `layout`."""
+    return pipeline_ranks(model.num_layers, layout.pp, strategy.pp_virtual_stages if layout.pp > 1 else 1)
+
+
+def whole_model(model: ModelSpec, layout: ParallelLayout, rank: PipelineRank | None) -> PipelineRank:
+    """`rank`, or where the caller names none, the one rank of an unsplit model (pp 1 only: under
+    pipeline parallelism the ranks differ, and the caller must say which)."""
+    if rank is not None:
+        return rank
+    if layout.pp != 1:
+        raise ValueError("under pipeline parallelism name the pipeline rank (plan.pipeline.PipelineRank)")
+    return pipeline_ranks(model.num_layers, 1)[0]
+
+
+def rank_layer_params(model: ModelSpec, rank: PipelineRank) -> int:
+    """Decoder-layer parameters of a pipeline rank's layers (layers differ where dense layers sit
+    among MoE layers)."""
     sizes = model.layer_sizes
-    per = -(-len(sizes) // pp)
-    return max(sum(sizes[i:i + per]) for i in range(0, len(sizes), per))
+    return sum(sizes[i] for i in rank.layers)
+
+
+def rank_root_params(model: ModelSpec, rank: PipelineRank) -> float:
+    """Parameters outside the decoder layers that a pipeline rank holds (whole, before any TP
+    split): the token embedding (and a learned position table) with stage 0, the final norm and
+    lm_head with the last stage. A tied lm_head is the embedding's own matrix at pp 1, and a copy
+    of it on the last stage's rank under pipeline parallelism (Megatron-LM keeps one there and
+    all-reduces the two gradients; shardwise's trainer refuses tied models under PP,
+    run.resolve.check_pipeline)."""
+    if rank.embedding and rank.head:
+        return model.root_params
+    embed = model.vocab_size * model.hidden_size + model.position_embedding_params
+    head = model.root_params - embed + (model.lm_head_params if model.tie_embeddings else 0)
+    return (embed if rank.embedding else 0.0) + (head if rank.head else 0.0)
+
+
+def rank_params(model: ModelSpec, tp: int, rank: PipelineRank, vocab_tp: int | None = None) -> float:
+    """Parameters one GPU of a pipeline rank holds: its decoder layers split over TP ranks (norms
+    are replicated; negligible), its root part (`rank_root_params`) over `vocab_tp` of them
+    (default tp; `vocab_shards`)."""
+    return rank_layer_params(model, rank) / tp + rank_root_params(model, rank) / (tp if vocab_tp is None else vocab_tp)
 
 def vocab_shards(strategy: Strategy, tp: int) -> int:
     """How many ways the embedding, lm_head and logits are split: tp where the strategy's TP is
@@ -55,19 +98,29 @@ def tp_train(train: TrainSpec, strategy: Strategy) -> TrainSpec:
     return train
 
 
-def stage_params(model: ModelSpec, tp: int, pp: int, vocab_tp: int | None = None) -> float:
-    """Parameters held by one GPU's model replica: a pipeline stage's layers (worst stage: one
-    with the embedding or the lm_head) split over TP ranks (norms are replicated; negligible),
-    the embedding and lm_head over `vocab_tp` of them (default tp; `vocab_shards`)."""
-    root = model.root_params
-    if pp > 1:
-        embed = model.vocab_size * model.hidden_size
-        root = max(embed, root - embed) if not model.tie_embeddings else embed
-    return stage_layer_params(model, pp) / tp + root / (tp if vocab_tp is None else vocab_tp)
+def stage_params(model: ModelSpec, tp: int, pp: int, vocab_tp: int | None = None, virtual: int = 1) -> float:
+    """Parameters held by one GPU of the fullest pipeline rank (`rank_params`); the whole model
+    over TP at pp 1."""
+    return max(rank_params(model, tp, r, vocab_tp) for r in pipeline_ranks(model.num_layers, pp, virtual))
 
-def replica_params(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> float:
-    """ψ of one GPU's model replica under `strategy`'s TP scheme (`stage_params`, `vocab_shards`)."""
-    return stage_params(model, layout.tp, layout.pp, vocab_shards(strategy, layout.tp))
+
+def fullest_rank(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> PipelineRank:
+    """The pipeline rank holding the most parameters under `strategy` (the first of equals)."""
+    vocab_tp = vocab_shards(strategy, layout.tp)
+    return max(strategy_ranks(model, strategy, layout), key=lambda r: rank_params(model, layout.tp, r, vocab_tp))
+
+
+def busiest_layers(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> int:
+    """The most decoder layers one pipeline rank runs (⌈L/(pp·v)⌉ per stage of the longest ones)."""
+    return max(len(r.layers) for r in strategy_ranks(model, strategy, layout))
+
+
+def replica_params(model: ModelSpec, strategy: Strategy, layout: ParallelLayout,
+                   rank: PipelineRank | None = None) -> float:
+    """ψ of one GPU's model replica under `strategy`'s TP scheme (`rank_params`, `vocab_shards`):
+    pipeline rank `rank`'s, by default the fullest one's."""
+    rank = rank or fullest_rank(model, strategy, layout)
+    return rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
 
 
 def persistent_params(model: ModelSpec, threshold: int, tp: int) -> float:
@@ -87,18 +140,26 @@ def optimizer_groups(model: ModelSpec, weight_decay: float) -> tuple[tuple[int, 
     groups = (decayed + rest,) if weight_decay == 0 else (decayed, rest)
     return tuple(g for g in groups if g)
 
+def replica_partition(r: Replica) -> float:
+    """Elements of the gradient partition of DeepSpeed ZeRO-1/2 on the fullest data-parallel rank
+    of replica `r`: `partition_holding` of the unsplit model; under TP or PP the per-rank tensor
+    order is engine-specific, so the ideal ψ/N."""
+    if r.n <= 1:
+        return r.psi
+    if r.layout.tp > 1 or r.layout.pp > 1:
+        return r.psi / r.n
+    return partition_holding(r.model, r.n, weight_decay=r.train.weight_decay)
+
+
 @lru_cache(maxsize=4096)
-def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight_decay: float = 0.0,
-                      vocab_tp: int | None = None) -> float:
-    """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank: DeepSpeed
-    flattens each optimizer group (`optimizer_groups`) and splits it into N slices; every
-    tensor that overlaps the rank's slice of a group is held whole (stage_1_and_2.py:
-    params_in_partition). Measured exactly on both ranks of tiny Llamas, one group and two
-    (tests/accuracy/test_measured_memory.py, tests/plan/test_zero12_groups.py)."""
+def partition_holding(model: ModelSpec, n: int, weight_decay: float = 0.0) -> float:
+    """Elements of the gradient partition on DeepSpeed ZeRO-1/2's fullest rank (the whole model,
+    no TP or PP): DeepSpeed flattens each optimizer group (`optimizer_groups`) and splits it into
+    N slices; every tensor that overlaps the rank's slice of a group is held whole
+    (stage_1_and_2.py: params_in_partition). Measured exactly on both ranks of tiny Llamas, one
+    group and two (tests/accuracy/test_measured_memory.py, tests/plan/test_zero12_groups.py)."""
     if n <= 1:
-        return stage_params(model, tp, pp, vocab_tp)
-    if tp > 1 or pp > 1:  # per-rank tensor order under TP/PP is engine-specific: use the ideal
-        return stage_params(model, tp, pp, vocab_tp) / n
+        return model.params
     held = [0] * n
     for sizes in optimizer_groups(model, weight_decay):
         part = -(-sum(sizes) // n)
@@ -110,7 +171,8 @@ def partition_holding(model: ModelSpec, n: int, tp: int = 1, pp: int = 1, weight
             start = end
     return max(held)
 
-def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayout) -> float:
+def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayout,
+                   rank: PipelineRank | None = None) -> float:
     """Elements ZeRO-3 keeps gathered at the end of forward, on every step after the first (the
     first records the trace and releases each module after its forward: it holds less).
 
@@ -132,12 +194,13 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
       too), so a suffix of the layers stays, plus lm_head and the prefetch bucket. Measured on one
       H200: 0.92 GiB for qwen2.5-0.5b (whole model).
     A model whose gathered params are all within the distance is never released (no re-gather:
-    comm.py)."""
+    comm.py). `rank`: the pipeline rank (default: the whole model, pp 1)."""
+    rank = whole_model(model, layout, rank)
     layer = model.params_per_layer / layout.tp
-    layers = -(-model.num_layers // layout.pp)
+    layers = len(rank.layers)
     tail = model.root_params / layout.tp  # embed, norm, lm_head
     lm_head = model.lm_head_params / layout.tp
-    gathered = (stage_layer_params(model, layout.pp) / layout.tp + tail
+    gathered = (rank_layer_params(model, rank) / layout.tp + tail
                 - persistent_params(model, ds.param_persistence_threshold, layout.tp))
     distance = ds.max_reuse_distance
     if ds.zero3_unit(model.params_per_layer / layout.tp) == "layer":
@@ -159,13 +222,13 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
     return max(0.0, min(gathered, max(live, unit + min(ds.prefetch_bucket_size, layer))))
 
 
-def fsdp_gathered_params(model: ModelSpec, s: Strategy, layout: ParallelLayout, c: float, psi: float,
-                         layer: float) -> float:
-    """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`).
+def fsdp_gathered_params(s: Strategy, c: float, psi: float, layers: float, layer: float) -> float:
+    """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`),
+    of a replica of ψ parameters, `layers` of them in its decoder layers, `layer` the largest.
     "none": every unit stays gathered from its forward to its backward (c·Ψ). Else the layer in
     flight, the prefetched one and the root (never resharded after forward). "all" and
     "not-last" hold the same: "not-last" keeps the last layer from forward into backward; "all"
     frees it and gathers it again as backward starts, while the next one is prefetched."""
     if s.resharding == "none":
         return c * psi
-    return c * (2 * layer + psi - stage_layer_params(model, layout.pp) / layout.tp)
+    return c * (2 * layer + psi - layers)

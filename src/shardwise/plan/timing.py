@@ -37,7 +37,16 @@ from shardwise.plan.memory import offloaded_activations
 from shardwise.plan.memory_lora import NF4_BYTES
 from shardwise.plan.network import comm_time
 from shardwise.plan.optimizer import optimizer_bytes, paged_states
-from shardwise.plan.stage import replica_params, stage_layer_params, tp_train, vocab_shards
+from shardwise.plan.pipeline import pipeline_idle
+from shardwise.plan.stage import (
+    busiest_layers,
+    fullest_rank,
+    rank_layer_params,
+    replica_params,
+    strategy_ranks,
+    tp_train,
+    vocab_shards,
+)
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
@@ -105,8 +114,9 @@ def optimizer_time(shard: float, train: TrainSpec, strategy: Strategy, hw: Hardw
 
 def optimizer_shard(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout, psi: float) -> float:
     """Parameters whose optimizer state one GPU steps: the trainable ones (LoRA: the adapters) of
-    its replica, over the data-parallel shard where the strategy shards the optimizer."""
-    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else psi
+    its replica (the fullest pipeline rank's), over the data-parallel shard where the strategy
+    shards the optimizer."""
+    trainable = adapter_params(model, train, layout.tp, rank=fullest_rank(model, s, layout)) if train.lora_rank else psi
     return trainable / (layout.dp_shard if s.shards_optimizer else 1)
 
 
@@ -114,6 +124,22 @@ def forward_share(train: TrainSpec) -> float:
     """The forward's share of a step's work: a third (backward is about twice the forward), a
     quarter with full recompute (the forward runs again inside backward)."""
     return 1 / 4 if train.checkpointing == "full" else 1 / 3
+
+
+def pipeline_bubble(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout) -> float:
+    """The pipeline's idle time per unit of the busiest rank's work (0 at pp 1): the schedule's
+    order simulated (plan.pipeline.pipeline_idle) with each stage's forward as long as its decoder
+    layers and backward (1 − f)/f times that, f the forward's share (`forward_share`). Equal stages
+    give (p − 1)/(m + p − 1) of the step for GPipe and 1F1B and (p − 1)/(v·m + p − 1) for
+    interleaved 1F1B (Narayanan et al. 2021 §2.2), m = grad_accum. Measured on the trainer's
+    pipeline on 2 gloo ranks (tests/accuracy/test_measured_pipeline.py)."""
+    if layout.pp == 1:
+        return 0.0
+    layers = {st: len(held) for r in strategy_ranks(model, s, layout)
+              for st, held in zip(r.stages, r.stage_layers, strict=True)}
+    work = tuple(float(layers[st]) for st in range(len(layers)))
+    f = forward_share(train)
+    return pipeline_idle(s.pp_schedule, layout.pp, s.pp_virtual_stages, train.grad_accum, work, (1 - f) / f)
 
 
 def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: ParallelLayout,
@@ -125,10 +151,11 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     ZeRO: gathers into new buffers, grads through the reduce bucket into the partition;
     DDP under autocast: the weights cast per forward and the fp32 grad accumulation."""
     c, k, n = train.compute_bytes, train.grad_accum, max(layout.dp_shard, 1)
-    layers = stage_layer_params(model, layout.pp) / layout.tp
+    rank = fullest_rank(model, s, layout)
+    layers = rank_layer_params(model, rank) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else c
-        gathered = psi + layers * fsdp_regather_share(model, s, layout)
+        gathered = psi + layers * fsdp_regather_share(s, rank)
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
@@ -177,7 +204,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     tp, pp, k = layout.tp, layout.pp, train.grad_accum
     vocab_tp = vocab_shards(s, tp)  # lm_head and the loss: whole on every TP rank under AutoTP
     tokens = train.micro_batch * train.seq_len
-    layers = -(-model.num_layers // pp)
+    layers = busiest_layers(model, s, layout)  # the pipeline rank with the most decoder layers
     # replayed in backward: full checkpointing replays the whole forward; torchtitan's per-op
     # selective policy keeps SDPA's output and every other matmul's, replaying the rest
     recompute = {"full": 1.0, "selective": 1.0, "none": 0.0}[train.checkpointing]
@@ -223,7 +250,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     mem += copies * (tm.fsdp2_copy_exposed if s.engine == "fsdp2" else 1.0)
     if train.base_quant == "nf4":  # QLoRA: each 4-bit weight is dequantised to c bytes in every pass
         passes_q = train.layer_passes
-        mem += k * passes_q * linear_weight_params(model, tp, pp) * (NF4_BYTES + c)
+        mem += k * passes_q * linear_weight_params(model, tp, pp, s.pp_virtual_stages if pp > 1 else 1) * (NF4_BYTES + c)
     memory_bound = mem / bytes_s
 
     shard = optimizer_shard(model, train, s, layout, psi)
@@ -329,7 +356,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     fwd = work * forward_share(train)
     bwd = work - fwd
     comm_s = comm_time(comm, hw, layout)
-    units = -(-model.num_layers // layout.pp) + 1  # one per decoder layer and the root's
+    # one per decoder layer and each stage's root group, on the pipeline rank with the most layers
+    units = busiest_layers(model, strategy, layout) + (strategy.pp_virtual_stages if layout.pp > 1 else 1)
     exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm, hw.timing, units))
     # TP all-reduces stay inside the node (TP ranks are packed on NVLink); PP sends cross
     # nodes when the stages do. Both sit on the critical path.
@@ -353,10 +381,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     comm_s += blocking
     exposed += blocking_exposed
     offload = _offload_time(model, hw, strategy, layout, comm, train) + _saver_copies(model, hw, train, strategy, layout, psi, work, bwd)
-    bubble = 0.0
-    if layout.pp > 1:  # 1F1B bubble (p−1)/(m+p−1) of the pipeline's time
-        frac = (layout.pp - 1) / (train.grad_accum + layout.pp - 1)
-        bubble = work * frac / (1 - frac)
+    bubble = work * pipeline_bubble(model, train, strategy, layout)
     step = work + exposed + offload + bubble
     share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
     tps = tokens / share / step
@@ -418,8 +443,8 @@ def _offload_time(model, hw, s: Strategy, layout, comm: CommBreakdown, train: Tr
         return 0.0
     per_node = min(layout.world_size, hw.gpus_per_node)
     pcie = comm.pcie / hw.pcie_bytes_per_s
-    trainable = adapter_params(model, train, layout.tp, layout.pp) if train.lora_rank else replica_params(
-        model, s, layout)
+    trainable = adapter_params(model, train, layout.tp, rank=fullest_rank(model, s, layout)) if train.lora_rank \
+        else replica_params(model, s, layout)
     params_on_node = trainable / max(layout.dp_shard, 1) * per_node
     rate = hw.timing.host_adam_params_per_s if s.engine == "deepspeed" else hw.timing.host_torch_adam_params_per_s
     return pcie + params_on_node / rate
