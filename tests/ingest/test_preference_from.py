@@ -164,3 +164,11 @@ def test_llama_factory_full_dpo_holds_a_reference_copy(tmp_path: Path) -> None:
     doc = plan("--from", str(f), "-s", "ddp")
     assert (doc["train"]["objective"], doc["train"]["reference"]) == ("dpo", "model")
     assert doc["strategies"][0]["memory"]["ref_params"] == BF16 * params(128256)
+
+
+@pytest.mark.parametrize("recipe", ["llama_factory_lora_dpo.yaml", "trl_zephyr_dpo_full.yaml"])
+def test_the_flags_a_recipe_reads_as_plan_what_the_recipe_plans(recipe: str) -> None:
+    doc = plan("--from", str(DATA / recipe))  # DDP: neither file names DeepSpeed or FSDP
+    flags = plan(*doc["from"]["as_flags"])
+    assert flags["train"] == doc["train"]
+    assert [s["memory"] for s in flags["strategies"]] == [s["memory"] for s in doc["strategies"]]
