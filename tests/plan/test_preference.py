@@ -97,3 +97,30 @@ def test_bad_objective_flags_are_refused_naming_them(args: list[str], says: str)
 def test_emit_is_refused_for_a_planner_only_objective(tmp_path) -> None:
     r = run("--objective", "dpo", "-s", "zero3", "--gpu", "h100-sxm", "--emit", str(tmp_path / "out"))
     assert r.exit_code == 2 and "SFT only" in r.output
+
+
+def _gathered(*args: str) -> float:
+    r = run("-m", "llama-2-7b", "--gpu", "h100-sxm", "--seq-len", "1024", "--micro-batch", "2", "--grad-accum", "3",
+            "-s", "zero3", "--ds-persistence-threshold", "100000", "--json", *args)
+    assert r.exit_code in (0, 3), r.output
+    return json.loads(r.stdout)["strategies"][0]["comm"]["all_gather"]
+
+
+# llama-2-7b's shape (config.json): hidden 4096, 32 layers of 4 H×H attention and 3 H×11008 MLP
+# matrices and 2 norms, vocabulary 32000, untied embeddings
+H, L = 4096, 32
+P = 2 * 32000 * H + L * (4 * H * H + 3 * H * 11008 + 2 * H) + H
+PERSIST = (2 * L + 1) * H  # ZeRO-3 keeps tensors under 1e5 elements whole: the norms
+
+
+@pytest.mark.parametrize(("args", "forwards"), [
+    (["--objective", "dpo"], 1),  # the reference copy, once per micro-batch
+    (["--objective", "dpo", "--reference", "precomputed"], 0),
+    (["--objective", "dpo", "--lora-rank", "8"], 1),  # adapters off: the policy itself runs the reference
+    (["--objective", "kto"], 3),  # the reference on the KL sequences and the examples, the policy on the KL ones
+    (["--objective", "kto", "--reference", "precomputed"], 1),
+    (["--objective", "orpo"], 0),
+])
+def test_no_grad_forwards_through_a_zero3_model_gather_it_each_time(args: list[str], forwards: int) -> None:
+    base = _gathered(*(["--lora-rank", "8"] if "--lora-rank" in args else []))
+    assert _gathered(*args) - base == pytest.approx(2 * (P - PERSIST) * 3 * forwards)  # bf16, 3 micro-batches

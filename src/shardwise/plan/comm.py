@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 from shardwise.plan.activations import input_linears
 from shardwise.plan.lora import adapter_params, adapter_tensors
-from shardwise.plan.preference import reference_gather_bytes
+from shardwise.plan.preference import no_grad_forwards, no_grad_gather_bytes
 from shardwise.plan.stage import persistent_params, replica_params, stage_layer_params, tp_train
 from shardwise.specs.hardware import HardwareSpec
 from shardwise.specs.layout import ParallelLayout
@@ -92,10 +92,11 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     k = train.grad_accum
     c = train.compute_bytes
     out = _dp_comm(model, train, strategy, layout, hw, psi, k, c)
-    ref = reference_gather_bytes(model, train, strategy, layout, psi)
-    if ref:  # a sharded reference model's forward gathers it once per micro-batch (plan/preference.py)
+    ref = no_grad_gather_bytes(model, train, strategy, layout, psi)
+    if ref:  # a preference objective's no-grad forwards through a sharded model (plan/preference.py)
         link = "intra" if strategy.fsdp_sharding == "hybrid" else _dp_link(hw, layout, layout.dp)
-        out = out + CommBreakdown(all_gather=ref, calls=k * (model.num_layers // layout.pp + 1), **_on(link, ref))
+        calls = k * no_grad_forwards(train) * (model.num_layers // layout.pp + 1)
+        out = out + CommBreakdown(all_gather=ref, calls=calls, **_on(link, ref))
     # the TP/PP activations of a forward's batch: 2 sequences per example for the paired objectives
     out = out + _tp_pp_comm(model, train.as_sequences(), layout, k, c, strategy.tp_scheme)
     return out

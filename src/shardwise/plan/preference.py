@@ -61,7 +61,7 @@ def reference_forward(model: ModelSpec, train: TrainSpec, strategy: Strategy, la
                       vocab_tp: int) -> float:
     """Bytes per GPU live during the no-grad forward(s) beside the policy's saved activations: the
     forward-only sequences' logits (c bytes per vocabulary entry per token, nothing saved for
-    backward) beside the policy's own logits, which it still holds, and the reference's gathered
+    backward; one forward at a time) beside the policy's own logits, which it still holds, and the reference's gathered
     weights where it is sharded (FSDP2: the whole model, TRL's one root unit; ZeRO-3: the layer in
     flight and the prefetched one). None without forward-only sequences. Liger's fused
     preference loss (--cross-entropy fused) materialises neither's logits."""
@@ -73,8 +73,10 @@ def reference_forward(model: ModelSpec, train: TrainSpec, strategy: Strategy, la
     if seq.cross_entropy != "fused":
         c, v = seq.compute_bytes, model.vocab_size / vocab_tp
         policy = seq.tokens_per_micro_batch  # the policy's logits, still referenced
-        logits = c * v * policy * (1 + share) if seq.cross_entropy in ("standard", "inplace") else (
-            c * v * policy * share + logits_bytes(model, seq, vocab_tp))
+        # one no-grad forward at a time, each over as many sequences as the trained one (DPO's
+        # reference on the pair; KTO's on the examples, then on the KL sequences)
+        logits = c * v * policy * 2 if seq.cross_entropy in ("standard", "inplace") else (
+            c * v * policy + logits_bytes(model, seq, vocab_tp))
     gathered = 0.0
     if train.holds_reference and reference_shards(strategy) and layout.dp_shard > 1:
         c = train.compute_bytes
@@ -82,17 +84,31 @@ def reference_forward(model: ModelSpec, train: TrainSpec, strategy: Strategy, la
     return logits + gathered
 
 
-def reference_gather_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
-                           psi: float) -> float:
-    """All-gather bytes per GPU per optimizer step of a sharded reference: its forward gathers
-    every parameter once per micro-batch (no backward to gather again; ZeRO-3's persistent
-    tensors are whole and not gathered)."""
-    if not (train.holds_reference and reference_shards(strategy) and layout.dp_shard > 1):
+def no_grad_forwards(train: TrainSpec) -> int:
+    """Forwards without gradients per micro-batch through a model the size of the policy: DPO's
+    reference (a held copy, or the policy itself with the adapters off); KTO's reference twice (its
+    KL sequences, then the examples: trl/trainer/kto_trainer.py `_compute_kl_logps`, then
+    `self.ref_model(**ref_model_kwargs)`) and the policy once more on the KL sequences."""
+    ref = train.reference in ("model", "adapters_off")
+    if train.objective == "dpo":
+        return 1 if ref else 0
+    if train.objective == "kto":
+        return (2 if ref else 0) + 1
+    return 0
+
+
+def no_grad_gather_bytes(model: ModelSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
+                         psi: float) -> float:
+    """All-gather bytes per GPU per optimizer step of the no-grad forwards (`no_grad_forwards`)
+    where the model they run is sharded (ZeRO-3, FSDP2: the held reference as the policy is, or
+    the policy itself): every parameter gathered once per forward and micro-batch, in the compute
+    dtype (no backward gathers them again; ZeRO-3's persistent tensors are whole and not gathered)."""
+    if not (reference_shards(strategy) and layout.dp_shard > 1):
         return 0.0
     gathered = psi
     if strategy.engine == "deepspeed":
         gathered -= persistent_params(model, strategy.ds.param_persistence_threshold, layout.tp)
-    return train.compute_bytes * gathered * train.grad_accum
+    return train.compute_bytes * gathered * train.grad_accum * no_grad_forwards(train)
 
 
 def objective_words(train: TrainSpec) -> str:
