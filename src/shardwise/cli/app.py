@@ -15,6 +15,7 @@ from shardwise.cli.plan_inputs import (
     hardware_inputs,
     input_warnings,
     naming_file,
+    objective_fields,
     plan_cpu,
     plan_inputs,
     print_warnings,
@@ -112,6 +113,16 @@ def plan(
                                            help="Under --tp > 1: norms, residuals and their elementwise work split "
                                            "over the TP ranks (Megatron-LM --sequence-parallel, torchtitan); "
                                            "off: replicated on every TP rank."),
+    objective: str | None = typer.Option(None, "--objective", help="Planner-only (shardwise train runs sft): sft | "
+                                         "dpo | orpo | kto | simpo. dpo, orpo and simpo run each example's chosen "
+                                         "and rejected sequences in one batch (2 × --micro-batch sequences of "
+                                         "--seq-len tokens); dpo and kto add a reference's forward (docs/planner.md "
+                                         "\"Preference objectives\"). Default: sft."),
+    reference: str | None = typer.Option(None, "--reference", help="With --objective dpo or kto: model (a frozen "
+                                         "copy in the compute dtype, sharded as the policy under ZeRO-3 and FSDP2) | "
+                                         "precomputed (TRL precompute_ref_log_probs: no reference in the step) | "
+                                         "adapters-off (LoRA: the base with the adapters disabled, no extra "
+                                         "weights). Default: model, adapters-off under LoRA."),
     tp_comm_overlap: bool = typer.Option(False, "--tp-comm-overlap", help="Under --tp > 1: TP's collectives "
                                          "overlapped with the GEMMs they feed (Megatron-LM --tp-comm-overlap, "
                                          "torchtitan's async TP); off: on the critical path."),
@@ -168,7 +179,7 @@ def plan(
             defaults=trainer_run(a) if source is None else None, **run_fields(a),
             base_quant="nf4" if a["qlora"] else "none", fused_norm=a["fused_norm"],
             expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
-            tp_comm_overlap=a["tp_comm_overlap"],
+            tp_comm_overlap=a["tp_comm_overlap"], **objective_fields(a["objective"], a["reference"]),
         )
         margin = a["margin"] = check_margin(margin)
         warnings = input_warnings(m, train)
@@ -216,6 +227,9 @@ def plan(
         except NothingFits as no_fit:
             rec_error, alternatives = str(no_fit), no_fit.alternatives
         emitted, notes = None, []
+        if emit is not None and train.objective != "sft":
+            raise ShardwiseError(f"--emit writes shardwise train's launchers, which run SFT only; --objective "
+                                 f"{train.objective} is planner-only: drop --emit")
         if emit is not None:
             emitted, notes = emit_plan(m, hw, train, rec, rec_error=rec_error, out_dir=emit, name=emit_strategy, tp=tp,
                                    pp=pp, knobs=knobs, margin=margin, accounting=accounting)

@@ -229,6 +229,27 @@ def trainer_run(values: dict):
     return defaults
 
 
+def objective_fields(objective: str | None, reference: str | None) -> dict:
+    """--objective / --reference as TrainSpec fields (None: not given; the reference by its flag
+    spelling, adapters-off, or the field's); an unknown value names its flag."""
+    from typing import get_args
+
+    from shardwise.specs.train import Objective, Reference
+
+    out: dict = {}
+    if objective is not None:
+        if objective not in get_args(Objective):
+            raise ShardwiseError(f"--objective {objective!r}: expected {', '.join(get_args(Objective))}")
+        out["objective"] = objective
+    if reference is not None:
+        ref = reference.replace("-", "_")
+        if ref not in get_args(Reference):
+            raise ShardwiseError(f"--reference {reference!r}: expected "
+                                 f"{', '.join(r.replace('_', '-') for r in get_args(Reference))}")
+        out["reference"] = ref
+    return out
+
+
 def comma_names(value: str) -> tuple[str, ...]:
     """A comma-separated flag value as names (empty parts dropped)."""
     return tuple(n.strip() for n in value.split(",") if n.strip())

@@ -75,6 +75,7 @@ MEMORY_COLS = (
     Col("master_gib", "master", _gib, 5), Col("optim_gib", "optim", _gib, 6),
     Col("step_gib", "step", _gib, 3), Col("activ_gib", "activ", _gib, 7),
     Col("recomp_gib", "recomp", _gib, 2), Col("logits_gib", "logits", _gib, 4),
+    Col("ref_gib", "ref", _gib, 5), Col("ref_fwd_gib", "ref fwd", _gib, 3),
     Col("buffers_gib", "buffers", _gib, 2), Col("grad_buf_gib", "grad buf", _gib, 2),
     Col("overhead_gib", "overhead", _gib, 3),
     Col("total_gib", "total", _gib, 98), Col("need_gib", "need", _gib, 90),
@@ -94,7 +95,7 @@ TIME_COLS = (
     Col("offload_s", "offload s", _s, 4), Col("step_s", "step s", _s, 80),
     Col("tokens_per_s_per_gpu", "tokens/s/GPU", rate, 90), Col("mfu", "MFU", lambda v: f"{v:.0%}", 70),
 )  # fmt: skip
-GROUPS = {"states": "params + grads + master + optim", "activ+": "activ + recomp + logits",
+GROUPS = {"states": "params + grads + master + optim + ref", "activ+": "activ + recomp + logits + ref fwd",
           "buffers+": "step + buffers + grad buf + overhead"}  # fmt: skip
 CSV_COLS = ("strategy", "tp", "pp", *(c.key for c in MEMORY_COLS[1:]), *(c.key for c in TIME_COLS[1:]))
 
@@ -112,14 +113,15 @@ def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
              "params_gib": g.params / GIB, "grads_gib": g.grads / GIB, "master_gib": g.master_params / GIB,
              "optim_gib": g.optimizer_states / GIB, "step_gib": g.step_buffers / GIB,
              "activ_gib": g.activations / GIB, "recomp_gib": g.recompute / GIB, "logits_gib": g.logits / GIB,
+             "ref_gib": g.ref_params / GIB, "ref_fwd_gib": g.ref_forward / GIB,
              "buffers_gib": g.engine_buffers / GIB, "grad_buf_gib": g.grad_buffers / GIB,
              "overhead_gib": g.runtime_overhead / GIB, "total_gib": g.total / GIB, "need_gib": g.required / GIB,
              "host_gib": p.host.peak / GIB, "fits": p.fits,
              "comm_paper_gb": e.ideal.total / 1e9, "comm_engine_gb": e.comm.total / 1e9,
              "compute_s": t.compute_s, "exposed_s": t.exposed_comm_s, "offload_s": t.offload_s, "step_s": t.step_s,
              "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu}  # fmt: skip
-        r["states_gib"] = r["params_gib"] + r["grads_gib"] + r["master_gib"] + r["optim_gib"]
-        r["activ_all_gib"] = r["activ_gib"] + r["recomp_gib"] + r["logits_gib"]
+        r["states_gib"] = r["params_gib"] + r["grads_gib"] + r["master_gib"] + r["optim_gib"] + r["ref_gib"]
+        r["activ_all_gib"] = r["activ_gib"] + r["recomp_gib"] + r["logits_gib"] + r["ref_fwd_gib"]
         r["buffers_all_gib"] = r["step_gib"] + r["buffers_gib"] + r["grad_buf_gib"] + r["overhead_gib"]
         rows.append(r)
     return rows
@@ -201,6 +203,7 @@ class PlanOutput:
 
 
 def plan_title(o: PlanOutput) -> list[str]:
+    from shardwise.plan.preference import objective_words
     from shardwise.plan.report import links_line, loss_words
 
     m, hw, train = o.model, o.hw, o.train
@@ -208,7 +211,8 @@ def plan_title(o: PlanOutput) -> list[str]:
             f"({hw.gpu.memory_bytes / GIB:.0f} GiB), seq {train.seq_len} × micro-batch {train.micro_batch}"
             f" × accum {train.grad_accum}, {train.precision}, checkpointing {train.checkpointing}"
             + (f", {'QLoRA (NF4 base)' if train.base_quant == 'nf4' else 'LoRA'} rank {train.lora_rank} on "
-               f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f", {loss_words(train)}")
+               f"{','.join(train.lora_targets)}" if train.lora_rank else "") + f", {loss_words(train)}"
+            + (f", {objective_words(train)}" if train.objective != "sft" else ""))
     return [line, links_line(hw)] + ([f"hardware profile: {o.profile}"] if o.profile else [])
 
 

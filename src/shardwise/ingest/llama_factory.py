@@ -68,7 +68,62 @@ def read(doc: Doc, ctx: Context) -> Source:
     if d.get("packing"):
         src.values["packed_attention"] = "sdpa_varlen"
         src.read.append(("packing", "true: documents packed (--packed-attention sdpa_varlen)"))
+    seen |= _preference(doc, d, src, lora=kind == "lora")
     engine_keys = src.keys_of
     src.keys_of = lambda s: {**engine_keys(s), "disable_gradient_checkpointing": s.checkpointing == "none"}
     rest(doc, d, src, seen, LF_NO_EFFECT)
     return src
+
+
+# LLaMA-Factory's preference stages (hiyouga/LLaMA-Factory ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30):
+# hparams/finetuning_args.py `stage` (pt, sft, rm, ppo, dpo, kto) and `pref_loss` (sigmoid = DPO, hinge,
+# ipo, kto_pair: DPO variants with a reference; orpo, simpo: `use_ref_model` False, no reference);
+# train/trainer_utils.py `create_ref_model`: `ref_model` names another checkpoint, else a copy of the
+# model itself, or, under finetuning_type lora, none (the base with the adapters disabled); train/dpo/
+# trainer.py prepares it with TRL's prepare_deepspeed / prepare_fsdp (FSDP2: accelerate's
+# fsdp2_prepare_model) or accelerator.prepare_model(evaluation_mode=True), and `concatenated_forward`
+# runs chosen and rejected in one batch.
+PREF_LOSS = {"sigmoid": "dpo", "hinge": "dpo", "ipo": "dpo", "kto_pair": "dpo", "orpo": "orpo", "simpo": "simpo"}
+PREF_NO_EFFECT = ("pref_beta", "pref_ftx", "simpo_gamma", "dpo_label_smoothing", "kto_chosen_weight",
+                  "kto_rejected_weight", "pref_bco_weight", "ld_alpha")
+
+
+def _preference(doc: Doc, d: dict, src: Source, *, lora: bool) -> set:
+    """`stage` and the preference keys: the objective and its reference. Returns the keys read."""
+    stage = str(d.get("stage", "sft"))
+    seen = {"stage"}
+    if stage in ("pt", "sft"):
+        src.read.append(("stage", f"{stage}: planned as SFT"))
+        return seen
+    if stage not in ("dpo", "kto"):
+        src.ignored.append(("stage", f"{stage}: planned as SFT (shardwise plans sft, dpo, kto, orpo, simpo)"))
+        return seen
+    loss = str(d.get("pref_loss", "sigmoid")) if stage == "dpo" else "kto"
+    if stage == "dpo":
+        seen.add("pref_loss")
+        if loss not in PREF_LOSS:
+            raise doc.error(("pref_loss",), loss, ", ".join(PREF_LOSS))
+    objective = PREF_LOSS.get(loss, "kto")
+    src.values["objective"] = objective
+    src.read.append(("stage" if stage == "kto" else "stage/pref_loss",
+                     f"{stage}" + (f", pref_loss {loss}" if stage == "dpo" else "") + f": --objective {objective}"))
+    if objective in ("dpo", "kto"):
+        ref = d.get("ref_model")
+        seen |= {"ref_model", "ref_model_adapters", "ref_model_quantization_bit"}
+        if ref is not None:
+            src.values["reference"] = "model"
+            src.read.append(("ref_model", f"{ref}: --reference model (planned with the policy's shape)"))
+        elif lora:
+            src.values["reference"] = "adapters_off"
+            src.read.append(("ref_model", "unset under LoRA: --reference adapters-off (the base with the adapters "
+                             "disabled, no extra weights)"))
+        else:
+            src.values["reference"] = "model"
+            src.read.append(("ref_model", "unset: --reference model (a frozen copy of the model)"))
+        if d.get("ref_model_quantization_bit") is not None:
+            src.ignored.append(("ref_model_quantization_bit", "a quantized reference is planned in the compute dtype"))
+    for k in PREF_NO_EFFECT:
+        if k in d:
+            seen.add(k)
+            src.read.append((k, "the loss's coefficient: no change to memory or time"))
+    return seen

@@ -57,8 +57,67 @@ def read(doc: Doc, ctx: Context) -> Source:
             seen.add(k)
             src.values["seq_len"] = as_count(doc, (k,), doc.data[k])
             src.read.append((k, f"--seq-len {src.values['seq_len']}"))
+    seen |= _preference(doc, doc.data, src)
     rest(doc, doc.data, src, seen, NO_EFFECT)
     return src
+
+
+# TRL's preference configs (huggingface/trl f2cd57710ae345ea6428ae95363267fcf38a3dc8): DPOConfig
+# (trl/trainer/dpo_config.py: `beta`, `loss_type` default ["sigmoid"], `precompute_ref_log_probs`,
+# `max_length` the whole sequence, prompt + completion, default 1024), KTOConfig (trl/trainer/
+# kto_config.py: loss_type kto or apo_zero_unpaired, desirable_weight/undesirable_weight), CPOConfig
+# (trl/experimental/cpo: loss_type simpo is SimPO, reference-free). A file with DPO's keys is planned
+# as DPO; ORPOConfig has no key of its own (beta alone) and is not told apart from DPO.
+DPO_KEYS = ("beta", "precompute_ref_log_probs", "ref_model_init_kwargs", "max_prompt_length", "loss_type",
+            "rpo_alpha", "ref_adapter_name", "model_adapter_name", "sync_ref_model", "reference_free")
+KTO_KEYS = ("desirable_weight", "undesirable_weight")
+PREF_NO_EFFECT = ("beta", "max_prompt_length", "max_completion_length", "label_smoothing", "rpo_alpha",
+                  "ref_model_init_kwargs", "disable_dropout", "truncation_mode", "generate_during_eval",
+                  "desirable_weight", "undesirable_weight", "simpo_gamma", "cpo_alpha", "loss_weights")
+
+
+def _preference(doc: Doc, d: dict, src: Source) -> set:
+    """A TRL DPO/KTO/CPO config's objective and reference. Returns the keys read."""
+    if not any(k in d for k in DPO_KEYS + KTO_KEYS):
+        return set()
+    seen: set = set()
+    losses = d.get("loss_type", "sigmoid")
+    losses = [str(x) for x in (losses if isinstance(losses, list) else [losses])]
+    if "loss_type" in d:
+        seen.add("loss_type")
+    if any(k in d for k in KTO_KEYS) or set(losses) & {"kto", "apo_zero_unpaired"}:
+        objective = "kto"
+    elif "simpo" in losses:
+        objective = "simpo"
+    else:
+        objective = "dpo"
+    src.values["objective"] = objective
+    src.read.append(("loss_type" if "loss_type" in d else "beta/DPO keys",
+                     f"{','.join(losses)}: --objective {objective}" + ("" if "loss_type" in d else
+                                                                       " (DPOConfig's default loss sigmoid)")))
+    if objective in ("dpo", "kto"):
+        pre = d.get("precompute_ref_log_probs")
+        seen.add("precompute_ref_log_probs")
+        if pre is not None and as_bool(doc, ("precompute_ref_log_probs",), pre):
+            src.values["reference"] = "precomputed"
+            src.read.append(("precompute_ref_log_probs", "true: --reference precomputed (the pass before training "
+                             "is not in the step; no reference held)"))
+        elif d.get("reference_free"):
+            seen.add("reference_free")
+            src.values["reference"] = "precomputed"
+            src.read.append(("reference_free", "true: no reference forward (planned as --reference precomputed)"))
+        else:
+            src.read.append(("precompute_ref_log_probs", "unset: a reference model (the base with the adapters "
+                             "disabled under LoRA, else a frozen copy)"))
+    if "max_length" not in d and "max_seq_length" not in d:
+        src.values["seq_len"] = 1024
+        src.read.append(("max_length", "unset: --seq-len 1024 (DPOConfig's default: prompt + completion)"))
+    for k in PREF_NO_EFFECT:
+        if k in d:
+            seen.add(k)
+            src.read.append((k, "no change to memory or time" if k != "max_prompt_length" else
+                             "the prompt's truncation inside max_length: no change to memory or time"))
+    return seen
 
 
 def rest(doc: Doc, data: dict, src: Source, seen: set, no_effect: set) -> None:

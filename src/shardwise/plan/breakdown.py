@@ -25,6 +25,11 @@ class MemoryBreakdown:
     - step_buffers: end of backward and the optimizer step only (DeepSpeed's fp32 gradient
       partition, the optimizer's temporaries by implementation, FSDP2's root reduce-scatter).
 
+    - ref_params: a preference objective's frozen reference model (plan/preference.py),
+      resident in every phase; ref_forward: its no-grad forward's transient (its logits beside
+      the policy's, its gathered weights where sharded), at the end of forward with the saved
+      activations, before the loss's backward.
+
     grads_persist: the gradient storage is live in every phase (DDP's buckets, which the
     grads alias; ZeRO-3's flat gradient partition; accumulation into sharded grads).
 
@@ -51,6 +56,8 @@ class MemoryBreakdown:
     nccl: float = 0.0
     allocator_slack: float = 0.0
     allocator_unreclaimable: float = 0.0  # of allocator_slack: not returned by a cache flush
+    ref_params: float = 0.0
+    ref_forward: float = 0.0
     grads_persist: bool = False
     # Of `grads`, the bytes not yet produced at the end-of-backward peak (FSDP2: the first
     # layer's and the root group's shards, reduce-scattered last); not a term of its own
@@ -59,6 +66,12 @@ class MemoryBreakdown:
     @property
     def model_states(self) -> float:
         return self.params + self.grads + self.master_params + self.optimizer_states
+
+    @property
+    def resident(self) -> float:
+        """Allocated in every phase: the weights and optimizer states, the engines' resident
+        buffers, a reference model."""
+        return self.params + self.master_params + self.optimizer_states + self.engine_buffers + self.ref_params
 
     @property
     def phases(self) -> dict[str, float]:
@@ -74,9 +87,9 @@ class MemoryBreakdown:
         and backward buffers are gone and the gradients are complete.
         Traced against FSDPMemTracker (benchmarks/results/fsdp_trace.json) and measured on one
         H200 (docs/accuracy.md)."""
-        always = self.params + self.master_params + self.optimizer_states + self.engine_buffers
+        always = self.resident
         forward = (always + self.gathered_params + self.held_grads + (self.grads if self.grads_persist else 0.0)
-                   + self.activations + max(self.logits, self.recompute + self.grad_buffers))
+                   + self.activations + max(self.logits, self.ref_forward, self.recompute + self.grad_buffers))
         # the end of backward: the first layer's recompute and backward buffers (and what is
         # gathered for it) while the gradients of every later layer are already complete (or,
         # accumulating without sync, held unsharded)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from shardwise.plan.activations import input_linears
 from shardwise.plan.lora import adapter_params, adapter_tensors
 from shardwise.plan.pipeline import PipelineRank
+from shardwise.plan.preference import no_grad_forwards, no_grad_gather_bytes
 from shardwise.plan.stage import (
     busiest_layers,
     fullest_rank,
@@ -100,7 +101,13 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     k = train.grad_accum
     c = train.compute_bytes
     out = _dp_comm(model, train, strategy, layout, hw, psi, k, c, rank)
-    out = out + _tp_pp_comm(model, train, strategy, layout, k, c)
+    ref = no_grad_gather_bytes(model, train, strategy, layout, psi)
+    if ref:  # a preference objective's no-grad forwards through a sharded model (plan/preference.py)
+        link = "intra" if strategy.fsdp_sharding == "hybrid" else _dp_link(hw, layout, layout.dp)
+        calls = k * no_grad_forwards(train) * (len(rank.layers) + 1)  # a gather per layer and the root's
+        out = out + CommBreakdown(all_gather=ref, calls=calls, **_on(link, ref))
+    # the TP/PP activations of a forward's batch: 2 sequences per example for the paired objectives
+    out = out + _tp_pp_comm(model, train.as_sequences(), strategy, layout, k, c)
     return out
 
 

@@ -81,3 +81,13 @@ def run_flops_per_token(model: ModelSpec, train) -> float:
     base = model_flops_per_token(model, train.seq_len) - attention_flops_per_token(model, train.seq_len)
     return (base * 4 / 6 + 6 * adapter_params(model, train) + 2 * saved_module_params(model, train.lora_modules_to_save)
             + attention_flops_per_token(model, train.seq_len))
+
+
+def forward_only_flops_per_token(model: ModelSpec, train) -> float:
+    """FLOPs per trained token of the forwards a preference objective runs without gradients
+    (`TrainSpec.forward_only_share` sequences per trained sequence: DPO's reference on the same
+    batch, KTO's reference and KL forwards): one forward, a third of `model_flops_per_token`
+    (2 of its 6 FLOPs per weight, one of the three attention passes). A LoRA reference with the
+    adapters off runs the base's matmuls alone, the same count. 0 for SFT, ORPO, SimPO and a
+    precomputed DPO reference (that pass runs before training, outside the step)."""
+    return train.forward_only_share * model_flops_per_token(model, train.seq_len) / 3

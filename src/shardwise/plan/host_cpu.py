@@ -95,6 +95,7 @@ def heap_slack(model: ModelSpec, train: TrainSpec, plan, offloaded: float = 0.0)
     from shardwise.plan.stage import whole_model
 
     mm = memory_model()
+    train = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
     row = train.seq_len * train.micro_batch * model.hidden_size / plan.layout.tp * train.compute_bytes
     if row >= mm.mmap_threshold_bytes:
         return mm.heap_floor_bytes

@@ -24,12 +24,14 @@ from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_st
 from shardwise.plan.memory_lora import lora_states
 from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp, paged_states
 from shardwise.plan.pipeline import PipelineRank, rank_actions, stage_in_flight
+from shardwise.plan.preference import reference_forward, reference_params
 from shardwise.plan.stage import (
     Replica,
     fsdp_gathered_params,
     fullest_rank,
     persistent_params,
     rank_params,
+    replica_params,
     replica_partition,
     strategy_ranks,
     tp_train,
@@ -295,8 +297,7 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     whatever their segment: nothing stays unreclaimable."""
     mm = memory_model()
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp))
-    resident = (gpu.params + gpu.master_params + gpu.optimizer_states + gpu.engine_buffers
-                + (gpu.grads if gpu.grads_persist else 0.0))
+    resident = gpu.resident + (gpu.grads if gpu.grads_persist else 0.0)
     phases = gpu.phases  # the end of backward reuses blocks of both: the fit is over these two
     fwd, step = (max(0.0, phases[k] - resident) for k in ("forward", "step"))
     # expandable segments map freed pages back into one growing segment: the phases share
@@ -377,25 +378,35 @@ def plan_memory(
 def _rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, layout: ParallelLayout,
                  accounting: Accounting, rank: PipelineRank) -> tuple[MemoryBreakdown, HostBreakdown]:
     """GPU and host memory of one GPU of pipeline rank `rank` (`train` as tp_train gives it)."""
+    seq = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
     states, host = model_states(model, train, strategy, layout, accounting, hw.gpus_per_node, rank)
-    acts, recompute = saved_for_backward(model, train, strategy, layout, rank)
+    acts, recompute = saved_for_backward(model, seq, strategy, layout, rank)
     per_node = max(1, min(layout.world_size, hw.gpus_per_node))  # ranks sharing one host
     if train.activation_offload:  # the saved tensors wait in pinned host memory, but a layer's
-        moved = offloaded_activations(model, train, strategy, layout, acts)
+        moved = offloaded_activations(model, seq, strategy, layout, acts)
         host = replace(host, activations=moved * per_node)
         acts -= moved
     if paged_states(train) and states.optimizer_states:  # CUDA unified memory, outside torch's allocator
         host = replace(host, optimizer_states=host.optimizer_states + states.optimizer_states * per_node)
         states = replace(states, optimizer_states=0.0)
+    vocab_tp = vocab_shards(strategy, layout.tp)
     logits = 0.0
     if rank.head:  # the loss is the last stage's: the one computing, and those waiting for their backward
-        logits = logits_bytes(model, train, vocab_shards(strategy, layout.tp))
+        logits = logits_bytes(model, seq, vocab_tp)
         if layout.pp > 1:
             actions = rank_actions(strategy.pp_schedule, layout.pp, strategy.pp_virtual_stages, train.grad_accum,
                                    rank.index)
             waiting = stage_in_flight(actions, rank.last_stage) - 1
-            logits += waiting * loss_held_bytes(model, train, vocab_shards(strategy, layout.tp))
-    draft = replace(states, activations=acts, recompute=recompute, logits=logits)
+            logits += waiting * loss_held_bytes(model, seq, vocab_tp)
+    # a preference objective's reference model (plan/preference.py); an offloaded reference's
+    # shards sit in host memory with the policy's parameters. Under PP each rank holds its stages'
+    # share and its transient is counted on every rank (an upper bound: the trainer runs SFT only)
+    psi = replica_params(model, strategy, layout, rank)
+    ref_gpu, ref_host = reference_params(model, train, strategy, layout, psi)
+    if ref_host:
+        host = replace(host, params=host.params + ref_host * per_node)
+    draft = replace(states, activations=acts, recompute=recompute, logits=logits, ref_params=ref_gpu,
+                    ref_forward=reference_forward(model, train, strategy, layout, psi, vocab_tp))
     gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
     if accounting == "engine":  # the trainer's load phase (safetensors, on GPUs): plan/load.py
         host = replace(host, load=load_phase(model, train, strategy, layout, per_node))

@@ -19,7 +19,12 @@ from dataclasses import asdict, dataclass
 from shardwise.errors import ShardwiseError
 from shardwise.plan.activations import attention_kind
 from shardwise.plan.comm import CommBreakdown, fsdp_regather_share
-from shardwise.plan.flops import attention_flops_per_token, run_flops_per_token, selective_recompute_params
+from shardwise.plan.flops import (
+    attention_flops_per_token,
+    forward_only_flops_per_token,
+    run_flops_per_token,
+    selective_recompute_params,
+)
 from shardwise.plan.kernels import (
     DENSE_SQUARE,
     OPTIMIZER_BYTES,
@@ -194,9 +199,12 @@ class ComputeTime:
 
 
 def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strategy,
-                 layout: ParallelLayout, psi: float) -> ComputeTime:
+                 layout: ParallelLayout, psi: float, forward_only: float = 0.0) -> ComputeTime:
     """GPU time of one optimizer step on one GPU (its TP shard and PP stage), without
-    communication, and the host time the GPU waits for (launch gaps, hooks)."""
+    communication, and the host time the GPU waits for (launch gaps, hooks). `train` is the
+    batch as one forward sees it (TrainSpec.as_sequences); `forward_only`: sequences run forward
+    without gradients per trained sequence (a preference objective's reference:
+    TrainSpec.forward_only_share), priced as one more forward pass of each part over them."""
     gpu, tm = hw.gpu, hw.timing
     c = train.compute_bytes
     flops_s = gpu.peak_flops(train.compute_dtype) * gpu.gemm_efficiency
@@ -222,6 +230,9 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     # the adapters' own GEMMs are r-wide, bandwidth-bound on the activations they read
     passes = 2 if train.lora_rank else 3
     gemm = k * ((passes + replay_mm) * layer_t * layers + head_gemm_time(model, train, vocab_tp, flops_s, bytes_s) / pp)
+    # the no-grad forwards: one pass of the layers' GEMMs, lm_head's forward GEMM alone
+    gemm += k * forward_only * (layer_t * layers + gemm_time(tokens, model.hidden_size, model.vocab_size / vocab_tp,
+                                                             flops_s, bytes_s, c) / pp)
     if train.lora_rank:
         for d_in, d_out in _lora_dims(model, train, tp):
             gemm += k * layers * (3 + replay_mm) * (
@@ -232,7 +243,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     attn_flops = attention_flops_per_token(model, train.seq_len) / model.num_layers / tp * tokens * layers
     attn_eff = gpu.attention_efficiency_of(train.attention)
     replay_attn = 1.0 if train.checkpointing == "full" else 0.0
-    attention = k * attn_flops * (1 + replay_attn / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
+    attention = k * attn_flops * (1 + replay_attn / 3 + forward_only / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
     eager = attention_kind(model, train) == "eager"
     attention *= DENSE_SQUARE if train.packed_attention == "dense" and not eager else 1.0
     mem = k * layers * packing_bytes(model, train, tp, eager, replay_attn)  # the dense mask's reads, or varlen's copy
@@ -242,7 +253,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
 
     autocast = train.autocasts(s.engine)
     factor = tm.fused_elementwise_factor if train.fused_kernels else tm.elementwise_factor
-    per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute) * factor
+    per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute + forward_only) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, vocab_tp) * factor / pp)
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
@@ -257,7 +268,8 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     optimizer = 0.0 if s.offload_optimizer else optimizer_time(shard, train, s, hw)
 
     # host: launch gaps, and the engines' Python hooks (they wait on their collectives' streams)
-    kernels = k * layers * tm.kernels_per_layer * (1 + recompute / 3) * (tm.fused_kernel_share if train.fused_kernels else 1)
+    kernels = k * layers * tm.kernels_per_layer * (1 + (recompute + forward_only) / 3) * (
+        tm.fused_kernel_share if train.fused_kernels else 1)
     kernels += k * (tm.step_kernels + tm.ce_kernels_per_chunk * ce_chunks(train))
     if train.optimizer_impl == "forloop":
         kernels += tm.forloop_kernels_per_tensor * len(model.hf_order) / pp
@@ -266,7 +278,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
         per_tensor = 1 if train.optimizer_impl == "fused" else tm.forloop_kernels_per_tensor
         kernels += per_tensor * len(model.hf_order) / pp
     launch = kernels * tm.launch_s
-    passes = 2 + recompute
+    passes = 2 + recompute + forward_only  # the reference's forward runs its own engine's hooks
     hooks = serial = 0.0
     if s.engine == "fsdp2":  # each unit's hooks wait on its all-gather / reduce-scatter streams
         serial = k * (layers + 1) * passes * 2 * tm.fsdp2_hook_s
@@ -347,9 +359,12 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
     # as its engine runs it; without sequence parallelism where its TP has none
     train = tp_train(train.for_engine(strategy.engine), strategy)
+    forward_only = train.forward_only_share  # a preference objective's no-grad forwards (plan/preference.py)
+    extra_flops = forward_only_flops_per_token(model, train)
+    train = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica per step
     psi = replica_params(model, strategy, layout)
-    ct = compute_time(model, hw, train, strategy, layout, psi)
+    ct = compute_time(model, hw, train, strategy, layout, psi, forward_only)
     compute = ct.gpu_s
     work = ct.wall_s  # GPU-bound or hook-bound: the window collectives can hide in
     # forward is about a third of the work (a quarter with full recompute)
@@ -385,7 +400,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     step = work + exposed + offload + bubble
     share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
     tps = tokens / share / step
-    mfu = run_flops_per_token(model, train) * tps / hw.gpu.peak_flops(train.compute_dtype)
+    # MFU counts the no-grad forwards' model FLOPs too: the GPU runs them in the step
+    mfu = (run_flops_per_token(model, train) + extra_flops) * tps / hw.gpu.peak_flops(train.compute_dtype)
     if mfu > 1:
         raise _above_peak(model, hw, train, strategy, tps, mfu)
     return TimeBreakdown(compute, comm_s, exposed, offload, bubble, step, tps, mfu,

@@ -31,6 +31,24 @@ OptimizerImpl = Literal["fused", "foreach", "forloop"]
 PackedAttention = Literal["none", "flash_varlen", "sdpa_varlen", "flex", "dense"]
 # QLoRA's frozen base: bitsandbytes 4-bit NormalFloat with double quantization of the block scales.
 BaseQuant = Literal["none", "nf4"]
+# The training objective (planner-only: shardwise train runs SFT). Preference objectives as TRL
+# runs them (huggingface/trl f2cd57710ae345ea6428ae95363267fcf38a3dc8): DPO (trl/trainer/
+# dpo_trainer.py) runs each example's chosen and rejected sequences as one batch ([chosen,
+# rejected], `_compute_loss`) and a frozen reference's forward on the same batch; KTO
+# (trl/trainer/kto_trainer.py) has the reference too but unpaired examples, one sequence each,
+# plus a mismatched "KL" sequence per example that the policy and the reference run without
+# gradients (`_compute_kl_logps`, `calculate_kl` unless loss_type apo_zero_unpaired); ORPO and
+# SimPO (CPOTrainer with loss_type simpo) run the pair with no reference
+# (trl/experimental/orpo/orpo_trainer.py, trl/experimental/cpo/cpo_trainer.py `concatenated_forward`).
+Objective = Literal["sft", "dpo", "orpo", "kto", "simpo"]
+# Where DPO's/KTO's reference log-probs come from: a frozen copy of the model held beside the
+# policy (`model`), a pass over the data before training (`precomputed`: TRL
+# precompute_ref_log_probs, `ref_model` set to None), the policy's base with its LoRA adapters
+# disabled (`adapters_off`: TRL with a PEFT model and ref_model None, LLaMA-Factory's default
+# under LoRA), or none (SFT, ORPO, SimPO).
+Reference = Literal["model", "precomputed", "adapters_off", "none"]
+PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")  # chosen and rejected sequences of each example in one batch
+REFERENCE_OBJECTIVES = ("dpo", "kto")  # a reference's log-probs in the loss
 
 
 def weight_decayed(name: str, ndim: int) -> bool:
@@ -98,6 +116,78 @@ class TrainSpec(Spec):
     tp_comm_overlap: bool = Field(False, description="TP's all-gathers/reduce-scatters overlapped with the "
                                   "adjacent GEMMs (Megatron-LM --tp-comm-overlap, Transformer Engine userbuffers; "
                                   "torchtitan's async TP); no effect at tp 1")
+
+    objective: Objective = Field("sft", description="planner-only (shardwise train runs sft): sft | dpo | orpo | "
+                                 "kto | simpo; dpo, orpo and simpo run each example's chosen and rejected sequences "
+                                 "in one batch (2 × micro_batch sequences of seq_len tokens per forward)")
+    reference: Reference = Field("none", description="dpo/kto: where the reference log-probs come from: model (a "
+                                 "frozen copy held beside the policy), precomputed (a pass before training), "
+                                 "adapters_off (LoRA: the base with adapters disabled); none for sft, orpo, simpo. "
+                                 "Unset: model, or adapters_off under LoRA")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reference_default(cls, data):
+        """An objective with a reference gets TRL's default where none is given: the base with the
+        adapters disabled under LoRA (DPOTrainer with a PEFT model and ref_model None), else a frozen
+        copy of the model (DPOTrainer creates one from the policy's path)."""
+        if isinstance(data, dict) and data.get("reference") is None:
+            data = dict(data)
+            if data.get("objective") in REFERENCE_OBJECTIVES:
+                data["reference"] = "adapters_off" if data.get("lora_rank") else "model"
+            else:
+                data["reference"] = "none"
+        return data
+
+    @model_validator(mode="after")
+    def _reference_fits_objective(self) -> TrainSpec:
+        if self.objective in REFERENCE_OBJECTIVES and self.reference == "none":
+            raise ShardwiseError(
+                f"--reference none with --objective {self.objective}: {self.objective} needs reference log-probs "
+                "(TRL's DPOTrainer/KTOTrainer): model, precomputed, or adapters-off under LoRA")
+        if self.objective not in REFERENCE_OBJECTIVES and self.reference != "none":
+            raise ShardwiseError(
+                f"--reference {self.reference.replace('_', '-')} with --objective {self.objective}: {self.objective} "
+                "has no reference model (orpo and simpo are reference-free: TRL's ORPOTrainer and CPOTrainer; sft "
+                "has none): drop --reference")
+        if self.reference == "adapters_off" and not self.lora_rank:
+            raise ShardwiseError(
+                "--reference adapters-off needs --lora-rank: the reference is the base with the LoRA adapters "
+                "disabled; full fine-tuning has no adapters to disable (use --reference model or precomputed)")
+        return self
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example puts in the trained forward: the chosen and the rejected one for
+        the paired objectives, one otherwise."""
+        return 2 if self.objective in PAIRED_OBJECTIVES else 1
+
+    @property
+    def forward_only_share(self) -> float:
+        """Sequences run forward without gradients per trained sequence: DPO's reference forward
+        on the same [chosen, rejected] batch (1); KTO's reference on each example's sequence and
+        its KL sequence, and the policy's own no-grad forward on the KL sequence (3; 1 with the
+        reference precomputed). None where the reference is precomputed or absent."""
+        ref = self.reference in ("model", "adapters_off")
+        if self.objective == "dpo":
+            return 1.0 if ref else 0.0
+        if self.objective == "kto":
+            return 1.0 + (2.0 if ref else 0.0)
+        return 0.0
+
+    @property
+    def holds_reference(self) -> bool:
+        """A frozen reference copy of the model is held in memory (reference `model`)."""
+        return self.reference == "model"
+
+    def as_sequences(self) -> TrainSpec:
+        """This spec as the engines see one forward: `micro_batch` counting sequences (2 per
+        example for the paired objectives), no objective left to apply. The planner's activations,
+        logits, compute and TP/PP traffic read it; the reference's own terms read the spec itself."""
+        if self.objective == "sft":
+            return self
+        return self.model_copy(update={"micro_batch": self.micro_batch * self.sequences_per_example,
+                                       "objective": "sft", "reference": "none"})
 
     @model_validator(mode="after")
     def _in_backward_steps_once(self) -> TrainSpec:
