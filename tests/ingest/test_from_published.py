@@ -1,0 +1,119 @@
+"""`plan --from` on published configs whose keys an earlier reading lost: each file is planned as
+its own tool runs it, every expected value derived from that tool's source (cited beside it).
+
+The files in tests/data/from/ (verbatim unless said):
+lf_ds_z3_fp8_config.json: hiyouga/LLaMA-Factory examples/deepspeed/ds_z3_fp8_config.json (commit 45d4bde);
+accelerate_tp_hsdp.yaml: huggingface/accelerate examples/torch_native_parallelism/configs/tp_hsdp.yaml
+(commit 571ca02); trl_context_parallel_2gpu.yaml: huggingface/trl
+examples/accelerate_configs/context_parallel_2gpu.yaml (commit 39662df); axolotl_hsdp_tp.yaml:
+axolotl-ai-cloud/axolotl examples/distributed-parallel/llama-3_1-8b-hsdp-tp.yaml (commit 254e2be);
+axolotl_fsdp_tp_cp.yaml: axolotl-ai-cloud/axolotl examples/distributed-parallel/qwen3-8b-fsdp-tp-cp.yaml
+(commit 3922662); ah_zephyr_sft_qlora.yaml: huggingface/alignment-handbook
+recipes/zephyr-7b-beta/sft/config_qlora.yaml (commit 0213b5b).
+DeepSpeed's short ZeRO-3 key names are those of deepspeedai/DeepSpeed deepspeed/runtime/zero/config.py
+(commit 1b88ac3): `prefetch_bucket_size`, `param_persistence_threshold`, `max_live_parameters`,
+`max_reuse_distance` are DeepSpeedZeroConfig's fields, each with its `stage3_` key as the alias.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from shardwise.cli.app import app
+from tests.ingest.test_plan_from import DATA, plan, same
+
+
+def refused(*args: str) -> str:
+    r = CliRunner().invoke(app, ["plan", *args])
+    assert r.exit_code == 2, r.output
+    return " ".join(r.output.split())
+
+
+# --- DeepSpeed JSON -------------------------------------------------------------------------------
+
+def test_deepspeed_short_zero3_names_are_read(tmp_path: Path):
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
+        "stage": 3, "prefetch_bucket_size": 5e7, "param_persistence_threshold": 1e5, "max_live_parameters": 1e9,
+        "max_reuse_distance": 1e8}}))
+    src = same(["--from", str(f), "-m", "llama-2-7b"],
+               ["-m", "llama-2-7b", "-s", "zero3", "--precision", "bf16-mixed", "--ds-prefetch", "50000000",
+                "--ds-persistence-threshold", "100000", "--ds-max-live", "1000000000", "--ds-max-reuse", "100000000",
+                "--ds-fetch-unit", "module"])
+    assert not [i for i in src["ignored"] if "not a key" in i["why"]]
+    # HF Trainer fills "auto" under the stage3_ names only (integrations/deepspeed.py trainer_config_finalize)
+    f.write_text(json.dumps({"zero_optimization": {"stage": 3, "prefetch_bucket_size": "auto"}}))
+    assert "zero_optimization.prefetch_bucket_size = 'auto'" in refused("--from", str(f))
+    f.write_text(json.dumps({"zero_optimization": {"stage": 3, "max_live_parameters": 1, "stage3_max_live_parameters": 2}}))
+    assert "one of max_live_parameters and stage3_max_live_parameters" in refused("--from", str(f))
+
+
+def test_param_offload_alone_is_planned_as_the_nearest_row_and_said_first(tmp_path: Path):
+    """ZeRO-3 offload_param without offload_optimizer: DeepSpeed keeps the optimizer on the GPU
+    (stage3.py offloads the optimizer only where offload_optimizer names a device); shardwise has
+    no parameter-only row, so zero3 is planned and the first lines say so."""
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"bf16": {"enabled": True},
+                             "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    src = same(["--from", str(f)], ["-s", "zero3", "--precision", "bf16-mixed", "--ds-fetch-unit", "module"])
+    assert any("offload_param without offload_optimizer" in w for w in src["warnings"])
+    r = CliRunner().invoke(app, ["plan", "--from", str(f)])
+    assert r.output.lstrip().startswith("warning:") and "offload_param" in r.output.split("\n")[0]
+
+
+def test_fp16_false_beside_bf16_auto_is_the_trainers_precision(tmp_path: Path):
+    """HF fills bf16.enabled "auto" from TrainingArguments.bf16 (integrations/deepspeed.py
+    trainer_config_process: fill_match("bf16.enabled", ...)), so fp16 false does not make it fp32."""
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"fp16": {"enabled": False}, "bf16": {"enabled": "auto"},
+                             "zero_optimization": {"stage": 2}}))
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"output_dir": "o", "per_device_train_batch_size": 2, "bf16": True,
+                                "deepspeed": str(f)}))
+    src = same(["--from", str(args)], ["-s", "zero2", "--micro-batch", "2", "--precision", "bf16-mixed"])
+    assert src["values"]["precision"] == "bf16-mixed"
+
+
+def test_deepspeed_fp8_is_refused_naming_the_key():
+    assert "fp8.enabled = True: not plannable" in refused("--from", str(DATA / "lf_ds_z3_fp8_config.json"))
+
+
+def test_a_bare_deepspeed_json_says_what_it_left_unsaid(tmp_path: Path):
+    """No fp16/bf16 section: raw DeepSpeed trains in fp32 (runtime/config.py: both disabled by
+    default); no model key: the plan says which it used."""
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}))
+    src = same(["--from", str(f)], ["-s", "zero2", "--precision", "fp32"])
+    assert any(w.startswith("model: not named in the file") and "pass --model" in w for w in src["warnings"])
+    assert any("planned as fp32" in w for w in src["warnings"])
+    assert plan("--from", str(f), "-m", "llama-2-7b", "--precision", "bf16-mixed")["train"]["precision"] == "bf16-mixed"
+
+
+# --- accelerate YAML ------------------------------------------------------------------------------
+
+def test_accelerate_tp_and_hsdp_parallelism_config():
+    """accelerate's TP + HSDP example: 8 processes = dp_replicate 2 × dp_shard 2 × tp 2
+    (ParallelismConfig: the product is num_processes); FSDP2 resharding after forward, bf16."""
+    src = same(["--from", str(DATA / "accelerate_tp_hsdp.yaml")],
+               ["-s", "fsdp-hybrid", "--shard-group", "2", "--tp", "2", "--gpus", "8", "--gpus-per-node", "8",
+                "--checkpointing", "none", "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
+                "--fsdp-single-rank", "fsdp"])
+    doc = plan("--from", str(DATA / "accelerate_tp_hsdp.yaml"))
+    assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 4)]
+    assert any(w.startswith("model: not named in the file") for w in src["warnings"])
+
+
+def test_accelerate_context_parallelism_is_refused():
+    text = refused("--from", str(DATA / "trl_context_parallel_2gpu.yaml"))
+    assert "parallelism_config.parallelism_config_cp_size = 2: not plannable: context parallelism" in text
+
+
+def test_accelerate_param_offload_plugin(tmp_path: Path):
+    f = tmp_path / "acc.yaml"
+    f.write_text("distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
+                 "  zero_stage: 3\n  offload_optimizer_device: none\n  offload_param_device: cpu\n")
+    src = same(["--from", str(f)], ["-s", "zero3", "--gpus", "8", "--gpus-per-node", "8", "--ds-fetch-unit", "module"])
+    assert any("offload_param_device without offload_optimizer_device" in w for w in src["warnings"])
