@@ -9,7 +9,8 @@ examples/accelerate_configs/context_parallel_2gpu.yaml (commit 39662df); axolotl
 axolotl-ai-cloud/axolotl examples/distributed-parallel/llama-3_1-8b-hsdp-tp.yaml (commit 254e2be);
 axolotl_fsdp_tp_cp.yaml: axolotl-ai-cloud/axolotl examples/distributed-parallel/qwen3-8b-fsdp-tp-cp.yaml
 (commit 3922662); ah_zephyr_sft_qlora.yaml: huggingface/alignment-handbook
-recipes/zephyr-7b-beta/sft/config_qlora.yaml (commit 0213b5b).
+recipes/zephyr-7b-beta/sft/config_qlora.yaml (commit 0213b5b); openr1_grpo_demo.yaml:
+huggingface/open-r1 recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml (commit 1b6fcac).
 DeepSpeed's short ZeRO-3 key names are those of deepspeedai/DeepSpeed deepspeed/runtime/zero/config.py
 (commit 1b88ac3): `prefetch_bucket_size`, `param_persistence_threshold`, `max_live_parameters`,
 `max_reuse_distance` are DeepSpeedZeroConfig's fields, each with its `stage3_` key as the alias.
@@ -20,10 +21,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.ingest.test_plan_from import DATA, plan, same
 from typer.testing import CliRunner
 
 from shardwise.cli.app import app
-from tests.ingest.test_plan_from import DATA, plan, same
 
 
 def refused(*args: str) -> str:
@@ -117,3 +118,36 @@ def test_accelerate_param_offload_plugin(tmp_path: Path):
                  "  zero_stage: 3\n  offload_optimizer_device: none\n  offload_param_device: cpu\n")
     src = same(["--from", str(f)], ["-s", "zero3", "--gpus", "8", "--gpus-per-node", "8", "--ds-fetch-unit", "module"])
     assert any("offload_param_device without offload_optimizer_device" in w for w in src["warnings"])
+
+
+# --- TrainingArguments with TRL's model arguments ---------------------------------------------------
+
+def test_alignment_handbook_qlora_recipe_is_qlora():
+    """TRL ModelConfig: use_peft + load_in_4bit = a 4-bit bitsandbytes base with LoRA adapters of
+    rank lora_r on lora_target_modules (trl/trainer/model_config.py, get_quantization_config,
+    get_peft_config); the SFT arguments as HF Trainer reads them: per_device_train_batch_size 4,
+    gradient_accumulation_steps 2, bf16, gradient_checkpointing, max_length 2048 (SFTConfig); no
+    deepspeed/fsdp: DDP; attn_implementation flash_attention_2."""
+    seven = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    src = same(["--from", str(DATA / "ah_zephyr_sft_qlora.yaml")],
+               ["-m", "mistral-7b", "-s", "ddp", "--micro-batch", "4", "--grad-accum", "2", "--precision",
+                "bf16-mixed", "--checkpointing", "full", "--seq-len", "2048", "--lora-rank", "16", "--lora-targets",
+                seven, "--qlora", "--attention", "flash"])
+    ignored = {i["key"] for i in src["ignored"]}
+    assert not ignored & {"use_peft", "load_in_4bit", "lora_r", "lora_alpha", "lora_target_modules"}
+
+
+def test_grpo_recipe_plans_prompt_plus_completion_and_says_what_is_not_planned():
+    """GRPOConfig: a row is the prompt (max_prompt_length 512) and its completion
+    (max_completion_length 1024): sequence 1536; the rollouts are not planned (said first)."""
+    src = same(["--from", str(DATA / "openr1_grpo_demo.yaml")],
+               ["-m", "qwen2.5-1.5b", "-s", "ddp", "--micro-batch", "16", "--grad-accum", "16", "--precision",
+                "bf16-mixed", "--checkpointing", "full", "--seq-len", "1536", "--attention", "flash"])
+    assert any("GRPO" in w and "not planned" in w for w in src["warnings"])
+    assert any(w.startswith("openr1_grpo_demo.yaml: num_processes") for w in src["warnings"])
+
+
+def test_galore_optimizer_is_refused(tmp_path: Path):
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({"output_dir": "o", "per_device_train_batch_size": 1, "optim": "galore_adamw"}))
+    assert "optim = 'galore_adamw': not plannable: GaLore" in refused("--from", str(f))
