@@ -10,7 +10,10 @@ axolotl-ai-cloud/axolotl examples/distributed-parallel/llama-3_1-8b-hsdp-tp.yaml
 axolotl_fsdp_tp_cp.yaml: axolotl-ai-cloud/axolotl examples/distributed-parallel/qwen3-8b-fsdp-tp-cp.yaml
 (commit 3922662); ah_zephyr_sft_qlora.yaml: huggingface/alignment-handbook
 recipes/zephyr-7b-beta/sft/config_qlora.yaml (commit 0213b5b); openr1_grpo_demo.yaml:
-huggingface/open-r1 recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml (commit 1b6fcac).
+huggingface/open-r1 recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml (commit 1b6fcac);
+axolotl_qlora_fsdp_70b.yaml: axolotl-ai-cloud/axolotl examples/llama-3/qlora-fsdp-70b.yaml (commit
+1c14c4a); axolotl_3b_fp8_fsdp2.yaml: axolotl-ai-cloud/axolotl examples/llama-3/3b-fp8-fsdp2.yaml
+(commit 015d9de).
 DeepSpeed's short ZeRO-3 key names are those of deepspeedai/DeepSpeed deepspeed/runtime/zero/config.py
 (commit 1b88ac3): `prefetch_bucket_size`, `param_persistence_threshold`, `max_live_parameters`,
 `max_reuse_distance` are DeepSpeedZeroConfig's fields, each with its `stage3_` key as the alias.
@@ -151,3 +154,39 @@ def test_galore_optimizer_is_refused(tmp_path: Path):
     f = tmp_path / "args.json"
     f.write_text(json.dumps({"output_dir": "o", "per_device_train_batch_size": 1, "optim": "galore_adamw"}))
     assert "optim = 'galore_adamw': not plannable: GaLore" in refused("--from", str(f))
+
+
+# --- axolotl --------------------------------------------------------------------------------------
+
+FSDP_STOCK = ["--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp"]
+
+
+def test_axolotl_fsdp_offload_params_is_offload():
+    """fsdp_config.fsdp_offload_params: true is accelerate's CPUOffload of the FSDP units
+    (FullyShardedDataParallelPlugin.cpu_offload): fsdp+offload. adapter qlora, lora_r 8,
+    lora_target_linear (every linear), sequence_len 512, micro_batch_size 1, accumulation 4,
+    gradient_checkpointing, flash_attention, optimizer adamw_torch (HF's foreach AdamW), bf16 auto."""
+    src = same(["--from", str(DATA / "axolotl_qlora_fsdp_70b.yaml"), "-m", "llama-3-70b"],
+               ["-m", "llama-3-70b", "-s", "fsdp+offload", "--micro-batch", "1", "--grad-accum", "4", "--seq-len",
+                "512", "--lora-rank", "8", "--lora-targets", "all-linear", "--qlora", "--checkpointing", "full",
+                "--attention", "flash", "--weight-decay", "0", "--optimizer-impl", "foreach", *FSDP_STOCK])
+    read = {i["key"]: i["as"] for i in src["read"]}
+    assert read["fsdp_config.fsdp_offload_params"].startswith("true: -s fsdp+offload")
+
+
+def test_axolotl_hsdp_and_tensor_parallel_sizes():
+    """dp_shard_size 4 × dp_replicate_size 2 × tensor_parallel_size 2 = 16 ranks: HSDP (shard
+    group 4) at TP 2; the CutCrossEntropyPlugin computes the loss without the logits (fused)."""
+    same(["--from", str(DATA / "axolotl_hsdp_tp.yaml")],
+         ["-m", "llama-3.1-8b", "-s", "fsdp-hybrid", "--shard-group", "4", "--tp", "2", "--gpus", "16",
+          "--micro-batch", "1", "--grad-accum", "1", "--seq-len", "2048", "--precision", "bf16-mixed",
+          "--packed-attention", "flash_varlen", "--attention", "flash", "--cross-entropy", "fused",
+          "--optimizer-impl", "fused", *FSDP_STOCK])
+    doc = plan("--from", str(DATA / "axolotl_hsdp_tp.yaml"))
+    assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 8)]
+
+
+def test_axolotl_context_parallel_and_fp8_are_refused():
+    assert "context_parallel_size = 2: not plannable: context parallelism" in refused(
+        "--from", str(DATA / "axolotl_fsdp_tp_cp.yaml"))
+    assert "fp8 = True: not plannable" in refused("--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"))

@@ -43,6 +43,9 @@ NO_EFFECT = {"output_dir", "learning_rate", "num_train_epochs", "max_steps", "lr
              "model_revision", "chat_template", "dataset_mixture", "dataset_name", "dataset_configs",
              "dataset_num_proc", "hub_model_id", "hub_strategy", "log_level", "logging_strategy", "lora_alpha",
              "lora_dropout", "log_completions"}
+# fsdp_config keys (without the fsdp_ prefix) that change nothing the plan counts
+FSDP_NO_EFFECT = {"state_dict_type", "transformer_layer_cls_to_wrap", "sync_module_states", "use_orig_params",
+                  "cpu_ram_efficient_loading", "min_num_params"}
 TA_KEYS = {"per_device_train_batch_size", "gradient_accumulation_steps", "output_dir", "learning_rate",
            "num_train_epochs", "bf16", "fp16", "gradient_checkpointing", "deepspeed", "fsdp"}
 
@@ -308,6 +311,7 @@ def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
         cfg = load(resolve_path(doc, ("fsdp_config",), cfg)).data
     if not isinstance(cfg, dict | None):
         raise doc.error(("fsdp_config",), cfg, "a mapping of fsdp_* keys, or the path of a file of them")
+    named = {(k[5:] if k.startswith("fsdp_") else k): k for k in (cfg or {}) if isinstance(k, str)}  # as written
     cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (cfg or {}).items() if isinstance(k, str)}
     items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
     version = cfg.get("version", 2)
@@ -323,8 +327,10 @@ def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
             raise doc.error(("fsdp",), fsdp, "full_shard, shard_grad_op, hybrid_shard, no_shard, offload, auto_wrap")
     fsdp_knobs = src.knobs["fsdp"]
     fsdp_knobs |= {"single_rank": "fsdp", "reduce_every_micro_batch": False}
-    reshard = cfg.get("reshard_after_forward", True if version == 2 else "full_shard")
+    reshard = cfg.get("reshard_after_forward", cfg.get("sharding_strategy", True if version == 2 else "full_shard"))
     if version == 2:
+        if isinstance(reshard, str) and reshard.upper() in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP"):
+            reshard = reshard.upper() != "SHARD_GRAD_OP"  # an FSDP1 sharding_strategy under FSDP2 (accelerate maps it)
         on = as_bool(doc, ("fsdp_config", "reshard_after_forward"), reshard)
         name = "fsdp" if on else "fsdp-grad-op"
         if on:
@@ -338,11 +344,32 @@ def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
         if how:
             fsdp_knobs["reshard_after_forward"] = how
         src.notes.append("FSDP1 planned as FSDP2 with the same sharding")
-    if as_bool(doc, ("fsdp_config", "cpu_offload"), cfg.get("cpu_offload", False)):
+    # offload: HF's `cpu_offload` ("offload" in the fsdp string), accelerate's and axolotl's
+    # `(fsdp_)offload_params` (accelerate utils/dataclasses.py FullyShardedDataParallelPlugin.cpu_offload)
+    off_key = next((k for k in ("cpu_offload", "offload_params") if k in cfg), None)
+    if off_key and as_bool(doc, ("fsdp_config", off_key), cfg[off_key]):
+        if name != "fsdp":
+            raise doc.error(("fsdp_config", off_key), cfg[off_key], f"false with {name} (shardwise plans offload "
+                            "with full sharding: fsdp+offload)")
         name = "fsdp+offload"
+        src.read.append((f"fsdp_config.{named.get(off_key, off_key)}", "true: -s fsdp+offload (CPUOffloadPolicy)"))
+    elif off_key:
+        src.read.append((f"fsdp_config.{named.get(off_key, off_key)}", "false: no offload"))
     if "activation_checkpointing" in cfg and as_bool(doc, ("fsdp_config", "activation_checkpointing"),
                                                       cfg["activation_checkpointing"]):
         src.values["checkpointing"] = "full"
+    for k in cfg:
+        if k in ("version", "reshard_after_forward", "sharding_strategy", "cpu_offload", "offload_params"):
+            continue
+        key = f"fsdp_config.{named.get(k, k)}"
+        if k in FSDP_NO_EFFECT:
+            src.read.append((key, "no change to memory or time"))
+        elif k == "activation_checkpointing":
+            src.read.append((key, f"--checkpointing {src.values.get('checkpointing', 'none')}"))
+        elif k == "auto_wrap_policy" and cfg[k] == "TRANSFORMER_BASED_WRAP":
+            src.read.append((key, "one unit per decoder layer (the plan's unit)"))
+        else:
+            src.ignored.append((key, "not planned (FSDP prefetch and wrap details)"))
     precision = src.values.get("precision", "fp32")
     fsdp_knobs["reduce_dtype"] = "fp32" if precision == "fp32" else "param"
     src.values["strategy"] = [name]
