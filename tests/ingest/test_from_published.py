@@ -13,7 +13,10 @@ recipes/zephyr-7b-beta/sft/config_qlora.yaml (commit 0213b5b); openr1_grpo_demo.
 huggingface/open-r1 recipes/Qwen2.5-1.5B-Instruct/grpo/config_demo.yaml (commit 1b6fcac);
 axolotl_qlora_fsdp_70b.yaml: axolotl-ai-cloud/axolotl examples/llama-3/qlora-fsdp-70b.yaml (commit
 1c14c4a); axolotl_3b_fp8_fsdp2.yaml: axolotl-ai-cloud/axolotl examples/llama-3/3b-fp8-fsdp2.yaml
-(commit 015d9de).
+(commit 015d9de); lf_llama3_freeze_sft.yaml, lf_llama3_galore_full_sft.yaml,
+lf_llama3_fp8_deepspeed_sft.yaml: hiyouga/LLaMA-Factory examples/extras/llama_pro/llama3_freeze_sft.yaml
+(commit 0926d81), examples/extras/galore/llama3_full_sft.yaml (commit 3075df1),
+examples/extras/fp8/llama3_fp8_deepspeed_sft.yaml (commit 52925a1).
 DeepSpeed's short ZeRO-3 key names are those of deepspeedai/DeepSpeed deepspeed/runtime/zero/config.py
 (commit 1b88ac3): `prefetch_bucket_size`, `param_persistence_threshold`, `max_live_parameters`,
 `max_reuse_distance` are DeepSpeedZeroConfig's fields, each with its `stage3_` key as the alias.
@@ -190,3 +193,26 @@ def test_axolotl_context_parallel_and_fp8_are_refused():
     assert "context_parallel_size = 2: not plannable: context parallelism" in refused(
         "--from", str(DATA / "axolotl_fsdp_tp_cp.yaml"))
     assert "fp8 = True: not plannable" in refused("--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"))
+
+
+# --- LLaMA-Factory --------------------------------------------------------------------------------
+
+def test_llama_factory_freeze_galore_and_fp8_are_refused_with_the_reason():
+    """freeze: only the last freeze_trainable_layers (8 here) train (LLaMA-Factory
+    model/adapter.py _setup_freeze_tuning); GaLore and fp8 are not in the planner."""
+    text = refused("--from", str(DATA / "lf_llama3_freeze_sft.yaml"))
+    assert "finetuning_type = 'freeze': not plannable: only the last 8 layer(s) train" in text
+    text = refused("--from", str(DATA / "lf_llama3_galore_full_sft.yaml"))
+    assert "use_galore = True: not plannable: GaLore" in text and "galore_layerwise" in text
+    assert "fp8 = True: not plannable" in refused("--from", str(DATA / "lf_llama3_fp8_deepspeed_sft.yaml"))
+
+
+def test_a_trainer_yaml_with_bf16_true_is_not_a_deepspeed_json(tmp_path: Path):
+    """DeepSpeed's fp16/bf16 are sections; a trainer's `bf16: true` (and `optim: adamw_torch_8bit`,
+    HF's torchao 8-bit AdamW) belong to the LLaMA-Factory file they are in."""
+    f = tmp_path / "lf.yaml"
+    f.write_text("model_name_or_path: meta-llama/Meta-Llama-3-8B-Instruct\nstage: sft\nfinetuning_type: full\n"
+                 "optim: adamw_torch_8bit\ncutoff_len: 1024\nper_device_train_batch_size: 1\nbf16: true\n")
+    r = CliRunner().invoke(app, ["plan", "--from", str(f), "--json"])  # (DDP of 8B does not fit: exit 3)
+    src = json.loads(r.stdout)["from"]
+    assert (src["format"], src["values"]["optimizer"]) == ("llama_factory", "adamw8bit")

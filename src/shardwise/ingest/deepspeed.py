@@ -107,8 +107,10 @@ NO_EFFECT_PREFIXES = ("scheduler.",)  # the learning-rate schedule
 
 
 def is_deepspeed(data: dict[str, Any]) -> bool:
-    return any(k in data for k in ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
-                                   "zero_allow_untested_optimizer", "fp16", "bf16")) and "output_dir" not in data
+    """DeepSpeed's own keys; its fp16/bf16 are sections (a trainer's `bf16: true` is not one)."""
+    return (any(k in data for k in ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
+                                    "zero_allow_untested_optimizer"))
+            or any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))) and "output_dir" not in data
 
 
 def read(doc: Doc, ctx: Context) -> Source:
