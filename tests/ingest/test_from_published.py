@@ -141,6 +141,9 @@ def test_alignment_handbook_qlora_recipe_is_qlora():
                 seven, "--qlora", "--attention", "flash"])
     ignored = {i["key"] for i in src["ignored"]}
     assert not ignored & {"use_peft", "load_in_4bit", "lora_r", "lora_alpha", "lora_target_modules"}
+    # the launcher's process count is not in the file: the plan says which it used
+    assert "not in the file, planned with shardwise's defaults: --gpus 8 --gpu a100-80g (pass your own)" in src[
+        "warnings"]
 
 
 def test_grpo_recipe_plans_prompt_plus_completion_and_says_what_is_not_planned():

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ingest.common import Context, Doc, Source, as_bool, as_count, hub_model, ignore, refuse
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Source,
+    as_bool,
+    as_count,
+    hub_model,
+    ignore,
+    refuse,
+    unstated,
+)
 from shardwise.ingest.training_args import NO_EFFECT, attn_implementation, read_trainer_args, rest
 
 # axolotl's N-D parallelism (its docs "N-D Parallelism"; utils/schemas: dp_shard_size, dp_replicate_size,
@@ -100,6 +110,7 @@ def read(doc: Doc, ctx: Context) -> Source:
     if d.get("liger_fused_linear_cross_entropy"):
         src.values["cross_entropy"] = "fused"
         src.read.append(("liger_fused_linear_cross_entropy", "--cross-entropy fused"))
+    unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, doc.data, src, seen, AX_NO_EFFECT)
     return src
 

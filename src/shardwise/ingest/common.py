@@ -128,8 +128,10 @@ def unstated(src: Source, ctx: Context, *, precision: bool) -> None:
     launch` (mixed_precision "no") and raw DeepSpeed (no fp16/bf16 section) run in fp32."""
     given = ctx.given
     if not any(k in given or k in src.values for k in ("model", "model_config", "params")):
-        src.warnings.append(f"model: not named in the file ({FORMAT_NAMES[src.format]}s have no key for it); "
-                            f"planned as {ctx.defaults.get('model')} — pass --model")
+        how = (f"{FORMAT_NAMES[src.format]}s have no key for it" if src.format in ("deepspeed", "accelerate")
+               else "no model_name_or_path")
+        src.warnings.append(f"model: not named in the file ({how}); planned as {ctx.defaults.get('model')} — pass "
+                            "--model")
     rest = [f"--{n.replace('_', '-')} {ctx.value(n, src)}" for n in ("gpus", "gpu", "seq_len")
             if n not in given and n not in src.values]
     if rest:

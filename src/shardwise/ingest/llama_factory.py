@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ingest.common import Context, Doc, Source, as_bool, as_count, hub_model, ignore, refuse
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Source,
+    as_bool,
+    as_count,
+    hub_model,
+    ignore,
+    refuse,
+    unstated,
+)
 from shardwise.ingest.training_args import NO_EFFECT, read_trainer_args, rest
 
 LF_KEYS = {"stage", "finetuning_type", "cutoff_len", "template", "lora_target", "dataset"}
@@ -82,6 +92,7 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.read.append(("packing", "true: documents packed (--packed-attention sdpa_varlen)"))
     engine_keys = src.keys_of
     src.keys_of = lambda s: {**engine_keys(s), "disable_gradient_checkpointing": s.checkpointing == "none"}
+    unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, d, src, seen, LF_NO_EFFECT)
     return src
 

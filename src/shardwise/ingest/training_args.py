@@ -24,6 +24,7 @@ from shardwise.ingest.common import (
     load,
     refuse,
     resolve_path,
+    unstated,
 )
 
 # HF optim names -> the planner's optimizer
@@ -69,6 +70,7 @@ def read(doc: Doc, ctx: Context) -> Source:
     seen |= model_config(doc, doc.data, src)
     if "num_generations" in doc.data:
         seen |= _grpo(doc, doc.data, src)
+    unstated(src, ctx, precision=False)  # HF Trainer's precision default (fp32) is read_trainer_args'
     rest(doc, doc.data, src, seen, NO_EFFECT)
     return src
 
