@@ -101,7 +101,7 @@ def test_a_bare_deepspeed_json_says_what_it_left_unsaid(tmp_path: Path):
 
 # --- accelerate YAML ------------------------------------------------------------------------------
 
-def test_accelerate_tp_and_hsdp_parallelism_config():
+def test_accelerate_tp_and_hsdp_parallelism_config(tmp_path: Path):
     """accelerate's TP + HSDP example: 8 processes = dp_replicate 2 × dp_shard 2 × tp 2
     (ParallelismConfig: the product is num_processes); FSDP2 resharding after forward, bf16."""
     src = same(["--from", str(DATA / "accelerate_tp_hsdp.yaml")],
@@ -111,6 +111,9 @@ def test_accelerate_tp_and_hsdp_parallelism_config():
     doc = plan("--from", str(DATA / "accelerate_tp_hsdp.yaml"))
     assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 4)]
     assert any(w.startswith("model: not named in the file") for w in src["warnings"])
+    bad = tmp_path / "acc.yaml"
+    bad.write_text((DATA / "accelerate_tp_hsdp.yaml").read_text().replace("num_processes: 8", "num_processes: 16"))
+    assert "sizes whose product is the 16 processes" in refused("--from", str(bad))
 
 
 def test_accelerate_context_parallelism_is_refused():

@@ -198,8 +198,8 @@ def _hybrid(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
         raise refuse(doc, ("parallelism_config", "parallelism_config_cp_size"), cp,
                      "context parallelism (the sequence split over ranks) is not in shardwise's planner; plan the "
                      "run without it (cp_size 1) to see its memory and time at this sequence")
-    gpus = ctx.value("gpus", src)
-    if rep * shard * tp * cp != gpus:
+    gpus = src.values.get("gpus")  # the file's num_processes (a --gpus given beside it plans another world)
+    if gpus is not None and rep * shard * tp * cp != gpus:
         raise doc.error(("parallelism_config",), sizes, f"sizes whose product is the {gpus} processes "
                         "(accelerate's ParallelismConfig requires dp_replicate × dp_shard × tp × cp = "
                         "num_processes)")

@@ -119,7 +119,7 @@ def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:
     """axolotl's mesh keys: tensor_parallel_size = --tp; dp_replicate_size > 1 beside dp_shard_size
     = HSDP (fsdp-hybrid, shard group dp_shard_size); context and expert parallelism are refused
     (the planner has neither). With dp_shard_size given the world size is the product, as axolotl
-    requires it (a --gpus that differs is refused)."""
+    requires it (a --gpus given beside the file wins, as every flag does)."""
     sizes = {k: as_count(doc, (k,), d[k]) for k in MESH if d.get(k) is not None}
     for k in ("context_parallel_size", "expert_parallel_size"):
         if sizes.get(k, 1) > 1:
@@ -134,10 +134,6 @@ def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:
         src.read.append(("tensor_parallel_size", f"--tp {tp} (transformers' tensor parallel plan, DTensor)"))
     if "dp_shard_size" in sizes:
         world = tp * rep * shard
-        given = ctx.given.get("gpus")
-        if given is not None and given != world:
-            raise doc.error(("dp_shard_size",), shard, f"sizes whose product is the --gpus {given} (dp_shard_size × "
-                            f"dp_replicate_size × tensor_parallel_size = {world} here)")
         src.values["gpus"] = world
         src.read.append(("dp_shard_size", f"{shard}: --gpus {world} (dp_shard {shard} × dp_replicate {rep} × tp {tp})"))
     if rep > 1 and shard > 1:
