@@ -105,6 +105,11 @@ def model_config(doc: Doc, d: dict, src: Source) -> set:
                 src.read.append(("lora_modules_to_save", f"--lora-modules-to-save {src.values['lora_modules_to_save']}"))
         else:
             src.read.append(("use_peft", "false: full fine-tuning"))
+    if not peft:  # TRL builds no PEFT config then (get_peft_config returns None)
+        for k in ("lora_r", "lora_target_modules", "lora_modules_to_save"):
+            if k in d:
+                seen.add(k)
+                src.read.append((k, "without use_peft: no adapters (no change to the plan)"))
     for k in ("use_dora", "use_rslora"):
         if k in d:
             seen.add(k)
