@@ -270,8 +270,9 @@ def test_accelerate_fsdp1_and_deepspeed_plugin(tmp_path):
     plugin = tmp_path / "ds.yaml"
     plugin.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n  zero_stage: 3\n"
                       "  offload_optimizer_device: cpu\n  gradient_accumulation_steps: 4\n  zero3_init_flag: true\n")
+    # no mixed_precision: accelerate launch's default "no" (commands/launch.py), fp32
     same(["--from", str(plugin)], ["-s", "zero3+opt-offload", "--gpus", "8", "--gpus-per-node", "8",
-                                   "--grad-accum", "4", "--ds-fetch-unit", "module"])
+                                   "--grad-accum", "4", "--ds-fetch-unit", "module", "--precision", "fp32"])
 
 
 def test_training_args_fsdp_through_accelerates_plugin(tmp_path):

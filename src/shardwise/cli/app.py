@@ -210,7 +210,7 @@ def plan(
     if cpu is not None:
         from shardwise.cli.render_cpu import print_cpu_plan
 
-        print_warnings(warnings)
+        print_warnings([*(source.warnings if source is not None else ()), *warnings])
         print_cpu_plan(cpu, fmt)
         if not any(r["fits"] for r in cpu.rows):
             raise typer.Exit(NOTHING_FITS_EXIT)
@@ -239,7 +239,7 @@ def plan(
             source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting, tp=tp or 1, pp=pp or 1)
     except ShardwiseError as e:
         _fail(naming_file(e, source.path if source is not None else None))
-    print_warnings(warnings)
+    print_warnings([*(source.warnings if source is not None else ()), *warnings])
     print_plan(PlanOutput(m, hw, train, evals, accounting, rec=rec, rec_error=rec_error, alternatives=alternatives,
                           skipped=skipped, profile=profile, warnings=warnings, emitted=emitted, notes=notes,
                           emit_dir=emit, tp=tp, pp=pp, hardware=a["hardware"], source=source), fmt)

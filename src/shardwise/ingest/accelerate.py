@@ -30,7 +30,9 @@ from shardwise.ingest.common import (
     dotted,
     flatten,
     load,
+    refuse,
     resolve_path,
+    unstated,
 )
 
 PRECISION = {"no": "fp32", "fp16": "fp16-mixed", "bf16": "bf16-mixed"}
@@ -74,7 +76,7 @@ def read(doc: Doc, ctx: Context) -> Source:
     if kind == "FSDP":
         seen |= _fsdp(doc, d.get("fsdp_config") or {}, src)
         if isinstance(d.get("parallelism_config"), dict):
-            seen |= _hybrid(doc, d["parallelism_config"], src)
+            seen |= _hybrid(doc, d["parallelism_config"], src, ctx)
     elif kind == "DEEPSPEED":
         seen |= _deepspeed(doc, d.get("deepspeed_config") or {}, src, ctx)
     elif kind in ("MULTI_GPU", "NO"):
@@ -84,6 +86,14 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.keys_of = lambda s: _batch_keys(s)
     else:
         raise doc.error(("distributed_type",), kind, "NO, MULTI_GPU, FSDP or DEEPSPEED (the GPU data-parallel modes)")
+    # beside a deepspeed_config_file accelerate takes the precision from `accelerate launch
+    # --mixed_precision` (it refuses mixed_precision in this file then), or the JSON's own fp16/bf16
+    ds_file = kind == "DEEPSPEED" and bool((d.get("deepspeed_config") or {}).get("deepspeed_config_file"))
+    unstated(src, ctx, precision=not ds_file)
+    if ds_file and "precision" not in src.values and "precision" not in ctx.given:
+        src.warnings.append(f"precision: from `accelerate launch --mixed_precision` (the DeepSpeed JSON leaves it "
+                            f"\"auto\"); planned as --precision {ctx.defaults.get('precision')} (shardwise's "
+                            "default; accelerate's own is no = fp32) — pass --precision")
     for key, _ in flatten(d).items():
         if key in seen:
             continue
@@ -169,15 +179,56 @@ def _fsdp(doc: Doc, f: dict, src: Source) -> set:
     return seen
 
 
-def _hybrid(doc: Doc, p: dict, src: Source) -> set:
-    shard = p.get("parallelism_config_dp_shard_size")
-    if shard is None:
-        return {("parallelism_config",)}
-    n = as_count(doc, ("parallelism_config", "parallelism_config_dp_shard_size"), shard)
-    src.values["strategy"] = ["fsdp-hybrid"]
-    src.shard_group = n
-    src.read.append(("parallelism_config.parallelism_config_dp_shard_size", f"-s fsdp-hybrid --shard-group {n}"))
-    return {("parallelism_config", k) for k in p}
+PARALLELISM = ("parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
+               "parallelism_config_cp_size")
+
+
+def _hybrid(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
+    """accelerate's `parallelism_config` (ParallelismConfig, utils/dataclasses.py; the launcher
+    exports each key as PARALLELISM_CONFIG_*): a device mesh of dp_replicate × dp_shard × tp × cp
+    ranks, whose product accelerate requires to be num_processes. tp > 1 is transformers' tensor
+    parallelism (`--tp`); dp_replicate > 1 beside dp_shard > 1 is HSDP (fsdp-hybrid, shard group
+    dp_shard); cp > 1 (context parallelism) is refused: the planner has none."""
+    sizes = {}
+    for k in PARALLELISM:
+        v = p.get(k)
+        sizes[k.removeprefix("parallelism_config_")] = 1 if v is None else as_count(doc, ("parallelism_config", k), v)
+    rep, shard, tp, cp = (sizes[k] for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"))
+    if cp > 1:
+        raise refuse(doc, ("parallelism_config", "parallelism_config_cp_size"), cp,
+                     "context parallelism (the sequence split over ranks) is not in shardwise's planner; plan the "
+                     "run without it (cp_size 1) to see its memory and time at this sequence")
+    gpus = src.values.get("gpus")  # the file's num_processes (a --gpus given beside it plans another world)
+    if gpus is not None and rep * shard * tp * cp != gpus:
+        raise doc.error(("parallelism_config",), sizes, f"sizes whose product is the {gpus} processes "
+                        "(accelerate's ParallelismConfig requires dp_replicate × dp_shard × tp × cp = "
+                        "num_processes)")
+    if tp > 1:
+        src.values["tp"] = tp
+        src.read.append(("parallelism_config.parallelism_config_tp_size",
+                         f"--tp {tp} (transformers' tensor parallel plan over a {tp}-rank mesh axis)"))
+    else:
+        src.read.append(("parallelism_config.parallelism_config_tp_size", "1: no tensor parallelism"))
+    src.read.append(("parallelism_config.parallelism_config_cp_size", "1: no context parallelism"))
+    if rep > 1 and shard > 1:
+        if src.values.get("strategy") == ["fsdp+offload"]:
+            raise doc.error(("parallelism_config", "parallelism_config_dp_replicate_size"), rep,
+                            "1 with fsdp_offload_params (shardwise plans offload with full sharding only)")
+        src.values["strategy"] = ["fsdp-hybrid"]
+        src.shard_group = shard
+        src.read.append(("parallelism_config.parallelism_config_dp_shard_size",
+                         f"{shard} × dp_replicate_size {rep}: -s fsdp-hybrid --shard-group {shard} (HSDP)"))
+    elif rep > 1:
+        src.values["strategy"] = ["ddp"]
+        src.read.append(("parallelism_config.parallelism_config_dp_replicate_size",
+                         f"{rep} with dp_shard_size 1: every rank holds the whole model (-s ddp)"))
+    else:
+        src.read.append(("parallelism_config.parallelism_config_dp_shard_size",
+                         f"{shard}: one shard group over the data-parallel ranks (-s {src.values['strategy'][0]})"))
+    if "parallelism_config_cp_comm_strategy" in p:
+        src.read.append(("parallelism_config.parallelism_config_cp_comm_strategy", "context parallelism only "
+                         "(cp_size 1): no change to memory or time"))
+    return {("parallelism_config", k) for k in p if k in (*PARALLELISM, "parallelism_config_cp_comm_strategy")}
 
 
 def _fsdp_keys(s: Setting, version: int) -> dict[str, Any]:
@@ -227,8 +278,17 @@ def _deepspeed(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
     opt = str(p.get("offload_optimizer_device", "none")).lower()
     par = str(p.get("offload_param_device", "none")).lower()
     name = f"zero{stage}"
-    if par in ("cpu", "nvme"):
+    if par in ("cpu", "nvme") and stage != 3:
+        raise doc.error(("deepspeed_config", "offload_param_device"), par, f"none: parameter offload needs ZeRO stage 3 "
+                        f"(this file has zero_stage {stage})")
+    if par in ("cpu", "nvme") and opt in ("cpu", "nvme"):
         name = "zero3+full-offload"
+    elif par in ("cpu", "nvme"):  # as a DeepSpeed JSON's offload_param alone (ingest.deepspeed)
+        name = "zero3"
+        src.warnings.append("deepspeed_config.offload_param_device without offload_optimizer_device: DeepSpeed keeps "
+                            "the optimizer on the GPU and only the parameters on the host; shardwise plans no "
+                            "parameter-only offload, so this is planned as zero3 (no offload: GPU memory over by the "
+                            "1/N parameter partition, the host-to-GPU parameter traffic not priced)")
     elif opt in ("cpu", "nvme"):
         name = f"zero{stage}+opt-offload"
     try:

@@ -10,8 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ingest.common import Context, Doc, Source, as_bool, as_count, hub_model
-from shardwise.ingest.training_args import NO_EFFECT, read_trainer_args, rest
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Source,
+    as_bool,
+    as_count,
+    hub_model,
+    ignore,
+    refuse,
+    unstated,
+)
+from shardwise.ingest.training_args import NO_EFFECT, attn_implementation, read_trainer_args, rest
+
+# axolotl's N-D parallelism (its docs "N-D Parallelism"; utils/schemas: dp_shard_size, dp_replicate_size,
+# tensor_parallel_size, context_parallel_size, expert_parallel_size), a device mesh whose product
+# is the world size
+MESH = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size",
+        "expert_parallel_size")
 
 AX_KEYS = {"base_model", "micro_batch_size", "sequence_len", "adapter", "lora_r"}
 AX_NO_EFFECT = NO_EFFECT | {"model_type", "tokenizer_type", "datasets", "dataset_prepared_path", "val_set_size",
@@ -21,7 +37,8 @@ AX_NO_EFFECT = NO_EFFECT | {"model_type", "tokenizer_type", "datasets", "dataset
                             "warmup_steps", "evals_per_epoch", "saves_per_epoch", "debug", "special_tokens",
                             "pad_to_sequence_len", "eval_sample_packing", "chat_template", "strict", "tf32",
                             "resume_from_checkpoint", "logging_steps", "flash_attention", "sdp_attention",
-                            "load_in_8bit", "lora_fan_in_fan_out", "lora_model_dir", "hub_model_id"}
+                            "lora_fan_in_fan_out", "lora_model_dir", "hub_model_id", "is_llama_derived_model",
+                            "eval_table_size", "learning_rate"}
 
 
 def is_axolotl(data: dict[str, Any]) -> bool:
@@ -64,8 +81,27 @@ def read(doc: Doc, ctx: Context) -> Source:
             src.read.append(("load_in_4bit", "--qlora (bitsandbytes NF4 base)"))
     elif adapter is not None:
         src.ignored.append(("adapter", f"{adapter}: planned as full fine-tuning"))
-    if d.get("load_in_8bit") and adapter:
-        src.ignored.append(("load_in_8bit", "an 8-bit base is not planned (planned in the compute dtype)"))
+    eight = d.get("load_in_8bit")
+    if eight is not None and as_bool(doc, ("load_in_8bit",), eight):
+        ignore(src, "load_in_8bit", "an 8-bit bitsandbytes base is not planned (planned in the compute dtype)")
+    elif eight is not None:
+        src.read.append(("load_in_8bit", "false"))
+    fp8 = d.get("fp8")
+    if fp8 is not None and as_bool(doc, ("fp8",), fp8):
+        raise refuse(doc, ("fp8",), fp8, "shardwise plans bf16, fp16 and fp32 compute, not fp8 (torchao's float8 "
+                     "linears and their memory)")
+    elif fp8 is not None:
+        src.read.append(("fp8", "false"))
+    seen |= {"load_in_8bit", "fp8"} | attn_implementation(doc, d, src) | _mesh(doc, d, src, ctx)
+    plugins = d.get("plugins") or []
+    for plugin in plugins if isinstance(plugins, list) else [plugins]:
+        if "cut_cross_entropy" in str(plugin):
+            src.values["cross_entropy"] = "fused"
+            src.read.append(("plugins", f"{plugin}: --cross-entropy fused (Cut Cross-Entropy: no logits held)"))
+        elif "liger" in str(plugin).lower():
+            src.read.append(("plugins", f"{plugin}: its kernels as the liger_* keys say"))
+        else:
+            ignore(src, "plugins", f"{plugin}: not planned")
     if d.get("sample_packing"):
         src.values["packed_attention"] = "flash_varlen" if d.get("flash_attention") else "sdpa_varlen"
         src.read.append(("sample_packing", f"true: --packed-attention {src.values['packed_attention']}"))
@@ -74,5 +110,43 @@ def read(doc: Doc, ctx: Context) -> Source:
     if d.get("liger_fused_linear_cross_entropy"):
         src.values["cross_entropy"] = "fused"
         src.read.append(("liger_fused_linear_cross_entropy", "--cross-entropy fused"))
+    unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, doc.data, src, seen, AX_NO_EFFECT)
     return src
+
+
+def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:
+    """axolotl's mesh keys: tensor_parallel_size = --tp; dp_replicate_size > 1 beside dp_shard_size
+    = HSDP (fsdp-hybrid, shard group dp_shard_size); context and expert parallelism are refused
+    (the planner has neither). With dp_shard_size given the world size is the product, as axolotl
+    requires it (a --gpus given beside the file wins, as every flag does)."""
+    sizes = {k: as_count(doc, (k,), d[k]) for k in MESH if d.get(k) is not None}
+    for k in ("context_parallel_size", "expert_parallel_size"):
+        if sizes.get(k, 1) > 1:
+            what = "context parallelism (the sequence split over ranks)" if k.startswith("context") else \
+                "expert parallelism (MoE experts split over ranks)"
+            raise refuse(doc, (k,), sizes[k], f"{what} is not in shardwise's planner; plan the run with {k}: 1")
+    if not sizes:
+        return set()
+    tp, rep, shard = (sizes.get(k, 1) for k in ("tensor_parallel_size", "dp_replicate_size", "dp_shard_size"))
+    if tp > 1:
+        src.values["tp"] = tp
+        src.read.append(("tensor_parallel_size", f"--tp {tp} (transformers' tensor parallel plan, DTensor)"))
+    if "dp_shard_size" in sizes:
+        world = tp * rep * shard
+        src.values["gpus"] = world
+        src.read.append(("dp_shard_size", f"{shard}: --gpus {world} (dp_shard {shard} × dp_replicate {rep} × tp {tp})"))
+    if rep > 1 and shard > 1:
+        if src.values.get("strategy") != ["fsdp"]:
+            raise doc.error(("dp_replicate_size",), rep, f"1 with -s {src.values.get('strategy', ['?'])[0]} (HSDP "
+                            "shards with FSDP, full sharding, no offload)")
+        src.values["strategy"] = ["fsdp-hybrid"]
+        src.shard_group = shard
+        src.read.append(("dp_replicate_size", f"{rep}: -s fsdp-hybrid --shard-group {shard} (HSDP)"))
+    elif "dp_replicate_size" in sizes:
+        src.read.append(("dp_replicate_size", f"{rep}: " + ("no replication" if rep == 1 else
+                                                           "replicas of the whole model")))
+    for k in ("context_parallel_size", "expert_parallel_size"):
+        if k in sizes:
+            src.read.append((k, "1: none"))
+    return set(MESH)

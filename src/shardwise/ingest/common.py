@@ -56,6 +56,9 @@ class Source:
     read: list[tuple[str, str]] = field(default_factory=list)  # (key, what it set)
     ignored: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
     notes: list[str] = field(default_factory=list)
+    # what changes memory or time and the file leaves unsaid or the plan cannot follow: printed
+    # first, before the tables (the CLI's warnings), and in --json's from.warnings
+    warnings: list[str] = field(default_factory=list)
     # (strategies this file's format can switch to, setting -> {key: value} in its format)
     family: tuple[str, ...] = ()
     keys_of: Callable[[Setting], dict[str, Any]] | None = None
@@ -103,8 +106,43 @@ class Source:
                 "as_flags": self.as_flags(),
                 "read": [{"key": k, "as": v} for k, v in self.read],
                 "ignored": [{"key": k, "why": v} for k, v in self.ignored],
-                "notes": list(self.notes), "values": {k: _jsonable(v) for k, v in self.values.items()},
+                "notes": list(self.notes), "warnings": list(self.warnings), "values": {k: _jsonable(v) for k, v in self.values.items()},
                 "knobs": self.knobs, "what_to_change": self.advice}
+
+
+def ignore(src: Source, key: str, why: str) -> None:
+    """`key` is not planned and changes memory or time: listed as ignored and said in the plan's first lines."""
+    src.ignored.append((key, why))
+    src.warnings.append(f"{src.path.name}: {key} is not planned ({why}): the plan is of the run without it")
+
+
+def refuse(doc: Doc, key: tuple | str, value: Any, why: str) -> ShardwiseError:
+    """A key whose run shardwise cannot plan: refused naming file, line and key, and why."""
+    key = (key,) if isinstance(key, str) else key
+    return ShardwiseError(f"{doc.where(*key)}: {dotted(key)} = {value!r}: not plannable: {why}")
+
+
+def unstated(src: Source, ctx: Context, *, precision: bool) -> None:
+    """What a DeepSpeed JSON or accelerate YAML cannot say (or did not), said in the plan's first
+    lines: the model, GPUs and sequence the plan fell back on, and the precision, which `accelerate
+    launch` (mixed_precision "no") and raw DeepSpeed (no fp16/bf16 section) run in fp32."""
+    given = ctx.given
+    if not any(k in given or k in src.values for k in ("model", "model_config", "params")):
+        how = (f"{FORMAT_NAMES[src.format]}s have no key for it" if src.format in ("deepspeed", "accelerate")
+               else "no model_name_or_path")
+        src.warnings.append(f"model: not named in the file ({how}); planned as {ctx.defaults.get('model')} — pass "
+                            "--model")
+    rest = [f"--{n.replace('_', '-')} {ctx.value(n, src)}" for n in ("gpus", "gpu", "seq_len")
+            if n not in given and n not in src.values]
+    if rest:
+        src.warnings.append(f"not in the file, planned with shardwise's defaults: {' '.join(rest)} (pass your own)")
+    if precision and "precision" not in src.values and "precision" not in given:
+        src.values["precision"] = "fp32"
+        src.warnings.append("precision: the file names none; planned as fp32, as "
+                            + ("accelerate launch runs it (mixed_precision defaults to \"no\")"
+                               if src.format == "accelerate" else
+                               "DeepSpeed runs it without an fp16/bf16 section")
+                            + " — pass --precision bf16-mixed if your script sets it")
 
 
 def _jsonable(v: Any) -> Any:

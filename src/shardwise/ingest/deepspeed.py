@@ -33,6 +33,8 @@ from shardwise.ingest.common import (
     as_number,
     dotted,
     flatten,
+    refuse,
+    unstated,
 )
 
 AUTO = "auto"
@@ -47,6 +49,13 @@ COUNT_KNOBS = {
     "stage3_max_reuse_distance": "max_reuse_distance",
     "stage3_param_persistence_threshold": "param_persistence_threshold",
 }
+# DeepSpeed's field names for the stage3_ keys: DeepSpeedZeroConfig (deepspeed/runtime/zero/config.py)
+# declares each field under the short name with the stage3_ key as its alias, and its pydantic
+# config populates a field by either name
+ALIASES = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
+           "max_live_parameters": "stage3_max_live_parameters",
+           "max_reuse_distance": "stage3_max_reuse_distance",
+           "param_persistence_threshold": "stage3_param_persistence_threshold"}
 BOOL_KNOBS = {"overlap_comm": "overlap_comm", "contiguous_gradients": "contiguous_gradients",
               "reduce_scatter": "reduce_scatter", "use_multi_rank_bucket_allreduce": "use_multi_rank_bucket_allreduce"}
 # Keys read that change nothing the plan counts (memory, traffic, time).
@@ -57,6 +66,7 @@ NO_EFFECT = {
     "gradient_predivide_factor": "scaling, not bytes", "optimizer.params.lr": "learning rate",
     "optimizer.params.betas": "Adam betas", "optimizer.params.eps": "Adam eps",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "at save time only",
+    "zero_optimization.gather_16bit_weights_on_model_save": "at save time only",
     "zero_optimization.offload_optimizer.pin_memory": "pinned host buffers (the plan assumes pinned)",
     "zero_optimization.offload_param.pin_memory": "pinned host buffers (the plan assumes pinned)",
     "zero_optimization.allgather_partitions": "DeepSpeed's default all-gather",
@@ -97,13 +107,21 @@ NO_EFFECT_PREFIXES = ("scheduler.",)  # the learning-rate schedule
 
 
 def is_deepspeed(data: dict[str, Any]) -> bool:
-    return any(k in data for k in ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
-                                   "zero_allow_untested_optimizer", "fp16", "bf16")) and "output_dir" not in data
+    """DeepSpeed's own keys; its fp16/bf16 are sections (a trainer's `bf16: true` is not one)."""
+    return (any(k in data for k in ("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
+                                    "zero_allow_untested_optimizer"))
+            or any(isinstance(data.get(k), dict) for k in ("fp16", "bf16"))) and "output_dir" not in data
 
 
 def read(doc: Doc, ctx: Context) -> Source:
     src = Source("deepspeed", doc.path, family=DS_FAMILY)
     flat = read_into(doc, doc.data, src, ctx, under="HF Trainer / accelerate (flags)")
+    stated = any((sec, "enabled") in flat for sec in ("bf16", "fp16", "bfloat16"))
+    unstated(src, ctx, precision=not stated)
+    if "precision" not in src.values and "precision" not in ctx.given:
+        src.warnings.append(f"precision \"auto\": planned as --precision {ctx.defaults.get('precision')} "
+                            "(shardwise's default); HF Trainer fills it from its bf16/fp16 arguments, fp32 where "
+                            "neither is set — pass --precision")
     src.keys_of = lambda s: {**zero_keys(s, flat, ctx, src), **(
         pipeline_keys(s) if (ctx.value("pp", src) or 1) > 1 else trainer_keys(s, flat))}
     return src
@@ -156,7 +174,16 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
                             f"offload_param needs ZeRO stage 3 (this file has stage {stage})")
         name = "zero3+full-offload"
         if not off["offload_optimizer"]:
-            src.notes.append("offload_param without offload_optimizer: planned as zero3+full-offload (both offloaded)")
+            # DeepSpeed then keeps the optimizer (fp32 master, states, gradient partition) on the GPU
+            # and streams the parameters from the host; STRATEGIES has no such row and the memory
+            # model prices parameter offload only beside optimizer offload: zero3 is the nearest
+            # (the GPU memory of the optimizer kept, the 1/N parameter partition too)
+            name = "zero3"
+            src.warnings.append(
+                f"{dotted(key('zero_optimization', 'offload_param'))} without offload_optimizer: DeepSpeed keeps the "
+                "optimizer on the GPU and only the parameters on the host; shardwise plans no parameter-only "
+                "offload, so this is planned as zero3 (no offload: GPU memory over by the 1/N parameter "
+                "partition, the host-to-GPU parameter traffic not priced)")
     elif off["offload_optimizer"]:
         if stage == 0:
             raise doc.error(key("zero_optimization", "offload_optimizer", "device"), "cpu",
@@ -167,8 +194,18 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
 
     ds = src.knobs["ds"]
     hidden: int | None = None
+    for short, long in ALIASES.items():
+        if short in zero and long in zero:
+            raise doc.error(key("zero_optimization", short), zero[short], f"one of {short} and {long} (DeepSpeed's "
+                            "name and its alias for one setting; this file gives both)")
     for file_key, field in COUNT_KNOBS.items():
         v = got("zero_optimization", file_key)
+        short = next((a for a, b in ALIASES.items() if b == file_key), None)
+        if v is None and short is not None and short in zero:
+            if _is_auto(zero[short]):
+                raise doc.error(key("zero_optimization", short), zero[short], f"a number (HF Trainer and accelerate "
+                                f"fill \"auto\" under the name {file_key} only)")
+            v, file_key = got("zero_optimization", short), short
         if v is None:
             continue
         k = dotted(key("zero_optimization", file_key))
@@ -189,7 +226,8 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
             src.read.append((k, f"\"auto\" = {formula} = {n:,} (h = hidden_size {hidden}, as HF Trainer/accelerate "
                              "fill it)"))
             continue
-        ds[field] = as_count(doc, key("zero_optimization", file_key), v, zero=file_key.startswith("stage3"))
+        ds[field] = as_count(doc, key("zero_optimization", file_key), v, zero=file_key.startswith("stage3") or
+                             file_key in ALIASES)
         src.read.append((k, f"{field} {ds[field]:,}"))
     for file_key, field in BOOL_KNOBS.items():
         v = got("zero_optimization", file_key)
@@ -431,12 +469,21 @@ def batch_ranks(ctx: Context, src: Source) -> tuple[int, str]:
 
 
 def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
-    on = {}
+    """fp16/bf16 `enabled` as DeepSpeed reads them; "auto" is the trainer's (HF fills bf16 and fp16
+    from its own bf16/fp16 arguments: transformers integrations/deepspeed.py `trainer_config_process`),
+    so an "auto" beside an explicit false leaves the precision to the trainer. `fp8.enabled: true`
+    is refused: fp8 compute is not plannable."""
+    fp8 = got("fp8", "enabled")
+    if fp8 is not None and not _is_auto(fp8) and as_bool(doc, key("fp8", "enabled"), fp8):
+        raise refuse(doc, key("fp8", "enabled"), fp8, "shardwise plans bf16, fp16 and fp32 compute, not fp8 "
+                     "(its scaled matmuls and their memory)")
+    on, auto = {}, False
     for sec in ("bf16", "fp16", "bfloat16"):
         v = got(sec, "enabled")
         if v is None:
             continue
         if _is_auto(v):
+            auto = True
             src.read.append((dotted(key(sec, "enabled")), f"\"auto\": --precision from {under}"))
             continue
         on[sec] = as_bool(doc, key(sec, "enabled"), v)
@@ -444,9 +491,11 @@ def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
         src.values["precision"] = "bf16-mixed"
     elif on.get("fp16"):
         src.values["precision"] = "fp16-mixed"
-    elif on:
+    elif on and not auto:
         src.values["precision"] = "fp32"
     else:
+        if on:
+            src.read.append(("/".join(dotted(key(s, "enabled")) for s in on), "false: the \"auto\" one decides"))
         return
     src.read.append(("/".join(dotted(key(s, "enabled")) for s in on), f"--precision {src.values['precision']}"))
 

@@ -10,13 +10,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.ingest.common import Context, Doc, Source, as_bool, as_count, hub_model
+from shardwise.ingest.common import (
+    Context,
+    Doc,
+    Source,
+    as_bool,
+    as_count,
+    hub_model,
+    ignore,
+    refuse,
+    unstated,
+)
 from shardwise.ingest.training_args import NO_EFFECT, read_trainer_args, rest
 
 LF_KEYS = {"stage", "finetuning_type", "cutoff_len", "template", "lora_target", "dataset"}
 LF_NO_EFFECT = NO_EFFECT | {"stage", "template", "dataset", "dataset_dir", "max_samples", "overwrite_cache",
                             "preprocessing_num_workers", "val_size", "lora_alpha",
-                            "lora_dropout", "quantization_method", "flash_attn", "eval_dataset", "image_max_pixels",
+                            "lora_dropout", "quantization_method", "eval_dataset", "image_max_pixels",
                             "video_max_pixels", "mix_strategy", "neat_packing", "tokenized_path", "report_to",
                             "do_predict", "predict_with_generate", "infer_backend", "quantization_type"}
 
@@ -29,8 +39,20 @@ def read(doc: Doc, ctx: Context) -> Source:
     d = doc.data
     src = Source("llama_factory", doc.path)
     # the model first: a DeepSpeed JSON's "auto" buckets are derived from its hidden size
+    _refusals(doc, d)
     hub_model(doc, ("model_name_or_path",), d.get("model_name_or_path"), src, ctx)
     seen = read_trainer_args(doc, d, src, ctx, ckpt_key=None)
+    seen |= {"fp8", "use_galore", "flash_attn"}
+    for k in ("fp8", "use_galore"):
+        if k in d:
+            src.read.append((k, "false"))
+    if "flash_attn" in d:
+        how = {"fa2": "flash", "fa3": "flash", "sdpa": "sdpa", "disabled": "eager"}.get(str(d["flash_attn"]))
+        if how:
+            src.values["attention"] = how
+            src.read.append(("flash_attn", f"--attention {how}"))
+        else:  # auto: transformers' own choice, sdpa where available
+            src.read.append(("flash_attn", f"{d['flash_attn']}: transformers' default (sdpa)"))
     seen |= {"model_name_or_path", "trust_remote_code", "cutoff_len", "finetuning_type", "lora_rank", "lora_target",
              "quantization_bit", "disable_gradient_checkpointing", "additional_target", "packing",
              "enable_liger_kernel", "pure_bf16"}
@@ -59,18 +81,19 @@ def read(doc: Doc, ctx: Context) -> Source:
                 src.values["qlora"] = True
                 src.read.append(("quantization_bit", "4: --qlora (bitsandbytes NF4 base)"))
             else:
-                src.ignored.append(("quantization_bit", f"{bits}-bit base: not planned (planned in the compute dtype)"))
+                ignore(src, "quantization_bit", f"{bits}-bit base: not planned (planned in the compute dtype)")
     elif kind == "full":
         src.values["lora_rank"] = 0
         src.read.append(("finetuning_type", "full: --lora-rank 0"))
     else:
-        src.ignored.append(("finetuning_type", f"{kind}: planned as full fine-tuning"))
+        ignore(src, "finetuning_type", f"{kind}: planned as full fine-tuning")
     if d.get("packing"):
         src.values["packed_attention"] = "sdpa_varlen"
         src.read.append(("packing", "true: documents packed (--packed-attention sdpa_varlen)"))
     seen |= _preference(doc, d, src, lora=kind == "lora")
     engine_keys = src.keys_of
     src.keys_of = lambda s: {**engine_keys(s), "disable_gradient_checkpointing": s.checkpointing == "none"}
+    unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, d, src, seen, LF_NO_EFFECT)
     return src
 
@@ -127,3 +150,21 @@ def _preference(doc: Doc, d: dict, src: Source, *, lora: bool) -> set:
             seen.add(k)
             src.read.append((k, "the loss's coefficient: no change to memory or time"))
     return seen
+
+
+def _refusals(doc: Doc, d: dict) -> None:
+    """What LLaMA-Factory runs and the planner cannot: `fp8` (FP8 compute), `use_galore` (GaLore's
+    projected optimizer; LLaMA-Factory itself refuses the layer-wise one under distributed training,
+    hparams/parser.py), `finetuning_type: freeze` (only the last `freeze_trainable_layers` layers
+    train: TrainSpec trains every layer or LoRA adapters, not a subset of layers)."""
+    if "fp8" in d and as_bool(doc, ("fp8",), d["fp8"]):
+        raise refuse(doc, ("fp8",), d["fp8"], "shardwise plans bf16, fp16 and fp32 compute, not fp8")
+    if "use_galore" in d and as_bool(doc, ("use_galore",), d["use_galore"]):
+        raise refuse(doc, ("use_galore",), d["use_galore"], "GaLore's low-rank gradient projection (its optimizer "
+                     "states and projection step) is not in shardwise's planner" + (
+                         "; and LLaMA-Factory refuses galore_layerwise under distributed training"
+                         if d.get("galore_layerwise") else ""))
+    if str(d.get("finetuning_type", "lora")) == "freeze":
+        n = d.get("freeze_trainable_layers", 2)
+        raise refuse(doc, ("finetuning_type",), "freeze", f"only the last {n} layer(s) train (freeze_trainable_layers), "
+                     "and the planner trains every layer (full) or LoRA adapters, not a subset of layers")

@@ -20,8 +20,11 @@ from shardwise.ingest.common import (
     as_count,
     as_number,
     hub_model,
+    ignore,
     load,
+    refuse,
     resolve_path,
+    unstated,
 )
 
 # HF optim names -> the planner's optimizer
@@ -36,7 +39,14 @@ NO_EFFECT = {"output_dir", "learning_rate", "num_train_epochs", "max_steps", "lr
              "resume_from_checkpoint", "ddp_timeout", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
              "logging_dir", "run_name", "do_train", "do_eval", "push_to_hub", "save_only_model", "dataloader_num_workers",
              "remove_unused_columns", "plot_loss", "logging_first_step", "per_device_eval_batch_size", "tf32",
-             "save_safetensors", "dataset_text_field", "packing", "gradient_checkpointing_kwargs"}
+             "save_safetensors", "dataset_text_field", "packing", "gradient_checkpointing_kwargs",
+             # TRL / alignment-handbook script and logging arguments
+             "model_revision", "chat_template", "dataset_mixture", "dataset_name", "dataset_configs",
+             "dataset_num_proc", "hub_model_id", "hub_strategy", "log_level", "logging_strategy", "lora_alpha",
+             "lora_dropout", "log_completions"}
+# fsdp_config keys (without the fsdp_ prefix) that change nothing the plan counts
+FSDP_NO_EFFECT = {"state_dict_type", "transformer_layer_cls_to_wrap", "sync_module_states", "use_orig_params",
+                  "cpu_ram_efficient_loading", "min_num_params"}
 TA_KEYS = {"per_device_train_batch_size", "gradient_accumulation_steps", "output_dir", "learning_rate",
            "num_train_epochs", "bf16", "fp16", "gradient_checkpointing", "deepspeed", "fsdp"}
 
@@ -58,6 +68,10 @@ def read(doc: Doc, ctx: Context) -> Source:
             src.values["seq_len"] = as_count(doc, (k,), doc.data[k])
             src.read.append((k, f"--seq-len {src.values['seq_len']}"))
     seen |= _preference(doc, doc.data, src)
+    seen |= model_config(doc, doc.data, src)
+    if "num_generations" in doc.data:
+        seen |= _grpo(doc, doc.data, src)
+    unstated(src, ctx, precision=False)  # HF Trainer's precision default (fp32) is read_trainer_args'
     rest(doc, doc.data, src, seen, NO_EFFECT)
     return src
 
@@ -77,8 +91,9 @@ PREF_NO_EFFECT = ("beta", "max_prompt_length", "max_completion_length", "label_s
 
 
 def _preference(doc: Doc, d: dict, src: Source) -> set:
-    """A TRL DPO/KTO/CPO config's objective and reference. Returns the keys read."""
-    if not any(k in d for k in DPO_KEYS + KTO_KEYS):
+    """A TRL DPO/KTO/CPO config's objective and reference. Returns the keys read. A GRPOConfig
+    (`num_generations`) shares `beta` (its KL coefficient) and `max_prompt_length`: it is `_grpo`'s."""
+    if "num_generations" in d or not any(k in d for k in DPO_KEYS + KTO_KEYS):
         return set()
     seen: set = set()
     losses = d.get("loss_type", "sigmoid")
@@ -117,6 +132,127 @@ def _preference(doc: Doc, d: dict, src: Source) -> set:
             seen.add(k)
             src.read.append((k, "no change to memory or time" if k != "max_prompt_length" else
                              "the prompt's truncation inside max_length: no change to memory or time"))
+    return seen
+
+
+def model_config(doc: Doc, d: dict, src: Source) -> set:
+    """TRL's ModelConfig (trl/trainer/model_config.py), which TRL's scripts and the alignment
+    handbook read beside the trainer's arguments: `use_peft` with `lora_r` (default 16),
+    `lora_target_modules` (default None: PEFT's own targets for the architecture, q_proj and v_proj
+    for Llama, Mistral and Qwen: peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING),
+    `lora_modules_to_save`; `load_in_4bit` (get_quantization_config: bitsandbytes 4-bit,
+    `bnb_4bit_quant_type` nf4 by default), `load_in_8bit`, `torch_dtype`, `attn_implementation`."""
+    seen: set = set()
+    peft = "use_peft" in d and as_bool(doc, ("use_peft",), d["use_peft"])
+    if "use_peft" in d:
+        seen.add("use_peft")
+        if peft:
+            seen |= {"lora_r", "lora_target_modules", "lora_modules_to_save"}
+            rank = as_count(doc, ("lora_r",), d.get("lora_r", 16))
+            mods = d.get("lora_target_modules")
+            if mods is None:
+                targets, how = "q_proj,v_proj", " (PEFT's default targets for Llama/Mistral/Qwen)"
+            elif mods == "all-linear" or mods == ["all-linear"]:
+                targets, how = "all-linear", ""
+            else:
+                targets, how = ",".join(str(m) for m in (mods if isinstance(mods, list) else [mods])), ""
+            src.values |= {"lora_rank": rank, "lora_targets": targets}
+            src.read.append(("use_peft", f"true: --lora-rank {rank}" + ("" if "lora_r" in d else " (TRL's default 16)")
+                             + f" --lora-targets {targets}{how}"))
+            if d.get("lora_modules_to_save"):
+                extra = d["lora_modules_to_save"]
+                src.values["lora_modules_to_save"] = extra if isinstance(extra, str) else ",".join(map(str, extra))
+                src.read.append(("lora_modules_to_save", f"--lora-modules-to-save {src.values['lora_modules_to_save']}"))
+        else:
+            src.read.append(("use_peft", "false: full fine-tuning"))
+    if not peft:  # TRL builds no PEFT config then (get_peft_config returns None)
+        for k in ("lora_r", "lora_target_modules", "lora_modules_to_save"):
+            if k in d:
+                seen.add(k)
+                src.read.append((k, "without use_peft: no adapters (no change to the plan)"))
+    for k in ("use_dora", "use_rslora"):
+        if k in d:
+            seen.add(k)
+            if peft and k == "use_dora" and as_bool(doc, (k,), d[k]):
+                ignore(src, k, "DoRA's magnitude vectors and their extra forward are not planned (planned as LoRA)")
+            else:
+                src.read.append((k, "no change to memory or time"))
+    four, eight = (("load_in_4bit" in d and as_bool(doc, ("load_in_4bit",), d["load_in_4bit"])),
+                   ("load_in_8bit" in d and as_bool(doc, ("load_in_8bit",), d["load_in_8bit"])))
+    seen |= {k for k in ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant") if k in d}
+    if four and peft:
+        src.values["qlora"] = True
+        kind = str(d.get("bnb_4bit_quant_type", "nf4"))
+        src.read.append(("load_in_4bit", "true with use_peft: --qlora (bitsandbytes 4-bit base"
+                         + (", fp4: the same 4 bits a weight as nf4)" if kind == "fp4" else ")")))
+    elif four:
+        ignore(src, "load_in_4bit", "a 4-bit base without use_peft (no adapters to train)")
+    if "bnb_4bit_quant_type" in d:
+        src.read.append(("bnb_4bit_quant_type", f"{d['bnb_4bit_quant_type']}: 4 bits a weight"))
+    if "use_bnb_nested_quant" in d:
+        src.read.append(("use_bnb_nested_quant", "the quantization constants' own quantization (planned with NF4's "
+                         "constants)"))
+    if eight:
+        ignore(src, "load_in_8bit", "an 8-bit bitsandbytes base is not planned (planned in the compute dtype)")
+    for k in ("load_in_4bit", "load_in_8bit"):
+        if k in d and not (four if k == "load_in_4bit" else eight):
+            src.read.append((k, "false"))
+    seen |= attn_implementation(doc, d, src)
+    if "torch_dtype" in d or "dtype" in d:
+        k = "torch_dtype" if "torch_dtype" in d else "dtype"
+        seen.add(k)
+        dtype = str(d[k])
+        if dtype in ("bfloat16", "float16") and not peft and src.values.get("precision") != "bf16-pure":
+            ignore(src, k, f"{dtype}: the weights are loaded (and so trained, with their optimizer states) in "
+                   f"{dtype}; planned as {src.values.get('precision')} with fp32 master weights — pass --precision "
+                   "bf16-pure for bf16 weights")
+        else:
+            src.read.append((k, f"{dtype}: the load dtype (the frozen base's, with adapters; no change to the plan)"))
+    return seen
+
+
+ATTN = {"flash_attention_2": "flash", "flash_attention_3": "flash", "sdpa": "sdpa", "eager": "eager"}
+
+
+def attn_implementation(doc: Doc, d: dict, src: Source) -> set:
+    """transformers' `attn_implementation` (a model argument of TRL, axolotl, LLaMA-Factory's
+    `flash_attn`): flash_attention_2/3 = --attention flash, sdpa, eager; any other kernel is listed."""
+    if "attn_implementation" not in d:
+        return set()
+    v = str(d["attn_implementation"])
+    if v in ATTN:
+        src.values["attention"] = ATTN[v]
+        src.read.append(("attn_implementation", f"--attention {ATTN[v]}"))
+    else:
+        ignore(src, "attn_implementation", f"{v}: planned as sdpa")
+    return {"attn_implementation"}
+
+
+def _grpo(doc: Doc, d: dict, src: Source) -> set:
+    """TRL's GRPOConfig (trl/trainer/grpo_config.py): each training row is one prompt and its
+    completion, padded to max_prompt_length (default 512) + max_completion_length (default 256);
+    the plan is of that training step only: the generation of the completions (vLLM or generate)
+    and the reference model's forward are not planned, which the first lines say."""
+    prompt = as_count(doc, ("max_prompt_length",), d.get("max_prompt_length", 512))
+    completion = as_count(doc, ("max_completion_length",), d.get("max_completion_length", 256))
+    if "seq_len" not in src.values:
+        src.values["seq_len"] = prompt + completion
+    src.read.append(("max_prompt_length/max_completion_length", f"--seq-len {prompt + completion} (a GRPO row is "
+                     "the prompt and its completion" + ("" if {"max_prompt_length", "max_completion_length"} <= set(d)
+                                                        else "; GRPOConfig's defaults 512 and 256 where unset") + ")"))
+    src.read.append(("num_generations", f"{d['num_generations']} completions a prompt: rows of the batch"))
+    src.warnings.append(f"{src.path.name}: a GRPO run (num_generations): planned is its policy's training step "
+                        f"at sequence {prompt + completion}; the generation of completions (use_vllm/generate) and "
+                        "the reference model (beta > 0) are not planned")
+    seen = {"max_prompt_length", "max_completion_length", "num_generations"}
+    for k in ("use_vllm", "vllm_device", "vllm_gpu_memory_utilization", "vllm_mode", "beta", "temperature"):
+        if k in d:
+            seen.add(k)
+            src.ignored.append((k, "RL generation and the reference model are not planned"))
+    if "num_processes" in d:
+        seen.add("num_processes")
+        ignore(src, "num_processes", f"{d['num_processes']}: the launcher's process count (accelerate launch "
+               "--num_processes), not a TrainingArguments key: pass --gpus")
     return seen
 
 
@@ -175,8 +311,11 @@ def read_trainer_args(doc: Doc, d: dict, src: Source, ctx: Context, *, batch_key
             if str(optim) in OPTIM_IMPL:
                 src.values["optimizer_impl"] = OPTIM_IMPL[str(optim)]
             src.read.append((key, f"--optimizer {OPTIM[str(optim)]}"))
+        elif str(optim).startswith("galore"):
+            raise refuse(doc, (key,), optim, "GaLore's low-rank gradient projection (its optimizer states and the "
+                         "projection step) is not in shardwise's planner")
         else:
-            src.ignored.append((key, f"{optim}: planned as AdamW"))
+            ignore(src, key, f"{optim}: planned as AdamW (its states in fp32)")
     wd = take("weight_decay")
     if wd is not None:
         src.values["weight_decay"] = as_number(doc, ("weight_decay",), wd)
@@ -239,6 +378,7 @@ def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
         cfg = load(resolve_path(doc, ("fsdp_config",), cfg)).data
     if not isinstance(cfg, dict | None):
         raise doc.error(("fsdp_config",), cfg, "a mapping of fsdp_* keys, or the path of a file of them")
+    named = {(k[5:] if k.startswith("fsdp_") else k): k for k in (cfg or {}) if isinstance(k, str)}  # as written
     cfg = {(k[5:] if k.startswith("fsdp_") else k): v for k, v in (cfg or {}).items() if isinstance(k, str)}
     items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
     version = cfg.get("version", 2)
@@ -254,8 +394,10 @@ def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
             raise doc.error(("fsdp",), fsdp, "full_shard, shard_grad_op, hybrid_shard, no_shard, offload, auto_wrap")
     fsdp_knobs = src.knobs["fsdp"]
     fsdp_knobs |= {"single_rank": "fsdp", "reduce_every_micro_batch": False}
-    reshard = cfg.get("reshard_after_forward", True if version == 2 else "full_shard")
+    reshard = cfg.get("reshard_after_forward", cfg.get("sharding_strategy", True if version == 2 else "full_shard"))
     if version == 2:
+        if isinstance(reshard, str) and reshard.upper() in ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP"):
+            reshard = reshard.upper() != "SHARD_GRAD_OP"  # an FSDP1 sharding_strategy under FSDP2 (accelerate maps it)
         on = as_bool(doc, ("fsdp_config", "reshard_after_forward"), reshard)
         name = "fsdp" if on else "fsdp-grad-op"
         if on:
@@ -269,11 +411,32 @@ def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
         if how:
             fsdp_knobs["reshard_after_forward"] = how
         src.notes.append("FSDP1 planned as FSDP2 with the same sharding")
-    if as_bool(doc, ("fsdp_config", "cpu_offload"), cfg.get("cpu_offload", False)):
+    # offload: HF's `cpu_offload` ("offload" in the fsdp string), accelerate's and axolotl's
+    # `(fsdp_)offload_params` (accelerate utils/dataclasses.py FullyShardedDataParallelPlugin.cpu_offload)
+    off_key = next((k for k in ("cpu_offload", "offload_params") if k in cfg), None)
+    if off_key and as_bool(doc, ("fsdp_config", off_key), cfg[off_key]):
+        if name != "fsdp":
+            raise doc.error(("fsdp_config", off_key), cfg[off_key], f"false with {name} (shardwise plans offload "
+                            "with full sharding: fsdp+offload)")
         name = "fsdp+offload"
+        src.read.append((f"fsdp_config.{named.get(off_key, off_key)}", "true: -s fsdp+offload (CPUOffloadPolicy)"))
+    elif off_key:
+        src.read.append((f"fsdp_config.{named.get(off_key, off_key)}", "false: no offload"))
     if "activation_checkpointing" in cfg and as_bool(doc, ("fsdp_config", "activation_checkpointing"),
                                                       cfg["activation_checkpointing"]):
         src.values["checkpointing"] = "full"
+    for k in cfg:
+        if k in ("version", "reshard_after_forward", "sharding_strategy", "cpu_offload", "offload_params"):
+            continue
+        key = f"fsdp_config.{named.get(k, k)}"
+        if k in FSDP_NO_EFFECT:
+            src.read.append((key, "no change to memory or time"))
+        elif k == "activation_checkpointing":
+            src.read.append((key, f"--checkpointing {src.values.get('checkpointing', 'none')}"))
+        elif k == "auto_wrap_policy" and cfg[k] == "TRANSFORMER_BASED_WRAP":
+            src.read.append((key, "one unit per decoder layer (the plan's unit)"))
+        else:
+            src.ignored.append((key, "not planned (FSDP prefetch and wrap details)"))
     precision = src.values.get("precision", "fp32")
     fsdp_knobs["reduce_dtype"] = "fp32" if precision == "fp32" else "param"
     src.values["strategy"] = [name]
