@@ -124,9 +124,17 @@ def _with_savers(src: Source, m, hw, train, knobs, family: list[str], margin: fl
     return _item(rec.best, edits, None, src.format) | {"savers": True}
 
 
+def _memory(item: dict) -> str:
+    """The GPU memory an item needs against the usable bytes: `required`, what "fits" compares (a
+    line that fits never reads above the usable figure), and the device total nvidia-smi would
+    show where the allocator's reclaimable cache makes it larger."""
+    need, total = item["memory_required"] / GIB, item["memory_total"] / GIB
+    extra = f" (device total {total:.1f} with the allocator's reclaimable cache)" if total - need >= 0.05 else ""
+    return f"{need:.1f} of {item['usable_bytes'] / GIB:.1f} usable GiB per GPU needed{extra}"
+
+
 def _line(item: dict, fmt: str) -> str:
-    nums = (f"{item['memory_total'] / GIB:.1f} of {item['usable_bytes'] / GIB:.1f} usable GiB per GPU, "
-            f"{rate(item['tokens_per_s_per_gpu'])} tokens/s per GPU")
+    nums = f"{_memory(item)}, {rate(item['tokens_per_s_per_gpu'])} tokens/s per GPU"
     if item.get("speedup"):
         nums += f" ({item['speedup'] - 1:+.0%})"
     what = (f"{item['strategy']}, micro-batch {item['micro_batch']} × accum {item['grad_accum']}, "
@@ -170,8 +178,7 @@ def print_source(console, src: Source) -> None:
         else:
             p("  No edit of this file's strategy, micro-batch or checkpointing makes it fit here.")
     else:
-        p(f"  As written: {cur['memory_total'] / GIB:.1f} of {cur['usable_bytes'] / GIB:.1f} usable GiB per GPU, "
-          f"{rate(cur['tokens_per_s_per_gpu'])} tokens/s per GPU.")
+        p(f"  As written: {_memory(cur)}, {rate(cur['tokens_per_s_per_gpu'])} tokens/s per GPU.")
     if a["faster"]:
         p("  To run faster:")
         for item in a["faster"]:
