@@ -5,29 +5,10 @@ table's stages (specs.pipeline.schedule_refusal: the trainer's bridge asks the s
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from typer.testing import CliRunner
+from test_plan_inputs import flat, plan, plan_json
 
-from shardwise.cli.app import app
-
-runner = CliRunner()
 SLOW_NET = ["--gpus", "16", "--gpus-per-node", "8", "--interconnect", "eth-10"]  # DP across 1 GB/s links
-
-
-def plan(*args):
-    return runner.invoke(app, ["plan", *args])
-
-
-def plan_json(*args) -> dict:
-    res = plan("--json", *args)
-    assert res.exit_code == 0, res.output
-    return json.loads(res.output)
-
-
-def flat(text: str) -> str:
-    return " ".join(text.split())
 
 
 @pytest.mark.parametrize(("args", "needles"), [
