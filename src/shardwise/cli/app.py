@@ -8,22 +8,17 @@ import typer
 
 from shardwise import strict_json
 from shardwise.cli.plan_inputs import (
-    check_flags_apply,
-    check_fsdp_flags,
-    check_schedule_flags,
     emit_plan,
     hardware_inputs,
-    input_warnings,
     naming_file,
-    objective_fields,
     plan_cpu,
     plan_inputs,
+    plan_setup,
     print_warnings,
-    run_fields,
     trainer_run,
 )
 from shardwise.cli_help import HELP, whole_short_help
-from shardwise.config.flags import build_knobs, run_option, schema_default, strategy_option, with_knob_flags
+from shardwise.config.flags import run_option, strategy_option, with_knob_flags
 from shardwise.errors import ShardwiseError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__,
@@ -157,7 +152,7 @@ def plan(
     The engine knobs (--ds-*, --fsdp-*, --ddp-*) are generated from shardwise.specs' knob classes:
     each is the trainer YAML's strategy.deepspeed/fsdp/ddp field of the same name."""
     from shardwise.cli.render import PlanOutput, check_format, print_plan
-    from shardwise.plan.planner import build_specs, check_margin, plan_layouts
+    from shardwise.plan.planner import plan_layouts
     from shardwise.plan.recommend import NothingFits, recommend
 
     rec = rec_error = None
@@ -165,39 +160,11 @@ def plan(
     source = None
     try:
         a, source = plan_inputs(ctx, knob_values or {})
-        tp, pp, profile, accounting, margin, emit = a["tp"], a["pp"], a["profile"], a["accounting"], a["margin"], a["emit"]
-        strategy, emit_strategy = a["strategy"], a["emit_strategy"]
         fmt = check_format(a["fmt"], a["as_json"])
-        check_flags_apply(strategy, emit_strategy, a["cli_knobs"], a["ce_chunk"],
-                          a["cross_entropy"] or schema_default("loss.implementation"))
-        machine, gpu, gpus = hardware_inputs(a["hardware"], a["gpu"], a["gpus"],
-                                             also_given=source.values if source is not None else ())
-        m, hw, train = build_specs(
-            model=a["model"], model_config=a["model_config"], params=a["params"], gpu=gpu, gpus=gpus, machine=machine,
-            gpus_per_node=a["gpus_per_node"], interconnect=a["interconnect"], gpu_memory_gb=a["gpu_memory_gb"],
-            host_memory_gb=a["host_memory_gb"], nics_per_node=a["nics_per_node"], profile=profile,
-            defaults=trainer_run(a) if source is None else None, **run_fields(a),
-            base_quant="nf4" if a["qlora"] else "none", fused_norm=a["fused_norm"],
-            expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
-            tp_comm_overlap=a["tp_comm_overlap"], **objective_fields(a["objective"], a["reference"]),
-        )
-        margin = a["margin"] = check_margin(margin)
-        warnings = input_warnings(m, train)
-        if accounting not in ("engine", "paper", "deepspeed"):
-            raise ShardwiseError(f"--accounting {accounting!r}: expected engine, paper or deepspeed")
-        fsdp_given = a["cli_knobs"]["fsdp"]
-        check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
-                          fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given)
-        base = None
-        if source is None and a["device"] in ("cuda", "cpu"):  # the trainer's, as for the run flags
-            from shardwise.run.bridge import trainer_knobs
-
-            base = trainer_knobs(a["device"])
-        knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"], base=base, pp_schedule=a["pp_schedule"],
-                            pp_virtual_stages=a["pp_virtual_stages"])
-        check_schedule_flags(pp, knobs, m, train)
-        if a["device"] not in ("cuda", "cpu"):
-            raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")
+        setup = plan_setup(a, source)
+        m, hw, train, knobs, warnings = setup.model, setup.hw, setup.train, setup.knobs, setup.warnings
+        tp, pp, accounting, margin, emit = a["tp"], a["pp"], a["accounting"], a["margin"], a["emit"]
+        strategy, emit_strategy, profile = a["strategy"], a["emit_strategy"], a["profile"]
         if a["device"] == "cpu":
             if emit is not None:
                 raise ShardwiseError("--emit writes GPU launch configs; a CPU run is a shardwise YAML with "
@@ -234,9 +201,12 @@ def plan(
             emitted, notes = emit_plan(m, hw, train, rec, rec_error=rec_error, out_dir=emit, name=emit_strategy, tp=tp,
                                    pp=pp, knobs=knobs, margin=margin, accounting=accounting)
         if source is not None:
+            from shardwise.cli.advice_checks import check_as_flags, replanner
             from shardwise.ingest.advice import advise
 
-            source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting, tp=tp or 1, pp=pp or 1)
+            source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting, tp=tp or 1, pp=pp or 1,
+                            replan=replanner(ctx, knob_values or {}, source))
+            source.command, source.command_refused = check_as_flags(ctx, knob_values or {}, source, a, setup)
     except ShardwiseError as e:
         _fail(naming_file(e, source.path if source is not None else None))
     print_warnings([*(source.warnings if source is not None else ()), *warnings])

@@ -4,7 +4,9 @@ the input warnings, and --emit with its fitting hint. Torch-free, as the planner
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -55,17 +57,23 @@ def given_flags() -> set[str]:
     return {name for name in ctx.params if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
 
 
-def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
+def plan_inputs(ctx: typer.Context, knob_values: dict, *, from_file: Path | None = None,
+                extra: dict | None = None) -> tuple[dict, object]:
     """plan()'s inputs: the flags, and with --from FILE (or CONFIG) the file's values wherever no
     flag was given (a flag on the command line overrides the file). Returns (values, the file's
     reading or None); values["knobs"] are the engine knobs planned, values["cli_knobs"] those the
-    command line gave."""
+    command line gave. `from_file` plans that file instead of the command line's, with `extra`
+    as flags given beside it (the advice's re-plan of an edited copy)."""
     from shardwise.config.flags import given_knobs
 
     values = dict(ctx.params)
     cli_knobs = given_knobs(knob_values)
     # by name: typer ships its own click (typer._click), whose ParameterSource is not click's
     given = {k for k in values if getattr(ctx.get_parameter_source(k), "name", "") in ("COMMANDLINE", "ENVIRONMENT")}
+    if from_file is not None:
+        values["from_file"], values["config"] = from_file, None
+    values |= extra or {}
+    given |= set(extra or ())
     path = values.pop("from_file")
     if values.get("config") is not None:
         if path is not None:
@@ -98,6 +106,61 @@ def plan_inputs(ctx: typer.Context, knob_values: dict) -> tuple[dict, object]:
     if knob_values.get("shard_group") is None and source.shard_group is not None:
         values["shard_group"] = source.shard_group
     return values, source
+
+
+@dataclass(frozen=True)
+class PlanSetup:
+    """What plan() plans, built and checked from its inputs: the specs, the engine knobs and the
+    input warnings."""
+
+    model: Any
+    hw: Any
+    train: Any
+    knobs: Any
+    warnings: list[str]
+
+
+def plan_setup(a: dict, source) -> PlanSetup:
+    """plan()'s inputs (`a`, from plan_inputs; `source`: the --from file's reading or None) as the
+    specs it plans, with every check plan makes of them (flags that change nothing, the margin,
+    --accounting, the FSDP and schedule flags, --device). Sets a["margin"] to the checked margin.
+    The one path from parsed flags to specs: `plan` itself, its advice's re-plans and the check of
+    its "same plan as flags" command go through it."""
+    from shardwise.config.flags import build_knobs, schema_default
+    from shardwise.plan.planner import build_specs, check_margin
+
+    strategy, emit_strategy = a["strategy"], a["emit_strategy"]
+    check_flags_apply(strategy, emit_strategy, a["cli_knobs"], a["ce_chunk"],
+                      a["cross_entropy"] or schema_default("loss.implementation"))
+    machine, gpu, gpus = hardware_inputs(a["hardware"], a["gpu"], a["gpus"],
+                                         also_given=source.values if source is not None else ())
+    m, hw, train = build_specs(
+        model=a["model"], model_config=a["model_config"], params=a["params"], gpu=gpu, gpus=gpus, machine=machine,
+        gpus_per_node=a["gpus_per_node"], interconnect=a["interconnect"], gpu_memory_gb=a["gpu_memory_gb"],
+        host_memory_gb=a["host_memory_gb"], nics_per_node=a["nics_per_node"], profile=a["profile"],
+        defaults=trainer_run(a) if source is None else None, **run_fields(a),
+        base_quant="nf4" if a["qlora"] else "none", fused_norm=a["fused_norm"],
+        expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
+        tp_comm_overlap=a["tp_comm_overlap"], **objective_fields(a["objective"], a["reference"]),
+    )
+    a["margin"] = check_margin(a["margin"])
+    warnings = input_warnings(m, train)
+    if a["accounting"] not in ("engine", "paper", "deepspeed"):
+        raise ShardwiseError(f"--accounting {a['accounting']!r}: expected engine, paper or deepspeed")
+    fsdp_given = a["cli_knobs"]["fsdp"]
+    check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
+                     fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given)
+    base = None
+    if source is None and a["device"] in ("cuda", "cpu"):  # the trainer's, as for the run flags
+        from shardwise.run.bridge import trainer_knobs
+
+        base = trainer_knobs(a["device"])
+    knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"], base=base, pp_schedule=a["pp_schedule"],
+                        pp_virtual_stages=a["pp_virtual_stages"])
+    check_schedule_flags(a["pp"], knobs, m, train)
+    if a["device"] not in ("cuda", "cpu"):
+        raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")
+    return PlanSetup(m, hw, train, knobs, warnings)
 
 
 def naming_file(err: ShardwiseError, path: Path | None) -> ShardwiseError:

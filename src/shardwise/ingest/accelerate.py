@@ -81,9 +81,10 @@ def read(doc: Doc, ctx: Context) -> Source:
         seen |= _deepspeed(doc, d.get("deepspeed_config") or {}, src, ctx)
     elif kind in ("MULTI_GPU", "NO"):
         src.values["strategy"] = ["ddp"]
-        src.family = ("ddp",)
+        # the advice may switch the file to DeepSpeed or FSDP2: its distributed_type and that mode's keys
+        src.family = ("ddp", *ds_reader.DS_FAMILY, *FSDP_FAMILY)
         src.read[-1] = ("distributed_type", f"{kind}: -s ddp")
-        src.keys_of = lambda s: _batch_keys(s)
+        src.keys_of = lambda s: _switch_keys(kind, s)
     else:
         raise doc.error(("distributed_type",), kind, "NO, MULTI_GPU, FSDP or DEEPSPEED (the GPU data-parallel modes)")
     # beside a deepspeed_config_file accelerate takes the precision from `accelerate launch
@@ -247,6 +248,29 @@ def _fsdp_keys(s: Setting, version: int) -> dict[str, Any]:
     return out
 
 
+def _inline_ds_keys(s: Setting) -> dict[str, Any]:
+    """A setting as the keys of accelerate's own deepspeed_config (no deepspeed_config_file)."""
+    return {"deepspeed_config.zero_stage": int(s.strategy[4]) if s.strategy.startswith("zero") else None,
+            "deepspeed_config.offload_optimizer_device": "cpu" if "offload" in s.strategy else "none",
+            "deepspeed_config.offload_param_device": "cpu" if "full-offload" in s.strategy else "none",
+            "deepspeed_config.gradient_accumulation_steps": s.grad_accum,
+            "TrainingArguments per_device_train_batch_size (or your script's batch size)": s.micro_batch}
+
+
+def _switch_keys(kind: str, s: Setting) -> dict[str, Any]:
+    """A MULTI_GPU/NO file's setting, DDP or the DeepSpeed / FSDP2 one it switches to: its
+    distributed_type and that mode's own keys (as `accelerate config` writes them)."""
+    if s.strategy in ds_reader.DS_FAMILY:  # accelerate's defaults (no offload, accumulation 1) left unsaid
+        return {"distributed_type": "DEEPSPEED", **{k: v for k, v in _inline_ds_keys(s).items() if not (
+            (k.endswith("_device") and v == "none") or (k.endswith("gradient_accumulation_steps") and v == 1))}}
+    if s.strategy in FSDP_FAMILY:  # FSDP2; its defaults (resharded, no offload or checkpointing) left unsaid
+        keys = {k: v for k, v in _fsdp_keys(s, 2).items() if v is not False or k.endswith("reshard_after_forward")}
+        if keys.get("fsdp_config.fsdp_reshard_after_forward") is True:
+            del keys["fsdp_config.fsdp_reshard_after_forward"]
+        return {"distributed_type": "FSDP", "fsdp_config.fsdp_version": 2, **keys, **_batch_keys(s)}
+    return {"distributed_type": kind, **_batch_keys(s)}
+
+
 def _batch_keys(s: Setting) -> dict[str, Any]:
     return {"TrainingArguments per_device_train_batch_size (or your script's batch size)": s.micro_batch,
             "TrainingArguments gradient_accumulation_steps (or Accelerator(gradient_accumulation_steps=))":
@@ -305,12 +329,7 @@ def _deepspeed(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
                                             p["gradient_accumulation_steps"])
         src.read.append(("deepspeed_config.gradient_accumulation_steps", f"--grad-accum {src.values['grad_accum']}"))
     src.knobs["ds"]["fetch_unit"] = "module"  # no leaf_module: DeepSpeed hooks every submodule
-    src.keys_of = lambda s: {
-        "deepspeed_config.zero_stage": int(s.strategy[4]) if s.strategy.startswith("zero") else None,
-        "deepspeed_config.offload_optimizer_device": "cpu" if "offload" in s.strategy else "none",
-        "deepspeed_config.offload_param_device": "cpu" if "full-offload" in s.strategy else "none",
-        "deepspeed_config.gradient_accumulation_steps": s.grad_accum,
-        "TrainingArguments per_device_train_batch_size (or your script's batch size)": s.micro_batch}
+    src.keys_of = _inline_ds_keys
     for k in ("offload_optimizer_device", "offload_param_device"):
         if k in p:
             src.read.append((f"deepspeed_config.{k}", f"{p[k]}"))

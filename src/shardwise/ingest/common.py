@@ -66,10 +66,15 @@ class Source:
     # this format; None where the format cannot say one of them
     saver_keys: Callable[[Any], dict[str, Any] | None] | None = None
     advice: dict[str, Any] | None = None  # filled by shardwise.ingest.advice.advise
+    # the `shardwise plan` words that plan the same, the flags given beside the file included,
+    # checked by plan itself (shardwise.cli.advice_checks); None, with why, where they would not
+    command: list[str] | None = None
+    command_refused: str | None = None
 
-    def as_flags(self) -> list[str]:
-        """The `shardwise plan` words that plan what this file plans (without the flags given beside it)."""
-        from shardwise.config.flags import as_flags
+    def as_flags(self, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """The `shardwise plan` words that plan what this file plans (without the flags given beside
+        it: `skip` names plan's parameters given beside it, whose words the file's values leave out)."""
+        from shardwise.config.flags import BY_PARAM, ZERO3_ONLY, ZERO12_ONLY, as_flags
         from shardwise.config.strategy import STRATEGIES
 
         words: list[str] = []
@@ -79,8 +84,16 @@ class Source:
             values = {k: v for k, v in planner_defaults().items()
                       if not (k.startswith("lora_") and k != "lora_rank" and not values.get("lora_rank"))} | values
             knobs_of["ds"].setdefault("communication_data_type", "auto")
+        skipped_knobs = {(BY_PARAM[n].section, BY_PARAM[n].field) for n in skip if n in BY_PARAM}
+        # a stage's own knobs where no planned strategy is of that stage (plan refuses them as flags)
+        stages = {STRATEGIES[s].zero_stage for s in self.values.get("strategy") or () if s in STRATEGIES
+                  and STRATEGIES[s].engine == "deepspeed"}
+        skipped_knobs |= {("ds", f) for fields, wanted in ((ZERO3_ONLY, {3}), (ZERO12_ONLY, {1, 2}))
+                          if not stages & wanted for f in fields}
+        if "ds_bucket" in skip:
+            skipped_knobs |= {("ds", "reduce_bucket_size"), ("ds", "allgather_bucket_size")}
         for name, v in values.items():
-            if v == "":  # an empty list flag: its default
+            if v == "" or name in skip:  # an empty list flag: its default
                 continue
             flag = "--" + name.replace("_", "-")
             if name == "strategy":
@@ -96,14 +109,15 @@ class Source:
             if {"ds": "deepspeed", "fsdp": "fsdp2"}.get(section, "ddp") not in engines | {"ddp"}:
                 continue  # knobs of an engine nothing planned runs (plan refuses them as flags)
             for field_name, v in knobs.items():
-                words += as_flags(section, field_name, v)
-        if self.shard_group is not None:
+                if (section, field_name) not in skipped_knobs:
+                    words += as_flags(section, field_name, v)
+        if self.shard_group is not None and "shard_group" not in skip:
             words += ["--shard-group", str(self.shard_group)]
         return words
 
     def as_dict(self) -> dict[str, Any]:
         return {"file": str(self.path), "format": self.format, "format_name": FORMAT_NAMES[self.format],
-                "as_flags": self.as_flags(),
+                "as_flags": self.as_flags(), "command": self.command, "command_refused": self.command_refused,
                 "read": [{"key": k, "as": v} for k, v in self.read],
                 "ignored": [{"key": k, "why": v} for k, v in self.ignored],
                 "notes": list(self.notes), "warnings": list(self.warnings), "values": {k: _jsonable(v) for k, v in self.values.items()},
