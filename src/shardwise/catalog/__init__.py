@@ -214,6 +214,7 @@ def get_gpu(name: str) -> GPUSpec:
         bf16_flops=g["bf16_tflops"] * 1e12,
         fp16_flops=g["fp16_tflops"] * 1e12,
         fp32_flops=g["fp32_tflops"] * 1e12,
+        fp8_flops=g.get("fp8_tflops", 0) * 1e12,
         hbm_bytes_per_s=g["hbm_gbps"] * GB,
         family=g.get("family", "default"),
         **_efficiencies(g.get("family", "default")),

@@ -118,6 +118,13 @@ def plan(
                                          "precomputed (TRL precompute_ref_log_probs: no reference in the step) | "
                                          "adapters-off (LoRA: the base with the adapters disabled, no extra "
                                          "weights). Default: model, adapters-off under LoRA."),
+    fp8: str | None = typer.Option(None, "--fp8", help="Planner-only (shardwise train runs bf16): the decoder "
+                                   "linears' GEMMs in fp8: tensorwise | rowwise (torchao float8: torchtitan --float8."
+                                   "recipe_name) | delayed (Transformer Engine: Megatron-LM --fp8-format hybrid, "
+                                   "Composer amp_fp8) | none (default). GPUs with FP8 tensor cores only."),
+    fp8_all_gather: bool = typer.Option(False, "--fp8-all-gather", help="With --fp8 tensorwise, for the FSDP2 rows: "
+                                        "the linears' weights all-gathered and held in fp8 (torchao "
+                                        "enable_fsdp_float8_all_gather)."),
     tp_comm_overlap: bool = typer.Option(False, "--tp-comm-overlap", help="Under --tp > 1: TP's collectives "
                                          "overlapped with the GEMMs they feed (Megatron-LM --tp-comm-overlap, "
                                          "torchtitan's async TP); off: on the critical path."),
@@ -194,6 +201,9 @@ def plan(
         except NothingFits as no_fit:
             rec_error, alternatives = str(no_fit), no_fit.alternatives
         emitted, notes = None, []
+        if emit is not None and train.fp8 != "none":
+            raise ShardwiseError(f"--emit writes shardwise train's launchers, which run bf16; --fp8 {train.fp8} is "
+                                 "planner-only: drop --emit")
         if emit is not None and train.objective != "sft":
             raise ShardwiseError(f"--emit writes shardwise train's launchers, which run SFT only; --objective "
                                  f"{train.objective} is planner-only: drop --emit")

@@ -142,7 +142,9 @@ def plan_setup(a: dict, source) -> PlanSetup:
         base_quant="nf4" if a["qlora"] else "none", fused_norm=a["fused_norm"],
         expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
         tp_comm_overlap=a["tp_comm_overlap"], **objective_fields(a["objective"], a["reference"]),
+        fp8=a.get("fp8"), fp8_all_gather=a.get("fp8_all_gather") or None,
     )
+    check_fp8(hw, train, strategy)
     a["margin"] = check_margin(a["margin"])
     warnings = input_warnings(m, train)
     if a["accounting"] not in ("engine", "paper", "deepspeed"):
@@ -161,6 +163,24 @@ def plan_setup(a: dict, source) -> PlanSetup:
     if a["device"] not in ("cuda", "cpu"):
         raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")
     return PlanSetup(m, hw, train, knobs, warnings)
+
+
+def check_fp8(hw, train, strategies: list[str] | None) -> None:
+    """--fp8 on a GPU with FP8 tensor cores, before anything is planned; --fp8-all-gather where an
+    FSDP2 strategy is planned (it changes nothing else)."""
+    from shardwise.specs import Strategy
+
+    if train.fp8 != "none":
+        hw.gpu.peak_flops("fp8")  # refused, naming the GPU, where it has none
+    if train.fp8_all_gather and strategies:
+        try:
+            engines = {Strategy.from_name(n).engine for n in strategies}
+        except ShardwiseError:
+            return  # an unknown name is refused with its own message when it is planned
+        if "fsdp2" not in engines:
+            raise ShardwiseError(f"--fp8-all-gather is FSDP2's (torchao's float8 all-gather of fully_shard's "
+                                 f"weights), but no FSDP2 strategy is planned (-s {', '.join(strategies)}): add one "
+                                 "with -s, or drop the flag")
 
 
 def naming_file(err: ShardwiseError, path: Path | None) -> ShardwiseError:

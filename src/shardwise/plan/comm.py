@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from shardwise.plan.activations import input_linears
+from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
 from shardwise.plan.lora import adapter_params, adapter_tensors
 from shardwise.plan.pipeline import PipelineRank
 from shardwise.plan.preference import no_grad_forwards, no_grad_gather_bytes
@@ -187,6 +188,9 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     share = fsdp_regather_share(s, rank)
     regathered = layers * share
     ag_bwd = p * regathered * k
+    if train.fp8_all_gather:  # the decoder linears' weights all-gathered in fp8 (plan/fp8.py)
+        saved = gathered_linear_bytes_saved(c, train) * linear_share(model, rank, layout.tp)[0] * k
+        ag_fwd, ag_bwd = ag_fwd - saved, ag_bwd - saved * share
     # shardwise's trainer reduce-scatters once per step; torch's default (sync left on) every micro-batch
     reductions = k if s.fsdp.reduce_every_micro_batch else 1
     rs = reduce * trained * reductions

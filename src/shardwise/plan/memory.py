@@ -18,6 +18,7 @@ from typing import Literal
 from shardwise.catalog import memory_model
 from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
+from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
 from shardwise.plan.load import load_phase
 from shardwise.plan.loss import logits_bytes, loss_held_bytes
 from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_states
@@ -240,6 +241,10 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     root = psi - r.layers
     reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
     gathered = fsdp_gathered_params(s, c, psi, r.layers, layer)
+    if train.fp8_all_gather:  # the gathered decoder linears are fp8 (plan/fp8.py)
+        lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
+        held_lin = lin_total if s.resharding == "none" else 2 * lin_layer
+        gathered -= gathered_linear_bytes_saved(c, train) * held_lin
     lm_head = model.lm_head_params / layout.tp
     rs = (c + reduce) * layer + c * lm_head
     # Accumulation. The trainer turns gradient sync off on non-final micro-batches: FSDP2 then

@@ -72,6 +72,8 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
             gaps.append(f"pipeline parallelism (pp {strategy.pp}) for this run: {why}")
     if train.checkpointing not in TRAINER_CHECKPOINTING:
         gaps.append(f"{train.checkpointing} activation checkpointing")
+    if train.fp8 != "none":
+        gaps.append(f"fp8 linears ({train.fp8} scaling)")
     if train.base_quant == "nf4" and (strategy.shards_params or strategy.offload_params):
         gaps.append(QLORA_SHARDED)
     if strategy.engine == "deepspeed":  # DeepSpeed's engine keeps fp32 masters and builds its own AdamW

@@ -25,6 +25,7 @@ from shardwise.plan.flops import (
     run_flops_per_token,
     selective_recompute_params,
 )
+from shardwise.plan.fp8 import FP8_BYTES, cast_bytes
 from shardwise.plan.kernels import (
     DENSE_SQUARE,
     OPTIMIZER_BYTES,
@@ -219,7 +220,10 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
 
     # GEMMs: forward, input-gradient and weight-gradient (+ the recomputed forward)
     shapes = layer_gemms(model, tp)
-    layer_t = sum(gemm_time(tokens * share, kk, nn, flops_s, bytes_s, c) for kk, nn, share in shapes)
+    # fp8 linears (plan/fp8.py): the layers' GEMMs at the FP8 peak, on 1-byte operands
+    linear_flops_s, linear_c = ((gpu.peak_flops("fp8") * gpu.gemm_efficiency, FP8_BYTES) if train.fp8 != "none"
+                                else (flops_s, c))
+    layer_t = sum(gemm_time(tokens * share, kk, nn, linear_flops_s, bytes_s, linear_c) for kk, nn, share in shapes)
     approx = sum(kk * nn * share for kk, nn, share in shapes)
     exact = _matmul_params_per_layer(model) / tp
     layer_t *= exact / approx if approx else 1.0
@@ -255,6 +259,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     factor = tm.fused_elementwise_factor if train.fused_kernels else tm.elementwise_factor
     per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute + forward_only) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, vocab_tp) * factor / pp)
+    mem += cast_bytes(model, train, tp, layers, layout.dp_shard if s.engine == "fsdp2" else 1) * factor
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
         copies *= tm.lora_copy_share
@@ -401,8 +406,11 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     share = layout.tp * layout.pp  # the replica's work is split over its TP × PP GPUs
     tps = tokens / share / step
     # MFU counts the no-grad forwards' model FLOPs too: the GPU runs them in the step
+    # (of the compute dtype's peak, as torchtitan and Megatron-LM report fp8 runs: their fp8
+    # GEMMs can pass it, but not the FP8 peak)
     mfu = (run_flops_per_token(model, train) + extra_flops) * tps / hw.gpu.peak_flops(train.compute_dtype)
-    if mfu > 1:
+    ceiling = hw.gpu.peak_flops("fp8") / hw.gpu.peak_flops(train.compute_dtype) if train.fp8 != "none" else 1.0
+    if mfu > ceiling:
         raise _above_peak(model, hw, train, strategy, tps, mfu)
     return TimeBreakdown(compute, comm_s, exposed, offload, bubble, step, tps, mfu,
                          ct.gemm_s, ct.attention_s, ct.memory_bound_s, ct.optimizer_s,

@@ -20,6 +20,8 @@ class GPUSpec(Spec):
     bf16_flops: float = Field(ge=0)  # dense peak, no sparsity
     fp16_flops: float = Field(ge=0)
     fp32_flops: float = Field(gt=0)
+    fp8_flops: float = Field(0.0, ge=0, description="dense FP8 (E4M3) tensor-core peak with fp32 accumulation; 0: "
+                             "no FP8 tensor cores")
     hbm_bytes_per_s: float = Field(gt=0)
     # What real kernels sustain, as fractions of the datasheet figures above (timing.py), with
     # where each figure comes from (`efficiency_provenance`): the catalog's by GPU family
@@ -47,7 +49,13 @@ class GPUSpec(Spec):
         return self.attention_efficiency
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak for the compute dtype; V100 has no bf16, so bf16 falls back to fp32 rate."""
+        """Dense peak for the compute dtype; V100 has no bf16, so bf16 falls back to fp32 rate.
+        fp8 has no fallback: a GPU without FP8 tensor cores is refused."""
+        if dtype == "fp8":
+            if not self.fp8_flops:
+                raise ShardwiseError(f"{self.name} has no FP8 tensor cores (FP8 GEMMs need Ada, Hopper, Blackwell or "
+                                     "CDNA3): plan --fp8 on a GPU that has them, or drop --fp8")
+            return self.fp8_flops
         f = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[dtype]
         return f or self.fp32_flops
 

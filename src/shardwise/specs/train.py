@@ -47,6 +47,13 @@ Objective = Literal["sft", "dpo", "orpo", "kto", "simpo"]
 # disabled (`adapters_off`: TRL with a PEFT model and ref_model None, LLaMA-Factory's default
 # under LoRA), or none (SFT, ORPO, SimPO).
 Reference = Literal["model", "precomputed", "adapters_off", "none"]
+# FP8 decoder linears (planner-only: shardwise train runs bf16): torchao's float8 training
+# (pytorch/ao torchao/float8, what torchtitan's --float8 runs) with dynamic `tensorwise` or
+# `rowwise` scaling, or Transformer Engine's `delayed` scaling (an amax history per tensor; what
+# Megatron-LM --fp8-format hybrid and Composer's amp_fp8 run). All three run the forward, input-
+# gradient and weight-gradient GEMMs of the decoder's linears in fp8 (E4M3; E5M2 gradients under
+# TE's hybrid format); embeddings, lm_head, norms and attention stay in the compute dtype.
+Fp8 = Literal["none", "tensorwise", "rowwise", "delayed"]
 PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")  # chosen and rejected sequences of each example in one batch
 REFERENCE_OBJECTIVES = ("dpo", "kto")  # a reference's log-probs in the loss
 
@@ -117,6 +124,11 @@ class TrainSpec(Spec):
                                   "adjacent GEMMs (Megatron-LM --tp-comm-overlap, Transformer Engine userbuffers; "
                                   "torchtitan's async TP); no effect at tp 1")
 
+    fp8: Fp8 = Field("none", description="planner-only: the decoder linears' GEMMs in fp8: none | tensorwise | "
+                     "rowwise (torchao float8, torchtitan --float8) | delayed (Transformer Engine, Megatron-LM --fp8-format)")
+    fp8_all_gather: bool = Field(False, description="planner-only: FSDP2 all-gathers the decoder linears' weights in "
+                                 "fp8 (torchao enable_fsdp_float8_all_gather; tensorwise only): 1 byte per element "
+                                 "gathered and held unsharded, the cast before the all-gather on each shard")
     objective: Objective = Field("sft", description="planner-only (shardwise train runs sft): sft | dpo | orpo | "
                                  "kto | simpo; dpo, orpo and simpo run each example's chosen and rejected sequences "
                                  "in one batch (2 × micro_batch sequences of seq_len tokens per forward)")
@@ -154,6 +166,21 @@ class TrainSpec(Spec):
             raise ShardwiseError(
                 "--reference adapters-off needs --lora-rank: the reference is the base with the LoRA adapters "
                 "disabled; full fine-tuning has no adapters to disable (use --reference model or precomputed)")
+        return self
+
+    @model_validator(mode="after")
+    def _fp8_runs(self) -> TrainSpec:
+        if self.fp8 != "none" and self.compute_dtype != "bf16":
+            raise ShardwiseError(f"--fp8 {self.fp8} with --precision {self.precision}: fp8 training runs its linears' "
+                                 "GEMMs in fp8 and the rest in bf16 (torchao float8, Transformer Engine): use "
+                                 "bf16-mixed or bf16-pure")
+        if self.fp8 != "none" and (self.lora_rank or self.base_quant != "none"):
+            raise ShardwiseError(f"--fp8 {self.fp8} with LoRA: fp8 training is planned for full fine-tuning (torchao's "
+                                 "Float8Linear and Transformer Engine train every weight of the linears they swap)")
+        if self.fp8_all_gather and self.fp8 != "tensorwise":
+            raise ShardwiseError(f"--fp8-all-gather with --fp8 {self.fp8}: torchao gathers fp8 weights with "
+                                 "tensorwise scaling only (Float8LinearConfig.enable_fsdp_float8_all_gather): use "
+                                 "--fp8 tensorwise")
         return self
 
     @property

@@ -1,0 +1,78 @@
+"""FP8 linears (TrainSpec.fp8, planner-only): what they change against the same run in bf16.
+
+The decoder layers' linears run their three GEMMs (forward, input gradient, weight gradient) at
+the GPU's FP8 peak (GPUSpec.fp8_flops) with the GEMM efficiency of its bf16 kernels, an
+assumption: no FP8 run here measured its own (docs/accuracy.md lists it). Embeddings, lm_head,
+norms and attention stay in bf16: torchtitan's float8 converter skips the output projection
+(torchtitan/components/quantization/float8.py `filter_fqns` with "output"), Transformer Engine
+swaps only the layers' Linear / LayerNormLinear modules.
+
+Around each fp8 GEMM its operands are cast, memory-bound work per element (`CASTS`):
+
+- torchao dynamic scaling, tensorwise or rowwise (pytorch/ao torchao/float8/float8_linear.py
+  `matmul_with_hp_or_float8_args`): forward, the input and the weight each read for their amax
+  (2 bytes) then read and written as fp8 (3): 5 bytes an element; backward, the output gradient
+  cast twice (for the input-gradient GEMM and, in the other layout, for the weight gradient: 10),
+  and the saved high-precision input and weight cast again (5 each). The saved tensors are the
+  bf16 ones, so activation memory is unchanged.
+- Transformer Engine delayed scaling (transformer_engine/pytorch/module/linear.py with a
+  DelayedScaling recipe): the scale comes from the amax history, so a cast is one fused
+  cast-transpose (read 2, write fp8 and its transpose: 4) of the input, of the output gradient,
+  and of the weight once per optimizer step (`is_first_microbatch` caches it); the fp8 input is
+  what backward keeps.
+
+With FSDP2's float8 all-gather (`fp8_all_gather`: torchao `enable_fsdp_float8_all_gather`,
+tensorwise) each rank casts its own shard of a weight before the all-gather, so the forward cast
+of the weights is 1/dp of theirs, and the gathered weights are fp8: one byte an element moved and
+held where bf16 has two.
+"""
+
+from __future__ import annotations
+
+from shardwise.plan.kernels import layer_gemms
+from shardwise.plan.pipeline import PipelineRank
+from shardwise.specs.model import ModelSpec
+from shardwise.specs.train import TrainSpec
+
+# bytes an element moves in the casts of one micro-batch, per recipe: (forward input, forward
+# weight, backward output-gradient, backward input, backward weight); derived from the kernels
+# named in the module's docstring, not measured
+CASTS = {"tensorwise": (5.0, 5.0, 10.0, 5.0, 5.0), "rowwise": (5.0, 5.0, 10.0, 5.0, 5.0),
+         "delayed": (4.0, 4.0, 4.0, 0.0, 0.0)}
+FP8_BYTES = 1
+
+
+def cast_bytes(model: ModelSpec, train: TrainSpec, tp: int, layers: float, dp_shard: int = 1) -> float:
+    """Bytes the fp8 casts move on one GPU per optimizer step, over its `layers` decoder layers
+    (its TP shard of each linear): forward casts again in a checkpointed layer's replay; the
+    weights' forward cast once per step under delayed scaling, and on the rank's 1/`dp_shard`
+    shard under the float8 all-gather."""
+    if train.fp8 == "none":
+        return 0.0
+    fwd_in, fwd_w, bwd_g, bwd_in, bwd_w = CASTS[train.fp8]
+    tokens, k = train.micro_batch * train.seq_len, train.grad_accum
+    shapes = layer_gemms(model, tp)
+    inputs = sum(tokens * share * kk for kk, _, share in shapes)
+    outputs = sum(tokens * share * nn for _, nn, share in shapes)
+    weights = sum(kk * nn for kk, nn, _ in shapes)
+    replay = 1.0 if train.checkpointing == "full" else 0.0
+    w_fwd = fwd_w * weights / (dp_shard if train.fp8_all_gather else 1)
+    per_micro = (fwd_in * inputs) * (1 + replay) + bwd_g * outputs + bwd_in * inputs + bwd_w * weights
+    weight_casts = w_fwd if train.fp8 == "delayed" else k * w_fwd * (1 + replay)
+    return layers * (k * per_micro + weight_casts)
+
+
+def gathered_linear_bytes_saved(c: int, train: TrainSpec) -> float:
+    """Bytes fewer per decoder-linear parameter that FSDP2 all-gathers and holds unsharded with
+    the float8 all-gather (fp8 instead of the compute dtype)."""
+    return float(c - FP8_BYTES) if train.fp8_all_gather else 0.0
+
+
+def linear_share(model: ModelSpec, rank: PipelineRank, tp: int) -> tuple[float, float]:
+    """(the decoder linears' weights on pipeline rank `rank` and TP rank, those of its largest
+    layer): what FSDP2's float8 all-gather moves and holds in fp8."""
+    from shardwise.plan.lora import linear_weight_params
+
+    total = linear_weight_params(model, tp, rank=rank)
+    per_layer = total / max(len(rank.layers), 1)
+    return total, per_layer

@@ -1,0 +1,110 @@
+"""FP8 linears (`plan --fp8`): the decoder linears' GEMMs at the GPU's FP8 peak, the casts around
+them, FSDP2's float8 all-gather, and what plan refuses. Expected figures are derived here by hand
+from Llama 3.1 8B's config (hidden 4096, 32 layers, 32 heads / 8 KV heads of 128, intermediate
+14336) and the H100 SXM datasheet (989 bf16, 1979 fp8 dense TFLOP/s)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from shardwise.cli.app import app
+from shardwise.errors import ShardwiseError
+from shardwise.plan.evaluate import evaluate
+from shardwise.plan.fp8 import cast_bytes
+from shardwise.plan.planner import build_specs
+from shardwise.specs import Strategy
+from shardwise.specs.train import TrainSpec
+
+H, KV, I, LAYERS = 4096, 1024, 14336, 32
+LINEAR_PER_LAYER = H * (H + KV + KV + H) + 3 * H * I  # q, k, v, o; gate, up, down
+IN_WIDTHS = 3 * H + H + 2 * H + I  # q/k/v read h, o reads q (h), gate/up read h, down reads i
+OUT_WIDTHS = H + 2 * KV + H + 2 * I + H
+
+
+def _eval(strategy: str = "fsdp", gpus: int = 8, **kw):
+    m, hw, t = build_specs(model="llama-3.1-8b", gpu="h100-sxm", gpus=gpus, seq_len=8192, micro_batch=2,
+                           precision="bf16-mixed", **kw)
+    return evaluate(m, hw, t, Strategy.from_name(strategy)), m, hw, t
+
+
+def test_the_layers_gemms_run_at_the_fp8_peak():
+    """At 16,384 tokens a micro-batch the layers' GEMMs are compute-bound: fp8 halves their time
+    on an H100 (1979 / 989 TFLOP/s), everything else (lm_head, attention) is unchanged."""
+    bf16, m, hw, _ = _eval(fp8="none")
+    fp8, *_ = _eval(fp8="tensorwise")
+    tokens = 2 * 8192
+    layer_flops = 3 * 2 * LINEAR_PER_LAYER * tokens * LAYERS  # forward, input and weight gradients
+    rate = 989e12 * hw.gpu.gemm_efficiency
+    saved = layer_flops / rate - layer_flops / (1979e12 * hw.gpu.gemm_efficiency)
+    assert bf16.time.gemm_s - fp8.time.gemm_s == pytest.approx(saved, rel=0.02)
+    assert fp8.time.attention_s == bf16.time.attention_s
+    assert fp8.time.tokens_per_s_per_gpu > bf16.time.tokens_per_s_per_gpu
+
+
+def test_the_casts_move_the_bytes_of_each_recipe():
+    """tensorwise: 10 bytes an element of each linear's input, output gradient and weight per
+    micro-batch; delayed (Transformer Engine): 4 of the input and gradient, and the weight's 4 once
+    per optimizer step."""
+    m = build_specs(model="llama-3.1-8b", gpu="h100-sxm", gpus=8)[0]
+    tokens, k = 2 * 8192, 2
+    t = TrainSpec(seq_len=8192, micro_batch=2, grad_accum=k, fp8="tensorwise")
+    per_micro = 10 * tokens * IN_WIDTHS + 10 * tokens * OUT_WIDTHS + 10 * LINEAR_PER_LAYER
+    assert cast_bytes(m, t, 1, LAYERS) == pytest.approx(k * LAYERS * per_micro, rel=1e-12)
+    t = t.model_copy(update={"fp8": "delayed"})
+    want = LAYERS * (k * (4 * tokens * IN_WIDTHS + 4 * tokens * OUT_WIDTHS) + 4 * LINEAR_PER_LAYER)
+    assert cast_bytes(m, t, 1, LAYERS) == pytest.approx(want, rel=1e-12)
+    # under full checkpointing the replayed forward casts its input and weight again
+    t = TrainSpec(seq_len=8192, micro_batch=2, fp8="tensorwise", checkpointing="full")
+    assert cast_bytes(m, t, 1, LAYERS) == pytest.approx(LAYERS * (per_micro + 5 * tokens * IN_WIDTHS
+                                                                  + 5 * LINEAR_PER_LAYER), rel=1e-12)
+
+
+def test_fsdp2s_float8_all_gather_moves_and_holds_the_linears_in_one_byte():
+    """The decoder linears' weights are gathered in fp8: one byte fewer per weight in forward and
+    in backward's re-gather of the resharded layers (the trainer's stock sharding keeps the last
+    layer: 31 of 32 re-gathered), and the two layers held unsharded (in flight and prefetched)."""
+    plain, *_ = _eval(fp8="tensorwise")
+    gathered, *_ = _eval(fp8="tensorwise", fp8_all_gather=True)
+    linears = LINEAR_PER_LAYER * LAYERS
+    regathered = 1.0 if plain.strategy.resharding == "all" else (LAYERS - 1) / LAYERS
+    assert plain.comm.all_gather - gathered.comm.all_gather == pytest.approx(linears * (1 + regathered), rel=1e-9)
+    assert plain.memory.gpu.gathered_params - gathered.memory.gpu.gathered_params == pytest.approx(
+        2 * LINEAR_PER_LAYER, rel=1e-9)
+    # other engines do not gather in fp8: nothing changes
+    z3, z3_ag = _eval("zero3", fp8="tensorwise")[0], _eval("zero3", fp8="tensorwise", fp8_all_gather=True)[0]
+    assert z3.comm.all_gather == z3_ag.comm.all_gather
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--gpu", "a100-80g", "--fp8", "tensorwise"], "a100-80g has no FP8 tensor cores"),
+    (["--gpu", "h100-sxm", "--fp8", "tensorwise", "--lora-rank", "16"], "--fp8 tensorwise with LoRA"),
+    (["--gpu", "h100-sxm", "--fp8", "rowwise", "--fp8-all-gather"], "--fp8-all-gather with --fp8 rowwise"),
+    (["--gpu", "h100-sxm", "--fp8", "tensorwise", "--precision", "fp16-mixed"], "use bf16-mixed or bf16-pure"),
+    (["--gpu", "h100-sxm", "--fp8", "tensorwise", "--fp8-all-gather", "-s", "zero3"], "no FSDP2 strategy is planned"),
+    (["--gpu", "h100-sxm", "--fp8", "e4m3"], "--fp8"),
+])
+def test_what_fp8_cannot_run_is_refused_naming_the_flag(args, says):
+    r = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", *args])
+    assert r.exit_code == 2, r.output
+    assert says in r.output
+
+
+def test_fp8_rows_are_plan_only_and_not_emitted(tmp_path):
+    r = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "-s", "fsdp", "--fp8",
+                                 "tensorwise", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["train"]["fp8"] == "tensorwise"
+    assert doc["recommended_setting"]["runnable"] is False
+    assert "torchtitan" in doc["reason"]
+    r = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--fp8", "tensorwise",
+                                 "--emit", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "--fp8 tensorwise is planner-only" in r.output
+
+
+def test_the_spec_refuses_fp8_without_bf16_compute():
+    with pytest.raises(ShardwiseError, match="bf16-mixed or bf16-pure"):
+        TrainSpec(fp8="delayed", precision="fp32")
