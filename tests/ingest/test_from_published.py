@@ -131,6 +131,22 @@ def test_accelerate_param_offload_plugin(tmp_path: Path):
 
 # --- TrainingArguments with TRL's model arguments ---------------------------------------------------
 
+def test_accelerate_deepspeed_file_with_auto_precision_is_fp32(tmp_path: Path):
+    """A deepspeed_config_file whose fp16/bf16 are "auto": accelerate launch's mixed_precision is "no"
+    where neither its flag nor the config names one (accelerate commands/launch.py), and
+    DeepSpeedPlugin.set_mixed_precision fills both "auto" with false: fp32, said first; a
+    --precision beside the file is the launch line's flag and wins."""
+    f = tmp_path / "acc.yaml"
+    f.write_text(f"distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
+                 f"  deepspeed_config_file: {DATA / 'hf_ds_zero2.json'}\n")
+    got = plan("--from", str(f))
+    assert got["train"]["precision"] == "fp32"
+    assert any("planned as fp32" in w and "--mixed_precision" in w for w in got["from"]["warnings"])
+    assert plan("--from", str(f), "--precision", "bf16-mixed")["train"]["precision"] == "bf16-mixed"
+    f.write_text(f.read_text() + "mixed_precision: bf16\n")
+    assert plan("--from", str(f))["train"]["precision"] == "bf16-mixed"
+
+
 def test_alignment_handbook_qlora_recipe_is_qlora():
     """TRL ModelConfig: use_peft + load_in_4bit = a 4-bit bitsandbytes base with LoRA adapters of
     rank lora_r on lora_target_modules (trl/trainer/model_config.py, get_quantization_config,

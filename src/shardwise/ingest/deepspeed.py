@@ -118,13 +118,54 @@ def read(doc: Doc, ctx: Context) -> Source:
     flat = read_into(doc, doc.data, src, ctx, under="HF Trainer / accelerate (flags)")
     stated = any((sec, "enabled") in flat for sec in ("bf16", "fp16", "bfloat16"))
     unstated(src, ctx, precision=not stated)
-    if "precision" not in src.values and "precision" not in ctx.given:
-        src.warnings.append(f"precision \"auto\": planned as --precision {ctx.defaults.get('precision')} "
-                            "(shardwise's default); HF Trainer fills it from its bf16/fp16 arguments, fp32 where "
-                            "neither is set — pass --precision")
+    trainer_defaults(flat, src, ctx)
     src.keys_of = lambda s: {**zero_keys(s, flat, ctx, src), **(
         pipeline_keys(s) if (ctx.value("pp", src) or 1) > 1 else trainer_keys(s, flat))}
     return src
+
+
+# TrainingArguments' defaults (huggingface/transformers@00349ae87eddc872ffa21a8a54f264375a0056a8
+# src/transformers/training_args.py: per_device_train_batch_size=8, gradient_accumulation_steps=1,
+# fp16=False, bf16=False), which HfTrainerDeepSpeedConfig.trainer_config_process
+# (huggingface/transformers@02348331baea70aaedce3b76c18481b2b441fe2d
+# src/transformers/integrations/deepspeed.py) writes into the "auto" keys: fill_match
+# replaces a value "auto" with the argument's (train_micro_batch_size_per_gpu <-
+# per_device_train_batch_size, gradient_accumulation_steps, train_batch_size <- world_size × both,
+# fp16.enabled <- fp16 or fp16_full_eval, bf16.enabled <- bf16 or bf16_full_eval)
+HF_MICRO_BATCH, HF_GRAD_ACCUM = 8, 1
+
+
+def trainer_defaults(flat: dict[tuple, Any], src: Source, ctx: Context) -> None:
+    """A DeepSpeed JSON read alone: its "auto" batch and precision keys as HF Trainer fills them
+    from TrainingArguments' defaults (micro-batch 8, accumulation 1, neither bf16 nor fp16: DeepSpeed
+    then runs fp32; accelerate launch's mixed_precision "no" fills fp16/bf16 "auto" alike:
+    huggingface/accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83 src/accelerate/utils/dataclasses.py
+    DeepSpeedPlugin.set_mixed_precision). What the
+    script really passes is unknown: each is said in the plan's first lines, with the flag to pass.
+    A flag given beside the file wins (it is the trainer's argument)."""
+    filled = []
+    for file_key, name, value, arg in (("train_micro_batch_size_per_gpu", "micro_batch", HF_MICRO_BATCH,
+                                        "per_device_train_batch_size"),
+                                       ("gradient_accumulation_steps", "grad_accum", HF_GRAD_ACCUM,
+                                        "gradient_accumulation_steps")):
+        if not _is_auto(flat.get((file_key,))) or name in src.values or name in ctx.given:
+            continue
+        src.values[name] = value
+        src.read.append((file_key, f"\"auto\": --{name.replace('_', '-')} {value} (TrainingArguments' {arg} "
+                         "default, as HF Trainer fills it)"))
+        if name == "micro_batch":
+            filled.append(f"--micro-batch {value} (HF Trainer's per_device_train_batch_size default)")
+    autos = [sec for sec in ("bf16", "fp16", "bfloat16") if _is_auto(flat.get((sec, "enabled")))]
+    if autos and "precision" not in src.values and "precision" not in ctx.given:
+        src.values["precision"] = "fp32"
+        src.read.append(("/".join(f"{s}.enabled" for s in autos),
+                         "\"auto\": --precision fp32 (TrainingArguments' bf16=False and fp16=False, as HF Trainer "
+                         "fills it; accelerate launch's mixed_precision \"no\" alike)"))
+        filled.append("--precision fp32 (bf16/fp16 \"auto\" filled from HF Trainer's bf16=False, fp16=False)")
+    if filled:
+        src.warnings.append(f"{src.path.name}: \"auto\" values planned as HF Trainer fills them from its defaults: "
+                            f"{'; '.join(filled)} — pass --micro-batch / --precision (e.g. --precision bf16-mixed "
+                            "for --bf16) as your run sets them")
 
 
 def _is_auto(v: Any) -> bool:
