@@ -58,17 +58,20 @@ def test_deepspeed_short_zero3_names_are_read(tmp_path: Path):
     assert "one of max_live_parameters and stage3_max_live_parameters" in refused("--from", str(f))
 
 
-def test_param_offload_alone_is_planned_as_the_nearest_row_and_said_first(tmp_path: Path):
+def test_param_offload_alone_is_refused_naming_the_key(tmp_path: Path):
     """ZeRO-3 offload_param without offload_optimizer: DeepSpeed keeps the optimizer on the GPU
-    (stage3.py offloads the optimizer only where offload_optimizer names a device); shardwise has
-    no parameter-only row, so zero3 is planned and the first lines say so."""
+    (stage3.py _configure_offloading offloads the optimizer only where offload_optimizer names a
+    device) and the parameters on the host; no strategy row plans that split (zero3+full-offload
+    moves the optimizer step too, zero3 keeps the parameters on the GPU), so it is refused, naming
+    the key and what to set. (It was planned as zero3 with a first-line warning: a run DeepSpeed
+    does not give.)"""
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"bf16": {"enabled": True},
                              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
-    src = same(["--from", str(f)], ["-s", "zero3", "--precision", "bf16-mixed", "--ds-fetch-unit", "module"])
-    assert any("offload_param without offload_optimizer" in w for w in src["warnings"])
-    r = CliRunner().invoke(app, ["plan", "--from", str(f)])
-    assert r.output.lstrip().startswith("warning:") and "offload_param" in r.output.split("\n")[0]
+    text = refused("--from", str(f))
+    assert "zero_optimization.offload_param.device = 'cpu': not plannable: offload_param without " \
+           "offload_optimizer" in text
+    assert "zero_optimization.offload_optimizer.device" in text
 
 
 def test_fp16_false_beside_bf16_auto_is_the_trainers_precision(tmp_path: Path):
@@ -121,15 +124,13 @@ def test_accelerate_context_parallelism_is_refused():
     assert "parallelism_config.parallelism_config_cp_size = 2: not plannable: context parallelism" in text
 
 
-def test_accelerate_param_offload_plugin(tmp_path: Path):
+def test_accelerate_param_offload_plugin_is_refused(tmp_path: Path):
+    """The plugin's offload_param_device alone: as a DeepSpeed JSON's offload_param alone (above)."""
     f = tmp_path / "acc.yaml"
     f.write_text("distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
                  "  zero_stage: 3\n  offload_optimizer_device: none\n  offload_param_device: cpu\n")
-    src = same(["--from", str(f)], ["-s", "zero3", "--gpus", "8", "--gpus-per-node", "8", "--ds-fetch-unit", "module"])
-    assert any("offload_param_device without offload_optimizer_device" in w for w in src["warnings"])
+    assert "deepspeed_config.offload_param_device = 'cpu': not plannable" in refused("--from", str(f))
 
-
-# --- TrainingArguments with TRL's model arguments ---------------------------------------------------
 
 def test_accelerate_deepspeed_file_with_auto_precision_is_fp32(tmp_path: Path):
     """A deepspeed_config_file whose fp16/bf16 are "auto": accelerate launch's mixed_precision is "no"
@@ -218,6 +219,17 @@ def test_axolotl_context_parallel_and_fp8_are_refused():
 
 
 # --- LLaMA-Factory --------------------------------------------------------------------------------
+
+def test_axolotl_unfrozen_parameters_is_refused_before_its_deepspeed_json():
+    """axolotl's bigstral example (unfrozen_parameters: embeddings, lm_head, experts of layers 44-55)
+    trains a subset of tensors (utils/freeze.py freeze_layers_except): refused for that, before the
+    DeepSpeed JSON it names (whose offload_param alone is refused too) is read."""
+    root = Path(__file__).parents[1] / "data" / "corpus" / "axolotl"
+    text = refused("--from", str(root / "examples/mistral/bigstral/bigstral-ds-zero3.yaml"),
+                   "--model", "llama-2-7b")
+    assert "unfrozen_parameters = '6 pattern(s)': not plannable: axolotl trains only the parameters" in text
+    assert "offload_param" not in text
+
 
 def test_llama_factory_freeze_galore_and_fp8_are_refused_with_the_reason():
     """freeze: only the last freeze_trainable_layers (8 here) train (LLaMA-Factory

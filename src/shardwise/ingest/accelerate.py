@@ -291,11 +291,11 @@ def _deepspeed(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
     if par in ("cpu", "nvme") and opt in ("cpu", "nvme"):
         name = "zero3+full-offload"
     elif par in ("cpu", "nvme"):  # as a DeepSpeed JSON's offload_param alone (ingest.deepspeed)
-        name = "zero3"
-        src.warnings.append("deepspeed_config.offload_param_device without offload_optimizer_device: DeepSpeed keeps "
-                            "the optimizer on the GPU and only the parameters on the host; shardwise plans no "
-                            "parameter-only offload, so this is planned as zero3 (no offload: GPU memory over by the "
-                            "1/N parameter partition, the host-to-GPU parameter traffic not priced)")
+        raise refuse(doc, ("deepspeed_config", "offload_param_device"), par,
+                     "offload_param_device without offload_optimizer_device keeps the optimizer states, fp32 master "
+                     "and gradients on the GPU and only the parameters on the host; shardwise plans parameter "
+                     "offload only beside optimizer offload (zero3+full-offload: set offload_optimizer_device too) "
+                     "or no offload (zero3)")
     elif opt in ("cpu", "nvme"):
         name = f"zero{stage}+opt-offload"
     try:

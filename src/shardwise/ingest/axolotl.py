@@ -38,7 +38,8 @@ AX_NO_EFFECT = NO_EFFECT | {"model_type", "tokenizer_type", "datasets", "dataset
                             "pad_to_sequence_len", "eval_sample_packing", "chat_template", "strict", "tf32",
                             "resume_from_checkpoint", "logging_steps", "flash_attention", "sdp_attention",
                             "lora_fan_in_fan_out", "lora_model_dir", "hub_model_id", "is_llama_derived_model",
-                            "eval_table_size", "learning_rate"}
+                            "eval_table_size", "learning_rate",
+                            "unfrozen_parameters"}  # empty: nothing frozen (a pattern list is refused: _unfrozen)
 
 
 def is_axolotl(data: dict[str, Any]) -> bool:
@@ -48,6 +49,7 @@ def is_axolotl(data: dict[str, Any]) -> bool:
 def read(doc: Doc, ctx: Context) -> Source:
     d = dict(doc.data)
     src = Source("axolotl", doc.path)
+    _unfrozen(doc, d)
     fsdp_cfg = d.get("fsdp_config")
     if fsdp_cfg and not d.get("fsdp"):
         d["fsdp"] = "full_shard auto_wrap"  # axolotl turns FSDP on from fsdp_config
@@ -113,6 +115,22 @@ def read(doc: Doc, ctx: Context) -> Source:
     unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, doc.data, src, seen, AX_NO_EFFECT)
     return src
+
+
+def _unfrozen(doc: Doc, d: dict) -> None:
+    """`unfrozen_parameters`: axolotl freezes every parameter but those its patterns match
+    (axolotl-ai-cloud/axolotl@067b021c8b87a9e5e380b9173c704cf7340e30f5 src/axolotl/train.py calls
+    src/axolotl/utils/freeze.py freeze_layers_except(model, cfg.unfrozen_parameters): requires_grad
+    False, then True for the matches): gradients and optimizer states for a subset of tensors,
+    which is neither full fine-tuning nor LoRA, the two the planner plans. Refused, before any
+    other key (a DeepSpeed JSON it names included): its run is not plannable whatever they say."""
+    pats = d.get("unfrozen_parameters")
+    if pats:
+        n = len(pats) if isinstance(pats, list) else 1
+        raise refuse(doc, ("unfrozen_parameters",), f"{n} pattern(s)", "axolotl trains only the parameters these "
+                     "patterns match (utils/freeze.py freeze_layers_except; the rest frozen): the gradients and "
+                     "optimizer states of a subset of tensors are not planned (the planner plans full fine-tuning "
+                     "or LoRA adapters)")
 
 
 def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:

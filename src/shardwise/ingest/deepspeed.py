@@ -213,18 +213,18 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
         if stage != 3:
             raise doc.error(key("zero_optimization", "offload_param", "device"), "cpu",
                             f"offload_param needs ZeRO stage 3 (this file has stage {stage})")
-        name = "zero3+full-offload"
         if not off["offload_optimizer"]:
             # DeepSpeed then keeps the optimizer (fp32 master, states, gradient partition) on the GPU
-            # and streams the parameters from the host; STRATEGIES has no such row and the memory
-            # model prices parameter offload only beside optimizer offload: zero3 is the nearest
-            # (the GPU memory of the optimizer kept, the 1/N parameter partition too)
-            name = "zero3"
-            src.warnings.append(
-                f"{dotted(key('zero_optimization', 'offload_param'))} without offload_optimizer: DeepSpeed keeps the "
-                "optimizer on the GPU and only the parameters on the host; shardwise plans no parameter-only "
-                "offload, so this is planned as zero3 (no offload: GPU memory over by the 1/N parameter "
-                "partition, the host-to-GPU parameter traffic not priced)")
+            # and streams the parameters from the host (deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641
+            # deepspeed/runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3._configure_offloading: the
+            # optimizer is offloaded only where offload_optimizer names a device); STRATEGIES has no such row (zero3+full-offload moves the optimizer step
+            # to the host too, zero3 keeps the parameters on the GPU), so neither is this run
+            raise refuse(doc, key("zero_optimization", "offload_param", "device"), zero["offload_param"]["device"],
+                         "offload_param without offload_optimizer keeps the optimizer states, fp32 master and "
+                         "gradients on the GPU and only the parameters on the host; shardwise plans parameter "
+                         "offload only beside optimizer offload (zero3+full-offload: set "
+                         "zero_optimization.offload_optimizer.device too) or no offload (zero3)")
+        name = "zero3+full-offload"
     elif off["offload_optimizer"]:
         if stage == 0:
             raise doc.error(key("zero_optimization", "offload_optimizer", "device"), "cpu",
