@@ -87,6 +87,19 @@ def test_fp16_false_beside_bf16_auto_is_the_trainers_precision(tmp_path: Path):
     assert src["values"]["precision"] == "bf16-mixed"
 
 
+def test_deepspeed_zenflow_is_refused_naming_the_key(tmp_path: Path):
+    """A zenflow section (not null) turns DeepSpeed's ZenFlow optimizer on (zenflow/engine.py
+    configure_zenflow): not planned, refused; `zenflow: null` is ZenFlow off."""
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}}))
+    assert "zero_optimization.zenflow = '{...}': not plannable: ZenFlow" in refused("--from", str(f))
+    f.write_text(json.dumps({"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": None}}))
+    src = plan("--from", str(f))["from"]
+    assert {r["key"]: r["as"] for r in src["read"]}["zero_optimization.zenflow"] == "null: ZenFlow off"
+
+
 def test_deepspeed_fp8_is_refused_naming_the_key():
     assert "fp8.enabled = True: not plannable" in refused("--from", str(DATA / "lf_ds_z3_fp8_config.json"))
 

@@ -190,6 +190,19 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
     zero = data.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         raise doc.error(key("zero_optimization"), zero, "a mapping of ZeRO settings")
+    if "zenflow" in zero:
+        # DeepSpeed turns ZenFlow on for any zenflow section that is not null (deepspeedai/DeepSpeed@
+        # edaa7221267243c7be7fb49c5d5f5c4fb97b4641 deepspeed/runtime/zero/config.py DeepSpeedZeroConfig.zenflow,
+        # deepspeed/runtime/zenflow/engine.py configure_zenflow; runtime/engine.py then builds
+        # ZenFlowZeroOptimizer in place of the ZeRO-1/2 optimizer)
+        for k in [k for k in flat if k[:2] == ("zero_optimization", "zenflow")]:
+            seen.add(k)
+        if zero["zenflow"] is not None:
+            raise refuse(doc, key("zero_optimization", "zenflow"), "{...}", "ZenFlow's optimizer (the top-k "
+                         "gradient columns stepped on the GPU, the rest on the host asynchronously every "
+                         "update_interval steps) is not in shardwise's planner; plain ZeRO with optimizer offload "
+                         "is planned without the zenflow section")
+        src.read.append((dotted(key("zero_optimization", "zenflow")), "null: ZenFlow off"))
     stage = got("zero_optimization", "stage")
     stage = 0 if stage is None else as_count(doc, key("zero_optimization", "stage"), stage, zero=True)
     if stage > 3:
