@@ -100,6 +100,30 @@ def test_deepspeed_zenflow_is_refused_naming_the_key(tmp_path: Path):
     assert {r["key"]: r["as"] for r in src["read"]}["zero_optimization.zenflow"] == "null: ZenFlow off"
 
 
+def test_deepspeed_bf16_master_weights_and_optimizer_states_are_bf16_pure(tmp_path: Path):
+    """bf16.bf16_master_weights_and_grads with bf16_optimizer_states keep the ZeRO optimizer's master
+    weights, gradients and Adam states in bf16 (DeepSpeed precision_config.py DeepSpeedBF16Config):
+    bf16-pure. The master weights alone keep fp32 states (on the host), which no precision splits
+    so: said first; the states without the master weights, or either under stage 0, DeepSpeed
+    refuses (runtime/config.py asserts), and so does the plan."""
+    f = tmp_path / "ds.json"
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    f.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": bf16, "zero_optimization": {"stage": 3}}))
+    same(["--from", str(f), "-m", "llama-2-7b"],
+         ["-m", "llama-2-7b", "-s", "zero3", "--micro-batch", "4", "--precision", "bf16-pure",
+          "--ds-fetch-unit", "module"])
+    f.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {**bf16, "bf16_optimizer_states": False},
+                             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    got = plan("--from", str(f))
+    assert got["train"]["precision"] == "bf16-mixed"
+    assert any("bf16_master_weights_and_grads is not planned" in w for w in got["from"]["warnings"])
+    f.write_text(json.dumps({"bf16": {"enabled": True, "bf16_optimizer_states": True},
+                             "zero_optimization": {"stage": 2}}))
+    assert "requires bf16_master_weights_and_grads" in refused("--from", str(f))
+    f.write_text(json.dumps({"bf16": bf16, "zero_optimization": {"stage": 0}}))
+    assert "only supported with ZeRO Stage 1, 2, or 3" in refused("--from", str(f))
+
+
 def test_deepspeed_fp8_is_refused_naming_the_key():
     assert "fp8.enabled = True: not plannable" in refused("--from", str(DATA / "lf_ds_z3_fp8_config.json"))
 

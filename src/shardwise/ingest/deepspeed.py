@@ -33,6 +33,7 @@ from shardwise.ingest.common import (
     as_number,
     dotted,
     flatten,
+    ignore,
     refuse,
     unstated,
 )
@@ -312,7 +313,7 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
     pp = _pipeline(doc, data, src, got, key, stage)
     _tensor_parallel(doc, data, src, got, key, stage, pp)
     _batch(doc, flat, src, ctx, got, key, under)
-    _precision(doc, src, got, key, under)
+    _precision(doc, src, got, key, under, stage)
     _optimizer(doc, data, src, got, key, under)
     for k in flat:
         if k in seen:
@@ -522,7 +523,7 @@ def batch_ranks(ctx: Context, src: Source) -> tuple[int, str]:
     return gpus // (pp * tp), f"{gpus // (pp * tp)} data-parallel ranks ({gpus} GPUs / (pp {pp} × tp {tp}))"
 
 
-def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
+def _precision(doc: Doc, src: Source, got, key, under: str, stage: int = 0) -> None:
     """fp16/bf16 `enabled` as DeepSpeed reads them; "auto" is the trainer's (HF fills bf16 and fp16
     from its own bf16/fp16 arguments: transformers integrations/deepspeed.py `trainer_config_process`),
     so an "auto" beside an explicit false leaves the precision to the trainer. `fp8.enabled: true`
@@ -543,8 +544,14 @@ def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
         on[sec] = as_bool(doc, key(sec, "enabled"), v)
     if on.get("bf16") or on.get("bfloat16"):
         src.values["precision"] = "bf16-mixed"
+        _master_weights(doc, src, got, key, stage, "bf16" if on.get("bf16") else "bfloat16")
     elif on.get("fp16"):
         src.values["precision"] = "fp16-mixed"
+        fp16_master = got("fp16", "fp16_master_weights_and_grads")
+        if fp16_master is not None and as_bool(doc, key("fp16", "fp16_master_weights_and_grads"), fp16_master):
+            # DeepSpeedFP16Config (runtime/precision_config.py, same commit as _master_weights')
+            ignore(src, dotted(key("fp16", "fp16_master_weights_and_grads")), "fp16 master weights and gradients: "
+                   "the planner has no fp16 precision without fp32 masters; planned as fp16-mixed")
     elif on and not auto:
         src.values["precision"] = "fp32"
     else:
@@ -552,6 +559,36 @@ def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
             src.read.append(("/".join(dotted(key(s, "enabled")) for s in on), "false: the \"auto\" one decides"))
         return
     src.read.append(("/".join(dotted(key(s, "enabled")) for s in on), f"--precision {src.values['precision']}"))
+
+
+def _master_weights(doc: Doc, src: Source, got, key, stage: int, sec: str) -> None:
+    """`bf16.bf16_master_weights_and_grads` / `bf16_optimizer_states` as DeepSpeed runs them
+    (deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641 deepspeed/runtime/precision_config.py
+    DeepSpeedBF16Config, runtime/config.py asserts ZeRO stage 1-3 for both and the master weights
+    for the states, runtime/base_optimizer.py _configure_master_weights): both on keep the ZeRO
+    optimizer's master weights, gradients and Adam states in bf16, which is bf16-pure; the master
+    weights alone keep the states fp32 on the host (DeepSpeedCPUAdam under ZeRO-Offload), a split
+    no precision of the planner's has."""
+    master, states = got(sec, "bf16_master_weights_and_grads"), got(sec, "bf16_optimizer_states")
+    master = master is not None and as_bool(doc, key(sec, "bf16_master_weights_and_grads"), master)
+    states = states is not None and as_bool(doc, key(sec, "bf16_optimizer_states"), states)
+    if not (master or states):
+        return
+    k = dotted(key(sec, "bf16_optimizer_states" if states else "bf16_master_weights_and_grads"))
+    if stage == 0:
+        raise doc.error(key(sec, "bf16_master_weights_and_grads"), True, "false with ZeRO stage 0 (DeepSpeed asserts "
+                        "\"Bf16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3\")")
+    if states and not master:
+        raise doc.error(key(sec, "bf16_optimizer_states"), True, "false without bf16_master_weights_and_grads "
+                        "(DeepSpeed asserts \"bf16_optimizer_states requires bf16_master_weights_and_grads\")")
+    if states:
+        src.values["precision"] = "bf16-pure"
+        src.read.append((f"{dotted(key(sec, 'bf16_master_weights_and_grads'))}/{k}", "--precision bf16-pure (master "
+                         "weights, gradients and Adam states in bf16)"))
+    else:
+        ignore(src, dotted(key(sec, "bf16_master_weights_and_grads")), "bf16 master weights and gradients beside "
+               "fp32 Adam states (DeepSpeed keeps those on the host, DeepSpeedCPUAdam): no precision of the planner's "
+               "splits them so; planned as bf16-mixed (fp32 masters and gradients)")
 
 
 def _optimizer(doc: Doc, data: dict, src: Source, got, key, under: str) -> None:
