@@ -205,10 +205,11 @@ def test_alignment_handbook_qlora_recipe_is_qlora():
 
 def test_grpo_recipe_plans_prompt_plus_completion_and_says_what_is_not_planned():
     """GRPOConfig: a row is the prompt (max_prompt_length 512) and its completion
-    (max_completion_length 1024): sequence 1536; the rollouts are not planned (said first)."""
+    (max_completion_length 1024): sequence 1536; the rollouts are not planned (said first). Its
+    torch_dtype bfloat16 under DDP, full fine-tuning: the weights train as loaded, bf16-pure."""
     src = same(["--from", str(DATA / "openr1_grpo_demo.yaml")],
                ["-m", "qwen2.5-1.5b", "-s", "ddp", "--micro-batch", "16", "--grad-accum", "16", "--precision",
-                "bf16-mixed", "--checkpointing", "full", "--seq-len", "1536", "--attention", "flash"])
+                "bf16-pure", "--checkpointing", "full", "--seq-len", "1536", "--attention", "flash"])
     assert any("GRPO" in w and "not planned" in w for w in src["warnings"])
     assert any(w.startswith("openr1_grpo_demo.yaml: num_processes") for w in src["warnings"])
 
@@ -256,6 +257,40 @@ def test_axolotl_context_parallel_and_fp8_are_refused():
 
 
 # --- LLaMA-Factory --------------------------------------------------------------------------------
+
+def test_bf16_weights_trained_under_ddp_are_bf16_pure(tmp_path: Path):
+    """A full fine-tuning whose weights load in bf16 and train under DDP has no fp32 master (the
+    Trainer's AdamW steps the weights as loaded): bf16-pure. axolotl loads in bf16 for bf16 (true or
+    auto: resolve_dtype's torch_dtype), TRL/the alignment handbook for torch_dtype: bfloat16. Under
+    DeepSpeed (fp32 masters) or FSDP (accelerate upcasts to fp32), or with LoRA, bf16-mixed."""
+    ax = tmp_path / "ax.yaml"
+    base = ("base_model: meta-llama/Llama-3.2-1B\nsequence_len: 2048\nmicro_batch_size: 1\n"
+            "gradient_accumulation_steps: 1\nbf16: auto\n")
+    ax.write_text(base)
+    assert plan("--from", str(ax))["train"]["precision"] == "bf16-pure"
+    ax.write_text(base + "adapter: lora\nlora_r: 8\nlora_target_linear: true\n")
+    assert plan("--from", str(ax))["train"]["precision"] == "bf16-mixed"
+    ax.write_text(base + "fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n")
+    assert plan("--from", str(ax))["train"]["precision"] == "bf16-mixed"
+    ax.write_text(base.replace("bf16: auto", "bf16: false"))
+    assert plan("--from", str(ax))["train"]["precision"] == "fp32"
+    trl = tmp_path / "sft.yaml"
+    base = ("model_name_or_path: meta-llama/Llama-3.2-1B\ntorch_dtype: bfloat16\nbf16: true\n"
+            "per_device_train_batch_size: 1\noutput_dir: out\n")
+    trl.write_text(base)
+    got = plan("--from", str(trl))
+    assert got["train"]["precision"] == "bf16-pure"
+    assert not any("torch_dtype" in w for w in got["from"]["warnings"])
+    assert plan("--from", str(trl), "--precision", "bf16-mixed")["train"]["precision"] == "bf16-mixed"
+    trl.write_text(base + "use_peft: true\n")
+    assert plan("--from", str(trl))["train"]["precision"] == "bf16-mixed"
+    trl.write_text(base + "fsdp: full_shard auto_wrap\n")
+    assert plan("--from", str(trl))["train"]["precision"] == "bf16-mixed"
+    trl.write_text(base.replace("bfloat16", "float16").replace("bf16: true", "fp16: true"))
+    got = plan("--from", str(trl))
+    assert got["train"]["precision"] == "fp16-mixed"
+    assert any("torch_dtype is not planned" in w for w in got["from"]["warnings"])
+
 
 def test_axolotl_unfrozen_parameters_is_refused_before_its_deepspeed_json():
     """axolotl's bigstral example (unfrozen_parameters: embeddings, lm_head, experts of layers 44-55)

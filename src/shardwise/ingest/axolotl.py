@@ -83,6 +83,7 @@ def read(doc: Doc, ctx: Context) -> Source:
             src.read.append(("load_in_4bit", "--qlora (bitsandbytes NF4 base)"))
     elif adapter is not None:
         src.ignored.append(("adapter", f"{adapter}: planned as full fine-tuning"))
+    _bf16_weights(d, src, lora=adapter in ("lora", "qlora"))
     eight = d.get("load_in_8bit")
     if eight is not None and as_bool(doc, ("load_in_8bit",), eight):
         ignore(src, "load_in_8bit", "an 8-bit bitsandbytes base is not planned (planned in the compute dtype)")
@@ -115,6 +116,25 @@ def read(doc: Doc, ctx: Context) -> Source:
     unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, doc.data, src, seen, AX_NO_EFFECT)
     return src
+
+
+def _bf16_weights(d: dict, src: Source, *, lora: bool) -> None:
+    """axolotl loads the model in the dtype of its precision: resolve_dtype sets torch_dtype bfloat16
+    for bf16 (true, or auto on a bf16 GPU) (axolotl-ai-cloud/axolotl@067b021c8b87a9e5e380b9173c704cf7340e30f5
+    src/axolotl/utils/config/__init__.py). Full fine-tuning under DDP (no deepspeed, no fsdp) then
+    trains those bf16 weights: HF Trainer's AdamW steps them with no fp32 master and keeps its states
+    in their dtype, which is bf16-pure. (loaders/model.py _configure_embedding_dtypes moves the
+    embeddings, lm_head and norms to fp32 outside FSDP: planned in bf16 with the rest.) Under
+    DeepSpeed its bf16 optimizer keeps fp32 masters, and accelerate upcasts FSDP's parameters to
+    fp32 for mixed precision (huggingface/accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83
+    src/accelerate/utils/fsdp_utils.py fsdp2_prepare_model, src/accelerate/accelerator.py for
+    FSDP1): bf16-mixed there, as read."""
+    if lora or src.values.get("strategy") != ["ddp"] or src.values.get("precision") != "bf16-mixed":
+        return
+    src.values["precision"] = "bf16-pure"
+    src.read.append(("bf16", f"{d.get('bf16')}: torch_dtype bfloat16 (axolotl's resolve_dtype), full fine-tuning "
+                     "under DDP: --precision bf16-pure (bf16 weights, gradients and optimizer states; axolotl's fp32 "
+                     "embeddings, lm_head and norms planned in bf16)"))
 
 
 def _unfrozen(doc: Doc, d: dict) -> None:

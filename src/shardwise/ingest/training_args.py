@@ -226,10 +226,26 @@ def model_config(doc: Doc, d: dict, src: Source) -> set:
         k = "torch_dtype" if "torch_dtype" in d else "dtype"
         seen.add(k)
         dtype = str(d[k])
-        if dtype in ("bfloat16", "float16") and not peft and src.values.get("precision") != "bf16-pure":
+        ddp = src.values.get("strategy") == ["ddp"]
+        if dtype == "bfloat16" and not peft and ddp and not four and src.values.get("precision") != "fp16-mixed":
+            # the weights load in bf16 (TRL's scripts and the alignment handbook's get_model pass
+            # torch_dtype to from_pretrained; SFTTrainer casts no full-fine-tuning weights:
+            # huggingface/trl@f2cd57710ae345ea6428ae95363267fcf38a3dc8 trl/trainer/sft_trainer.py)
+            # and DDP trains them as loaded: the Trainer's AdamW steps bf16 weights with no fp32
+            # master and keeps its states in their dtype
+            src.values["precision"] = "bf16-pure"
+            src.read.append((k, "bfloat16, full fine-tuning under DDP: --precision bf16-pure (the weights loaded in "
+                             "bf16 and stepped so, no fp32 master)"))
+        elif dtype in ("bfloat16", "float16") and not peft and ddp and src.values.get("precision") != "bf16-pure":
             ignore(src, k, f"{dtype}: the weights are loaded (and so trained, with their optimizer states) in "
-                   f"{dtype}; planned as {src.values.get('precision')} with fp32 master weights — pass --precision "
-                   "bf16-pure for bf16 weights")
+                   f"{dtype}; planned as {src.values.get('precision')} with fp32 master weights")
+        elif dtype in ("bfloat16", "float16") and not peft and not ddp:
+            # accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83 src/accelerate/utils/fsdp_utils.py
+            # fsdp2_prepare_model (accelerator.py for FSDP1) upcasts trainable parameters to fp32
+            # when mixed_precision is not "no"
+            src.read.append((k, f"{dtype}: the load dtype (DeepSpeed's bf16/fp16 optimizer keeps fp32 masters, and "
+                             "accelerate upcasts FSDP's parameters to fp32 under mixed precision: no change to the "
+                             "plan)"))
         else:
             src.read.append((k, f"{dtype}: the load dtype (the frozen base's, with adapters; no change to the plan)"))
     return seen
