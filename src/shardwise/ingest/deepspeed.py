@@ -6,7 +6,8 @@ HF Trainer's / accelerate's fill of "auto" (transformers/integrations/deepspeed.
 `HfTrainerDeepSpeedConfig.trainer_config_process` / `trainer_config_finalize`, accelerate's
 `Accelerator._prepare_deepspeed`, both as installed): batch, accumulation, clipping, precision and
 optimizer values from the trainer's arguments (here: the flags, or the TrainingArguments /
-LLaMA-Factory / axolotl file that names this JSON), and from the model's hidden size h
+LLaMA-Factory / axolotl file that names this JSON; a JSON read alone, TrainingArguments' defaults:
+`trainer_defaults`), and from the model's hidden size h
 `reduce_bucket_size` = h², `stage3_prefetch_bucket_size` = int(0.9·h²),
 `stage3_param_persistence_threshold` = 10·h (the last two under ZeRO-3 only).
 
