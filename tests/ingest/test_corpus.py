@@ -30,10 +30,11 @@ CORPUS = Path(__file__).parents[1] / "data" / "corpus"
 MANIFEST = yaml.safe_load((CORPUS / "MANIFEST.yaml").read_text())
 ENTRIES = MANIFEST["files"]
 FIELDS = {"strategy", "precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank",
-          "base_quant", "optimizer", "model", "gpus", "tp", "pp", "knobs"}
+          "base_quant", "optimizer", "model", "gpus", "tp", "pp", "knobs", "objective", "reference"}
 # exit 0: planned; 3: planned, and nothing fits the GPUs (the JSON document is printed all the same)
 PLANNED = (0, 3)
-TRAIN_FIELDS = ("precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank", "base_quant", "optimizer")
+TRAIN_FIELDS = ("precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank", "base_quant", "optimizer",
+                "objective", "reference")
 
 
 def test_manifest_is_complete():

@@ -58,17 +58,20 @@ def test_deepspeed_short_zero3_names_are_read(tmp_path: Path):
     assert "one of max_live_parameters and stage3_max_live_parameters" in refused("--from", str(f))
 
 
-def test_param_offload_alone_is_planned_as_the_nearest_row_and_said_first(tmp_path: Path):
+def test_param_offload_alone_is_refused_naming_the_key(tmp_path: Path):
     """ZeRO-3 offload_param without offload_optimizer: DeepSpeed keeps the optimizer on the GPU
-    (stage3.py offloads the optimizer only where offload_optimizer names a device); shardwise has
-    no parameter-only row, so zero3 is planned and the first lines say so."""
+    (stage3.py _configure_offloading offloads the optimizer only where offload_optimizer names a
+    device) and the parameters on the host; no strategy row plans that split (zero3+full-offload
+    moves the optimizer step too, zero3 keeps the parameters on the GPU), so it is refused, naming
+    the key and what to set. (It was planned as zero3 with a first-line warning: a run DeepSpeed
+    does not give.)"""
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"bf16": {"enabled": True},
                              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
-    src = same(["--from", str(f)], ["-s", "zero3", "--precision", "bf16-mixed", "--ds-fetch-unit", "module"])
-    assert any("offload_param without offload_optimizer" in w for w in src["warnings"])
-    r = CliRunner().invoke(app, ["plan", "--from", str(f)])
-    assert r.output.lstrip().startswith("warning:") and "offload_param" in r.output.split("\n")[0]
+    text = refused("--from", str(f))
+    assert "zero_optimization.offload_param.device = 'cpu': not plannable: offload_param without " \
+           "offload_optimizer" in text
+    assert "zero_optimization.offload_optimizer.device" in text
 
 
 def test_fp16_false_beside_bf16_auto_is_the_trainers_precision(tmp_path: Path):
@@ -82,6 +85,43 @@ def test_fp16_false_beside_bf16_auto_is_the_trainers_precision(tmp_path: Path):
                                 "deepspeed": str(f)}))
     src = same(["--from", str(args)], ["-s", "zero2", "--micro-batch", "2", "--precision", "bf16-mixed"])
     assert src["values"]["precision"] == "bf16-mixed"
+
+
+def test_deepspeed_zenflow_is_refused_naming_the_key(tmp_path: Path):
+    """A zenflow section (not null) turns DeepSpeed's ZenFlow optimizer on (zenflow/engine.py
+    configure_zenflow): not planned, refused; `zenflow: null` is ZenFlow off."""
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}}))
+    assert "zero_optimization.zenflow = '{...}': not plannable: ZenFlow" in refused("--from", str(f))
+    f.write_text(json.dumps({"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": None}}))
+    src = plan("--from", str(f))["from"]
+    assert {r["key"]: r["as"] for r in src["read"]}["zero_optimization.zenflow"] == "null: ZenFlow off"
+
+
+def test_deepspeed_bf16_master_weights_and_optimizer_states_are_bf16_pure(tmp_path: Path):
+    """bf16.bf16_master_weights_and_grads with bf16_optimizer_states keep the ZeRO optimizer's master
+    weights, gradients and Adam states in bf16 (DeepSpeed precision_config.py DeepSpeedBF16Config):
+    bf16-pure. The master weights alone keep fp32 states (on the host), which no precision splits
+    so: said first; the states without the master weights, or either under stage 0, DeepSpeed
+    refuses (runtime/config.py asserts), and so does the plan."""
+    f = tmp_path / "ds.json"
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    f.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": bf16, "zero_optimization": {"stage": 3}}))
+    same(["--from", str(f), "-m", "llama-2-7b"],
+         ["-m", "llama-2-7b", "-s", "zero3", "--micro-batch", "4", "--precision", "bf16-pure",
+          "--ds-fetch-unit", "module"])
+    f.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {**bf16, "bf16_optimizer_states": False},
+                             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    got = plan("--from", str(f))
+    assert got["train"]["precision"] == "bf16-mixed"
+    assert any("bf16_master_weights_and_grads is not planned" in w for w in got["from"]["warnings"])
+    f.write_text(json.dumps({"bf16": {"enabled": True, "bf16_optimizer_states": True},
+                             "zero_optimization": {"stage": 2}}))
+    assert "requires bf16_master_weights_and_grads" in refused("--from", str(f))
+    f.write_text(json.dumps({"bf16": bf16, "zero_optimization": {"stage": 0}}))
+    assert "only supported with ZeRO Stage 1, 2, or 3" in refused("--from", str(f))
 
 
 def test_deepspeed_fp8_is_refused_naming_the_key():
@@ -121,15 +161,29 @@ def test_accelerate_context_parallelism_is_refused():
     assert "parallelism_config.parallelism_config_cp_size = 2: not plannable: context parallelism" in text
 
 
-def test_accelerate_param_offload_plugin(tmp_path: Path):
+def test_accelerate_param_offload_plugin_is_refused(tmp_path: Path):
+    """The plugin's offload_param_device alone: as a DeepSpeed JSON's offload_param alone (above)."""
     f = tmp_path / "acc.yaml"
     f.write_text("distributed_type: DEEPSPEED\nmixed_precision: bf16\nnum_processes: 8\ndeepspeed_config:\n"
                  "  zero_stage: 3\n  offload_optimizer_device: none\n  offload_param_device: cpu\n")
-    src = same(["--from", str(f)], ["-s", "zero3", "--gpus", "8", "--gpus-per-node", "8", "--ds-fetch-unit", "module"])
-    assert any("offload_param_device without offload_optimizer_device" in w for w in src["warnings"])
+    assert "deepspeed_config.offload_param_device = 'cpu': not plannable" in refused("--from", str(f))
 
 
-# --- TrainingArguments with TRL's model arguments ---------------------------------------------------
+def test_accelerate_deepspeed_file_with_auto_precision_is_fp32(tmp_path: Path):
+    """A deepspeed_config_file whose fp16/bf16 are "auto": accelerate launch's mixed_precision is "no"
+    where neither its flag nor the config names one (accelerate commands/launch.py), and
+    DeepSpeedPlugin.set_mixed_precision fills both "auto" with false: fp32, said first; a
+    --precision beside the file is the launch line's flag and wins."""
+    f = tmp_path / "acc.yaml"
+    f.write_text(f"distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n"
+                 f"  deepspeed_config_file: {DATA / 'hf_ds_zero2.json'}\n")
+    got = plan("--from", str(f))
+    assert got["train"]["precision"] == "fp32"
+    assert any("planned as fp32" in w and "--mixed_precision" in w for w in got["from"]["warnings"])
+    assert plan("--from", str(f), "--precision", "bf16-mixed")["train"]["precision"] == "bf16-mixed"
+    f.write_text(f.read_text() + "mixed_precision: bf16\n")
+    assert plan("--from", str(f))["train"]["precision"] == "bf16-mixed"
+
 
 def test_alignment_handbook_qlora_recipe_is_qlora():
     """TRL ModelConfig: use_peft + load_in_4bit = a 4-bit bitsandbytes base with LoRA adapters of
@@ -151,10 +205,11 @@ def test_alignment_handbook_qlora_recipe_is_qlora():
 
 def test_grpo_recipe_plans_prompt_plus_completion_and_says_what_is_not_planned():
     """GRPOConfig: a row is the prompt (max_prompt_length 512) and its completion
-    (max_completion_length 1024): sequence 1536; the rollouts are not planned (said first)."""
+    (max_completion_length 1024): sequence 1536; the rollouts are not planned (said first). Its
+    torch_dtype bfloat16 under DDP, full fine-tuning: the weights train as loaded, bf16-pure."""
     src = same(["--from", str(DATA / "openr1_grpo_demo.yaml")],
                ["-m", "qwen2.5-1.5b", "-s", "ddp", "--micro-batch", "16", "--grad-accum", "16", "--precision",
-                "bf16-mixed", "--checkpointing", "full", "--seq-len", "1536", "--attention", "flash"])
+                "bf16-pure", "--checkpointing", "full", "--seq-len", "1536", "--attention", "flash"])
     assert any("GRPO" in w and "not planned" in w for w in src["warnings"])
     assert any(w.startswith("openr1_grpo_demo.yaml: num_processes") for w in src["warnings"])
 
@@ -202,6 +257,51 @@ def test_axolotl_context_parallel_and_fp8_are_refused():
 
 
 # --- LLaMA-Factory --------------------------------------------------------------------------------
+
+def test_bf16_weights_trained_under_ddp_are_bf16_pure(tmp_path: Path):
+    """A full fine-tuning whose weights load in bf16 and train under DDP has no fp32 master (the
+    Trainer's AdamW steps the weights as loaded): bf16-pure. axolotl loads in bf16 for bf16 (true or
+    auto: resolve_dtype's torch_dtype), TRL/the alignment handbook for torch_dtype: bfloat16. Under
+    DeepSpeed (fp32 masters) or FSDP (accelerate upcasts to fp32), or with LoRA, bf16-mixed."""
+    ax = tmp_path / "ax.yaml"
+    base = ("base_model: meta-llama/Llama-3.2-1B\nsequence_len: 2048\nmicro_batch_size: 1\n"
+            "gradient_accumulation_steps: 1\nbf16: auto\n")
+    ax.write_text(base)
+    assert plan("--from", str(ax))["train"]["precision"] == "bf16-pure"
+    ax.write_text(base + "adapter: lora\nlora_r: 8\nlora_target_linear: true\n")
+    assert plan("--from", str(ax))["train"]["precision"] == "bf16-mixed"
+    ax.write_text(base + "fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n")
+    assert plan("--from", str(ax))["train"]["precision"] == "bf16-mixed"
+    ax.write_text(base.replace("bf16: auto", "bf16: false"))
+    assert plan("--from", str(ax))["train"]["precision"] == "fp32"
+    trl = tmp_path / "sft.yaml"
+    base = ("model_name_or_path: meta-llama/Llama-3.2-1B\ntorch_dtype: bfloat16\nbf16: true\n"
+            "per_device_train_batch_size: 1\noutput_dir: out\n")
+    trl.write_text(base)
+    got = plan("--from", str(trl))
+    assert got["train"]["precision"] == "bf16-pure"
+    assert not any("torch_dtype" in w for w in got["from"]["warnings"])
+    assert plan("--from", str(trl), "--precision", "bf16-mixed")["train"]["precision"] == "bf16-mixed"
+    trl.write_text(base + "use_peft: true\n")
+    assert plan("--from", str(trl))["train"]["precision"] == "bf16-mixed"
+    trl.write_text(base + "fsdp: full_shard auto_wrap\n")
+    assert plan("--from", str(trl))["train"]["precision"] == "bf16-mixed"
+    trl.write_text(base.replace("bfloat16", "float16").replace("bf16: true", "fp16: true"))
+    got = plan("--from", str(trl))
+    assert got["train"]["precision"] == "fp16-mixed"
+    assert any("torch_dtype is not planned" in w for w in got["from"]["warnings"])
+
+
+def test_axolotl_unfrozen_parameters_is_refused_before_its_deepspeed_json():
+    """axolotl's bigstral example (unfrozen_parameters: embeddings, lm_head, experts of layers 44-55)
+    trains a subset of tensors (utils/freeze.py freeze_layers_except): refused for that, before the
+    DeepSpeed JSON it names (whose offload_param alone is refused too) is read."""
+    root = Path(__file__).parents[1] / "data" / "corpus" / "axolotl"
+    text = refused("--from", str(root / "examples/mistral/bigstral/bigstral-ds-zero3.yaml"),
+                   "--model", "llama-2-7b")
+    assert "unfrozen_parameters = '6 pattern(s)': not plannable: axolotl trains only the parameters" in text
+    assert "offload_param" not in text
+
 
 def test_llama_factory_freeze_galore_and_fp8_are_refused_with_the_reason():
     """freeze: only the last freeze_trainable_layers (8 here) train (LLaMA-Factory

@@ -77,7 +77,7 @@ H7 = 4096  # llama-2-7b hidden_size
 
 def test_hf_zero3_example_with_auto_values():
     src = same(["--from", str(DATA / "hf_ds_zero3.json"), "-m", "llama-2-7b", "--micro-batch", "2"],
-               ["-m", "llama-2-7b", "--micro-batch", "2", "-s", "zero3+full-offload",
+               ["-m", "llama-2-7b", "--micro-batch", "2", "--precision", "fp32", "-s", "zero3+full-offload",
                 "--ds-reduce-bucket", str(H7 * H7), "--ds-prefetch", str(int(0.9 * H7 * H7)),
                 "--ds-persistence-threshold", str(10 * H7), "--ds-max-live", "1e9", "--ds-max-reuse", "1e9",
                 "--ds-overlap-comm", "--ds-contiguous-gradients", "--ds-fetch-unit", "module"])
@@ -89,9 +89,16 @@ def test_hf_zero3_example_with_auto_values():
 
 
 def test_hf_zero2_example():
-    same(["--from", str(DATA / "hf_ds_zero2.json")],
-         ["-s", "zero2+opt-offload", "--ds-bucket", "2e8", "--ds-overlap-comm", "--ds-reduce-scatter",
-          "--ds-contiguous-gradients"])
+    """Its "auto" batch and precision read alone: HF Trainer's fill from TrainingArguments' defaults
+    (per_device_train_batch_size 8, gradient_accumulation_steps 1, bf16/fp16 False: fp32), said first."""
+    src = same(["--from", str(DATA / "hf_ds_zero2.json")],
+               ["-s", "zero2+opt-offload", "--micro-batch", "8", "--grad-accum", "1", "--precision", "fp32",
+                "--ds-bucket", "2e8", "--ds-overlap-comm", "--ds-reduce-scatter", "--ds-contiguous-gradients"])
+    assert any("--micro-batch 8" in w and "--precision fp32" in w for w in src["warnings"])
+    # a flag beside the file is the trainer's argument: it wins over the default fill
+    got = plan("--from", str(DATA / "hf_ds_zero2.json"), "--precision", "bf16-mixed", "--micro-batch", "2")
+    assert (got["train"]["precision"], got["train"]["micro_batch"]) == ("bf16-mixed", 2)
+    assert not any("--micro-batch 8" in w for w in got["from"]["warnings"])
 
 
 def test_accelerate_fsdp2_is_stock_fully_shard():
@@ -201,9 +208,10 @@ def test_emit_then_from_gives_the_plan_emitted(tmp_path):
     got = plan("--from", str(out / "ds_config.json"), "-m", "llama-2-7b", "--checkpointing", "full")
     got.pop("from")
     assert got == want  # batch, precision, ZeRO knobs and the layer fetch unit all come from the JSON
-    # accelerate.yaml names ds_config_hf.json, whose batch is "auto" (from the flags, as accelerate does)
+    # accelerate.yaml names ds_config_hf.json, whose batch and precision are "auto" (from the flags, as
+    # accelerate does: launch_accelerate.sh passes --mixed_precision bf16, which the YAML does not say)
     got = plan("--from", str(out / "accelerate.yaml"), "-m", "llama-2-7b", "--checkpointing", "full",
-               "--micro-batch", "2")
+               "--micro-batch", "2", "--precision", "bf16-mixed")
     got.pop("from")
     assert got == want
     # shardwise.yaml: its placeholders (the real weights and data) are planned without (and said);

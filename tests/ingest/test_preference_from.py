@@ -172,3 +172,29 @@ def test_the_flags_a_recipe_reads_as_plan_what_the_recipe_plans(recipe: str) -> 
     flags = plan(*doc["from"]["as_flags"])
     assert flags["train"] == doc["train"]
     assert [s["memory"] for s in flags["strategies"]] == [s["memory"] for s in doc["strategies"]]
+
+
+def test_trl_orpo_config_is_orpo_without_a_reference(tmp_path: Path) -> None:
+    """TRL's ORPOConfig (huggingface/trl f2cd577 trl/experimental/orpo/orpo_config.py) has no loss_type
+    and no reference keys, and keys DPOConfig lacks (padding_value, is_encoder_decoder,
+    generate_during_eval, max_completion_length): ORPO, the pair through the policy only. `beta`
+    alone is either config's: DPO, said first, and --objective orpo beside the file wins."""
+    f = tmp_path / "orpo.yaml"
+    base = ("model_name_or_path: meta-llama/Meta-Llama-3-8B\nper_device_train_batch_size: 1\nbf16: true\n"
+            "output_dir: out\nbeta: 0.1\nmax_length: 1024\n")
+    f.write_text(base + "max_completion_length: 512\npadding_value: null\ngenerate_during_eval: false\n")
+    doc = plan("--from", str(f), "-s", "ddp")
+    assert (doc["train"]["objective"], doc["train"]["reference"]) == ("orpo", "none")
+    assert doc["strategies"][0]["memory"]["ref_params"] == 0
+    assert not any("ORPOConfig takes the same keys" in w for w in doc["from"]["warnings"])
+    f.write_text(base)
+    doc = plan("--from", str(f), "-s", "ddp")
+    assert (doc["train"]["objective"], doc["train"]["reference"]) == ("dpo", "model")
+    assert any("pass --objective orpo" in w for w in doc["from"]["warnings"])
+    doc = plan("--from", str(f), "-s", "ddp", "--objective", "orpo")
+    assert (doc["train"]["objective"], doc["train"]["reference"]) == ("orpo", "none")
+    # a DPOConfig key (its loss) makes it DPO, ORPOConfig's keys beside it notwithstanding
+    f.write_text(base + "max_completion_length: 512\nloss_type: sigmoid\n")
+    doc = plan("--from", str(f), "-s", "ddp")
+    assert doc["train"]["objective"] == "dpo"
+    assert not any("ORPOConfig takes the same keys" in w for w in doc["from"]["warnings"])

@@ -92,9 +92,16 @@ def read(doc: Doc, ctx: Context) -> Source:
     ds_file = kind == "DEEPSPEED" and bool((d.get("deepspeed_config") or {}).get("deepspeed_config_file"))
     unstated(src, ctx, precision=not ds_file)
     if ds_file and "precision" not in src.values and "precision" not in ctx.given:
-        src.warnings.append(f"precision: from `accelerate launch --mixed_precision` (the DeepSpeed JSON leaves it "
-                            f"\"auto\"); planned as --precision {ctx.defaults.get('precision')} (shardwise's "
-                            "default; accelerate's own is no = fp32) — pass --precision")
+        # accelerate launch sets mixed_precision "no" where neither its flag nor the config file
+        # names one (huggingface/accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83
+        # src/accelerate/commands/launch.py _validate_launch_command), and DeepSpeedPlugin.set_mixed_precision
+        # (src/accelerate/utils/dataclasses.py) fills the JSON's fp16/bf16 "auto" from it: both false
+        src.values["precision"] = "fp32"
+        src.read.append(("deepspeed_config.deepspeed_config_file", "fp16/bf16 \"auto\" or unset: --precision fp32 "
+                         "(accelerate launch's mixed_precision \"no\")"))
+        src.warnings.append("precision: from `accelerate launch --mixed_precision` (the DeepSpeed JSON leaves it "
+                            "\"auto\"); planned as fp32, as accelerate runs it without the flag (mixed_precision "
+                            "\"no\") — pass --precision bf16-mixed if your launch line sets --mixed_precision bf16")
     for key, _ in flatten(d).items():
         if key in seen:
             continue
@@ -308,11 +315,11 @@ def _deepspeed(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
     if par in ("cpu", "nvme") and opt in ("cpu", "nvme"):
         name = "zero3+full-offload"
     elif par in ("cpu", "nvme"):  # as a DeepSpeed JSON's offload_param alone (ingest.deepspeed)
-        name = "zero3"
-        src.warnings.append("deepspeed_config.offload_param_device without offload_optimizer_device: DeepSpeed keeps "
-                            "the optimizer on the GPU and only the parameters on the host; shardwise plans no "
-                            "parameter-only offload, so this is planned as zero3 (no offload: GPU memory over by the "
-                            "1/N parameter partition, the host-to-GPU parameter traffic not priced)")
+        raise refuse(doc, ("deepspeed_config", "offload_param_device"), par,
+                     "offload_param_device without offload_optimizer_device keeps the optimizer states, fp32 master "
+                     "and gradients on the GPU and only the parameters on the host; shardwise plans parameter "
+                     "offload only beside optimizer offload (zero3+full-offload: set offload_optimizer_device too) "
+                     "or no offload (zero3)")
     elif opt in ("cpu", "nvme"):
         name = f"zero{stage}+opt-offload"
     try:

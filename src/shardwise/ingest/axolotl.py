@@ -38,7 +38,8 @@ AX_NO_EFFECT = NO_EFFECT | {"model_type", "tokenizer_type", "datasets", "dataset
                             "pad_to_sequence_len", "eval_sample_packing", "chat_template", "strict", "tf32",
                             "resume_from_checkpoint", "logging_steps", "flash_attention", "sdp_attention",
                             "lora_fan_in_fan_out", "lora_model_dir", "hub_model_id", "is_llama_derived_model",
-                            "eval_table_size", "learning_rate"}
+                            "eval_table_size", "learning_rate",
+                            "unfrozen_parameters"}  # empty: nothing frozen (a pattern list is refused: _unfrozen)
 
 
 def is_axolotl(data: dict[str, Any]) -> bool:
@@ -48,6 +49,7 @@ def is_axolotl(data: dict[str, Any]) -> bool:
 def read(doc: Doc, ctx: Context) -> Source:
     d = dict(doc.data)
     src = Source("axolotl", doc.path)
+    _unfrozen(doc, d)
     fsdp_cfg = d.get("fsdp_config")
     if fsdp_cfg and not d.get("fsdp"):
         d["fsdp"] = "full_shard auto_wrap"  # axolotl turns FSDP on from fsdp_config
@@ -81,6 +83,7 @@ def read(doc: Doc, ctx: Context) -> Source:
             src.read.append(("load_in_4bit", "--qlora (bitsandbytes NF4 base)"))
     elif adapter is not None:
         src.ignored.append(("adapter", f"{adapter}: planned as full fine-tuning"))
+    _bf16_weights(d, src, lora=adapter in ("lora", "qlora"))
     eight = d.get("load_in_8bit")
     if eight is not None and as_bool(doc, ("load_in_8bit",), eight):
         ignore(src, "load_in_8bit", "an 8-bit bitsandbytes base is not planned (planned in the compute dtype)")
@@ -113,6 +116,41 @@ def read(doc: Doc, ctx: Context) -> Source:
     unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, doc.data, src, seen, AX_NO_EFFECT)
     return src
+
+
+def _bf16_weights(d: dict, src: Source, *, lora: bool) -> None:
+    """axolotl loads the model in the dtype of its precision: resolve_dtype sets torch_dtype bfloat16
+    for bf16 (true, or auto on a bf16 GPU) (axolotl-ai-cloud/axolotl@067b021c8b87a9e5e380b9173c704cf7340e30f5
+    src/axolotl/utils/config/__init__.py). Full fine-tuning under DDP (no deepspeed, no fsdp) then
+    trains those bf16 weights: HF Trainer's AdamW steps them with no fp32 master and keeps its states
+    in their dtype, which is bf16-pure. (loaders/model.py _configure_embedding_dtypes moves the
+    embeddings, lm_head and norms to fp32 outside FSDP: planned in bf16 with the rest.) Under
+    DeepSpeed its bf16 optimizer keeps fp32 masters, and accelerate upcasts FSDP's parameters to
+    fp32 for mixed precision (huggingface/accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83
+    src/accelerate/utils/fsdp_utils.py fsdp2_prepare_model, src/accelerate/accelerator.py for
+    FSDP1): bf16-mixed there, as read."""
+    if lora or src.values.get("strategy") != ["ddp"] or src.values.get("precision") != "bf16-mixed":
+        return
+    src.values["precision"] = "bf16-pure"
+    src.read.append(("bf16", f"{d.get('bf16')}: torch_dtype bfloat16 (axolotl's resolve_dtype), full fine-tuning "
+                     "under DDP: --precision bf16-pure (bf16 weights, gradients and optimizer states; axolotl's fp32 "
+                     "embeddings, lm_head and norms planned in bf16)"))
+
+
+def _unfrozen(doc: Doc, d: dict) -> None:
+    """`unfrozen_parameters`: axolotl freezes every parameter but those its patterns match
+    (axolotl-ai-cloud/axolotl@067b021c8b87a9e5e380b9173c704cf7340e30f5 src/axolotl/train.py calls
+    src/axolotl/utils/freeze.py freeze_layers_except(model, cfg.unfrozen_parameters): requires_grad
+    False, then True for the matches): gradients and optimizer states for a subset of tensors,
+    which is neither full fine-tuning nor LoRA, the two the planner plans. Refused, before any
+    other key (a DeepSpeed JSON it names included): its run is not plannable whatever they say."""
+    pats = d.get("unfrozen_parameters")
+    if pats:
+        n = len(pats) if isinstance(pats, list) else 1
+        raise refuse(doc, ("unfrozen_parameters",), f"{n} pattern(s)", "axolotl trains only the parameters these "
+                     "patterns match (utils/freeze.py freeze_layers_except; the rest frozen): the gradients and "
+                     "optimizer states of a subset of tensors are not planned (the planner plans full fine-tuning "
+                     "or LoRA adapters)")
 
 
 def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:

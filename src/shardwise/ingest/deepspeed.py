@@ -6,7 +6,8 @@ HF Trainer's / accelerate's fill of "auto" (transformers/integrations/deepspeed.
 `HfTrainerDeepSpeedConfig.trainer_config_process` / `trainer_config_finalize`, accelerate's
 `Accelerator._prepare_deepspeed`, both as installed): batch, accumulation, clipping, precision and
 optimizer values from the trainer's arguments (here: the flags, or the TrainingArguments /
-LLaMA-Factory / axolotl file that names this JSON), and from the model's hidden size h
+LLaMA-Factory / axolotl file that names this JSON; a JSON read alone, TrainingArguments' defaults:
+`trainer_defaults`), and from the model's hidden size h
 `reduce_bucket_size` = h², `stage3_prefetch_bucket_size` = int(0.9·h²),
 `stage3_param_persistence_threshold` = 10·h (the last two under ZeRO-3 only).
 
@@ -33,6 +34,7 @@ from shardwise.ingest.common import (
     as_number,
     dotted,
     flatten,
+    ignore,
     refuse,
     unstated,
 )
@@ -118,13 +120,54 @@ def read(doc: Doc, ctx: Context) -> Source:
     flat = read_into(doc, doc.data, src, ctx, under="HF Trainer / accelerate (flags)")
     stated = any((sec, "enabled") in flat for sec in ("bf16", "fp16", "bfloat16"))
     unstated(src, ctx, precision=not stated)
-    if "precision" not in src.values and "precision" not in ctx.given:
-        src.warnings.append(f"precision \"auto\": planned as --precision {ctx.defaults.get('precision')} "
-                            "(shardwise's default); HF Trainer fills it from its bf16/fp16 arguments, fp32 where "
-                            "neither is set — pass --precision")
+    trainer_defaults(flat, src, ctx)
     src.keys_of = lambda s: {**zero_keys(s, flat, ctx, src), **(
         pipeline_keys(s) if (ctx.value("pp", src) or 1) > 1 else trainer_keys(s, flat))}
     return src
+
+
+# TrainingArguments' defaults (huggingface/transformers@00349ae87eddc872ffa21a8a54f264375a0056a8
+# src/transformers/training_args.py: per_device_train_batch_size=8, gradient_accumulation_steps=1,
+# fp16=False, bf16=False), which HfTrainerDeepSpeedConfig.trainer_config_process
+# (huggingface/transformers@02348331baea70aaedce3b76c18481b2b441fe2d
+# src/transformers/integrations/deepspeed.py) writes into the "auto" keys: fill_match
+# replaces a value "auto" with the argument's (train_micro_batch_size_per_gpu <-
+# per_device_train_batch_size, gradient_accumulation_steps, train_batch_size <- world_size × both,
+# fp16.enabled <- fp16 or fp16_full_eval, bf16.enabled <- bf16 or bf16_full_eval)
+HF_MICRO_BATCH, HF_GRAD_ACCUM = 8, 1
+
+
+def trainer_defaults(flat: dict[tuple, Any], src: Source, ctx: Context) -> None:
+    """A DeepSpeed JSON read alone: its "auto" batch and precision keys as HF Trainer fills them
+    from TrainingArguments' defaults (micro-batch 8, accumulation 1, neither bf16 nor fp16: DeepSpeed
+    then runs fp32; accelerate launch's mixed_precision "no" fills fp16/bf16 "auto" alike:
+    huggingface/accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83 src/accelerate/utils/dataclasses.py
+    DeepSpeedPlugin.set_mixed_precision). What the
+    script really passes is unknown: each is said in the plan's first lines, with the flag to pass.
+    A flag given beside the file wins (it is the trainer's argument)."""
+    filled = []
+    for file_key, name, value, arg in (("train_micro_batch_size_per_gpu", "micro_batch", HF_MICRO_BATCH,
+                                        "per_device_train_batch_size"),
+                                       ("gradient_accumulation_steps", "grad_accum", HF_GRAD_ACCUM,
+                                        "gradient_accumulation_steps")):
+        if not _is_auto(flat.get((file_key,))) or name in src.values or name in ctx.given:
+            continue
+        src.values[name] = value
+        src.read.append((file_key, f"\"auto\": --{name.replace('_', '-')} {value} (TrainingArguments' {arg} "
+                         "default, as HF Trainer fills it)"))
+        if name == "micro_batch":
+            filled.append(f"--micro-batch {value} (HF Trainer's per_device_train_batch_size default)")
+    autos = [sec for sec in ("bf16", "fp16", "bfloat16") if _is_auto(flat.get((sec, "enabled")))]
+    if autos and "precision" not in src.values and "precision" not in ctx.given:
+        src.values["precision"] = "fp32"
+        src.read.append(("/".join(f"{s}.enabled" for s in autos),
+                         "\"auto\": --precision fp32 (TrainingArguments' bf16=False and fp16=False, as HF Trainer "
+                         "fills it; accelerate launch's mixed_precision \"no\" alike)"))
+        filled.append("--precision fp32 (bf16/fp16 \"auto\" filled from HF Trainer's bf16=False, fp16=False)")
+    if filled:
+        src.warnings.append(f"{src.path.name}: \"auto\" values planned as HF Trainer fills them from its defaults: "
+                            f"{'; '.join(filled)} — pass --micro-batch / --precision (e.g. --precision bf16-mixed "
+                            "for --bf16) as your run sets them")
 
 
 def _is_auto(v: Any) -> bool:
@@ -149,6 +192,19 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
     zero = data.get("zero_optimization") or {}
     if not isinstance(zero, dict):
         raise doc.error(key("zero_optimization"), zero, "a mapping of ZeRO settings")
+    if "zenflow" in zero:
+        # DeepSpeed turns ZenFlow on for any zenflow section that is not null (deepspeedai/DeepSpeed@
+        # edaa7221267243c7be7fb49c5d5f5c4fb97b4641 deepspeed/runtime/zero/config.py DeepSpeedZeroConfig.zenflow,
+        # deepspeed/runtime/zenflow/engine.py configure_zenflow; runtime/engine.py then builds
+        # ZenFlowZeroOptimizer in place of the ZeRO-1/2 optimizer)
+        for k in [k for k in flat if k[:2] == ("zero_optimization", "zenflow")]:
+            seen.add(k)
+        if zero["zenflow"] is not None:
+            raise refuse(doc, key("zero_optimization", "zenflow"), "{...}", "ZenFlow's optimizer (the top-k "
+                         "gradient columns stepped on the GPU, the rest on the host asynchronously every "
+                         "update_interval steps) is not in shardwise's planner; plain ZeRO with optimizer offload "
+                         "is planned without the zenflow section")
+        src.read.append((dotted(key("zero_optimization", "zenflow")), "null: ZenFlow off"))
     stage = got("zero_optimization", "stage")
     stage = 0 if stage is None else as_count(doc, key("zero_optimization", "stage"), stage, zero=True)
     if stage > 3:
@@ -172,18 +228,18 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
         if stage != 3:
             raise doc.error(key("zero_optimization", "offload_param", "device"), "cpu",
                             f"offload_param needs ZeRO stage 3 (this file has stage {stage})")
-        name = "zero3+full-offload"
         if not off["offload_optimizer"]:
             # DeepSpeed then keeps the optimizer (fp32 master, states, gradient partition) on the GPU
-            # and streams the parameters from the host; STRATEGIES has no such row and the memory
-            # model prices parameter offload only beside optimizer offload: zero3 is the nearest
-            # (the GPU memory of the optimizer kept, the 1/N parameter partition too)
-            name = "zero3"
-            src.warnings.append(
-                f"{dotted(key('zero_optimization', 'offload_param'))} without offload_optimizer: DeepSpeed keeps the "
-                "optimizer on the GPU and only the parameters on the host; shardwise plans no parameter-only "
-                "offload, so this is planned as zero3 (no offload: GPU memory over by the 1/N parameter "
-                "partition, the host-to-GPU parameter traffic not priced)")
+            # and streams the parameters from the host (deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641
+            # deepspeed/runtime/zero/stage3.py DeepSpeedZeroOptimizer_Stage3._configure_offloading: the
+            # optimizer is offloaded only where offload_optimizer names a device); STRATEGIES has no such row (zero3+full-offload moves the optimizer step
+            # to the host too, zero3 keeps the parameters on the GPU), so neither is this run
+            raise refuse(doc, key("zero_optimization", "offload_param", "device"), zero["offload_param"]["device"],
+                         "offload_param without offload_optimizer keeps the optimizer states, fp32 master and "
+                         "gradients on the GPU and only the parameters on the host; shardwise plans parameter "
+                         "offload only beside optimizer offload (zero3+full-offload: set "
+                         "zero_optimization.offload_optimizer.device too) or no offload (zero3)")
+        name = "zero3+full-offload"
     elif off["offload_optimizer"]:
         if stage == 0:
             raise doc.error(key("zero_optimization", "offload_optimizer", "device"), "cpu",
@@ -258,7 +314,7 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
     pp = _pipeline(doc, data, src, got, key, stage)
     _tensor_parallel(doc, data, src, got, key, stage, pp)
     _batch(doc, flat, src, ctx, got, key, under)
-    _precision(doc, src, got, key, under)
+    _precision(doc, src, got, key, under, stage)
     _optimizer(doc, data, src, got, key, under)
     for k in flat:
         if k in seen:
@@ -468,7 +524,7 @@ def batch_ranks(ctx: Context, src: Source) -> tuple[int, str]:
     return gpus // (pp * tp), f"{gpus // (pp * tp)} data-parallel ranks ({gpus} GPUs / (pp {pp} × tp {tp}))"
 
 
-def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
+def _precision(doc: Doc, src: Source, got, key, under: str, stage: int = 0) -> None:
     """fp16/bf16 `enabled` as DeepSpeed reads them; "auto" is the trainer's (HF fills bf16 and fp16
     from its own bf16/fp16 arguments: transformers integrations/deepspeed.py `trainer_config_process`),
     so an "auto" beside an explicit false leaves the precision to the trainer. `fp8.enabled: true`
@@ -489,8 +545,14 @@ def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
         on[sec] = as_bool(doc, key(sec, "enabled"), v)
     if on.get("bf16") or on.get("bfloat16"):
         src.values["precision"] = "bf16-mixed"
+        _master_weights(doc, src, got, key, stage, "bf16" if on.get("bf16") else "bfloat16")
     elif on.get("fp16"):
         src.values["precision"] = "fp16-mixed"
+        fp16_master = got("fp16", "fp16_master_weights_and_grads")
+        if fp16_master is not None and as_bool(doc, key("fp16", "fp16_master_weights_and_grads"), fp16_master):
+            # DeepSpeedFP16Config (runtime/precision_config.py, same commit as _master_weights')
+            ignore(src, dotted(key("fp16", "fp16_master_weights_and_grads")), "fp16 master weights and gradients: "
+                   "the planner has no fp16 precision without fp32 masters; planned as fp16-mixed")
     elif on and not auto:
         src.values["precision"] = "fp32"
     else:
@@ -498,6 +560,36 @@ def _precision(doc: Doc, src: Source, got, key, under: str) -> None:
             src.read.append(("/".join(dotted(key(s, "enabled")) for s in on), "false: the \"auto\" one decides"))
         return
     src.read.append(("/".join(dotted(key(s, "enabled")) for s in on), f"--precision {src.values['precision']}"))
+
+
+def _master_weights(doc: Doc, src: Source, got, key, stage: int, sec: str) -> None:
+    """`bf16.bf16_master_weights_and_grads` / `bf16_optimizer_states` as DeepSpeed runs them
+    (deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641 deepspeed/runtime/precision_config.py
+    DeepSpeedBF16Config, runtime/config.py asserts ZeRO stage 1-3 for both and the master weights
+    for the states, runtime/base_optimizer.py _configure_master_weights): both on keep the ZeRO
+    optimizer's master weights, gradients and Adam states in bf16, which is bf16-pure; the master
+    weights alone keep the states fp32 on the host (DeepSpeedCPUAdam under ZeRO-Offload), a split
+    no precision of the planner's has."""
+    master, states = got(sec, "bf16_master_weights_and_grads"), got(sec, "bf16_optimizer_states")
+    master = master is not None and as_bool(doc, key(sec, "bf16_master_weights_and_grads"), master)
+    states = states is not None and as_bool(doc, key(sec, "bf16_optimizer_states"), states)
+    if not (master or states):
+        return
+    k = dotted(key(sec, "bf16_optimizer_states" if states else "bf16_master_weights_and_grads"))
+    if stage == 0:
+        raise doc.error(key(sec, "bf16_master_weights_and_grads"), True, "false with ZeRO stage 0 (DeepSpeed asserts "
+                        "\"Bf16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3\")")
+    if states and not master:
+        raise doc.error(key(sec, "bf16_optimizer_states"), True, "false without bf16_master_weights_and_grads "
+                        "(DeepSpeed asserts \"bf16_optimizer_states requires bf16_master_weights_and_grads\")")
+    if states:
+        src.values["precision"] = "bf16-pure"
+        src.read.append((f"{dotted(key(sec, 'bf16_master_weights_and_grads'))}/{k}", "--precision bf16-pure (master "
+                         "weights, gradients and Adam states in bf16)"))
+    else:
+        ignore(src, dotted(key(sec, "bf16_master_weights_and_grads")), "bf16 master weights and gradients beside "
+               "fp32 Adam states (DeepSpeed keeps those on the host, DeepSpeedCPUAdam): no precision of the planner's "
+               "splits them so; planned as bf16-mixed (fp32 masters and gradients)")
 
 
 def _optimizer(doc: Doc, data: dict, src: Source, got, key, under: str) -> None:

@@ -80,14 +80,26 @@ def read(doc: Doc, ctx: Context) -> Source:
 # (trl/trainer/dpo_config.py: `beta`, `loss_type` default ["sigmoid"], `precompute_ref_log_probs`,
 # `max_length` the whole sequence, prompt + completion, default 1024), KTOConfig (trl/trainer/
 # kto_config.py: loss_type kto or apo_zero_unpaired, desirable_weight/undesirable_weight), CPOConfig
-# (trl/experimental/cpo: loss_type simpo is SimPO, reference-free). A file with DPO's keys is planned
-# as DPO; ORPOConfig has no key of its own (beta alone) and is not told apart from DPO.
+# (trl/experimental/cpo: loss_type simpo is SimPO, reference-free), ORPOConfig (trl/experimental/orpo/
+# orpo_config.py: beta, max_length, max_completion_length, padding_value, generate_during_eval,
+# is_encoder_decoder, no loss_type and no reference model: ORPOTrainer runs the pair through the
+# policy only). A file with DPO's own keys (its loss or reference) is planned as DPO; one with
+# ORPOConfig's (padding_value, is_encoder_decoder, generate_during_eval, max_completion_length,
+# none of which DPOConfig has at that commit) and none of DPO's as ORPO; `beta` alone is either
+# (the script decides): planned as DPO, and said first.
 DPO_KEYS = ("beta", "precompute_ref_log_probs", "ref_model_init_kwargs", "max_prompt_length", "loss_type",
             "rpo_alpha", "ref_adapter_name", "model_adapter_name", "sync_ref_model", "reference_free")
 KTO_KEYS = ("desirable_weight", "undesirable_weight")
+# DPOConfig's keys that ORPOConfig lacks (the loss, the reference), and ORPOConfig's that DPOConfig lacks
+DPO_OWN = ("loss_type", "precompute_ref_log_probs", "ref_model_init_kwargs", "rpo_alpha", "ref_adapter_name",
+           "model_adapter_name", "sync_ref_model", "reference_free", "label_smoothing", "use_weighting",
+           "f_divergence_type", "ld_alpha", "loss_weights")
+ORPO_OWN = ("padding_value", "is_encoder_decoder", "generate_during_eval", "max_completion_length")
+CPO_OWN = ("cpo_alpha", "simpo_gamma")
 PREF_NO_EFFECT = ("beta", "max_prompt_length", "max_completion_length", "label_smoothing", "rpo_alpha",
                   "ref_model_init_kwargs", "disable_dropout", "truncation_mode", "generate_during_eval",
-                  "desirable_weight", "undesirable_weight", "simpo_gamma", "cpo_alpha", "loss_weights")
+                  "desirable_weight", "undesirable_weight", "simpo_gamma", "cpo_alpha", "loss_weights",
+                  "padding_value", "is_encoder_decoder")
 
 
 def _preference(doc: Doc, d: dict, src: Source) -> set:
@@ -104,12 +116,24 @@ def _preference(doc: Doc, d: dict, src: Source) -> set:
         objective = "kto"
     elif "simpo" in losses:
         objective = "simpo"
+    elif not any(k in d for k in DPO_OWN + CPO_OWN) and any(k in d for k in ORPO_OWN):
+        objective = "orpo"
     else:
         objective = "dpo"
     src.values["objective"] = objective
-    src.read.append(("loss_type" if "loss_type" in d else "beta/DPO keys",
-                     f"{','.join(losses)}: --objective {objective}" + ("" if "loss_type" in d else
-                                                                       " (DPOConfig's default loss sigmoid)")))
+    if objective == "orpo":
+        keys = [k for k in ORPO_OWN if k in d]
+        src.read.append(("beta/" + "/".join(keys), "--objective orpo (ORPOConfig's keys, none of DPOConfig's own: "
+                         "the pair through the policy, no reference model)"))
+    else:
+        src.read.append(("loss_type" if "loss_type" in d else "beta/DPO keys",
+                         f"{','.join(losses)}: --objective {objective}" + ("" if "loss_type" in d else
+                                                                           " (DPOConfig's default loss sigmoid)")))
+    if objective == "dpo" and not any(k in d for k in DPO_OWN + CPO_OWN):
+        src.warnings.append(f"{src.path.name}: beta without DPOConfig's own keys (loss_type, "
+                            "precompute_ref_log_probs, ...): planned as DPO, with its reference model; TRL's "
+                            "ORPOConfig takes the same keys and runs no reference — pass --objective orpo if the "
+                            "script is ORPO's")
     if objective in ("dpo", "kto"):
         pre = d.get("precompute_ref_log_probs")
         seen.add("precompute_ref_log_probs")
@@ -202,10 +226,26 @@ def model_config(doc: Doc, d: dict, src: Source) -> set:
         k = "torch_dtype" if "torch_dtype" in d else "dtype"
         seen.add(k)
         dtype = str(d[k])
-        if dtype in ("bfloat16", "float16") and not peft and src.values.get("precision") != "bf16-pure":
+        ddp = src.values.get("strategy") == ["ddp"]
+        if dtype == "bfloat16" and not peft and ddp and not four and src.values.get("precision") != "fp16-mixed":
+            # the weights load in bf16 (TRL's scripts and the alignment handbook's get_model pass
+            # torch_dtype to from_pretrained; SFTTrainer casts no full-fine-tuning weights:
+            # huggingface/trl@f2cd57710ae345ea6428ae95363267fcf38a3dc8 trl/trainer/sft_trainer.py)
+            # and DDP trains them as loaded: the Trainer's AdamW steps bf16 weights with no fp32
+            # master and keeps its states in their dtype
+            src.values["precision"] = "bf16-pure"
+            src.read.append((k, "bfloat16, full fine-tuning under DDP: --precision bf16-pure (the weights loaded in "
+                             "bf16 and stepped so, no fp32 master)"))
+        elif dtype in ("bfloat16", "float16") and not peft and ddp and src.values.get("precision") != "bf16-pure":
             ignore(src, k, f"{dtype}: the weights are loaded (and so trained, with their optimizer states) in "
-                   f"{dtype}; planned as {src.values.get('precision')} with fp32 master weights — pass --precision "
-                   "bf16-pure for bf16 weights")
+                   f"{dtype}; planned as {src.values.get('precision')} with fp32 master weights")
+        elif dtype in ("bfloat16", "float16") and not peft and not ddp:
+            # accelerate@16cb6eb80dd9aa8b4df1a63ef57863e455d53b83 src/accelerate/utils/fsdp_utils.py
+            # fsdp2_prepare_model (accelerator.py for FSDP1) upcasts trainable parameters to fp32
+            # when mixed_precision is not "no"
+            src.read.append((k, f"{dtype}: the load dtype (DeepSpeed's bf16/fp16 optimizer keeps fp32 masters, and "
+                             "accelerate upcasts FSDP's parameters to fp32 under mixed precision: no change to the "
+                             "plan)"))
         else:
             src.read.append((k, f"{dtype}: the load dtype (the frozen base's, with adapters; no change to the plan)"))
     return seen
