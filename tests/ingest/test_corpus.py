@@ -30,11 +30,11 @@ CORPUS = Path(__file__).parents[1] / "data" / "corpus"
 MANIFEST = yaml.safe_load((CORPUS / "MANIFEST.yaml").read_text())
 ENTRIES = MANIFEST["files"]
 FIELDS = {"strategy", "precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank",
-          "base_quant", "optimizer", "model", "gpus", "tp", "pp", "knobs", "objective", "reference"}
+          "base_quant", "optimizer", "model", "gpus", "tp", "pp", "knobs", "fp8", "fp8_all_gather", "objective", "reference"}
 # exit 0: planned; 3: planned, and nothing fits the GPUs (the JSON document is printed all the same)
 PLANNED = (0, 3)
 TRAIN_FIELDS = ("precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank", "base_quant", "optimizer",
-                "objective", "reference")
+                "objective", "reference", "fp8", "fp8_all_gather")
 
 
 def test_manifest_is_complete():

@@ -250,10 +250,23 @@ def test_axolotl_hsdp_and_tensor_parallel_sizes():
     assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 8)]
 
 
-def test_axolotl_context_parallel_and_fp8_are_refused():
+def test_axolotl_context_parallel_is_refused():
     assert "context_parallel_size = 2: not plannable: context parallelism" in refused(
         "--from", str(DATA / "axolotl_fsdp_tp_cp.yaml"))
-    assert "fp8 = True: not plannable" in refused("--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"))
+
+
+
+def test_axolotl_fp8_is_planned_as_torchaos_tensorwise_recipe_with_its_all_gather():
+    """fp8: true is torchao float8 with axolotl's default tensorwise recipe, and
+    fp8_enable_fsdp_float8_all_gather its FSDP2 float8 all-gather; on a GPU without FP8 tensor cores
+    (the planner's default A100) it is refused naming the GPU."""
+    assert "a100-80g has no FP8 tensor cores" in refused("--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"))
+    r = CliRunner().invoke(app, ["plan", "--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"), "--gpu", "h100-sxm",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert (doc["train"]["fp8"], doc["train"]["fp8_all_gather"]) == ("tensorwise", True)
+    assert ["--fp8", "tensorwise"] in [doc["from"]["as_flags"][i:i + 2] for i in range(len(doc["from"]["as_flags"]))]
 
 
 # --- LLaMA-Factory --------------------------------------------------------------------------------
@@ -303,14 +316,32 @@ def test_axolotl_unfrozen_parameters_is_refused_before_its_deepspeed_json():
     assert "offload_param" not in text
 
 
-def test_llama_factory_freeze_galore_and_fp8_are_refused_with_the_reason():
+def test_llama_factory_freeze_and_galore_are_refused_with_the_reason():
     """freeze: only the last freeze_trainable_layers (8 here) train (LLaMA-Factory
-    model/adapter.py _setup_freeze_tuning); GaLore and fp8 are not in the planner."""
+    model/adapter.py _setup_freeze_tuning); GaLore is not in the planner."""
     text = refused("--from", str(DATA / "lf_llama3_freeze_sft.yaml"))
     assert "finetuning_type = 'freeze': not plannable: only the last 8 layer(s) train" in text
     text = refused("--from", str(DATA / "lf_llama3_galore_full_sft.yaml"))
     assert "use_galore = True: not plannable: GaLore" in text and "galore_layerwise" in text
-    assert "fp8 = True: not plannable" in refused("--from", str(DATA / "lf_llama3_fp8_deepspeed_sft.yaml"))
+
+
+
+def test_llama_factory_fp8_is_planned_by_its_backend_and_a_deepspeed_fp8_section_refused(tmp_path: Path):
+    """fp8_backend te is Transformer Engine's delayed scaling, torchao (and auto) torchao's rowwise
+    recipe (LLaMA-Factory train/fp8_utils.py); the DeepSpeed JSON the example names has an fp8
+    section beside bf16 and fp16 off, which DeepSpeed's ZeRO engine does not run: refused."""
+    text = (DATA / "lf_llama3_fp8_deepspeed_sft.yaml").read_text()
+    named = tmp_path / "with_ds.yaml"
+    named.write_text(text.replace("examples/deepspeed/ds_z3_fp8_config.json", str(DATA / "lf_ds_z3_fp8_config.json")))
+    assert "fp8.enabled = True: not plannable" in refused("--from", str(named))
+    alone = tmp_path / "alone.yaml"
+    alone.write_text(text.replace("deepspeed: examples/deepspeed/ds_z3_fp8_config.json", ""))
+    for backend, recipe in (("te", "delayed"), ("torchao", "rowwise")):
+        alone.write_text(alone.read_text().replace("fp8_backend: te", f"fp8_backend: {backend}").replace(
+            "fp8_backend: torchao", f"fp8_backend: {backend}"))
+        r = CliRunner().invoke(app, ["plan", "--from", str(alone), "--gpu", "h100-sxm", "--json"])
+        assert r.exit_code in (0, 3), r.output
+        assert json.loads(r.stdout)["train"]["fp8"] == recipe
 
 
 def test_a_trainer_yaml_with_bf16_true_is_not_a_deepspeed_json(tmp_path: Path):

@@ -18,10 +18,10 @@ from shardwise.plan.planner import build_specs
 from shardwise.specs import Strategy
 from shardwise.specs.train import TrainSpec
 
-H, KV, I, LAYERS = 4096, 1024, 14336, 32
-LINEAR_PER_LAYER = H * (H + KV + KV + H) + 3 * H * I  # q, k, v, o; gate, up, down
-IN_WIDTHS = 3 * H + H + 2 * H + I  # q/k/v read h, o reads q (h), gate/up read h, down reads i
-OUT_WIDTHS = H + 2 * KV + H + 2 * I + H
+H, KV, INTER, LAYERS = 4096, 1024, 14336, 32
+LINEAR_PER_LAYER = H * (H + KV + KV + H) + 3 * H * INTER  # q, k, v, o; gate, up, down
+IN_WIDTHS = 3 * H + H + 2 * H + INTER  # q/k/v read h, o reads q (h), gate/up read h, down reads i
+OUT_WIDTHS = H + 2 * KV + H + 2 * INTER + H
 
 
 def _eval(strategy: str = "fsdp", gpus: int = 8, **kw):
@@ -33,7 +33,7 @@ def _eval(strategy: str = "fsdp", gpus: int = 8, **kw):
 def test_the_layers_gemms_run_at_the_fp8_peak():
     """At 16,384 tokens a micro-batch the layers' GEMMs are compute-bound: fp8 halves their time
     on an H100 (1979 / 989 TFLOP/s), everything else (lm_head, attention) is unchanged."""
-    bf16, m, hw, _ = _eval(fp8="none")
+    bf16, _, hw, _ = _eval(fp8="none")
     fp8, *_ = _eval(fp8="tensorwise")
     tokens = 2 * 8192
     layer_flops = 3 * 2 * LINEAR_PER_LAYER * tokens * LAYERS  # forward, input and weight gradients

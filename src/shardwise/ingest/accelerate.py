@@ -66,13 +66,19 @@ def read(doc: Doc, ctx: Context) -> Source:
             raise doc.error(("num_processes",), n, f"a multiple of num_machines {machines}")
         src.values["gpus_per_node"] = n // machines
         src.read.append(("num_machines", f"--gpus-per-node {n // machines}"))
+    elif kind == "NO":  # no distributed launch: one process on one GPU (accelerate launch without --multi_gpu)
+        src.values["gpus"] = 1
+        src.read.append(("distributed_type", "NO without num_processes: --gpus 1 (one process)"))
     mp = d.get("mixed_precision")
     if mp is not None:
         seen.add(("mixed_precision",))
-        if str(mp) not in PRECISION:
-            raise doc.error(("mixed_precision",), mp, "no, fp16 or bf16 (fp8 is not planned)")
-        src.values["precision"] = PRECISION[str(mp)]
-        src.read.append(("mixed_precision", f"--precision {PRECISION[str(mp)]}"))
+        if str(mp) == "fp8":
+            seen |= _fp8(doc, d, src)
+        elif str(mp) not in PRECISION:
+            raise doc.error(("mixed_precision",), mp, "no, fp16, bf16 or fp8")
+        else:
+            src.values["precision"] = PRECISION[str(mp)]
+            src.read.append(("mixed_precision", f"--precision {PRECISION[str(mp)]}"))
     if kind == "FSDP":
         seen |= _fsdp(doc, d.get("fsdp_config") or {}, src)
         if isinstance(d.get("parallelism_config"), dict):
@@ -340,4 +346,31 @@ def _deepspeed(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
     for k in ("offload_optimizer_device", "offload_param_device"):
         if k in p:
             src.read.append((f"deepspeed_config.{k}", f"{p[k]}"))
+    return seen
+
+
+# accelerate's fp8 backends (huggingface/accelerate utils/dataclasses.py FP8RecipeKwargs / TERecipeKwargs /
+# AORecipeKwargs): TE runs Transformer Engine's DelayedScaling recipe; AO torchao's Float8LinearConfig(),
+# whose default is tensorwise scaling. The rest of the model runs under bf16 autocast
+# (utils/modeling.py get_mixed_precision_context_manager: "bf16" and "fp8" alike).
+FP8_BACKENDS = {"TE": "delayed", "AO": "tensorwise"}
+
+
+def _fp8(doc: Doc, d: dict, src: Source) -> set:
+    cfg = d.get("fp8_config") or {}
+    if not isinstance(cfg, dict):
+        raise doc.error(("fp8_config",), cfg, "a mapping (backend, fp8_format, amax_history_len, ...)")
+    backend = str(cfg.get("backend", "TE")).upper().replace("-", "")
+    if backend not in FP8_BACKENDS:
+        raise refuse(doc, ("fp8_config", "backend"), cfg.get("backend"), "MS-AMP's fp8 optimizer states and "
+                     "weights are not planned (TE and AO are)")
+    src.values["precision"] = "bf16-mixed"
+    src.values["fp8"] = FP8_BACKENDS[backend]
+    src.read.append(("mixed_precision", f"fp8: --precision bf16-mixed --fp8 {FP8_BACKENDS[backend]} "
+                     f"(fp8_config.backend {backend})"))
+    seen = {("fp8_config",)}
+    for k in cfg:
+        seen.add(("fp8_config", k))
+        src.read.append((f"fp8_config.{k}", f"{cfg[k]}: " + (f"--fp8 {FP8_BACKENDS[backend]}" if k == "backend"
+                                                             else "no change to memory or time")))
     return seen

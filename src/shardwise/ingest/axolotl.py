@@ -56,8 +56,9 @@ def read(doc: Doc, ctx: Context) -> Source:
         if "fsdp_version" in d and isinstance(fsdp_cfg, dict):
             fsdp_cfg = {**fsdp_cfg, "version": d["fsdp_version"]}
     hub_model(doc, ("base_model",), d.get("base_model"), src, ctx)  # first: "auto" buckets need its hidden size
-    seen = read_trainer_args(doc, {**d, "fsdp_config": fsdp_cfg}, src, ctx, batch_key="micro_batch_size",
-                             ckpt_key="gradient_checkpointing")
+    # bf16 unset is axolotl's default "auto" (utils/schemas/config.py: bf16 = "auto", on a bf16 GPU true)
+    seen = read_trainer_args(doc, {"bf16": "auto", **d, "fsdp_config": fsdp_cfg}, src, ctx,
+                             batch_key="micro_batch_size", ckpt_key="gradient_checkpointing")
     seen |= {"base_model", "trust_remote_code", "sequence_len", "adapter", "lora_r", "lora_target_modules",
              "lora_target_linear", "load_in_4bit", "sample_packing", "fsdp_version", "fsdp_config", "fsdp",
              "lora_modules_to_save", "plugins", "liger_fused_linear_cross_entropy"}
@@ -89,13 +90,8 @@ def read(doc: Doc, ctx: Context) -> Source:
         ignore(src, "load_in_8bit", "an 8-bit bitsandbytes base is not planned (planned in the compute dtype)")
     elif eight is not None:
         src.read.append(("load_in_8bit", "false"))
-    fp8 = d.get("fp8")
-    if fp8 is not None and as_bool(doc, ("fp8",), fp8):
-        raise refuse(doc, ("fp8",), fp8, "shardwise plans bf16, fp16 and fp32 compute, not fp8 (torchao's float8 "
-                     "linears and their memory)")
-    elif fp8 is not None:
-        src.read.append(("fp8", "false"))
-    seen |= {"load_in_8bit", "fp8"} | attn_implementation(doc, d, src) | _mesh(doc, d, src, ctx)
+    seen |= _fp8(doc, d, src)
+    seen |= {"load_in_8bit"} | attn_implementation(doc, d, src) | _mesh(doc, d, src, ctx)
     plugins = d.get("plugins") or []
     for plugin in plugins if isinstance(plugins, list) else [plugins]:
         if "cut_cross_entropy" in str(plugin):
@@ -188,3 +184,32 @@ def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:
         if k in sizes:
             src.read.append((k, "1: none"))
     return set(MESH)
+
+
+def _fp8(doc: Doc, d: dict, src: Source) -> set:
+    """axolotl's `fp8`: torchao float8 linears through accelerate's AORecipeKwargs, with the recipe
+    `fp8_recipe` (tensorwise unless set) and, tensorwise only, FSDP2's float8 all-gather
+    (`fp8_enable_fsdp_float8_all_gather`): axolotl-ai-cloud/axolotl utils/fp8 build_fp8_linear_config
+    and its docs/mixed_precision.qmd ("TorchAO library with tensorwise scaling")."""
+    fp8 = d.get("fp8")
+    if fp8 is None or not as_bool(doc, ("fp8",), fp8):
+        if fp8 is not None:
+            src.read.append(("fp8", "false"))
+        return {"fp8", "fp8_recipe", "fp8_enable_fsdp_float8_all_gather"}
+    recipe = str(d.get("fp8_recipe", "tensorwise"))
+    if recipe not in ("tensorwise", "rowwise"):
+        raise doc.error(("fp8_recipe",), recipe, "tensorwise or rowwise (torchao's float8 recipes axolotl builds)")
+    src.values["fp8"] = recipe
+    src.read.append(("fp8", f"--fp8 {recipe} (torchao float8 linears{'' if 'fp8_recipe' in d else ', axolotl default recipe'})"))
+    if "fp8_recipe" in d:
+        src.read.append(("fp8_recipe", f"--fp8 {recipe}"))
+    ag = d.get("fp8_enable_fsdp_float8_all_gather")
+    if ag is not None and as_bool(doc, ("fp8_enable_fsdp_float8_all_gather",), ag):
+        if recipe != "tensorwise":
+            raise doc.error(("fp8_enable_fsdp_float8_all_gather",), ag, "false with fp8_recipe rowwise (axolotl raises: "
+                            "the float8 all-gather needs tensorwise scaling)")
+        src.values["fp8_all_gather"] = True
+        src.read.append(("fp8_enable_fsdp_float8_all_gather", "--fp8-all-gather (FSDP2 rows)"))
+    elif ag is not None:
+        src.read.append(("fp8_enable_fsdp_float8_all_gather", "false"))
+    return {"fp8", "fp8_recipe", "fp8_enable_fsdp_float8_all_gather"}

@@ -42,10 +42,10 @@ def read(doc: Doc, ctx: Context) -> Source:
     _refusals(doc, d)
     hub_model(doc, ("model_name_or_path",), d.get("model_name_or_path"), src, ctx)
     seen = read_trainer_args(doc, d, src, ctx, ckpt_key=None)
-    seen |= {"fp8", "use_galore", "flash_attn"}
-    for k in ("fp8", "use_galore"):
-        if k in d:
-            src.read.append((k, "false"))
+    seen |= {"fp8", "fp8_backend", "fp8_enable_fsdp_float8_all_gather", "use_galore", "flash_attn"}
+    if "use_galore" in d:
+        src.read.append(("use_galore", "false"))
+    _fp8(doc, d, src)
     if "flash_attn" in d:
         how = {"fa2": "flash", "fa3": "flash", "sdpa": "sdpa", "disabled": "eager"}.get(str(d["flash_attn"]))
         if how:
@@ -153,12 +153,10 @@ def _preference(doc: Doc, d: dict, src: Source, *, lora: bool) -> set:
 
 
 def _refusals(doc: Doc, d: dict) -> None:
-    """What LLaMA-Factory runs and the planner cannot: `fp8` (FP8 compute), `use_galore` (GaLore's
+    """What LLaMA-Factory runs and the planner cannot: `use_galore` (GaLore's
     projected optimizer; LLaMA-Factory itself refuses the layer-wise one under distributed training,
     hparams/parser.py), `finetuning_type: freeze` (only the last `freeze_trainable_layers` layers
     train: TrainSpec trains every layer or LoRA adapters, not a subset of layers)."""
-    if "fp8" in d and as_bool(doc, ("fp8",), d["fp8"]):
-        raise refuse(doc, ("fp8",), d["fp8"], "shardwise plans bf16, fp16 and fp32 compute, not fp8")
     if "use_galore" in d and as_bool(doc, ("use_galore",), d["use_galore"]):
         raise refuse(doc, ("use_galore",), d["use_galore"], "GaLore's low-rank gradient projection (its optimizer "
                      "states and projection step) is not in shardwise's planner" + (
@@ -168,3 +166,28 @@ def _refusals(doc: Doc, d: dict) -> None:
         n = d.get("freeze_trainable_layers", 2)
         raise refuse(doc, ("finetuning_type",), "freeze", f"only the last {n} layer(s) train (freeze_trainable_layers), "
                      "and the planner trains every layer (full) or LoRA adapters, not a subset of layers")
+
+
+# LLaMA-Factory's fp8 backends (train/fp8_utils.py at hiyouga/LLaMA-Factory 7f564fdb: `auto` and `torchao`
+# build torchao's Float8LinearConfig.from_recipe_name("rowwise"); `te` sets FP8_BACKEND for accelerate,
+# whose Transformer Engine recipe is DelayedScaling); fp8_enable_fsdp_float8_all_gather is only logged
+FP8_BACKENDS = {"auto": "rowwise", "torchao": "rowwise", "te": "delayed"}
+
+
+def _fp8(doc: Doc, d: dict, src: Source) -> None:
+    if "fp8" not in d or not as_bool(doc, ("fp8",), d["fp8"]):
+        for k in ("fp8", "fp8_backend", "fp8_enable_fsdp_float8_all_gather"):
+            if k in d:
+                src.read.append((k, f"{d[k]}: no change to memory or time (fp8 off)"))
+        return
+    backend = str(d.get("fp8_backend", "auto"))
+    if backend not in FP8_BACKENDS:
+        raise refuse(doc, ("fp8_backend",), backend, "MS-AMP's fp8 optimizer states and weights are not planned "
+                     "(auto, torchao: torchao float8 linears; te: Transformer Engine are)")
+    src.values["fp8"] = FP8_BACKENDS[backend]
+    src.read.append(("fp8", f"--fp8 {FP8_BACKENDS[backend]} (fp8_backend {backend})"))
+    if "fp8_backend" in d:
+        src.read.append(("fp8_backend", f"{backend}: --fp8 {FP8_BACKENDS[backend]}"))
+    if "fp8_enable_fsdp_float8_all_gather" in d:
+        src.read.append(("fp8_enable_fsdp_float8_all_gather", "no change to memory or time (LLaMA-Factory only "
+                         "logs it; its float8 config is rowwise, which has no fp8 all-gather)"))
