@@ -74,8 +74,8 @@ class HardwareSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> HardwareSpec:
-        if self.gpus_per_node > 64:
-            raise ShardwiseError(f"gpus_per_node {self.gpus_per_node} is implausible (expected 1..64)")
+        if self.gpus_per_node > 72:  # a GB200 NVL72 rack: 72 GPUs in one NVLink domain
+            raise ShardwiseError(f"gpus_per_node {self.gpus_per_node} is implausible (expected 1..72)")
         if self.nics_per_node is not None and self.nics_per_node > self.gpus_per_node:
             raise ShardwiseError(
                 f"--nics-per-node {self.nics_per_node} exceeds the {self.gpus_per_node} GPUs per node: expected "
