@@ -52,7 +52,7 @@ GPU_NAMES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"),
              ("3090", "rtx-3090"), ("V100", "v100-32g"), ("MI300X", "mi300x"), ("GB200", "gb200"), ("B200", "b200"),
              ("H20", "h20"), ("5090", "rtx-5090"), ("4070 Ti SUPER", None), ("4080 SUPER", None),
              ("4070 Ti", "rtx-4070-ti"), ("4080", "rtx-4080"), ("A10G", "a10g"),
-             ("L4", "l4"), ("MI250", "mi250x"), ("MI325X", "mi325x"))
+             ("L40", None), ("L4", "l4"), ("MI250", "mi250x"), ("MI325X", "mi325x"))
 
 
 def catalog_gpu(device_name: str) -> str | None:
