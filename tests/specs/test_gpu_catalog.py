@@ -86,8 +86,11 @@ def test_a_borrow_cycle_is_refused(monkeypatch):
 
 
 def test_mi250x_is_one_gcd_per_rank():
-    card = 128 * 2**30  # 128 GB HBM2e per OAM card, two GCDs
-    assert catalog.get_gpu("mi250x").memory_bytes == card / 2
+    """An MI250X card is two GCDs, each its own ROCm device and rank: the entry is one GCD."""
+    card_bytes, card_bf16 = 128 * 2**30, 383e12  # per OAM card (AMD's datasheet)
+    gcd = catalog.get_gpu("mi250x")
+    assert gcd.memory_bytes == pytest.approx(card_bytes / 2, rel=1e-3)
+    assert gcd.bf16_flops == pytest.approx(card_bf16 / 2)
 
 
 def test_mi300x_planned_mfu_matches_its_published_run_in_sample():
