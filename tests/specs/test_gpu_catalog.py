@@ -132,3 +132,11 @@ def test_the_per_gpu_assumed_table_is_fresh():
     assert block == accuracy_doc.render_gpus(), "docs/accuracy.md is stale: python benchmarks/accuracy_doc.py"
     for gpu in catalog.gpu_names():
         assert f"| {gpu} |" in block
+
+
+def test_gb200_has_no_pcie_path_to_price():
+    """GB200's host link is NVLink-C2C to Grace: `--interconnect pcie` is refused, naming its own link
+    and not offering `pcie` again."""
+    with pytest.raises(ShardwiseError, match="gb200 has no PCIe link") as err:
+        catalog.build_hardware(gpu="gb200", gpus=8, gpus_per_node=8, interconnect="pcie")
+    assert "nvlink5" in str(err.value) and "pcie (its own generation)" not in str(err.value)

@@ -278,10 +278,11 @@ def _generation(key: str, family: str, gpu: str | None) -> str:
     gkey, g = _entry(_hardware()["gpus"], gpu, "GPU")
     if family not in g:
         own = g["link"]
+        own_pcie = "pcie (its own generation) or " if "pcie" in g else ""  # GB200: NVLink-C2C, no PCIe
         raise ShardwiseError(
-            f"--interconnect {key}: {gkey} has no {'NVLink' if family == 'nvlink' else family} (its GPUs talk "
-            f"over {own}: {_hardware()['interconnects'][own].get('what', own)}); leave --interconnect out for "
-            f"that, or name a link inside a node: pcie (its own generation) or one of "
+            f"--interconnect {key}: {gkey} has no {'NVLink' if family == 'nvlink' else 'PCIe link'} (its GPUs "
+            f"talk over {own}: {_hardware()['interconnects'][own].get('what', own)}); leave --interconnect out for "
+            f"that, or name a link inside a node: {own_pcie}one of "
             f"{', '.join(k for k in intra_link_names() if 'generic' not in _hardware()['interconnects'][k])}")
     return g[family]
 
