@@ -164,7 +164,8 @@ def render_constants() -> str:
             basis = ""
         elif e.get("cases"):  # measured on the cases that inform it (in-sample for them)
             kind = f"measured on {', '.join(e['cases'])} (in-sample for them)"
-            basis = "At its bound: those cases do not resolve it. " if "bound" in str(e["basis"]) else ""
+            if e.get("machine"):  # a host constant: its basis repeats the cases
+                basis = "At its bound: those cases do not resolve it. " if "bound" in str(e["basis"]) else ""
         if "prior" in e:
             p = e["prior"]
             basis += f"Prior {_fmt(float(p['value']))} ({p['kind']}): {' '.join(str(p['basis']).split())}"
