@@ -121,8 +121,8 @@ def family_efficiencies(family: str, _seen: tuple[str, ...] = ()) -> tuple[dict[
 
 
 def family_borrows(family: str) -> dict[str, str]:
-    """Which family each of a family's efficiencies is borrowed from (catalog/timing.yaml `borrow`),
-    followed to the family that established it; constants the family states itself are absent."""
+    """Which family each of a family's efficiencies is borrowed from (catalog/timing.yaml `borrow`:
+    the family named, which may itself borrow); constants the family states itself are absent."""
     fam = _timing()["families"][family]
     out = {}
     for name in EFFICIENCIES + OPTIONAL_EFFICIENCIES:
