@@ -2,8 +2,9 @@
 
 Every table between `<!-- BEGIN GENERATED: name -->` and `<!-- END GENERATED: name -->` in
 docs/accuracy.md is rendered here from benchmarks/results/timing_fit.json (fit_timing.py),
-h200_cases.json (h200_cases.py), accuracy_published.json (accuracy.py) and
-src/shardwise/catalog/timing.yaml; the prose around them is hand-written and quotes no figure
+h200_cases.json (h200_cases.py), accuracy_published.json (accuracy.py),
+src/shardwise/catalog/timing.yaml and, for the per-GPU table, the catalog itself (each GPU's family and
+its constants' provenance); the prose around them is hand-written and quotes no figure
 these tables do not show. tests/accuracy/test_accuracy_doc.py regenerates the result files and this
 doc and fails when a committed one differs.
 
@@ -139,23 +140,80 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
+def _family_entries(fam: str, effs: dict) -> list[tuple[str, dict]]:
+    """A family's own constants; a whole-family or per-constant `borrow` is one row naming the family
+    it borrows from (its value is that family's: the per-GPU table shows it)."""
+    if "borrow" in effs:
+        return [(f"{fam} (all)", {"borrow": effs["borrow"], "basis": effs["basis"]})]
+    return [(f"{fam} `{k}`", e) for k, e in effs.items()]
+
+
 def render_constants() -> str:
     doc = yaml.safe_load(TIMING_YAML.read_text())
     lines = ["| constant | value | provenance | basis |", "|---|---|---|---|"]
     entries = [(f"`{k}`", e) for k, e in doc["engine"].items()]
-    entries += [(f"{fam} `{k}`", e) for fam, effs in doc["families"].items() for k, e in effs.items()]
+    entries += [row for fam, effs in doc["families"].items() for row in _family_entries(fam, effs)]
     for name, e in entries:
+        if "borrow" in e:
+            basis = " ".join(str(e["basis"]).split()).replace("|", "/")
+            lines.append(f"| {name} | {e['borrow']}'s | assumed: borrowed from {e['borrow']} | {basis} |")
+            continue
         kind, basis = e["kind"], " ".join(str(e["basis"]).split())
         if kind == "fitted":
             kind = f"fitted ({len(e.get('cases', []))} cases, {len(e.get('sources', []))} sources)"
             basis = ""
         elif e.get("cases"):  # measured on the cases that inform it (in-sample for them)
             kind = f"measured on {', '.join(e['cases'])} (in-sample for them)"
-            basis = "At its bound: those cases do not resolve it. " if "bound" in str(e["basis"]) else ""
+            if e.get("machine"):  # a host constant: its basis repeats the cases
+                basis = "At its bound: those cases do not resolve it. " if "bound" in str(e["basis"]) else ""
         if "prior" in e:
             p = e["prior"]
             basis += f"Prior {_fmt(float(p['value']))} ({p['kind']}): {' '.join(str(p['basis']).split())}"
         lines.append(f"| {name} | {_fmt(float(e['value']))} | {kind} | {basis.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+GPU_CONSTANTS = (("gemm_efficiency", "GEMM"), ("attention_efficiency", "attention (SDPA)"),
+                 ("flash_attention_efficiency", "attention (flash-attn 2)"), ("hbm_efficiency", "streaming (HBM)"))
+
+
+def _gpu_cell(gpu, name: str) -> str:
+    """One GPU's constant: its value and how it was established, from the catalog's provenance."""
+    from shardwise import catalog
+
+    prov = gpu.efficiency_provenance.get(name)
+    if prov is None:  # no separate flash-attn 2 figure: the SDPA one is used
+        return "as SDPA"
+    value = getattr(gpu, name)
+    if prov.kind == "assumed":
+        src = catalog.family_borrows(gpu.family).get(name)
+        if src:
+            origin = catalog.family_efficiencies(src)[1][name].kind
+            what = f"**assumed**, borrowed from {src} ({origin} there)"
+        else:
+            what = f"**assumed** ({gpu.family})"
+    elif prov.kind == "fitted":
+        what = f"fitted on {', '.join(prov.sources)}"
+    elif prov.kind == "measured" and prov.sources:
+        what = f"measured on {', '.join(prov.sources)} (in-sample)"
+    else:
+        what = prov.kind
+    return f"{value:.3g} {what}"
+
+
+def render_gpus() -> str:
+    """Per catalog GPU: each kernel efficiency the planner prices it with, and whether it is fitted
+    (on which sources), measured, or assumed (borrowed from which family), from catalog/timing.yaml
+    through the catalog: the same figures `shardwise plan` uses."""
+    from shardwise import catalog
+
+    lines = ["| GPU | family | " + " | ".join(label for _, label in GPU_CONSTANTS) + " | assumed |",
+             "|---|---|" + "---|" * len(GPU_CONSTANTS) + "---|"]
+    for name in catalog.gpu_names():
+        gpu = catalog.get_gpu(name)
+        assumed = sum(p.kind == "assumed" for p in gpu.efficiency_provenance.values())
+        cells = " | ".join(_gpu_cell(gpu, n) for n, _ in GPU_CONSTANTS)
+        lines.append(f"| {name} | {gpu.family} | {cells} | {assumed} of {len(gpu.efficiency_provenance)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -174,7 +232,7 @@ def readme_claims(fit: dict, published: dict | None = None) -> list[str]:
 def render() -> dict[str, str]:
     fit, h200, pub = _load("timing_fit.json"), _load("h200_cases.json"), _load("accuracy_published.json")
     return {"summary": render_summary(fit, pub, h200), "h200": render_h200(fit, h200),
-            "sources": render_sources(fit, pub), "constants": render_constants()}
+            "sources": render_sources(fit, pub), "constants": render_constants(), "gpus": render_gpus()}
 
 
 def apply(text: str, blocks: dict[str, str]) -> str:

@@ -118,8 +118,8 @@ class Candidate:
 def _entries() -> dict[str, dict]:
     doc = yaml.safe_load(TIMING_YAML.read_text())
     out = {f"engine.{k}": v for k, v in doc["engine"].items()}
-    for fam, effs in doc["families"].items():
-        out |= {f"{fam}.{k}": v for k, v in effs.items()}
+    for fam, effs in doc["families"].items():  # a family's `borrow`/`basis` strings are no constants
+        out |= {f"{fam}.{k}": v for k, v in effs.items() if isinstance(v, dict)}
     return out
 
 

@@ -260,7 +260,7 @@ def test_axolotl_fp8_is_planned_as_torchaos_tensorwise_recipe_with_its_all_gathe
     """fp8: true is torchao float8 with axolotl's default tensorwise recipe, and
     fp8_enable_fsdp_float8_all_gather its FSDP2 float8 all-gather; on a GPU without FP8 tensor cores
     (the planner's default A100) it is refused naming the GPU."""
-    assert "a100-80g has no FP8 tensor cores" in refused("--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"))
+    assert "a100-80g has no FP8 tensor-core rate" in refused("--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"))
     r = CliRunner().invoke(app, ["plan", "--from", str(DATA / "axolotl_3b_fp8_fsdp2.yaml"), "--gpu", "h100-sxm",
                                  "--json"])
     assert r.exit_code == 0, r.output

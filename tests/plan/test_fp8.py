@@ -79,7 +79,7 @@ def test_fsdp2s_float8_all_gather_moves_and_holds_the_linears_in_one_byte():
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--gpu", "a100-80g", "--fp8", "tensorwise"], "a100-80g has no FP8 tensor cores"),
+    (["--gpu", "a100-80g", "--fp8", "tensorwise"], "a100-80g has no FP8 tensor-core rate"),
     (["--gpu", "h100-sxm", "--fp8", "tensorwise", "--lora-rank", "16"], "--fp8 tensorwise with LoRA"),
     (["--gpu", "h100-sxm", "--fp8", "rowwise", "--fp8-all-gather"], "--fp8-all-gather with --fp8 rowwise"),
     (["--gpu", "h100-sxm", "--fp8", "tensorwise", "--precision", "fp16-mixed"], "use bf16-mixed or bf16-pure"),

@@ -26,11 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 # What each GPU has between the GPUs of one node, from the vendors' product descriptions:
-# NVLink 2/3/4 on V100/A100/H100-H200 SXM, PCIe on the PCIe and consumer cards, xGMI on MI300X.
+# NVLink 2/3/4/5 on V100/A100/H100-H200-H20/B200-GB200, PCIe on the PCIe and consumer cards, xGMI on
+# MI300X/MI325X (and MI250X's GCD links).
 OWN_LINK = {
     "a100-40g": "nvlink3", "a100-80g": "nvlink3", "a800-80g": "nvlink3-400", "h100-sxm": "nvlink4", "h200": "nvlink4",
     "v100-32g": "nvlink2", "h100-pcie": "pcie5", "l40s": "pcie4", "rtx-4090": "pcie4", "rtx-3090": "pcie4",
-    "mi300x": "xgmi",
+    "mi300x": "xgmi", "b200": "nvlink5", "gb200": "nvlink5", "h20": "nvlink4", "rtx-4080": "pcie4",
+    "rtx-4070-ti": "pcie4", "rtx-5090": "pcie5", "l4": "pcie4", "a10g": "pcie4", "mi250x": "xgmi-mi250x",
+    "mi325x": "xgmi",
 }  # fmt: skip
 
 

@@ -49,7 +49,10 @@ SIZES_CUDA = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28)
 # torch.cuda.get_device_name substrings → catalog GPU (first match wins)
 GPU_NAMES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("A100-SXM4-40GB", "a100-40g"),
              ("A100-PCIE-40GB", "a100-40g"), ("A100", "a100-80g"), ("L40S", "l40s"), ("4090", "rtx-4090"),
-             ("3090", "rtx-3090"), ("V100", "v100-32g"), ("MI300X", "mi300x"))
+             ("3090", "rtx-3090"), ("V100", "v100-32g"), ("MI300X", "mi300x"), ("GB200", "gb200"), ("B200", "b200"),
+             ("H20", "h20"), ("5090", "rtx-5090"), ("4070 Ti SUPER", None), ("4080 SUPER", None),
+             ("4070 Ti", "rtx-4070-ti"), ("4080", "rtx-4080"), ("A10G", "a10g"),
+             ("L40", None), ("L4", "l4"), ("MI250", "mi250x"), ("MI325X", "mi325x"))
 
 
 def catalog_gpu(device_name: str) -> str | None:

@@ -91,14 +91,45 @@ EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
 OPTIONAL_EFFICIENCIES = ("flash_attention_efficiency",)
 
 
-def family_efficiencies(family: str) -> tuple[dict[str, float], dict[str, Provenance]]:
-    """A GPU family's kernel efficiencies and their provenance (catalog/timing.yaml `families`)."""
+def family_efficiencies(family: str, _seen: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, Provenance]]:
+    """A GPU family's kernel efficiencies and their provenance (catalog/timing.yaml `families`).
+
+    A family, or one constant of it, may `borrow` another family's value (with a `basis`: why
+    that family): the value is the other's, the provenance `assumed`, naming the family it comes
+    from and how that one was established, since no run on these GPUs informed it."""
+    if family in _seen:
+        raise ShardwiseError(f"catalog/timing.yaml families: {' -> '.join((*_seen, family))} borrow in a cycle")
     fam = _timing()["families"][family]
     values, prov = {}, {}
     for name in EFFICIENCIES + OPTIONAL_EFFICIENCIES:
-        if name in fam or name in EFFICIENCIES:
-            values[name], prov[name] = _constant(fam[name])
+        entry = fam.get(name, {"borrow": fam["borrow"], "basis": fam["basis"]} if "borrow" in fam else None)
+        if entry is None:
+            if name in EFFICIENCIES:
+                raise ShardwiseError(f"catalog/timing.yaml family {family}: no {name}")
+            continue
+        if "borrow" in entry:
+            base = entry["borrow"]
+            base_values, base_prov = family_efficiencies(base, (*_seen, family))
+            if name not in base_values:
+                continue
+            values[name] = base_values[name]
+            prov[name] = Provenance(kind="assumed", basis=f"borrowed from {base} ({base_prov[name].label()} "
+                                    f"there): {' '.join(str(entry['basis']).split())}")
+        else:
+            values[name], prov[name] = _constant(entry)
     return values, prov
+
+
+def family_borrows(family: str) -> dict[str, str]:
+    """Which family each of a family's efficiencies is borrowed from (catalog/timing.yaml `borrow`:
+    the family named, which may itself borrow); constants the family states itself are absent."""
+    fam = _timing()["families"][family]
+    out = {}
+    for name in EFFICIENCIES + OPTIONAL_EFFICIENCIES:
+        entry = fam.get(name, {"borrow": fam["borrow"]} if "borrow" in fam else None)
+        if entry is not None and "borrow" in entry:
+            out[name] = entry["borrow"]
+    return out
 
 
 def family_names() -> list[str]:
@@ -248,10 +279,11 @@ def _generation(key: str, family: str, gpu: str | None) -> str:
     gkey, g = _entry(_hardware()["gpus"], gpu, "GPU")
     if family not in g:
         own = g["link"]
+        own_pcie = "pcie (its own generation) or " if "pcie" in g else ""  # GB200: NVLink-C2C, no PCIe
         raise ShardwiseError(
-            f"--interconnect {key}: {gkey} has no {'NVLink' if family == 'nvlink' else family} (its GPUs talk "
-            f"over {own}: {_hardware()['interconnects'][own].get('what', own)}); leave --interconnect out for "
-            f"that, or name a link inside a node: pcie (its own generation) or one of "
+            f"--interconnect {key}: {gkey} has no {'NVLink' if family == 'nvlink' else 'PCIe link'} (its GPUs "
+            f"talk over {own}: {_hardware()['interconnects'][own].get('what', own)}); leave --interconnect out for "
+            f"that, or name a link inside a node: {own_pcie}one of "
             f"{', '.join(k for k in intra_link_names() if 'generic' not in _hardware()['interconnects'][k])}")
     return g[family]
 
@@ -276,7 +308,7 @@ def gpu_link(gpu: str) -> str:
 
 
 MAX_GPUS = 131_072  # --gpus above this is refused (the largest clusters today are ~100k GPUs)
-MAX_GPUS_PER_NODE = 64  # HardwareSpec's limit
+MAX_GPUS_PER_NODE = 72  # HardwareSpec's limit (a GB200 NVL72 rack is one 72-GPU NVLink domain)
 
 
 def build_hardware(

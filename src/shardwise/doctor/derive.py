@@ -29,6 +29,16 @@ GPU_NAMES: tuple[tuple[str, str], ...] = (
     (r"\bRTX 4090\b", "rtx-4090"),
     (r"\bRTX 3090\b", "rtx-3090"),
     (r"\bMI300X\b", "mi300x"),
+    (r"\bGB200\b", "gb200"),
+    (r"\bB200\b", "b200"),
+    (r"\bH20\b", "h20"),
+    (r"\bRTX 5090\b", "rtx-5090"),
+    (r"\bRTX 4080\b(?!\s*SUPER)", "rtx-4080"),
+    (r"\bRTX 4070 Ti\b(?!\s*SUPER)", "rtx-4070-ti"),
+    (r"\bL4\b", "l4"),
+    (r"\bA10G\b", "a10g"),
+    (r"\bMI250X?\b", "mi250x"),
+    (r"\bMI325X\b", "mi325x"),
 )
 PCIE_FORM = re.compile(r"\bPCIe\b", re.I)
 

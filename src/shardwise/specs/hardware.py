@@ -53,8 +53,9 @@ class GPUSpec(Spec):
         fp8 has no fallback: a GPU without FP8 tensor cores is refused."""
         if dtype == "fp8":
             if not self.fp8_flops:
-                raise ShardwiseError(f"{self.name} has no FP8 tensor cores (FP8 GEMMs need Ada, Hopper, Blackwell or "
-                                     "CDNA3): plan --fp8 on a GPU that has them, or drop --fp8")
+                raise ShardwiseError(f"{self.name} has no FP8 tensor-core rate in the catalog (Ampere, Volta and "
+                                     "older have no FP8 tensor cores; catalog/hardware.yaml fp8_tflops records those "
+                                     "that do): plan --fp8 on a GPU that has one, or drop --fp8")
             return self.fp8_flops
         f = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[dtype]
         return f or self.fp32_flops
@@ -82,8 +83,8 @@ class HardwareSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> HardwareSpec:
-        if self.gpus_per_node > 64:
-            raise ShardwiseError(f"gpus_per_node {self.gpus_per_node} is implausible (expected 1..64)")
+        if self.gpus_per_node > 72:  # a GB200 NVL72 rack: 72 GPUs in one NVLink domain
+            raise ShardwiseError(f"gpus_per_node {self.gpus_per_node} is implausible (expected 1..72)")
         if self.nics_per_node is not None and self.nics_per_node > self.gpus_per_node:
             raise ShardwiseError(
                 f"--nics-per-node {self.nics_per_node} exceeds the {self.gpus_per_node} GPUs per node: expected "
