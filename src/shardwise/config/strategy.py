@@ -17,11 +17,13 @@ from shardwise.errors import ShardwiseError
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 FsdpSharding = Literal["full", "grad-op", "hybrid"]
 # Which decoder-layer units FSDP2 frees after forward (and gathers again in backward): "all"
-# (stock `fully_shard(reshard_after_forward=True)`, what accelerate, HF Trainer and torchtune
-# run), "not-last" (every layer but the last, the first that backward needs: torchtitan's and
-# shardwise's trainer's), "none" (every layer stays gathered from forward to backward: ZeRO-2's
-# parameter memory; the fsdp-grad-op strategy). The root unit never reshards after forward:
-# torch forces it off (`_fsdp_state.py` `_lazy_init`, the root's `post_forward_mesh_info = None`).
+# (stock `fully_shard(reshard_after_forward=True)` on every layer and on the root, as torchtune
+# runs it: the root is then gathered again in backward too, Strategy.reshards_root), "not-last"
+# (every layer but the last, the first that backward needs: torchtitan's and shardwise's
+# trainer's), "none" (every layer stays gathered from forward to backward: ZeRO-2's parameter
+# memory; the fsdp-grad-op strategy). Under "not-last" and "none" the root keeps its params
+# gathered after forward (the trainer passes False; torch does the same for a root left None:
+# `_fsdp_state.py` `_lazy_init`).
 Resharding = Literal["all", "not-last", "none"]
 # The pipeline schedules (strategy.pp_schedule): torch.distributed.pipelining's ScheduleGPipe,
 # Schedule1F1B and ScheduleInterleaved1F1B (shardwise.specs.pipeline).

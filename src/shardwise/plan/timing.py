@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan.activations import attention_kind
-from shardwise.plan.comm import CommBreakdown, fsdp_regather_share
+from shardwise.plan.comm import CommBreakdown, fsdp_regathered
 from shardwise.plan.flops import (
     attention_flops_per_token,
     forward_only_flops_per_token,
@@ -160,7 +160,7 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     layers = rank_layer_params(model, rank) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else c
-        gathered = psi + layers * fsdp_regather_share(s, rank)
+        gathered = psi + fsdp_regathered(s, rank, layers, psi)
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
