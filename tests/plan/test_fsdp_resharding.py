@@ -102,6 +102,18 @@ def test_stock_accumulation_holds_sharded_not_unsharded_grads():
 def test_layers_resharded_per_setting():
     assert [fsdp(reshard_after_forward=r).reshards_layer(last=x) for r in ("all", "not-last", "none")
             for x in (False, True)] == [True, True, True, False, False, False]
+    assert fsdp(reshard_after_forward="layers").reshards_layer(last=True)
+    # the root: only stock fully_shard's explicit True on it ("all") reshards it
+    assert [fsdp(reshard_after_forward=r).reshards_root for r in ("all", "layers", "not-last", "none")] == \
+        [True, False, False, False]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_reshard_layers_gathers_every_layer_but_not_the_root_again(k):
+    """FSDP1 FULL_SHARD's layout (the root's flat parameter is never freed after forward)."""
+    c = plan_comm(M7, HW8, TrainSpec(grad_accum=k), fsdp(reshard_after_forward="layers"))
+    assert c.all_gather == pytest.approx(2 * k * (PSI + N * LAYER))
+    assert c.calls == k * ((N + 1) + N) + (N + 1)
     assert Strategy.from_name("fsdp").resharding == "not-last"  # the trainer's default
     assert Strategy.from_name("zero3").resharding is None
 
@@ -134,7 +146,7 @@ def test_plan_flags_set_the_knobs():
     (["-s", "ddp", "-s", "zero2", "--fsdp-reduce-every-micro-batch"], "not to ddp, zero2"),
     (["--emit-strategy", "zero3", "--fsdp-reduce-every-micro-batch"], "--fsdp-reduce-every-micro-batch"),
     (["-s", "fsdp-grad-op", "--fsdp-reshard-after-forward", "all"], "fsdp-grad-op keeps every layer gathered"),
-    (["-s", "fsdp", "--fsdp-reshard-after-forward", "last"], "expected all, not-last, none"),
+    (["-s", "fsdp", "--fsdp-reshard-after-forward", "last"], "expected all, layers, not-last, none"),
 ])
 def test_plan_flags_without_a_strategy_they_change_are_refused(flags, says):
     r = _plan(*flags)

@@ -217,10 +217,10 @@ def fsdp_regathered(s: Strategy, rank: PipelineRank, layers: float, psi: float) 
 
 def fsdp_regather_share(s: Strategy, rank: PipelineRank) -> float:
     """The share of a pipeline rank's decoder layers FSDP2 gathers again in backward: the layers
-    it resharded after forward (`Strategy.resharding`): every one ("all"), all but each stage's
+    it resharded after forward (`Strategy.resharding`): every one ("all", "layers"), all but each stage's
     last ("not-last": the trainer shards each stage as a model, engines/fsdp.shard_model) or none.
     The root group is gathered again only under "all" (`fsdp_regathered`)."""
-    if s.resharding == "all":
+    if s.resharding in ("all", "layers"):
         return 1.0
     if s.resharding != "not-last":
         return 0.0

@@ -196,7 +196,7 @@ class Strategy(Spec):
 
     def reshards_layer(self, last: bool) -> bool:
         """`fully_shard(reshard_after_forward=...)` of a decoder layer (`last`: the final one)."""
-        return self.resharding == "all" or (self.resharding == "not-last" and not last)
+        return self.resharding in ("all", "layers") or (self.resharding == "not-last" and not last)
 
     @property
     def reshards_root(self) -> bool:

@@ -2,7 +2,7 @@
 
 - full: decoder layers reshard after forward as `strategy.fsdp.reshard_after_forward` says
   (params re-gathered in backward: ZeRO-3 memory): every layer but the last ("not-last", the
-  default), every layer ("all", stock `fully_shard`), or none.
+  default), every layer ("layers"), every layer and the root ("all", stock `fully_shard`), or none.
 - grad-op: reshard_after_forward=False (params stay gathered between forward and backward,
   like ZeRO-2's memory for params during the step; gradients still reduce-scattered).
 - hybrid: a 2-D (replicate, shard) mesh: shard inside a group, replicate across groups.
