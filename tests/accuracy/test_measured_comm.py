@@ -133,8 +133,8 @@ FSDP_CASES = [c for c in w.ALL_CASES if c.startswith("fsdp") and "lora" not in c
 def test_fsdp_collectives_are_the_planned_ones_exactly(case: str, measured) -> None:
     """FSDP2 issues one all-gather per unit gathered and one reduce-scatter per unit reduced, of
     whole padded groups (no buckets): the planned bytes and calls are exact, not within 5%. The
-    stock case (fsdp-stock: stock fully_shard, every decoder layer resharded after forward and
-    reduced every micro-batch, planned with reshard_after_forward "all" and
+    stock case (fsdp-stock: stock fully_shard, every decoder layer and the root resharded after
+    forward and reduced every micro-batch, planned with reshard_after_forward "all" and
     reduce_every_micro_batch) is held to the same standard as the trainer's settings."""
     variant, ga = w.parse_case(case)
     comm = _plan(variant, ga)
@@ -147,16 +147,19 @@ def test_fsdp_collectives_are_the_planned_ones_exactly(case: str, measured) -> N
 
 
 @pytest.mark.distributed
-def test_stock_fsdp_gathers_the_last_layer_again_and_reduces_every_micro_batch(measured, psi4) -> None:
-    """The stock run against the trainer's, from the counts alone (no planner): one more
-    all-gather per micro-batch, of the last decoder layer's parameters; with accumulation 2,
-    twice the reduce-scatter (every micro-batch) and 5 units reduced per micro-batch."""
+def test_stock_fsdp_gathers_the_last_layer_and_root_again_and_reduces_every_micro_batch(measured, psi4) -> None:
+    """The stock run against the trainer's, from the counts alone (no planner): two more
+    all-gathers per micro-batch, of the last decoder layer's parameters and of the root's (stock
+    wraps the root with reshard_after_forward=True too); with accumulation 2, twice the
+    reduce-scatter (every micro-batch) and 5 units reduced per micro-batch."""
     sizes = w.param_sizes()
     last = 4 * sum(v for n, v in sizes.items() if n.startswith(f"model.layers.{w.TINY_LLAMA['num_hidden_layers'] - 1}."))
+    root = 4 * sum(v for n, v in sizes.items() if not n.startswith("model.layers."))
     for ga in w.GAS:
         for stock, ours in zip(measured[w.case_name("fsdp-stock", ga)], measured[w.case_name("fsdp", ga)], strict=True):
-            assert stock["bytes_per_step"]["all_gather"] - ours["bytes_per_step"]["all_gather"] == ga * last
-            assert stock["calls_per_step"]["all_gather"] - ours["calls_per_step"]["all_gather"] == ga
+            assert stock["bytes_per_step"]["all_gather"] - ours["bytes_per_step"]["all_gather"] == ga * (last + root)
+            assert stock["bytes_per_step"]["all_gather"] == ga * 2 * psi4  # every parameter, twice
+            assert stock["calls_per_step"]["all_gather"] - ours["calls_per_step"]["all_gather"] == 2 * ga
             assert stock["bytes_per_step"]["reduce_scatter"] == ga * psi4
             units = w.TINY_LLAMA["num_hidden_layers"] + 1
             assert stock["calls_per_step"]["reduce_scatter"] == ga * units

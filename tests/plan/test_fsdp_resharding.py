@@ -34,12 +34,13 @@ def fsdp(name: str = "fsdp", **knobs) -> Strategy:
 def test_reshard_all_gathers_every_layer_again_in_backward(k):
     train = TrainSpec(grad_accum=k)
     ours, stock = plan_comm(M7, HW8, train, fsdp()), plan_comm(M7, HW8, train, fsdp(reshard_after_forward="all"))
-    # forward gathers all Ψ (2 bytes); backward the N-1 layers ("not-last") or all N ("all")
+    # forward gathers all Ψ (2 bytes); backward the N-1 layers ("not-last") or every unit, the
+    # root too ("all": stock fully_shard(reshard_after_forward=True) on the root as well)
     assert ours.all_gather == pytest.approx(2 * k * (PSI + (N - 1) * LAYER))
-    assert stock.all_gather == pytest.approx(2 * k * (PSI + N * LAYER))
-    # one all-gather call per unit in forward, one per resharded layer in backward; RS per unit once
+    assert stock.all_gather == pytest.approx(2 * k * (PSI + PSI))
+    # one all-gather call per unit in forward, one per resharded unit in backward; RS per unit once
     assert ours.calls == k * ((N + 1) + (N - 1)) + (N + 1)
-    assert stock.calls == k * ((N + 1) + N) + (N + 1)
+    assert stock.calls == k * ((N + 1) + (N + 1)) + (N + 1)
     assert stock.reduce_scatter == ours.reduce_scatter == pytest.approx(4 * PSI)
 
 
@@ -48,7 +49,7 @@ def test_reduce_every_micro_batch_reduce_scatters_k_times(k):
     train = TrainSpec(grad_accum=k)
     c = plan_comm(M7, HW8, train, fsdp(reshard_after_forward="all", reduce_every_micro_batch=True))
     assert c.reduce_scatter == pytest.approx(4 * PSI * k)
-    assert c.calls == k * ((N + 1) + N) + (N + 1) * k
+    assert c.calls == k * ((N + 1) + (N + 1)) + (N + 1) * k
 
 
 def test_reduce_every_micro_batch_all_reduces_hsdp_replicas_per_micro_batch():
@@ -101,6 +102,18 @@ def test_stock_accumulation_holds_sharded_not_unsharded_grads():
 def test_layers_resharded_per_setting():
     assert [fsdp(reshard_after_forward=r).reshards_layer(last=x) for r in ("all", "not-last", "none")
             for x in (False, True)] == [True, True, True, False, False, False]
+    assert fsdp(reshard_after_forward="layers").reshards_layer(last=True)
+    # the root: only stock fully_shard's explicit True on it ("all") reshards it
+    assert [fsdp(reshard_after_forward=r).reshards_root for r in ("all", "layers", "not-last", "none")] == \
+        [True, False, False, False]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_reshard_layers_gathers_every_layer_but_not_the_root_again(k):
+    """FSDP1 FULL_SHARD's layout (the root's flat parameter is never freed after forward)."""
+    c = plan_comm(M7, HW8, TrainSpec(grad_accum=k), fsdp(reshard_after_forward="layers"))
+    assert c.all_gather == pytest.approx(2 * k * (PSI + N * LAYER))
+    assert c.calls == k * ((N + 1) + N) + (N + 1)
     assert Strategy.from_name("fsdp").resharding == "not-last"  # the trainer's default
     assert Strategy.from_name("zero3").resharding is None
 
@@ -124,7 +137,7 @@ def test_plan_flags_set_the_knobs():
               "--fsdp-reduce-every-micro-batch")
     assert r.exit_code == 0, r.output
     row = json.loads(r.output)["strategies"][0]
-    assert row["comm"]["all_gather"] == pytest.approx(2 * 2 * (PSI + N * LAYER))
+    assert row["comm"]["all_gather"] == pytest.approx(2 * 2 * (PSI + PSI))  # every unit, the root too, twice
     assert row["comm"]["reduce_scatter"] == pytest.approx(2 * 4 * PSI)
 
 
@@ -133,7 +146,7 @@ def test_plan_flags_set_the_knobs():
     (["-s", "ddp", "-s", "zero2", "--fsdp-reduce-every-micro-batch"], "not to ddp, zero2"),
     (["--emit-strategy", "zero3", "--fsdp-reduce-every-micro-batch"], "--fsdp-reduce-every-micro-batch"),
     (["-s", "fsdp-grad-op", "--fsdp-reshard-after-forward", "all"], "fsdp-grad-op keeps every layer gathered"),
-    (["-s", "fsdp", "--fsdp-reshard-after-forward", "last"], "expected all, not-last, none"),
+    (["-s", "fsdp", "--fsdp-reshard-after-forward", "last"], "expected all, layers, not-last, none"),
 ])
 def test_plan_flags_without_a_strategy_they_change_are_refused(flags, says):
     r = _plan(*flags)

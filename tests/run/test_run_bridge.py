@@ -252,10 +252,10 @@ def settings():
 @pytest.mark.distributed
 def test_running_fsdp_reshards_the_layers_the_knob_names(settings):
     """Read from the live fully_shard groups: the trainer's default keeps the last decoder layer
-    gathered after forward, stock's (reshard_after_forward all) frees it too, grad-op none; the
-    root never (torch forces it)."""
+    gathered after forward, stock's (reshard_after_forward all) frees it and the root too (stock
+    users pass True to the root, and torch honours an explicit True there), grad-op none."""
     keys = ("reshard_after_forward", "last_layer_reshard_after_forward", "root_reshard_after_forward")
-    want = {"fsdp": (True, False, False), "fsdp:stock": (True, True, False), "fsdp-grad-op:bf16": (False, False, False)}
+    want = {"fsdp": (True, False, False), "fsdp:stock": (True, True, True), "fsdp-grad-op:bf16": (False, False, False)}
     for case, flags in want.items():
         for rank in settings[case]:
             assert tuple(rank["running"][k] for k in keys) == flags, case

@@ -129,6 +129,70 @@ def measure_comm(cases: list[str] | tuple[str, ...] = ALL_CASES,
     return spawn_ranks(_rank_main, list(cases), timeout_s)
 
 
+# Raw `fully_shard` layouts, wrapped here as users write it (no shardwise engine), for
+# `measure_fsdp_wrapping`: (decoder layers' reshard_after_forward, the last layer's, the root's).
+# "stock": True for every unit, the root included (torchtune's `shard_model`; torch's FSDP2
+# examples); "trainer": the layout train/engines/fsdp.py runs by default (the last layer and the
+# root kept gathered).
+WRAPPINGS: dict[str, tuple[bool, bool, bool]] = {"stock": (True, True, True), "trainer": (True, False, False)}
+
+
+def _wrapping_case(name: str) -> dict[str, Any]:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardwise.bench.comm import CommCounter
+
+    layer_flag, last_flag, root_flag = WRAPPINGS[name]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))  # fp32, untied: the bench model
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        fully_shard(layer, reshard_after_forward=last_flag if i == len(layers) - 1 else layer_flag)
+    fully_shard(model, reshard_after_forward=root_flag)
+    ids = torch.randint(0, TINY_LLAMA["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for _ in range(2):  # the second forward + backward is the one compared (the first runs lazy init)
+        with CommCounter(keep_log=True, one_rank_groups=False) as counter:
+            model(input_ids=ids, labels=ids).loss.backward()
+        counts.append(counter.counts.as_dict() | {"log": counter.counts.log})
+        model.zero_grad(set_to_none=True)
+    return {"first": counts[0], "second": counts[1]}
+
+
+def _wrapping_rank_main(rank: int, names: list[str], out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    import torch
+    import torch.distributed as dist
+
+    from shardwise import quiet
+
+    torch.set_num_threads(1)
+    quiet.apply()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for name in names:
+            try:
+                result = {"rank": rank} | _wrapping_case(name)
+            except Exception as e:
+                result = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+            Path(out_dir, f"{name}.rank{rank}.json").write_text(strict_json.dumps(result))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_fsdp_wrapping(names: list[str] | tuple[str, ...] = tuple(WRAPPINGS),
+                          timeout_s: float = 240.0) -> dict[str, list[dict[str, Any]]]:
+    """Bytes per collective kind of one forward + backward (the second; the first's too) of the
+    bench model wrapped with raw `fully_shard` as WRAPPINGS says, on 2 CPU/gloo ranks."""
+    unknown = [n for n in names if n not in WRAPPINGS]
+    if unknown:
+        raise ValueError(f"unknown wrappings {unknown}; known: {', '.join(WRAPPINGS)}")
+    return spawn_ranks(_wrapping_rank_main, list(names), timeout_s)
+
+
 def param_sizes() -> dict[str, int]:
     """numel of every parameter of TINY_LLAMA, from a meta-device build (not from the planner)."""
     import torch
@@ -140,5 +204,5 @@ def param_sizes() -> dict[str, int]:
 
 
 __all__ = ["ALL_CASES", "BATCH", "BUCKET", "GAS", "MEASURED_STEPS", "SEQ", "STEPS", "TINY_LLAMA", "TP_VARIANTS", "VARIANTS",
-           "WORLD", "bench_config", "bench_run", "case_name", "ds_config", "measure_comm", "param_sizes",
-           "parse_case"]
+           "WORLD", "WRAPPINGS", "bench_config", "bench_run", "case_name", "ds_config", "measure_comm",
+           "measure_fsdp_wrapping", "param_sizes", "parse_case"]

@@ -45,9 +45,9 @@ def planned_settings(run) -> dict[str, Any]:
                     "zero3_hooked_modules": zero3_hooked_modules(run.model, k, s.tp)}
     elif s.engine == "fsdp2":
         mixed = t.mixed_precision  # fp32 and bf16-pure: no policy, reduced in the parameters' dtype
-        # the first decoder layer and the last (Strategy.resharding); the root never reshards
+        # the first decoder layer, the last and the root (Strategy.resharding: the root under "all")
         out |= {"reshard_after_forward": s.reshards_layer(last=run.model.num_layers == 1),
-                "root_reshard_after_forward": False, "last_layer_reshard_after_forward": s.reshards_layer(last=True),
+                "root_reshard_after_forward": s.reshards_root, "last_layer_reshard_after_forward": s.reshards_layer(last=True),
                 "param_dtype": t.compute_dtype,
                 "reduce_dtype": ("fp32" if s.fsdp.reduce_dtype == "fp32" else t.compute_dtype) if mixed else t.master_dtype,
                 "cpu_offload": s.offload_params or s.offload_optimizer}

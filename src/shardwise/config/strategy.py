@@ -16,13 +16,16 @@ from shardwise.errors import ShardwiseError
 
 Engine = Literal["ddp", "deepspeed", "fsdp2"]
 FsdpSharding = Literal["full", "grad-op", "hybrid"]
-# Which decoder-layer units FSDP2 frees after forward (and gathers again in backward): "all"
-# (stock `fully_shard(reshard_after_forward=True)`, what accelerate, HF Trainer and torchtune
-# run), "not-last" (every layer but the last, the first that backward needs: torchtitan's and
-# shardwise's trainer's), "none" (every layer stays gathered from forward to backward: ZeRO-2's
-# parameter memory; the fsdp-grad-op strategy). The root unit never reshards after forward:
-# torch forces it off (`_fsdp_state.py` `_lazy_init`, the root's `post_forward_mesh_info = None`).
-Resharding = Literal["all", "not-last", "none"]
+# Which FSDP2 units free their params after forward (and gather them again in backward): "all"
+# (stock `fully_shard(reshard_after_forward=True)` on every layer and on the root, as torchtune
+# runs it: the root is then gathered again in backward too, Strategy.reshards_root), "layers"
+# (every decoder layer, the root kept: FSDP1's FULL_SHARD, whose `_post_forward_reshard` never
+# frees the root's flat parameter), "not-last" (every layer but the last, the first that
+# backward needs: torchtitan's and shardwise's trainer's), "none" (every layer stays gathered
+# from forward to backward: ZeRO-2's parameter memory; the fsdp-grad-op strategy). Except under
+# "all", the root keeps its params gathered after forward (the trainer passes False; torch does
+# the same for a root left None: `_fsdp_state.py` `_lazy_init`).
+Resharding = Literal["all", "layers", "not-last", "none"]
 # The pipeline schedules (strategy.pp_schedule): torch.distributed.pipelining's ScheduleGPipe,
 # Schedule1F1B and ScheduleInterleaved1F1B (shardwise.specs.pipeline).
 PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -172,8 +175,9 @@ class FSDPKnobs(Spec):
     # Resharding (above). fsdp-grad-op is "none" by definition; an explicit other value there
     # is refused (Strategy._check).
     reshard_after_forward: Resharding = Field(
-        "not-last", description="decoder layers freed after forward: all (stock fully_shard), not-last "
-        "(the trainer's: the last layer stays gathered for backward) or none (fsdp-grad-op)")
+        "not-last", description="units freed after forward: all (stock fully_shard: every layer and the root), "
+        "layers (every decoder layer, the root kept: FSDP1 FULL_SHARD), not-last (the trainer's: the last layer "
+        "and the root stay gathered for backward) or none (fsdp-grad-op)")
 
     # A shard group of one rank (one GPU, or fsdp-hybrid with shard_group 1) shards nothing, yet
     # `fully_shard` still casts and copies every parameter into its unsharded buffer at each

@@ -87,8 +87,9 @@ def accelerate_config(
         cfg["fsdp_config"] = {
             "fsdp_version": 2,
             # One bool for every unit in accelerate's FSDP2 (fsdp2_prepare_model passes it to each
-            # fully_shard; FullyShardedDataParallelPlugin refuses a non-bool): true is "all"
-            # (torch keeps the root gathered); "not-last" has no key, true is its nearest.
+            # fully_shard; FullyShardedDataParallelPlugin refuses a non-bool): true is "all" or
+            # "layers" (how accelerate treats the root depends on its version); "not-last" has no
+            # key, true is its nearest.
             "fsdp_reshard_after_forward": strategy.resharding != "none",
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_transformer_layer_cls_to_wrap": layer_class(model),

@@ -36,8 +36,10 @@ from shardwise.ingest.common import (
 )
 
 PRECISION = {"no": "fp32", "fp16": "fp16-mixed", "bf16": "bf16-mixed"}
-FSDP1 = {"FULL_SHARD": ("fsdp", "all"), "SHARD_GRAD_OP": ("fsdp-grad-op", None), "NO_SHARD": ("ddp", None),
-         "HYBRID_SHARD": ("fsdp-hybrid", "all"), "HYBRID_SHARD_ZERO2": ("fsdp-hybrid", "none")}
+# FSDP1 FULL_SHARD frees every unit after forward but the root ("layers": torch's FSDP1
+# `_post_forward_reshard` frees a flat parameter only where `not state._is_root`)
+FSDP1 = {"FULL_SHARD": ("fsdp", "layers"), "SHARD_GRAD_OP": ("fsdp-grad-op", None), "NO_SHARD": ("ddp", None),
+         "HYBRID_SHARD": ("fsdp-hybrid", "layers"), "HYBRID_SHARD_ZERO2": ("fsdp-hybrid", "none")}
 FSDP1_NUM = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD_ZERO2"}
 NO_EFFECT = {"compute_environment", "debug", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend",
              "same_network", "main_training_function", "enable_cpu_affinity", "use_cpu", "gpu_ids", "downcast_bf16",

@@ -176,8 +176,8 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
         calls = int(k * (model.num_layers * (2 if regather else 1) + trained // ds.reduce_bucket_size + 1))
         return CommBreakdown(all_gather=ag, reduce_scatter=rs, pcie=pcie, calls=calls, **_on(link, ag + rs))
     # FSDP2: all-gather every unit in forward each micro-batch (param dtype), again in backward
-    # for the units resharded after forward (`Strategy.resharding`: never the root; the last
-    # decoder layer only under "all", stock fully_shard; train/engines/fsdp.py); reduce-scatter
+    # for the units resharded after forward (`Strategy.resharding`: the last decoder layer and
+    # the root only under "all", stock fully_shard; train/engines/fsdp.py); reduce-scatter
     # in reduce_dtype once per step (sync disabled on non-final micro-batches), or every
     # micro-batch (`reduce_every_micro_batch`, torch's default). LoRA adapters live in the
     # decoder-layer units and are gathered with them.
@@ -186,7 +186,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     layers = rank_layer_params(model, rank) / layout.tp + adapters
     ag_fwd = p * (psi + adapters) * k
     share = fsdp_regather_share(s, rank)
-    regathered = layers * share
+    regathered = fsdp_regathered(s, rank, layers, psi + adapters)  # adapters live in the layers
     ag_bwd = p * regathered * k
     if train.fp8_all_gather:  # the decoder linears' weights all-gathered in fp8 (plan/fp8.py)
         saved = gathered_linear_bytes_saved(c, train) * linear_share(model, rank, layout.tp)[0] * k
@@ -195,7 +195,8 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     reductions = k if s.fsdp.reduce_every_micro_batch else 1
     rs = reduce * trained * reductions
     units = len(rank.layers) + len(rank.stages)  # each decoder layer, and each stage's root group
-    calls = k * (units + round(len(rank.layers) * share)) + units * reductions
+    roots = len(rank.stages) if s.reshards_root else 0  # each stage's root gathered again
+    calls = k * (units + round(len(rank.layers) * share) + roots) + units * reductions
     w = c if lora else 4  # bytes of a stored parameter shard (LoRA: the frozen base in the compute dtype)
     pcie = (w * (psi + regathered) / n * k + 4 * trained / n) if s.offload_params else 0.0
     if s.fsdp_sharding == "hybrid":
@@ -209,12 +210,21 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
                          **_on(link, ag_fwd + ag_bwd + rs))
 
 
+def fsdp_regathered(s: Strategy, rank: PipelineRank, layers: float, psi: float) -> float:
+    """Parameters FSDP2 gathers again in backward per micro-batch, of a replica of `psi` whose
+    decoder layers hold `layers`: the resharded share of the layers, and under "all" the root
+    group too (psi − layers: embeddings, final norm, lm_head; `Strategy.reshards_root`). Stock
+    `fully_shard(reshard_after_forward=True)` on every layer and the root thus gathers every
+    parameter twice per micro-batch (counted on 2 gloo ranks: tests/accuracy/test_stock_fsdp_comm.py)."""
+    return layers * fsdp_regather_share(s, rank) + ((psi - layers) if s.reshards_root else 0.0)
+
+
 def fsdp_regather_share(s: Strategy, rank: PipelineRank) -> float:
     """The share of a pipeline rank's decoder layers FSDP2 gathers again in backward: the layers
-    it resharded after forward (`Strategy.resharding`): every one ("all"), all but each stage's
-    last ("not-last": the trainer shards each stage as a model, engines/fsdp.shard_model) or none;
-    the root group never is."""
-    if s.resharding == "all":
+    it resharded after forward (`Strategy.resharding`): every one ("all", "layers"), all but each stage's
+    last ("not-last": the trainer shards each stage as a model, engines/fsdp.shard_model) or none.
+    The root group is gathered again only under "all" (`fsdp_regathered`)."""
+    if s.resharding in ("all", "layers"):
         return 1.0
     if s.resharding != "not-last":
         return 0.0

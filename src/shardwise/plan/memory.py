@@ -230,8 +230,8 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     """FSDP2 (`fully_shard` per decoder layer + root): sharded fp32 params and grads (mixed
     precision casts to `param_dtype` when it all-gathers), optimizer on the shards. Gathered:
     the unsharded c-byte params of the layer in flight and the prefetched one, and the root
-    group (embeddings, final norm, lm_head), which is not resharded after forward (root
-    `reshard_after_forward` = False); grad-op (resharding "none") keeps every layer unsharded
+    group (embeddings, final norm, lm_head), held from forward through backward (resharded
+    between the two only under "all", and gathered again as backward starts); grad-op (resharding "none") keeps every layer unsharded
     from forward to backward (fsdp_gathered_params). Backward buffers: a layer's unsharded grads plus their `reduce_dtype` copy for
     reduce-scatter, and lm_head's unsharded grad (the root reduce-scatters at the very end)
     (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py)."""

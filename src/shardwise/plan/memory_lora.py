@@ -30,11 +30,12 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     - DDP: base in the compute dtype c, adapters fp32 (c·B + 4A), fp32 grads and AdamW of A;
     - DeepSpeed casts the whole module to c (adapters too: c·(B + A)), fp32 master of A/N,
       grads of A in c (stage 0 whole, 1 whole under accumulation, 2-3 A/N); stage 3 partitions
-      base and adapters alike (persistent small tensors whole) with its reduce bucket;
+      base and adapters alike (persistent small tensors whole) with its reduce bucket, and
+      offload_param moves every partition to the host, the frozen base's too;
     - FSDP2 shards both, each in its stored dtype: (c·B + 4A)/N, grads 4A/N, AdamW A/N.
     Under pure bf16 the torch engines keep the adapters, their grads and AdamW in bf16 too (the
     master dtype w). QLoRA's base linears are NF4 (`base_bytes`)."""
-    model, train, s, layout, psi, n = r.model, r.train, r.strategy, r.layout, r.psi, r.n
+    model, train, s, layout, psi, n, per_node = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node
     c = train.compute_bytes
     a = trainable_params(model, train, layout.tp, rank=r.rank)
     base = base_bytes(model, train, layout, psi, r.rank)  # frozen base, whole, as stored
@@ -49,9 +50,9 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         base_w = base * w / c  # DeepSpeed keeps the module in the compute dtype
         if stage == 3:
             # small tensors stay whole on every rank, base and adapters alike (QLoRA never runs here)
-            persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
-            persist += sum(e * k * len(r.rank.layers) for e, k in adapter_tensors(model, train, layout.tp)
-                           if e < ds.param_persistence_threshold)
+            frozen_persist = persistent_params(model, ds.param_persistence_threshold, layout.tp)
+            persist = frozen_persist + sum(e * k * len(r.rank.layers) for e, k in adapter_tensors(model, train, layout.tp)
+                                           if e < ds.param_persistence_threshold)
             whole = w * persist
             mem = MemoryBreakdown(
                 params=whole + (base_w + w * a) / n, grads=w * a / n, master_params=4 * a / n,
@@ -65,9 +66,21 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
                 params=base_w + w * a, grads=w * a if whole_grads else w * a / n, master_params=master,
                 optimizer_states=os_ * a / max(1, n if stage else 1), step_buffers=master + temp / max(1, n if stage else 1),
                 grads_persist=train.grad_accum > 1)
-        if s.offload_optimizer:
-            host = HostBreakdown(grads=4 * a / n, master_params=4 * a / n, optimizer_states=os_ * a / n)
+        if s.offload_optimizer:  # per node, as plan/memory.py books the host (every rank's share)
+            host = HostBreakdown(grads=4 * a / n * per_node, master_params=4 * a / n * per_node,
+                                 optimizer_states=os_ * a / n * per_node)
             mem = replace(mem, master_params=0.0, optimizer_states=0.0, step_buffers=0.0)
+        if stage == 3 and s.offload_params:
+            # offload_param puts every partition on the host, frozen or not: zero.Init (which the
+            # engine runs on a module built outside it, parameter_offload.py
+            # `_convert_to_zero_parameters`, remote_device = offload_param.device) allocates each
+            # `ds_tensor` on remote_device unless `ds_persist`; requires_grad only decides
+            # quantisation (partition_parameters.py `_partition_param`). The trainable partitions
+            # then move into a flat CPU buffer (stage3.py `_create_param_groups_fp16_flat_cpu_memory`,
+            # `_move_to_flat_buffer`). deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641.
+            # On the GPU stay the persistent tensors, whole, and the frozen ones' partitions.
+            mem = replace(mem, params=whole + w * frozen_persist / n)
+            host = replace(host, params=(base_w + w * a - w * frozen_persist) / n * per_node)
         return mem, host
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
@@ -77,8 +90,9 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,
             held_grads=reduce * a if train.grad_accum > 1 and not s.fsdp.reduce_every_micro_batch else 0.0,
             grads_persist=train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch)
-        if s.offload_params:
-            host = HostBreakdown(params=mem.params, grads=mem.grads, optimizer_states=mem.optimizer_states)
+        if s.offload_params:  # per node, as plan/memory.py books the host (every rank's share)
+            host = HostBreakdown(params=mem.params * per_node, grads=mem.grads * per_node,
+                                 optimizer_states=mem.optimizer_states * per_node)
             mem = replace(mem, params=0.0, grads=0.0, optimizer_states=0.0, step_buffers=0.0)
         return mem, host
     wrapped = s.ddp.wrapped(layout.dp_replicate)  # one replica: no DDP wrapper, no buckets

@@ -226,9 +226,10 @@ def fsdp_gathered_params(s: Strategy, c: float, psi: float, layers: float, layer
     """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`),
     of a replica of ψ parameters, `layers` of them in its decoder layers, `layer` the largest.
     "none": every unit stays gathered from its forward to its backward (c·Ψ). Else the layer in
-    flight, the prefetched one and the root (never resharded after forward). "all" and
-    "not-last" hold the same: "not-last" keeps the last layer from forward into backward; "all"
-    frees it and gathers it again as backward starts, while the next one is prefetched."""
+    flight, the prefetched one and the root. "all" and "not-last" hold the same: "not-last" keeps
+    the last layer and the root from forward into backward; "all" frees both and gathers them
+    again as backward starts, while the next layer is prefetched (the root is held through the
+    backward either way)."""
     if s.resharding == "none":
         return c * psi
     return c * (2 * layer + psi - layers)

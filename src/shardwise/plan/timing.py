@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan.activations import attention_kind
-from shardwise.plan.comm import CommBreakdown, fsdp_regather_share
+from shardwise.plan.comm import CommBreakdown, fsdp_regathered
 from shardwise.plan.flops import (
     attention_flops_per_token,
     forward_only_flops_per_token,
@@ -161,7 +161,7 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     layers = rank_layer_params(model, rank) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else c
-        gathered = psi + layers * fsdp_regather_share(s, rank)
+        gathered = psi + fsdp_regathered(s, rank, layers, psi)
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
@@ -422,9 +422,21 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     """What compute cannot hide. DDP/ZeRO-0/1/2 reduce gradient buckets during backward (the
     last bucket is exposed) and ZeRO-1/2 all-gather the updated params after the step
     (exposed). ZeRO-3/FSDP prefetch the next unit's all-gather during forward and backward and
-    reduce-scatter during backward; the first of the `units` gathers of each pass is exposed."""
+    reduce-scatter during backward; the first of the `units` gathers of each pass is exposed.
+
+    DeepSpeed ZeRO-1/2/3 overlap only with `overlap_comm` (DeepSpeed's default: stage 3 only).
+    Without it ZeRO-2 reduces each bucket in the backward hooks on the compute stream
+    (stage_1_and_2.py `average_tensor` / `allreduce_and_copy`: `current_stream()` instead of
+    `reduction_stream`), ZeRO-1 reduces at the boundary after backward (`process_gradients`
+    reduces in the hooks only with partition_gradients or overlap_comm; the engine then calls
+    `reduce_gradients`, which walks every gradient), and ZeRO-3 runs both its reduce-scatters and
+    its parameter all-gathers on the default stream (stage3.py `reduce_and_partition_stream`,
+    parameter_offload.py `__allgather_stream`); deepspeedai/DeepSpeed@edaa722. Nothing hides then:
+    every collective is on the critical path."""
     if comm_s == 0:
         return 0.0
+    if s.engine == "deepspeed" and s.zero_stage and not s.ds.overlap(s.zero_stage):
+        return comm_s
     total = (comm.total - comm.blocking) or 1.0
     hide = tm.overlap_efficiency
     if s.shards_params:

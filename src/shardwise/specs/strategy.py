@@ -196,7 +196,19 @@ class Strategy(Spec):
 
     def reshards_layer(self, last: bool) -> bool:
         """`fully_shard(reshard_after_forward=...)` of a decoder layer (`last`: the final one)."""
-        return self.resharding == "all" or (self.resharding == "not-last" and not last)
+        return self.resharding in ("all", "layers") or (self.resharding == "not-last" and not last)
+
+    @property
+    def reshards_root(self) -> bool:
+        """`fully_shard(model, reshard_after_forward=...)` of the root (embeddings, final norm,
+        lm_head): True under "all", as users who wrap each layer and then the root pass one value
+        to every unit (torchtune's `shard_model`, pytorch/torchtune@0696355
+        torchtune/training/_distributed.py). torch honours an explicit True on the root: its
+        `_lazy_init` turns resharding off only where the argument was left None (torch 2.13
+        `_fsdp_state.py`, `_auto_reshard_after_forward`), so the root is gathered again in
+        backward. (accelerate 1.16 `fsdp2_prepare_model` wraps the input embedding alone with the
+        value, final norm and lm_head with False and the root with None: not this layout.)"""
+        return self.resharding == "all"
 
     def in_backward_refusal(self, dp: int) -> str | None:
         """Why the optimizer step in backward (`optimizer.in_backward`) does not run with this

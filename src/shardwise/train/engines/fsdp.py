@@ -2,7 +2,7 @@
 
 - full: decoder layers reshard after forward as `strategy.fsdp.reshard_after_forward` says
   (params re-gathered in backward: ZeRO-3 memory): every layer but the last ("not-last", the
-  default), every layer ("all", stock `fully_shard`), or none.
+  default), every layer ("layers"), every layer and the root ("all", stock `fully_shard`), or none.
 - grad-op: reshard_after_forward=False (params stay gathered between forward and backward,
   like ZeRO-2's memory for params during the step; gradients still reduce-scattered).
 - hybrid: a 2-D (replicate, shard) mesh: shard inside a group, replicate across groups.
@@ -69,8 +69,10 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
         # gathered). "all" is stock fully_shard's (accelerate, HF Trainer, torchtune).
         fully_shard(layer, reshard_after_forward=s.reshards_layer(last=i == len(layers) - 1), **kw)
     # The root keeps embeddings, final norm and lm_head (tied weights stay in one unit);
-    # it is needed right after forward anyway, so it never reshards in between.
-    fully_shard(model, reshard_after_forward=False, **kw)
+    # it is needed right after forward anyway, so it does not reshard in between, except under
+    # "all", stock's: users pass reshard_after_forward=True to the root too, and torch then
+    # reshards it and gathers it again in backward (Strategy.reshards_root).
+    fully_shard(model, reshard_after_forward=s.reshards_root, **kw)
     return model
 
 
@@ -134,7 +136,7 @@ class FSDP2Engine(TorchOptimizerEngine):
         return _whole(loss_sum).detach()
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # A forward without backward leaves the root (reshard_after_forward=False) and the last
+        # A forward without backward leaves the root (unless "all") and the last
         # layer unsharded: kept so for the pass's next batch, resharded before anything that
         # needs the sharded parameters (the next training forward, a checkpoint, an export).
         self._evaluated = True
