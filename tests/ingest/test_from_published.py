@@ -353,3 +353,15 @@ def test_a_trainer_yaml_with_bf16_true_is_not_a_deepspeed_json(tmp_path: Path):
     r = CliRunner().invoke(app, ["plan", "--from", str(f), "--json"])  # (DDP of 8B does not fit: exit 3)
     src = json.loads(r.stdout)["from"]
     assert (src["format"], src["values"]["optimizer"]) == ("llama_factory", "adamw8bit")
+
+
+def test_an_accelerate_deepspeed_file_says_its_auto_micro_batch_is_the_scripts(monkeypatch):
+    """accelerate's own DeepSpeed template names a JSON whose train_micro_batch_size_per_gpu is
+    "auto": accelerate fills it from the script's DataLoader, which the file cannot say, so the
+    plan says what it assumed and which flag to pass (and says nothing once the flag is given)."""
+    monkeypatch.chdir(Path(__file__).parents[1] / "data" / "corpus" / "accelerate")
+    r = CliRunner().invoke(app, ["plan", "--from", "examples/config_yaml_templates/deepspeed.yaml"])
+    assert r.exit_code in (0, 3), r.output
+    assert 'train_micro_batch_size_per_gpu "auto" is your script\'s DataLoader batch size' in " ".join(r.output.split())
+    r = CliRunner().invoke(app, ["plan", "--from", "examples/config_yaml_templates/deepspeed.yaml", "--micro-batch", "4"])
+    assert "DataLoader batch size" not in r.output

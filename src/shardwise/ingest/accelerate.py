@@ -305,6 +305,11 @@ def _deepspeed(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
         src.read.append(("deepspeed_config.deepspeed_config_file", f"{path} (read below; \"auto\" filled as "
                          "accelerate fills it)"))
         flat = ds_reader.read_into(inner, inner.data, src, ctx, under="accelerate launch / the flags")
+        if ds_reader.is_auto(flat.get(("train_micro_batch_size_per_gpu",))) and "micro_batch" not in ctx.given:
+            # accelerate fills it from the script's DataLoader (Accelerator._prepare_deepspeed: batch_size_per_device)
+            src.warnings.append(f"{path.name}: train_micro_batch_size_per_gpu \"auto\" is your script's DataLoader "
+                                f"batch size (accelerate fills it when it prepares DeepSpeed); planned as --micro-batch "
+                                f"{ctx.value('micro_batch', src)} — pass --micro-batch")
         src.read = [(f"{path.name}: {k}" if not k.startswith("deepspeed_config") and k not in (
             "distributed_type", "num_processes", "num_machines", "mixed_precision") else k, v) for k, v in src.read]
         src.ignored = [(f"{path.name}: {k}", v) for k, v in src.ignored]

@@ -150,14 +150,14 @@ def trainer_defaults(flat: dict[tuple, Any], src: Source, ctx: Context) -> None:
                                         "per_device_train_batch_size"),
                                        ("gradient_accumulation_steps", "grad_accum", HF_GRAD_ACCUM,
                                         "gradient_accumulation_steps")):
-        if not _is_auto(flat.get((file_key,))) or name in src.values or name in ctx.given:
+        if not is_auto(flat.get((file_key,))) or name in src.values or name in ctx.given:
             continue
         src.values[name] = value
         src.read.append((file_key, f"\"auto\": --{name.replace('_', '-')} {value} (TrainingArguments' {arg} "
                          "default, as HF Trainer fills it)"))
         if name == "micro_batch":
             filled.append(f"--micro-batch {value} (HF Trainer's per_device_train_batch_size default)")
-    autos = [sec for sec in ("bf16", "fp16", "bfloat16") if _is_auto(flat.get((sec, "enabled")))]
+    autos = [sec for sec in ("bf16", "fp16", "bfloat16") if is_auto(flat.get((sec, "enabled")))]
     if autos and "precision" not in src.values and "precision" not in ctx.given:
         src.values["precision"] = "fp32"
         src.read.append(("/".join(f"{s}.enabled" for s in autos),
@@ -170,7 +170,7 @@ def trainer_defaults(flat: dict[tuple, Any], src: Source, ctx: Context) -> None:
                             "for --bf16) as your run sets them")
 
 
-def _is_auto(v: Any) -> bool:
+def is_auto(v: Any) -> bool:
     return isinstance(v, str) and v.strip().lower() == AUTO
 
 
@@ -258,14 +258,14 @@ def read_into(doc: Doc, data: dict[str, Any], src: Source, ctx: Context, *, unde
         v = got("zero_optimization", file_key)
         short = next((a for a, b in ALIASES.items() if b == file_key), None)
         if v is None and short is not None and short in zero:
-            if _is_auto(zero[short]):
+            if is_auto(zero[short]):
                 raise doc.error(key("zero_optimization", short), zero[short], f"a number (HF Trainer and accelerate "
                                 f"fill \"auto\" under the name {file_key} only)")
             v, file_key = got("zero_optimization", short), short
         if v is None:
             continue
         k = dotted(key("zero_optimization", file_key))
-        if _is_auto(v):
+        if is_auto(v):
             if file_key not in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
                                 "stage3_param_persistence_threshold"):
                 raise doc.error(key("zero_optimization", file_key), v, "a number (HF fills \"auto\" here only for "
@@ -347,7 +347,7 @@ def _pipeline(doc: Doc, data: dict[str, Any], src: Source, got, key, stage: int)
         v = got(*k)
         if v is None:
             continue
-        if _is_auto(v):  # DeepSpeed's own default for pipeline.stages
+        if is_auto(v):  # DeepSpeed's own default for pipeline.stages
             src.ignored.append((dotted(key(*k)), "\"auto\": the stage count is PipelineModule's (num_stages or its "
                                 "topology); pass --pp"))
             continue
@@ -409,11 +409,11 @@ def _tensor_parallel(doc: Doc, data: dict[str, Any], src: Source, got, key, stag
     sizes: dict[str, int] = {}
     for name in ("autotp_size", "tp_size"):
         v = tp.get(name)
-        if v is not None and not _is_auto(v):
+        if v is not None and not is_auto(v):
             sizes[name] = as_count(doc, key("tensor_parallel", name), v, zero=True)
     inner = tp.get("tp")
     inner_size = inner.get("tp_size") if isinstance(inner, dict) else None
-    if inner_size is not None and not _is_auto(inner_size):
+    if inner_size is not None and not is_auto(inner_size):
         inner_size = as_count(doc, key("tensor_parallel", "tp", "tp_size"), inner_size, zero=True)
         if inner_size not in (1, sizes.get("autotp_size", inner_size)):
             raise doc.error(key("tensor_parallel", "tp", "tp_size"), inner_size,
@@ -472,7 +472,7 @@ def _batch(doc: Doc, flat, src: Source, ctx: Context, got, key, under: str) -> N
     vals = {}
     for file_key, value, name in (("train_micro_batch_size_per_gpu", micro, "micro_batch"),
                                   ("gradient_accumulation_steps", ga, "grad_accum")):
-        if value is None or _is_auto(value):
+        if value is None or is_auto(value):
             if value is not None:
                 src.read.append((dotted(key(file_key)), f"\"auto\": --{name.replace('_', '-')} from {under}"))
             continue
@@ -483,7 +483,7 @@ def _batch(doc: Doc, flat, src: Source, ctx: Context, got, key, under: str) -> N
                             "following DeepSpeed config values that mismatch TrainingArguments values\"); or \"auto\"")
         src.values[name] = vals[name]
         src.read.append((dotted(key(file_key)), f"--{name.replace('_', '-')} {vals[name]}"))
-    if total is None or _is_auto(total):
+    if total is None or is_auto(total):
         if total is not None:
             src.read.append((dotted(key("train_batch_size")), f"\"auto\": micro-batch × accumulation × GPUs ({under})"))
         return
@@ -530,7 +530,7 @@ def _precision(doc: Doc, src: Source, got, key, under: str, stage: int = 0) -> N
     so an "auto" beside an explicit false leaves the precision to the trainer. `fp8.enabled: true`
     is refused: fp8 compute is not plannable."""
     fp8 = got("fp8", "enabled")
-    if fp8 is not None and not _is_auto(fp8) and as_bool(doc, key("fp8", "enabled"), fp8):
+    if fp8 is not None and not is_auto(fp8) and as_bool(doc, key("fp8", "enabled"), fp8):
         raise refuse(doc, key("fp8", "enabled"), fp8, "shardwise plans bf16, fp16 and fp32 compute, not fp8 "
                      "(its scaled matmuls and their memory)")
     on, auto = {}, False
@@ -538,7 +538,7 @@ def _precision(doc: Doc, src: Source, got, key, under: str, stage: int = 0) -> N
         v = got(sec, "enabled")
         if v is None:
             continue
-        if _is_auto(v):
+        if is_auto(v):
             auto = True
             src.read.append((dotted(key(sec, "enabled")), f"\"auto\": --precision from {under}"))
             continue
@@ -603,7 +603,7 @@ def _optimizer(doc: Doc, data: dict, src: Source, got, key, under: str) -> None:
     elif kind:
         src.ignored.append((dotted(key("optimizer", "type")), f"{kind}: planned as AdamW (its state bytes)"))
     wd = got("optimizer", "params", "weight_decay")
-    if wd is not None and not _is_auto(wd):
+    if wd is not None and not is_auto(wd):
         src.values["weight_decay"] = as_number(doc, key("optimizer", "params", "weight_decay"), wd)
         src.read.append((dotted(key("optimizer", "params", "weight_decay")), f"--weight-decay {src.values['weight_decay']:g}"))
     elif wd is not None:
@@ -635,9 +635,9 @@ def zero_keys(s: Setting, flat: dict, ctx: Context, src: Source, where: str = ""
     out = {where + k: v for k, v in stage_keys(s.strategy).items()} if s.strategy in DS_FAMILY else {}
     for file_key, value in (("train_micro_batch_size_per_gpu", s.micro_batch),
                             ("gradient_accumulation_steps", s.grad_accum)):
-        if flat.get((file_key,)) is not None and not _is_auto(flat[(file_key,)]):
+        if flat.get((file_key,)) is not None and not is_auto(flat[(file_key,)]):
             out[where + file_key] = value
-    if flat.get(("train_batch_size",)) is not None and not _is_auto(flat[("train_batch_size",)]):
+    if flat.get(("train_batch_size",)) is not None and not is_auto(flat[("train_batch_size",)]):
         out[where + "train_batch_size"] = s.micro_batch * s.grad_accum * batch_ranks(ctx, src)[0]
     return out
 
@@ -654,7 +654,7 @@ def trainer_keys(s: Setting, flat: dict) -> dict[str, Any]:
     out = {}
     for file_key, value, trainer in (("train_micro_batch_size_per_gpu", s.micro_batch, "per_device_train_batch_size"),
                                      ("gradient_accumulation_steps", s.grad_accum, "gradient_accumulation_steps")):
-        if flat.get((file_key,)) is None or _is_auto(flat[(file_key,)]):
+        if flat.get((file_key,)) is None or is_auto(flat[(file_key,)]):
             out[f"TrainingArguments {trainer}"] = value
     out["TrainingArguments gradient_checkpointing"] = s.checkpointing != "none"
     return out
