@@ -124,3 +124,13 @@ PERSIST = (2 * L + 1) * H  # ZeRO-3 keeps tensors under 1e5 elements whole: the 
 def test_no_grad_forwards_through_a_zero3_model_gather_it_each_time(args: list[str], forwards: int) -> None:
     base = _gathered(*(["--lora-rank", "8"] if "--lora-rank" in args else []))
     assert _gathered(*args) - base == pytest.approx(2 * (P - PERSIST) * 3 * forwards)  # bf16, 3 micro-batches
+
+
+def test_a_preference_recommendation_is_plan_only_and_names_trl() -> None:
+    """shardwise train runs SFT: a DPO plan's recommendation is not runnable by it and names the
+    tool that runs it."""
+    r = run("--model", "llama-3.1-8b", "--objective", "dpo", "-s", "zero3", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["recommended_setting"]["runnable"] is False
+    assert "needs DPO training (shardwise train runs SFT): run it with TRL" in " ".join(doc["reason"].split())

@@ -45,6 +45,7 @@ TRAINER_CHECKPOINTING = ("none", "full")  # what `shardwise train` offers (check
 # (`bnb_4bit_quant_storage`) so FSDP can flatten them: HF accelerate/Trainer (Answer.AI's FSDP-QLoRA).
 QLORA_SHARDED = "QLoRA with sharded parameters"
 FSDP_QLORA = "HF accelerate (FSDP-QLoRA, bnb_4bit_quant_storage)"
+TRL = "TRL (DPOTrainer, ORPOTrainer, KTOTrainer, CPOTrainer)"  # the preference objectives' trainers
 
 
 def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = None,
@@ -74,6 +75,8 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
         gaps.append(f"{train.checkpointing} activation checkpointing")
     if train.fp8 != "none":
         gaps.append(f"fp8 linears ({train.fp8} scaling)")
+    if train.objective != "sft":
+        gaps.append(f"{train.objective.upper()} training ({TRAINER} runs SFT)")
     if train.base_quant == "nf4" and (strategy.shards_params or strategy.offload_params):
         gaps.append(QLORA_SHARDED)
     if strategy.engine == "deepspeed":  # DeepSpeed's engine keeps fp32 masters and builds its own AdamW
@@ -101,6 +104,8 @@ def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = Non
         return TRAINER
     if gaps == [QLORA_SHARDED]:
         return FSDP_QLORA
+    if all(g.endswith(f"({TRAINER} runs SFT)") for g in gaps):
+        return TRL
     if all(g.endswith(" under DeepSpeed") for g in gaps):
         return DS_OWN
     if strategy.engine == "fsdp2":
