@@ -95,16 +95,16 @@ def fsdp_grad_sync(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strateg
     every_s = with_knob(strategy, True)
     if not held.fits:
         return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
-                        reason=f"holding {size} would not fit: {held.gpu.required / GIB:.1f} of "
-                               f"{held.usable_bytes / GIB:.1f} GiB usable")
+                        reason=f"holding {size} would not fit: the plan would need {held.gpu.required / GIB:.1f} "
+                               f"GiB of {held.usable_bytes / GIB:.1f} usable")
     t_hold, t_every = (_step_s(model, hw, train, s, held.layout) for s in (hold_s, every_s))
     if t_hold < t_every:
         return GradSync(hold=True, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=hold_s,
-                        reason=f"holding {size} fits and saves {k - 1} reduce-scatters per step: "
-                               f"planned {t_hold:.3g} s vs {t_every:.3g} s a step")
+                        reason=f"holding {size} fits and saves {k - 1} reduce-scatter{'s' if k > 2 else ''} "
+                               f"per step: planned {t_hold:.4g} s vs {t_every:.4g} s a step")
     return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
-                    reason=f"holding {size} would fit but is planned no faster: {t_hold:.3g} s vs "
-                           f"{t_every:.3g} s a step")
+                    reason=f"holding {size} would fit but is planned no faster: {t_hold:.4g} s vs "
+                           f"{t_every:.4g} s a step")
 
 
 def _size(held_bytes: float) -> str:
