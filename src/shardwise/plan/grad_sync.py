@@ -95,8 +95,8 @@ def fsdp_grad_sync(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strateg
     every_s = with_knob(strategy, True)
     if not held.fits:
         return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
-                        reason=f"holding {size} would not fit: the plan would need {held.gpu.required / GIB:.1f} "
-                               f"GiB of {held.usable_bytes / GIB:.1f} usable")
+                        reason=f"holding {size} would not fit: the plan would need "
+                               f"{_apart(held.gpu.required / GIB, held.usable_bytes / GIB)} usable")
     t_hold, t_every = (_step_s(model, hw, train, s, held.layout) for s in (hold_s, every_s))
     if t_hold < t_every:
         return GradSync(hold=True, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=hold_s,
@@ -105,6 +105,12 @@ def fsdp_grad_sync(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strateg
     return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
                     reason=f"holding {size} would fit but is planned no faster: {t_hold:.4g} s vs "
                            f"{t_every:.4g} s a step")
+
+
+def _apart(need: float, usable: float) -> str:
+    """"A GiB of B": with the decimals that tell them apart (one, up to four)."""
+    digits = next((d for d in range(1, 5) if f"{need:.{d}f}" != f"{usable:.{d}f}"), 4)
+    return f"{need:.{digits}f} GiB of {usable:.{digits}f}"
 
 
 def _size(held_bytes: float) -> str:
