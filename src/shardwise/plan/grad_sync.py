@@ -9,8 +9,9 @@ table, `--json` and the trainer's preflight) and the FSDP2 engine (`RunSpec.grad
 trainer holds. Pure, torch-free.
 
 "auto" holds them only where both hold:
-- it fits: the plan with the unsharded gradients held fits the usable memory (the plan's own
-  `fits`: its margin, the host's peak);
+- it fits: the plan with the unsharded gradients held fits the GPU's usable memory (what the
+  plan's `fits` compares: `required` within the memory less its margin; the held grads are on the
+  GPU whatever is offloaded, so the host's peak does not decide it);
 - it saves time: holding saves (grad_accum − 1) reduce-scatters per step and adds an upcast and
   an add of every gradient per micro-batch (plan/timing.py `_engine_copy_bytes`): the planned
   step is shorter than with a reduce-scatter per micro-batch.
@@ -93,7 +94,7 @@ def fsdp_grad_sync(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strateg
                         reason=f"holding {size}: torch's pipeline schedule turns gradient sync off on all "
                                "but the last micro-batch")
     every_s = with_knob(strategy, True)
-    if not held.fits:
+    if held.gpu.required > held.usable_bytes:  # the GPU's fit (the held grads are on the GPU, offloaded or not)
         return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
                         reason=f"holding {size} would not fit: the plan would need "
                                f"{_apart(held.gpu.required / GIB, held.usable_bytes / GIB)} usable")
