@@ -81,16 +81,16 @@ def test_reserved_above_allocated_and_fits_uses_what_cannot_be_reclaimed():
 
 
 def test_fsdp2_accumulation_trainer_vs_stock():
-    """The trainer holds unsharded fp32 grads between micro-batches (sync off); stock FSDP2
-    reduce-scatters every micro-batch into the sharded grads (4 bytes × Ψ/N) and moves k× the
-    reduce-scatter bytes."""
+    """Held (`reduce_every_micro_batch: false`): unsharded fp32 grads between micro-batches (sync
+    off); stock FSDP2 reduce-scatters every micro-batch into the sharded grads (4 bytes × Ψ/N) and
+    moves k× the reduce-scatter bytes."""
     from shardwise.config.strategy import FSDPKnobs
     from shardwise.plan.comm import plan_comm
 
     m = catalog.get_model("llama-2-7b")
     hw = catalog.build_hardware(gpu="h100-sxm", gpus=8)
     train = TrainSpec(grad_accum=4, seq_len=2048)
-    trainer = Strategy.from_name("fsdp")
+    trainer = Strategy.from_name("fsdp", fsdp=FSDPKnobs(reduce_every_micro_batch=False))
     stock = Strategy.from_name("fsdp", fsdp=FSDPKnobs(reduce_every_micro_batch=True))
     a, b = memory_as_run(m, hw, train, trainer).gpu, memory_as_run(m, hw, train, stock).gpu
     assert a.held_grads == pytest.approx(4 * m.params) and b.held_grads == 0

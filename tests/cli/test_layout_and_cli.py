@@ -86,7 +86,7 @@ def test_json_schema():
         parts = {"params", "grads", "master_params", "optimizer_states", "step_buffers", "activations", "recompute",
                  "logits", "engine_buffers", "gathered_params", "held_grads", "grad_buffers", "cuda_context",
                  "nccl", "allocator_slack", "allocator_unreclaimable", "runtime_overhead", "allocated", "reserved",
-                 "total", "required", "ref_params", "ref_forward"}
+                 "total", "required", "ref_params", "ref_forward", "not_at_peak"}
         assert parts == set(s["memory"])
         assert s["memory"]["total"] <= sum(v for k, v in s["memory"].items() if k not in ("total", "required"))
         assert s["memory"]["allocated"] <= s["memory"]["required"] <= s["memory"]["total"]

@@ -147,7 +147,7 @@ def test_accelerate_tp_and_hsdp_parallelism_config(tmp_path: Path):
     src = same(["--from", str(DATA / "accelerate_tp_hsdp.yaml")],
                ["-s", "fsdp-hybrid", "--shard-group", "2", "--tp", "2", "--gpus", "8", "--gpus-per-node", "8",
                 "--checkpointing", "none", "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
-                "--fsdp-single-rank", "fsdp"])
+                "--fsdp-single-rank", "fsdp", "--fsdp-reduce-every-micro-batch", "false"])
     doc = plan("--from", str(DATA / "accelerate_tp_hsdp.yaml"))
     assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 4)]
     assert any(w.startswith("model: not named in the file") for w in src["warnings"])
@@ -222,7 +222,10 @@ def test_galore_optimizer_is_refused(tmp_path: Path):
 
 # --- axolotl --------------------------------------------------------------------------------------
 
-FSDP_STOCK = ["--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp"]
+# accelerate's FSDP2 (axolotl and the HF Trainer run it): every layer resharded, bf16 reduce, fully_shard on
+# one rank too, and no_sync under accumulation (the unsharded grads held)
+FSDP_STOCK = ["--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
+              "--fsdp-reduce-every-micro-batch", "false"]
 
 
 def test_axolotl_fsdp_offload_params_is_offload():

@@ -104,7 +104,8 @@ def test_hf_zero2_example():
 def test_accelerate_fsdp2_is_stock_fully_shard():
     src = same(["--from", str(DATA / "accelerate_fsdp2.yaml")],
                ["-s", "fsdp", "--gpus", "8", "--gpus-per-node", "8", "--checkpointing", "full",
-                "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp"])
+                "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
+                "--fsdp-reduce-every-micro-batch", "false"])  # accelerate's no_sync: the grads held
     edits = [e for item in src["what_to_change"]["faster"] for e in item["edits"]]
     assert "fsdp_config.fsdp_activation_checkpointing" in edits
 
@@ -234,7 +235,7 @@ def test_fsdp_emit_round_trip_through_shardwise_yaml_and_stock_accelerate(tmp_pa
     got = plan("--from", str(out / "accelerate.yaml"), "-m", "llama-2-7b", "--micro-batch", "2")
     got.pop("from")
     assert got == plan(*FOREIGN, *setup, "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
-                       "--fsdp-single-rank", "fsdp")
+                       "--fsdp-single-rank", "fsdp", "--fsdp-reduce-every-micro-batch", "false")  # and no_sync
 
 
 def test_generated_flags_keep_the_old_names_and_take_the_spec_defaults():
@@ -273,7 +274,8 @@ def test_accelerate_fsdp1_and_deepspeed_plugin(tmp_path):
                      "fsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
                      "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_backward_prefetch: BACKWARD_PRE\n")
     src = same(["--from", str(fsdp1)], ["-s", "fsdp-grad-op", "--gpus", "16", "--gpus-per-node", "8",
-                                        "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp"])
+                                        "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
+                                        "--fsdp-reduce-every-micro-batch", "false"])
     assert "fsdp_config.fsdp_backward_prefetch" in {i["key"] for i in src["ignored"]}
     plugin = tmp_path / "ds.yaml"
     plugin.write_text("distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n  zero_stage: 3\n"
@@ -290,7 +292,7 @@ def test_training_args_fsdp_through_accelerates_plugin(tmp_path):
                              "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}}))
     same(["--from", str(f)], ["-s", "fsdp", "--micro-batch", "2", "--checkpointing", "full",
                               "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
-                              "--fsdp-single-rank", "fsdp"])
+                              "--fsdp-single-rank", "fsdp", "--fsdp-reduce-every-micro-batch", "false"])
 
 
 def test_shardwise_yaml_with_set_is_the_trainers_runspec():

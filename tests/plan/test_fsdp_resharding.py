@@ -33,7 +33,9 @@ def fsdp(name: str = "fsdp", **knobs) -> Strategy:
 @pytest.mark.parametrize("k", [1, 2])
 def test_reshard_all_gathers_every_layer_again_in_backward(k):
     train = TrainSpec(grad_accum=k)
-    ours, stock = plan_comm(M7, HW8, train, fsdp()), plan_comm(M7, HW8, train, fsdp(reshard_after_forward="all"))
+    # the unsharded grads held (one reduce-scatter per step), as set: "auto" may reduce each micro-batch
+    ours = plan_comm(M7, HW8, train, fsdp(reduce_every_micro_batch=False))
+    stock = plan_comm(M7, HW8, train, fsdp(reshard_after_forward="all", reduce_every_micro_batch=False))
     # forward gathers all Ψ (2 bytes); backward the N-1 layers ("not-last") or every unit, the
     # root too ("all": stock fully_shard(reshard_after_forward=True) on the root as well)
     assert ours.all_gather == pytest.approx(2 * k * (PSI + (N - 1) * LAYER))
@@ -55,7 +57,7 @@ def test_reduce_every_micro_batch_reduce_scatters_k_times(k):
 def test_reduce_every_micro_batch_all_reduces_hsdp_replicas_per_micro_batch():
     hw = catalog.build_hardware(gpus=16, gpus_per_node=8)  # 2 replicas of an 8-GPU shard group
     train = TrainSpec(grad_accum=2)
-    once = plan_comm(M7, hw, train, Strategy.from_name("fsdp-hybrid"))
+    once = plan_comm(M7, hw, train, Strategy.from_name("fsdp-hybrid", fsdp=FSDPKnobs(reduce_every_micro_batch=False)))
     every = plan_comm(M7, hw, train, Strategy.from_name("fsdp-hybrid", fsdp=FSDPKnobs(reduce_every_micro_batch=True)))
     assert once.all_reduce == pytest.approx(4 * PSI / 8)  # the fp32 1/8 shard, once per step
     assert every.all_reduce == pytest.approx(2 * 4 * PSI / 8)
@@ -93,7 +95,7 @@ def test_gathered_parameter_memory_by_resharding():
 
 def test_stock_accumulation_holds_sharded_not_unsharded_grads():
     train = TrainSpec(grad_accum=2)
-    ours = plan_memory(M7, HW8, train, fsdp()).gpu
+    ours = plan_memory(M7, HW8, train, fsdp(reduce_every_micro_batch=False)).gpu
     stock = plan_memory(M7, HW8, train, fsdp(reshard_after_forward="all", reduce_every_micro_batch=True)).gpu
     assert ours.held_grads == pytest.approx(4 * PSI)  # unsharded fp32 grads while sync is off
     assert stock.held_grads == 0 and stock.grads_persist
@@ -124,7 +126,7 @@ def test_grad_op_refuses_a_resharding_it_does_not_do_but_sweeps_skip_it():
     assert fsdp("fsdp-grad-op", reshard_after_forward="none").resharding == "none"
     knobs = StrategyKnobs(fsdp=FSDPKnobs(reshard_after_forward="all", reduce_every_micro_batch=True))
     swept = Strategy.with_knobs("fsdp-grad-op", knobs)  # what `plan` applies to every row
-    assert swept.resharding == "none" and swept.fsdp.reduce_every_micro_batch
+    assert swept.resharding == "none" and swept.fsdp.reduce_every_micro_batch is True
     assert Strategy.with_knobs("fsdp", knobs).resharding == "all"
 
 
@@ -134,7 +136,7 @@ def _plan(*flags: str):
 
 def test_plan_flags_set_the_knobs():
     r = _plan("-s", "fsdp", "--grad-accum", "2", "--fsdp-reshard-after-forward", "all",
-              "--fsdp-reduce-every-micro-batch")
+              "--fsdp-reduce-every-micro-batch", "true")
     assert r.exit_code == 0, r.output
     row = json.loads(r.output)["strategies"][0]
     assert row["comm"]["all_gather"] == pytest.approx(2 * 2 * (PSI + PSI))  # every unit, the root too, twice
@@ -143,8 +145,9 @@ def test_plan_flags_set_the_knobs():
 
 @pytest.mark.parametrize("flags, says", [
     (["-s", "zero3", "--fsdp-reshard-after-forward", "all"], "--fsdp-reshard-after-forward applies to"),
-    (["-s", "ddp", "-s", "zero2", "--fsdp-reduce-every-micro-batch"], "not to ddp, zero2"),
-    (["--emit-strategy", "zero3", "--fsdp-reduce-every-micro-batch"], "--fsdp-reduce-every-micro-batch"),
+    (["-s", "ddp", "-s", "zero2", "--fsdp-reduce-every-micro-batch", "true"], "not to ddp, zero2"),
+    (["--emit-strategy", "zero3", "--fsdp-reduce-every-micro-batch", "false"], "--fsdp-reduce-every-micro-batch"),
+    (["-s", "fsdp", "--fsdp-reduce-every-micro-batch", "yes"], "expected auto, true, false"),
     (["-s", "fsdp-grad-op", "--fsdp-reshard-after-forward", "all"], "fsdp-grad-op keeps every layer gathered"),
     (["-s", "fsdp", "--fsdp-reshard-after-forward", "last"], "expected all, layers, not-last, none"),
 ])
@@ -166,7 +169,7 @@ def test_trainer_yaml_and_set_take_the_knob(tmp_path):
     yaml.write_text("model: {name: tiny-llama-bench}\ndata: {kind: synthetic}\n"
                     "strategy: {name: fsdp, fsdp: {reshard_after_forward: all}}\n")
     run = run_spec(load_config(yaml, ["strategy.fsdp.reduce_every_micro_batch=true"]), 2, "cpu", environ={})
-    assert run.strategy.resharding == "all" and run.strategy.fsdp.reduce_every_micro_batch
+    assert run.strategy.resharding == "all" and run.strategy.fsdp.reduce_every_micro_batch is True
     assert run_spec(load_config(yaml, ["strategy.fsdp.reshard_after_forward=none"]), 2, "cpu",
                     environ={}).strategy.resharding == "none"
     with pytest.raises(ShardwiseError, match=r"strategy\.fsdp\.reshard_after_forward"):

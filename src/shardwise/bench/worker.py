@@ -88,6 +88,8 @@ def bench_config(variant: str, ga: int = 1):
     fsdp = knobs if strategy.startswith("fsdp") else {}
     ds = {"reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET, "prefetch_bucket_size": BUCKET} | (
         {} if fsdp else knobs)
+    if strategy.startswith("fsdp"):  # measured with the unsharded grads held (benchmarks/results), not
+        fsdp = {"reduce_every_micro_batch": False} | fsdp  # what "auto" decides for this run
     return TrainConfig.model_validate({
         "name": f"bench-{variant}-ga{ga}",
         "model": {"name": BENCH_MODEL, "attention": "sdpa"},

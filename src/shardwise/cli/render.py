@@ -3,7 +3,7 @@
 One set of rows per plan (`plan_rows`: every number of the memory and time tables, unrounded)
 feeds every format, so the table, the Markdown, the CSV and the JSON carry the same numbers.
 The table fits the console: rich's width (the terminal's; COLUMNS when piped, 80 without it).
-Where the full memory table (16 columns) is wider, it groups the parts (model states,
+Where the full memory table (21 columns) is wider, it groups the parts (model states,
 activations, buffers) and then leaves out the columns it can least spare, saying which; the
 numbers in a cell are never wrapped. The plan itself (plan/) stays pure; this module prints.
 """
@@ -52,6 +52,12 @@ def _gib(v: float) -> str:
     return f"{v:.2f}"
 
 
+def _minus(v: float) -> str:
+    """A part subtracted (≤ 0), never shown as -0.00."""
+    text = f"{v:.2f}"
+    return "0.00" if text == "-0.00" else text
+
+
 def _host(v: float) -> str:
     return f"{v:.1f}" if v else "-"
 
@@ -72,12 +78,14 @@ def yes_no(v: bool) -> str:
 MEMORY_COLS = (
     Col("strategy", "strategy", str, 99, left=True),
     Col("params_gib", "params", _gib, 6), Col("grads_gib", "grads", _gib, 6),
+    Col("held_gib", "held", _gib, 6),
     Col("master_gib", "master", _gib, 5), Col("optim_gib", "optim", _gib, 6),
     Col("step_gib", "step", _gib, 3), Col("activ_gib", "activ", _gib, 7),
     Col("recomp_gib", "recomp", _gib, 2), Col("logits_gib", "logits", _gib, 4),
     Col("ref_gib", "ref", _gib, 5), Col("ref_fwd_gib", "ref fwd", _gib, 3),
+    Col("gathered_gib", "gathered", _gib, 3),
     Col("buffers_gib", "buffers", _gib, 2), Col("grad_buf_gib", "grad buf", _gib, 2),
-    Col("overhead_gib", "overhead", _gib, 3),
+    Col("overhead_gib", "overhead", _gib, 3), Col("apart_gib", "apart", _minus, 61),
     Col("total_gib", "total", _gib, 98), Col("need_gib", "need", _gib, 90),
     Col("host_gib", "host", _host, 50), Col("fits", "fits", yes_no, 97),
 )  # fmt: skip
@@ -86,7 +94,7 @@ GROUPED_COLS = (
     MEMORY_COLS[0],
     Col("states_gib", "states", _gib, 60), Col("activ_all_gib", "activ+", _gib, 40),
     Col("buffers_all_gib", "buffers+", _gib, 20),
-    *MEMORY_COLS[-4:],
+    *MEMORY_COLS[-5:],
 )
 TIME_COLS = (
     Col("strategy", "strategy", str, 99, left=True),
@@ -95,8 +103,8 @@ TIME_COLS = (
     Col("offload_s", "offload s", _s, 4), Col("step_s", "step s", _s, 80),
     Col("tokens_per_s_per_gpu", "tokens/s/GPU", rate, 90), Col("mfu", "MFU", lambda v: f"{v:.0%}", 70),
 )  # fmt: skip
-GROUPS = {"states": "params + grads + master + optim + ref", "activ+": "activ + recomp + logits + ref fwd",
-          "buffers+": "step + buffers + grad buf + overhead"}  # fmt: skip
+GROUPS = {"states": "params + grads + held + master + optim + ref", "activ+": "activ + recomp + logits + ref fwd",
+          "buffers+": "step + gathered + buffers + grad buf + overhead"}  # fmt: skip
 CSV_COLS = ("strategy", "tp", "pp", *(c.key for c in MEMORY_COLS[1:]), *(c.key for c in TIME_COLS[1:]))
 
 
@@ -114,15 +122,19 @@ def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
              "optim_gib": g.optimizer_states / GIB, "step_gib": g.step_buffers / GIB,
              "activ_gib": g.activations / GIB, "recomp_gib": g.recompute / GIB, "logits_gib": g.logits / GIB,
              "ref_gib": g.ref_params / GIB, "ref_fwd_gib": g.ref_forward / GIB,
+             "held_gib": g.held_grads / GIB, "gathered_gib": g.gathered_params / GIB,
              "buffers_gib": g.engine_buffers / GIB, "grad_buf_gib": g.grad_buffers / GIB,
-             "overhead_gib": g.runtime_overhead / GIB, "total_gib": g.total / GIB, "need_gib": g.required / GIB,
+             "overhead_gib": g.runtime_overhead / GIB, "apart_gib": -g.not_at_peak / GIB,
+             "total_gib": g.total / GIB, "need_gib": g.required / GIB,
              "host_gib": p.host.peak / GIB, "fits": p.fits,
              "comm_paper_gb": e.ideal.total / 1e9, "comm_engine_gb": e.comm.total / 1e9,
              "compute_s": t.compute_s, "exposed_s": t.exposed_comm_s, "offload_s": t.offload_s, "step_s": t.step_s,
              "tokens_per_s_per_gpu": t.tokens_per_s_per_gpu, "mfu": t.mfu}  # fmt: skip
-        r["states_gib"] = r["params_gib"] + r["grads_gib"] + r["master_gib"] + r["optim_gib"] + r["ref_gib"]
+        r["states_gib"] = (r["params_gib"] + r["grads_gib"] + r["held_gib"] + r["master_gib"] + r["optim_gib"]
+                           + r["ref_gib"])
         r["activ_all_gib"] = r["activ_gib"] + r["recomp_gib"] + r["logits_gib"] + r["ref_fwd_gib"]
-        r["buffers_all_gib"] = r["step_gib"] + r["buffers_gib"] + r["grad_buf_gib"] + r["overhead_gib"]
+        r["buffers_all_gib"] = (r["step_gib"] + r["gathered_gib"] + r["buffers_gib"] + r["grad_buf_gib"]
+                                + r["overhead_gib"])
         rows.append(r)
     return rows
 
@@ -216,8 +228,9 @@ def plan_title(o: PlanOutput) -> list[str]:
     return [line, links_line(hw)] + ([f"hardware profile: {o.profile}"] if o.profile else [])
 
 
-MEMORY_CAPTION = ("GiB per GPU; total = peak of the step on the device, as nvidia-smi shows it (activations and "
-                  "gradients do not peak together); need = what fits is decided on: the allocated peak, allocator "
+MEMORY_CAPTION = ("GiB per GPU; total = peak of the step on the device, as nvidia-smi shows it: the columns before "
+                  "it add up to it, apart subtracting the parts not live at the peak (activations and gradients do "
+                  "not peak together); held = FSDP2's unsharded grads held between micro-batches; need = what fits is decided on: the allocated peak, allocator "
                   "slack a cache flush cannot return, CUDA context and NCCL (the allocator frees its cache before it "
                   "raises OOM); host = CPU RAM per node at its peak: loading the weights, or offloaded states while "
                   "training")
@@ -256,6 +269,15 @@ def _load(o: PlanOutput) -> list[str]:
 
     line = load_line([e.memory for e in o.evals])
     return [line] if line else []
+
+
+def _grad_sync(o: PlanOutput) -> list[str]:
+    """One line per FSDP2 row under accumulation: held unsharded grads or a reduce-scatter per
+    micro-batch, and why (shardwise.plan.grad_sync)."""
+    from shardwise.plan.report import label
+
+    return [f"Gradient sync: {label(e.memory)}" + e.memory.grad_sync.line().removeprefix(e.memory.strategy.name)
+            for e in o.evals if e.memory.grad_sync is not None and e.memory.runs_as is None]
 
 
 def plan_doc(o: PlanOutput) -> dict:
@@ -311,7 +333,7 @@ def plan_markdown(o: PlanOutput) -> str:
     rows = plan_rows(o.evals)
     title = plan_title(o)
     out = [f"## {title[0]}", "", *(f"{t}  " for t in title[1:]), "", *_md_table(MEMORY_COLS, rows), "",
-           MEMORY_CAPTION, "", *_load(o), "", f"### {TIME_TITLE}", "", *_md_table(TIME_COLS, rows), "", TIME_CAPTION, ""]
+           MEMORY_CAPTION, "", *_load(o), "", *(f"{x}  " for x in _grad_sync(o)), "", f"### {TIME_TITLE}", "", *_md_table(TIME_COLS, rows), "", TIME_CAPTION, ""]
     for style, head, items in _notes(o):
         label, _, rest = head.partition(": ")
         out.append(f"**{label}:** {rest}" if style else head)
@@ -354,7 +376,7 @@ def print_plan(o: PlanOutput, fmt: str, console=None) -> None:
     grouped = [h for h in GROUPS if h in [c.header for c in mem.columns]]
     caption = MEMORY_CAPTION + "".join(f"; {h} = {GROUPS[h]}" for h in grouped)
     console.print(Text(caption + _left_out(dropped), style="dim"))
-    for line in _load(o):
+    for line in _load(o) + _grad_sync(o):
         console.print(Text(line))
     console.print()
     console.print(Text(TIME_TITLE, style="italic"))

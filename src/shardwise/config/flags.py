@@ -96,6 +96,23 @@ def _base(annotation: Any) -> Any:
     return args[0] if get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 else annotation
 
 
+def _choices(kind: Any) -> tuple[Any, ...] | None:
+    """The values a Literal field takes, or those of a `Literal[...] | bool` one (a bool knob
+    with an "auto" beside it: `fsdp.reduce_every_micro_batch`); None for other types."""
+    if get_origin(kind) is Literal:
+        return get_args(kind)
+    if get_origin(kind) in (typing.Union, types.UnionType):
+        args = get_args(kind)
+        lits = [a for a in args if get_origin(a) is Literal]
+        if lits and all(a is bool or get_origin(a) is Literal for a in args):
+            return (*(v for a in lits for v in get_args(a)), *((True, False) if bool in args else ()))
+    return None
+
+
+def _choice_text(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
 def _default_text(cls: type[BaseModel], field: str) -> str:
     d = cls.model_fields[field].default
     if d is None:
@@ -119,8 +136,8 @@ def _option(flag: KnobFlag) -> tuple[Any, Any]:
         names = [f"{n}/--no-{n[2:]}" for n in flag.names]
         return bool | None, typer.Option(None, *names, help=f"{desc}{where}.{_default_text(cls, flag.field)}",
                                          show_default=False)
-    if get_origin(kind) is Literal:
-        choices = " | ".join(str(c) for c in get_args(kind))
+    if _choices(kind) is not None:
+        choices = " | ".join(_choice_text(c) for c in _choices(kind))
         return str | None, typer.Option(None, *flag.names, help=f"{desc}: {choices}{where}."
                                         f"{_default_text(cls, flag.field)}", show_default=False)
     # numbers as floats: element counts are given as 5e7 or 50000000 (checked whole in given_knobs)
@@ -192,9 +209,13 @@ def given_knobs(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
             continue
         cls = dict((s, c) for s, _, _, c in SECTIONS)[flag.section]
         kind = _base(cls.model_fields[flag.field].annotation)
-        if get_origin(kind) is Literal and v not in get_args(kind):
-            raise ShardwiseError(f"{flag.flag} {v!r}: expected {', '.join(str(c) for c in get_args(kind))} "
-                                 f"({flag.section}.{flag.field}: {cls.model_fields[flag.field].description})")
+        choices = _choices(kind)
+        if choices is not None:
+            by_text = {_choice_text(c): c for c in choices}
+            if str(v).strip().lower() not in by_text:
+                raise ShardwiseError(f"{flag.flag} {v!r}: expected {', '.join(by_text)} "
+                                     f"({flag.section}.{flag.field}: {cls.model_fields[flag.field].description})")
+            v = by_text[str(v).strip().lower()]
         if kind is int:
             v = _whole(flag.flag, v)
         out[flag.section][flag.field] = v
@@ -221,8 +242,11 @@ def flag_of(section: str, field: str) -> str:
 def as_flags(section: str, field: str, value: Any) -> list[str]:
     """The command-line words that set one knob."""
     name = flag_of(section, field)
-    if isinstance(value, bool):
+    cls = dict((s, c) for s, _, _, c in SECTIONS)[section]
+    if isinstance(value, bool) and _base(cls.model_fields[field].annotation) is bool:
         return [name if value else f"--no-{name[2:]}"]
+    if isinstance(value, bool):  # a choice beside "auto": the flag takes the word
+        return [name, _choice_text(value)]
     return [name, str(value)]
 
 

@@ -168,10 +168,13 @@ class FSDPKnobs(Spec):
     # grads from rounding every partial sum (shardwise's default, the planner counts 4 bytes).
     reduce_dtype: Literal["fp32", "param"] = Field("fp32", description="gradient reduce-scatter dtype")
     # torch's default (`set_requires_gradient_sync` left on) reduce-scatters every micro-batch
-    # into the sharded grads; shardwise's trainer turns sync off on all but the last
-    # micro-batch: one reduce-scatter per step, unsharded reduce_dtype grads held in between.
-    reduce_every_micro_batch: bool = Field(False, description="with accumulation: reduce-scatter every "
-                                           "micro-batch (torch's default) instead of once per step")
+    # into the sharded grads (true); false turns sync off on all but the last micro-batch: one
+    # reduce-scatter per step, unsharded reduce_dtype grads held in between (accelerate's and HF
+    # Trainer's no_sync). "auto" holds them only where that plan fits and is planned faster
+    # (shardwise.plan.grad_sync: the planner and the trainer decide there, with the same specs).
+    reduce_every_micro_batch: Literal["auto"] | bool = Field(
+        "auto", description="with accumulation: reduce-scatter every micro-batch (true: torch's default) or hold "
+        "the unsharded grads and reduce once per step (false); auto holds them where that fits and is faster")
     # Resharding (above). fsdp-grad-op is "none" by definition; an explicit other value there
     # is refused (Strategy._check).
     reshard_after_forward: Resharding = Field(

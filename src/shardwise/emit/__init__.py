@@ -189,8 +189,12 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
             ("optimizer states", g.optimizer_states), ("optimizer-step buffers", g.step_buffers),
             ("activations", g.activations + g.recompute), ("logits", g.logits),
             ("engine buffers", g.engine_buffers), ("gradient buffers", g.grad_buffers),
+            ("gathered parameters", g.gathered_params),
+            ("unsharded gradients held between micro-batches", g.held_grads),
+            ("reference model", g.ref_params + g.ref_forward),
             ("runtime overhead", g.runtime_overhead),
-        )],
+            ("less: parts not live at the peak", -g.not_at_peak),
+        ) if v or k == "runtime overhead"],
         f"| **total** | **{_gib(g.total)}** |",
         "",
         (
@@ -214,6 +218,10 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
                       "`strategy.fsdp.single_rank: fsdp` keeps it in `shardwise train` too."]
     elif strategy.engine == "fsdp2":
         wrap = f"FSDP2 wraps each `{layer_class(model)}`; decoder layers resharded after forward: {strategy.resharding}."
+        if plan.grad_sync is not None:  # the planned gradient sync under accumulation (plan/grad_sync.py)
+            wrap += (f" Gradient sync: {plan.grad_sync.line().removeprefix(strategy.name + ': ')}; `shardwise "
+                     "train` decides the same on the same memory. accelerate and the HF Trainer hold the unsharded "
+                     "grads (`no_sync`) whatever it says.")
         if strategy.resharding == "not-last":
             wrap += (" `accelerate.yaml` cannot say \"all but the last\" (`fsdp_reshard_after_forward` is one bool): "
                      "accelerate reshards the last layer too, one more all-gather per micro-batch "

@@ -104,6 +104,20 @@ class MemoryBreakdown:
         return max(self.phases.values())
 
     @property
+    def parts(self) -> float:
+        """Every allocated part above, summed as if all were live at once (they are not)."""
+        return (self.model_states + self.step_buffers + self.activations + self.recompute + self.logits
+                + self.engine_buffers + self.gathered_params + self.held_grads + self.grad_buffers
+                + self.ref_params + self.ref_forward)
+
+    @property
+    def not_at_peak(self) -> float:
+        """Of `parts`, the bytes not live at the allocated peak (the phases that never coexist:
+        the step's buffers beside the activations, the logits beside the gradient buffers, the
+        grads not yet produced): parts − not_at_peak + runtime_overhead = total."""
+        return self.parts - self.allocated
+
+    @property
     def reserved(self) -> float:
         """Predicted peak of torch.cuda.max_memory_reserved: allocated + allocator slack."""
         return self.allocated + self.allocator_slack
@@ -134,6 +148,7 @@ class MemoryBreakdown:
         d.pop("grads_persist")
         d.pop("grads_pending")
         d["runtime_overhead"] = self.runtime_overhead
+        d["not_at_peak"] = self.not_at_peak
         d["allocated"] = self.allocated
         d["reserved"] = self.reserved
         d["total"] = self.total

@@ -95,6 +95,9 @@ def _on(link: str, volume: float) -> dict:
 def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout | None = None) -> CommBreakdown:
     """Bytes each GPU asks collectives to move per optimizer step, as the engines do it."""
+    from shardwise.plan.grad_sync import resolved
+
+    strategy = resolved(model, hw, train, strategy)  # FSDP2's reduce-scatters per step: plan/grad_sync.py
     layout = layout or ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     train = tp_train(train, strategy)
     rank = fullest_rank(model, strategy, layout)
@@ -179,7 +182,8 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     # for the units resharded after forward (`Strategy.resharding`: the last decoder layer and
     # the root only under "all", stock fully_shard; train/engines/fsdp.py); reduce-scatter
     # in reduce_dtype once per step (sync disabled on non-final micro-batches), or every
-    # micro-batch (`reduce_every_micro_batch`, torch's default). LoRA adapters live in the
+    # micro-batch (`reduce_every_micro_batch`, torch's default; "auto" as plan/grad_sync.py
+    # resolves it). LoRA adapters live in the
     # decoder-layer units and are gathered with them.
     p = c
     reduce = s.fsdp.reduce_bytes(c) if (train.mixed_precision or lora) else train.master_bytes
@@ -191,7 +195,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     if train.fp8_all_gather:  # the decoder linears' weights all-gathered in fp8 (plan/fp8.py)
         saved = gathered_linear_bytes_saved(c, train) * linear_share(model, rank, layout.tp)[0] * k
         ag_fwd, ag_bwd = ag_fwd - saved, ag_bwd - saved * share
-    # shardwise's trainer reduce-scatters once per step; torch's default (sync left on) every micro-batch
+    # held unsharded grads: once per step; torch's default (sync left on): every micro-batch
     reductions = k if s.fsdp.reduce_every_micro_batch else 1
     rs = reduce * trained * reductions
     units = len(rank.layers) + len(rank.stages)  # each decoder layer, and each stage's root group

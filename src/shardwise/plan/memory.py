@@ -19,6 +19,7 @@ from shardwise.catalog import memory_model
 from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
+from shardwise.plan.grad_sync import GradSync, applies, as_set, fsdp_grad_sync
 from shardwise.plan.load import load_phase
 from shardwise.plan.loss import logits_bytes, loss_held_bytes
 from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_states
@@ -65,10 +66,14 @@ class MemoryPlan:
     # requirement is the largest, `rank` its share); one entry at pp 1.
     pipeline: tuple[MemoryBreakdown, ...] = ()
     rank: PipelineRank | None = None
+    # FSDP2 under accumulation: whether the unsharded grads are held between micro-batches,
+    # and why (plan/grad_sync.py; `strategy` keeps the knob as given, "auto" included)
+    grad_sync: GradSync | None = None
 
     @property
     def engine_strategy(self) -> Strategy:
-        return self.runs_as or self.strategy
+        """What the engines run: `runs_as`, else `strategy` with its gradient sync resolved."""
+        return self.runs_as or (self.grad_sync.strategy if self.grad_sync else self.strategy)
 
     @property
     def usable_bytes(self) -> float:
@@ -251,9 +256,10 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     # keeps every unsharded grad, upcast to reduce_dtype (`to_accumulated_grad_if_needed`,
     # _fsdp_param.py), until the last micro-batch reduce-scatters the sum. Stock FSDP2
     # (`reduce_every_micro_batch`) reduce-scatters every micro-batch into the sharded grads,
-    # which then live through the following micro-batches.
+    # which then live through the following micro-batches. plan_memory resolves "auto"
+    # (plan/grad_sync.py) before it gets here.
     accumulating = train.grad_accum > 1
-    unsharded_held = accumulating and not s.fsdp.reduce_every_micro_batch
+    unsharded_held = accumulating and s.fsdp.reduce_every_micro_batch is False
     held = reduce * psi if unsharded_held else 0.0
     # The root's own reduce-scatter (embeddings, lm_head: often the largest group) runs at the
     # end of backward, when the activations are gone: a step-phase transient, like the
@@ -365,6 +371,11 @@ def plan_memory(
     train = train.for_engine((runs_as or strategy).engine)
     if runs_as is not None:
         return replace(plan_memory(model, hw, train, runs_as, accounting, margin), strategy=strategy, runs_as=runs_as)
+    if applies(strategy, train) and strategy.fsdp.reduce_every_micro_batch == "auto":
+        # decided once (plan/grad_sync.py), then planned with the knob a bool
+        sync = fsdp_grad_sync(model, hw, train, strategy, margin)
+        return replace(plan_memory(model, hw, train, sync.strategy, accounting, margin), strategy=strategy,
+                       grad_sync=sync)
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
@@ -376,7 +387,7 @@ def plan_memory(
     return MemoryPlan(
         strategy=strategy, layout=layout, gpu=gpu, host=host, capacity_bytes=hw.gpu.memory_bytes,
         margin=margin, host_capacity_bytes=hw.host_memory_bytes, pipeline=tuple(g for g, _ in each),
-        rank=ranks[worst],
+        rank=ranks[worst], grad_sync=as_set(strategy, train, gpu.held_grads),
     )
 
 

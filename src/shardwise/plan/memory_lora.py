@@ -88,8 +88,8 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         mem = MemoryBreakdown(
             params=(base + w * a) / n, grads=w * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,
-            held_grads=reduce * a if train.grad_accum > 1 and not s.fsdp.reduce_every_micro_batch else 0.0,
-            grads_persist=train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch)
+            held_grads=reduce * a if train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch is False else 0.0,
+            grads_persist=train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch is not False)
         if s.offload_params:  # per node, as plan/memory.py books the host (every rank's share)
             host = HostBreakdown(params=mem.params * per_node, grads=mem.grads * per_node,
                                  optimizer_states=mem.optimizer_states * per_node)

@@ -362,6 +362,9 @@ def _above_peak(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
+    from shardwise.plan.grad_sync import resolved
+
+    strategy = resolved(model, hw, train, strategy)  # FSDP2's reduce-scatters per step: plan/grad_sync.py
     # as its engine runs it; without sequence parallelism where its TP has none
     train = tp_train(train.for_engine(strategy.engine), strategy)
     forward_only = train.forward_only_share  # a preference objective's no-grad forwards (plan/preference.py)

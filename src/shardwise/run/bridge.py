@@ -69,6 +69,16 @@ class RunSpec:
 
         return single_rank_runs_as(self.model, self.hardware, self.train, self.strategy) or self.strategy
 
+    @cached_property
+    def grad_sync(self):
+        """FSDP2 under accumulation: whether the engine holds the unsharded grads between
+        micro-batches (one reduce-scatter per step) or reduce-scatters every micro-batch, and
+        why; None where there is no choice (not FSDP2, one micro-batch per step). The planner's
+        decision (shardwise.plan.grad_sync) on the specs and memory preflight plans with."""
+        from shardwise.plan.grad_sync import fsdp_grad_sync
+
+        return fsdp_grad_sync(self.model, self.hardware, self.train, self.engine_strategy)
+
 
 def seq_len(cfg: TrainConfig) -> int:
     return cfg.data.synthetic.seq_len if cfg.data.kind == "synthetic" else cfg.data.sft.max_length

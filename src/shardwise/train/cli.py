@@ -323,6 +323,8 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     status, reason, code = "failed", None, ExitCode.FAILED
     # the engine that ran: FSDP2 with a one-rank shard group may run as DDP (FSDPKnobs.single_rank)
     extra: dict = {"strategy": run.strategy.name, "engine": run.engine_strategy.engine}
+    if run.grad_sync is not None:  # FSDP2 under accumulation: held grads or a reduce-scatter per micro-batch
+        extra["grad_sync"] = run.grad_sync.as_dict()
     try:
         with StopRequest() as stop, watchdog:
             result = train(run, env, metrics=metrics, final_export=cfg.checkpointing.save_final,

@@ -379,6 +379,8 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_precision(run)
     check_low_bit(run)
     memory = check_memory(run, force)
+    if run.grad_sync is not None:  # the plan's choice, which the FSDP2 engine runs (shardwise.plan.grad_sync)
+        print(f"shardwise: {run.grad_sync.line()}")
     from shardwise.train.host_memory import check_host_memory
 
     check_host_memory(run, force)

@@ -108,11 +108,13 @@ class FSDP2Engine(TorchOptimizerEngine):
         self.scaler = grad_scaler(run, env)
 
     def sync_grads(self, enabled: bool):
-        # FSDP2 accumulates unsharded grads locally while sync is off; the last micro-batch
-        # reduce-scatters the sum once. `reduce_every_micro_batch` keeps torch's default
-        # instead: a reduce-scatter per micro-batch into the sharded grads.
+        # Held (RunSpec.grad_sync: the plan's decision, shardwise.plan.grad_sync): FSDP2
+        # accumulates unsharded grads locally while sync is off; the last micro-batch
+        # reduce-scatters the sum once. Else torch's default: a reduce-scatter per micro-batch
+        # into the sharded grads.
+        sync = self.run.grad_sync
         if isinstance(self.module, FSDPModule):  # not under TP alone (no data-parallel group)
-            self.module.set_requires_gradient_sync(enabled or self.run.strategy.fsdp.reduce_every_micro_batch)
+            self.module.set_requires_gradient_sync(enabled or sync is None or not sync.hold)
         return contextlib.nullcontext()
 
     def _amp(self):
