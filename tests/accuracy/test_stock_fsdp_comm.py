@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from shardwise.bench import comm_worker as w  # noqa: E402 (after importorskip)
+from shardwise.bench import comm_worker as w
 
 
 @pytest.fixture(scope="module")
