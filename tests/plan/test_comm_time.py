@@ -10,7 +10,7 @@ from shardwise import catalog
 from shardwise.cli.app import app
 from shardwise.config.strategy import STRATEGY_NAMES
 from shardwise.plan.comm import ideal_comm, plan_comm
-from shardwise.plan.evaluate import evaluate
+from shardwise.plan.evaluate import evaluate, resolved
 from shardwise.plan.recommend import recommend
 from shardwise.specs import Strategy, TrainSpec
 
@@ -28,7 +28,9 @@ def test_paper_volumes(name, factor):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_engine_volumes_bf16_with_accumulation(k):
     train = TrainSpec(grad_accum=k)
-    comm = {n: plan_comm(M7, HW8, train, Strategy.from_name(n)) for n in ("ddp", "zero1", "zero2", "fsdp", "fsdp-grad-op")}
+    # FSDP2's gradient sync resolved as plan resolves it (memory, comm and time read a bool)
+    comm = {n: plan_comm(M7, HW8, train, resolved(M7, HW8, train, Strategy.from_name(n)))
+            for n in ("ddp", "zero1", "zero2", "fsdp", "fsdp-grad-op")}
     # DDP: fp32 gradients (autocast keeps fp32 params) all-reduced once per step (no_sync)
     assert comm["ddp"].all_reduce == pytest.approx(4 * PSI)
     # DeepSpeed ZeRO-1: bf16 bucket all-reduce once per step; ZeRO-2 once per micro-batch;
@@ -259,15 +261,15 @@ def test_lora_fsdp_gathers_base_and_adapters_reduce_scatters_adapters(k):
     a = ADAPTERS_ATTN16
     layers = M7.params_per_layer * L
     train = TrainSpec(lora_rank=16, grad_accum=k)
-    c = plan_comm(M7, HW8, train, Strategy.from_name("fsdp"))
+    c = plan_comm(M7, HW8, train, resolved(M7, HW8, train, Strategy.from_name("fsdp")))
     # every unit (base + its adapters) gathered in bf16 in forward, the layers but the last again
     # in backward
     assert c.all_gather == pytest.approx(2 * (PSI + a) * k + 2 * (layers + a) * (L - 1) / L * k)
     assert c.reduce_scatter == pytest.approx(4 * a)  # fp32 reduce_dtype, once per step, adapters only
-    go = plan_comm(M7, HW8, train, Strategy.from_name("fsdp-grad-op"))
+    go = plan_comm(M7, HW8, train, resolved(M7, HW8, train, Strategy.from_name("fsdp-grad-op")))
     assert go.all_gather == pytest.approx(2 * (PSI + a) * k) and go.reduce_scatter == pytest.approx(4 * a)
     hw = catalog.build_hardware(gpus=16, gpus_per_node=8)
-    hy = plan_comm(M7, hw, train, Strategy.from_name("fsdp-hybrid"))
+    hy = plan_comm(M7, hw, train, resolved(M7, hw, train, Strategy.from_name("fsdp-hybrid")))
     assert hy.inter == pytest.approx(2 * 4 * a / 8)  # the 1/8 adapter-grad shard all-reduced across nodes
 
 

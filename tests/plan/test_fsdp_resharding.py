@@ -15,7 +15,7 @@ from shardwise.cli.app import app
 from shardwise.config.strategy import FSDPKnobs, StrategyKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import plan_comm
-from shardwise.plan.evaluate import evaluate
+from shardwise.plan.evaluate import evaluate, resolved
 from shardwise.plan.memory import plan_memory
 from shardwise.specs import Strategy, TrainSpec
 
@@ -65,7 +65,8 @@ def test_reduce_every_micro_batch_all_reduces_hsdp_replicas_per_micro_batch():
 
 def test_none_is_grad_op():
     train = TrainSpec(grad_accum=2)
-    none, grad_op = fsdp(reshard_after_forward="none"), Strategy.from_name("fsdp-grad-op")
+    none, grad_op = (resolved(M7, HW8, train, s) for s in (fsdp(reshard_after_forward="none"),
+                                                            Strategy.from_name("fsdp-grad-op")))
     assert grad_op.resharding == "none"
     assert plan_comm(M7, HW8, train, none) == plan_comm(M7, HW8, train, grad_op)
     assert plan_comm(M7, HW8, train, none).all_gather == pytest.approx(2 * 2 * PSI)  # forward only
@@ -113,7 +114,8 @@ def test_layers_resharded_per_setting():
 @pytest.mark.parametrize("k", [1, 2])
 def test_reshard_layers_gathers_every_layer_but_not_the_root_again(k):
     """FSDP1 FULL_SHARD's layout (the root's flat parameter is never freed after forward)."""
-    c = plan_comm(M7, HW8, TrainSpec(grad_accum=k), fsdp(reshard_after_forward="layers"))
+    train = TrainSpec(grad_accum=k)
+    c = plan_comm(M7, HW8, train, resolved(M7, HW8, train, fsdp(reshard_after_forward="layers")))
     assert c.all_gather == pytest.approx(2 * k * (PSI + N * LAYER))
     assert c.calls == k * ((N + 1) + N) + (N + 1)
     assert Strategy.from_name("fsdp").resharding == "not-last"  # the trainer's default

@@ -9,8 +9,7 @@ from shardwise import catalog
 from shardwise.config.strategy import FSDPKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import plan_comm
-from shardwise.plan.evaluate import evaluate
-from shardwise.plan.grad_sync import fsdp_grad_sync
+from shardwise.plan.evaluate import evaluate, fsdp_grad_sync, memory_as_run, resolved
 from shardwise.plan.memory import plan_memory
 from shardwise.specs import Strategy, TrainSpec
 
@@ -47,8 +46,10 @@ def test_held_grads_that_do_not_fit_are_reduced_every_micro_batch_in_memory_comm
     assert auto.comm.reduce_scatter == pytest.approx(8 * held.comm.reduce_scatter)
     every = evaluate(M70, hw, train, fsdp(reduce_every_micro_batch=True))
     assert auto.comm == every.comm and auto.time == every.time and auto.memory.gpu == every.memory.gpu
-    # comm planned on its own resolves "auto" the same way
-    assert plan_comm(M70, hw, train, fsdp()) == every.comm
+    # comm planned on its own takes the knob resolved (it refuses an unresolved "auto")
+    assert plan_comm(M70, hw, train, resolved(M70, hw, train, fsdp())) == every.comm
+    with pytest.raises(ValueError, match="'auto' is decided first"):
+        plan_comm(M70, hw, train, fsdp())
     assert auto.strategy.fsdp.reduce_every_micro_batch == "auto"  # the row keeps the knob as given
 
 
@@ -62,5 +63,5 @@ def test_pipeline_schedules_hold_the_grads():
     """torch's schedule turns gradient sync off on all but the last micro-batch itself
     (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`)."""
     hw = catalog.build_hardware(gpus=8)
-    sync = plan_memory(M7, hw, TrainSpec(grad_accum=8), Strategy.from_name("fsdp", pp=2)).grad_sync
+    sync = memory_as_run(M7, hw, TrainSpec(grad_accum=8), Strategy.from_name("fsdp", pp=2)).grad_sync
     assert sync.hold and sync.auto and "pipeline schedule" in sync.reason

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.catalog import build_hardware, get_model
-from shardwise.plan.memory import plan_memory
+from shardwise.plan.evaluate import memory_as_run
 from shardwise.plan.pipeline import bubble_share, in_flight_peak, pipeline_ranks, rank_actions
 from shardwise.plan.stage import rank_params
 from shardwise.specs import ModelSpec, Strategy, TrainSpec
@@ -99,7 +99,7 @@ def test_plan_is_the_fullest_rank_and_names_each():
     its layers and the final norm, and only rank 3 holds the loss."""
     m = _tiny(8)
     train = TrainSpec(seq_len=128, micro_batch=2, grad_accum=8, precision="fp32")
-    plan = plan_memory(m, build_hardware(gpu="a100-80g", gpus=4), train, Strategy.from_name("fsdp", pp=4))
+    plan = memory_as_run(m, build_hardware(gpu="a100-80g", gpus=4), train, Strategy.from_name("fsdp", pp=4))
     assert len(plan.pipeline) == 4
     assert plan.gpu == max(plan.pipeline, key=lambda g: g.required)
     acts = [g.activations for g in plan.pipeline]
@@ -114,8 +114,8 @@ def test_gpipe_keeps_every_micro_batch_and_its_loss():
     m = _tiny(8)
     train = TrainSpec(seq_len=128, micro_batch=2, grad_accum=4, precision="fp32", cross_entropy="chunked")
     hw = build_hardware(gpu="a100-80g", gpus=2)
-    one = plan_memory(m, hw, train, Strategy.from_name("fsdp", pp=2))
-    gpipe = plan_memory(m, hw, train, Strategy.from_name("fsdp", pp=2, pp_schedule="gpipe"))
+    one = memory_as_run(m, hw, train, Strategy.from_name("fsdp", pp=2))
+    gpipe = memory_as_run(m, hw, train, Strategy.from_name("fsdp", pp=2, pp_schedule="gpipe"))
     assert gpipe.pipeline[0].activations == pytest.approx(2 * one.pipeline[0].activations)  # 4 vs 2 in flight
     assert gpipe.pipeline[1].activations == pytest.approx(4 * one.pipeline[1].activations)  # 4 vs 1
     assert gpipe.pipeline[1].logits - one.pipeline[1].logits == pytest.approx(3 * 4 * m.vocab_size * m.hidden_size)

@@ -111,7 +111,7 @@ def compare(p: Any, ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
     run = p.run
     plan = memory_as_run(run.model, run.hardware, run.train, run.strategy)
-    comm_plan = plan_comm(run.model, run.hardware, run.train, run.strategy)
+    comm_plan = plan_comm(run.model, run.hardware, run.train, plan.engine_strategy, plan.layout)
     cuda = p.device == "cuda"
     # model states: the planner's per-GPU bytes against the largest rank's census
     states = {t: _term(float(getattr(plan.gpu, t)), float(max((r["census"] or {}).get(t, 0) for r in ranks)))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+import yaml
 
 from shardwise.cli.plan_inputs import plan_inputs, plan_setup
 from shardwise.errors import ShardwiseError
@@ -38,7 +39,10 @@ def replanner(ctx: typer.Context, knob_values: dict, source):
     def replan(edits: dict[str, Any], setting) -> Any:
         with tempfile.TemporaryDirectory(prefix="shardwise-advice-") as d:
             try:
-                path, flags = edited_copy(source.path, edits, setting, Path(d))
+                try:
+                    path, flags = edited_copy(source.path, edits, setting, Path(d))
+                except (OSError, ValueError, TypeError, yaml.YAMLError) as e:  # a value its format cannot write
+                    raise ShardwiseError(f"the edited copy could not be written: {e}") from None
                 a, src = plan_inputs(ctx, knob_values, from_file=path, extra=flags)
                 return _evaluate(a, plan_setup(a, src))
             except ShardwiseError as e:  # named as the user's file, not the copy

@@ -98,11 +98,11 @@ def _absolute_paths(data: Any, base: Path) -> Any:
     if isinstance(data, list):
         return [_absolute_paths(v, base) for v in data]
     if isinstance(data, str) and 0 < len(data) < 4096 and "\n" not in data:
-        p = Path(data).expanduser()
-        try:
+        try:  # a string that is no path (a NUL, "~user" of no user) stays as it is
+            p = Path(data).expanduser()
             if not p.is_absolute() and not p.is_file() and (base / p).is_file():
                 return str((base / p).resolve())
-        except OSError:
+        except (OSError, RuntimeError, ValueError):
             return data
     return data
 
@@ -114,10 +114,10 @@ def _reference(data: Any, name: str, keys: tuple = ()) -> tuple[tuple, Path] | N
             if (found := _reference(v, name, (*keys, k))) is not None:
                 return found
     elif isinstance(data, str) and Path(data).name == name:
-        p = Path(data).expanduser()
         try:
+            p = Path(data).expanduser()
             if p.is_file():
                 return keys, p
-        except OSError:
+        except (OSError, RuntimeError, ValueError):
             return None
     return None

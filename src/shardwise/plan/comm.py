@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 
 from shardwise.plan.activations import input_linears
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
+from shardwise.plan.grad_sync import applies
 from shardwise.plan.lora import adapter_params, adapter_tensors
 from shardwise.plan.pipeline import PipelineRank
 from shardwise.plan.preference import no_grad_forwards, no_grad_gather_bytes
@@ -95,9 +96,8 @@ def _on(link: str, volume: float) -> dict:
 def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout | None = None) -> CommBreakdown:
     """Bytes each GPU asks collectives to move per optimizer step, as the engines do it."""
-    from shardwise.plan.grad_sync import resolved
-
-    strategy = resolved(model, hw, train, strategy)  # FSDP2's reduce-scatters per step: plan/grad_sync.py
+    if applies(strategy, train.for_engine(strategy.engine)) and strategy.fsdp.reduce_every_micro_batch == "auto":
+        raise ValueError(f"{strategy.name}: reduce_every_micro_batch 'auto' is decided first (plan.evaluate.resolved)")
     layout = layout or ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     train = tp_train(train, strategy)
     rank = fullest_rank(model, strategy, layout)
@@ -182,7 +182,7 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     # for the units resharded after forward (`Strategy.resharding`: the last decoder layer and
     # the root only under "all", stock fully_shard; train/engines/fsdp.py); reduce-scatter
     # in reduce_dtype once per step (sync disabled on non-final micro-batches), or every
-    # micro-batch (`reduce_every_micro_batch`, torch's default; "auto" as plan/grad_sync.py
+    # micro-batch (`reduce_every_micro_batch`, torch's default; "auto" as plan/evaluate.py fsdp_grad_sync
     # resolves it). LoRA adapters live in the
     # decoder-layer units and are gathered with them.
     p = c

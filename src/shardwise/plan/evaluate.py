@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import CommBreakdown, ideal_comm, plan_comm
+from shardwise.plan.grad_sync import GradSync, apart_words, applies, held_words, with_knob
 from shardwise.plan.memory import MemoryPlan, plan_memory
 from shardwise.plan.stage import replica_params
 from shardwise.plan.timing import TimeBreakdown, step_time
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
+from shardwise.specs.hardware import GIB
 from shardwise.specs.layout import ParallelLayout
 
 
@@ -38,6 +40,12 @@ def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy
     ddp = None
     if accounting == "engine" and strategy.single_rank_ddp(hw.world_size, hw.gpus_per_node):
         ddp = single_rank_runs_as(model, hw, train, strategy, margin)
+    if ddp is None and applies(strategy, train.for_engine(strategy.engine)) \
+            and strategy.fsdp.reduce_every_micro_batch == "auto":
+        # FSDP2 under accumulation: decided once (fsdp_grad_sync), then planned with the knob a bool
+        sync = fsdp_grad_sync(model, hw, train, strategy, margin)
+        return replace(plan_memory(model, hw, train, sync.strategy, accounting=accounting, margin=margin),
+                       strategy=strategy, grad_sync=sync)
     return plan_memory(model, hw, train, strategy, accounting=accounting, margin=margin, runs_as=ddp)
 
 
@@ -74,3 +82,53 @@ def single_rank_runs_as(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, st
     sharded = strategy.model_copy(update={"fsdp": strategy.fsdp.model_copy(update={"single_rank": "fsdp"})})
     kept = evaluate(model, hw, train, sharded, margin=margin)
     return ddp if not kept.fits or as_ddp.time.step_s <= kept.time.step_s else None
+
+
+def fsdp_grad_sync(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+                   margin: float | None = None) -> GradSync | None:
+    """The gradient reduction `strategy` (as `fully_shard` runs it) uses under `train`'s
+    accumulation on `hw`, with `margin` of GPU memory kept free (None: the memory model's
+    default, as `plan` and the trainer's preflight take it); None where there is no choice (not
+    FSDP2, or one micro-batch per step). The fit is the engines' (the "engine" accounting)."""
+    train = train.for_engine(strategy.engine)
+    if not applies(strategy, train):
+        return None
+    k = train.grad_accum
+    if strategy.fsdp.reduce_every_micro_batch != "auto":  # set in the config: the plan records it
+        return plan_memory(model, hw, train, strategy, margin=margin).grad_sync
+    hold_s = with_knob(strategy, False)
+    held = plan_memory(model, hw, train, hold_s, margin=margin)
+    held_bytes = held.gpu.held_grads
+    size = held_words(held_bytes)
+    if strategy.pp > 1:
+        return GradSync(hold=True, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=hold_s,
+                        reason=f"holding {size}: torch's pipeline schedule turns gradient sync off on all "
+                               "but the last micro-batch")
+    every_s = with_knob(strategy, True)
+    if held.gpu.required > held.usable_bytes:  # the GPU's fit (the held grads are on the GPU, offloaded or not)
+        return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
+                        reason=f"holding {size} would not fit: the plan would need "
+                               f"{apart_words(held.gpu.required / GIB, held.usable_bytes / GIB)} usable")
+    t_hold, t_every = (_step_s(model, hw, train, s, held.layout) for s in (hold_s, every_s))
+    if t_hold < t_every:
+        return GradSync(hold=True, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=hold_s,
+                        reason=f"holding {size} fits and saves {k - 1} reduce-scatter{'s' if k > 2 else ''} "
+                               f"per step: planned {t_hold:.4g} s vs {t_every:.4g} s a step")
+    return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
+                    reason=f"holding {size} would fit but is planned no faster: {t_hold:.4g} s vs "
+                           f"{t_every:.4g} s a step")
+
+
+def _step_s(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, layout) -> float:
+    comm = plan_comm(model, hw, train, strategy, layout)
+    return step_time(model, hw, train, strategy, layout, comm).step_s
+
+
+def resolved(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+             margin: float | None = None) -> Strategy:
+    """`strategy` with `reduce_every_micro_batch` a bool (itself where it already is one)."""
+    if strategy.fsdp.reduce_every_micro_batch != "auto":
+        return strategy
+    sync = fsdp_grad_sync(model, hw, train, strategy, margin)
+    # no choice (not FSDP2, or no accumulation): every micro-batch is the step's one reduce-scatter
+    return sync.strategy if sync else with_knob(strategy, True)

@@ -3,10 +3,11 @@
 micro-batch into the sharded gradients (torch's default, what torchtitan, torchtune and
 Composer run). `strategy.fsdp.reduce_every_micro_batch` says which: true, false, or "auto".
 
-One decision, here, for the planner and the trainer: `plan_memory` (and through it `plan`'s
-table, `--json` and the trainer's preflight) and the FSDP2 engine (`RunSpec.grad_sync`) call
-`fsdp_grad_sync` with the same specs and margin, so the held gradients planned are the ones the
-trainer holds. Pure, torch-free.
+One decision for the planner and the trainer: plan/evaluate.py `fsdp_grad_sync` (it plans
+memory and time, so it lives with them), which `memory_as_run` (and through it `plan`'s table,
+`--json` and the trainer's preflight) and the FSDP2 engine (`RunSpec.grad_sync`) call with the
+same specs and margin, so the held gradients planned are the ones the trainer holds. This module
+holds its record and the rules memory, comm and time read; pure, torch-free.
 
 "auto" holds them only where both hold:
 - it fits: the plan with the unsharded gradients held fits the GPU's usable memory (what the
@@ -24,8 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.specs.hardware import GIB, HardwareSpec
-from shardwise.specs.model import ModelSpec
+from shardwise.specs.hardware import GIB
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
@@ -71,50 +71,13 @@ def applies(strategy: Strategy, train: TrainSpec) -> bool:
     return strategy.engine == "fsdp2" and train.grad_accum > 1
 
 
-def fsdp_grad_sync(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-                   margin: float | None = None) -> GradSync | None:
-    """The gradient reduction `strategy` (as `fully_shard` runs it) uses under `train`'s
-    accumulation on `hw`, with `margin` of GPU memory kept free (None: the memory model's
-    default, as `plan` and the trainer's preflight take it); None where there is no choice (not
-    FSDP2, or one micro-batch per step). The fit is the engines' (the "engine" accounting)."""
-    from shardwise.plan.memory import plan_memory
-
-    train = train.for_engine(strategy.engine)
-    if not applies(strategy, train):
-        return None
-    k = train.grad_accum
-    if strategy.fsdp.reduce_every_micro_batch != "auto":  # set in the config: the plan records it
-        return plan_memory(model, hw, train, strategy, margin=margin).grad_sync
-    hold_s = with_knob(strategy, False)
-    held = plan_memory(model, hw, train, hold_s, margin=margin)
-    held_bytes = held.gpu.held_grads
-    size = _size(held_bytes)
-    if strategy.pp > 1:
-        return GradSync(hold=True, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=hold_s,
-                        reason=f"holding {size}: torch's pipeline schedule turns gradient sync off on all "
-                               "but the last micro-batch")
-    every_s = with_knob(strategy, True)
-    if held.gpu.required > held.usable_bytes:  # the GPU's fit (the held grads are on the GPU, offloaded or not)
-        return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
-                        reason=f"holding {size} would not fit: the plan would need "
-                               f"{_apart(held.gpu.required / GIB, held.usable_bytes / GIB)} usable")
-    t_hold, t_every = (_step_s(model, hw, train, s, held.layout) for s in (hold_s, every_s))
-    if t_hold < t_every:
-        return GradSync(hold=True, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=hold_s,
-                        reason=f"holding {size} fits and saves {k - 1} reduce-scatter{'s' if k > 2 else ''} "
-                               f"per step: planned {t_hold:.4g} s vs {t_every:.4g} s a step")
-    return GradSync(hold=False, auto=True, held_bytes=held_bytes, grad_accum=k, strategy=every_s,
-                    reason=f"holding {size} would fit but is planned no faster: {t_hold:.4g} s vs "
-                           f"{t_every:.4g} s a step")
-
-
-def _apart(need: float, usable: float) -> str:
+def apart_words(need: float, usable: float) -> str:
     """"A GiB of B": with the decimals that tell them apart (one, up to four)."""
     digits = next((d for d in range(1, 5) if f"{need:.{d}f}" != f"{usable:.{d}f}"), 4)
     return f"{need:.{digits}f} GiB of {usable:.{digits}f}"
 
 
-def _size(held_bytes: float) -> str:
+def held_words(held_bytes: float) -> str:
     return f"{held_bytes / GIB:.3g} GiB of unsharded grads"
 
 
@@ -124,24 +87,6 @@ def as_set(strategy: Strategy, train: TrainSpec, held_bytes: float) -> GradSync 
     if knob == "auto" or not applies(strategy, train):
         return None
     why = ("strategy.fsdp.reduce_every_micro_batch: true" if knob else
-           f"strategy.fsdp.reduce_every_micro_batch: false, holding {_size(held_bytes)}")
+           f"strategy.fsdp.reduce_every_micro_batch: false, holding {held_words(held_bytes)}")
     return GradSync(hold=not knob, auto=False, reason=why, held_bytes=held_bytes, grad_accum=train.grad_accum,
                     strategy=strategy)
-
-
-def _step_s(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy, layout) -> float:
-    from shardwise.plan.comm import plan_comm
-    from shardwise.plan.timing import step_time
-
-    comm = plan_comm(model, hw, train, strategy, layout)
-    return step_time(model, hw, train, strategy, layout, comm).step_s
-
-
-def resolved(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-             margin: float | None = None) -> Strategy:
-    """`strategy` with `reduce_every_micro_batch` a bool (itself where it already is one)."""
-    if strategy.fsdp.reduce_every_micro_batch != "auto":
-        return strategy
-    sync = fsdp_grad_sync(model, hw, train, strategy, margin)
-    # no choice (not FSDP2, or no accumulation): every micro-batch is the step's one reduce-scatter
-    return sync.strategy if sync else with_knob(strategy, True)

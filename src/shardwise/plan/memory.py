@@ -19,7 +19,7 @@ from shardwise.catalog import memory_model
 from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
-from shardwise.plan.grad_sync import GradSync, applies, as_set, fsdp_grad_sync
+from shardwise.plan.grad_sync import GradSync, applies, as_set
 from shardwise.plan.load import load_phase
 from shardwise.plan.loss import logits_bytes, loss_held_bytes
 from shardwise.plan.memory_estimators import deepspeed_estimator, paper_model_states
@@ -256,8 +256,8 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     # keeps every unsharded grad, upcast to reduce_dtype (`to_accumulated_grad_if_needed`,
     # _fsdp_param.py), until the last micro-batch reduce-scatters the sum. Stock FSDP2
     # (`reduce_every_micro_batch`) reduce-scatters every micro-batch into the sharded grads,
-    # which then live through the following micro-batches. plan_memory resolves "auto"
-    # (plan/grad_sync.py) before it gets here.
+    # which then live through the following micro-batches. memory_as_run resolves "auto"
+    # (plan/evaluate.py fsdp_grad_sync) before it gets here.
     accumulating = train.grad_accum > 1
     unsharded_held = accumulating and s.fsdp.reduce_every_micro_batch is False
     held = reduce * psi if unsharded_held else 0.0
@@ -372,10 +372,8 @@ def plan_memory(
     if runs_as is not None:
         return replace(plan_memory(model, hw, train, runs_as, accounting, margin), strategy=strategy, runs_as=runs_as)
     if applies(strategy, train) and strategy.fsdp.reduce_every_micro_batch == "auto":
-        # decided once (plan/grad_sync.py), then planned with the knob a bool
-        sync = fsdp_grad_sync(model, hw, train, strategy, margin)
-        return replace(plan_memory(model, hw, train, sync.strategy, accounting, margin), strategy=strategy,
-                       grad_sync=sync)
+        raise ValueError(f"{strategy.name}: reduce_every_micro_batch 'auto' is decided before memory is planned "
+                         "(plan.evaluate.memory_as_run / fsdp_grad_sync)")
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none

@@ -101,7 +101,7 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 "runs_as": p.runs_as.name if p.runs_as else None,
                 "knobs": engine_knobs(p.strategy, model),
                 # FSDP2 under accumulation: held unsharded grads or a reduce-scatter per micro-batch,
-                # and why (plan/grad_sync.py: "auto" resolved); null where there is no choice
+                # and why (plan/evaluate.py fsdp_grad_sync: "auto" resolved); null where there is no choice
                 "grad_sync": p.grad_sync.as_dict() if p.grad_sync and not p.runs_as else None,
                 "tp": p.layout.tp,
                 "pp": p.layout.pp,

@@ -26,6 +26,7 @@ from shardwise.plan.flops import (
     selective_recompute_params,
 )
 from shardwise.plan.fp8 import FP8_BYTES, cast_bytes
+from shardwise.plan.grad_sync import applies
 from shardwise.plan.kernels import (
     DENSE_SQUARE,
     OPTIMIZER_BYTES,
@@ -362,9 +363,8 @@ def _above_peak(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
-    from shardwise.plan.grad_sync import resolved
-
-    strategy = resolved(model, hw, train, strategy)  # FSDP2's reduce-scatters per step: plan/grad_sync.py
+    if applies(strategy, train.for_engine(strategy.engine)) and strategy.fsdp.reduce_every_micro_batch == "auto":
+        raise ValueError(f"{strategy.name}: reduce_every_micro_batch 'auto' is decided first (plan.evaluate.resolved)")
     # as its engine runs it; without sequence parallelism where its TP has none
     train = tp_train(train.for_engine(strategy.engine), strategy)
     forward_only = train.forward_only_share  # a preference objective's no-grad forwards (plan/preference.py)

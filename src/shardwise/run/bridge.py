@@ -74,8 +74,8 @@ class RunSpec:
         """FSDP2 under accumulation: whether the engine holds the unsharded grads between
         micro-batches (one reduce-scatter per step) or reduce-scatters every micro-batch, and
         why; None where there is no choice (not FSDP2, one micro-batch per step). The planner's
-        decision (shardwise.plan.grad_sync) on the specs and memory preflight plans with."""
-        from shardwise.plan.grad_sync import fsdp_grad_sync
+        decision (shardwise.plan.evaluate.fsdp_grad_sync) on the specs and memory preflight plans with."""
+        from shardwise.plan.evaluate import fsdp_grad_sync
 
         return fsdp_grad_sync(self.model, self.hardware, self.train, self.engine_strategy)
 
