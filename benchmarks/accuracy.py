@@ -168,7 +168,8 @@ def build(run: dict):
     # the TP its framework runs (a source's `tp_impl`, evidence in its notes: Megatron-LM's for the
     # Megatron rows; else the engine's own, specs.strategy.TP_SCHEMES)
     knobs.setdefault("tp_impl", run.get("tp_impl") or run.get("_source", {}).get("tp_impl") or "auto")
-    strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), **knobs)
+    strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), cp=run.get("cp", 1),
+                                  **knobs)
     return model, hw, train, strategy
 
 
@@ -209,6 +210,7 @@ def compare(run: dict) -> dict:
         "params_b": round(model.params / 1e9, 3),
         "gpu": run["gpu"] + (f" ({run['gpu_memory_gb']} GB)" if run.get("gpu_memory_gb") else ""),
         "gpus": run["gpus"], "strategy": run["strategy"], "tp": run.get("tp", 1), "pp": run.get("pp", 1),
+        "cp": run.get("cp", 1),
         "seq_len": train.seq_len, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
         "precision": train.precision, "fp8": train.fp8, "checkpointing": train.checkpointing,
         "compile": bool(run.get("compile")),

@@ -30,7 +30,7 @@ CORPUS = Path(__file__).parents[1] / "data" / "corpus"
 MANIFEST = yaml.safe_load((CORPUS / "MANIFEST.yaml").read_text())
 ENTRIES = MANIFEST["files"]
 FIELDS = {"strategy", "precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank",
-          "base_quant", "optimizer", "model", "gpus", "tp", "pp", "knobs", "fp8", "fp8_all_gather", "objective", "reference"}
+          "base_quant", "optimizer", "model", "gpus", "tp", "pp", "cp", "cp_impl", "knobs", "fp8", "fp8_all_gather", "objective", "reference"}
 # exit 0: planned; 3: planned, and nothing fits the GPUs (the JSON document is printed all the same)
 PLANNED = (0, 3)
 TRAIN_FIELDS = ("precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank", "base_quant", "optimizer",
@@ -68,7 +68,7 @@ def _planned(d: dict, field: str):
         return d["train"][field]
     if field == "gpus":
         return d["hardware"]["gpus"]
-    if field in ("tp", "pp"):
+    if field in ("tp", "pp", "cp", "cp_impl"):
         return sorted({s[field] for s in d["strategies"]})[0]
     if field == "knobs":
         return d["strategies"][0]["knobs"]

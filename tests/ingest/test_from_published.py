@@ -33,6 +33,14 @@ from typer.testing import CliRunner
 from shardwise.cli.app import app
 
 
+def _written(text: str) -> Path:
+    import tempfile
+
+    f = Path(tempfile.mkdtemp()) / "axolotl.yaml"
+    f.write_text(text)
+    return f
+
+
 def refused(*args: str) -> str:
     r = CliRunner().invoke(app, ["plan", *args])
     assert r.exit_code == 2, r.output
@@ -156,9 +164,20 @@ def test_accelerate_tp_and_hsdp_parallelism_config(tmp_path: Path):
     assert "sizes whose product is the 16 processes" in refused("--from", str(bad))
 
 
-def test_accelerate_context_parallelism_is_refused():
-    text = refused("--from", str(DATA / "trl_context_parallel_2gpu.yaml"))
-    assert "parallelism_config.parallelism_config_cp_size = 2: not plannable: context parallelism" in text
+def test_accelerate_context_parallelism_is_planned_as_torchs_context_parallel():
+    """TRL's CP config: 2 processes, dp_shard 1 × cp 2 (accelerate ParallelismConfig: the product is
+    num_processes), FSDP2 (activation checkpointing off at this commit): accelerate's `maybe_context_parallel` runs
+    torch's context_parallel over the FSDP2 model, which shards over the 2 cp ranks."""
+    src = same(["--from", str(DATA / "trl_context_parallel_2gpu.yaml"), "-m", "llama-3.2-3b", "--seq-len", "16384"],
+               ["-m", "llama-3.2-3b", "--seq-len", "16384", "-s", "fsdp", "--gpus", "2", "--gpus-per-node", "2",
+                "--cp", "2", "--cp-impl", "torch", "--checkpointing", "none", "--precision", "bf16-mixed",
+                "--micro-batch", "1", "--packed-attention", "none", "--cross-entropy", "standard", "--no-fused-kernels",
+                "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
+                "--fsdp-reduce-every-micro-batch", "false"])
+    assert any(r["key"] == "parallelism_config.parallelism_config_cp_size" and "--cp 2" in r["as"]
+               for r in src["read"])
+    doc = plan("--from", str(DATA / "trl_context_parallel_2gpu.yaml"), "-m", "llama-3.2-3b", "--seq-len", "16384")
+    assert [(s["name"], s["cp"], s["cp_impl"], s["dp_shard"]) for s in doc["strategies"]] == [("fsdp", 2, "torch", 2)]
 
 
 def test_accelerate_param_offload_plugin_is_refused(tmp_path: Path):
@@ -253,9 +272,23 @@ def test_axolotl_hsdp_and_tensor_parallel_sizes():
     assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 8)]
 
 
-def test_axolotl_context_parallel_is_refused():
-    assert "context_parallel_size = 2: not plannable: context parallelism" in refused(
-        "--from", str(DATA / "axolotl_fsdp_tp_cp.yaml"))
+def test_axolotl_context_parallel_is_planned_as_its_ring_attention():
+    """dp_shard_size 2 × context_parallel_size 2 × tensor_parallel_size 2 = 8 ranks. Under
+    sample_packing axolotl's ring_attn_func defaults to varlen_llama3 (`validate_ring_attn_func`):
+    ring-flash-attn's llama3 varlen function, K/V all-gathered, each row cut into cp consecutive
+    chunks (`chunk(local_world_size)[local_rank]`); flash_attention_2 packs with the varlen kernel."""
+    same(["--from", str(DATA / "axolotl_fsdp_tp_cp.yaml")],
+         ["-m", "qwen3-8b", "-s", "fsdp", "--tp", "2", "--cp", "2", "--cp-impl", "allgather", "--no-cp-load-balance",
+          "--gpus", "8", "--micro-batch", "1", "--grad-accum", "1", "--seq-len", "8192", "--precision", "bf16-mixed",
+          "--packed-attention", "flash_varlen", "--attention", "flash", "--cross-entropy", "fused",
+          "--optimizer-impl", "fused", *FSDP_STOCK])
+    doc = plan("--from", str(DATA / "axolotl_fsdp_tp_cp.yaml"))
+    assert [(s["name"], s["tp"], s["cp"], s["dp_shard"]) for s in doc["strategies"]] == [("fsdp", 2, 2, 4)]
+    # batch_ring without packing; an unknown ring function names the key
+    text = (DATA / "axolotl_fsdp_tp_cp.yaml").read_text()
+    unpacked = plan("--from", str(_written(text.replace("sample_packing: true", "sample_packing: false"))))
+    assert unpacked["strategies"][0]["cp_impl"] == "ring"
+    assert "ring_attn_func" in refused("--from", str(_written(text + "ring_attn_func: spiral\n")))
 
 
 

@@ -137,6 +137,9 @@ def plan(
         "pp_schedule", note="for the PP rows; given, the recommender keeps to it too (unset: the table plans 1f1b, "
         "the recommender sweeps 1f1b and, for FSDP2 stages, interleaved-1f1b over 2 stages a rank)"),
     pp_virtual_stages: int | None = strategy_option("pp_virtual_stages"),
+    cp: int | None = strategy_option("cp", note="for every row; the recommender keeps to it"),
+    cp_impl: str | None = strategy_option("cp_impl"),
+    cp_load_balance: bool | None = strategy_option("cp_load_balance"),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float | None = typer.Option(None, "--margin", show_default=False, help="Fraction of GPU memory kept free "
                                         "(default: the memory model's default_margin, catalog/memory.yaml)."),

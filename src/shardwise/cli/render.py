@@ -105,7 +105,7 @@ TIME_COLS = (
 )  # fmt: skip
 GROUPS = {"states": "params + grads + held + master + optim + ref", "activ+": "activ + recomp + logits + ref fwd",
           "buffers+": "step + gathered + buffers + grad buf + overhead"}  # fmt: skip
-CSV_COLS = ("strategy", "tp", "pp", *(c.key for c in MEMORY_COLS[1:]), *(c.key for c in TIME_COLS[1:]))
+CSV_COLS = ("strategy", "tp", "cp", "pp", *(c.key for c in MEMORY_COLS[1:]), *(c.key for c in TIME_COLS[1:]))
 
 
 def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
@@ -116,8 +116,9 @@ def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
     for e in evals:
         p, g, t = e.memory, e.memory.gpu, e.time
         lay = p.layout
-        r = {"strategy": label(p) + (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" pp{lay.pp}" if lay.pp > 1 else ""),
-             "tp": lay.tp, "pp": lay.pp,
+        r = {"strategy": label(p) + (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" cp{lay.cp}" if lay.cp > 1 else "")
+             + (f" pp{lay.pp}" if lay.pp > 1 else ""),
+             "tp": lay.tp, "cp": lay.cp, "pp": lay.pp,
              "params_gib": g.params / GIB, "grads_gib": g.grads / GIB, "master_gib": g.master_params / GIB,
              "optim_gib": g.optimizer_states / GIB, "step_gib": g.step_buffers / GIB,
              "activ_gib": g.activations / GIB, "recomp_gib": g.recompute / GIB, "logits_gib": g.logits / GIB,
@@ -300,7 +301,7 @@ def plan_doc(o: PlanOutput) -> dict:
         lay = chosen.memory.layout
         doc["emitted"] = [str(p) for p in paths]
         doc["emitted_setting"] = {
-            "strategy": chosen.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(chosen),
+            "strategy": chosen.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(chosen), "cp": lay.cp,
             "micro_batch": chosen.train.micro_batch,
             "grad_accum": chosen.train.grad_accum, "checkpointing": chosen.train.checkpointing,
             "tokens_per_s_per_gpu": chosen.time.tokens_per_s_per_gpu, "memory_total": chosen.memory.gpu.total,

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from shardwise.config.schema import TrainConfig
 from shardwise.config.strategy import (
+    CP_IMPLS,
     PP_SCHEDULES,
     DDPKnobs,
     DeepSpeedKnobs,
@@ -252,10 +253,12 @@ def as_flags(section: str, field: str, value: Any) -> list[str]:
 
 def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_impl: str | None = None,
                 base: tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs] | None = None, *, pp_schedule: str | None = None,
-                pp_virtual_stages: int | None = None) -> StrategyKnobs:
+                pp_virtual_stages: int | None = None, cp: int | None = None,
+                cp_impl: str | None = None, cp_load_balance: bool | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}}, the rest at `base` (the trainer's knobs for the
     device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own), with
-    the pipeline schedule of the PP rows where given; a bad value names its flag."""
+    the pipeline schedule of the PP rows and the context parallelism of every row where given; a
+    bad value names its flag."""
     from shardwise.config.fields import check_count
 
     if shard_group is not None:
@@ -266,6 +269,10 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
         raise ShardwiseError(f"--pp-schedule {pp_schedule!r}: expected {', '.join(PP_SCHEDULES)}")
     if pp_virtual_stages is not None:
         check_count("--pp-virtual-stages", pp_virtual_stages, hint=" (stages per pipeline rank)")
+    if cp is not None:
+        check_count("--cp", cp, hint=" (GPUs each sequence is split over)")
+    if cp_impl is not None and cp_impl not in CP_IMPLS:
+        raise ShardwiseError(f"--cp-impl {cp_impl!r}: expected {', '.join(CP_IMPLS)}")
     why = virtual_refusal(pp_schedule or "1f1b", pp_virtual_stages or 1)
     if why:
         given = (f"--pp-schedule {pp_schedule}" if pp_schedule else "") + (
@@ -282,7 +289,8 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
             fields = ", ".join(flag_of(section, f) for f in knobs.get(section, {}))
             raise ShardwiseError(f"{fields}: {e}") from None
     return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto", pp_schedule=pp_schedule,
-                         pp_virtual_stages=pp_virtual_stages)
+                         pp_virtual_stages=pp_virtual_stages, cp=cp, cp_impl=cp_impl,
+                         cp_load_balance=cp_load_balance)
 
 
 # --- plan's flags that set a field of the run -------------------------------------------------
@@ -386,6 +394,9 @@ def run_option(param: str) -> Any:
 STRATEGY_FLAGS: dict[str, str] = {  # plan()'s parameter (the Strategy field) -> its flag
     "pp_schedule": "--pp-schedule",
     "pp_virtual_stages": "--pp-virtual-stages",
+    "cp": "--cp",
+    "cp_impl": "--cp-impl",
+    "cp_load_balance": "--cp-load-balance",
 }
 
 
@@ -398,4 +409,5 @@ def strategy_option(param: str, note: str = "") -> Any:
     choices = " | ".join(str(c) for c in get_args(kind)) if get_origin(kind) is Literal else ""
     desc = (field.description or param.replace("_", " ")).rstrip(".")
     text = f"{desc}{': ' + choices if choices else ''} {note}".strip() + f" (YAML {key}; default {schema_default(key)})."
-    return typer.Option(None, STRATEGY_FLAGS[param], help=text[0].upper() + text[1:], show_default=False)
+    names = [f"{STRATEGY_FLAGS[param]}/--no-{STRATEGY_FLAGS[param][2:]}"] if kind is bool else [STRATEGY_FLAGS[param]]
+    return typer.Option(None, *names, help=text[0].upper() + text[1:], show_default=False)

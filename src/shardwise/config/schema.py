@@ -18,7 +18,7 @@ from pydantic import (
 from shardwise.config.base import Section as _Section
 from shardwise.config.data import MAX_LENGTH_CAP, DataConfig
 from shardwise.config.fields import Finite, Int, NonBlank, Seed, bounded
-from shardwise.config.strategy import STRATEGY_NAMES, DDPKnobs, DeepSpeedKnobs, FSDPKnobs, PPSchedule
+from shardwise.config.strategy import STRATEGY_NAMES, CPImpl, DDPKnobs, DeepSpeedKnobs, FSDPKnobs, PPSchedule
 from shardwise.errors import did_you_mean
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
@@ -104,6 +104,16 @@ class StrategySection(_Section):
                                                         "(torch.distributed.pipelining); its micro-batches are "
                                                         "run.grad_accum's")
     pp_virtual_stages: Int = Field(1, gt=0, description="stages per pipeline rank (interleaved-1f1b: 2 or more)")
+    cp: Int = Field(1, gt=0, description="context-parallel degree: each sequence split over cp GPUs of its "
+                                         "data-parallel group (planned only: shardwise train runs cp 1)")
+    cp_impl: CPImpl = Field("auto", description="how context parallelism exchanges keys and values: torch "
+                                                "(torch's context_parallel; torchtitan, accelerate), ring (p2p "
+                                                "ring; Megatron-Core, ring-flash-attn), allgather (Llama 3's; "
+                                                "ring-flash-attn varlen), ulysses (all-to-all; DeepSpeed) or "
+                                                "auto (the engine's own)")
+    cp_load_balance: bool = Field(True, description="context parallelism cuts each sequence into 2·cp chunks, "
+                                                    "two a rank, balancing causal attention (torch, Megatron); "
+                                                    "off: cp consecutive chunks (axolotl)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
     fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]

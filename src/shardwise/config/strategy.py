@@ -30,6 +30,15 @@ Resharding = Literal["all", "layers", "not-last", "none"]
 # Schedule1F1B and ScheduleInterleaved1F1B (shardwise.specs.pipeline).
 PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PP_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+# How context parallelism (strategy.cp) exchanges keys and values (shardwise.plan.context):
+# "torch" (torch.distributed.tensor.experimental.context_parallel, torchtitan's and accelerate's),
+# "ring" (a p2p ring overlapped with each chunk's attention: Megatron-Core/Transformer Engine,
+# ring-flash-attn), "allgather" (the Llama 3 paper's: K/V all-gathered, their gradients
+# reduce-scattered; ring-flash-attn's llama3 varlen), "ulysses" (DeepSpeed Ulysses: all-to-alls
+# that trade the sequence split for a head split around attention); "auto": the engine's own
+# (DeepSpeed: ulysses, torch's engines: torch).
+CPImpl = Literal["auto", "torch", "ring", "allgather", "ulysses"]
+CP_IMPLS: tuple[str, ...] = ("auto", "torch", "ring", "allgather", "ulysses")
 
 
 def virtual_refusal(schedule: str, virtual: int) -> str | None:
@@ -232,6 +241,10 @@ class StrategyKnobs(Spec):
     # over 2 stages a rank (shardwise.plan.recommend.sweep)
     pp_schedule: PPSchedule | None = None
     pp_virtual_stages: int | None = Field(None, gt=0)
+    # Context parallelism of every row (Strategy.cp / cp_impl); None: 1, and the engine's own
+    cp: int | None = Field(None, gt=0)
+    cp_impl: CPImpl | None = None
+    cp_load_balance: bool | None = None
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()

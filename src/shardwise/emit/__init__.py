@@ -167,12 +167,13 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
         (
             f"Emitted by `shardwise plan --emit`. Training setup: sequence {train.seq_len}, micro-batch "
             f"{train.micro_batch}, gradient accumulation {train.grad_accum} (global batch "
-            f"{train.micro_batch * train.grad_accum * lay.dp} sequences), {train.precision}, optimizer "
+            f"{train.micro_batch * train.grad_accum * lay.batch_ranks} sequences), {train.precision}, optimizer "
             f"{train.optimizer}, activation checkpointing {train.checkpointing}. Layout: "
             + (f"tensor-parallel {lay.tp}, " if lay.tp > 1 else "")
             + (f"pipeline-parallel {lay.pp} ({strategy.pp_schedule} schedule over the {train.grad_accum} "
                f"micro-batches of a step" + (f", {strategy.pp_virtual_stages} stages a rank" if
                                              strategy.pp_virtual_stages > 1 else "") + "), " if lay.pp > 1 else "")
+            + (f"context-parallel {lay.cp} ({strategy.cp_scheme}; of the data-parallel ranks), " if lay.cp > 1 else "")
             + f"data-parallel {lay.dp} (shard {lay.dp_shard} x replicate {lay.dp_replicate})."
         ),
         "",

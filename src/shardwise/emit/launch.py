@@ -28,13 +28,14 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 def planned(strategy: Strategy, hw: HardwareSpec) -> str:
     """The strategy with its model-parallel layout, as the scripts' comments name it:
     `fsdp tp 4 × pp 4 (1f1b) × dp 4` (the name alone without TP or PP)."""
-    if strategy.tp == 1 and strategy.pp == 1:
+    if strategy.tp == 1 and strategy.pp == 1 and strategy.cp == 1:
         return strategy.name
     lay = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     schedule = strategy.pp_schedule + (f", {strategy.pp_virtual_stages} stages a rank"
                                        if strategy.pp_virtual_stages > 1 else "")
     return (f"{strategy.name} " + (f"tp {lay.tp} × " if lay.tp > 1 else "")
-            + (f"pp {lay.pp} ({schedule}) × " if lay.pp > 1 else "") + f"dp {lay.dp}")
+            + (f"pp {lay.pp} ({schedule}) × " if lay.pp > 1 else "") + f"dp {lay.dp}"
+            + (f" (cp {lay.cp}, {strategy.cp_scheme})" if lay.cp > 1 else ""))
 
 
 def _header(title: str, hw: HardwareSpec, train: TrainSpec, strategy: Strategy) -> str:

@@ -203,17 +203,15 @@ def _hybrid(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
     """accelerate's `parallelism_config` (ParallelismConfig, utils/dataclasses.py; the launcher
     exports each key as PARALLELISM_CONFIG_*): a device mesh of dp_replicate × dp_shard × tp × cp
     ranks, whose product accelerate requires to be num_processes. tp > 1 is transformers' tensor
-    parallelism (`--tp`); dp_replicate > 1 beside dp_shard > 1 is HSDP (fsdp-hybrid, shard group
-    dp_shard); cp > 1 (context parallelism) is refused: the planner has none."""
+    parallelism (`--tp`); cp > 1 is torch's context_parallel over the FSDP2 model (`--cp`,
+    accelerate's `maybe_context_parallel`, load-balanced by torch's default), its
+    `cp_comm_strategy` torch's rotate method; dp_replicate > 1 beside dp_shard > 1 is HSDP
+    (fsdp-hybrid, shard group dp_shard × cp: FSDP shards over the cp ranks too)."""
     sizes = {}
     for k in PARALLELISM:
         v = p.get(k)
         sizes[k.removeprefix("parallelism_config_")] = 1 if v is None else as_count(doc, ("parallelism_config", k), v)
     rep, shard, tp, cp = (sizes[k] for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"))
-    if cp > 1:
-        raise refuse(doc, ("parallelism_config", "parallelism_config_cp_size"), cp,
-                     "context parallelism (the sequence split over ranks) is not in shardwise's planner; plan the "
-                     "run without it (cp_size 1) to see its memory and time at this sequence")
     gpus = src.values.get("gpus")  # the file's num_processes (a --gpus given beside it plans another world)
     if gpus is not None and rep * shard * tp * cp != gpus:
         raise doc.error(("parallelism_config",), sizes, f"sizes whose product is the {gpus} processes "
@@ -225,15 +223,21 @@ def _hybrid(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
                          f"--tp {tp} (transformers' tensor parallel plan over a {tp}-rank mesh axis)"))
     else:
         src.read.append(("parallelism_config.parallelism_config_tp_size", "1: no tensor parallelism"))
-    src.read.append(("parallelism_config.parallelism_config_cp_size", "1: no context parallelism"))
+    if cp > 1:
+        src.values |= {"cp": cp, "cp_impl": "torch"}
+        src.read.append(("parallelism_config.parallelism_config_cp_size",
+                         f"--cp {cp} --cp-impl torch (torch's context_parallel over the sequence)"))
+    else:
+        src.read.append(("parallelism_config.parallelism_config_cp_size", "1: no context parallelism"))
     if rep > 1 and shard > 1:
         if src.values.get("strategy") == ["fsdp+offload"]:
             raise doc.error(("parallelism_config", "parallelism_config_dp_replicate_size"), rep,
                             "1 with fsdp_offload_params (shardwise plans offload with full sharding only)")
         src.values["strategy"] = ["fsdp-hybrid"]
-        src.shard_group = shard
+        src.shard_group = shard * cp
         src.read.append(("parallelism_config.parallelism_config_dp_shard_size",
-                         f"{shard} × dp_replicate_size {rep}: -s fsdp-hybrid --shard-group {shard} (HSDP)"))
+                         f"{shard} × dp_replicate_size {rep}: -s fsdp-hybrid --shard-group {shard * cp} (HSDP"
+                         + (f", sharded over dp_shard {shard} × cp {cp})" if cp > 1 else ")")))
     elif rep > 1:
         src.values["strategy"] = ["ddp"]
         src.read.append(("parallelism_config.parallelism_config_dp_replicate_size",
@@ -242,8 +246,15 @@ def _hybrid(doc: Doc, p: dict, src: Source, ctx: Context) -> set:
         src.read.append(("parallelism_config.parallelism_config_dp_shard_size",
                          f"{shard}: one shard group over the data-parallel ranks (-s {src.values['strategy'][0]})"))
     if "parallelism_config_cp_comm_strategy" in p:
-        src.read.append(("parallelism_config.parallelism_config_cp_comm_strategy", "context parallelism only "
-                         "(cp_size 1): no change to memory or time"))
+        how = str(p["parallelism_config_cp_comm_strategy"])
+        if how not in ("allgather", "alltoall"):
+            raise doc.error(("parallelism_config", "parallelism_config_cp_comm_strategy"), how,
+                            "allgather or alltoall (torch's rotate methods)")
+        src.read.append(("parallelism_config.parallelism_config_cp_comm_strategy",
+                         "context parallelism only (cp_size 1): no change to memory or time" if cp == 1 else
+                         "allgather: torch's default rotate method" if how == "allgather" else
+                         "alltoall: the same bytes as allgather's; planned with allgather's overlap (behind the "
+                         "first chunk), where alltoall passes each chunk behind the previous one's attention"))
     return {("parallelism_config", k) for k in p if k in (*PARALLELISM, "parallelism_config_cp_comm_strategy")}
 
 

@@ -102,7 +102,8 @@ def read(doc: Doc, ctx: Context) -> Source:
         else:
             ignore(src, "plugins", f"{plugin}: not planned")
     if d.get("sample_packing"):
-        src.values["packed_attention"] = "flash_varlen" if d.get("flash_attention") else "sdpa_varlen"
+        flash = d.get("flash_attention") or src.values.get("attention") == "flash"  # or attn_implementation's
+        src.values["packed_attention"] = "flash_varlen" if flash else "sdpa_varlen"
         src.read.append(("sample_packing", f"true: --packed-attention {src.values['packed_attention']}"))
     if d.get("flash_attention"):
         src.values["attention"] = "flash"
@@ -150,40 +151,77 @@ def _unfrozen(doc: Doc, d: dict) -> None:
 
 
 def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:
-    """axolotl's mesh keys: tensor_parallel_size = --tp; dp_replicate_size > 1 beside dp_shard_size
-    = HSDP (fsdp-hybrid, shard group dp_shard_size); context and expert parallelism are refused
-    (the planner has neither). With dp_shard_size given the world size is the product, as axolotl
+    """axolotl's mesh keys: tensor_parallel_size = --tp; context_parallel_size (or the older
+    sequence_parallel_degree) = --cp, as `_context` reads it; dp_replicate_size > 1 beside
+    dp_shard_size = HSDP (fsdp-hybrid, whose shard group is dp_shard_size × context_parallel_size:
+    FSDP shards over both, as torchtitan's dp_shard_cp); expert parallelism is refused (the
+    planner has none). With dp_shard_size given the world size is the product, as axolotl
     requires it (a --gpus given beside the file wins, as every flag does)."""
     sizes = {k: as_count(doc, (k,), d[k]) for k in MESH if d.get(k) is not None}
-    for k in ("context_parallel_size", "expert_parallel_size"):
-        if sizes.get(k, 1) > 1:
-            what = "context parallelism (the sequence split over ranks)" if k.startswith("context") else \
-                "expert parallelism (MoE experts split over ranks)"
-            raise refuse(doc, (k,), sizes[k], f"{what} is not in shardwise's planner; plan the run with {k}: 1")
+    if sizes.get("expert_parallel_size", 1) > 1:
+        raise refuse(doc, ("expert_parallel_size",), sizes["expert_parallel_size"],
+                     "expert parallelism (MoE experts split over ranks) is not in shardwise's planner; plan the "
+                     "run with expert_parallel_size: 1")
+    cp = _context(doc, d, src, sizes)
     if not sizes:
-        return set()
+        return {"sequence_parallel_degree", "ring_attn_func", "heads_k_stride"}
     tp, rep, shard = (sizes.get(k, 1) for k in ("tensor_parallel_size", "dp_replicate_size", "dp_shard_size"))
     if tp > 1:
         src.values["tp"] = tp
         src.read.append(("tensor_parallel_size", f"--tp {tp} (transformers' tensor parallel plan, DTensor)"))
     if "dp_shard_size" in sizes:
-        world = tp * rep * shard
+        world = tp * rep * shard * cp
         src.values["gpus"] = world
-        src.read.append(("dp_shard_size", f"{shard}: --gpus {world} (dp_shard {shard} × dp_replicate {rep} × tp {tp})"))
+        src.read.append(("dp_shard_size", f"{shard}: --gpus {world} (dp_shard {shard} × dp_replicate {rep} × tp {tp}"
+                         + (f" × cp {cp})" if cp > 1 else ")")))
     if rep > 1 and shard > 1:
         if src.values.get("strategy") != ["fsdp"]:
             raise doc.error(("dp_replicate_size",), rep, f"1 with -s {src.values.get('strategy', ['?'])[0]} (HSDP "
                             "shards with FSDP, full sharding, no offload)")
         src.values["strategy"] = ["fsdp-hybrid"]
-        src.shard_group = shard
-        src.read.append(("dp_replicate_size", f"{rep}: -s fsdp-hybrid --shard-group {shard} (HSDP)"))
+        src.shard_group = shard * cp
+        src.read.append(("dp_replicate_size", f"{rep}: -s fsdp-hybrid --shard-group {shard * cp} (HSDP"
+                         + (f", sharded over dp_shard {shard} × cp {cp})" if cp > 1 else ")")))
     elif "dp_replicate_size" in sizes:
         src.read.append(("dp_replicate_size", f"{rep}: " + ("no replication" if rep == 1 else
                                                            "replicas of the whole model")))
-    for k in ("context_parallel_size", "expert_parallel_size"):
-        if k in sizes:
-            src.read.append((k, "1: none"))
-    return set(MESH)
+    if "expert_parallel_size" in sizes:
+        src.read.append(("expert_parallel_size", "1: none"))
+    return {*MESH, "sequence_parallel_degree", "ring_attn_func", "heads_k_stride"}
+
+
+# axolotl's ring attention functions (utils/schemas/enums.py RingAttnFunc) -> (cp_impl, balanced):
+# varlen_llama3 is ring-flash-attn's llama3_flash_attn_varlen_func (K/V all-gathered), the batch
+# ones its ring / zigzag / stripe functions (a p2p ring); axolotl slices each row into cp
+# consecutive chunks for varlen_llama3 and batch_ring, into 2·cp for zigzag, strided for stripe
+# (axolotl-ai-cloud/axolotl src/axolotl/utils/ctx_managers/sequence_parallel.py)
+RING_ATTN = {"varlen_llama3": ("allgather", False), "batch_ring": ("ring", False),
+             "batch_zigzag": ("ring", True), "batch_stripe": ("ring", True)}
+
+
+def _context(doc: Doc, d: dict, src: Source, sizes: dict[str, int]) -> int:
+    """axolotl's context parallelism: `context_parallel_size` (`sequence_parallel_degree` before it
+    was renamed; axolotl migrates the old key) over ring-flash-attn, with `ring_attn_func`
+    defaulting to varlen_llama3 under sample_packing, else batch_ring (axolotl's
+    `validate_ring_attn_func`); it requires flash attention (`check_context_parallel_size`)."""
+    key = "context_parallel_size" if "context_parallel_size" in sizes else "sequence_parallel_degree"
+    cp = sizes.get("context_parallel_size") or (
+        as_count(doc, (key,), d[key]) if d.get(key) is not None else 1)
+    if cp == 1:
+        if key in d:
+            src.read.append((key, "1: none"))
+        return 1
+    func = str(d.get("ring_attn_func") or ("varlen_llama3" if d.get("sample_packing") else "batch_ring")).lower()
+    if func not in RING_ATTN:
+        raise doc.error(("ring_attn_func",), d.get("ring_attn_func"), f"one of {', '.join(RING_ATTN)}")
+    impl, balanced = RING_ATTN[func]
+    src.values |= {"cp": cp, "cp_impl": impl, "cp_load_balance": balanced}
+    src.read.append((key, f"--cp {cp} --cp-impl {impl}" + ("" if balanced else " --no-cp-load-balance")
+                     + f" (ring-flash-attn {func}" + ("" if "ring_attn_func" in d else ", axolotl's default")
+                     + ("; each row cut into cp consecutive chunks)" if not balanced else ")")))
+    if "heads_k_stride" in d:
+        src.read.append(("heads_k_stride", "K/V heads gathered at a time: the launches, not the bytes"))
+    return cp
 
 
 def _fp8(doc: Doc, d: dict, src: Source) -> set:

@@ -101,7 +101,8 @@ class Source:
             elif isinstance(v, bool):
                 words += [flag] if v else ([f"--no-{flag[2:]}"] if name in ("sequence_parallel", "fused_kernels",
                                                                                    "optimizer_in_backward",
-                                                                                   "activation_offload")
+                                                                                   "activation_offload",
+                                                                                   "cp_load_balance")
                                            else [])
             elif v is not None:
                 words += [flag, str(v)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from shardwise.plan.activations import input_linears
+from shardwise.plan.context import exchange_bytes, exchanges_per_layer, local_train
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
 from shardwise.plan.grad_sync import applies
 from shardwise.plan.lora import adapter_params, adapter_tensors
@@ -56,16 +57,21 @@ class CommBreakdown:
     calls: int = 0  # collective launches per step (latency term)
     blocking: float = 0.0  # volume on the critical path (TP all-reduces, PP sends): never overlapped
     blocking_calls: int = 0  # the launches of that volume (their latency is on the critical path too)
+    # context parallelism's K/V exchange (plan/context.py): bytes each rank receives, and its
+    # launches; priced apart, against the attention it overlaps (timing.step_time)
+    context: float = 0.0
+    context_calls: int = 0
 
     @property
     def total(self) -> float:
         return (2 * self.all_reduce + self.all_gather + self.reduce_scatter + self.reduce + self.broadcast
-                + self.p2p + self.all_to_all)
+                + self.p2p + self.all_to_all + self.context)
 
     def as_dict(self) -> dict[str, float]:
         d = {k: getattr(self, k) for k in KINDS}
         d.update(intra=self.intra, inter=self.inter, pcie=self.pcie, blocking=self.blocking, calls=self.calls,
-                 blocking_calls=self.blocking_calls, total=self.total)
+                 blocking_calls=self.blocking_calls, context=self.context, context_calls=self.context_calls,
+                 total=self.total)
         return d
 
     def __add__(self, other: CommBreakdown) -> CommBreakdown:
@@ -110,9 +116,23 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         link = "intra" if strategy.fsdp_sharding == "hybrid" else _dp_link(hw, layout, layout.dp)
         calls = k * no_grad_forwards(train) * (len(rank.layers) + 1)  # a gather per layer and the root's
         out = out + CommBreakdown(all_gather=ref, calls=calls, **_on(link, ref))
-    # the TP/PP activations of a forward's batch: 2 sequences per example for the paired objectives
-    out = out + _tp_pp_comm(model, train.as_sequences(), strategy, layout, k, c)
+    # the TP/PP activations of a forward's batch: 2 sequences per example for the paired objectives;
+    # with context parallelism, of the rank's seq/cp tokens, and the K/V its attention exchanges
+    seq = local_train(train.as_sequences(), layout.cp)
+    out = out + _tp_pp_comm(model, seq, strategy, layout, k, c)
+    if layout.cp > 1:
+        out = out + _context_comm(model, seq, strategy, layout, k)
     return out
+
+
+def _context_comm(model, train, s: Strategy, layout, k) -> CommBreakdown:
+    """The K/V exchange of context parallelism on the pipeline rank with the most layers
+    (plan/context.py): the forward's again in a fully recomputed forward."""
+    fwd, bwd = exchange_bytes(model, train, layout.cp, s.cp_scheme, layout.tp)
+    fwd_calls, bwd_calls = exchanges_per_layer(model, train, layout.cp, s.cp_scheme)
+    forwards = 2 if train.checkpointing == "full" else 1
+    layers = busiest_layers(model, s, layout) * k
+    return CommBreakdown(context=layers * (forwards * fwd + bwd), context_calls=layers * (forwards * fwd_calls + bwd_calls))
 
 
 def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRank) -> CommBreakdown:

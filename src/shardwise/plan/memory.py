@@ -16,8 +16,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from shardwise.catalog import memory_model
+from shardwise.errors import ShardwiseError
 from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
+from shardwise.plan.context import backward_buffers, local_train, saved_extra
+from shardwise.plan.context import refusal as context_refusal
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
 from shardwise.plan.grad_sync import GradSync, applies, as_set
 from shardwise.plan.load import load_phase
@@ -307,7 +310,7 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     `release_cached_blocks` frees only unsplit blocks). Expandable segments unmap freed pages
     whatever their segment: nothing stays unreclaimable."""
     mm = memory_model()
-    groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp))
+    groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.cp, layout.pp))
     resident = gpu.resident + (gpu.grads if gpu.grads_persist else 0.0)
     phases = gpu.phases  # the end of backward reuses blocks of both: the fit is over these two
     fwd, step = (max(0.0, phases[k] - resident) for k in ("forward", "step"))
@@ -377,6 +380,9 @@ def plan_memory(
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
+    if why := context_refusal(model, train, layout.cp, strategy.cp_scheme, layout.tp, strategy.cp_load_balance):
+        raise ShardwiseError(f"cp {layout.cp} ({strategy.cp_scheme}) with {strategy.name}: {why}")
+    train = local_train(train, layout.cp)  # context parallelism: a rank's seq/cp tokens (plan/context.py)
     # one GPU of each pipeline rank (one rank at pp 1); the plan's GPU is the one that needs most
     ranks = strategy_ranks(model, strategy, layout)
     each = [_rank_memory(model, hw, train, strategy, layout, accounting, rank) for rank in ranks]
@@ -421,6 +427,13 @@ def _rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy:
         host = replace(host, params=host.params + ref_host * per_node)
     draft = replace(states, activations=acts, recompute=recompute, logits=logits, ref_params=ref_gpu,
                     ref_forward=reference_forward(model, train, strategy, layout, psi, vocab_tp))
+    if layout.cp > 1:  # one layer's K/V exchange buffers in its attention backward, and what its
+        # attention saves beyond the local K/V: each layer's, or the recomputed layer's (plan/context.py)
+        extra = saved_extra(model, seq, layout.cp, strategy.cp_scheme, layout.tp)
+        kept = len(rank.layers) if train.checkpointing == "none" else 0
+        draft = replace(draft, activations=draft.activations + kept * extra,
+                        grad_buffers=draft.grad_buffers + (extra if not kept else 0.0)
+                        + backward_buffers(model, seq, layout.cp, strategy.cp_scheme, layout.tp))
     gpu = replace(draft, **runtime_overhead(layout, draft, train.expandable_segments))
     if accounting == "engine":  # the trainer's load phase (safetensors, on GPUs): plan/load.py
         host = replace(host, load=load_phase(model, train, strategy, layout, per_node))

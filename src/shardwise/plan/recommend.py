@@ -36,6 +36,10 @@ MEGATRON = "Megatron-LM"
 MEGATRON_DS = "Megatron-DeepSpeed"
 TORCHTITAN = "torchtitan"
 DS_PIPE = "DeepSpeed's pipeline engine (deepspeed.pipe)"
+# context parallelism outside torchtitan: ring-flash-attn under axolotl (context_parallel_size),
+# DeepSpeed's Ulysses through HF accelerate's ParallelismConfig sp_size (ALST)
+RING_FLASH = "axolotl (ring-flash-attn)"
+DS_ULYSSES = "DeepSpeed Ulysses (accelerate sp_size)"
 DS_AUTOTP = "DeepSpeed AutoTP training (tensor_parallel.autotp_size)"
 # DeepSpeed itself runs what its engine under shardwise does not: pure bf16 through
 # bf16.bf16_master_weights_and_grads + bf16_optimizer_states, a low-bit AdamW as a client optimizer.
@@ -71,6 +75,8 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
             gaps.append(f"pipeline parallelism (pp {strategy.pp}) with {strategy.name}")
         elif why := trainer_pp_gap(model, strategy, train):
             gaps.append(f"pipeline parallelism (pp {strategy.pp}) for this run: {why}")
+    if strategy.cp > 1:
+        gaps.append(f"context parallelism (cp {strategy.cp}, {strategy.cp_scheme})")
     if train.checkpointing not in TRAINER_CHECKPOINTING:
         gaps.append(f"{train.checkpointing} activation checkpointing")
     if train.fp8 != "none":
@@ -98,7 +104,8 @@ def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = Non
     """The tool that runs a configuration: shardwise's trainer, or for plan-only ones
     torchtitan (FSDP2 with TP/PP/selective checkpointing), DeepSpeed's pipeline engine
     (ZeRO-0/1 with PP alone), Megatron-DeepSpeed (DeepSpeed ZeRO with Megatron's TP, or
-    selective recompute), Megatron-LM (its DDP with TP/PP or selective recompute)."""
+    selective recompute), Megatron-LM (its DDP with TP/PP or selective recompute); context
+    parallelism alone: axolotl's ring-flash-attn (ring, allgather) or DeepSpeed's Ulysses."""
     gaps = trainer_gaps(strategy, train, model, runs)
     if not gaps:
         return TRAINER
@@ -108,6 +115,11 @@ def tool_for(strategy: Strategy, train: TrainSpec, model: ModelSpec | None = Non
         return TRL
     if all(g.endswith(" under DeepSpeed") for g in gaps):
         return DS_OWN
+    if strategy.cp > 1 and strategy.tp == 1 and strategy.pp == 1:
+        if strategy.cp_scheme in ("ring", "allgather"):
+            return RING_FLASH
+        if strategy.cp_scheme == "ulysses" and strategy.engine == "deepspeed":
+            return DS_ULYSSES
     if strategy.engine == "fsdp2":
         return TORCHTITAN
     if strategy.engine == "deepspeed":
@@ -134,7 +146,7 @@ class Alternative:
         e = self.evaluation
         lay = e.memory.layout
         return {
-            "strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(e), "dp": lay.dp,
+            "strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(e), "cp": lay.cp, "dp": lay.dp,
             "micro_batch": e.train.micro_batch, "grad_accum": e.train.grad_accum,
             "checkpointing": e.train.checkpointing, "tool": self.tool, "needs": list(self.gaps),
             "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu, "memory_total": e.memory.gpu.total,
@@ -170,7 +182,7 @@ class Recommendation:
         b = self.best
         return {
             "strategy": b.strategy.name, "tp": b.memory.layout.tp, "pp": b.memory.layout.pp,
-            **schedule_of(b), "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
+            **schedule_of(b), "cp": b.memory.layout.cp, "micro_batch": b.train.micro_batch, "grad_accum": b.train.grad_accum,
             "checkpointing": b.train.checkpointing, "precision": b.train.precision, "optimizer": b.train.optimizer,
             "optimizer_in_backward": b.train.optimizer_in_backward, "activation_offload": b.train.activation_offload,
             "runnable": self.runnable, "tool": self.tool, "needs": trainer_gaps(b.strategy, b.train, b.model, b.memory.engine_strategy),
@@ -188,7 +200,7 @@ def schedule_of(e: Evaluation) -> dict:
 def equivalent_dict(e: Evaluation) -> dict:
     """`recommended_setting.runnable_equivalent`: what shardwise train runs at a plan-only layout."""
     lay = e.memory.layout
-    return {"strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(e), "dp": lay.dp,
+    return {"strategy": e.strategy.name, "tp": lay.tp, "pp": lay.pp, **schedule_of(e), "cp": lay.cp, "dp": lay.dp,
             "micro_batch": e.train.micro_batch, "grad_accum": e.train.grad_accum,
             "checkpointing": e.train.checkpointing, "tokens_per_s_per_gpu": e.time.tokens_per_s_per_gpu,
             "memory_total": e.memory.gpu.total, "memory_required": e.memory.gpu.required}
@@ -439,7 +451,8 @@ def _alternatives(best: Evaluation | None, others: list[Evaluation]) -> tuple[Al
 def _describe(e: Evaluation) -> str:
     lay, s = e.memory.layout, e.strategy
     schedule = s.pp_schedule + (f"×{s.pp_virtual_stages}" if s.pp_virtual_stages > 1 else "")
-    extra = (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" pp{lay.pp} {schedule}" if lay.pp > 1 else "")
+    extra = (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" cp{lay.cp}" if lay.cp > 1 else "") + (
+        f" pp{lay.pp} {schedule}" if lay.pp > 1 else "")
     return (f"{e.strategy.name}{extra} (micro-batch {e.train.micro_batch} × accum {e.train.grad_accum}, "
             f"checkpointing {e.train.checkpointing})")
 

@@ -105,6 +105,8 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 "grad_sync": p.grad_sync.as_dict() if p.grad_sync and not p.runs_as else None,
                 "tp": p.layout.tp,
                 "pp": p.layout.pp,
+                "cp": p.layout.cp,
+                "cp_impl": p.strategy.cp_scheme if p.layout.cp > 1 else None,
                 "dp": p.layout.dp,
                 "dp_shard": p.layout.dp_shard,
                 "dp_replicate": p.layout.dp_replicate,

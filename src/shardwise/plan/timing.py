@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from shardwise.errors import ShardwiseError
 from shardwise.plan.activations import attention_kind
 from shardwise.plan.comm import CommBreakdown, fsdp_regathered
+from shardwise.plan.context import hidden_share, imbalance, key_len, local_train
 from shardwise.plan.flops import (
     attention_flops_per_token,
     forward_only_flops_per_token,
@@ -42,7 +43,7 @@ from shardwise.plan.kernels import (
 from shardwise.plan.lora import adapter_params, adapters, linear_weight_params
 from shardwise.plan.memory import offloaded_activations
 from shardwise.plan.memory_lora import NF4_BYTES
-from shardwise.plan.network import comm_time
+from shardwise.plan.network import comm_time, inter_bus
 from shardwise.plan.optimizer import optimizer_bytes, paged_states
 from shardwise.plan.pipeline import pipeline_idle
 from shardwise.plan.stage import (
@@ -244,8 +245,11 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
                 gemm_time(tokens, d_in, train.lora_rank, flops_s, bytes_s, c)
                 + gemm_time(tokens, train.lora_rank, d_out, flops_s, bytes_s, c))
 
-    # attention kernels (causal, flash/SDPA): the model FLOPs of scores and values (flops.py)
-    attn_flops = attention_flops_per_token(model, train.seq_len) / model.num_layers / tp * tokens * layers
+    # attention kernels (causal, flash/SDPA): the model FLOPs of scores and values (flops.py);
+    # under context parallelism a rank's queries attend over the whole sequence (plan/context.py)
+    # (the busiest rank's, where consecutive chunks leave the last rank the most)
+    attn_flops = attention_flops_per_token(model, key_len(train, layout.cp)) / model.num_layers / tp * tokens * layers
+    attn_flops *= imbalance(layout.cp, s.cp_scheme, s.cp_load_balance)
     attn_eff = gpu.attention_efficiency_of(train.attention)
     replay_attn = 1.0 if train.checkpointing == "full" else 0.0
     attention = k * attn_flops * (1 + replay_attn / 3 + forward_only / 3) / (gpu.peak_flops(train.compute_dtype) * attn_eff)
@@ -369,8 +373,9 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     train = tp_train(train.for_engine(strategy.engine), strategy)
     forward_only = train.forward_only_share  # a preference objective's no-grad forwards (plan/preference.py)
     extra_flops = forward_only_flops_per_token(model, train)
-    train = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
-    tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica per step
+    whole = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
+    train = local_train(whole, layout.cp)  # context parallelism: a rank's seq/cp tokens (plan/context.py)
+    tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica (cp rank) per step
     psi = replica_params(model, strategy, layout)
     ct = compute_time(model, hw, train, strategy, layout, psi, forward_only)
     compute = ct.gpu_s
@@ -403,6 +408,11 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         blocking_exposed = blocking - hidden
     comm_s += blocking
     exposed += blocking_exposed
+    if comm.context:  # context parallelism's K/V exchange, against the attention it overlaps
+        cp_s = _context_time(comm, hw, layout)
+        comm_s += cp_s
+        exposed += cp_s - min(cp_s, hw.timing.overlap_efficiency * ct.attention_s
+                              * hidden_share(model, train, layout.cp, strategy.cp_scheme))
     offload = _offload_time(model, hw, strategy, layout, comm, train) + _saver_copies(model, hw, train, strategy, layout, psi, work, bwd)
     bubble = work * pipeline_bubble(model, train, strategy, layout)
     step = work + exposed + offload + bubble
@@ -411,13 +421,22 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     # MFU counts the no-grad forwards' model FLOPs too: the GPU runs them in the step
     # (of the compute dtype's peak, as torchtitan and Megatron-LM report fp8 runs: their fp8
     # GEMMs can pass it, but not the FP8 peak)
-    mfu = (run_flops_per_token(model, train) + extra_flops) * tps / hw.gpu.peak_flops(train.compute_dtype)
+    mfu = (run_flops_per_token(model, whole) + extra_flops) * tps / hw.gpu.peak_flops(train.compute_dtype)
     ceiling = hw.gpu.peak_flops("fp8") / hw.gpu.peak_flops(train.compute_dtype) if train.fp8 != "none" else 1.0
     if mfu > ceiling:
         raise _above_peak(model, hw, train, strategy, tps, mfu)
     return TimeBreakdown(compute, comm_s, exposed, offload, bubble, step, tps, mfu,
                          ct.gemm_s, ct.attention_s, ct.memory_bound_s, ct.optimizer_s,
                          work - compute)
+
+
+def _context_time(comm: CommBreakdown, hw: HardwareSpec, layout: ParallelLayout) -> float:
+    """The K/V exchange of a cp group: on NVLink while cp × tp GPUs fit a node (torchtitan's mesh
+    puts cp inside dp_shard, next to tp), else at one GPU's share of the NICs."""
+    inside = layout.cp * layout.tp <= hw.gpus_per_node or hw.nodes == 1
+    bus = hw.intra.bus_bytes_per_s if inside else inter_bus(hw, 1)
+    latency = hw.intra.latency_s if inside else hw.inter.latency_s
+    return comm.context / bus + comm.context_calls * latency
 
 
 def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: float,
@@ -440,7 +459,7 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
         return 0.0
     if s.engine == "deepspeed" and s.zero_stage and not s.ds.overlap(s.zero_stage):
         return comm_s
-    total = (comm.total - comm.blocking) or 1.0
+    total = (comm.total - comm.blocking - comm.context) or 1.0
     hide = tm.overlap_efficiency
     if s.shards_params:
         ag_share = comm.all_gather / total

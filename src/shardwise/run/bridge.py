@@ -200,6 +200,8 @@ def strategy(cfg: TrainConfig, device: str) -> Strategy:
         kw |= {"pp": s.pp, "pp_schedule": s.pp_schedule, "pp_virtual_stages": s.pp_virtual_stages}
     elif s.pp_virtual_stages != 1:
         kw["pp_virtual_stages"] = s.pp_virtual_stages  # refused by Strategy: it needs pp > 1
+    if s.cp != 1 or s.cp_impl != "auto" or not s.cp_load_balance:
+        kw |= {"cp": s.cp, "cp_impl": s.cp_impl, "cp_load_balance": s.cp_load_balance}
     try:
         return Strategy.from_name(s.name, **kw)
     except ShardwiseError as e:
@@ -257,6 +259,9 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
     per_node = gpus_per_node(cfg, world_size, environ)
     model = model or model_spec(cfg)
     strat = strategy(cfg, device)
+    if strat.cp > 1:
+        raise ShardwiseError(f"{cfg.source}: strategy.cp {strat.cp}: context parallelism is planned only "
+                             f"(shardwise plan --cp {strat.cp}); shardwise train runs cp 1")
     profile = None
     if cfg.hardware.profile:  # its own errors name the profile file (relative to the cwd, like the data paths)
         from shardwise.specs.profile import load_profile
@@ -320,7 +325,8 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         raise ShardwiseError(
             f"the trainer runs data parallelism, pipeline parallelism with FSDP2 (no offload), and tensor "
             f"parallelism (no offload) with FSDP2 through DTensor or with ZeRO-1/2 through DeepSpeed's AutoTP; "
-            f"{strategy.name} has tp {strategy.tp}, pp {strategy.pp}, TP scheme {strategy.tp_scheme.name}")
+            f"{strategy.name} has tp {strategy.tp}, pp {strategy.pp}, TP scheme {strategy.tp_scheme.name}"
+            + (f", cp {strategy.cp} (context parallelism is planned only)" if strategy.cp > 1 else ""))
     train = train.for_engine(strategy.engine)
     notes: list[str] = []
     precision = train.precision

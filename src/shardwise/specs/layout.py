@@ -1,6 +1,10 @@
 """The parallel layout, shared by the planner and the trainer: validated without GPUs.
 
 dp_replicate × dp_shard × tp × pp must equal the world size (torchtitan's ParallelDims).
+Context parallelism (`cp`) takes its ranks from the data-parallel ones: model states are
+sharded and reduced over dp_shard × cp as over any data-parallel group (torchtitan's
+`dp_shard_cp` mesh; Megatron-Core's data-parallel group with context parallelism), while the cp
+ranks of a group split one sequence instead of taking their own (`batch_ranks`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,16 @@ class ParallelLayout(Spec):
     dp_shard: int = Field(1, gt=0)  # GPUs a model state is sharded over (ZeRO/FSDP group)
     dp_replicate: int = Field(1, gt=0)  # replicas of each shard (DDP, HSDP across nodes)
     tp: int = Field(1, gt=0)
+    cp: int = Field(1, gt=0)  # of the data-parallel ranks: the GPUs one sequence is split over
     pp: int = Field(1, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
+        group = self.dp_shard if self.dp_shard > 1 else self.dp_replicate
+        if group % self.cp:
+            raise ShardwiseError(
+                f"cp {self.cp} does not divide the data-parallel {'shard group' if self.dp_shard > 1 else 'degree'} "
+                f"of {group} GPUs (context-parallel ranks are data-parallel ranks that split one sequence)")
         prod = self.dp_replicate * self.dp_shard * self.tp * self.pp
         if prod != self.world_size:
             raise ShardwiseError(
@@ -53,30 +63,39 @@ class ParallelLayout(Spec):
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def batch_ranks(self) -> int:
+        """The data-parallel ranks that take their own sequences (dp / cp)."""
+        return self.dp // self.cp
+
     @classmethod
     def for_strategy(cls, strategy, world_size: int, gpus_per_node: int) -> ParallelLayout:
         """Derive the layout a strategy implies on `world_size` GPUs with its TP/PP degrees."""
-        tp, pp = strategy.tp, strategy.pp
+        tp, pp, cp = strategy.tp, strategy.pp, strategy.cp
         if world_size % (tp * pp):
             raise ShardwiseError(
                 f"tp {tp} × pp {pp} = {tp * pp} does not divide the {world_size} GPUs "
                 f"(data-parallel degree would be {world_size / (tp * pp):.3g})"
             )
+        if world_size % (tp * pp * cp):
+            raise ShardwiseError(
+                f"cp {cp} × tp {tp} × pp {pp} = {cp * tp * pp} does not divide the {world_size} GPUs "
+                "(context-parallel ranks split the data-parallel ones)")
         if tp > gpus_per_node or gpus_per_node % tp:
             raise ShardwiseError(
                 f"tp {tp} must divide the {gpus_per_node} GPUs of a node (tensor parallelism stays on NVLink)"
             )
         dp = world_size // (tp * pp)
         if not strategy.shards_optimizer:  # DDP, ZeRO-0: every model state replicated
-            return cls(world_size=world_size, dp_replicate=dp, tp=tp, pp=pp)
+            return cls(world_size=world_size, dp_replicate=dp, tp=tp, cp=cp, pp=pp)
         if strategy.fsdp_sharding == "hybrid":
             group = strategy.shard_group or max(1, gpus_per_node // tp)
             if dp % group:
                 raise ShardwiseError(
                     f"fsdp-hybrid: shard group of {group} GPUs does not divide the data-parallel degree {dp}"
                 )
-            return cls(world_size=world_size, dp_shard=group, dp_replicate=dp // group, tp=tp, pp=pp)
-        return cls(world_size=world_size, dp_shard=dp, tp=tp, pp=pp)
+            return cls(world_size=world_size, dp_shard=group, dp_replicate=dp // group, tp=tp, cp=cp, pp=pp)
+        return cls(world_size=world_size, dp_shard=dp, tp=tp, cp=cp, pp=pp)
 
     def check_model(self, model) -> None:
         """Refuse layouts the model's shape cannot split."""

@@ -14,6 +14,7 @@ from shardwise.config.base import Spec
 from shardwise.config.strategy import (
     STRATEGIES,
     STRATEGY_NAMES,
+    CPImpl,
     DDPKnobs,
     DeepSpeedKnobs,
     Engine,
@@ -74,6 +75,10 @@ class Strategy(Spec):
 
     name: str
     tp: int = Field(1, gt=0)
+    cp: int = Field(1, gt=0, description="context-parallel degree: each sequence split over cp GPUs (plan/context.py)")
+    cp_impl: CPImpl = Field("auto", description="how CP exchanges keys and values: torch, ring, allgather, "
+                            "ulysses; auto = the engine's (DeepSpeed: ulysses, else torch)")
+    cp_load_balance: bool = Field(True, description="CP chunks balanced for causal attention (else consecutive)")
     pp: int = Field(1, gt=0)
     pp_schedule: PPSchedule = Field("1f1b", description="the pipeline schedule (pp > 1; shardwise.specs.pipeline)")
     pp_virtual_stages: int = Field(1, gt=0, description="stages per pipeline rank (interleaved 1F1B: ≥ 2)")
@@ -106,6 +111,10 @@ class Strategy(Spec):
         if self.tp_impl == "dtensor" and self.engine == "deepspeed":
             raise ShardwiseError(f"tp_impl 'dtensor' with strategy {self.name!r}: DeepSpeed takes no DTensor "
                                  "parameters (its TP is autotp, or Megatron-DeepSpeed's: megatron)")
+        if self.cp_impl == "torch" and self.engine == "deepspeed":
+            raise ShardwiseError(f"cp_impl 'torch' with strategy {self.name!r}: torch's context_parallel shards "
+                                 "DTensor inputs of torch's engines; DeepSpeed's sequence parallelism is ulysses "
+                                 "(or a ring: cp_impl ring)")
         given = self.fsdp.reshard_after_forward
         if self.fsdp_sharding == "grad-op" and "reshard_after_forward" in self.fsdp.model_fields_set and given != "none":
             raise ShardwiseError(
@@ -129,6 +138,7 @@ class Strategy(Spec):
             extra |= {f: getattr(k, f) for f in ("pp_schedule", "pp_virtual_stages") if getattr(k, f) is not None}
         if facts and facts.engine != "fsdp2" and k.tp_impl != "auto":
             extra["tp_impl"] = k.tp_impl
+        extra |= {f: getattr(k, f) for f in ("cp", "cp_impl", "cp_load_balance") if getattr(k, f) is not None}
         fsdp = k.fsdp
         if facts and facts.fsdp_sharding == "grad-op":  # its resharding is its definition, not a knob
             fsdp = FSDPKnobs(**k.fsdp.model_dump(exclude_unset=True, exclude={"reshard_after_forward"}))
@@ -179,6 +189,14 @@ class Strategy(Spec):
         if self.engine != "deepspeed":
             return TP_SCHEMES["dtensor"]
         return TP_SCHEMES["autotp" if self.zero_stage != 3 and self.pp == 1 else "megatron"]
+
+    @property
+    def cp_scheme(self) -> str:
+        """How this strategy's context parallelism exchanges keys and values (`cp_impl`; "auto":
+        DeepSpeed's Ulysses for DeepSpeed, torch's context_parallel for torch's engines)."""
+        if self.cp_impl != "auto":
+            return self.cp_impl
+        return "ulysses" if self.engine == "deepspeed" else "torch"
 
     @property
     def resharding(self) -> Resharding | None:
@@ -264,10 +282,11 @@ class Strategy(Spec):
         (DTensor, shardwise.train.model.tensor_parallel) or with ZeRO-1/2 without offload
         (DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section), as its own scheme; PP with
         FSDP2 without offload, DTensor's TP inside the stages (`specs.pipeline.stage_engine_refusal`).
+        Context parallelism (cp > 1) is planned only.
         What the model and the run decide on top (families, tied embeddings, the schedule's
         micro-batches) is `specs.pipeline.trainer_pp_gap`'s and `specs.layout.trainer_tp_gap`'s."""
         offload = self.offload_params or self.offload_optimizer
         tp_ok = self.tp == 1 or (not offload and (
             (self.engine == "fsdp2" and self.tp_scheme.name == "dtensor")
             or (self.zero_stage in (1, 2) and self.tp_scheme.name == "autotp")))
-        return self.facts.trainer and tp_ok and stage_engine_refusal(self) is None
+        return self.facts.trainer and tp_ok and self.cp == 1 and stage_engine_refusal(self) is None
