@@ -33,7 +33,7 @@ OWN_LINK = {
     "v100-32g": "nvlink2", "h100-pcie": "pcie5", "l40s": "pcie4", "rtx-4090": "pcie4", "rtx-3090": "pcie4",
     "mi300x": "xgmi", "b200": "nvlink5", "gb200": "nvlink5", "h20": "nvlink4", "rtx-4080": "pcie4",
     "rtx-4070-ti": "pcie4", "rtx-5090": "pcie5", "l4": "pcie4", "a10g": "pcie4", "mi250x": "xgmi-mi250x",
-    "mi325x": "xgmi",
+    "mi325x": "xgmi", "rtx-a6000": "pcie4",
 }  # fmt: skip
 
 
