@@ -52,6 +52,7 @@ sys.path.insert(0, str(HERE))
 import accuracy  # noqa: E402  (benchmarks/ scripts)
 import h200_cases  # noqa: E402
 
+from shardwise import catalog  # noqa: E402
 from shardwise.errors import ShardwiseError  # noqa: E402
 from shardwise.plan.comm import plan_comm  # noqa: E402
 from shardwise.plan.evaluate import memory_as_run  # noqa: E402
@@ -102,6 +103,8 @@ def all_cases() -> tuple[Case, ...]:
             continue  # fp8 runs test the fp8 model (plan/fp8.py), whose constants no run fits: held out of the fit
         if run.get("cp", 1) > 1:
             continue  # so do context-parallel runs (plan/context.py): held out of the fit
+        if run.get("held_out"):
+            continue  # a run whose published figure its stated settings cannot reach (its reason beside it)
         try:
             out.append(_case(run["name"], run["_source"]["id"], tps, *accuracy.build(run)))
         except ShardwiseError:
@@ -139,11 +142,26 @@ def candidates() -> list[Candidate]:
     return out
 
 
+@cache
+def _stated_by(family: str, name: str) -> str:
+    """The family whose value of efficiency `name` `family` runs with: itself, or the one it
+    borrows it from (following borrows: catalog/timing.yaml)."""
+    seen = {family}
+    while (base := catalog.family_borrows(family).get(name)) and base not in seen:
+        family = base
+        seen.add(family)
+    return family
+
+
 def apply(hw, values: dict[str, float]):
-    """`hw` with candidate values in place (unvalidated copies: the fit's inner loop)."""
+    """`hw` with candidate values in place (unvalidated copies: the fit's inner loop); a family
+    that borrows an efficiency takes the candidate of the family it borrows from."""
     engine = {k[7:]: v for k, v in values.items() if k.startswith("engine.")}
-    fam = hw.gpu.family + "."
-    gpu = {k[len(fam):]: v for k, v in values.items() if k.startswith(fam)}
+    gpu = {}
+    for k, v in values.items():
+        fam, _, name = k.partition(".")
+        if fam != "engine" and _stated_by(hw.gpu.family, name) == fam:
+            gpu[name] = v
     update = {}
     if engine:
         update["timing"] = hw.timing.model_copy(update=engine)
