@@ -22,6 +22,7 @@ from shardwise.plan.context import exchange_bytes, exchanges_per_layer, local_tr
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
 from shardwise.plan.grad_sync import applies
 from shardwise.plan.lora import adapter_params, adapter_tensors
+from shardwise.plan.memory_lora import nf4_gathered_saving
 from shardwise.plan.pipeline import PipelineRank
 from shardwise.plan.preference import no_grad_forwards, no_grad_gather_bytes
 from shardwise.plan.stage import (
@@ -214,6 +215,9 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     ag_bwd = p * regathered * k
     if train.fp8_all_gather:  # the decoder linears' weights all-gathered in fp8 (plan/fp8.py)
         saved = gathered_linear_bytes_saved(c, train) * linear_share(model, rank, layout.tp)[0] * k
+        ag_fwd, ag_bwd = ag_fwd - saved, ag_bwd - saved * share
+    if train.base_quant == "nf4":  # QLoRA's NF4 linears all-gathered as stored (plan/memory_lora.py)
+        saved = nf4_gathered_saving(c) * linear_share(model, rank, layout.tp)[0] * k
         ag_fwd, ag_bwd = ag_fwd - saved, ag_bwd - saved * share
     # held unsharded grads: once per step; torch's default (sync left on): every micro-batch
     reductions = k if s.fsdp.reduce_every_micro_batch else 1

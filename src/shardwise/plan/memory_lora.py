@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
+from shardwise.plan.fp8 import linear_share
 from shardwise.plan.lora import (
     adapter_params_per_layer,
     adapter_tensors,
@@ -85,6 +86,9 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
         gathered = fsdp_gathered_params(s, c, psi, r.layers, layer)
+        if train.base_quant == "nf4":  # the layers' NF4 linears are gathered as stored (nf4_gathered_saving)
+            lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
+            gathered -= nf4_gathered_saving(c) * (lin_total if s.resharding == "none" else 2 * lin_layer)
         mem = MemoryBreakdown(
             params=(base + w * a) / n, grads=w * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,
@@ -119,3 +123,13 @@ def base_bytes(model: ModelSpec, train: TrainSpec, layout: ParallelLayout, psi: 
 
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def nf4_gathered_saving(c: int) -> float:
+    """Bytes fewer per NF4 base weight that a sharded QLoRA all-gathers and holds unsharded: the
+    4-bit data and its scales travel as stored, not dequantised to the compute dtype (torchao's
+    NF4Tensor, which torchtune shards with FSDP2, gathers its quantized_data, scalers and
+    quantization factors in `fsdp_pre_all_gather`, pytorch/ao torchao/dtypes/nf4tensor.py; FSDP-QLoRA
+    flattens bitsandbytes' packed uint8 storage, `bnb_4bit_quant_storage`, into the FSDP flat
+    parameter), and each layer dequantises one weight at a time in its forward."""
+    return c - NF4_BYTES
