@@ -137,6 +137,8 @@ def plan(
         "pp_schedule", note="for the PP rows; given, the recommender keeps to it too (unset: the table plans 1f1b, "
         "the recommender sweeps 1f1b and, for FSDP2 stages, interleaved-1f1b over 2 stages a rank)"),
     pp_virtual_stages: int | None = strategy_option("pp_virtual_stages"),
+    ep: int | None = strategy_option("ep", note="for the MoE rows of the table and the recommender"),
+    ep_load_imbalance: float | None = strategy_option("ep_load_imbalance"),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float | None = typer.Option(None, "--margin", show_default=False, help="Fraction of GPU memory kept free "
                                         "(default: the memory model's default_margin, catalog/memory.yaml)."),

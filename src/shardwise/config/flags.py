@@ -1,6 +1,7 @@
 """`shardwise plan`'s flags, from the schema: the engine knobs' flags generated from the knob
 classes, the flags that set a field of the run (RUN_FLAGS) and the pipeline schedule's
-(STRATEGY_FLAGS: strategy.pp_schedule, strategy.pp_virtual_stages), each with its YAML key.
+(STRATEGY_FLAGS: strategy.pp_schedule, strategy.pp_virtual_stages, strategy.ep,
+strategy.ep_load_imbalance), each with its YAML key.
 
 One schema: the pydantic fields of `DeepSpeedKnobs`, `FSDPKnobs` and `DDPKnobs`
 (shardwise.config.strategy) give the trainer's YAML sections (`config/schema._overrides`), `--set`,
@@ -252,7 +253,8 @@ def as_flags(section: str, field: str, value: Any) -> list[str]:
 
 def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_impl: str | None = None,
                 base: tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs] | None = None, *, pp_schedule: str | None = None,
-                pp_virtual_stages: int | None = None) -> StrategyKnobs:
+                pp_virtual_stages: int | None = None, ep: int | None = None,
+                ep_load_imbalance: float | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}}, the rest at `base` (the trainer's knobs for the
     device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own), with
     the pipeline schedule of the PP rows where given; a bad value names its flag."""
@@ -266,6 +268,13 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
         raise ShardwiseError(f"--pp-schedule {pp_schedule!r}: expected {', '.join(PP_SCHEDULES)}")
     if pp_virtual_stages is not None:
         check_count("--pp-virtual-stages", pp_virtual_stages, hint=" (stages per pipeline rank)")
+    if ep is not None:
+        check_count("--ep", ep, hint=" (expert-parallel degree)")
+    if ep_load_imbalance is not None and not (math.isfinite(ep_load_imbalance) and ep_load_imbalance >= 1.0):
+        raise ShardwiseError(f"--ep-load-imbalance {ep_load_imbalance}: expected a finite number ≥ 1.0 (1.0: the "
+                             "busiest expert-parallel rank gets the balanced share of routed tokens)")
+    if ep_load_imbalance not in (None, 1.0) and (ep or 1) == 1:
+        raise ShardwiseError(f"--ep-load-imbalance {ep_load_imbalance} needs expert parallelism: give --ep 2 or more")
     why = virtual_refusal(pp_schedule or "1f1b", pp_virtual_stages or 1)
     if why:
         given = (f"--pp-schedule {pp_schedule}" if pp_schedule else "") + (
@@ -282,7 +291,7 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
             fields = ", ".join(flag_of(section, f) for f in knobs.get(section, {}))
             raise ShardwiseError(f"{fields}: {e}") from None
     return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto", pp_schedule=pp_schedule,
-                         pp_virtual_stages=pp_virtual_stages)
+                         pp_virtual_stages=pp_virtual_stages, ep=ep, ep_load_imbalance=ep_load_imbalance)
 
 
 # --- plan's flags that set a field of the run -------------------------------------------------
@@ -386,6 +395,8 @@ def run_option(param: str) -> Any:
 STRATEGY_FLAGS: dict[str, str] = {  # plan()'s parameter (the Strategy field) -> its flag
     "pp_schedule": "--pp-schedule",
     "pp_virtual_stages": "--pp-virtual-stages",
+    "ep": "--ep",
+    "ep_load_imbalance": "--ep-load-imbalance",
 }
 
 

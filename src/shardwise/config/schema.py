@@ -104,6 +104,12 @@ class StrategySection(_Section):
                                                         "(torch.distributed.pipelining); its micro-batches are "
                                                         "run.grad_accum's")
     pp_virtual_stages: Int = Field(1, gt=0, description="stages per pipeline rank (interleaved-1f1b: 2 or more)")
+    ep: Int = Field(1, gt=0, description="expert-parallel degree of a MoE model: each MoE layer's routed experts split "
+                                         "over ep ranks borrowed from the data-parallel ones (ep divides num_experts "
+                                         "and the data-parallel degree); planned only, shardwise train refuses ep > 1")
+    ep_load_imbalance: Finite = Field(1.0, ge=1.0, description="with ep > 1: tokens the busiest expert-parallel rank "
+                                      "receives over the balanced share (1.0 balanced; an engine that drops tokens: "
+                                      "its capacity factor)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
     fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]

@@ -232,6 +232,9 @@ class StrategyKnobs(Spec):
     # over 2 stages a rank (shardwise.plan.recommend.sweep)
     pp_schedule: PPSchedule | None = None
     pp_virtual_stages: int | None = Field(None, gt=0)
+    # Expert parallelism of MoE models (Strategy.ep, ep_load_imbalance; plan-only): None = 1
+    ep: int | None = Field(None, gt=0)
+    ep_load_imbalance: float | None = Field(None, ge=1.0, allow_inf_nan=False)
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from shardwise.plan import experts
 from shardwise.plan.activations import input_linears
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
 from shardwise.plan.grad_sync import applies
@@ -101,10 +102,13 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     layout = layout or ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     train = tp_train(train, strategy)
     rank = fullest_rank(model, strategy, layout)
-    psi = replica_params(model, strategy, layout, rank)
+    # expert parallelism: a rank holds (gathers, reduces) num_experts/ep experts, reduced over the
+    # dp/ep expert-data-parallel ranks (plan/experts.py); the rest as before
+    dp_model = experts.rank_model(model, experts.ep_of(strategy))
+    psi = replica_params(dp_model, strategy, layout, rank)
     k = train.grad_accum
     c = train.compute_bytes
-    out = _dp_comm(model, train, strategy, layout, hw, psi, k, c, rank)
+    out = _dp_comm(dp_model, train, strategy, layout, hw, psi, k, c, rank)
     ref = no_grad_gather_bytes(model, train, strategy, layout, psi)
     if ref:  # a preference objective's no-grad forwards through a sharded model (plan/preference.py)
         link = "intra" if strategy.fsdp_sharding == "hybrid" else _dp_link(hw, layout, layout.dp)
@@ -112,6 +116,9 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         out = out + CommBreakdown(all_gather=ref, calls=calls, **_on(link, ref))
     # the TP/PP activations of a forward's batch: 2 sequences per example for the paired objectives
     out = out + _tp_pp_comm(model, train.as_sequences(), strategy, layout, k, c)
+    a2a, calls = experts.a2a_step(model, train.as_sequences(), strategy, rank)
+    if a2a:  # dispatch and combine: on the critical path, priced apart (timing.step_time)
+        out = out + CommBreakdown(all_to_all=a2a, blocking=a2a, blocking_calls=calls)
     return out
 
 

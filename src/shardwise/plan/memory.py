@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from shardwise.catalog import memory_model
+from shardwise.plan import experts
 from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
@@ -97,6 +98,10 @@ def model_states(
     rank = rank or fullest_rank(model, strategy, layout)
     psi = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
     n = layout.dp_shard
+    if (ep := experts.ep_of(strategy)) > 1:  # num_experts/ep experts held, their states over dp_shard/ep
+        model = experts.rank_model(model, ep)
+        held = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
+        psi, n = held, experts.state_shards(n, psi, held)
     per_node = max(1, min(layout.world_size, gpus_per_node))  # GPUs sharing one host
     if accounting == "paper":
         return paper_model_states(psi, n, strategy), HostBreakdown()
@@ -308,6 +313,7 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     whatever their segment: nothing stays unreclaimable."""
     mm = memory_model()
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp))
+    groups += (layout.ep > 1) + (layout.ep > 1 and layout.dp > layout.ep)  # EP, expert-data-parallel
     resident = gpu.resident + (gpu.grads if gpu.grads_persist else 0.0)
     phases = gpu.phases  # the end of backward reuses blocks of both: the fit is over these two
     fwd, step = (max(0.0, phases[k] - resident) for k in ("forward", "step"))
@@ -376,6 +382,7 @@ def plan_memory(
                          "(plan.evaluate.memory_as_run / fsdp_grad_sync)")
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
+    experts.check_ep(model, strategy, layout)
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
     # one GPU of each pipeline rank (one rank at pp 1); the plan's GPU is the one that needs most
     ranks = strategy_ranks(model, strategy, layout)
