@@ -39,6 +39,7 @@ from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "p2p", "all_to_all")
+MOVED = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "intra", "inter")  # the data-parallel volumes
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,9 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     k = train.grad_accum
     c = train.compute_bytes
     out = _dp_comm(dp_model, train, strategy, layout, hw, psi, k, c, rank)
+    if (moved := experts.dp_moved_share(model, strategy, layout, rank, psi)) < 1.0:  # dp = ep: experts stay put
+        out = CommBreakdown(**{f.name: getattr(out, f.name) * (moved if f.name in MOVED else 1)
+                               for f in fields(out)})
     ref = no_grad_gather_bytes(model, train, strategy, layout, psi)
     if ref:  # a preference objective's no-grad forwards through a sharded model (plan/preference.py)
         link = "intra" if strategy.fsdp_sharding == "hybrid" else _dp_link(hw, layout, layout.dp)

@@ -96,6 +96,19 @@ def state_shards(n: int, psi_full: float, psi_held: float) -> float:
     return n * psi_held / psi_full
 
 
+def dp_moved_share(model: ModelSpec, strategy: Strategy, layout: ParallelLayout, rank: PipelineRank,
+                   psi_held: float) -> float:
+    """The share of a rank's held parameters ψ_held whose data-parallel collectives move bytes:
+    all of them, but where the expert-data-parallel group is one rank (dp = ep: every rank holds
+    experts no other rank holds) the experts' gathers and reductions are over nobody. Where it is
+    larger the experts' collectives run over dp/ep ranks, priced on the data-parallel group's link
+    and ring (an upper bound: (g − 1)/g of a smaller group)."""
+    ep = ep_of(strategy)
+    if ep <= 1 or layout.dp > ep or psi_held <= 0:
+        return 1.0
+    return max(0.0, 1.0 - expert_params(model, rank, layout.tp) / ep / psi_held)
+
+
 def check_ep(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> None:
     """What the planner refuses beside the layout's checks (ParallelLayout.check_model)."""
     ep = ep_of(strategy)

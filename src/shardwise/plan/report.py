@@ -105,6 +105,9 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 "grad_sync": p.grad_sync.as_dict() if p.grad_sync and not p.runs_as else None,
                 "tp": p.layout.tp,
                 "pp": p.layout.pp,
+                # expert parallelism (plan/experts.py; planned only): 1 = none
+                "ep": p.layout.ep,
+                "ep_load_imbalance": p.strategy.ep_load_imbalance,
                 "dp": p.layout.dp,
                 "dp_shard": p.layout.dp_shard,
                 "dp_replicate": p.layout.dp_replicate,
