@@ -151,15 +151,22 @@ def _unfrozen(doc: Doc, d: dict) -> None:
 
 def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:
     """axolotl's mesh keys: tensor_parallel_size = --tp; dp_replicate_size > 1 beside dp_shard_size
-    = HSDP (fsdp-hybrid, shard group dp_shard_size); context and expert parallelism are refused
-    (the planner has neither). With dp_shard_size given the world size is the product, as axolotl
+    = HSDP (fsdp-hybrid, shard group dp_shard_size); context parallelism is refused (the planner has
+    none) and so is expert parallelism (axolotl's ep axis is not the layout plan/experts.py plans). With dp_shard_size given the world size is the product, as axolotl
     requires it (a --gpus given beside the file wins, as every flag does)."""
     sizes = {k: as_count(doc, (k,), d[k]) for k in MESH if d.get(k) is not None}
-    for k in ("context_parallel_size", "expert_parallel_size"):
-        if sizes.get(k, 1) > 1:
-            what = "context parallelism (the sequence split over ranks)" if k.startswith("context") else \
-                "expert parallelism (MoE experts split over ranks)"
-            raise refuse(doc, (k,), sizes[k], f"{what} is not in shardwise's planner; plan the run with {k}: 1")
+    if sizes.get("context_parallel_size", 1) > 1:
+        raise refuse(doc, ("context_parallel_size",), sizes["context_parallel_size"],
+                     "context parallelism (the sequence split over ranks) is not in shardwise's planner; plan the run "
+                     "with context_parallel_size: 1")
+    if sizes.get("expert_parallel_size", 1) > 1:
+        # axolotl-ai-cloud/axolotl@067b021 docs/nd_parallelism.qmd:50: expert_parallel_size × dp_shard_size =
+        # world size, FSDP shards the non-expert weights (and each EP slice's experts) over dp_shard only
+        raise refuse(doc, ("expert_parallel_size",), sizes["expert_parallel_size"],
+                     "axolotl's expert parallelism is a mesh axis of its own (expert_parallel_size × dp_shard_size = "
+                     "world size; the non-expert weights sharded over dp_shard only), not the layout shardwise "
+                     "plans (ep borrowed from the sharded data-parallel ranks, as torchtitan and Megatron-Core run "
+                     "it): plan the run with expert_parallel_size: 1, or compare with --ep on the command line")
     if not sizes:
         return set()
     tp, rep, shard = (sizes.get(k, 1) for k in ("tensor_parallel_size", "dp_replicate_size", "dp_shard_size"))
