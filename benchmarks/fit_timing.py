@@ -3,7 +3,9 @@
 The cases are the 11 runs of shardwise's trainer on one H200 (`h200_cases.py`, source
 `shardwise-h200`) and every published run with a tokens/s figure (`accuracy.py`, one source per
 YAML), except the fp8 ones: they test plan/fp8.py, whose rate and casts are derived and whose
-GEMM efficiency is the bf16 kernels' (assumed), so they are reported held out, never fitted on. The candidates are the entries of `src/shardwise/catalog/timing.yaml` that carry
+GEMM efficiency is the bf16 kernels' (assumed), so they are reported held out, never fitted on; and
+except the expert-parallel ones (`ep` > 1: plan/experts.py's all-to-alls and expert split), held out
+likewise. The candidates are the entries of `src/shardwise/catalog/timing.yaml` that carry
 `bounds` (engine constants, and the GPU families' kernel efficiencies); each also carries a
 `prior`, a value no tokens/s figure informed (measured elsewhere, derived, or assumed with a
 citation).
@@ -99,6 +101,8 @@ def all_cases() -> tuple[Case, ...]:
             continue
         if (run.get("train") or {}).get("fp8", "none") != "none":
             continue  # fp8 runs test the fp8 model (plan/fp8.py), whose constants no run fits: held out of the fit
+        if run.get("ep", 1) > 1:
+            continue  # expert-parallel runs test plan/experts.py: held out of the fit likewise
         try:
             out.append(_case(run["name"], run["_source"]["id"], tps, *accuracy.build(run)))
         except ShardwiseError:
