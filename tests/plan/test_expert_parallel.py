@@ -204,3 +204,13 @@ def test_cli_ep_row_and_json():
     assert row["comm"]["all_to_all"] > 0
     bad = _plan(*args, "--ep", "3")
     assert bad.returncode != 0 and "ep 3 must divide the data-parallel degree 8" in bad.stdout + bad.stderr
+
+
+def test_plan_from_shardwise_yaml_reads_ep(tmp_path):
+    cfg = tmp_path / "moe.yaml"
+    cfg.write_text("model:\n  name: qwen3-30b-a3b\nstrategy:\n  name: fsdp\n  ep: 4\n  ep_load_imbalance: 1.1\n")
+    r = _plan(str(cfg), "--gpus", "8", "--gpu", "h100-sxm", "-s", "fsdp", "--json")
+    assert r.returncode == 0, r.stderr + r.stdout
+    doc = json.loads(r.stdout)
+    assert doc["strategies"][0]["ep"] == 4 and doc["strategies"][0]["ep_load_imbalance"] == 1.1
+    assert any(x["key"] == "strategy.ep" and x["as"].startswith("--ep 4") for x in doc["from"]["read"])
