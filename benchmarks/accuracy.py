@@ -211,7 +211,7 @@ def compare(run: dict) -> dict:
         "params_b": round(model.params / 1e9, 3),
         "gpu": run["gpu"] + (f" ({run['gpu_memory_gb']} GB)" if run.get("gpu_memory_gb") else ""),
         "gpus": run["gpus"], "strategy": run["strategy"], "tp": run.get("tp", 1), "pp": run.get("pp", 1),
-        "ep": run.get("ep", 1), "seq_len": train.seq_len, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
+        **({"ep": run["ep"]} if run.get("ep", 1) > 1 else {}), "seq_len": train.seq_len, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
         "precision": train.precision, "fp8": train.fp8, "checkpointing": train.checkpointing,
         "compile": bool(run.get("compile")),
         "predicted_allocated_gib": round(getattr(gpu, "allocated", gpu.total) / GIB, 2),
