@@ -5,7 +5,7 @@ The layout planned is the engines' common one: the `ep` ranks of a group are bor
 data-parallel ranks, and each holds num_experts / ep routed experts of every MoE layer, whole or
 split over TP as the dense layers are (Megatron-Core's expert tensor parallelism defaults to tp).
 Attention, router, shared experts, embeddings and norms stay data-parallel as before.
-- Megatron-Core (NVIDIA/Megatron-LM@d98e8a6, megatron/core/parallel_state.py:876-890): the expert
+- Megatron-Core (NVIDIA/Megatron-LM@d98e8a6, megatron/core/parallel_state.py:870-890): the expert
   grid is ETP × EP × EDP × PP, expert_data_parallel_size = world / (ETP·EP·PP): expert gradients
   are reduced over the dp/ep expert-data-parallel ranks, the rest over dp (`--expert-model-parallel-size`).
 - torchtitan (pytorch/torchtitan@b5bcd76, torchtitan/distributed/parallel_dims.py:188-191, 282):
