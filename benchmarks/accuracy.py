@@ -168,8 +168,10 @@ def build(run: dict):
     # the TP its framework runs (a source's `tp_impl`, evidence in its notes: Megatron-LM's for the
     # Megatron rows; else the engine's own, specs.strategy.TP_SCHEMES)
     knobs.setdefault("tp_impl", run.get("tp_impl") or run.get("_source", {}).get("tp_impl") or "auto")
+    # expert parallelism of MoE runs (plan/experts.py): ep, and the busiest rank's load where stated
+    ep = {k: run[k] for k in ("ep", "ep_load_imbalance") if k in run}
     strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), cp=run.get("cp", 1),
-                                  **knobs)
+                                  **ep, **knobs)
     return model, hw, train, strategy
 
 
@@ -210,7 +212,7 @@ def compare(run: dict) -> dict:
         "params_b": round(model.params / 1e9, 3),
         "gpu": run["gpu"] + (f" ({run['gpu_memory_gb']} GB)" if run.get("gpu_memory_gb") else ""),
         "gpus": run["gpus"], "strategy": run["strategy"], "tp": run.get("tp", 1), "pp": run.get("pp", 1),
-        "cp": run.get("cp", 1),
+        **({"cp": run["cp"]} if run.get("cp", 1) > 1 else {}), **({"ep": run["ep"]} if run.get("ep", 1) > 1 else {}),
         "seq_len": train.seq_len, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
         "precision": train.precision, "fp8": train.fp8, "checkpointing": train.checkpointing,
         "compile": bool(run.get("compile")),
@@ -302,8 +304,9 @@ def held_out() -> dict[tuple[str, str], float]:
 
 def _with_held_out(result: dict, loso: dict) -> dict:
     tps = loso.get((result.get("source"), result["name"]))
-    if result.get("fp8", "none") != "none" and "predicted_tokens_per_s_per_gpu" in result:
-        tps = result["predicted_tokens_per_s_per_gpu"]  # never a fitting case (fit_timing.py): held out as planned
+    if (result.get("fp8", "none") != "none" or result.get("ep", 1) > 1) and "predicted_tokens_per_s_per_gpu" in result:
+        # fp8 and expert-parallel runs are never fitting cases (fit_timing.py): held out as planned
+        tps = result["predicted_tokens_per_s_per_gpu"]
     if tps is None or "published_tokens_per_s_per_gpu" not in result:
         return result
     err = tps / result["published_tokens_per_s_per_gpu"] - 1
@@ -408,6 +411,7 @@ def to_markdown(report: dict) -> str:
                       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in rows:
                 strat = r["strategy"] + (f" tp{r['tp']}" if r["tp"] > 1 else "") + (f" pp{r['pp']}" if r["pp"] > 1 else "")
+                strat += f" ep{r['ep']}" if r.get("ep", 1) > 1 else ""
                 mem_pub = (f"{r['published_memory_gib']} ({r['memory_kind']})" + ("†" if r.get("memory_derived") else "")
                            if "published_memory_gib" in r else "")
                 tps_pub = (_num(r["published_tokens_per_s_per_gpu"]) + ("†" if r.get("tokens_derived") else "")

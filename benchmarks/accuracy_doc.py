@@ -234,23 +234,24 @@ def render_fp8(pub: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_cp(pub: dict) -> str:
-    """The context-parallel runs (plan/context.py): never fitting cases, so every figure is held out."""
-    rows = [r for src in pub["by_source"].values() for r in src["runs"] if r.get("cp", 1) > 1
-            and "published_tokens_per_s_per_gpu" in r]
-    lines = ["| run | source | cp | seq | tokens/s published | planned | error | peak published | planned |",
+def render_parallel(pub: dict, key: str, what: str) -> str:
+    """The runs with `key` (cp, ep) > 1 (plan/context.py, plan/experts.py): never fitting cases,
+    so every figure is held out; tokens/s and peak memory where the source publishes them."""
+    rows = [r for src in pub["by_source"].values() for r in src["runs"] if r.get(key, 1) > 1 and "error" not in r]
+    lines = [f"| run | source | {key} | seq | tokens/s published | planned | error | peak published | planned |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        tps = (f"{r['published_tokens_per_s_per_gpu']:,} | {r['predicted_tokens_per_s_per_gpu']:,.0f} | "
+               f"{_pct(r['tokens_rel_err'])}" if "tokens_rel_err" in r else "— | — | —")
         mem = (f"{r['published_memory_gib']} GiB | {r['predicted_memory_gib']} GiB ({_pct(r['memory_rel_err'])})"
-               if "published_memory_gib" in r else "— | —")
-        lines.append(f"| {r['name']} | {r['source']} | {r['cp']} | {r['seq_len']:,} | "
-                     f"{r['published_tokens_per_s_per_gpu']:,} | {r['predicted_tokens_per_s_per_gpu']:,.0f} | "
-                     f"{_pct(r['tokens_rel_err'])} | {mem} |")
-    tps = sum(abs(r["tokens_rel_err"]) <= TPS_BAND for r in rows)
+               if "memory_rel_err" in r else "— | —")
+        lines.append(f"| {r['name']} | {r['source']} | {r[key]} | {r['seq_len']:,} | {tps} | {mem} |")
+    tps_rows = [r for r in rows if "tokens_rel_err" in r]
     mem_rows = [r for r in rows if "memory_rel_err" in r]
+    tps = sum(abs(r["tokens_rel_err"]) <= TPS_BAND for r in tps_rows)
     mem = sum(abs(r["memory_rel_err"]) <= MEMORY_BAND for r in mem_rows)
-    lines += ["", f"{tps} of {len(rows)} within ±20% tokens/s and {mem} of {len(mem_rows)} within ±10% peak memory, "
-              "held out (no context-parallel run is a fitting case)."]
+    lines += ["", f"{tps} of {len(tps_rows)} within ±20% tokens/s and {mem} of {len(mem_rows)} within ±10% peak "
+              f"memory, held out (no {what} run is a fitting case)."]
     return "\n".join(lines) + "\n"
 
 
@@ -264,8 +265,10 @@ def readme_claims(fit: dict, published: dict | None = None) -> list[str]:
     runs = [r for src in published["by_source"].values() for r in src["runs"] if "published_tokens_per_s_per_gpu" in r]
     fp8 = [r for r in runs if r.get("fp8", "none") != "none"]
     cp = [r for r in runs if r.get("cp", 1) > 1]
+    ep = [r for r in runs if r.get("ep", 1) > 1]
     held = [f"for {sum(abs(r['tokens_rel_err']) <= TPS_BAND for r in fp8)} of the {len(fp8)} fp8 runs",
-            f"{sum(abs(r['tokens_rel_err']) <= TPS_BAND for r in cp)} of the {len(cp)} context-parallel ones"]
+            f"{sum(abs(r['tokens_rel_err']) <= TPS_BAND for r in cp)} of the {len(cp)} context-parallel",
+            f"{sum(abs(r['tokens_rel_err']) <= TPS_BAND for r in ep)} of the {len(ep)} expert-parallel ones"]
     return [*held, f"{published['summary']['compared']} published runs",
             f"within ±10% for {mem['within_band']} of the {mem['n']} that publish one", f"±25% for {h['loo']} of {h['n']} held out", f"(in-sample: {h['in_sample']} of {h['n']}",
             f"±20% for {p['loso']} of {p['n']} with each source held", f"(in-sample: {p['in_sample']} of {p['n']})"]
@@ -275,7 +278,8 @@ def render() -> dict[str, str]:
     fit, h200, pub = _load("timing_fit.json"), _load("h200_cases.json"), _load("accuracy_published.json")
     return {"summary": render_summary(fit, pub, h200), "h200": render_h200(fit, h200),
             "sources": render_sources(fit, pub), "constants": render_constants(), "gpus": render_gpus(),
-            "fp8": render_fp8(pub), "cp": render_cp(pub)}
+            "fp8": render_fp8(pub), "cp": render_parallel(pub, "cp", "context-parallel"),
+            "ep": render_parallel(pub, "ep", "expert-parallel")}
 
 
 def apply(text: str, blocks: dict[str, str]) -> str:

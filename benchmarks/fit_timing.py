@@ -2,9 +2,10 @@
 
 The cases are the 11 runs of shardwise's trainer on one H200 (`h200_cases.py`, source
 `shardwise-h200`) and every published run with a tokens/s figure (`accuracy.py`, one source per
-YAML), except the fp8 and the context-parallel ones: they test plan/fp8.py (whose rate and casts are
-derived and whose GEMM efficiency is the bf16 kernels', assumed) and plan/context.py, so they are
-reported held out, never fitted on. The candidates are the entries of `src/shardwise/catalog/timing.yaml` that carry
+YAML), except the fp8, the context-parallel and the expert-parallel ones: they test plan/fp8.py
+(whose rate and casts are derived and whose GEMM efficiency is the bf16 kernels', assumed),
+plan/context.py and plan/experts.py, so they are reported held out, never fitted on. The
+candidates are the entries of `src/shardwise/catalog/timing.yaml` that carry
 `bounds` (engine constants, and the GPU families' kernel efficiencies); each also carries a
 `prior`, a value no tokens/s figure informed (measured elsewhere, derived, or assumed with a
 citation).
@@ -101,8 +102,8 @@ def all_cases() -> tuple[Case, ...]:
             continue
         if (run.get("train") or {}).get("fp8", "none") != "none":
             continue  # fp8 runs test the fp8 model (plan/fp8.py), whose constants no run fits: held out of the fit
-        if run.get("cp", 1) > 1:
-            continue  # so do context-parallel runs (plan/context.py): held out of the fit
+        if run.get("cp", 1) > 1 or run.get("ep", 1) > 1:
+            continue  # so do context- and expert-parallel runs (plan/context.py, plan/experts.py): held out
         if run.get("held_out"):
             continue  # a run whose published figure its stated settings cannot reach (its reason beside it)
         try:

@@ -114,6 +114,12 @@ class StrategySection(_Section):
     cp_load_balance: bool = Field(True, description="context parallelism cuts each sequence into 2·cp chunks, "
                                                     "two a rank, balancing causal attention (torch, Megatron); "
                                                     "off: cp consecutive chunks (axolotl)")
+    ep: Int = Field(1, gt=0, description="expert-parallel degree of a MoE model: each MoE layer's routed experts split "
+                                         "over ep ranks borrowed from the data-parallel ones (ep divides num_experts "
+                                         "and the data-parallel degree); planned only, shardwise train refuses ep > 1")
+    ep_load_imbalance: Finite = Field(1.0, ge=1.0, description="with ep > 1: tokens the busiest expert-parallel rank "
+                                      "receives over the balanced share (1.0 balanced; an engine that drops tokens: "
+                                      "its capacity factor)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
     fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]

@@ -154,14 +154,18 @@ def _mesh(doc: Doc, d: dict, src: Source, ctx: Context) -> set:
     """axolotl's mesh keys: tensor_parallel_size = --tp; context_parallel_size (or the older
     sequence_parallel_degree) = --cp, as `_context` reads it; dp_replicate_size > 1 beside
     dp_shard_size = HSDP (fsdp-hybrid, whose shard group is dp_shard_size × context_parallel_size:
-    FSDP shards over both, as torchtitan's dp_shard_cp); expert parallelism is refused (the
-    planner has none). With dp_shard_size given the world size is the product, as axolotl
-    requires it (a --gpus given beside the file wins, as every flag does)."""
+    FSDP shards over both, as torchtitan's dp_shard_cp); expert parallelism is refused (axolotl's ep
+    axis is not the layout plan/experts.py plans). With dp_shard_size given the world size is the
+    product, as axolotl requires it (a --gpus given beside the file wins, as every flag does)."""
     sizes = {k: as_count(doc, (k,), d[k]) for k in MESH if d.get(k) is not None}
     if sizes.get("expert_parallel_size", 1) > 1:
+        # axolotl-ai-cloud/axolotl@067b021 docs/nd_parallelism.qmd:50: expert_parallel_size × dp_shard_size =
+        # world size, FSDP shards the non-expert weights (and each EP slice's experts) over dp_shard only
         raise refuse(doc, ("expert_parallel_size",), sizes["expert_parallel_size"],
-                     "expert parallelism (MoE experts split over ranks) is not in shardwise's planner; plan the "
-                     "run with expert_parallel_size: 1")
+                     "axolotl's expert parallelism is a mesh axis of its own (expert_parallel_size × dp_shard_size = "
+                     "world size; the non-expert weights sharded over dp_shard only), not the layout shardwise "
+                     "plans (ep borrowed from the sharded data-parallel ranks, as torchtitan and Megatron-Core run "
+                     "it): plan the run with expert_parallel_size: 1, or compare with --ep on the command line")
     cp = _context(doc, d, src, sizes)
     if not sizes:
         return {"sequence_parallel_degree", "ring_attn_func", "heads_k_stride"}

@@ -55,9 +55,19 @@ def read(doc: Doc, ctx: Context) -> Source:
     cfg = load_config(doc.path, [*_fill_placeholders(doc, ctx.sets, src), *ctx.sets])
     world = ctx.given.get("gpus", cfg.run.nproc)
     device = ctx.given.get("device", cfg.run.device if cfg.run.device in ("cpu", "cuda") else "cuda")
+    # expert parallelism is planned only (shardwise train refuses it, run.bridge.strategy): the rest of
+    # the run is planned as the trainer plans it, with strategy.ep / ep_load_imbalance as --ep /
+    # --ep-load-imbalance (plan/experts.py)
+    ep = {k: getattr(cfg.strategy, k) for k in ("ep", "ep_load_imbalance")}
+    if ep != {"ep": 1, "ep_load_imbalance": 1.0}:
+        cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"ep": 1, "ep_load_imbalance": 1.0})})
     run = run_spec(cfg, world, device, environ={})
     t, hw, s = run.train, run.hardware, run.strategy
     v = src.values
+    if ep["ep"] != 1 or ep["ep_load_imbalance"] != 1.0:
+        v |= ep
+        src.read.append(("strategy.ep", f"--ep {ep['ep']} --ep-load-imbalance {ep['ep_load_imbalance']} (planned only: "
+                                        "shardwise train refuses expert parallelism)"))
     if cfg.model.path is not None:
         v["model_config"] = cfg.model.path
     else:
@@ -86,6 +96,8 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.shard_group = s.shard_group
     for key, value in flatten(doc.data).items():
         d = dotted(key)
+        if d in ("strategy.ep", "strategy.ep_load_imbalance") and v.get("ep") is not None:
+            continue  # read above, as --ep
         if d in UNUSED or not any(d == p or d.startswith(p + ".") for p in PLANNED):
             src.ignored.append((d, "the trainer's setting; no change to memory or time"))
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from shardwise.plan import experts
 from shardwise.plan.activations import input_linears
 from shardwise.plan.context import exchange_bytes, exchanges_per_layer, local_train
 from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
@@ -40,6 +41,7 @@ from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast", "p2p", "all_to_all")
+MOVED = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "intra", "inter")  # the data-parallel volumes
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +110,16 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     layout = layout or ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     train = tp_train(train, strategy)
     rank = fullest_rank(model, strategy, layout)
-    psi = replica_params(model, strategy, layout, rank)
+    # expert parallelism: a rank holds (gathers, reduces) num_experts/ep experts, reduced over the
+    # dp/ep expert-data-parallel ranks (plan/experts.py); the rest as before
+    dp_model = experts.rank_model(model, experts.ep_of(strategy))
+    psi = replica_params(dp_model, strategy, layout, rank)
     k = train.grad_accum
     c = train.compute_bytes
-    out = _dp_comm(model, train, strategy, layout, hw, psi, k, c, rank)
+    out = _dp_comm(dp_model, train, strategy, layout, hw, psi, k, c, rank)
+    if (moved := experts.dp_moved_share(model, strategy, layout, rank, psi)) < 1.0:  # dp = ep: experts stay put
+        out = CommBreakdown(**{f.name: getattr(out, f.name) * (moved if f.name in MOVED else 1)
+                               for f in fields(out)})
     ref = no_grad_gather_bytes(model, train, strategy, layout, psi)
     if ref:  # a preference objective's no-grad forwards through a sharded model (plan/preference.py)
         link = "intra" if strategy.fsdp_sharding == "hybrid" else _dp_link(hw, layout, layout.dp)
@@ -123,6 +131,9 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     out = out + _tp_pp_comm(model, seq, strategy, layout, k, c)
     if layout.cp > 1:
         out = out + _context_comm(model, seq, strategy, layout, k)
+    a2a, calls = experts.a2a_step(model, seq, strategy, rank)
+    if a2a:  # dispatch and combine: on the critical path, priced apart (timing.step_time)
+        out = out + CommBreakdown(all_to_all=a2a, blocking=a2a, blocking_calls=calls)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from shardwise.plan.activations import seq_shards
+from shardwise.plan.experts import expert_gemms
 from shardwise.plan.loss import head_trainable
 from shardwise.plan.optimizer import LOW_BIT_STATE_BYTES
 from shardwise.specs.model import ModelSpec
@@ -31,18 +32,18 @@ def gemm_time(tokens: float, k: float, n: float, flops_s: float, bytes_s: float,
     return math.hypot(2 * tokens * k * n / flops_s, c * (tokens * k + k * n + tokens * n) / bytes_s)
 
 
-def layer_gemms(model: ModelSpec, tp: int) -> list[tuple[float, float, float]]:
+def layer_gemms(model: ModelSpec, tp: int, ep: int = 1) -> list[tuple[float, float, float]]:
     """(k, n, share of tokens) of one decoder layer's linears (Llama-block widths; the total is
-    rescaled to the layer's exact parameter count in `compute_time`)."""
+    rescaled to the layer's exact parameter count in `compute_time`); under expert parallelism
+    `ep`, a rank's num_experts/ep experts (plan/experts.py expert_gemms)."""
     h, q, kv = model.hidden_size, model.q_dim / tp, model.kv_dim / tp
     i = model.intermediate_size / tp
     if model.is_gpt:  # fused QKV, output projection, 4h MLP (fc1, fc2)
         return [(h, q + 2 * kv, 1.0), (q, h, 1.0), (h, i, 1.0), (i, h, 1.0)]
     out = [(h, q, 1.0), (h, kv, 1.0), (h, kv, 1.0), (q, h, 1.0)]
     if model.is_moe:
-        e, k = model.num_experts, model.experts_per_token
-        out.append((h, e, 1.0))  # router
-        out += [(h, i, k / e), (h, i, k / e), (i, h, k / e)] * e  # each expert sees k/E of the tokens
+        out.append((h, model.num_experts, 1.0))  # router
+        out += expert_gemms(model, tp, ep)  # each expert sees k/E of the tokens (k·ep/E of a rank's under EP)
     else:
         out += [(h, i, 1.0), (h, i, 1.0), (i, h, 1.0)]
     return out

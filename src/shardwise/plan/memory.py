@@ -17,6 +17,7 @@ from typing import Literal
 
 from shardwise.catalog import memory_model
 from shardwise.errors import ShardwiseError
+from shardwise.plan import experts
 from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, recompute_bytes
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.context import backward_buffers, local_train, saved_extra
@@ -100,6 +101,10 @@ def model_states(
     rank = rank or fullest_rank(model, strategy, layout)
     psi = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
     n = layout.dp_shard
+    if (ep := experts.ep_of(strategy)) > 1:  # num_experts/ep experts held, their states over dp_shard/ep
+        model = experts.rank_model(model, ep)
+        held = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
+        psi, n = held, experts.state_shards(n, psi, held)
     per_node = max(1, min(layout.world_size, gpus_per_node))  # GPUs sharing one host
     if accounting == "paper":
         return paper_model_states(psi, n, strategy), HostBreakdown()
@@ -311,6 +316,7 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     whatever their segment: nothing stays unreclaimable."""
     mm = memory_model()
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.cp, layout.pp))
+    groups += (layout.ep > 1) + (layout.ep > 1 and layout.dp > layout.ep)  # EP, expert-data-parallel
     resident = gpu.resident + (gpu.grads if gpu.grads_persist else 0.0)
     phases = gpu.phases  # the end of backward reuses blocks of both: the fit is over these two
     fwd, step = (max(0.0, phases[k] - resident) for k in ("forward", "step"))
@@ -379,6 +385,7 @@ def plan_memory(
                          "(plan.evaluate.memory_as_run / fsdp_grad_sync)")
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
+    experts.check_ep(model, strategy, layout)
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
     if why := context_refusal(model, train, layout.cp, strategy.cp_scheme, layout.tp, strategy.cp_load_balance):
         raise ShardwiseError(f"cp {layout.cp} ({strategy.cp_scheme}) with {strategy.name}: {why}")

@@ -151,7 +151,7 @@ def comm_time(comm: CommBreakdown, hw: HardwareSpec, layout: ParallelLayout) -> 
     apart (timing.step_time: on the critical path)."""
     dp = layout.dp
     per_node_dp = max(1, min(dp, hw.gpus_per_node // layout.tp))
-    tp_allreduce = (comm.blocking - comm.p2p) / 2
+    tp_allreduce = (comm.blocking - comm.p2p - comm.all_to_all) / 2  # EP's all-to-alls: plan/experts.py
     ar = 2 * max(0.0, comm.all_reduce - tp_allreduce)  # DP all-reduce, ring volume
     ar_inter = min(comm.inter, ar)
     t = 0.0

@@ -77,6 +77,8 @@ def trainer_gaps(strategy: Strategy, train: TrainSpec, model: ModelSpec | None =
             gaps.append(f"pipeline parallelism (pp {strategy.pp}) for this run: {why}")
     if strategy.cp > 1:
         gaps.append(f"context parallelism (cp {strategy.cp}, {strategy.cp_scheme})")
+    if strategy.ep > 1:
+        gaps.append(f"expert parallelism (ep {strategy.ep}; planned only)")
     if train.checkpointing not in TRAINER_CHECKPOINTING:
         gaps.append(f"{train.checkpointing} activation checkpointing")
     if train.fp8 != "none":

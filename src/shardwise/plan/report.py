@@ -107,6 +107,9 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 "pp": p.layout.pp,
                 "cp": p.layout.cp,
                 "cp_impl": p.strategy.cp_scheme if p.layout.cp > 1 else None,
+                # expert parallelism (plan/experts.py; planned only): 1 = none
+                "ep": p.layout.ep,
+                "ep_load_imbalance": p.strategy.ep_load_imbalance,
                 "dp": p.layout.dp,
                 "dp_shard": p.layout.dp_shard,
                 "dp_replicate": p.layout.dp_replicate,

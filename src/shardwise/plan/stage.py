@@ -143,10 +143,10 @@ def optimizer_groups(model: ModelSpec, weight_decay: float) -> tuple[tuple[int, 
 def replica_partition(r: Replica) -> float:
     """Elements of the gradient partition of DeepSpeed ZeRO-1/2 on the fullest data-parallel rank
     of replica `r`: `partition_holding` of the unsplit model; under TP or PP the per-rank tensor
-    order is engine-specific, so the ideal ψ/N."""
+    order is engine-specific, so the ideal ψ/N (under expert parallelism too: plan/experts.py, n the effective shard count)."""
     if r.n <= 1:
         return r.psi
-    if r.layout.tp > 1 or r.layout.pp > 1:
+    if r.layout.tp > 1 or r.layout.pp > 1 or r.layout.ep > 1:
         return r.psi / r.n
     return partition_holding(r.model, r.n, weight_decay=r.train.weight_decay)
 

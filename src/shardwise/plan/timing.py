@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from shardwise.errors import ShardwiseError
+from shardwise.plan import experts
 from shardwise.plan.activations import attention_kind
 from shardwise.plan.comm import CommBreakdown, fsdp_regathered
 from shardwise.plan.context import hidden_share, imbalance, key_len, local_train
@@ -125,7 +126,10 @@ def optimizer_shard(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Par
     its replica (the fullest pipeline rank's), over the data-parallel shard where the strategy
     shards the optimizer."""
     trainable = adapter_params(model, train, layout.tp, rank=fullest_rank(model, s, layout)) if train.lora_rank else psi
-    return trainable / (layout.dp_shard if s.shards_optimizer else 1)
+    n = layout.dp_shard
+    if experts.ep_of(s) > 1 and not train.lora_rank:  # `psi` holds num_experts/ep experts, sharded over dp_shard/ep
+        n = experts.state_shards(n, replica_params(model, s, layout), psi)
+    return trainable / (n if s.shards_optimizer else 1)
 
 
 def forward_share(train: TrainSpec) -> float:
@@ -221,12 +225,17 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     recompute = {"full": 1.0, "selective": 1.0, "none": 0.0}[train.checkpointing]
 
     # GEMMs: forward, input-gradient and weight-gradient (+ the recomputed forward)
-    shapes = layer_gemms(model, tp)
+    ep = experts.ep_of(s)
+    shapes = layer_gemms(model, tp, ep)
     # fp8 linears (plan/fp8.py): the layers' GEMMs at the FP8 peak, on 1-byte operands
     linear_flops_s, linear_c = ((gpu.peak_flops("fp8") * gpu.gemm_efficiency, FP8_BYTES) if train.fp8 != "none"
                                 else (flops_s, c))
     layer_t = sum(gemm_time(tokens * share, kk, nn, linear_flops_s, bytes_s, linear_c) for kk, nn, share in shapes)
     approx = sum(kk * nn * share for kk, nn, share in shapes)
+    if ep > 1:  # the busiest expert-parallel rank runs ep_load_imbalance × the balanced routed tokens
+        layer_t += (s.ep_load_imbalance - 1) * sum(
+            gemm_time(tokens * share, kk, nn, linear_flops_s, bytes_s, linear_c)
+            for kk, nn, share in experts.expert_gemms(model, tp, ep))
     exact = _matmul_params_per_layer(model) / tp
     layer_t *= exact / approx if approx else 1.0
     replay_mm = recompute
@@ -376,7 +385,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     whole = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
     train = local_train(whole, layout.cp)  # context parallelism: a rank's seq/cp tokens (plan/context.py)
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica (cp rank) per step
-    psi = replica_params(model, strategy, layout)
+    psi = replica_params(experts.rank_model(model, experts.ep_of(strategy)), strategy, layout)  # experts held
     ct = compute_time(model, hw, train, strategy, layout, psi, forward_only)
     compute = ct.gpu_s
     work = ct.wall_s  # GPU-bound or hook-bound: the window collectives can hide in
@@ -391,7 +400,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     # nodes when the stages do. Both sit on the critical path.
     blocking = blocking_exposed = 0.0
     if comm.blocking:
-        tp_bytes = comm.blocking - comm.p2p
+        tp_bytes = comm.blocking - comm.p2p - comm.all_to_all
         tp_s = 0.0
         if layout.tp > 1:
             tp_s = tp_bytes * (layout.tp - 1) / layout.tp / hw.intra.bus_bytes_per_s
@@ -401,7 +410,9 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             link = hw.inter if stages_span_nodes else hw.intra
             p2p_s = comm.p2p / link.bus_bytes_per_s
         latency = comm.blocking_calls * hw.intra.latency_s  # the DP calls' latency is in comm_time
-        blocking = tp_s + p2p_s + latency
+        # expert parallelism's dispatch/combine all-to-alls, on the link their group spans (plan/experts.py)
+        a2a_s = experts.a2a_time(comm.all_to_all, experts.ep_of(strategy), hw, layout.tp)
+        blocking = tp_s + p2p_s + a2a_s + latency
         # overlapped TP collectives (Megatron's --tp-comm-overlap, async TP) hide behind the GEMMs
         # they feed, as well as compute hides any collective (overlap_efficiency)
         hidden = min(tp_s, hw.timing.overlap_efficiency * ct.gemm_s) if train.tp_comm_overlap else 0.0

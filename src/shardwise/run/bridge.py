@@ -202,6 +202,12 @@ def strategy(cfg: TrainConfig, device: str) -> Strategy:
         kw["pp_virtual_stages"] = s.pp_virtual_stages  # refused by Strategy: it needs pp > 1
     if s.cp != 1 or s.cp_impl != "auto" or not s.cp_load_balance:
         kw |= {"cp": s.cp, "cp_impl": s.cp_impl, "cp_load_balance": s.cp_load_balance}
+    if s.ep != 1 or s.ep_load_imbalance != 1.0:
+        # refused here, before any rank starts: the planner prices expert parallelism
+        # (shardwise.plan.experts), the trainer runs no MoE dispatch
+        raise ShardwiseError(f"{cfg.source}: strategy.ep {s.ep}: expert parallelism is planned only (shardwise plan "
+                             "--ep); shardwise train runs none. Set strategy.ep to 1 (and drop "
+                             "strategy.ep_load_imbalance) to train")
     try:
         return Strategy.from_name(s.name, **kw)
     except ShardwiseError as e:
@@ -433,11 +439,11 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
 def config_dict(cfg: TrainConfig) -> dict[str, Any]:
     """`cfg` as the YAML mapping `load_config` reads back to an equal TrainConfig: every field,
     except unset engine knobs (None = the trainer's default), data.sft fields at their default, and
-    strategy.tp / pp at 1 (with pp 1, the pipeline schedule at its default too)."""
+    strategy.tp / pp / ep at 1 (with pp 1, the pipeline schedule at its default too)."""
     raw = cfg.model_dump(mode="json", exclude={"source"})
     raw["strategy"] = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
                        for k, v in raw["strategy"].items()}
-    at_default = {"tp": 1, "pp": 1}
+    at_default = {"tp": 1, "pp": 1, "ep": 1, "ep_load_imbalance": 1.0}
     if cfg.strategy.pp == 1:  # a pipeline's schedule is written out: it says what its stages run
         at_default |= {"pp_schedule": "1f1b", "pp_virtual_stages": 1}
     raw["strategy"] = {k: v for k, v in raw["strategy"].items()

@@ -43,6 +43,10 @@ class ParallelLayout(Spec):
     tp: int = Field(1, gt=0)
     cp: int = Field(1, gt=0)  # of the data-parallel ranks: the GPUs one sequence is split over
     pp: int = Field(1, gt=0)
+    # expert parallelism: the ranks of one data-parallel group that split each MoE layer's routed
+    # experts among them (torchtitan's ParallelDims borrows ep from dp_shard × cp; Megatron-Core's
+    # --expert-model-parallel-size from the data-parallel ranks): not a factor of the world size
+    ep: int = Field(1, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
@@ -57,6 +61,15 @@ class ParallelLayout(Spec):
                 f"parallel layout does not cover the GPUs: dp_replicate {self.dp_replicate} × dp_shard "
                 f"{self.dp_shard} × tp {self.tp} × pp {self.pp} = {prod}, but there are {self.world_size} GPUs"
             )
+        if self.dp % self.ep:
+            raise ShardwiseError(
+                f"ep {self.ep} must divide the data-parallel degree {self.dp} (dp_replicate {self.dp_replicate} × "
+                f"dp_shard {self.dp_shard}): expert-parallel ranks are borrowed from the data-parallel ones")
+        if self.dp_shard > 1 and self.dp_shard % self.ep:
+            raise ShardwiseError(
+                f"ep {self.ep} must divide the data-parallel shard group dp_shard {self.dp_shard}: expert "
+                "parallelism borrows from the sharded dimension (torchtitan ParallelDims: dp_shard × cp), and the "
+                "expert states are sharded over the dp_shard / ep ranks left")
         return self
 
     @property
@@ -71,7 +84,7 @@ class ParallelLayout(Spec):
     @classmethod
     def for_strategy(cls, strategy, world_size: int, gpus_per_node: int) -> ParallelLayout:
         """Derive the layout a strategy implies on `world_size` GPUs with its TP/PP degrees."""
-        tp, pp, cp = strategy.tp, strategy.pp, strategy.cp
+        tp, pp, cp, ep = strategy.tp, strategy.pp, strategy.cp, getattr(strategy, "ep", 1)
         if world_size % (tp * pp):
             raise ShardwiseError(
                 f"tp {tp} × pp {pp} = {tp * pp} does not divide the {world_size} GPUs "
@@ -87,15 +100,15 @@ class ParallelLayout(Spec):
             )
         dp = world_size // (tp * pp)
         if not strategy.shards_optimizer:  # DDP, ZeRO-0: every model state replicated
-            return cls(world_size=world_size, dp_replicate=dp, tp=tp, cp=cp, pp=pp)
+            return cls(world_size=world_size, dp_replicate=dp, tp=tp, cp=cp, pp=pp, ep=ep)
         if strategy.fsdp_sharding == "hybrid":
             group = strategy.shard_group or max(1, gpus_per_node // tp)
             if dp % group:
                 raise ShardwiseError(
                     f"fsdp-hybrid: shard group of {group} GPUs does not divide the data-parallel degree {dp}"
                 )
-            return cls(world_size=world_size, dp_shard=group, dp_replicate=dp // group, tp=tp, cp=cp, pp=pp)
-        return cls(world_size=world_size, dp_shard=dp, tp=tp, cp=cp, pp=pp)
+            return cls(world_size=world_size, dp_shard=group, dp_replicate=dp // group, tp=tp, cp=cp, pp=pp, ep=ep)
+        return cls(world_size=world_size, dp_shard=dp, tp=tp, cp=cp, pp=pp, ep=ep)
 
     def check_model(self, model) -> None:
         """Refuse layouts the model's shape cannot split."""
@@ -110,3 +123,13 @@ class ParallelLayout(Spec):
             )
         if self.pp > model.num_layers:
             raise ShardwiseError(f"pp {self.pp} exceeds the {model.num_layers} layers of {model.name}")
+        if self.ep > 1 and not model.is_moe:
+            raise ShardwiseError(f"ep {self.ep}: {model.name} is a dense model (no routed experts); expert "
+                                 "parallelism applies to MoE models (num_experts > 0)")
+        if self.ep > 1 and model.inventory is not None:
+            raise ShardwiseError(f"ep {self.ep}: {model.name} was read on the meta device (family 'hf'); expert "
+                                 "parallelism is planned for the analytic MoE families (mixtral, qwen2_moe, "
+                                 "qwen3_moe, deepseek_v3)")
+        if model.num_experts % self.ep:
+            raise ShardwiseError(f"ep {self.ep} must divide the {model.num_experts} routed experts (num_experts) of "
+                                 f"{model.name}: each expert-parallel rank holds num_experts / ep of them")

@@ -82,6 +82,11 @@ class Strategy(Spec):
     pp: int = Field(1, gt=0)
     pp_schedule: PPSchedule = Field("1f1b", description="the pipeline schedule (pp > 1; shardwise.specs.pipeline)")
     pp_virtual_stages: int = Field(1, gt=0, description="stages per pipeline rank (interleaved 1F1B: ≥ 2)")
+    ep: int = Field(1, gt=0, description="expert-parallel degree: the routed experts of each MoE layer split over "
+                    "ep ranks borrowed from the data-parallel ones (plan/experts.py); plan-only")
+    ep_load_imbalance: float = Field(1.0, ge=1.0, allow_inf_nan=False,
+                                     description="tokens the busiest expert-parallel rank receives over the balanced "
+                                     "share (1.0: balanced; a capacity-factor engine: its capacity factor)")
     shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: GPUs per shard group (default: a node)")
     tp_impl: TPImpl = Field("auto", description="tensor-parallel implementation planned (TP_SCHEMES): auto = "
                             "the engine's (torch's engines: dtensor; DeepSpeed ZeRO-0/1/2 at pp 1: autotp; "
@@ -102,6 +107,8 @@ class Strategy(Spec):
             raise ShardwiseError(why)
         if self.pp == 1 and self.pp_virtual_stages > 1:
             raise ShardwiseError(f"pp_virtual_stages {self.pp_virtual_stages} needs pipeline parallelism (pp > 1)")
+        if self.ep_load_imbalance != 1.0 and self.ep == 1:
+            raise ShardwiseError(f"ep_load_imbalance {self.ep_load_imbalance} needs expert parallelism (ep > 1)")
         if self.shard_group is not None and self.fsdp_sharding != "hybrid":
             raise ShardwiseError(f"shard_group {self.shard_group} applies to fsdp-hybrid only, not {self.name!r}")
         if self.tp_impl == "autotp" and (self.engine != "deepspeed" or self.pp > 1 or self.zero_stage == 3):
@@ -134,6 +141,7 @@ class Strategy(Spec):
         k = knobs or StrategyKnobs()
         facts = STRATEGIES.get(name.strip().lower())  # an unknown name fails in from_name, with choices
         extra = {"shard_group": k.shard_group} if facts and facts.fsdp_sharding == "hybrid" and k.shard_group else {}
+        extra |= {f: getattr(k, f) for f in ("ep", "ep_load_imbalance") if getattr(k, f) is not None}
         if overrides.get("pp", 1) > 1:  # the schedule applies to pipeline stages only
             extra |= {f: getattr(k, f) for f in ("pp_schedule", "pp_virtual_stages") if getattr(k, f) is not None}
         if facts and facts.engine != "fsdp2" and k.tp_impl != "auto":
@@ -283,10 +291,11 @@ class Strategy(Spec):
         (DeepSpeed's AutoTP, shardwise.run.deepspeed.autotp_section), as its own scheme; PP with
         FSDP2 without offload, DTensor's TP inside the stages (`specs.pipeline.stage_engine_refusal`).
         Context parallelism (cp > 1) is planned only.
+        Expert parallelism (ep > 1) is planned only (plan/experts.py): the trainer runs none.
         What the model and the run decide on top (families, tied embeddings, the schedule's
         micro-batches) is `specs.pipeline.trainer_pp_gap`'s and `specs.layout.trainer_tp_gap`'s."""
         offload = self.offload_params or self.offload_optimizer
         tp_ok = self.tp == 1 or (not offload and (
             (self.engine == "fsdp2" and self.tp_scheme.name == "dtensor")
             or (self.zero_stage in (1, 2) and self.tp_scheme.name == "autotp")))
-        return self.facts.trainer and tp_ok and self.cp == 1 and stage_engine_refusal(self) is None
+        return self.facts.trainer and tp_ok and self.cp == 1 and self.ep == 1 and stage_engine_refusal(self) is None
