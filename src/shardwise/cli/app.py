@@ -103,6 +103,9 @@ def plan(
     fused_kernels: bool | None = run_option("fused_kernels"),
     fused_norm: bool = typer.Option(False, "--fused-norm", help="RMSNorm as one fused kernel (torchtitan's fused_rmsnorm, "
                                     "Liger, apex; implied by --fused-kernels): its saved tensors and the bytes it moves."),
+    fused_mlp: bool = typer.Option(False, "--fused-mlp", help="A gated MLP's activation and product as one kernel "
+                                   "(Liger's SwiGLU/GeGLU): it saves gate and up, not act(gate), and moves fewer "
+                                   "bytes."),
     expandable_segments: bool = typer.Option(False, "--expandable-segments", help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less reserved slack)."),
     sequence_parallel: bool = typer.Option(True, "--sequence-parallel/--no-sequence-parallel",
                                            help="Under --tp > 1: norms, residuals and their elementwise work split "

@@ -140,6 +140,7 @@ def plan_setup(a: dict, source) -> PlanSetup:
         host_memory_gb=a["host_memory_gb"], nics_per_node=a["nics_per_node"], profile=a["profile"],
         defaults=trainer_run(a) if source is None else None, **run_fields(a),
         base_quant="nf4" if a["qlora"] else "none", fused_norm=a["fused_norm"],
+        fused_mlp=a.get("fused_mlp") or False,
         expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
         tp_comm_overlap=a["tp_comm_overlap"], **objective_fields(a["objective"], a["reference"]),
         fp8=a.get("fp8"), fp8_all_gather=a.get("fp8_all_gather") or None,

@@ -61,7 +61,8 @@ def read(doc: Doc, ctx: Context) -> Source:
                              batch_key="micro_batch_size", ckpt_key="gradient_checkpointing")
     seen |= {"base_model", "trust_remote_code", "sequence_len", "adapter", "lora_r", "lora_target_modules",
              "lora_target_linear", "load_in_4bit", "sample_packing", "fsdp_version", "fsdp_config", "fsdp",
-             "lora_modules_to_save", "plugins", "liger_fused_linear_cross_entropy"}
+             "lora_modules_to_save", "plugins", "liger_fused_linear_cross_entropy", "liger_rms_norm",
+             "liger_glu_activation", "liger_rope", "liger_layer_norm"}
     if "sequence_len" in d:
         src.values["seq_len"] = as_count(doc, ("sequence_len",), d["sequence_len"])
         src.read.append(("sequence_len", f"--seq-len {src.values['seq_len']}"))
@@ -110,6 +111,18 @@ def read(doc: Doc, ctx: Context) -> Source:
     if d.get("liger_fused_linear_cross_entropy"):
         src.values["cross_entropy"] = "fused"
         src.read.append(("liger_fused_linear_cross_entropy", "--cross-entropy fused"))
+    # axolotl's LigerPlugin keys (axolotl-ai-cloud/axolotl src/axolotl/integrations/liger/args.py)
+    for key, field, flag in (("liger_rms_norm", "fused_norm", "--fused-norm"),
+                             ("liger_glu_activation", "fused_mlp", "--fused-mlp")):
+        if key in d and as_bool(doc, (key,), d[key]):
+            src.values[field] = True
+            src.read.append((key, flag))
+        elif key in d:
+            src.read.append((key, "false"))
+    for key in ("liger_rope", "liger_layer_norm"):
+        if key in d:
+            src.read.append((key, "Liger's kernel in place of the eager one: its elementwise bytes are not planned "
+                             "apart"))
     unstated(src, ctx, precision=False)  # the launcher's GPUs
     rest(doc, doc.data, src, seen, AX_NO_EFFECT)
     return src

@@ -367,10 +367,11 @@ def read_trainer_args(doc: Doc, d: dict, src: Source, ctx: Context, *, batch_key
         src.read.append((ckpt_key, f"--checkpointing {src.values['checkpointing']}" + (
             "" if ck is not None else " (the default)")))
     liger = take("use_liger_kernel") or take("enable_liger_kernel")
-    if liger:
-        src.values["cross_entropy"] = "fused"
+    if liger:  # Liger's defaults (apply_liger_kernel_to_llama & co.: rope, rms_norm, swiglu, fused linear CE)
+        src.values |= {"cross_entropy": "fused", "fused_norm": True, "fused_mlp": True}
         src.read.append(("use_liger_kernel" if "use_liger_kernel" in d else "enable_liger_kernel",
-                         "--cross-entropy fused (Liger's fused linear cross-entropy)"))
+                         "--cross-entropy fused --fused-norm --fused-mlp (Liger's defaults: fused linear "
+                         "cross-entropy, RMSNorm, SwiGLU; its RoPE is not planned apart)"))
     if take("torch_compile"):
         src.values["fused_kernels"] = True
         src.read.append(("torch_compile", "--fused-kernels"))

@@ -257,26 +257,34 @@ def moe_saved(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = Fals
     ce = 4 if autocast else c
     routed = k * (2 * ce * h + 4 * ce * model.expert_width / tp + weight + 24)
     shared = model.shared_expert_intermediate_size / tp
-    out = _router(model, train) + routed + 4 * c * shared
+    out = _router(model, train) + routed + gated_saved(train) * c * shared  # the shared expert: a gated MLP
     if model.family == "qwen2_moe" and shared:
         out += c * h + c  # shared_expert_gate: sigmoid output and the shared output it scales
     return out
 
 
+def gated_saved(train: TrainSpec) -> int:
+    """Intermediate-wide tensors a gated MLP (SwiGLU, GeGLU) saves per token: gate, act(gate), up
+    and the product in eager PyTorch; gate and up (the fused kernel's inputs, act recomputed in its
+    backward) and the product (down_proj's input) under `fused_mlp` (Liger's LigerSiLUMulFunction
+    `ctx.save_for_backward(a, b)`: linkedin/Liger-Kernel@3baaa6b src/liger_kernel/ops/swiglu.py)."""
+    return 3 if train.fused_mlp else 4
+
+
 def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int, moe: bool | None = None,
               autocast: bool = False) -> float:
     """Per token: SwiGLU/GeGLU save gate (for the activation), act(gate) and up (for the
-    product) and the product (for down_proj): 4·c·I (Phi-3's fused gate_up_proj saves its
-    whole output once: the same 4·c·I). A GPT-style MLP (fc1, activation, fc2) saves
-    `GPT_ACT_SAVED[hidden_act]`·c·I: 2·c·I for GeLU (fc1's output, GeLU's output). `moe`: a
-    routed-experts layer (default: the model's layer kind if all layers agree, else MoE)."""
+    product) and the product (for down_proj): 4·c·I, 3·c·I fused (`gated_saved`; Phi-3's fused
+    gate_up_proj saves its whole output once: the same 4·c·I). A GPT-style MLP (fc1, activation,
+    fc2) saves `GPT_ACT_SAVED[hidden_act]`·c·I: 2·c·I for GeLU (fc1's output, GeLU's output).
+    `moe`: a routed-experts layer (default: the model's layer kind if all layers agree, else MoE)."""
     if moe is None:
         moe = model.is_moe
     if moe:
         return moe_saved(model, train, tp, autocast)
     if model.is_gpt:  # fc1's output and/or the activation's intermediates, fc2's input (GPT_ACT_SAVED)
         return GPT_ACT_SAVED[model.hidden_act] * train.compute_bytes * model.intermediate_size / tp
-    return 4 * train.compute_bytes * model.intermediate_size / tp
+    return gated_saved(train) * train.compute_bytes * model.intermediate_size / tp
 
 
 def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,

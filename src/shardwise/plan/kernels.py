@@ -93,7 +93,9 @@ def elementwise_bytes(model: ModelSpec, train: TrainSpec, autocast: bool, tp: in
     if autocast:  # each linear fed by a norm casts its fp32 input: q, k, v, gate, up
         residual += 5 * (4 + c) * h
     rope = 11 * c * (q + kv)
-    act = 5 * c * i
+    # SiLU (read gate, write act) and the product (read act and up, write it): 5·c·I; one fused
+    # kernel (`fused_mlp`, dense MLPs) reads gate and up and writes the product: 3·c·I
+    act = (3 if train.fused_mlp and not model.is_moe else 5) * c * i
     reshape = 2 * c * q
     return (norms + residual) / sp + rope + act + reshape
 

@@ -413,6 +413,9 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     if train.fused_norm and not (train.fused_kernels and compiles):
         notes.append("planned a fused RMSNorm kernel; the trainer runs HF's eager RMSNorm unless its layers are "
                      "compiled (run.compile)")
+    if train.fused_mlp:
+        notes.append("planned a fused SwiGLU/GeGLU kernel (Liger's); the trainer runs HF's eager MLP, which saves "
+                     "act(gate) too")
     raw["checkpointing"]["activation"] = activation
     if train.activation_offload:
         raw["checkpointing"]["offload"] = True
