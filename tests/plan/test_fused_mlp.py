@@ -15,7 +15,7 @@ from shardwise.plan.evaluate import evaluate
 from shardwise.plan.planner import build_specs
 from shardwise.specs import Strategy
 
-I, LAYERS, BF16 = 14336, 32, 2
+INTER, LAYERS, BF16 = 14336, 32, 2
 DATA = Path(__file__).parents[1] / "data" / "from"
 
 
@@ -30,7 +30,7 @@ def test_the_fused_kernel_does_not_keep_act_gate():
     down_proj the product: one intermediate-wide bf16 tensor fewer a token and layer."""
     eager, fused = _eval(False), _eval(True)
     tokens = 2 * 2048
-    assert eager.memory.gpu.activations - fused.memory.gpu.activations == LAYERS * tokens * I * BF16
+    assert eager.memory.gpu.activations - fused.memory.gpu.activations == LAYERS * tokens * INTER * BF16
 
 
 def test_a_gpt_mlp_has_no_gate_to_fuse():
