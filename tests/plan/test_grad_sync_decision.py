@@ -65,3 +65,20 @@ def test_pipeline_schedules_hold_the_grads():
     hw = catalog.build_hardware(gpus=8)
     sync = memory_as_run(M7, hw, TrainSpec(grad_accum=8), Strategy.from_name("fsdp", pp=2)).grad_sync
     assert sync.hold and sync.auto and "pipeline schedule" in sync.reason
+
+
+def test_pipeline_schedules_hold_the_grads_even_when_set_true():
+    """The schedule's own no-sync wins over `reduce_every_micro_batch: true`: planned held, as torch
+    runs it (one reduce-scatter a step, the unsharded grads held), and said so."""
+    hw = catalog.build_hardware(gpus=8)
+    s = Strategy.from_name("fsdp", pp=2, fsdp=FSDPKnobs(reduce_every_micro_batch=True))
+    set_true = evaluate(M7, hw, TrainSpec(grad_accum=8), s)
+    held = evaluate(M7, hw, TrainSpec(grad_accum=8), Strategy.from_name("fsdp", pp=2, fsdp=FSDPKnobs(
+        reduce_every_micro_batch=False)))
+    sync = set_true.memory.grad_sync
+    assert sync.hold and not sync.auto and "pipeline schedule" in sync.reason and "true" in sync.reason
+    assert set_true.memory.gpu.held_grads == held.memory.gpu.held_grads > 0
+    assert set_true.comm.reduce_scatter == held.comm.reduce_scatter
+    assert set_true.time.step_s == held.time.step_s
+    # the trainer's record (RunSpec.grad_sync asks fsdp_grad_sync) says the same
+    assert fsdp_grad_sync(M7, hw, TrainSpec(grad_accum=8), s).reason == sync.reason

@@ -80,3 +80,12 @@ def test_default_is_deepspeeds(name, default):
 
 def test_zero0_is_not_changed_by_the_knob():
     assert _time("zero0", 1, True)[1] == _time("zero0", 1, False)[1]
+
+
+@pytest.mark.parametrize("overlap", [None, True, False])
+def test_zero0_all_reduces_after_backward_whatever_overlap_comm_says(overlap):
+    """Stage 0: the engine all-reduces every bucket after backward returns (engine.py `backward` →
+    `allreduce_gradients`), so all of it is on the critical path."""
+    comm, t = _time("zero0", 4, overlap)
+    assert comm.all_reduce > 0
+    assert t.exposed_comm_s == pytest.approx(t.comm_s, rel=1e-12)

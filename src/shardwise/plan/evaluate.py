@@ -41,6 +41,16 @@ def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy
     ddp = None
     if accounting == "engine" and strategy.single_rank_ddp(hw.world_size, hw.gpus_per_node):
         ddp = single_rank_runs_as(model, hw, train, strategy, margin)
+    if ddp is None and applies(strategy, train.for_engine(strategy.engine)) and strategy.pp > 1 \
+            and strategy.fsdp.reduce_every_micro_batch is True:
+        # torch's pipeline schedule holds the grads whatever the knob says: planned as it runs
+        held = plan_memory(model, hw, train, with_knob(strategy, False), accounting=accounting, margin=margin)
+        sync = GradSync(hold=True, auto=False, held_bytes=held.gpu.held_grads, grad_accum=train.grad_accum,
+                        strategy=with_knob(strategy, False),
+                        reason=f"strategy.fsdp.reduce_every_micro_batch: true, but torch's pipeline schedule turns "
+                               f"gradient sync off on all but the last micro-batch: holding "
+                               f"{held_words(held.gpu.held_grads)}")
+        return replace(held, strategy=strategy, grad_sync=sync)
     if ddp is None and applies(strategy, train.for_engine(strategy.engine)) \
             and strategy.fsdp.reduce_every_micro_batch == "auto":
         # FSDP2 under accumulation: decided once (fsdp_grad_sync), then planned with the knob a bool
@@ -96,6 +106,8 @@ def fsdp_grad_sync(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strateg
         return None
     k = train.grad_accum
     if strategy.fsdp.reduce_every_micro_batch != "auto":  # set in the config: the plan records it
+        if strategy.pp > 1:  # held whatever it says (memory_as_run)
+            return memory_as_run(model, hw, train, strategy, margin=margin).grad_sync
         return plan_memory(model, hw, train, strategy, margin=margin).grad_sync
     hold_s = with_knob(strategy, False)
     held = plan_memory(model, hw, train, hold_s, margin=margin)

@@ -465,10 +465,13 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     `reduce_gradients`, which walks every gradient), and ZeRO-3 runs both its reduce-scatters and
     its parameter all-gathers on the default stream (stage3.py `reduce_and_partition_stream`,
     parameter_offload.py `__allgather_stream`); deepspeedai/DeepSpeed@edaa722. Nothing hides then:
-    every collective is on the critical path."""
+    every collective is on the critical path. Stage 0 (no ZeRO) never overlaps: the engine
+    all-reduces every gradient bucket after backward returns, at the accumulation boundary
+    (engine.py `backward` → `allreduce_gradients` → `buffered_allreduce_fallback`), whatever
+    overlap_comm says."""
     if comm_s == 0:
         return 0.0
-    if s.engine == "deepspeed" and s.zero_stage and not s.ds.overlap(s.zero_stage):
+    if s.engine == "deepspeed" and (s.zero_stage == 0 or not s.ds.overlap(s.zero_stage)):
         return comm_s
     total = (comm.total - comm.blocking - comm.context) or 1.0
     hide = tm.overlap_efficiency
