@@ -50,6 +50,10 @@ def test_zero3_offload_base_follows_full_fine_tuning():
     the host holds the same base partitions plus the adapters'."""
     full = _plan("zero3+full-offload", lora=False)
     lora = _plan("zero3+full-offload", lora=True)
+    # full fine-tuning: every partition on the host (all trainable: the flat CPU buffer), the
+    # persistent norms whole on the GPU too
+    assert full.gpu.params == pytest.approx(4 * NORMS, rel=1e-12)
+    assert full.host.params == pytest.approx(4 * PSI / N * N, rel=1e-12)
     assert lora.host.params - full.host.params == pytest.approx(4 * (ADAPTERS - NORMS), rel=1e-9)
 
 

@@ -231,8 +231,14 @@ def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
             grads=4 * psi / n * per_node, master_params=4 * psi / n * per_node,
             optimizer_states=os_ * psi / n * per_node,
         )
-        mem = MemoryBreakdown(params=0 if s.offload_params else params, engine_buffers=mem.engine_buffers,
-                              gathered_params=mem.gathered_params)
+        # offload_param puts every partition on the host, while the persistent tensors stay on
+        # the GPU whole (zero.Init keeps a `ds_persist` tensor's data on the device:
+        # partition_parameters.py `_partition_param`); their partitions, trainable, move into the
+        # flat CPU buffer with the rest (stage3.py `_create_param_groups_fp16_flat_cpu_memory`),
+        # deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641 (LoRA's frozen ones do
+        # not: plan/memory_lora.py)
+        on_gpu = w * persist if s.offload_params else params
+        mem = MemoryBreakdown(params=on_gpu, engine_buffers=mem.engine_buffers, gathered_params=mem.gathered_params)
         if s.offload_params:
             host = HostBreakdown(params=w * psi / n * per_node, **{
                 k: getattr(host, k) for k in ("grads", "master_params", "optimizer_states")})
