@@ -6,6 +6,7 @@ Both go through plan_inputs and plan_setup, the path `shardwise plan` takes. Tor
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,13 @@ def given_words(ctx: typer.Context, skip: frozenset[str] = _NOT_PLANNED) -> tupl
     return names, words
 
 
-def check_as_flags(ctx: typer.Context, knob_values: dict, source, a: dict, setup) -> tuple[list[str] | None, str | None]:
+def check_as_flags(ctx: typer.Context, knob_values: dict, source, a: dict, setup,
+                   planned: Sequence = ()) -> tuple[list[str] | None, str | None]:
     """(the `shardwise plan` words that plan what `source` plans, with the flags given beside it;
     None and why where plan refuses them or plans them otherwise). The words are parsed by plan's
     own command and planned through plan_setup; the specs must equal the file's, and each
-    strategy's figures."""
+    strategy's figures (the file's own: `planned`, plan's table rows, where one is that strategy
+    as planned here; else planned again)."""
     from shardwise.config.flags import generated_parameters
 
     names, beside = given_words(ctx)
@@ -98,12 +101,31 @@ def check_as_flags(ctx: typer.Context, knob_values: dict, source, a: dict, setup
                 if x != y:
                     return None, f"they plan {what} otherwise: {_diff(x, y)}"
             for name in a["strategy"] or ():
-                got, want = _evaluate(a2, setup2, name), _evaluate(a, setup, name)
+                got, want = _evaluate(a2, setup2, name), _planned_as(planned, a, setup, name)
                 if _figures(got) != _figures(want):
                     return None, f"they plan {name} otherwise (its memory, traffic or time)"
     except ShardwiseError as e:
         return None, f"plan refuses them: {e}"
     return words, None
+
+
+def _planned_as(planned: Sequence, a: dict, setup, name: str) -> Any:
+    """The evaluation of strategy `name` at the file's layout: a row of `planned` planned with the
+    very strategy `_evaluate` builds (knobs, layout) and the same accounting and margin, else anew."""
+    from shardwise.specs import Strategy
+
+    strategy = Strategy.with_knobs(name, setup.knobs, tp=a["tp"] or 1, pp=a["pp"] or 1)
+    for e in planned:
+        if e.strategy == strategy and e.model == setup.model and e.train == setup.train.for_engine(strategy.engine) \
+                and e.memory.margin == _margin(a):
+            return e
+    return _evaluate(a, setup, name)
+
+
+def _margin(a: dict) -> float:
+    from shardwise.catalog import memory_model
+
+    return memory_model().default_margin if a["margin"] is None else a["margin"]
 
 
 def _figures(e) -> tuple:

@@ -224,7 +224,8 @@ def plan(
 
             source = advise(source, m, hw, train, knobs, margin=margin, accounting=accounting, tp=tp or 1, pp=pp or 1,
                             replan=replanner(ctx, knob_values or {}, source))
-            source.command, source.command_refused = check_as_flags(ctx, knob_values or {}, source, a, setup)
+            source.command, source.command_refused = check_as_flags(ctx, knob_values or {}, source, a, setup,
+                                                                    planned=evals)
     except ShardwiseError as e:
         _fail(naming_file(e, source.path if source is not None else None))
     print_warnings([*(source.warnings if source is not None else ()), *warnings])
