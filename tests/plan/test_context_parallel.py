@@ -138,3 +138,16 @@ def test_plan_cp_as_the_user_runs_it():
     assert [(s["name"], s["cp"], s["cp_impl"]) for s in doc["strategies"]] == [("fsdp", 2, "torch"),
                                                                                ("zero3", 2, "ulysses")]
     assert doc["recommended_setting"]["cp"] == 2
+
+
+def test_plan_from_shardwise_yaml_reads_cp(tmp_path):
+    """The trainer refuses strategy.cp > 1; `plan CONFIG` plans the rest as the trainer would and
+    the context parallelism as --cp, as a subprocess."""
+    cfg = tmp_path / "long.yaml"
+    cfg.write_text("model:\n  name: llama-3.1-8b\nstrategy:\n  name: fsdp\n  cp: 2\n  cp_impl: ring\n")
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "plan", str(cfg), "--gpus", "8", "--gpu", "h100-sxm",
+                        "--seq-len", "32768", "--json"], capture_output=True, text=True)
+    assert r.returncode in (0, 3), r.stderr + r.stdout
+    doc = json.loads(r.stdout)
+    assert [(s["cp"], s["cp_impl"]) for s in doc["strategies"]] == [(2, "ring")]
+    assert any(x["key"] == "strategy.cp" and x["as"].startswith("--cp 2 --cp-impl ring") for x in doc["from"]["read"])

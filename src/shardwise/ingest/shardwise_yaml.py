@@ -55,12 +55,17 @@ def read(doc: Doc, ctx: Context) -> Source:
     cfg = load_config(doc.path, [*_fill_placeholders(doc, ctx.sets, src), *ctx.sets])
     world = ctx.given.get("gpus", cfg.run.nproc)
     device = ctx.given.get("device", cfg.run.device if cfg.run.device in ("cpu", "cuda") else "cuda")
-    # expert parallelism is planned only (shardwise train refuses it, run.bridge.strategy): the rest of
-    # the run is planned as the trainer plans it, with strategy.ep / ep_load_imbalance as --ep /
-    # --ep-load-imbalance (plan/experts.py)
+    # expert and context parallelism are planned only (shardwise train refuses them, run.bridge):
+    # the rest of the run is planned as the trainer plans it, with strategy.ep / ep_load_imbalance
+    # as --ep / --ep-load-imbalance (plan/experts.py) and strategy.cp / cp_impl / cp_load_balance
+    # as --cp / --cp-impl / --cp-load-balance (plan/context.py)
     ep = {k: getattr(cfg.strategy, k) for k in ("ep", "ep_load_imbalance")}
     if ep != {"ep": 1, "ep_load_imbalance": 1.0}:
         cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"ep": 1, "ep_load_imbalance": 1.0})})
+    cp = {k: getattr(cfg.strategy, k) for k in ("cp", "cp_impl", "cp_load_balance")}
+    if cp != {"cp": 1, "cp_impl": "auto", "cp_load_balance": True}:
+        cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"cp": 1, "cp_impl": "auto",
+                                                                                  "cp_load_balance": True})})
     run = run_spec(cfg, world, device, environ={})
     t, hw, s = run.train, run.hardware, run.strategy
     v = src.values
@@ -68,6 +73,11 @@ def read(doc: Doc, ctx: Context) -> Source:
         v |= ep
         src.read.append(("strategy.ep", f"--ep {ep['ep']} --ep-load-imbalance {ep['ep_load_imbalance']} (planned only: "
                                         "shardwise train refuses expert parallelism)"))
+    if cp != {"cp": 1, "cp_impl": "auto", "cp_load_balance": True}:
+        v |= cp
+        src.read.append(("strategy.cp", f"--cp {cp['cp']} --cp-impl {cp['cp_impl']}"
+                         + ("" if cp["cp_load_balance"] else " --no-cp-load-balance")
+                         + " (planned only: shardwise train refuses context parallelism)"))
     if cfg.model.path is not None:
         v["model_config"] = cfg.model.path
     else:
@@ -98,6 +108,8 @@ def read(doc: Doc, ctx: Context) -> Source:
         d = dotted(key)
         if d in ("strategy.ep", "strategy.ep_load_imbalance") and v.get("ep") is not None:
             continue  # read above, as --ep
+        if d in ("strategy.cp", "strategy.cp_impl", "strategy.cp_load_balance") and v.get("cp") is not None:
+            continue  # read above, as --cp
         if d in UNUSED or not any(d == p or d.startswith(p + ".") for p in PLANNED):
             src.ignored.append((d, "the trainer's setting; no change to memory or time"))
         else:
