@@ -112,7 +112,7 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     rank = fullest_rank(model, strategy, layout)
     # expert parallelism: a rank holds (gathers, reduces) num_experts/ep experts, reduced over the
     # dp/ep expert-data-parallel ranks (plan/experts.py); the rest as before
-    dp_model = experts.rank_model(model, experts.ep_of(strategy))
+    dp_model = experts.rank_model(model, strategy.ep)
     psi = replica_params(dp_model, strategy, layout, rank)
     k = train.grad_accum
     c = train.compute_bytes

@@ -119,7 +119,7 @@ def exchange_bytes(model: ModelSpec, train: TrainSpec, cp: int, scheme: str, tp:
     `local_train` gives it). A recomputed forward (full checkpointing) exchanges the forward's again."""
     if cp == 1:
         return 0.0, 0.0
-    c, tokens = train.compute_bytes, train.micro_batch * train.seq_len
+    c, tokens = train.compute_bytes, train.tokens_per_micro_batch
     if scheme == "ulysses":
         width = (model.q_dim + model.kv_dim + model.v_dim + model.o_dim) / tp
         each = (cp - 1) / cp * tokens * width * c
@@ -166,7 +166,7 @@ def backward_buffers(model: ModelSpec, train: TrainSpec, cp: int, scheme: str, t
     ulysses: the all-to-alls' outputs of q, k, v and o."""
     if cp == 1:
         return 0.0
-    c, tokens = train.compute_bytes, train.micro_batch * train.seq_len
+    c, tokens = train.compute_bytes, train.tokens_per_micro_batch
     if scheme == "ulysses":
         return tokens * (model.q_dim + model.kv_dim + model.v_dim + model.o_dim) / tp * c
     k, v = _kv_width(model, train, scheme, tp)
@@ -187,4 +187,4 @@ def saved_extra(model: ModelSpec, train: TrainSpec, cp: int, scheme: str, tp: in
     if cp == 1 or _path(train, scheme) != "flex":
         return 0.0
     k, v = _kv_width(model, train, scheme, tp)
-    return (cp - 1) * train.micro_batch * train.seq_len * (k + v) * train.compute_bytes
+    return (cp - 1) * train.tokens_per_micro_batch * (k + v) * train.compute_bytes

@@ -50,11 +50,6 @@ from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
 
 
-def ep_of(strategy: Strategy) -> int:
-    """The strategy's expert-parallel degree (1: none)."""
-    return getattr(strategy, "ep", 1)
-
-
 def local_experts(model: ModelSpec, ep: int) -> int:
     """Routed experts of each MoE layer one rank holds: num_experts / ep."""
     if model.num_experts % ep:
@@ -103,7 +98,7 @@ def dp_moved_share(model: ModelSpec, strategy: Strategy, layout: ParallelLayout,
     experts no other rank holds) the experts' gathers and reductions are over nobody. Where it is
     larger the experts' collectives run over dp/ep ranks, priced on the data-parallel group's link
     and ring (an upper bound: (g − 1)/g of a smaller group)."""
-    ep = ep_of(strategy)
+    ep = strategy.ep
     if ep <= 1 or layout.dp > ep or psi_held <= 0:
         return 1.0
     return max(0.0, 1.0 - expert_params(model, rank, layout.tp) / ep / psi_held)
@@ -111,17 +106,12 @@ def dp_moved_share(model: ModelSpec, strategy: Strategy, layout: ParallelLayout,
 
 def check_ep(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> None:
     """What the planner refuses beside the layout's checks (ParallelLayout.check_model)."""
-    ep = ep_of(strategy)
+    ep = strategy.ep
     if ep > 1 and layout.tp > 1:
         raise ShardwiseError(
             f"ep {ep} with tp {layout.tp}: expert parallelism is planned without tensor parallelism (the token "
             "exchange between expert-TP and EP ranks is engine-specific: Megatron's ETP, torchtitan's EP over TP "
             "ranks); plan ep with tp 1")
-
-
-def tokens_per_rank(train: TrainSpec) -> int:
-    """Tokens one rank routes per micro-batch (a forward's batch: TrainSpec.as_sequences)."""
-    return train.micro_batch * train.seq_len
 
 
 def a2a_bytes(model: ModelSpec, train: TrainSpec, ep: int, load: float = 1.0) -> float:
@@ -131,7 +121,7 @@ def a2a_bytes(model: ModelSpec, train: TrainSpec, ep: int, load: float = 1.0) ->
     if ep <= 1:
         return 0.0
     c, h, k = train.compute_bytes, model.hidden_size, model.experts_per_token
-    return tokens_per_rank(train) * k * h * c * (ep - 1) / ep * load
+    return train.tokens_per_micro_batch * k * h * c * (ep - 1) / ep * load
 
 
 def a2a_per_layer(train: TrainSpec) -> int:
@@ -144,7 +134,7 @@ def a2a_per_layer(train: TrainSpec) -> int:
 def a2a_step(model: ModelSpec, train: TrainSpec, strategy: Strategy, rank: PipelineRank) -> tuple[float, int]:
     """(bytes one GPU of pipeline rank `rank` sends in all-to-alls per optimizer step, their
     launches): a2a_bytes × a2a_per_layer × its MoE layers × grad_accum micro-batches."""
-    ep = ep_of(strategy)
+    ep = strategy.ep
     if ep <= 1:
         return 0.0, 0
     calls = a2a_per_layer(train) * moe_layers_of(model, rank) * train.grad_accum
@@ -169,7 +159,7 @@ def a2a_time(volume: float, ep: int, hw: HardwareSpec, tp: int = 1) -> float:
     intra = volume * (p - 1) / (ep - 1) / hw.intra.bus_bytes_per_s
     inter = 0.0
     if p < ep:
-        nic = hw.inter_node_bytes_per_s / hw.gpus_per_node
+        nic = hw.inter_node_bytes_per_s / hw.gpus_per_node  # network.nic_bytes_per_s_per_gpu (network imports comm, which imports this)
         inter = volume * (ep - p) / (ep - 1) / nic
     return max(intra, inter)
 

@@ -101,7 +101,7 @@ def model_states(
     rank = rank or fullest_rank(model, strategy, layout)
     psi = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
     n = layout.dp_shard
-    if (ep := experts.ep_of(strategy)) > 1:  # num_experts/ep experts held, their states over dp_shard/ep
+    if (ep := strategy.ep) > 1:  # num_experts/ep experts held, their states over dp_shard/ep
         model = experts.rank_model(model, ep)
         held = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
         psi, n = held, experts.state_shards(n, psi, held)

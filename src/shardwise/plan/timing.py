@@ -127,7 +127,7 @@ def optimizer_shard(model: ModelSpec, train: TrainSpec, s: Strategy, layout: Par
     shards the optimizer."""
     trainable = adapter_params(model, train, layout.tp, rank=fullest_rank(model, s, layout)) if train.lora_rank else psi
     n = layout.dp_shard
-    if experts.ep_of(s) > 1 and not train.lora_rank:  # `psi` holds num_experts/ep experts, sharded over dp_shard/ep
+    if s.ep > 1 and not train.lora_rank:  # `psi` holds num_experts/ep experts, sharded over dp_shard/ep
         n = experts.state_shards(n, replica_params(model, s, layout), psi)
     return trainable / (n if s.shards_optimizer else 1)
 
@@ -225,7 +225,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     recompute = {"full": 1.0, "selective": 1.0, "none": 0.0}[train.checkpointing]
 
     # GEMMs: forward, input-gradient and weight-gradient (+ the recomputed forward)
-    ep = experts.ep_of(s)
+    ep = s.ep
     shapes = layer_gemms(model, tp, ep)
     # fp8 linears (plan/fp8.py): the layers' GEMMs at the FP8 peak, on 1-byte operands
     linear_flops_s, linear_c = ((gpu.peak_flops("fp8") * gpu.gemm_efficiency, FP8_BYTES) if train.fp8 != "none"
@@ -385,7 +385,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     whole = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
     train = local_train(whole, layout.cp)  # context parallelism: a rank's seq/cp tokens (plan/context.py)
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica (cp rank) per step
-    psi = replica_params(experts.rank_model(model, experts.ep_of(strategy)), strategy, layout)  # experts held
+    psi = replica_params(experts.rank_model(model, strategy.ep), strategy, layout)  # experts held
     ct = compute_time(model, hw, train, strategy, layout, psi, forward_only)
     compute = ct.gpu_s
     work = ct.wall_s  # GPU-bound or hook-bound: the window collectives can hide in
@@ -411,7 +411,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             p2p_s = comm.p2p / link.bus_bytes_per_s
         latency = comm.blocking_calls * hw.intra.latency_s  # the DP calls' latency is in comm_time
         # expert parallelism's dispatch/combine all-to-alls, on the link their group spans (plan/experts.py)
-        a2a_s = experts.a2a_time(comm.all_to_all, experts.ep_of(strategy), hw, layout.tp)
+        a2a_s = experts.a2a_time(comm.all_to_all, strategy.ep, hw, layout.tp)
         blocking = tp_s + p2p_s + a2a_s + latency
         # overlapped TP collectives (Megatron's --tp-comm-overlap, async TP) hide behind the GEMMs
         # they feed, as well as compute hides any collective (overlap_efficiency)

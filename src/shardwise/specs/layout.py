@@ -84,7 +84,7 @@ class ParallelLayout(Spec):
     @classmethod
     def for_strategy(cls, strategy, world_size: int, gpus_per_node: int) -> ParallelLayout:
         """Derive the layout a strategy implies on `world_size` GPUs with its TP/PP degrees."""
-        tp, pp, cp, ep = strategy.tp, strategy.pp, strategy.cp, getattr(strategy, "ep", 1)
+        tp, pp, cp, ep = strategy.tp, strategy.pp, strategy.cp, strategy.ep
         if world_size % (tp * pp):
             raise ShardwiseError(
                 f"tp {tp} × pp {pp} = {tp * pp} does not divide the {world_size} GPUs "
