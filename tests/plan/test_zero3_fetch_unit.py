@@ -137,7 +137,10 @@ def _train_losses(tmp_path, name: str, unit: str, lora: bool) -> list[float]:
     cmd = [sys.executable, "-m", "shardwise.train.cli", str(example), "--set", "strategy.name=zero3",
            "--set", f"strategy.deepspeed.fetch_unit={unit}", "--set", "run.nproc=1", "--set", "run.steps=4",
            "--set", f"checkpointing.output_dir={out}", "--set", "checkpointing.save_final=false",
-           "--set", "logging.progress=false"]
+           "--set", "logging.progress=false",
+           # clipping off: the global norm sums the gradient partition in the order backward reduced it,
+           # which the fetch unit changes (measured: 6e-8 relative at step 4 with max_grad_norm 1.0)
+           "--set", "optimizer.max_grad_norm=0"]
     env = os.environ | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -148,7 +151,8 @@ def _train_losses(tmp_path, name: str, unit: str, lora: bool) -> list[float]:
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_layer_unit_trains_as_per_submodule_hooks(tmp_path, lora):
     """The same parameters gathered for the same computation: the loss curves agree to the bit in
-    fp32. LoRA covers the frozen embedding (the first layer's inputs need no grad)."""
+    fp32 (without clipping, whose norm is a sum in reduction order). LoRA covers the frozen
+    embedding (the first layer's inputs need no grad)."""
     module = _train_losses(tmp_path, "module", "module", lora)
     layer = _train_losses(tmp_path, "layer", "layer", lora)
     assert len(module) == 4 and module == layer
