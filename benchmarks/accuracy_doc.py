@@ -255,6 +255,19 @@ def render_parallel(pub: dict, key: str, what: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_memory(pub: dict) -> str:
+    """Every published run with a peak, planned against it (no memory constant is fitted to a
+    published run: held out as it stands)."""
+    rows = [r for src in pub["by_source"].values() for r in src["runs"] if "memory_rel_err" in r]
+    lines = ["| run | source | statistic | peak published | planned | error |", "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["source"], r["name"])):
+        lines.append(f"| {r['name']} | {r['source']} | {r['memory_kind']} | {r['published_memory_gib']} GiB | "
+                     f"{r['predicted_memory_gib']} GiB | {_pct(r['memory_rel_err'])}{'' if r['memory_within_band'] else ' ✗'} |")
+    within = sum(r["memory_within_band"] for r in rows)
+    lines += ["", f"{within} of {len(rows)} within ±10% (✗: outside)."]
+    return "\n".join(lines) + "\n"
+
+
 def readme_claims(fit: dict, published: dict | None = None) -> list[str]:
     """The held-out and in-sample counts the README quotes (tests/accuracy/test_accuracy_doc.py checks
     that README.md says them)."""
@@ -279,7 +292,7 @@ def render() -> dict[str, str]:
     return {"summary": render_summary(fit, pub, h200), "h200": render_h200(fit, h200),
             "sources": render_sources(fit, pub), "constants": render_constants(), "gpus": render_gpus(),
             "fp8": render_fp8(pub), "cp": render_parallel(pub, "cp", "context-parallel"),
-            "ep": render_parallel(pub, "ep", "expert-parallel")}
+            "ep": render_parallel(pub, "ep", "expert-parallel"), "memory": render_memory(pub)}
 
 
 def apply(text: str, blocks: dict[str, str]) -> str:

@@ -10,6 +10,10 @@ the plan for one micro-batch, exactly:
   all`, Strategy.reshards_root).
 - "trainer": the layout train/engines/fsdp.py runs by default (the last layer and the root kept
   gathered; planned as "not-last").
+- The embedding and the head as units of their own (`fsdp.wrap_embeddings`): torchtune's full
+  fine-tuning configs (`custom_sharded_layers`, True everywhere: planned as "all"), accelerate
+  1.16's `fsdp2_prepare_model` (the head and the root kept: planned as "layers"), and the
+  trainer's own `shard_model` on that plan's run.
 
 The trainer's own engines on the same counts are tests/accuracy/test_measured_comm.py's.
 """
@@ -33,11 +37,12 @@ def counted() -> dict[str, list[dict]]:
     return runs
 
 
-def _plan(variant: str):
+def _plan(variant: str, **fsdp):
     from shardwise.plan.comm import plan_comm
 
     run = w.bench_run(variant, 1)  # one micro-batch per step: the plan's step is the forward + backward counted
-    return plan_comm(run.model, run.hardware, run.train, run.strategy)
+    strategy = run.strategy.model_copy(update={"fsdp": run.strategy.fsdp.model_copy(update=fsdp)})
+    return plan_comm(run.model, run.hardware, run.train, strategy)
 
 
 def _sizes() -> tuple[int, int, int]:
@@ -80,3 +85,34 @@ def test_trainer_wrapping_all_gather_equals_the_plan(counted) -> None:
         assert got["bytes"]["all_gather"] == comm.all_gather
         assert got["bytes"]["reduce_scatter"] == comm.reduce_scatter
         assert sum(got["calls"].values()) == comm.calls
+
+
+def _part(prefix: str) -> int:
+    return sum(v for n, v in w.param_sizes().items() if n.startswith(prefix))
+
+
+@pytest.mark.distributed
+def test_carved_units_all_gather_equals_the_plan(counted) -> None:
+    psi, root, _ = _sizes()
+    embedding, lm_head, norm = _part("model.embed_tokens."), _part("lm_head."), _part("model.norm.")
+    assert embedding + lm_head + norm == root  # nothing else outside the layers: the carved root is empty
+    layers = w.TINY_LLAMA["num_hidden_layers"]
+    # torchtune: one value for every unit, so every parameter twice, as stock; its root keeps the
+    # final norm (lm_head alone is the head unit) where the plan puts the norm with lm_head
+    tt = _plan("fsdp-stock", wrap_embeddings=True)
+    assert tt.all_gather == 2 * 4 * psi
+    for r in counted["torchtune-carved"]:
+        assert r["second"]["bytes"]["all_gather"] == tt.all_gather
+        assert r["second"]["bytes"]["reduce_scatter"] == tt.reduce_scatter
+        assert r["second"]["calls"]["all_gather"] == 2 * (layers + 3)  # layers, embedding, lm_head, root (norm)
+    # accelerate 1.16 and the trainer carving: backward gathers every layer and the embedding
+    # again, neither the head unit nor the (empty) root
+    acc = _plan("fsdp-carved")
+    assert acc.all_gather == 4 * (psi + psi - root + embedding)
+    for name in ("accelerate", "trainer-carved"):
+        for r in counted[name]:
+            got = r["second"]
+            assert got["bytes"]["all_gather"] == acc.all_gather, name
+            assert got["bytes"]["reduce_scatter"] == acc.reduce_scatter, name
+            assert got["calls"]["all_gather"] == (layers + 2) + (layers + 1), name
+            assert sum(got["calls"].values()) == acc.calls, name

@@ -154,7 +154,7 @@ def test_accelerate_tp_and_hsdp_parallelism_config(tmp_path: Path):
     (ParallelismConfig: the product is num_processes); FSDP2 resharding after forward, bf16."""
     src = same(["--from", str(DATA / "accelerate_tp_hsdp.yaml")],
                ["-s", "fsdp-hybrid", "--shard-group", "2", "--tp", "2", "--gpus", "8", "--gpus-per-node", "8",
-                "--checkpointing", "none", "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
+                "--checkpointing", "none", "--fsdp-reshard-after-forward", "layers", "--fsdp-wrap-embeddings", "--fsdp-reduce-dtype", "param",
                 "--fsdp-single-rank", "fsdp", "--fsdp-reduce-every-micro-batch", "false"])
     doc = plan("--from", str(DATA / "accelerate_tp_hsdp.yaml"))
     assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 4)]
@@ -172,7 +172,7 @@ def test_accelerate_context_parallelism_is_planned_as_torchs_context_parallel():
                ["-m", "llama-3.2-3b", "--seq-len", "16384", "-s", "fsdp", "--gpus", "2", "--gpus-per-node", "2",
                 "--cp", "2", "--cp-impl", "torch", "--checkpointing", "none", "--precision", "bf16-mixed",
                 "--micro-batch", "1", "--packed-attention", "none", "--cross-entropy", "standard", "--no-fused-kernels",
-                "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
+                "--fsdp-reshard-after-forward", "layers", "--fsdp-wrap-embeddings", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
                 "--fsdp-reduce-every-micro-batch", "false"])
     assert any(r["key"] == "parallelism_config.parallelism_config_cp_size" and "--cp 2" in r["as"]
                for r in src["read"])
@@ -241,10 +241,11 @@ def test_galore_optimizer_is_refused(tmp_path: Path):
 
 # --- axolotl --------------------------------------------------------------------------------------
 
-# accelerate's FSDP2 (axolotl and the HF Trainer run it): every layer resharded, bf16 reduce, fully_shard on
-# one rank too, and no_sync under accumulation (the unsharded grads held)
-FSDP_STOCK = ["--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
-              "--fsdp-reduce-every-micro-batch", "false"]
+# accelerate's FSDP2 (axolotl and the HF Trainer run it): every layer and the embedding resharded, the head
+# a unit of its own kept gathered, bf16 reduce, fully_shard on one rank too, and no_sync under accumulation
+# (the unsharded grads held)
+FSDP_ACCELERATE = ["--fsdp-reshard-after-forward", "layers", "--fsdp-wrap-embeddings", "--fsdp-reduce-dtype", "param",
+                   "--fsdp-single-rank", "fsdp", "--fsdp-reduce-every-micro-batch", "false"]
 
 
 def test_axolotl_fsdp_offload_params_is_offload():
@@ -255,7 +256,7 @@ def test_axolotl_fsdp_offload_params_is_offload():
     src = same(["--from", str(DATA / "axolotl_qlora_fsdp_70b.yaml"), "-m", "llama-3-70b"],
                ["-m", "llama-3-70b", "-s", "fsdp+offload", "--micro-batch", "1", "--grad-accum", "4", "--seq-len",
                 "512", "--lora-rank", "8", "--lora-targets", "all-linear", "--qlora", "--checkpointing", "full",
-                "--attention", "flash", "--weight-decay", "0", "--optimizer-impl", "foreach", *FSDP_STOCK])
+                "--attention", "flash", "--weight-decay", "0", "--optimizer-impl", "foreach", *FSDP_ACCELERATE])
     read = {i["key"]: i["as"] for i in src["read"]}
     assert read["fsdp_config.fsdp_offload_params"].startswith("true: -s fsdp+offload")
 
@@ -267,7 +268,7 @@ def test_axolotl_hsdp_and_tensor_parallel_sizes():
          ["-m", "llama-3.1-8b", "-s", "fsdp-hybrid", "--shard-group", "4", "--tp", "2", "--gpus", "16",
           "--micro-batch", "1", "--grad-accum", "1", "--seq-len", "2048", "--precision", "bf16-mixed",
           "--packed-attention", "flash_varlen", "--attention", "flash", "--cross-entropy", "fused",
-          "--optimizer-impl", "fused", *FSDP_STOCK])
+          "--optimizer-impl", "fused", *FSDP_ACCELERATE])
     doc = plan("--from", str(DATA / "axolotl_hsdp_tp.yaml"))
     assert [(s["name"], s["tp"], s["dp"]) for s in doc["strategies"]] == [("fsdp-hybrid", 2, 8)]
 
@@ -281,7 +282,7 @@ def test_axolotl_context_parallel_is_planned_as_its_ring_attention():
          ["-m", "qwen3-8b", "-s", "fsdp", "--tp", "2", "--cp", "2", "--cp-impl", "allgather", "--no-cp-load-balance",
           "--gpus", "8", "--micro-batch", "1", "--grad-accum", "1", "--seq-len", "8192", "--precision", "bf16-mixed",
           "--packed-attention", "flash_varlen", "--attention", "flash", "--cross-entropy", "fused",
-          "--optimizer-impl", "fused", *FSDP_STOCK])
+          "--optimizer-impl", "fused", *FSDP_ACCELERATE])
     doc = plan("--from", str(DATA / "axolotl_fsdp_tp_cp.yaml"))
     assert [(s["name"], s["tp"], s["cp"], s["dp_shard"]) for s in doc["strategies"]] == [("fsdp", 2, 2, 4)]
     # batch_ring without packing; an unknown ring function names the key

@@ -101,10 +101,10 @@ def test_hf_zero2_example():
     assert not any("--micro-batch 8" in w for w in got["from"]["warnings"])
 
 
-def test_accelerate_fsdp2_is_stock_fully_shard():
+def test_accelerate_fsdp2_is_fsdp2_prepare_model_layout():
     src = same(["--from", str(DATA / "accelerate_fsdp2.yaml")],
                ["-s", "fsdp", "--gpus", "8", "--gpus-per-node", "8", "--checkpointing", "full",
-                "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
+                "--fsdp-reshard-after-forward", "layers", "--fsdp-wrap-embeddings", "--fsdp-reduce-dtype", "param", "--fsdp-single-rank", "fsdp",
                 "--fsdp-reduce-every-micro-batch", "false"])  # accelerate's no_sync: the grads held
     edits = [e for item in src["what_to_change"]["faster"] for e in item["edits"]]
     assert "fsdp_config.fsdp_activation_checkpointing" in edits
@@ -234,7 +234,7 @@ def test_fsdp_emit_round_trip_through_shardwise_yaml_and_stock_accelerate(tmp_pa
     # accelerate runs stock fully_shard: every layer resharded, gradients reduced in bf16
     got = plan("--from", str(out / "accelerate.yaml"), "-m", "llama-2-7b", "--micro-batch", "2")
     got.pop("from")
-    assert got == plan(*FOREIGN, *setup, "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
+    assert got == plan(*FOREIGN, *setup, "--fsdp-reshard-after-forward", "layers", "--fsdp-wrap-embeddings", "--fsdp-reduce-dtype", "param",
                        "--fsdp-single-rank", "fsdp", "--fsdp-reduce-every-micro-batch", "false")  # and no_sync
 
 
@@ -291,7 +291,7 @@ def test_training_args_fsdp_through_accelerates_plugin(tmp_path):
                              "fsdp": "full_shard auto_wrap",
                              "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}}))
     same(["--from", str(f)], ["-s", "fsdp", "--micro-batch", "2", "--checkpointing", "full",
-                              "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
+                              "--fsdp-reshard-after-forward", "layers", "--fsdp-wrap-embeddings", "--fsdp-reduce-dtype", "param",
                               "--fsdp-single-rank", "fsdp", "--fsdp-reduce-every-micro-batch", "false"])
 
 

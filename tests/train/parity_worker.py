@@ -25,6 +25,8 @@ def parity_config(
     """Flags: `repeat` = every step sees the same global batch (learnable: the loss must fall);
     `ckpt` = activation checkpointing; `bf16` = bf16-mixed; `sg1` = shard group of 1 (HSDP);
     `stock` = FSDP2 reduce-scatters every micro-batch (torch's default) instead of once;
+    `carved` = FSDP2 shards the embedding and the head as units of their own, every layer
+    resharded after forward (`wrap_embeddings`, `reshard_after_forward: layers`: accelerate's layout);
     `fully_shard` = FSDP2 keeps fully_shard on a one-rank shard group (`single_rank: fsdp`;
     the default runs it as DDP where the plan allows); `lora` = LoRA rank 4 on every decoder linear (base frozen); `lorasave` = LoRA plus lm_head
     trained in full (PEFT modules_to_save); `std` = the standard cross-entropy instead of the
@@ -50,7 +52,8 @@ def parity_config(
             "data": data,
             "strategy": {"name": strategy, "shard_group": 1 if "sg1" in flags else None, "tp": tp,
                          "fsdp": ({"reduce_every_micro_batch": True} if "stock" in flags else {})
-                         | ({"single_rank": "fsdp"} if "fully_shard" in flags else {})},
+                         | ({"single_rank": "fsdp"} if "fully_shard" in flags else {})
+                         | ({"wrap_embeddings": True, "reshard_after_forward": "layers"} if "carved" in flags else {})},
             # lr high enough that 8 steps move the weights visibly; clipping active (norms > 1).
             "optimizer": {"lr": 3e-3, "weight_decay": 0.1, "max_grad_norm": 1.0} | ({"eps": eps[0]} if eps else {}),
             "schedule": {"kind": "cosine", "warmup_steps": 2},

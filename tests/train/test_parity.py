@@ -34,7 +34,7 @@ EPS = ":eps1e-5"  # AdamW eps of every run whose final weights are compared (mod
 ALL_RUNS = [f"tiny-llama:{s}:{ga}{EPS}" for s in STRATEGIES for ga in GRAD_ACCUM]
 QWEN_RUNS = ["tiny-qwen:zero3:1:repeat", "tiny-qwen:fsdp:1:repeat"]
 # Beyond the 7×2 matrix: HSDP on a 2-D mesh, activation checkpointing, bf16-mixed.
-EXACT_EXTRA = ["fsdp-hybrid:1:sg1", "fsdp-hybrid:1:sg1:fully_shard", "fsdp-hybrid:2", "zero3:2:ckpt", "fsdp:1:ckpt", "ddp:2:ckpt", "fsdp:2:stock"]
+EXACT_EXTRA = ["fsdp-hybrid:1:sg1", "fsdp-hybrid:1:sg1:fully_shard", "fsdp-hybrid:2", "zero3:2:ckpt", "fsdp:1:ckpt", "ddp:2:ckpt", "fsdp:2:stock", "fsdp:2:carved"]
 BF16 = ["ddp", "zero2", "fsdp"]
 EXTRA_RUNS = [f"tiny-llama:{r}{EPS}" for r in EXACT_EXTRA] + ["tiny-llama:ddp:1:repeat"]
 EXTRA_RUNS += [f"tiny-llama:{s}:1:repeat:bf16" for s in BF16]
@@ -150,9 +150,9 @@ def test_qwen_zero3_equals_fsdp(two_rank_runs):
 
 @pytest.mark.parametrize("run", EXACT_EXTRA)
 def test_hybrid_and_activation_checkpointing_match(run, reference, two_rank_runs):
-    """HSDP (2-D mesh, pure replication or one shard group), activation checkpointing and
-    FSDP2's per-micro-batch reduction change memory/traffic only: same curve and weights as the
-    1-process reference."""
+    """HSDP (2-D mesh, pure replication or one shard group), activation checkpointing, FSDP2's
+    per-micro-batch reduction and its embedding and head units change memory/traffic only: same
+    curve and weights as the 1-process reference."""
     res = torch.load(two_rank_runs / f"tiny-llama-{(run + EPS).replace(':', '-')}-w2.pt")
     if "sg1" in run:  # one-rank shard groups: DDP over the replicas unless pinned to fully_shard
         assert res["engine"] == ("fsdp2" if "fully_shard" in run else "ddp")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,28 +130,75 @@ def measure_comm(cases: list[str] | tuple[str, ...] = ALL_CASES,
     return spawn_ranks(_rank_main, list(cases), timeout_s)
 
 
+@dataclass(frozen=True)
+class Wrapping:
+    """A `fully_shard` layout, as users write it: reshard_after_forward of the decoder layers, of
+    the last one and of the root (None: left to torch, which keeps a root gathered); where the
+    embedding and the head are units of their own, theirs (None: left in the root) and whether
+    the final norm joins lm_head in the head unit."""
+
+    layers: bool
+    last: bool
+    root: bool | None
+    embedding: bool | None = None
+    head: bool | None = None
+    head_norm: bool = True
+
+
 # Raw `fully_shard` layouts, wrapped here as users write it (no shardwise engine), for
-# `measure_fsdp_wrapping`: (decoder layers' reshard_after_forward, the last layer's, the root's).
-# "stock": True for every unit, the root included (torchtune's `shard_model`; torch's FSDP2
-# examples); "trainer": the layout train/engines/fsdp.py runs by default (the last layer and the
-# root kept gathered).
-WRAPPINGS: dict[str, tuple[bool, bool, bool]] = {"stock": (True, True, True), "trainer": (True, False, False)}
+# `measure_fsdp_wrapping`. "stock": True for every unit, the root included (torchtune's
+# `shard_model`; torch's FSDP2 examples); "trainer": the layout train/engines/fsdp.py runs by
+# default (the last layer and the root kept gathered); "torchtune-carved": torchtune's full
+# fine-tuning configs (`custom_sharded_layers: ['tok_embeddings', 'output']`, True everywhere;
+# pytorch/torchtune@1814feb recipes/configs/llama3_1/70B_full.yaml); "accelerate": accelerate
+# 1.16's `fsdp2_prepare_model` with fsdp_reshard_after_forward true (the embedding with the
+# flag, [final norm, lm_head] with False, the root left None). "trainer-carved" is not raw: the
+# trainer's own `shard_model` on shardwise.bench.worker's "fsdp-carved" run.
+WRAPPINGS: dict[str, Wrapping | None] = {
+    "stock": Wrapping(True, True, True),
+    "trainer": Wrapping(True, False, False),
+    "torchtune-carved": Wrapping(True, True, True, embedding=True, head=True, head_norm=False),
+    "accelerate": Wrapping(True, True, None, embedding=True, head=False),
+    "trainer-carved": None,
+}
+
+
+def _wrap(model: Any, how: Wrapping) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        fully_shard(layer, reshard_after_forward=how.last if i == len(layers) - 1 else how.layers)
+    if how.embedding is not None:
+        fully_shard(model.model.embed_tokens, reshard_after_forward=how.embedding)
+        head = [model.model.norm, model.lm_head] if how.head_norm else model.lm_head
+        fully_shard(head, reshard_after_forward=how.head)
+    fully_shard(model, **({} if how.root is None else {"reshard_after_forward": how.root}))
+
+
+def _trainer_carved(model: Any) -> None:
+    import torch
+
+    from shardwise.train.engines.fsdp import shard_model
+    from shardwise.train.engines.mesh import build_mesh
+
+    run = bench_run("fsdp-carved", 1)
+    shard_model(model, run, build_mesh(run.layout, "cpu"), torch.device("cpu"))
 
 
 def _wrapping_case(name: str) -> dict[str, Any]:
     import torch
-    from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from shardwise.bench.comm import CommCounter
 
-    layer_flag, last_flag, root_flag = WRAPPINGS[name]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))  # fp32, untied: the bench model
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        fully_shard(layer, reshard_after_forward=last_flag if i == len(layers) - 1 else layer_flag)
-    fully_shard(model, reshard_after_forward=root_flag)
+    how = WRAPPINGS[name]
+    if how is None:
+        _trainer_carved(model)
+    else:
+        _wrap(model, how)
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     counts = []
     for _ in range(2):  # the second forward + backward is the one compared (the first runs lazy init)
@@ -204,5 +252,5 @@ def param_sizes() -> dict[str, int]:
 
 
 __all__ = ["ALL_CASES", "BATCH", "BUCKET", "GAS", "MEASURED_STEPS", "SEQ", "STEPS", "TINY_LLAMA", "TP_VARIANTS", "VARIANTS",
-           "WORLD", "WRAPPINGS", "bench_config", "bench_run", "case_name", "ds_config", "measure_comm",
+           "WORLD", "WRAPPINGS", "Wrapping", "bench_config", "bench_run", "case_name", "ds_config", "measure_comm",
            "measure_fsdp_wrapping", "param_sizes", "parse_case"]

@@ -52,6 +52,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # stock fully_shard, as accelerate, HF Trainer and torchtune run it: every decoder layer
     # resharded after forward, gradients reduce-scattered every micro-batch (sync left on)
     "fsdp-stock": ("fsdp", {"reshard_after_forward": "all", "reduce_every_micro_batch": True}),
+    # the embedding and the head as units of their own, every layer resharded (accelerate 1.16's
+    # FSDP2 layout; shardwise.bench.comm_worker's "trainer-carved" wrapping)
+    "fsdp-carved": ("fsdp", {"reshard_after_forward": "layers", "wrap_embeddings": True}),
     # tensor + sequence parallelism over both ranks (`strategy.tp: 2`, TP alone: one data rank)
     "fsdp-tp2": ("fsdp", {}),
     # ZeRO × TP through DeepSpeed's AutoTP over both ranks (one data rank)

@@ -191,6 +191,18 @@ class FSDPKnobs(Spec):
         "layers (every decoder layer, the root kept: FSDP1 FULL_SHARD), not-last (the trainer's: the last layer "
         "and the root stay gathered for backward) or none (fsdp-grad-op)")
 
+    # The token embedding and the head (final norm + lm_head) as FSDP2 units of their own, out of
+    # the root: each is gathered only around its own forward and backward, and lm_head's
+    # gradient is reduce-scattered as soon as its backward ends instead of at the end of
+    # backward (torchtune's `custom_sharded_layers: ['tok_embeddings', 'output']` in its full
+    # fine-tuning configs; accelerate 1.16's `fsdp2_prepare_model`, which keeps the head gathered
+    # after forward). The embedding unit reshards after forward as the decoder layers do, the
+    # head as the root does. Tied embeddings stay in the root (one parameter, one unit); under
+    # pipeline parallelism each stage keeps its root whole.
+    wrap_embeddings: bool = Field(
+        False, description="embeddings and the head (final norm + lm_head) as fully_shard units of their own "
+        "(torchtune's custom_sharded_layers); untied models at pp 1")
+
     # A shard group of one rank (one GPU, or fsdp-hybrid with shard_group 1) shards nothing, yet
     # `fully_shard` still casts and copies every parameter into its unsharded buffer at each
     # all-gather and copies each gradient through its reduce-scatter buffer (torch 2.13

@@ -223,10 +223,11 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
             wrap += (f" Gradient sync: {plan.grad_sync.line().removeprefix(strategy.name + ': ')}; `shardwise "
                      "train` decides the same on the same memory. accelerate and the HF Trainer hold the unsharded "
                      "grads (`no_sync`) whatever it says.")
-        if strategy.resharding == "not-last":
-            wrap += (" `accelerate.yaml` cannot say \"all but the last\" (`fsdp_reshard_after_forward` is one bool): "
-                     "accelerate reshards the last layer too, one more all-gather per micro-batch "
-                     "(`shardwise plan --fsdp-reshard-after-forward all` plans that run).")
+        if strategy.resharding in ("not-last", "all") or not strategy.fsdp.wrap_embeddings:
+            wrap += (" `accelerate.yaml` says one bool (`fsdp_reshard_after_forward`), and accelerate (1.14 and "
+                     "later) reshards every layer and the embedding after forward and shards the head ([final norm, "
+                     "lm_head]) as a unit kept gathered (`shardwise plan --fsdp-reshard-after-forward layers "
+                     "--fsdp-wrap-embeddings` plans that run).")
         lines += ["", wrap]
     if strategy.zero_stage == 3:
         unit = strategy.ds.zero3_unit(model.params_per_layer / strategy.tp)

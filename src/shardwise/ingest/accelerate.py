@@ -4,8 +4,9 @@ installed): MULTI_GPU, FSDP (versions 1 and 2) or DEEPSPEED (a deepspeed_config_
 plugin's own keys).
 
 Stock semantics, from accelerate's source: FSDP2 `fsdp_reshard_after_forward: true` frees every
-unit after forward (`fully_shard(reshard_after_forward=True)`: FSDPKnobs reshard_after_forward
-"all"), false keeps them gathered (fsdp-grad-op); with mixed precision the plugin's
+decoder layer and the input embedding after forward and keeps the head ([final norm, lm_head],
+passed False) and the root (left None) gathered (`fsdp2_prepare_model` since accelerate 1.14:
+FSDP2_RESHARDED), false keeps them gathered (fsdp-grad-op); with mixed precision the plugin's
 MixedPrecisionPolicy reduces gradients in the compute dtype (`reduce_dtype = param_dtype`,
 utils/dataclasses.py: reduce_dtype "param"); under gradient accumulation `Accelerator.no_sync`
 turns gradient sync off on FSDP2 (`set_requires_gradient_sync(False)`), so gradients are
@@ -34,6 +35,16 @@ from shardwise.ingest.common import (
     resolve_path,
     unstated,
 )
+
+# FSDP2 with reshard_after_forward true as accelerate prepares a model (huggingface/accelerate
+# src/accelerate/utils/fsdp_utils.py `fsdp2_prepare_model`, since 1.14: PR #4015 "Fsdp2
+# fully_shard embedding and norm", 60b5c258; 1.16 as installed): every decoder layer and the input
+# embedding `fully_shard`ed with the flag, [final norm, lm_head] with False, the root with None
+# (torch keeps a root gathered); tied embeddings go with the head. HF Trainer, axolotl and
+# LLaMA-Factory prepare FSDP2 through it.
+FSDP2_RESHARDED = {"reshard_after_forward": "layers", "wrap_embeddings": True}
+FSDP2_RESHARDED_FLAGS = ("--fsdp-reshard-after-forward layers --fsdp-wrap-embeddings (accelerate's fsdp2_prepare_model: "
+                         "every layer and the embedding resharded, the head and the root kept)")
 
 PRECISION = {"no": "fp32", "fp16": "fp16-mixed", "bf16": "bf16-mixed"}
 # FSDP1 FULL_SHARD frees every unit after forward but the root ("layers": torch's FSDP1
@@ -140,11 +151,13 @@ def _fsdp(doc: Doc, f: dict, src: Source) -> set:
     reshard = get("fsdp_reshard_after_forward", True if version == 2 else None)
     if version == 2:
         keep = not as_bool(doc, ("fsdp_config", "fsdp_reshard_after_forward"), reshard)
-        name, how = ("fsdp-grad-op", None) if keep else ("fsdp", "all")
+        name, how = ("fsdp-grad-op", None) if keep else ("fsdp", "layers")
+        if not keep:
+            fsdp |= FSDP2_RESHARDED
         src.read.append(("fsdp_config.fsdp_version", "2: torch fully_shard"))
         src.read.append(("fsdp_config.fsdp_reshard_after_forward",
                          f"{not keep}: " + ("-s fsdp-grad-op (every unit kept gathered)" if keep else
-                                            "-s fsdp --fsdp-reshard-after-forward all (stock fully_shard)")))
+                                            f"-s fsdp {FSDP2_RESHARDED_FLAGS}")))
     else:
         strat = reshard if reshard is not None else get("fsdp_sharding_strategy", "FULL_SHARD")
         strat = FSDP1_NUM.get(str(strat), str(strat).upper())

@@ -441,8 +441,10 @@ def _fsdp(doc: Doc, fsdp: Any, cfg: Any, src: Source, ctx: Context) -> None:
             reshard = reshard.upper() != "SHARD_GRAD_OP"  # an FSDP1 sharding_strategy under FSDP2 (accelerate maps it)
         on = as_bool(doc, ("fsdp_config", "reshard_after_forward"), reshard)
         name = "fsdp" if on else "fsdp-grad-op"
-        if on:
-            fsdp_knobs["reshard_after_forward"] = "all"
+        if on:  # as accelerate prepares the model (ingest/accelerate.py FSDP2_RESHARDED)
+            from shardwise.ingest.accelerate import FSDP2_RESHARDED
+
+            fsdp_knobs |= FSDP2_RESHARDED
     else:
         from shardwise.ingest.accelerate import FSDP1
 

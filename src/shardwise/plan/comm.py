@@ -27,7 +27,9 @@ from shardwise.plan.memory_lora import nf4_gathered_saving
 from shardwise.plan.pipeline import PipelineRank
 from shardwise.plan.preference import no_grad_forwards, no_grad_gather_bytes
 from shardwise.plan.stage import (
+    FsdpUnits,
     busiest_layers,
+    fsdp_units,
     fullest_rank,
     persistent_params,
     rank_layer_params,
@@ -219,10 +221,11 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     # decoder-layer units and are gathered with them.
     p = c
     reduce = s.fsdp.reduce_bytes(c) if (train.mixed_precision or lora) else train.master_bytes
-    layers = rank_layer_params(model, rank) / layout.tp + adapters
+    layers = rank_layer_params(model, rank) / layout.tp + adapters  # adapters live in the layers
+    units = fsdp_units(model, s, layout, rank, psi + adapters, layers, model.params_per_layer / layout.tp)
     ag_fwd = p * (psi + adapters) * k
     share = fsdp_regather_share(s, rank)
-    regathered = fsdp_regathered(s, rank, layers, psi + adapters)  # adapters live in the layers
+    regathered = fsdp_regathered(s, rank, units)
     ag_bwd = p * regathered * k
     if train.fp8_all_gather:  # the decoder linears' weights all-gathered in fp8 (plan/fp8.py)
         saved = gathered_linear_bytes_saved(c, train) * linear_share(model, rank, layout.tp)[0] * k
@@ -233,9 +236,13 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
     # held unsharded grads: once per step; torch's default (sync left on): every micro-batch
     reductions = k if s.fsdp.reduce_every_micro_batch else 1
     rs = reduce * trained * reductions
-    units = len(rank.layers) + len(rank.stages)  # each decoder layer, and each stage's root group
-    roots = len(rank.stages) if s.reshards_root else 0  # each stage's root gathered again
-    calls = k * (units + round(len(rank.layers) * share) + roots) + units * reductions
+    # each decoder layer, each stage's root group and the carved embedding and head units; in
+    # backward the resharded ones again (fsdp_regathered); frozen units reduce nothing (LoRA)
+    count = units.count(len(rank.layers), len(rank.stages))
+    regather_calls = (round(len(rank.layers) * share) + units.root_groups(len(rank.stages)) * s.reshards_root
+                      + (units.embedding > 0) * s.reshards_embedding + (units.head > 0) * s.reshards_root)
+    reducing = count - ((units.embedding > 0) + (units.head > 0) if lora else 0)
+    calls = k * (count + regather_calls) + reducing * reductions
     w = c if lora else 4  # bytes of a stored parameter shard (LoRA: the frozen base in the compute dtype)
     pcie = (w * (psi + regathered) / n * k + 4 * trained / n) if s.offload_params else 0.0
     if s.fsdp_sharding == "hybrid":
@@ -249,13 +256,15 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
                          **_on(link, ag_fwd + ag_bwd + rs))
 
 
-def fsdp_regathered(s: Strategy, rank: PipelineRank, layers: float, psi: float) -> float:
-    """Parameters FSDP2 gathers again in backward per micro-batch, of a replica of `psi` whose
-    decoder layers hold `layers`: the resharded share of the layers, and under "all" the root
-    group too (psi − layers: embeddings, final norm, lm_head; `Strategy.reshards_root`). Stock
-    `fully_shard(reshard_after_forward=True)` on every layer and the root thus gathers every
-    parameter twice per micro-batch (counted on 2 gloo ranks: tests/accuracy/test_stock_fsdp_comm.py)."""
-    return layers * fsdp_regather_share(s, rank) + ((psi - layers) if s.reshards_root else 0.0)
+def fsdp_regathered(s: Strategy, rank: PipelineRank, units: FsdpUnits) -> float:
+    """Parameters FSDP2 gathers again in backward per micro-batch, of a replica in `units`: the
+    resharded share of the decoder layers, the root group under "all" (`Strategy.reshards_root`),
+    and the carved units (`fsdp.wrap_embeddings`): the embedding as the layers reshard, the head
+    as the root does. Stock `fully_shard(reshard_after_forward=True)` on every layer and the root
+    thus gathers every parameter twice per micro-batch (counted on 2 gloo ranks:
+    tests/accuracy/test_stock_fsdp_comm.py)."""
+    return (units.layers * fsdp_regather_share(s, rank) + units.embedding * s.reshards_embedding
+            + (units.head + units.root) * s.reshards_root)
 
 
 def fsdp_regather_share(s: Strategy, rank: PipelineRank) -> float:

@@ -34,6 +34,7 @@ from shardwise.plan.preference import reference_forward, reference_params
 from shardwise.plan.stage import (
     Replica,
     fsdp_gathered_params,
+    fsdp_units,
     fullest_rank,
     persistent_params,
     rank_params,
@@ -257,15 +258,18 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     model, train, s, layout, psi, n, per_node, layer = r.model, r.train, r.strategy, r.layout, r.psi, r.n, r.per_node, r.layer
     c, os_ = train.compute_bytes, optimizer_bytes(train)
     w = train.master_bytes
-    root = psi - r.layers
+    units = fsdp_units(model, s, layout, r.rank, psi, r.layers, layer)
     reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
-    gathered = fsdp_gathered_params(s, c, psi, r.layers, layer)
+    gathered = fsdp_gathered_params(s, c, psi, units)
     if train.fp8_all_gather:  # the gathered decoder linears are fp8 (plan/fp8.py)
         lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
         held_lin = lin_total if s.resharding == "none" else 2 * lin_layer
         gathered -= gathered_linear_bytes_saved(c, train) * held_lin
-    lm_head = model.lm_head_params / layout.tp
-    rs = (c + reduce) * layer + c * lm_head
+    # lm_head's unsharded grad waits for the root's reduce-scatter at the end of backward; a head
+    # unit of its own (fsdp.wrap_embeddings) reduce-scatters it as its backward ends, a transient
+    # like a layer's
+    lm_head = 0.0 if units.head else model.lm_head_params / layout.tp
+    rs = (c + reduce) * max(layer, units.head) + c * lm_head
     # Accumulation. The trainer turns gradient sync off on non-final micro-batches: FSDP2 then
     # keeps every unsharded grad, upcast to reduce_dtype (`to_accumulated_grad_if_needed`,
     # _fsdp_param.py), until the last micro-batch reduce-scatters the sum. Stock FSDP2
@@ -275,23 +279,24 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     accumulating = train.grad_accum > 1
     unsharded_held = accumulating and s.fsdp.reduce_every_micro_batch is False
     held = reduce * psi if unsharded_held else 0.0
-    # The root's own reduce-scatter (embeddings, lm_head: often the largest group) runs at the
-    # end of backward, when the activations are gone: a step-phase transient, like the
-    # optimizer's temporaries (it finishes before the step starts).
-    root_rs = (c + reduce) * root
+    # The root's own reduce-scatter (embeddings, lm_head: often the largest group), or the
+    # embedding unit's, runs at the end of backward, when the activations are gone: a step-phase
+    # transient, like the optimizer's temporaries (it finishes before the step starts).
+    root_rs = (c + reduce) * max(units.root, units.embedding)
     mem = MemoryBreakdown(
         params=w * psi / n, grads=w * psi / n, optimizer_states=os_ * psi / n,
         step_buffers=max(optimizer_temp(train, psi / n, model.largest_module / layout.tp / n), root_rs),
         gathered_params=gathered, held_grads=held, grad_buffers=rs,
         grads_persist=accumulating and not unsharded_held,
-        grads_pending=0.0 if accumulating else w * (layer + root) / n,
+        grads_pending=0.0 if accumulating else w * (layer + units.root + units.embedding) / n,
     )
     if train.optimizer_in_backward:
         # Each parameter steps in the hook FSDP2 runs after its group's reduce-scatter, and its
         # sharded grad is freed there: one group's shards at a time (a layer, or the root at the
         # end), and one parameter's optimizer temporaries (trainer: _torch_common.InBackwardAdamW).
         largest = model.largest_module / layout.tp / n
-        mem = replace(mem, grads=w * max(layer, root) / n, grads_persist=False, grads_pending=0.0,
+        mem = replace(mem, grads=w * max(units.largest_outside_root, units.root) / n, grads_persist=False,
+                      grads_pending=0.0,
                       step_buffers=max(optimizer_temp(train, largest, largest), root_rs))
     host = HostBreakdown()
     if s.offload_params:  # CPUOffloadPolicy: sharded params, grads and optimizer step on the CPU

@@ -17,7 +17,14 @@ from shardwise.plan.lora import (
 )
 from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
 from shardwise.plan.pipeline import PipelineRank
-from shardwise.plan.stage import Replica, fsdp_gathered_params, persistent_params, whole_model, zero3_gathered
+from shardwise.plan.stage import (
+    Replica,
+    fsdp_gathered_params,
+    fsdp_units,
+    persistent_params,
+    whole_model,
+    zero3_gathered,
+)
 from shardwise.specs.layout import ParallelLayout
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
@@ -85,7 +92,7 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         return mem, host
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
-        gathered = fsdp_gathered_params(s, c, psi, r.layers, layer)
+        gathered = fsdp_gathered_params(s, c, psi, fsdp_units(model, s, layout, r.rank, psi, r.layers, layer))
         if train.base_quant == "nf4":  # the layers' NF4 linears are gathered as stored (nf4_gathered_saving)
             lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
             gathered -= nf4_gathered_saving(c) * (lin_total if s.resharding == "none" else 2 * lin_layer)

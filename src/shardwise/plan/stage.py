@@ -222,14 +222,64 @@ def zero3_gathered(model: ModelSpec, train: TrainSpec, ds, layout: ParallelLayou
     return max(0.0, min(gathered, max(live, unit + min(ds.prefetch_bucket_size, layer))))
 
 
-def fsdp_gathered_params(s: Strategy, c: float, psi: float, layers: float, layer: float) -> float:
+@dataclass(frozen=True, slots=True)
+class FsdpUnits:
+    """A replica's FSDP2 units, in parameters on one GPU: `layer` the largest decoder layer,
+    `layers` all of its decoder layers, `embedding` and `head` the units
+    `strategy.fsdp.wrap_embeddings` carves out of the root (the token embedding; the final norm
+    and lm_head; 0 where they stay in it), `root` what the root keeps."""
+
+    layer: float
+    layers: float
+    embedding: float
+    head: float
+    root: float
+
+    @property
+    def carved(self) -> bool:
+        return self.embedding > 0 or self.head > 0
+
+    @property
+    def largest_outside_root(self) -> float:
+        return max(self.layer, self.embedding, self.head)
+
+    def root_groups(self, stages: int) -> int:
+        """Root units that hold parameters, of a rank running `stages` stages (each stage's model
+        has its root; one emptied by the carving gathers nothing)."""
+        return stages - (1 if self.carved and self.root == 0 else 0)
+
+    def count(self, decoder_layers: int, stages: int) -> int:
+        """FSDP2 units with parameters: each decoder layer, the roots, the carved units."""
+        return decoder_layers + self.root_groups(stages) + (self.embedding > 0) + (self.head > 0)
+
+
+def fsdp_units(model: ModelSpec, s: Strategy, layout: ParallelLayout, rank: PipelineRank, psi: float,
+               layers: float, layer: float) -> FsdpUnits:
+    """The FSDP2 units of a pipeline rank's replica of `psi` parameters, `layers` of them in its
+    decoder layers (`layer` the largest). `fsdp.wrap_embeddings` carves the token embedding and the
+    head (final norm, lm_head) out of the root at pp 1 for an untied model, as the trainer wraps
+    them (train/engines/fsdp.shard_model); a learned position table stays in the root."""
+    root = psi - layers
+    tied_here = model.tie_embeddings and rank.embedding and rank.head
+    if not s.fsdp.wrap_embeddings or layout.pp > 1 or tied_here or s.engine != "fsdp2":
+        return FsdpUnits(layer, layers, 0.0, 0.0, root)
+    whole = rank_root_params(model, rank)  # before the vocabulary split: psi holds it over vocab_tp
+    share = root / whole if whole else 0.0
+    embedding = model.vocab_size * model.hidden_size * share if rank.embedding else 0.0
+    head = (whole - (model.vocab_size * model.hidden_size + model.position_embedding_params
+                     if rank.embedding else 0.0)) * share if rank.head else 0.0
+    return FsdpUnits(layer, layers, embedding, head, root - embedding - head)
+
+
+def fsdp_gathered_params(s: Strategy, c: float, psi: float, units: FsdpUnits) -> float:
     """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`),
-    of a replica of ψ parameters, `layers` of them in its decoder layers, `layer` the largest.
-    "none": every unit stays gathered from its forward to its backward (c·Ψ). Else the layer in
-    flight, the prefetched one and the root. "all" and "not-last" hold the same: "not-last" keeps
-    the last layer and the root from forward into backward; "all" frees both and gathers them
-    again as backward starts, while the next layer is prefetched (the root is held through the
-    backward either way)."""
+    of a replica of ψ parameters in `units`. "none": every unit stays gathered from its forward
+    to its backward (c·Ψ). Else the root and two units: the one in flight and the one prefetched
+    (two decoder layers; the embedding and the first layer, lm_head and the last layer where they
+    are units of their own). "all" and "not-last" hold the same: "not-last" keeps the last layer
+    and the root from forward into backward; "all" frees both and gathers them again as
+    backward starts, while the next layer is prefetched (the root is held through the backward
+    either way)."""
     if s.resharding == "none":
         return c * psi
-    return c * (2 * layer + psi - layers)
+    return c * (units.layer + units.largest_outside_root + units.root)

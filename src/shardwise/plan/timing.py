@@ -48,7 +48,9 @@ from shardwise.plan.network import comm_time, inter_bus
 from shardwise.plan.optimizer import optimizer_bytes, paged_states
 from shardwise.plan.pipeline import pipeline_idle
 from shardwise.plan.stage import (
+    FsdpUnits,
     busiest_layers,
+    fsdp_units,
     fullest_rank,
     rank_layer_params,
     replica_params,
@@ -167,7 +169,8 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
     layers = rank_layer_params(model, rank) / layout.tp
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else c
-        gathered = psi + fsdp_regathered(s, rank, layers, psi)
+        gathered = psi + fsdp_regathered(s, rank, fsdp_units(model, s, layout, rank, psi, layers,
+                                                             model.params_per_layer / layout.tp))
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
@@ -300,7 +303,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     passes = 2 + recompute + forward_only  # the reference's forward runs its own engine's hooks
     hooks = serial = 0.0
     if s.engine == "fsdp2":  # each unit's hooks wait on its all-gather / reduce-scatter streams
-        serial = k * (layers + 1) * passes * 2 * tm.fsdp2_hook_s
+        serial = k * _fsdp_rank_units(model, s, layout, psi).count(layers, 1) * passes * 2 * tm.fsdp2_hook_s
     elif s.engine == "deepspeed":
         serial = tm.deepspeed_step_s
         if s.zero_stage in (1, 2):
@@ -317,6 +320,14 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
 # engine's count is checked against this in tests/run/test_run_bridge.py.
 CONTAINERS_PER_LAYER = 4
 CONTAINERS_OUTSIDE_LAYERS = 4
+
+
+def _fsdp_rank_units(model: ModelSpec, s: Strategy, layout: ParallelLayout, psi: float) -> FsdpUnits:
+    """The FSDP2 units of the pipeline rank with the most parameters (the embedding and head
+    units `fsdp.wrap_embeddings` carves add hooks and gathers; other engines carve nothing)."""
+    rank = fullest_rank(model, s, layout)
+    return fsdp_units(model, s, layout, rank, psi, rank_layer_params(model, rank) / layout.tp,
+                      model.params_per_layer / layout.tp)
 
 
 def zero3_hooked_modules(model: ModelSpec, ds, tp: int) -> int:
@@ -394,7 +405,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     bwd = work - fwd
     comm_s = comm_time(comm, hw, layout)
     # one per decoder layer and each stage's root group, on the pipeline rank with the most layers
-    units = busiest_layers(model, strategy, layout) + (strategy.pp_virtual_stages if layout.pp > 1 else 1)
+    units = _fsdp_rank_units(model, strategy, layout, psi).count(
+        busiest_layers(model, strategy, layout), strategy.pp_virtual_stages if layout.pp > 1 else 1)
     exposed = min(comm_s, _exposed(strategy, train, comm_s, fwd, bwd, comm, hw.timing, units))
     # TP all-reduces stay inside the node (TP ranks are packed on NVLink); PP sends cross
     # nodes when the stages do. Both sit on the critical path.

@@ -290,6 +290,7 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
                   strategy=strat, layout=layout)
     resolve.check_tensor_parallel(run)
     resolve.check_pipeline(run)
+    resolve.check_fsdp_units(run)
     return run
 
 

@@ -225,6 +225,14 @@ class Strategy(Spec):
         return self.resharding in ("all", "layers") or (self.resharding == "not-last" and not last)
 
     @property
+    def reshards_embedding(self) -> bool:
+        """`fully_shard(embedding, reshard_after_forward=...)` of the embedding unit that
+        `fsdp.wrap_embeddings` carves out of the root: as the decoder layers (torchtune passes one
+        value to every unit, accelerate 1.16 passes its flag; the head unit follows the root:
+        `reshards_root`)."""
+        return self.reshards_layer(last=False)
+
+    @property
     def reshards_root(self) -> bool:
         """`fully_shard(model, reshard_after_forward=...)` of the root (embeddings, final norm,
         lm_head): True under "all", as users who wrap each layer and then the root pass one value

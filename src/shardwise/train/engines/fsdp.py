@@ -6,6 +6,8 @@
 - grad-op: reshard_after_forward=False (params stay gathered between forward and backward,
   like ZeRO-2's memory for params during the step; gradients still reduce-scattered).
 - hybrid: a 2-D (replicate, shard) mesh: shard inside a group, replicate across groups.
+- `strategy.fsdp.wrap_embeddings`: the token embedding and [final norm, lm_head] as units of their
+  own (torchtune's `custom_sharded_layers`, accelerate's layout), untied models at pp 1.
 The mesh comes from the run's ParallelLayout (shardwise.train.engines.mesh), the knobs from its
 Strategy: what the preflight planned. Gradients are reduce-scattered with averaging over the
 data-parallel ranks (FSDP2 default), which is what the loop's `loss_scale` assumes.
@@ -31,7 +33,7 @@ from shardwise.train.engines._torch_common import (
 )
 from shardwise.train.engines.base import DistEnv, evaluate_loss_sum, forward_loss_sum
 from shardwise.train.engines.mesh import build_mesh, data_parallel_mesh
-from shardwise.train.model.hf import decoder_layers
+from shardwise.train.model.hf import decoder_layers, final_norm
 from shardwise.train.model.weights import materialize
 
 
@@ -68,12 +70,32 @@ def shard_model(model: torch.nn.Module, run: RunSpec, mesh: Any, device: torch.d
         # the same: backward prefetches one layer anyway (plan/memory.py counts two layers
         # gathered). "all" is stock fully_shard's (accelerate, HF Trainer, torchtune).
         fully_shard(layer, reshard_after_forward=s.reshards_layer(last=i == len(layers) - 1), **kw)
+    embedding, head = carved_units(model, run)
+    if embedding is not None:
+        # fsdp.wrap_embeddings: the token embedding and the head (final norm + lm_head) as units
+        # of their own, gathered only around their forward and backward (torchtune's
+        # custom_sharded_layers, accelerate 1.16's fsdp2_prepare_model); the embedding reshards
+        # as the layers do, the head, first in backward, as the root does
+        fully_shard(embedding, reshard_after_forward=s.reshards_embedding, **kw)
+        fully_shard(head, reshard_after_forward=s.reshards_root, **kw)
     # The root keeps embeddings, final norm and lm_head (tied weights stay in one unit);
     # it is needed right after forward anyway, so it does not reshard in between, except under
     # "all", stock's: users pass reshard_after_forward=True to the root too, and torch then
     # reshards it and gathers it again in backward (Strategy.reshards_root).
     fully_shard(model, reshard_after_forward=s.reshards_root, **kw)
     return model
+
+
+def carved_units(model: torch.nn.Module, run: RunSpec) -> tuple[Any, Any]:
+    """The modules `strategy.fsdp.wrap_embeddings` shards apart from the root: (the input
+    embedding, [final norm, lm_head]); (None, None) where it does not apply: the knob off, tied
+    embeddings (one parameter stays in one unit), a pipeline stage (each keeps its root whole)."""
+    if not run.strategy.fsdp.wrap_embeddings or run.layout.pp > 1:
+        return None, None
+    embedding, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    if lm_head is None or embedding.weight is lm_head.weight:
+        return None, None
+    return embedding, [final_norm(model), lm_head]
 
 
 def loss_parallel_if_needed(run: RunSpec):

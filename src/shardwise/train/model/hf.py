@@ -103,6 +103,14 @@ def decoder_layers(model: Any) -> list[Any]:
     return list(layers)
 
 
+def final_norm(model: Any) -> Any:
+    """The norm after the decoder layers (`model.model.norm` for Llama/Qwen/Mistral)."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is None:
+        raise ShardwiseError(f"{type(model).__name__}: no `model.norm` to shard with lm_head")
+    return norm
+
+
 def enable_checkpointing(model: Any, use_reentrant: bool = False) -> None:
     """Activation checkpointing of every decoder layer, through transformers' current name
     (`activation_checkpointing_enable`; `gradient_checkpointing_enable` before transformers 5.2x,
