@@ -335,8 +335,9 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("lora_rank", "--lora-rank", "lora.rank"),
     RunFlag("lora_targets", "--lora-targets", "lora.target_modules", note="(comma-separated)"),
     RunFlag("lora_modules_to_save", "--lora-modules-to-save", "lora.modules_to_save", note="(comma-separated)"),
-    RunFlag("cross_entropy", "--cross-entropy", "loss.implementation", also=("fused", "inplace"),
-            note="(fused: Liger's kernel; inplace: flash-attn's)"),
+    RunFlag("cross_entropy", "--cross-entropy", "loss.implementation", also=("fused", "inplace", "chunked-output"),
+            note="(fused: Liger's kernel; inplace: flash-attn's; chunked-output: torchtune's "
+                 "CEWithChunkedOutputLoss)"),
     RunFlag("ce_chunk", "--ce-chunk", "loss.chunk_tokens"),
     RunFlag("weight_decay", "--weight-decay", "optimizer.weight_decay"),
     RunFlag("optimizer_impl", "--optimizer-impl", "optimizer.fused", also=("fused", "foreach", "forloop"),

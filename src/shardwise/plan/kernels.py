@@ -115,7 +115,9 @@ def loss_bytes_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1) -> flo
     v, c = model.vocab_size / tp, train.compute_bytes
     if train.cross_entropy == "fused":
         return (8 + 2 * c) * v
-    if train.cross_entropy == "inplace":  # read the logits twice (max/sum, then loss), write the gradient
+    if train.cross_entropy == "inplace" or (train.cross_entropy == "chunked-output" and train.fused_kernels):
+        # read the logits twice (max/sum, then loss), write the gradient: flash-attn's kernel, and
+        # torchtune's compiled chunk loss (its upcast and softmax fused into those passes)
         return 3 * c * v
     if train.cross_entropy == "chunked":
         upcast = c + 4 if c < 4 else 0

@@ -5,6 +5,10 @@ from __future__ import annotations
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
+# torchtune's CEWithChunkedOutputLoss(num_output_chunks=8), which its recipes pass to the model
+# (`set_num_output_chunks`): pytorch/torchtune@1814feb torchtune/modules/loss/ce_chunked_output_loss.py
+OUTPUT_CHUNKS = 8
+
 
 def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
     """Peak memory of logits and loss, by implementation (`train.cross_entropy`):
@@ -27,7 +31,17 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
       input the standard path saves (the activations' final-norm term): not counted again.
       Measured on CPU against these terms: tests/train/test_chunked_ce.py.
     - fused (Liger's linear + cross-entropy kernel): one small row block at a time materialises
-      the (c + 12)·V working set."""
+      the (c + 12)·V working set.
+    - chunked-output (torchtune's CEWithChunkedOutputLoss, pytorch/torchtune@1814feb
+      torchtune/modules/loss/ce_chunked_output_loss.py): the model's output projection runs on
+      OUTPUT_CHUNKS chunks of the sequence and every chunk's c-byte logits are kept to the loss's
+      backward. Eager, each chunk's log-softmax saves its fp32 output (4·V a token, every chunk)
+      while the next chunk's fp32 upcast is in flight; compiled (`fused_kernels`: torchtune
+      compiles `compute_cross_entropy`), the saved input is the c-byte logits themselves and each
+      chunk's backward writes a c-byte gradient. With lm_head trained, autograd then accumulates
+      its weight gradient over the chunks out of place, the sum, the next chunk's gradient and
+      the result at once (3·c·V·H) beside the chunks' logit gradients. Measured on CPU, eager, both
+      phases (tests/plan/test_chunked_output_loss.py); the compiled loss phase is derived."""
     v = model.vocab_size / tp  # vocab-parallel lm_head
     c = train.compute_bytes
     tokens = train.micro_batch * train.seq_len
@@ -40,6 +54,15 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
         held = c * v * model.hidden_size if head_trainable(train) else 0.0
         per_token = (8 + (c if model.final_logit_softcapping and c < 4 else 0)) * v
         return min(tokens, train.ce_chunk) * per_token + held
+    if train.cross_entropy == "chunked-output":
+        chunk = -(-tokens // OUTPUT_CHUNKS)
+        if train.fused_kernels:
+            loss = tokens * (c * v + cap) + chunk * c * v
+        else:
+            loss = tokens * ((c + 4) * v + cap) + (chunk * 4 * v if c < 4 else 0.0)
+        if not head_trainable(train):
+            return loss
+        return max(loss, (tokens - chunk) * c * v + 3 * c * v * model.hidden_size)
     per_token = (c + 12) * v + cap
     if train.cross_entropy == "fused":
         tokens = min(tokens, 256)
@@ -63,7 +86,8 @@ def loss_held_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
       — its input gradient replaces the lm_head input the activations' final-norm term counts;
     - fused (Liger's kernel, computing the gradients in forward too): the same weight gradient;
     - standard: the logits (c·V per token, the stage's output) and log-softmax's saved fp32 output
-      (4·V), with the soft-capped logits' tanh output where Gemma caps them;
+      (4·V), with the soft-capped logits' tanh output where Gemma caps them; chunked-output the
+      same, and compiled only the logits (its compiled chunk loss saves its input);
     - inplace: the c-byte logits, overwritten by their gradient, and per-row statistics."""
     v = model.vocab_size / tp
     c = train.compute_bytes
@@ -73,4 +97,6 @@ def loss_held_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
         return c * v * model.hidden_size if head_trainable(train) else 0.0
     if train.cross_entropy == "inplace":
         return tokens * (c * v + cap + 8)
+    if train.cross_entropy == "chunked-output" and train.fused_kernels:  # the compiled loss saves its input only
+        return tokens * (c * v + cap)
     return tokens * ((c + 4) * v + cap)

@@ -75,7 +75,7 @@ def reference_forward(model: ModelSpec, train: TrainSpec, strategy: Strategy, la
         policy = seq.tokens_per_micro_batch  # the policy's logits, still referenced
         # one no-grad forward at a time, each over as many sequences as the trained one (DPO's
         # reference on the pair; KTO's on the examples, then on the KL sequences)
-        logits = c * v * policy * 2 if seq.cross_entropy in ("standard", "inplace") else (
+        logits = c * v * policy * 2 if seq.cross_entropy in ("standard", "inplace", "chunked-output") else (
             c * v * policy + logits_bytes(model, seq, vocab_tp))
     gathered = 0.0
     if train.holds_reference and reference_shards(strategy) and layout.dp_shard > 1:

@@ -19,7 +19,11 @@ Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 Optimizer = Literal["adamw", "sgd", "adamw8bit", "adamw4bit", "paged_adamw8bit"]
 Checkpointing = Literal["none", "full", "selective"]
 Attention = Literal["eager", "sdpa", "flash"]
-CrossEntropy = Literal["standard", "chunked", "fused", "inplace"]
+# The loss over the vocabulary (plan/loss.py): HF's standard one, the trainer's chunked one (lm_head
+# and the loss fused per chunk of tokens), Liger's fused linear cross-entropy, flash-attn's in-place
+# kernel, and torchtune's CEWithChunkedOutputLoss (the model's output projection in 8 chunks of the
+# sequence, every chunk's logits kept, the loss upcast and computed a chunk at a time).
+CrossEntropy = Literal["standard", "chunked", "fused", "inplace", "chunked-output"]
 # How the optimizer step runs: torch AdamW fused (one kernel, no temporaries; the trainer's
 # choice on CUDA), foreach (torch's CUDA default without `fused`: one fp32 temporary the size
 # of the parameters), for-loop (the CPU default: one tensor at a time), or DeepSpeed's own
