@@ -168,6 +168,9 @@ def build(run: dict):
     # the TP its framework runs (a source's `tp_impl`, evidence in its notes: Megatron-LM's for the
     # Megatron rows; else the engine's own, specs.strategy.TP_SCHEMES)
     knobs.setdefault("tp_impl", run.get("tp_impl") or run.get("_source", {}).get("tp_impl") or "auto")
+    # and the sharded optimizer it runs (a source's `zero_impl`: Megatron-Core's distributed optimizer)
+    if zero := run.get("zero_impl") or run.get("_source", {}).get("zero_impl"):
+        knobs.setdefault("zero_impl", zero)
     # expert parallelism of MoE runs (plan/experts.py): ep, and the busiest rank's load where stated
     ep = {k: run[k] for k in ("ep", "ep_load_imbalance") if k in run}
     strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), cp=run.get("cp", 1),

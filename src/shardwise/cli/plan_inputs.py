@@ -82,6 +82,7 @@ def plan_inputs(ctx: typer.Context, knob_values: dict, *, from_file: Path | None
     sets = values.pop("set_") or []
     values["knobs"], values["cli_knobs"], values["shard_group"] = cli_knobs, cli_knobs, knob_values.get("shard_group")
     values["tp_impl"] = knob_values.get("tp_impl")
+    values["zero_impl"] = knob_values.get("zero_impl")
     if path is None:
         if sets:
             raise ShardwiseError(f"--set {sets[0]}: --set overrides a shardwise training YAML; give one "
@@ -161,7 +162,7 @@ def plan_setup(a: dict, source) -> PlanSetup:
     knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"], base=base, pp_schedule=a["pp_schedule"],
                         pp_virtual_stages=a["pp_virtual_stages"], cp=a.get("cp"), cp_impl=a.get("cp_impl"),
                         cp_load_balance=a.get("cp_load_balance"), ep=a.get("ep"),
-                        ep_load_imbalance=a.get("ep_load_imbalance"))
+                        ep_load_imbalance=a.get("ep_load_imbalance"), zero_impl=a.get("zero_impl"))
     check_schedule_flags(a["pp"], knobs, m, train)
     if a["device"] not in ("cuda", "cpu"):
         raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")

@@ -167,6 +167,13 @@ def generated_parameters() -> list[inspect.Parameter]:
                              "engine's own: DeepSpeed's AutoTP for ZeRO-0/1/2, DTensor for DDP) or megatron "
                              "(Megatron-LM / Megatron-DeepSpeed: sequence parallel, vocabulary-parallel). "
                              "FSDP2 rows keep DTensor's.")))
+    params.append(inspect.Parameter(
+        "zero_impl", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+        default=typer.Option(None, "--zero-impl", help="zero1 rows' sharded optimizer as: deepspeed (ZeRO stage 1, "
+                             "what shardwise train runs) or megatron (Megatron-Core's distributed optimizer: fp32 "
+                             "gradient buffer the size of the model for bf16, reduce-scatter and param all-gather "
+                             "overlapped where --ds-overlap-comm says, as --overlap-grad-reduce "
+                             "--overlap-param-gather; plan-only).")))
     return params
 
 
@@ -256,7 +263,7 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
                 base: tuple[DeepSpeedKnobs, FSDPKnobs, DDPKnobs] | None = None, *, pp_schedule: str | None = None,
                 pp_virtual_stages: int | None = None, cp: int | None = None,
                 cp_impl: str | None = None, cp_load_balance: bool | None = None, ep: int | None = None,
-                ep_load_imbalance: float | None = None) -> StrategyKnobs:
+                ep_load_imbalance: float | None = None, zero_impl: str | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}}, the rest at `base` (the trainer's knobs for the
     device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own), with
     the pipeline schedule of the PP rows and the context parallelism of every row where given; a
@@ -267,6 +274,8 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
         check_count("--shard-group", shard_group, hint=" (GPUs per fsdp-hybrid shard group)")
     if tp_impl not in (None, "auto", "megatron"):
         raise ShardwiseError(f"--tp-impl {tp_impl!r}: expected auto or megatron")
+    if zero_impl not in (None, "deepspeed", "megatron"):
+        raise ShardwiseError(f"--zero-impl {zero_impl!r}: expected deepspeed or megatron")
     if pp_schedule is not None and pp_schedule not in PP_SCHEDULES:
         raise ShardwiseError(f"--pp-schedule {pp_schedule!r}: expected {', '.join(PP_SCHEDULES)}")
     if pp_virtual_stages is not None:
@@ -299,7 +308,8 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
             raise ShardwiseError(f"{fields}: {e}") from None
     return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto", pp_schedule=pp_schedule,
                          pp_virtual_stages=pp_virtual_stages, cp=cp, cp_impl=cp_impl,
-                         cp_load_balance=cp_load_balance, ep=ep, ep_load_imbalance=ep_load_imbalance)
+                         cp_load_balance=cp_load_balance, ep=ep, ep_load_imbalance=ep_load_imbalance,
+                         zero_impl=zero_impl or "deepspeed")
 
 
 # --- plan's flags that set a field of the run -------------------------------------------------

@@ -26,6 +26,12 @@ FsdpSharding = Literal["full", "grad-op", "hybrid"]
 # "all", the root keeps its params gathered after forward (the trainer passes False; torch does
 # the same for a root left None: `_fsdp_state.py` `_lazy_init`).
 Resharding = Literal["all", "layers", "not-last", "none"]
+# The implementation of a zero1 row's sharded optimizer (Strategy.zero_impl): DeepSpeed's ZeRO
+# stage 1 (the trainer's), or Megatron-Core's distributed optimizer (`--use-distributed-optimizer`:
+# a gradient buffer the size of the model, fp32 for bf16 runs, reduce-scattered into the shards
+# whose fp32 main params and Adam states each rank keeps; the updated params all-gathered into
+# the module's own buffer). Plan-only: the published Megatron-LM and Megatron-SWIFT runs.
+ZeroImpl = Literal["deepspeed", "megatron"]
 # The pipeline schedules (strategy.pp_schedule): torch.distributed.pipelining's ScheduleGPipe,
 # Schedule1F1B and ScheduleInterleaved1F1B (shardwise.specs.pipeline).
 PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -248,6 +254,9 @@ class StrategyKnobs(Spec):
     # "megatron": plan the TP rows of DeepSpeed and DDP strategies as Megatron-LM's / Megatron-DeepSpeed's
     # (FSDP2's stay DTensor's: torchtitan); "auto": each engine's own (Strategy.tp_scheme)
     tp_impl: Literal["auto", "megatron"] = "auto"
+    # Which implementation runs the zero1 rows' sharded optimizer (Strategy.zero_impl; plan-only
+    # for "megatron"): DeepSpeed's ZeRO stage 1, or Megatron-Core's distributed optimizer
+    zero_impl: ZeroImpl = "deepspeed"
     # The schedule of the PP rows (Strategy.pp_schedule / pp_virtual_stages; at pp 1 nothing):
     # None = 1f1b in the table, and the sweep tries 1f1b and, where it runs, interleaved-1f1b
     # over 2 stages a rank (shardwise.plan.recommend.sweep)

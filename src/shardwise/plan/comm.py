@@ -174,6 +174,16 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
         ar = g * trained
         bucket = s.ddp.bucket_cap_mb * 2**20 if s.engine == "ddp" else s.ds.reduce_bucket_size * c
         return CommBreakdown(all_reduce=ar, calls=max(1, int(ar // bucket)), **_on(link, 2 * ar))
+    if s.zero_impl == "megatron":
+        # Megatron-Core's distributed optimizer: the gradient buffer (fp32 for bf16: plan/memory.py
+        # _megatron_distributed_optimizer) reduce-scattered once per step, after the last
+        # micro-batch's backward (its DDP's no_sync before), then the updated params all-gathered
+        # in the compute dtype; both in buckets of max(40M, 1M × dp) parameters
+        # (megatron/core/distributed/distributed_data_parallel_config.py bucket_size)
+        grad = (4 if train.compute_dtype == "bf16" else c) * trained
+        ag = c * trained
+        buckets = int(trained // max(40_000_000, 1_000_000 * layout.dp)) + 1
+        return CommBreakdown(reduce_scatter=grad, all_gather=ag, calls=2 * buckets, **_on(link, grad + ag))
     if s.engine == "deepspeed" and s.zero_stage in (1, 2):
         # Gradient reduction: ZeRO-1 once per step (holds full grads), ZeRO-2 every micro-batch.
         # With use_multi_rank_bucket_allreduce (default) each bucket is all-reduced whole; without

@@ -189,6 +189,8 @@ def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
             params=w * psi, grads=w * psi, master_params=master, optimizer_states=os_ * psi,
             step_buffers=(4 * psi if w != 4 else 0) + temp, grads_persist=train.grad_accum > 1,
         ), host
+    if stage == 1 and s.zero_impl == "megatron":
+        return _megatron_distributed_optimizer(r), host
     if stage in (1, 2):
         # ZeRO-1 under accumulation keeps full grads until the boundary; ZeRO-2 reduces each
         # micro-batch into the partition (docs/reference.md "What the engines allocate").
@@ -244,6 +246,24 @@ def _deepspeed(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
             host = HostBreakdown(params=w * psi / n * per_node, **{
                 k: getattr(host, k) for k in ("grads", "master_params", "optimizer_states")})
     return mem, host
+
+
+def _megatron_distributed_optimizer(r: Replica) -> MemoryBreakdown:
+    """Megatron-Core's distributed optimizer (`--use-distributed-optimizer`, strategy zero1 with
+    zero_impl megatron): the module in the compute dtype (Float16Module), and one gradient buffer
+    the size of the model, allocated when its DistributedDataParallel wraps the module and kept
+    across steps (megatron/core/distributed/param_and_grad_buffer.py), in fp32 for a bf16 run
+    (megatron/training/arguments.py: "bfloat16 requires gradient accumulation and all-reduce to
+    be done in fp32", main_grads_dtype fp32 by default). Each data-parallel rank keeps the fp32
+    main params and Adam states of its shard; the reduce-scatter writes into the gradient buffer
+    and the step reads its shard there, and the updated params are all-gathered into the module's
+    own buffer: no gradient partition copy and no reduce buckets beside them (NVIDIA/Megatron-LM
+    @d98e8a64). Its fused Adam (Transformer Engine's or apex's) allocates no temporaries."""
+    train, psi, n = r.train, r.psi, r.n
+    c = train.compute_bytes
+    grad = 4 if train.compute_dtype == "bf16" else c
+    return MemoryBreakdown(params=c * psi, grads=grad * psi, master_params=4 * psi / n if c != 4 else 0.0,
+                           optimizer_states=optimizer_bytes(train) * psi / n, grads_persist=True)
 
 
 def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
@@ -397,6 +417,9 @@ def plan_memory(
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
     experts.check_ep(model, strategy, layout)
+    if strategy.zero_impl == "megatron" and train.lora_rank:
+        raise ShardwiseError(f"{strategy.name} with zero_impl megatron: Megatron-Core's distributed optimizer is "
+                             "planned for full fine-tuning (no LoRA)")
     train = tp_train(train, strategy)  # without sequence parallelism where its TP has none
     if why := context_refusal(model, train, layout.cp, strategy.cp_scheme, layout.tp, strategy.cp_load_balance):
         raise ShardwiseError(f"cp {layout.cp} ({strategy.cp_scheme}) with {strategy.name}: {why}")

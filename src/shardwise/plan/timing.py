@@ -174,6 +174,10 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
         reductions = k if (s.fsdp.reduce_every_micro_batch or k == 1) else 1
         accumulate = (k - reductions) * (c + 2 * reduce + c)  # upcast + add while sync is off
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
+    if s.zero_impl == "megatron":
+        # wgrads accumulate into the gradient buffer (gradient-accumulation fusion); after the step
+        # each rank casts its updated fp32 shard into the module's buffer
+        return psi * (4 + c) / n
     if s.engine == "deepspeed":
         if s.zero_stage == 3:
             passes = train.layer_passes
@@ -304,6 +308,8 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     hooks = serial = 0.0
     if s.engine == "fsdp2":  # each unit's hooks wait on its all-gather / reduce-scatter streams
         serial = k * _fsdp_rank_units(model, s, layout, psi).count(layers, 1) * passes * 2 * tm.fsdp2_hook_s
+    elif s.zero_impl == "megatron":
+        pass  # Megatron's per-parameter grad hooks only mark buckets ready: not priced (assumed)
     elif s.engine == "deepspeed":
         serial = tm.deepspeed_step_s
         if s.zero_stage in (1, 2):
@@ -480,7 +486,10 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     every collective is on the critical path. Stage 0 (no ZeRO) never overlaps: the engine
     all-reduces every gradient bucket after backward returns, at the accumulation boundary
     (engine.py `backward` → `allreduce_gradients` → `buffered_allreduce_fallback`), whatever
-    overlap_comm says."""
+    overlap_comm says. Megatron-Core's distributed optimizer (zero_impl megatron) overlaps as
+    `ds.overlap_comm` says, read as `--overlap-grad-reduce --overlap-param-gather`: its
+    reduce-scatter with the last micro-batch's backward, its param all-gather with the next step's
+    first forward (exposed without them, its default)."""
     if comm_s == 0:
         return 0.0
     if s.engine == "deepspeed" and (s.zero_stage == 0 or not s.ds.overlap(s.zero_stage)):
@@ -496,6 +505,10 @@ def _exposed(s: Strategy, train: TrainSpec, comm_s: float, fwd: float, bwd: floa
     reduce = comm_s - ag_after_step
     # with accumulation DDP/ZeRO-1 only reduce in the last micro-batch's backward
     window = bwd / train.grad_accum if not s.shards_grads else bwd
+    if s.zero_impl == "megatron":
+        # --overlap-param-gather: each bucket's all-gather runs ahead of the next step's forward
+        # of its layers (the first micro-batch's), the first bucket exposed as the first unit is
+        ag_after_step = max(0.0, ag_after_step - hide * fwd / train.grad_accum) + ag_after_step / units
     return max(0.0, reduce - hide * window) + reduce * tm.exposed_reduce_share + ag_after_step
 
 

@@ -336,6 +336,10 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             + (f", cp {strategy.cp} (context parallelism is planned only)" if strategy.cp > 1 else ""))
     train = train.for_engine(strategy.engine)
     notes: list[str] = []
+    if strategy.zero_impl == "megatron":
+        notes.append("planned Megatron-Core's distributed optimizer (--zero-impl megatron: an fp32 gradient buffer "
+                     "the size of the model); the trainer and the DeepSpeed JSON run DeepSpeed's ZeRO-1: plan it with "
+                     "--zero-impl deepspeed")
     precision = train.precision
     if precision == "bf16-pure" and strategy.engine == "deepspeed":
         # the trainer refuses bf16-pure there (shardwise.train.preflight.check_precision)

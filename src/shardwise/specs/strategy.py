@@ -24,6 +24,7 @@ from shardwise.config.strategy import (
     Resharding,
     StrategyFacts,
     StrategyKnobs,
+    ZeroImpl,
     virtual_refusal,
 )
 from shardwise.errors import ShardwiseError, did_you_mean
@@ -91,6 +92,8 @@ class Strategy(Spec):
     tp_impl: TPImpl = Field("auto", description="tensor-parallel implementation planned (TP_SCHEMES): auto = "
                             "the engine's (torch's engines: dtensor; DeepSpeed ZeRO-0/1/2 at pp 1: autotp; "
                             "else megatron)")
+    zero_impl: ZeroImpl = Field("deepspeed", description="zero1's sharded optimizer: deepspeed (ZeRO stage 1) or "
+                                "megatron (Megatron-Core's distributed optimizer; plan-only)")
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()
@@ -122,6 +125,9 @@ class Strategy(Spec):
             raise ShardwiseError(f"cp_impl 'torch' with strategy {self.name!r}: torch's context_parallel shards "
                                  "DTensor inputs of torch's engines; DeepSpeed's sequence parallelism is ulysses "
                                  "(or a ring: cp_impl ring)")
+        if self.zero_impl == "megatron" and self.name != "zero1":
+            raise ShardwiseError(f"zero_impl 'megatron' with strategy {self.name!r}: Megatron-Core's distributed "
+                                 "optimizer shards the optimizer states as ZeRO stage 1 does (strategy zero1)")
         given = self.fsdp.reshard_after_forward
         if self.fsdp_sharding == "grad-op" and "reshard_after_forward" in self.fsdp.model_fields_set and given != "none":
             raise ShardwiseError(
@@ -146,6 +152,8 @@ class Strategy(Spec):
             extra |= {f: getattr(k, f) for f in ("pp_schedule", "pp_virtual_stages") if getattr(k, f) is not None}
         if facts and facts.engine != "fsdp2" and k.tp_impl != "auto":
             extra["tp_impl"] = k.tp_impl
+        if name.strip().lower() == "zero1":  # the other strategies have one implementation each
+            extra["zero_impl"] = k.zero_impl
         extra |= {f: getattr(k, f) for f in ("cp", "cp_impl", "cp_load_balance") if getattr(k, f) is not None}
         fsdp = k.fsdp
         if facts and facts.fsdp_sharding == "grad-op":  # its resharding is its definition, not a knob
