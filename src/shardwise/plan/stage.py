@@ -263,12 +263,12 @@ def fsdp_units(model: ModelSpec, s: Strategy, layout: ParallelLayout, rank: Pipe
     tied_here = model.tie_embeddings and rank.embedding and rank.head
     if not s.fsdp.wrap_embeddings or layout.pp > 1 or tied_here or s.engine != "fsdp2":
         return FsdpUnits(layer, layers, 0.0, 0.0, root)
-    whole = rank_root_params(model, rank)  # before the vocabulary split: psi holds it over vocab_tp
+    # at pp 1 the rank holds the whole root: the token embedding, a learned position table, the
+    # final norm and lm_head, split over the vocabulary shards as psi holds them
+    whole = rank_root_params(model, rank)
     share = root / whole if whole else 0.0
-    embedding = model.vocab_size * model.hidden_size * share if rank.embedding else 0.0
-    head = (whole - (model.vocab_size * model.hidden_size + model.position_embedding_params
-                     if rank.embedding else 0.0)) * share if rank.head else 0.0
-    return FsdpUnits(layer, layers, embedding, head, root - embedding - head)
+    embedding, position = model.vocab_size * model.hidden_size, model.position_embedding_params
+    return FsdpUnits(layer, layers, embedding * share, (whole - embedding - position) * share, position * share)
 
 
 def fsdp_gathered_params(s: Strategy, c: float, psi: float, units: FsdpUnits) -> float:
