@@ -308,9 +308,9 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     hooks = serial = 0.0
     if s.engine == "fsdp2":  # each unit's hooks wait on its all-gather / reduce-scatter streams
         serial = k * _fsdp_rank_units(model, s, layout, psi).count(layers, 1) * passes * 2 * tm.fsdp2_hook_s
-    elif s.zero_impl == "megatron":
-        pass  # Megatron's per-parameter grad hooks only mark buckets ready: not priced (assumed)
-    elif s.engine == "deepspeed":
+    elif s.engine == "deepspeed" and s.zero_impl == "deepspeed":
+        # (Megatron's distributed optimizer: its per-parameter grad hooks only mark buckets ready,
+        # not priced, assumed)
         serial = tm.deepspeed_step_s
         if s.zero_stage in (1, 2):
             serial += k * len(model.hf_order) / pp * tm.zero12_hook_s  # grad hooks copy on the main stream
