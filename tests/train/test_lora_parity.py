@@ -3,7 +3,11 @@
 The parity setup of test_parity.py (tiny Llama, fp32, 8 steps, global batch 4 with unequal
 target counts, clipping active) with LoRA rank 4 on every decoder linear. The reference is one
 process; each engine runs on 2 gloo ranks with accumulation 1 and 2. Losses and adapters must
-match within 1e-5 relative; the frozen base must come back bit for bit.
+match within 1e-5 relative; the frozen base must come back bit for bit. The runs whose adapters
+are compared use AdamW eps 1e-5, as test_parity.py's (its docstring: at the default 1e-8 the
+update is sign-like in an element whose gradient is small next to its perturbation, and the
+engines' summation order grows into lr-sized differences; measured here on this week's package
+set: 1.07e-5 and 1.11e-5 on layer 1's o_proj lora_A at eps 1e-8, where the matrix had held 1e-5).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ pytestmark = pytest.mark.distributed
 STRATEGIES = ["ddp", "zero2", "zero3", "fsdp"]
 GRAD_ACCUM = [1, 2]
 RTOL = 1e-5
-RUNS = [f"tiny-llama:{s}:{ga}:lora" for s in STRATEGIES for ga in GRAD_ACCUM]
+EPS = ":eps1e-5"  # AdamW eps of the runs whose adapters are compared (module docstring)
+RUNS = [f"tiny-llama:{s}:{ga}:lora{EPS}" for s in STRATEGIES for ga in GRAD_ACCUM]
 SAVE_RUNS = [f"tiny-llama:{s}:1:lorasave" for s in ("zero3", "fsdp")]
 
 
@@ -31,8 +36,9 @@ def initial_weights(flag: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def reference(ranks_runner):
-    out = ranks_runner(["tiny-llama:ddp:1:lora", "tiny-llama:ddp:1:lorasave"], nproc=1)
-    return {f: torch.load(out / f"tiny-llama-ddp-1-{f}-w1.pt") for f in ("lora", "lorasave")}
+    out = ranks_runner([f"tiny-llama:ddp:1:lora{EPS}", "tiny-llama:ddp:1:lorasave"], nproc=1)
+    return {"lora": torch.load(out / f"tiny-llama-ddp-1-lora{EPS.replace(':', '-')}-w1.pt"),
+            "lorasave": torch.load(out / "tiny-llama-ddp-1-lorasave-w1.pt")}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,7 @@ def test_reference_trains_only_the_adapters(reference):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_lora_matches_single_process(strategy, grad_accum, reference, runs):
     ref = reference["lora"]
-    run = torch.load(runs / f"tiny-llama-{strategy}-{grad_accum}-lora-w2.pt")
+    run = torch.load(runs / f"tiny-llama-{strategy}-{grad_accum}-lora{EPS.replace(':', '-')}-w2.pt")
     loss = max(abs(x - y) / abs(y) for x, y in zip(run["losses"], ref["losses"], strict=True))
     assert len(run["losses"]) == 8 and loss <= RTOL, f"{strategy} ga{grad_accum}: loss off by {loss:.2e}"
     w, rw = run["weights"], ref["weights"]
