@@ -151,8 +151,8 @@ def _fsdp(doc: Doc, f: dict, src: Source) -> set:
     reshard = get("fsdp_reshard_after_forward", True if version == 2 else None)
     if version == 2:
         keep = not as_bool(doc, ("fsdp_config", "fsdp_reshard_after_forward"), reshard)
-        name, how = ("fsdp-grad-op", None) if keep else ("fsdp", "layers")
-        if not keep:
+        name, how = "fsdp-grad-op" if keep else "fsdp", None
+        if not keep:  # its resharding with the embedding and head units
             fsdp |= FSDP2_RESHARDED
         src.read.append(("fsdp_config.fsdp_version", "2: torch fully_shard"))
         src.read.append(("fsdp_config.fsdp_reshard_after_forward",
