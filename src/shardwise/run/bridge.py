@@ -426,9 +426,9 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         raw["checkpointing"]["offload"] = True
     raw["loss"] = {"implementation": "standard" if train.cross_entropy == "standard" else "chunked",
                    "chunk_tokens": train.ce_chunk}
-    if train.cross_entropy in ("fused", "inplace", "chunked-output"):
-        kernel = {"fused": "Liger's fused linear cross-entropy", "inplace": "flash-attn's in-place cross-entropy",
-                  "chunked-output": "torchtune's chunked-output cross-entropy"}
+    kernel = {"fused": "Liger's fused linear cross-entropy", "inplace": "flash-attn's in-place cross-entropy",
+              "chunked-output": "torchtune's chunked-output cross-entropy"}
+    if train.cross_entropy in kernel:
         notes.append(f"planned {kernel[train.cross_entropy]}; the trainer runs its chunked one "
                      f"(lm_head and the loss fused per {train.ce_chunk} tokens): plan it with cross_entropy chunked")
     if train.lora_rank:
