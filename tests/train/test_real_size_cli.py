@@ -6,8 +6,14 @@ launcher). It completes with its adapter export; the summary's peak RSS is withi
 plan; PEFT loads the adapter onto the base and gives the trained checkpoint's logits within 1e-5
 in fp32.
 
+One step of 16 tokens a rank, on the user's own file of short chats (a sum and its answer,
+12-13 tokens templated): on a CPU without a native bf16 matrix multiply (AVX2: torch's reference
+loop computes a linear's input gradient at 0.2 GFLOP/s) a 64-token step took 12 minutes, so the
+step is kept short and run.timeout_s raised as preflight's note there advises; the memory the
+test is about is the weights', which the step's length barely moves.
+
 The checkpoint (tests/train/big_checkpoint.py `llama-1.36b`, 2.73 GB) is built once into
-pytest's cache; one run (~3 min on 2 cores) serves every assertion."""
+pytest's cache; one run (2.5 min on an AVX2 machine, the checkpoint cached) serves every assertion."""
 
 from __future__ import annotations
 
@@ -26,13 +32,13 @@ from big_checkpoint import as_downloaded, make_checkpoint  # noqa: E402
 
 LORA = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 YAML = """model: {{path: {model}}}
-data: {{kind: sft, sft: {{max_length: 64, packing: true}}}}
+data: {{kind: sft, sft: {{max_length: 16, packing: true, train_files: [{data}]}}}}
 strategy: {{name: fsdp}}
 optimizer: {{lr: 1.0e-4, weight_decay: 0.0}}
 precision: bf16-mixed
-run: {{steps: 2, micro_batch: 1, grad_accum: 1, nproc: 2, device: cpu}}
+run: {{steps: 1, micro_batch: 1, grad_accum: 1, nproc: 2, device: cpu, timeout_s: 1800}}
 lora: {{rank: 8, alpha: 16, target_modules: [q_proj, v_proj]}}
-checkpointing: {{output_dir: {out}, save_final: true, save_every_steps: 2, save_every_minutes: null}}
+checkpointing: {{output_dir: {out}, save_final: true, save_every_steps: 1, save_every_minutes: null}}
 logging: {{progress: false}}
 """
 pytestmark = pytest.mark.distributed
@@ -44,8 +50,11 @@ def run(request, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("real-size")
     model = as_downloaded(ckpt, tmp / "llama-1.36b")
     out = tmp / "out"
-    cfg = tmp / "lora.yaml"
-    cfg.write_text(YAML.format(model=model, out=out))
+    cfg, data = tmp / "lora.yaml", tmp / "sums.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{a + 1}?"},
+                                                     {"role": "assistant", "content": f"{2 * a + 1}"}]}) + "\n"
+                            for a in range(64)))
+    cfg.write_text(YAML.format(model=model, out=out, data=data))
     from shardwise.config.load import load_config
     from shardwise.run.bridge import run_spec
     from shardwise.train.host_memory import planned_cpu
@@ -54,7 +63,7 @@ def run(request, tmp_path_factory) -> dict:
     cap = int(1.15 * plan.per_node)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
-    r = run_capped([sys.executable, "-m", "shardwise.train.cli", str(cfg)], cap=cap, env=env, timeout=900, cwd=tmp)
+    r = run_capped([sys.executable, "-m", "shardwise.train.cli", str(cfg)], cap=cap, env=env, timeout=2400, cwd=tmp)
     return {"r": r, "plan": plan, "cap": cap, "model": model, "out": out}
 
 
@@ -81,7 +90,7 @@ def test_the_adapter_loads_onto_the_base_with_the_checkpoints_logits(run):
 
     assert run["r"].returncode == 0
     ids = torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(0))
-    ckpt = checkpoints_dir(run["out"]) / step_dir_name(2)
+    ckpt = checkpoints_dir(run["out"]) / step_dir_name(1)
     keys = [k for k in tensor_shapes(ckpt) if k.startswith("model.")]
     adapters = {k.removeprefix("model."): v for k, v in read_tensors(ckpt, keys).items()}
     assert any(float(v.abs().max()) > 0 for k, v in adapters.items() if "lora_B" in k)  # trained: B left zero
