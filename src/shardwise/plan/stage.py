@@ -253,6 +253,25 @@ class FsdpUnits:
         return decoder_layers + self.root_groups(stages) + (self.embedding > 0) + (self.head > 0)
 
 
+def embedding_units_refusal(tied: bool, pp: int) -> str | None:
+    """Why FSDP2's embedding and head units (`fsdp.wrap_embeddings`) cannot be carved out of the
+    root, or None: a tied lm_head is one parameter that cannot sit in two units, and each
+    pipeline stage keeps its embedding or head in its own root. The planner (fsdp_units), the
+    trainer (train/engines/fsdp.carved_units) and the check before any rank starts
+    (run/resolve.check_fsdp_units) all ask here."""
+    if tied:
+        return ("the model ties lm_head to the input embedding, one parameter that cannot sit in two FSDP units "
+                "(the root keeps both)")
+    if pp > 1:
+        return "each pipeline stage keeps its embedding or head in its own root"
+    return None
+
+
+def carves_embeddings(s: Strategy, tied: bool, pp: int) -> bool:
+    """Whether the embedding and head are FSDP2 units of their own (see embedding_units_refusal)."""
+    return s.engine == "fsdp2" and s.fsdp.wrap_embeddings and embedding_units_refusal(tied, pp) is None
+
+
 def fsdp_units(model: ModelSpec, s: Strategy, layout: ParallelLayout, rank: PipelineRank, psi: float,
                layers: float, layer: float) -> FsdpUnits:
     """The FSDP2 units of a pipeline rank's replica of `psi` parameters, `layers` of them in its
@@ -260,8 +279,7 @@ def fsdp_units(model: ModelSpec, s: Strategy, layout: ParallelLayout, rank: Pipe
     head (final norm, lm_head) out of the root at pp 1 for an untied model, as the trainer wraps
     them (train/engines/fsdp.shard_model); a learned position table stays in the root."""
     root = psi - layers
-    tied_here = model.tie_embeddings and rank.embedding and rank.head
-    if not s.fsdp.wrap_embeddings or layout.pp > 1 or tied_here or s.engine != "fsdp2":
+    if not carves_embeddings(s, model.tie_embeddings, layout.pp):
         return FsdpUnits(layer, layers, 0.0, 0.0, root)
     # at pp 1 the rank holds the whole root: the token embedding, a learned position table, the
     # final norm and lm_head, split over the vocabulary shards as psi holds them

@@ -90,18 +90,18 @@ def check_pipeline(run: Any) -> None:
 
 def check_fsdp_units(run: Any) -> None:
     """Refuse, before any rank starts, `strategy.fsdp.wrap_embeddings` where the trainer cannot
-    carve the embedding and head units (train/engines/fsdp.carved_units): a tied lm_head (one
-    parameter in two units) or pipeline stages (each stage's model keeps its root)."""
+    carve the embedding and head units (train/engines/fsdp.carved_units), for the reason
+    plan/stage.embedding_units_refusal gives (a tied lm_head, pipeline stages)."""
     s = run.strategy
     if s.engine != "fsdp2" or not s.fsdp.wrap_embeddings:
         return
-    where = f"{run.config.source}: strategy.fsdp.wrap_embeddings"
-    if run.model.tie_embeddings:
-        raise ShardwiseError(f"{where}: the model ties lm_head to the input embedding, one parameter that cannot "
-                             "sit in two FSDP units (the root keeps both); set strategy.fsdp.wrap_embeddings: false")
-    if run.layout.pp > 1:
-        raise ShardwiseError(f"{where} with strategy.pp {run.layout.pp}: each pipeline stage keeps its embedding "
-                             "or head in its own root; set strategy.fsdp.wrap_embeddings: false")
+    from shardwise.plan.stage import embedding_units_refusal
+
+    why = embedding_units_refusal(run.model.tie_embeddings, run.layout.pp)
+    if why:
+        pp = f" with strategy.pp {run.layout.pp}" if run.layout.pp > 1 else ""
+        raise ShardwiseError(f"{run.config.source}: strategy.fsdp.wrap_embeddings{pp}: {why}; set "
+                             "strategy.fsdp.wrap_embeddings: false")
 
 
 def check_tensor_parallel(run: Any) -> None:

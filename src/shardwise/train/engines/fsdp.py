@@ -22,6 +22,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from shardwise.plan.stage import carves_embeddings
 from shardwise.run import RunSpec
 from shardwise.train.engines._torch_common import (
     TorchOptimizerEngine,
@@ -90,10 +91,9 @@ def carved_units(model: torch.nn.Module, run: RunSpec) -> tuple[Any, Any]:
     """The modules `strategy.fsdp.wrap_embeddings` shards apart from the root: (the input
     embedding, [final norm, lm_head]); (None, None) where it does not apply: the knob off, tied
     embeddings (one parameter stays in one unit), a pipeline stage (each keeps its root whole)."""
-    if not run.strategy.fsdp.wrap_embeddings or run.layout.pp > 1:
-        return None, None
     embedding, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    if lm_head is None or embedding.weight is lm_head.weight:
+    tied = lm_head is None or embedding.weight is lm_head.weight
+    if not carves_embeddings(run.strategy, tied, run.layout.pp):
         return None, None
     return embedding, [final_norm(model), lm_head]
 
