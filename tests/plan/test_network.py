@@ -233,3 +233,24 @@ def test_fewer_nics_make_cross_node_collectives_slower():
         hw = catalog.build_hardware(gpus=16, gpus_per_node=8, interconnect="ib-200", nics_per_node=nics)
         t[nics] = evaluate(model, hw, TrainSpec(), Strategy.from_name("zero3")).time.comm_s
     assert t[2] > t[8] and math.isfinite(t[2])
+
+
+# The NIC of each GPU's reference node (NVIDIA DGX BasePOD reference architecture, "Core Components":
+# DGX H100/H200/B200 carry eight single-port ConnectX-7 at up to 400 Gb/s; DGX A100 eight HDR 200).
+REFERENCE_NIC = {"h100-sxm": "ib-400", "h200": "ib-400", "b200": "ib-400", "gb200": "ib-400", "a100-80g": "ib-200",
+                 "a100-40g": "ib-200"}
+
+
+@pytest.mark.parametrize(("gpu", "nic"), sorted(REFERENCE_NIC.items()))
+def test_a_multi_node_plan_assumes_the_reference_nodes_nic(gpu, nic):
+    hw = catalog.build_hardware(gpu=gpu, gpus=16, gpus_per_node=8)
+    assert hw.inter.name == nic
+    # --interconnect still names another
+    assert catalog.build_hardware(gpu=gpu, gpus=16, gpus_per_node=8, interconnect="roce-100").inter.name == "roce-100"
+
+
+def test_the_plan_prints_the_network_it_assumed():
+    r = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--gpus", "16", "--json"])
+    assert r.exit_code == 0, r.output
+    links = json.loads(r.output)["hardware"]["links"]
+    assert links["inter"]["name"] == "ib-400" and links["inter"]["used"]

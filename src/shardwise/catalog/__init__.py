@@ -307,6 +307,12 @@ def gpu_link(gpu: str) -> str:
     return _entry(_hardware()["gpus"], gpu, "GPU")[1]["link"]
 
 
+def gpu_network(gpu: str) -> str:
+    """The link between nodes of this GPU by default (hardware.yaml `network:`: its reference
+    node's NIC, else ib-200)."""
+    return _entry(_hardware()["gpus"], gpu, "GPU")[1].get("network", "ib-200")
+
+
 MAX_GPUS = 131_072  # --gpus above this is refused (the largest clusters today are ~100k GPUs)
 MAX_GPUS_PER_NODE = 72  # HardwareSpec's limit (a GB200 NVL72 rack is one 72-GPU NVLink domain)
 
@@ -331,7 +337,7 @@ def build_hardware(
     needs `gpus_per_node`, and so does an intra-node link on more than 8 GPUs (more than one
     node); only an intra-node link on up to 8 GPUs is unambiguous (one node, the default
     `gpus_per_node` = gpus). `intra`/`inter` (default: the GPU's own link, hardware.yaml
-    `link:` / ib-200) name the links directly.
+    `link:` / `network:`) name the links directly.
     """
     gpus = check_count("--gpus", gpus, high=MAX_GPUS,
                        hint=f" (GPUs in total; {MAX_GPUS:,} is the largest plan shardwise makes)")
@@ -361,7 +367,7 @@ def build_hardware(
         g = g.model_copy(update={"memory_bytes": memory_gb * GB})
     # the link the GPU has (A100 SXM: NVLink 3, H100/H200 SXM: 4, RTX 4090: PCIe 4.0, MI300X: xGMI)
     intra_link = get_link(intra or gpu_link(g.name), g.name)
-    inter_link = get_link(inter or "ib-200")
+    inter_link = get_link(inter or gpu_network(g.name))
     if interconnect:
         if scope == "inter":
             inter_link = get_link(interconnect)

@@ -59,7 +59,7 @@ class CommBreakdown:
     intra: float = 0.0
     inter: float = 0.0
     pcie: float = 0.0
-    calls: int = 0  # collective launches per step (latency term)
+    calls: int = 0  # data-parallel collective launches per step (their latency: plan/network.comm_time)
     blocking: float = 0.0  # volume on the critical path (TP all-reduces, PP sends): never overlapped
     blocking_calls: int = 0  # the launches of that volume (their latency is on the critical path too)
     # context parallelism's K/V exchange (plan/context.py): bytes each rank receives, and its
@@ -320,9 +320,9 @@ def _tp_pp_comm(model, train, s: Strategy, layout, k, c) -> CommBreakdown:
         loss = 4 * (2 * train.micro_batch * train.seq_len + 1) if scheme.vocab_parallel else 0  # fp32 max, sum-exp; the sum
         ar = (per_layer * layers + root) * act * k + loss * k
         n = (per_layer * layers + root) * k
-        out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, calls=n, blocking_calls=n)
+        out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, blocking_calls=n)
     if layout.pp > 1:
         v = s.pp_virtual_stages
         p2p = 2 * act / layout.tp * k * 2 * v  # send + recv, forward activations and backward grads, per stage
-        out = out + CommBreakdown(p2p=p2p, calls=4 * k * v, blocking=p2p, blocking_calls=4 * k * v)
+        out = out + CommBreakdown(p2p=p2p, blocking=p2p, blocking_calls=4 * k * v)
     return out
