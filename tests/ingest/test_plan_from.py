@@ -436,3 +436,18 @@ def test_a_shardwise_yaml_pipeline_is_planned(tmp_path):
     res = CliRunner().invoke(app, ["plan", str(bad), "--set", "model.path=", "--gpus", "16"])
     assert res.exit_code == 2 and "strategy.pp_schedule / run.grad_accum" in " ".join(res.output.split())
 
+
+
+@pytest.mark.parametrize(("optim", "impl"), [("adamw_hf", "forloop"), ("adamw_apex_fused", "fused"),
+                                             ("adamw_torch", "foreach"), ("adamw_torch_fused", "fused")])
+def test_training_args_optim_names_the_kernel_it_runs(tmp_path, optim, impl):
+    """transformers' own AdamW (`adamw_hf`) steps each parameter in Python with its own eager ops: a
+    run of many small tensors pays a launch per op per tensor, which the planner prices only for
+    `--optimizer-impl forloop`."""
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({"output_dir": "o", "per_device_train_batch_size": 2, "bf16": True, "optim": optim,
+                             "model_name_or_path": "Qwen/Qwen2.5-0.5B"}))
+    source = same(["--from", str(f)], ["-m", "qwen2.5-0.5b", "-s", "ddp", "--micro-batch", "2", "--grad-accum", "1",
+                                       "--precision", "bf16-mixed", "--checkpointing", "none", "--weight-decay", "0",
+                                       "--optimizer-impl", impl])
+    assert ["--optimizer-impl", impl] in [source["as_flags"][i:i + 2] for i in range(len(source["as_flags"]))]

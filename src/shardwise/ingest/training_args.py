@@ -32,7 +32,10 @@ OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adam
          "adamw_torch_xla": "adamw", "adamw_8bit": "adamw8bit", "adamw_bnb_8bit": "adamw8bit",
          "adamw_torch_8bit": "adamw8bit", "adamw_torch_4bit": "adamw4bit",
          "paged_adamw_8bit": "paged_adamw8bit", "paged_adamw_32bit": "adamw", "sgd": "sgd"}
-OPTIM_IMPL = {"adamw_torch_fused": "fused", "adamw_torch": "foreach"}
+# the kernels each runs: transformers' own AdamW (adamw_hf, transformers/optimization.py, TrainingArguments'
+# default before adamw_torch) steps parameter by parameter in Python, several eager ops each; apex's FusedAdam
+# is a multi-tensor kernel as torch's fused one is
+OPTIM_IMPL = {"adamw_torch_fused": "fused", "adamw_torch": "foreach", "adamw_hf": "forloop", "adamw_apex_fused": "fused"}
 NO_EFFECT = {"output_dir", "learning_rate", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio",
              "warmup_steps", "logging_steps", "save_steps", "save_strategy", "eval_strategy", "evaluation_strategy",
              "eval_steps", "report_to", "seed", "data_seed", "overwrite_output_dir", "save_total_limit",
