@@ -144,6 +144,11 @@ def test_this_machine(tmp_path):
         cpus = len(os.sched_getaffinity(0))
         assert f"sharing these {cpus} CPU core(s)" in note and "gloo" in note
         assert ("a CPU build" in note) == (doc["versions"].get("torch cuda") is None)
+        # the flags' verdict is torch's own: oneDNN's bf16 kernels run exactly where no warning is given
+        import torch
+
+        native = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        assert ("cpu-16-bit-matmul" not in _codes(doc)) == native, _codes(doc)
         mem = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                    if ln.startswith("MemTotal:"))
         assert spec["host_memory_gb"] == pytest.approx(mem * 1024 / 1e9)
@@ -435,3 +440,20 @@ def test_shardwise_yaml_qlora_on_a_sharding_strategy(tmp_path):
     assert f.code == "qlora-sharded" and "refuses it before any rank starts" in f.message
     cfg.write_text(yaml.safe_dump({"strategy": {"name": "zero2"}, "lora": {"rank": 16, "quantization": "nf4"}}))
     assert silent_failures(read_setup(cfg)) == []  # a replicated base: what the trainer runs
+
+
+AVX2_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c avx2 bmi2"
+AVX512_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512cd avx512bw avx512vl"
+
+
+@pytest.mark.parametrize(("flags", "warned"), [(AVX2_FLAGS, True), (AVX512_FLAGS, False),
+                                               (AVX2_FLAGS + " avx_vnni avx_ne_convert", False), (None, False)])
+def test_a_cpu_without_avx512_is_told_its_16_bit_products_are_slow(flags, warned):
+    """Read from /proc/cpuinfo's flags (an AMD EPYC with AVX2 only, as this project's machines
+    sometimes are; an AVX-512 server; AVX2-VNNI-2; an ARM host with no `flags` line)."""
+    files = {"/proc/cpuinfo": f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n"} if flags else {}
+    doc = diagnose(FakeReader(files=files)).as_dict()
+    codes = _codes(doc)
+    assert ("cpu-16-bit-matmul" in codes) == warned
+    if warned:
+        assert "precision: fp32" in codes["cpu-16-bit-matmul"] and "run.timeout_s" in codes["cpu-16-bit-matmul"]

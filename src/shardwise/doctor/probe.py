@@ -64,6 +64,7 @@ class Machine(_Reading):
     disk_total_bytes: int | None = None
     disk_free_bytes: int | None = None
     cpus: int = 1
+    cpu_flags: tuple[str, ...] = ()  # the first processor's `flags` in /proc/cpuinfo (x86; empty elsewhere)
     versions: dict[str, str | None] = Field(default_factory=dict)
 
 
@@ -166,6 +167,11 @@ def host_memory(reader: Reader) -> int | None:
     return int(m.group(1)) * 1024 if m else None
 
 
+def cpu_flags(reader: Reader) -> tuple[str, ...]:
+    m = re.search(r"^flags\s*:\s*(.*)$", reader.file("/proc/cpuinfo") or "", re.M)
+    return tuple(m.group(1).split()) if m else ()
+
+
 def read_machine(reader: Reader, disk_path: str = ".") -> Machine:
     nvml = reader.nvml()
     gpus, driver, source = [], None, "none"
@@ -192,4 +198,4 @@ def read_machine(reader: Reader, disk_path: str = ".") -> Machine:
         ports=tuple(ports), ports_source=port_source, interfaces=tuple(read_interfaces(reader)),
         nccl_env={k: env[k] for k in NCCL_KEYS if k in env}, host_memory_bytes=host_memory(reader),
         disk_path=disk_path, disk_total_bytes=disk[0] if disk else None, disk_free_bytes=disk[1] if disk else None,
-        cpus=reader.cpus(), versions=reader.versions())
+        cpus=reader.cpus(), cpu_flags=cpu_flags(reader), versions=reader.versions())

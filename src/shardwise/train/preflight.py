@@ -77,10 +77,11 @@ def native_half_matmul(dtype: str) -> bool:
 
 def cpu_precision_note(run: RunSpec, native=native_half_matmul) -> str | None:
     """A 16-bit CPU run on a CPU whose 16-bit matrix multiply is torch's reference loop: said
-    before it starts, with what to change. Measured on one AVX2 core (AMD EPYC, torch 2.13.0 CPU
-    build, a 64×2048 by 2048×5632 product): fp32 25-53 GFLOP/s; bf16 7.6 for x @ Wᵀ (a linear's
-    forward) and 0.2 for g @ W (its input gradient), fp16 alike, so a 1.36B LoRA step of 64
-    tokens per rank took 12 minutes, past the default run.timeout_s."""
+    before it starts, with what to change (the loops' speed: shardwise.doctor.checks
+    REFERENCE_LOOPS; a 1.36B LoRA step of 64 tokens per rank took 12 minutes, past the default
+    run.timeout_s)."""
+    from shardwise.doctor.checks import REFERENCE_LOOPS
+
     cfg = run.config
     if run.device != "cpu" or cfg.precision == "fp32":
         return None
@@ -88,9 +89,8 @@ def cpu_precision_note(run: RunSpec, native=native_half_matmul) -> str | None:
     if native(dtype):
         return None
     return (f"precision {cfg.precision!r} on a CPU without a native {dtype} matrix multiply (oneDNN needs AVX-512; "
-            f"this one has {_cpu_capability()}): torch runs {dtype} products in its reference loops, measured 4-260x "
-            "slower than fp32 (a linear's input gradient the slowest); precision fp32 runs faster here, and "
-            "run.timeout_s may need raising for a large model")
+            f"this one has {_cpu_capability()}): torch runs {dtype} products in its reference loops, {REFERENCE_LOOPS}; "
+            "precision fp32 runs faster here, and run.timeout_s may need raising for a large model")
 
 
 def _cpu_capability() -> str:
