@@ -91,9 +91,10 @@ def carved_units(model: torch.nn.Module, run: RunSpec) -> tuple[Any, Any]:
     """The modules `strategy.fsdp.wrap_embeddings` shards apart from the root: (the input
     embedding, [final norm, lm_head]); (None, None) where it does not apply: the knob off, tied
     embeddings (one parameter stays in one unit), a pipeline stage (each keeps its root whole)."""
+    if not carves_embeddings(run.strategy, tied=False, pp=run.layout.pp):  # the knob off, or a pipeline stage
+        return None, None  # (a stage module has neither accessor: asked only past this)
     embedding, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = lm_head is None or embedding.weight is lm_head.weight
-    if not carves_embeddings(run.strategy, tied, run.layout.pp):
+    if lm_head is None or not carves_embeddings(run.strategy, embedding.weight is lm_head.weight, run.layout.pp):
         return None, None
     return embedding, [final_norm(model), lm_head]
 
