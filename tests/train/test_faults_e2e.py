@@ -192,3 +192,26 @@ def test_sigkill_during_a_save_never_uses_the_partial_checkpoint(tmp_path):
     assert latest is not None and latest.name == "step-00000001"
     assert torch.equal(read_tensors(latest)["model.w"], torch.full((4,), 1.0))
     assert clean_stale_outputs(tmp_path) == [tmp.name] and not tmp.exists()
+
+
+@pytest.mark.parametrize("left", ["empty", "published-unmarked"])
+def test_a_save_killed_at_its_first_or_last_instant_does_not_block_the_next_save_of_that_step(tmp_path, left):
+    """A kill between the temp directory's mkdir and its marker leaves an empty `.tmp-step-N`
+    that start-up clean-up cannot call ours; the resumed run's save of step N must still publish
+    (CI once failed `--resume latest` with FileExistsError on `.tmp-step-00000008`). A kill
+    between publish's rename and the marker's removal leaves a stray marker in the published
+    step, which must load and be counted as a checkpoint."""
+    from shardwise.train.checkpoint.directory import checkpoints_dir
+    from shardwise.train.outputs import TMP_MARKER
+
+    rc, log = finish(start(tmp_path, steps=4))
+    assert rc == 0, log[-3000:]
+    root = checkpoints_dir(tmp_path)
+    if left == "empty":
+        (root / ".tmp-step-00000008").mkdir()
+    else:
+        (root / "step-00000004" / TMP_MARKER).touch()
+    rc, log = finish(start(tmp_path, "--resume", "latest", steps=8))
+    assert rc == 0, log[-3000:]
+    assert "resumed after step 4" in log
+    assert (root / "step-00000008" / "manifest.json").is_file() and not (root / ".tmp-step-00000008").exists()

@@ -142,3 +142,25 @@ def test_a_cpu_summary_without_a_host_plan_says_so(capsys):
                    "measured_memory_kind": "host peak RSS"})
     out = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "1.00 GiB measured (host peak RSS); no plan" in out and "per GPU" not in out
+
+
+def test_a_fresh_temp_dir_replaces_what_a_killed_writer_left_and_nothing_else(tmp_path):
+    """Ours (marker) or empty (a kill between mkdir and marker): replaced by a fresh marked
+    directory. A user's own `.tmp-*` with content: refused, its files intact."""
+    from shardwise.train.outputs import TMP_MARKER, fresh_own_tmp_dir, publish_own_tmp_dir
+
+    tmp = tmp_path / ".tmp-step-00000008"
+    tmp.mkdir()  # killed before the marker
+    assert (fresh_own_tmp_dir(tmp) / TMP_MARKER).is_file()
+    (tmp / "__0_0.distcp").write_bytes(b"partial")  # killed mid-save
+    fresh_own_tmp_dir(tmp)
+    assert sorted(p.name for p in tmp.iterdir()) == [TMP_MARKER]
+    mine = tmp_path / ".tmp-thesis"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        fresh_own_tmp_dir(mine)
+    assert (mine / "notes.txt").read_text() == "mine"
+    # published: renamed first, the marker dropped after (a kill between leaves no unmarked .tmp-)
+    publish_own_tmp_dir(tmp, tmp_path / "step-00000008")
+    assert not tmp.exists() and list((tmp_path / "step-00000008").iterdir()) == []

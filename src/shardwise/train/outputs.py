@@ -121,10 +121,21 @@ def make_own_tmp_dir(path: Path) -> Path:
     return path
 
 
+def fresh_own_tmp_dir(path: Path) -> Path:
+    """make_own_tmp_dir, after removing what a killed writer of the same name left there: a
+    directory with our marker, or an empty one (killed between its mkdir and the marker: nothing
+    in it to lose). Anything else at `path` stays, and the mkdir fails naming it."""
+    if is_own_tmp(path) or (path.is_dir() and not path.is_symlink() and not any(path.iterdir())):
+        shutil.rmtree(path)
+    return make_own_tmp_dir(path)
+
+
 def publish_own_tmp_dir(tmp: Path, target: Path) -> None:
-    """Drop the marker and rename `tmp` to `target` (which must not exist)."""
-    (tmp / TMP_MARKER).unlink(missing_ok=True)
+    """Rename `tmp` to `target` (which must not exist), then drop the marker: a kill between the
+    two leaves a stray marker file in `target`, never an unmarked `.tmp-` directory that would
+    block the next writer of the same name."""
     os.rename(tmp, target)
+    (target / TMP_MARKER).unlink(missing_ok=True)
 
 
 def is_own_tmp(p: Path) -> bool:
@@ -163,10 +174,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     (an existing `target` is moved aside first and removed after); on error it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}"
-    if is_own_tmp(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
-    make_own_tmp_dir(tmp)
+    tmp = fresh_own_tmp_dir(target.parent / f"{TMP_PREFIX}{target.name}-{os.getpid()}")
     try:
         yield tmp
     except BaseException:

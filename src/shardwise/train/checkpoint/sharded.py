@@ -85,8 +85,7 @@ from shardwise.train.checkpoint.save_failure import (
 from shardwise.train.outputs import (
     TMP_PREFIX,
     TMP_SUFFIX,
-    is_own_tmp,
-    make_own_tmp_dir,
+    fresh_own_tmp_dir,
     publish_own_tmp_dir,
 )
 
@@ -336,9 +335,7 @@ def save_checkpoint(
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists() and is_own_tmp(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before us
-            make_own_tmp_dir(tmp)
+            fresh_own_tmp_dir(tmp)  # a save of this step that died before us left it
         except OSError as e:
             failure = describe(e)
     failures = gather(failure)

@@ -53,7 +53,7 @@ def stage(engine: Any, path: Path) -> Path:
     their live tensors (no copy); DeepSpeed assembles its share as for a checkpoint. Every rank's
     outcome is gathered, so a failure (out of space: OutOfSpaceError, exit 74) is every rank's."""
     from shardwise.errors import OutOfSpaceError
-    from shardwise.train.outputs import is_own_tmp, make_own_tmp_dir, size_text
+    from shardwise.train.outputs import fresh_own_tmp_dir, size_text
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     tensors, _ = engine.checkpoint_state()
@@ -66,9 +66,7 @@ def stage(engine: Any, path: Path) -> Path:
     if rank == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            if is_own_tmp(path):
-                shutil.rmtree(path)
-            make_own_tmp_dir(path)
+            fresh_own_tmp_dir(path)
         except OSError as e:
             failure = describe(e)
     if not any(gather(failure)):
