@@ -144,11 +144,11 @@ def test_this_machine(tmp_path):
         cpus = len(os.sched_getaffinity(0))
         assert f"sharing these {cpus} CPU core(s)" in note and "gloo" in note
         assert ("a CPU build" in note) == (doc["versions"].get("torch cuda") is None)
-        # the flags' verdict is torch's own: oneDNN's bf16 kernels run exactly where no warning is given
-        import torch
+        # the flags' verdict is torch's own (what preflight asks before a 16-bit CPU run): oneDNN's
+        # bf16 kernels run exactly where no warning is given
+        from shardwise.train.preflight import native_half_matmul
 
-        native = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        assert ("cpu-16-bit-matmul" not in _codes(doc)) == native, _codes(doc)
+        assert ("cpu-16-bit-matmul" not in _codes(doc)) == native_half_matmul("bf16"), _codes(doc)
         mem = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
                    if ln.startswith("MemTotal:"))
         assert spec["host_memory_gb"] == pytest.approx(mem * 1024 / 1e9)

@@ -9,7 +9,7 @@ import torch
 
 from shardwise.config.schema import TrainConfig
 from shardwise.run import run_spec
-from shardwise.train.preflight import cpu_precision_note, native_half_matmul
+from shardwise.train.preflight import cpu_precision_note
 
 
 def _run(precision: str, device: str = "cpu"):
@@ -37,6 +37,3 @@ def test_no_note_where_the_kernel_is_native_or_nothing_is_16_bit():
     assert cpu_precision_note(_run("fp32"), native=never) is None
     assert cpu_precision_note(_run("bf16-mixed", device="cuda"), native=never) is None
 
-
-def test_the_probe_answers_for_both_dtypes_on_this_machine():
-    assert {native_half_matmul("bf16"), native_half_matmul("fp16")} <= {True, False}

@@ -30,7 +30,7 @@ class Finding:
 REFERENCE_LOOPS = "measured 4-260x slower than fp32 (a linear's input gradient at 0.2 GFLOP/s on an AVX2 core)"
 
 
-def half_matmul_native(flags: tuple[str, ...]) -> bool:
+def flags_have_half_matmul(flags: tuple[str, ...]) -> bool:
     """Whether torch's oneDNN has bf16/fp16 matrix kernels for an x86 CPU with these flags: its
     avx512_core (AVX-512 F, BW, VL, DQ) or AVX2-VNNI-2 (`avx_ne_convert`), which is what
     torch's mkldnn_bf16_device_check asks of ideep (ATen/native/mkldnn/Utils.h)."""
@@ -55,7 +55,7 @@ def machine_findings(m: Machine, spec: MachineHardware) -> list[Finding]:
             + (f"a CUDA {torch_cuda} build." if torch_cuda else "a CPU build." if m.versions.get("torch")
                else "not installed.")
             + " `plan --hardware auto` has nothing to plan here: plan the GPUs you will run on with --gpu.")))
-        if m.cpu_flags and not half_matmul_native(m.cpu_flags):
+        if m.cpu_flags and not flags_have_half_matmul(m.cpu_flags):
             out.append(Finding("warning", "cpu-16-bit-matmul", (
                 "this CPU has no AVX-512 (/proc/cpuinfo flags): torch multiplies bf16 and fp16 matrices here in its "
                 f"reference loops, not oneDNN's kernels, {REFERENCE_LOOPS}: CPU runs on this machine train faster "
