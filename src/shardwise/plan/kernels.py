@@ -12,7 +12,7 @@ import math
 from shardwise.plan.activations import seq_shards
 from shardwise.plan.experts import expert_gemms
 from shardwise.plan.loss import head_trainable
-from shardwise.plan.optimizer import LOW_BIT_STATE_BYTES
+from shardwise.plan.optimizer import LOW_BIT_STATE_BYTES, LOW_BIT_WORK_BYTES
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
@@ -132,9 +132,9 @@ def update_bytes(train: TrainSpec) -> float:
     """Bytes per parameter the optimizer's update kernel moves (AdamW: OPTIMIZER_BYTES by kernel).
     Block-quantized AdamW (one fused kernel per tensor: bitsandbytes' CUDA kernel, torchao's
     compiled step) reads and writes the weight, reads the gradient, and reads and writes its
-    quantized states."""
+    quantized states, and spends its quantization work (`LOW_BIT_WORK_BYTES`, as bytes)."""
     if train.optimizer in LOW_BIT_STATE_BYTES:
-        return 3 * train.master_bytes + 2 * LOW_BIT_STATE_BYTES[train.optimizer]
+        return 3 * train.master_bytes + 2 * LOW_BIT_STATE_BYTES[train.optimizer] + LOW_BIT_WORK_BYTES[train.optimizer]
     b = OPTIMIZER_BYTES[train.optimizer_impl] * train.master_bytes / 4  # scaled from fp32 by the state dtype
     return b * 0.5 if train.optimizer == "sgd" else b
 

@@ -16,6 +16,22 @@ LOW_BIT_STATE_BYTES = {
     "adamw4bit": 2 * (0.5 + 4 / 128),
     "paged_adamw8bit": 2 * (1 + 4 / 256),
 }
+# The quantize/dequantize work of a block-quantized update beyond its bytes (block absmax, the codes
+# looked up, torchao's branchless 8-step binary search over its 256-entry map): the time it adds,
+# as bytes per parameter at the update's bandwidth. Measured on torchao's published ViT-H
+# fine-tune (torchao/optim/README.md at 072500a, "Benchmarks": 630M parameters, BF16 AMP, batch 8,
+# RTX 4070 Ti SUPER, 672 GB/s; imgs/s fused AdamW 41.9, ao 8-bit 42.5, bnb 8-bit 43.6, ao 4-bit
+# 42.4): the step each optimizer saves, against what its bytes alone save over fused AdamW's 28
+# (fp32 states; at the default hbm_efficiency 0.55, the card's family), is the work's time:
+# ao 8-bit 20.3 ms planned vs 2.7 measured -> 10.4 B; bnb 8-bit 20.3 vs 7.4 -> 7.6 B; ao 4-bit 23.7
+# vs 2.3 -> 12.6 B (tests/plan/test_memory_savers.py recomputes them). In fp32 AMP that work is
+# smaller than the bytes saved; with bf16 states (torchtune's pure-bf16 recipes) it is larger,
+# and the low-bit update is the slower one (torchtune's ladder: -4.67% tokens/s).
+LOW_BIT_WORK_BYTES = {
+    "adamw8bit": 10.4,
+    "adamw4bit": 12.6,
+    "paged_adamw8bit": 7.6,
+}
 
 
 def optimizer_bytes(train: TrainSpec) -> float:

@@ -516,16 +516,18 @@ def _saver_copies(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strat
                   psi: float, work: float, bwd: float) -> float:
     """What the memory savers' host copies add to the step. Activation offloading copies each
     micro-batch's offloaded tensors to the host in forward and back in backward on a side stream
-    beside the compute (torchtune's OffloadActivations): exposed only past what the step's work
-    hides (torchtune's ladder measured −0.11% tokens/s for it on one A100: README, 'Optimization
-    flags'). bitsandbytes' paged states are taken as paged out and back in every step (an upper
-    bound: the GPU's free memory keeps some resident); with the step in backward the paging
-    overlaps backward, else it follows it."""
+    beside the compute (torchtune's OffloadActivations): the PCIe time exposed only past what the
+    step's work hides, but the copies' HBM side (each byte read once going out, written once coming
+    back) taken from the compute's own bandwidth, never hidden (torchtune's ladder measured −0.11%
+    tokens/s for it on one A100: README, 'Optimization flags'). bitsandbytes' paged states are
+    taken as paged out and back in every step (an upper bound: the GPU's free memory keeps some
+    resident); with the step in backward the paging overlaps backward, else it follows it."""
     tm = hw.timing
     out = 0.0
     if train.activation_offload:
         moved = offloaded_activations(model, train, s, layout) * train.grad_accum
         out += max(0.0, 2 * moved / hw.pcie_bytes_per_s - tm.overlap_efficiency * work)
+        out += 2 * moved / (hw.gpu.hbm_bytes_per_s * hw.gpu.hbm_efficiency)
     if paged_states(train):
         paging = 2 * optimizer_bytes(train) * optimizer_shard(model, train, s, layout, psi) / hw.pcie_bytes_per_s
         out += max(0.0, paging - tm.overlap_efficiency * (bwd if train.optimizer_in_backward else 0.0))
