@@ -162,6 +162,10 @@ def build(run: dict):
         reshard = run.get("_source", {}).get("fsdp_reshard_after_forward")
         if reshard and run["strategy"] != "fsdp-grad-op":
             knobs["fsdp"].setdefault("reshard_after_forward", reshard)
+        # and its root as its framework passes it (`fsdp_reshard_root`: torchtitan frees it at pp 1)
+        root = run.get("_source", {}).get("fsdp_reshard_root")
+        if root is not None and run.get("pp", 1) == 1:
+            knobs["fsdp"].setdefault("reshard_root", root)
     if Strategy.from_name(run["strategy"]).engine == "deepspeed":
         # and published DeepSpeed runs its default ZeRO-3 hooks: one per submodule
         knobs["ds"] = {"fetch_unit": "module", **knobs.get("ds", {})}

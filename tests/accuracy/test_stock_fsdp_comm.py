@@ -10,6 +10,9 @@ the plan for one micro-batch, exactly:
   all`, Strategy.reshards_root).
 - "trainer": the layout train/engines/fsdp.py runs by default (the last layer and the root kept
   gathered; planned as "not-last").
+- "torchtitan": every layer but the last resharded, and the root (torchtitan's apply_fsdp at pp 1):
+  planned as "not-last" with `fsdp.reshard_root` true; and the trainer's own `shard_model` with
+  that knob ("trainer-root").
 - The embedding and the head as units of their own (`fsdp.wrap_embeddings`): torchtune's full
   fine-tuning configs (`custom_sharded_layers`, True everywhere: planned as "all"), accelerate
   1.16's `fsdp2_prepare_model` (the head and the root kept: planned as "layers"), and the
@@ -116,3 +119,20 @@ def test_carved_units_all_gather_equals_the_plan(counted) -> None:
             assert got["bytes"]["reduce_scatter"] == acc.reduce_scatter, name
             assert got["calls"]["all_gather"] == (layers + 2) + (layers + 1), name
             assert sum(got["calls"].values()) == acc.calls, name
+
+
+@pytest.mark.distributed
+def test_a_resharded_root_beside_not_last_layers_all_gather_equals_the_plan(counted) -> None:
+    """torchtitan's layout, wrapped by hand and by the trainer with `fsdp.reshard_root` true:
+    backward gathers every decoder layer but the last again, and the root."""
+    psi, _, last = _sizes()
+    comm = _plan("fsdp", reshard_root=True)
+    assert comm.all_gather == 4 * (psi + psi - last)
+    layers = w.TINY_LLAMA["num_hidden_layers"]
+    for name in ("torchtitan", "trainer-root"):
+        for r in counted[name]:
+            got = r["second"]
+            assert got["bytes"]["all_gather"] == comm.all_gather, name
+            assert got["bytes"]["reduce_scatter"] == comm.reduce_scatter, name
+            assert got["calls"]["all_gather"] == (layers + 1) + layers, name
+            assert sum(got["calls"].values()) == comm.calls, name

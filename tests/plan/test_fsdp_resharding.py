@@ -111,6 +111,43 @@ def test_layers_resharded_per_setting():
         [True, False, False, False]
 
 
+def test_reshard_root_sets_the_root_beside_any_layer_policy():
+    """`fsdp.reshard_root`: auto follows the layer policy (freed under "all" only); true or false
+    says it for the root alone (torchtitan: not-last layers and the root freed)."""
+    assert [fsdp(reshard_after_forward=r, reshard_root=v).reshards_root
+            for r in ("all", "not-last") for v in ("auto", True, False)] == [True, True, False, False, True, False]
+    titan = fsdp(reshard_root=True)
+    assert titan.reshards_layer(last=False) and not titan.reshards_layer(last=True)
+    assert not Strategy.from_name("zero3").reshards_root
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_resharded_root_is_gathered_again_in_backward(k):
+    train = TrainSpec(grad_accum=k)
+    root = PSI - N * LAYER
+    kept = plan_comm(M7, HW8, train, resolved(M7, HW8, train, fsdp()))
+    freed = plan_comm(M7, HW8, train, resolved(M7, HW8, train, fsdp(reshard_root=True)))
+    assert freed.all_gather - kept.all_gather == pytest.approx(2 * k * root)  # bf16, once per micro-batch
+
+
+@pytest.mark.parametrize(("loss", "freed"), [("standard", True), ("chunked-output", True), ("chunked", False)])
+def test_a_resharded_root_is_not_held_while_a_loss_after_the_forward_runs(loss, freed):
+    """A root freed after forward is gathered again as backward starts: a loss computed on the
+    logits the forward returned (the trainer's standard loss, torchtitan's, torchtune's chunked
+    output) runs without it, so where the loss sets the peak the peak falls by the root's bf16
+    bytes; the trainer's chunked loss runs inside the forward, lm_head's weight in use."""
+    train = TrainSpec(micro_batch=4, seq_len=4096, cross_entropy=loss)
+    root = PSI - N * LAYER
+    kept = plan_memory(M7, HW8, train, fsdp()).gpu
+    free = plan_memory(M7, HW8, train, fsdp(reshard_root=True)).gpu
+    assert kept.gathered_params == free.gathered_params  # the root is gathered again for backward
+    if freed:
+        assert kept.logits > kept.recompute + kept.grad_buffers + 2 * root  # the loss sets this peak
+        assert kept.allocated - free.allocated == pytest.approx(2 * root)
+    else:
+        assert kept.allocated == free.allocated
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_reshard_layers_gathers_every_layer_but_not_the_root_again(k):
     """FSDP1 FULL_SHARD's layout (the root's flat parameter is never freed after forward)."""
@@ -176,6 +213,11 @@ def test_trainer_yaml_and_set_take_the_knob(tmp_path):
                     environ={}).strategy.resharding == "none"
     with pytest.raises(ShardwiseError, match=r"strategy\.fsdp\.reshard_after_forward"):
         load_config(yaml, ["strategy.fsdp.reshard_after_forward=last"])
+    titan = run_spec(load_config(yaml, ["strategy.fsdp.reshard_after_forward=not-last", "strategy.fsdp.reshard_root=true"]),
+                     2, "cpu", environ={}).strategy
+    assert titan.reshards_root and not titan.reshards_layer(last=True)
+    with pytest.raises(ShardwiseError, match=r"strategy\.fsdp\.reshard_root"):
+        load_config(yaml, ["strategy.fsdp.reshard_root=sometimes"])
     with pytest.raises(ShardwiseError, match=r"c\.yaml: strategy: .*fsdp-grad-op"):
         run_spec(load_config(yaml, ["strategy.name=fsdp-grad-op"]), 2, "cpu", environ={})
 

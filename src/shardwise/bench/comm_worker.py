@@ -152,14 +152,18 @@ class Wrapping:
 # fine-tuning configs (`custom_sharded_layers: ['tok_embeddings', 'output']`, True everywhere;
 # pytorch/torchtune@1814feb recipes/configs/llama3_1/70B_full.yaml); "accelerate": accelerate
 # 1.16's `fsdp2_prepare_model` with fsdp_reshard_after_forward true (the embedding with the
-# flag, [final norm, lm_head] with False, the root left None). "trainer-carved" is not raw: the
-# trainer's own `shard_model` on shardwise.bench.worker's "fsdp-carved" run.
-WRAPPINGS: dict[str, Wrapping | None] = {
+# flag, [final norm, lm_head] with False, the root left None); "torchtitan": every layer but the
+# last and the root resharded (pytorch/torchtitan@9dec370 parallelize_llama.py apply_fsdp at pp 1).
+# "trainer-carved" and "trainer-root" are not raw: the trainer's own `shard_model` on
+# shardwise.bench.worker's "fsdp-carved" run, and on its "fsdp" run with `fsdp.reshard_root` true.
+WRAPPINGS: dict[str, Wrapping | tuple[str, dict[str, Any]]] = {
     "stock": Wrapping(True, True, True),
     "trainer": Wrapping(True, False, False),
     "torchtune-carved": Wrapping(True, True, True, embedding=True, head=True, head_norm=False),
     "accelerate": Wrapping(True, True, None, embedding=True, head=False),
-    "trainer-carved": None,
+    "torchtitan": Wrapping(True, False, True),
+    "trainer-carved": ("fsdp-carved", {}),
+    "trainer-root": ("fsdp", {"reshard_root": True}),
 }
 
 
@@ -176,13 +180,23 @@ def _wrap(model: Any, how: Wrapping) -> None:
     fully_shard(model, **({} if how.root is None else {"reshard_after_forward": how.root}))
 
 
-def _trainer_carved(model: Any) -> None:
+def trainer_wrapping_run(variant: str, fsdp: dict[str, Any]):
+    """The RunSpec of a trainer wrapping: `variant`'s bench config with `fsdp` knobs over its own."""
+    from shardwise.config.schema import TrainConfig
+    from shardwise.run import run_spec
+
+    doc = bench_config(variant, 1).model_dump(mode="json", exclude_unset=True)
+    doc["strategy"]["fsdp"] = doc["strategy"].get("fsdp", {}) | fsdp
+    return run_spec(TrainConfig.model_validate(doc), WORLD, "cpu", environ={})
+
+
+def _trainer_wrap(model: Any, variant: str, fsdp: dict[str, Any]) -> None:
     import torch
 
     from shardwise.train.engines.fsdp import shard_model
     from shardwise.train.engines.mesh import build_mesh
 
-    run = bench_run("fsdp-carved", 1)
+    run = trainer_wrapping_run(variant, fsdp)
     shard_model(model, run, build_mesh(run.layout, "cpu"), torch.device("cpu"))
 
 
@@ -195,8 +209,8 @@ def _wrapping_case(name: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))  # fp32, untied: the bench model
     how = WRAPPINGS[name]
-    if how is None:
-        _trainer_carved(model)
+    if isinstance(how, tuple):
+        _trainer_wrap(model, *how)
     else:
         _wrap(model, how)
     ids = torch.randint(0, TINY_LLAMA["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

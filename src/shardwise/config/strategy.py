@@ -196,6 +196,15 @@ class FSDPKnobs(Spec):
         "not-last", description="units freed after forward: all (stock fully_shard: every layer and the root), "
         "layers (every decoder layer, the root kept: FSDP1 FULL_SHARD), not-last (the trainer's: the last layer "
         "and the root stay gathered for backward) or none (fsdp-grad-op)")
+    # The root unit (embeddings, final norm and lm_head: what fsdp.wrap_embeddings leaves of them)
+    # after forward. "auto" follows reshard_after_forward: freed under "all" only. true frees it
+    # beside any layer policy, as torchtitan does at pp 1 (`fully_shard(model,
+    # reshard_after_forward=not pp_enabled)` after its not-last layers: parallelize_llama.py
+    # apply_fsdp at 9dec370); it is gathered again as backward starts, and a loss computed on the
+    # returned logits runs without it. false keeps it gathered from forward into backward.
+    reshard_root: Literal["auto"] | bool = Field(
+        "auto", description="the root unit after forward: freed (true, torchtitan's), kept (false), or auto "
+        "(freed under reshard_after_forward all only)")
 
     # The token embedding and the head (final norm + lm_head) as FSDP2 units of their own, out of
     # the root: each is gathered only around its own forward and backward, and lm_head's

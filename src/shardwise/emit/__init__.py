@@ -219,11 +219,14 @@ def readme(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strat
                       "`strategy.fsdp.single_rank: fsdp` keeps it in `shardwise train` too."]
     elif strategy.engine == "fsdp2":
         wrap = f"FSDP2 wraps each `{layer_class(model)}`; decoder layers resharded after forward: {strategy.resharding}."
+        if strategy.fsdp.reshard_root != "auto":
+            wrap += f" The root is {'freed after forward and gathered again for backward' if strategy.reshards_root else 'kept gathered from forward to backward'}."
         if plan.grad_sync is not None:  # the planned gradient sync under accumulation (plan/grad_sync.py)
             wrap += (f" Gradient sync: {plan.grad_sync.line().removeprefix(strategy.name + ': ')}; `shardwise "
                      "train` decides the same on the same memory. accelerate and the HF Trainer hold the unsharded "
                      "grads (`no_sync`) whatever it says.")
-        if strategy.resharding in ("not-last", "all") or not strategy.fsdp.wrap_embeddings:
+        if strategy.resharding in ("not-last", "all") or not strategy.fsdp.wrap_embeddings \
+                or strategy.fsdp.reshard_root != "auto":
             wrap += (" `accelerate.yaml` says one bool (`fsdp_reshard_after_forward`), and accelerate (1.14 and "
                      "later) reshards every layer and the embedding after forward and shards the head ([final norm, "
                      "lm_head]) as a unit kept gathered (`shardwise plan --fsdp-reshard-after-forward layers "

@@ -62,6 +62,10 @@ class MemoryBreakdown:
     # Of `grads`, the bytes not yet produced at the end-of-backward peak (FSDP2: the first
     # layer's and the root group's shards, reduce-scattered last); not a term of its own
     grads_pending: float = 0.0
+    # Of `gathered_params` (backward's), the bytes not gathered while the loss runs: nothing is
+    # prefetched yet, and units that reshard after forward are gathered again as backward starts
+    # (FSDP2: plan.stage.fsdp_gathered_at_loss); not a term of its own
+    gathered_free_at_loss: float = 0.0
 
     @property
     def model_states(self) -> float:
@@ -79,7 +83,9 @@ class MemoryBreakdown:
 
         forward: the end of forward through the loss and the backward of the last layers. The
         loss's peak (logits) is over before backward reaches the layers, where a recomputed
-        layer and the gradient buffers live: max(logits, recompute + grad_buffers).
+        layer and the gradient buffers live: max(logits, recompute + grad_buffers); what
+        backward gathers and the loss does not hold (`gathered_free_at_loss`: the prefetched
+        unit, units resharded after forward) counts with the second only.
         backward: the end of backward, the first layer's recompute, gathered params and gradient
         buffers beside the complete gradients of the later layers (with full checkpointing the
         sharded grads outgrow the checkpoints: llama-2-7b 4096 × 2 on 8 ranks, −6.8% without it).
@@ -88,8 +94,10 @@ class MemoryBreakdown:
         Traced against FSDPMemTracker (benchmarks/results/fsdp_trace.json) and measured on one
         H200 (docs/accuracy.md)."""
         always = self.resident
-        forward = (always + self.gathered_params + self.held_grads + (self.grads if self.grads_persist else 0.0)
-                   + self.activations + max(self.logits, self.ref_forward, self.recompute + self.grad_buffers))
+        free = self.gathered_free_at_loss
+        forward = (always + self.gathered_params - free + self.held_grads
+                   + (self.grads if self.grads_persist else 0.0) + self.activations
+                   + max(self.logits, free + max(self.ref_forward, self.recompute + self.grad_buffers)))
         # the end of backward: the first layer's recompute and backward buffers (and what is
         # gathered for it) while the gradients of every later layer are already complete (or,
         # accumulating without sync, held unsharded)
@@ -147,6 +155,7 @@ class MemoryBreakdown:
         d = asdict(self)
         d.pop("grads_persist")
         d.pop("grads_pending")
+        d.pop("gathered_free_at_loss")
         d["runtime_overhead"] = self.runtime_overhead
         d["not_at_peak"] = self.not_at_peak
         d["allocated"] = self.allocated

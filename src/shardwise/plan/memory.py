@@ -33,6 +33,7 @@ from shardwise.plan.pipeline import PipelineRank, rank_actions, stage_in_flight
 from shardwise.plan.preference import reference_forward, reference_params
 from shardwise.plan.stage import (
     Replica,
+    fsdp_gathered_at_loss,
     fsdp_gathered_params,
     fsdp_units,
     fullest_rank,
@@ -281,10 +282,13 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     units = fsdp_units(model, s, layout, r.rank, psi, r.layers, layer)
     reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
     gathered = fsdp_gathered_params(s, c, psi, units)
+    at_loss = fsdp_gathered_at_loss(s, train, c, psi, units)
     if train.fp8_all_gather:  # the gathered decoder linears are fp8 (plan/fp8.py)
         lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
         held_lin = lin_total if s.resharding == "none" else 2 * lin_layer
         gathered -= gathered_linear_bytes_saved(c, train) * held_lin
+        at_loss -= gathered_linear_bytes_saved(c, train) * (
+            lin_total if s.resharding == "none" else lin_layer * (not s.reshards_layer(last=True)))
     # lm_head's unsharded grad waits for the root's reduce-scatter at the end of backward; a head
     # unit of its own (fsdp.wrap_embeddings) reduce-scatters it as its backward ends, a transient
     # like a layer's
@@ -303,12 +307,15 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     # embedding unit's, runs at the end of backward, when the activations are gone: a step-phase
     # transient, like the optimizer's temporaries (it finishes before the step starts).
     root_rs = (c + reduce) * max(units.root, units.embedding)
+    # What backward gathers is not all gathered while the loss runs (fsdp_gathered_at_loss)
+    free = max(0.0, gathered - at_loss)
     mem = MemoryBreakdown(
         params=w * psi / n, grads=w * psi / n, optimizer_states=os_ * psi / n,
         step_buffers=max(optimizer_temp(train, psi / n, model.largest_module / layout.tp / n), root_rs),
         gathered_params=gathered, held_grads=held, grad_buffers=rs,
         grads_persist=accumulating and not unsharded_held,
         grads_pending=0.0 if accumulating else w * (layer + units.root + units.embedding) / n,
+        gathered_free_at_loss=free,
     )
     if train.optimizer_in_backward:
         # Each parameter steps in the hook FSDP2 runs after its group's reduce-scatter, and its
@@ -324,7 +331,7 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
             params=w * psi / n * per_node, grads=w * psi / n * per_node,
             optimizer_states=os_ * psi / n * per_node,
         )
-        mem = MemoryBreakdown(gathered_params=gathered, held_grads=held, grad_buffers=rs)
+        mem = MemoryBreakdown(gathered_params=gathered, held_grads=held, grad_buffers=rs, gathered_free_at_loss=free)
     return mem, host
 
 

@@ -19,6 +19,7 @@ from shardwise.plan.optimizer import optimizer_bytes, optimizer_temp
 from shardwise.plan.pipeline import PipelineRank
 from shardwise.plan.stage import (
     Replica,
+    fsdp_gathered_at_loss,
     fsdp_gathered_params,
     fsdp_units,
     persistent_params,
@@ -92,15 +93,20 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         return mem, host
     if s.engine == "fsdp2":
         reduce = s.fsdp.reduce_bytes(c) if train.mixed_precision else w
-        gathered = fsdp_gathered_params(s, c, psi, fsdp_units(model, s, layout, r.rank, psi, r.layers, layer))
+        units = fsdp_units(model, s, layout, r.rank, psi, r.layers, layer)
+        gathered = fsdp_gathered_params(s, c, psi, units)
+        at_loss = fsdp_gathered_at_loss(s, train, c, psi, units)
         if train.base_quant == "nf4":  # the layers' NF4 linears are gathered as stored (nf4_gathered_saving)
             lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
             gathered -= nf4_gathered_saving(c) * (lin_total if s.resharding == "none" else 2 * lin_layer)
+            at_loss -= nf4_gathered_saving(c) * (
+                lin_total if s.resharding == "none" else lin_layer * (not s.reshards_layer(last=True)))
         mem = MemoryBreakdown(
             params=(base + w * a) / n, grads=w * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,
             held_grads=reduce * a if train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch is False else 0.0,
-            grads_persist=train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch is not False)
+            grads_persist=train.grad_accum > 1 and s.fsdp.reduce_every_micro_batch is not False,
+            gathered_free_at_loss=max(0.0, gathered - at_loss))
         if s.offload_params:  # per node, as plan/memory.py books the host (every rank's share)
             host = HostBreakdown(params=mem.params * per_node, grads=mem.grads * per_node,
                                  optimizer_states=mem.optimizer_states * per_node)

@@ -289,6 +289,20 @@ def fsdp_units(model: ModelSpec, s: Strategy, layout: ParallelLayout, rank: Pipe
     return FsdpUnits(layer, layers, embedding * share, (whole - embedding - position) * share, position * share)
 
 
+def fsdp_gathered_at_loss(s: Strategy, train: TrainSpec, c: float, psi: float, units: FsdpUnits) -> float:
+    """Bytes of unsharded FSDP2 parameters while the loss runs: after the last decoder layer's
+    forward, before backward gathers and prefetches again (`fsdp_gathered_params` holds
+    backward's). Nothing is prefetched; the last decoder layer stays gathered unless it reshards
+    after forward, the embedding unit unless it does; the root and the head unit are in use where
+    the loss runs inside the model's forward (the trainer's chunked loss), else gathered unless
+    the root reshards (`TrainSpec.loss_after_forward`). "none" keeps everything gathered."""
+    if s.resharding == "none":
+        return c * psi
+    root_held = not (train.loss_after_forward and s.reshards_root)
+    return c * (units.layer * (not s.reshards_layer(last=True)) + units.embedding * (not s.reshards_embedding)
+                + (units.root + units.head) * root_held)
+
+
 def fsdp_gathered_params(s: Strategy, c: float, psi: float, units: FsdpUnits) -> float:
     """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`),
     of a replica of ψ parameters in `units`. "none": every unit stays gathered from its forward

@@ -249,8 +249,12 @@ class Strategy(Spec):
         `_lazy_init` turns resharding off only where the argument was left None (torch 2.13
         `_fsdp_state.py`, `_auto_reshard_after_forward`), so the root is gathered again in
         backward. (accelerate 1.16 `fsdp2_prepare_model` wraps the input embedding alone with the
-        value, final norm and lm_head with False and the root with None: not this layout.)"""
-        return self.resharding == "all"
+        value, final norm and lm_head with False and the root with None: not this layout.)
+        `fsdp.reshard_root` true or false says it beside any layer policy (torchtitan: true with
+        its not-last layers)."""
+        if self.engine != "fsdp2":
+            return False
+        return self.resharding == "all" if self.fsdp.reshard_root == "auto" else self.fsdp.reshard_root
 
     def in_backward_refusal(self, dp: int) -> str | None:
         """Why the optimizer step in backward (`optimizer.in_backward`) does not run with this

@@ -191,6 +191,14 @@ class TrainSpec(Spec):
         return self
 
     @property
+    def loss_after_forward(self) -> bool:
+        """The loss runs on what the model's forward returned, after it: standard (the trainer's
+        `token_loss_sum` on the logits, torchtitan's loss), inplace (Composer's loss method) and
+        chunked-output (torchtune's loss on the output chunks). chunked (the trainer's LossHead)
+        and fused (Liger's patched forward) run inside it, lm_head's weight in use."""
+        return self.cross_entropy in ("standard", "inplace", "chunked-output")
+
+    @property
     def sequences_per_example(self) -> int:
         """Sequences one example puts in the trained forward: the chosen and the rejected one for
         the paired objectives, one otherwise."""
