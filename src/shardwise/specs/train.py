@@ -24,6 +24,12 @@ Attention = Literal["eager", "sdpa", "flash"]
 # kernel, and torchtune's CEWithChunkedOutputLoss (the model's output projection in 8 chunks of the
 # sequence, every chunk's logits kept, the loss upcast and computed a chunk at a time).
 CrossEntropy = Literal["standard", "chunked", "fused", "inplace", "chunked-output"]
+# What runs over every gradient between backward and the optimizer step (plan/timing.py): global-norm
+# clipping (the trainer's: it computes the norm even with clipping off; HF Trainer's, torchtitan's,
+# Megatron-LM's), torchtune's token normalisation (`training.scale_grads`: each gradient multiplied
+# in place, one tensor at a time, pytorch/torchtune@1814feb recipes/full_finetune_single_device.py),
+# or nothing. With the optimizer step in backward none runs: no phase has every gradient.
+GradPass = Literal["clip", "scale", "none"]
 # How the optimizer step runs: torch AdamW fused (one kernel, no temporaries; the trainer's
 # choice on CUDA), foreach (torch's CUDA default without `fused`: one fp32 temporary the size
 # of the parameters), for-loop (the CPU default: one tensor at a time), or DeepSpeed's own
@@ -102,6 +108,9 @@ class TrainSpec(Spec):
     cross_entropy: CrossEntropy = "standard"
     ce_chunk: int = Field(1024, gt=0, le=MAX_SEQ_LEN, description="tokens per chunk for chunked cross-entropy")
     optimizer_impl: OptimizerImpl = Field("fused", description="torch AdamW kernel: fused | foreach | forloop")
+    grad_pass: GradPass = Field("clip", description="over every gradient before the step: clip (global-norm "
+                                "clipping), scale (torchtune's per-tensor token normalisation) or none; none runs "
+                                "with the optimizer step in backward")
     optimizer_in_backward: bool = Field(False, description="each parameter's optimizer step runs in backward as "
                                         "soon as its gradient is final, which is then freed (torchtune's "
                                         "optimizer_in_bwd): no phase holds every gradient")
