@@ -189,6 +189,8 @@ def test_plan_flags_set_the_knobs():
     (["-s", "fsdp", "--fsdp-reduce-every-micro-batch", "yes"], "expected auto, true, false"),
     (["-s", "fsdp-grad-op", "--fsdp-reshard-after-forward", "all"], "fsdp-grad-op keeps every layer gathered"),
     (["-s", "fsdp", "--fsdp-reshard-after-forward", "last"], "expected all, layers, not-last, none"),
+    (["-s", "zero3", "--fsdp-reshard-root", "true"], "--fsdp-reshard-root applies to"),
+    (["-s", "fsdp", "--fsdp-reshard-root", "sometimes"], "expected auto, true, false"),
 ])
 def test_plan_flags_without_a_strategy_they_change_are_refused(flags, says):
     r = _plan(*flags)

@@ -153,7 +153,8 @@ def plan_setup(a: dict, source) -> PlanSetup:
         raise ShardwiseError(f"--accounting {a['accounting']!r}: expected engine, paper or deepspeed")
     fsdp_given = a["cli_knobs"]["fsdp"]
     check_fsdp_flags([*(strategy or ()), *([emit_strategy] if emit_strategy else [])],
-                     fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given)
+                     fsdp_given.get("reshard_after_forward"), "reduce_every_micro_batch" in fsdp_given,
+                     "reshard_root" in fsdp_given)
     base = None
     if source is None and a["device"] in ("cuda", "cpu"):  # the trainer's, as for the run flags
         from shardwise.run.bridge import trainer_knobs
@@ -342,9 +343,10 @@ def comma_names(value: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in value.split(",") if n.strip())
 
 
-def check_fsdp_flags(named: list[str], reshard: str | None, reduce_every: bool) -> None:
-    """--fsdp-reshard-after-forward / --fsdp-reduce-every-micro-batch need a strategy they change:
-    with -s / --emit-strategy, one of those named (without, they apply to the FSDP2 rows)."""
+def check_fsdp_flags(named: list[str], reshard: str | None, reduce_every: bool, reshard_root: bool = False) -> None:
+    """--fsdp-reshard-after-forward / --fsdp-reduce-every-micro-batch / --fsdp-reshard-root need a
+    strategy they change: with -s / --emit-strategy, one of those named (without, they apply to the
+    FSDP2 rows)."""
     from typing import get_args
 
     from shardwise.config.strategy import STRATEGIES, Resharding
@@ -357,7 +359,8 @@ def check_fsdp_flags(named: list[str], reshard: str | None, reduce_every: bool) 
     fsdp = [n for n in STRATEGIES if STRATEGIES[n].engine == "fsdp2"]
     resharded = [n for n in fsdp if STRATEGIES[n].fsdp_sharding != "grad-op" or reshard == "none"]
     for flag, given, applies in (("--fsdp-reshard-after-forward", reshard is not None, resharded),
-                                 ("--fsdp-reduce-every-micro-batch", reduce_every, fsdp)):
+                                 ("--fsdp-reduce-every-micro-batch", reduce_every, fsdp),
+                                 ("--fsdp-reshard-root", reshard_root, fsdp)):
         if given and not set(names) & set(applies):
             raise ShardwiseError(f"{flag} applies to {', '.join(applies)}; not to {', '.join(names)}"
                                  + (" (fsdp-grad-op keeps every layer gathered: none)"
