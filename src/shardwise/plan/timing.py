@@ -103,10 +103,8 @@ class TimeBreakdown:
 def grad_pass_bytes(train: TrainSpec) -> float:
     """Bytes per parameter of the pass over every gradient before the step (`train.grad_pass`):
     clipping's CLIP_BYTES, torchtune's in-place scaling (read and write each gradient, in the
-    gradients' dtype), nothing with the optimizer step in backward."""
-    if train.optimizer_in_backward or train.grad_pass == "none":
-        return 0.0
-    return CLIP_BYTES if train.grad_pass == "clip" else 2 * train.master_bytes
+    gradients' dtype), nothing with the optimizer step in backward (`TrainSpec.grad_pass_run`)."""
+    return {"clip": CLIP_BYTES, "scale": 2 * train.master_bytes, "none": 0.0}[train.grad_pass_run]
 
 
 def _optimizer_bytes(train: TrainSpec, strategy: Strategy) -> float:
@@ -307,7 +305,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     kernels = k * layers * tm.kernels_per_layer * (1 + (recompute + forward_only) / 3) * (
         tm.fused_kernel_share if train.fused_kernels else 1)
     kernels += k * (tm.step_kernels + tm.ce_kernels_per_chunk * ce_chunks(train))
-    if train.grad_pass == "scale" and not train.optimizer_in_backward:  # torchtune's scale_grads: one mul_ a tensor
+    if train.grad_pass_run == "scale":  # torchtune's scale_grads: one mul_ a tensor
         kernels += len(model.hf_order) / pp
     if train.optimizer_impl == "forloop":
         kernels += tm.forloop_kernels_per_tensor * len(model.hf_order) / pp

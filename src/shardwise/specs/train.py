@@ -200,6 +200,12 @@ class TrainSpec(Spec):
         return self
 
     @property
+    def grad_pass_run(self) -> GradPass:
+        """The pass over every gradient the step runs: `grad_pass`, none with the optimizer step
+        in backward (no phase has every gradient)."""
+        return "none" if self.optimizer_in_backward else self.grad_pass
+
+    @property
     def loss_after_forward(self) -> bool:
         """The loss runs on what the model's forward returned, after it: standard (the trainer's
         `token_loss_sum` on the logits, torchtitan's loss), inplace (Composer's loss method) and
