@@ -34,6 +34,7 @@ from shardwise.plan.preference import reference_forward, reference_params
 from shardwise.plan.stage import (
     Replica,
     fsdp_gathered_at_loss,
+    fsdp_gathered_linears,
     fsdp_gathered_params,
     fsdp_units,
     fullest_rank,
@@ -284,11 +285,9 @@ def _fsdp2(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
     gathered = fsdp_gathered_params(s, c, psi, units)
     at_loss = fsdp_gathered_at_loss(s, train, c, psi, units)
     if train.fp8_all_gather:  # the gathered decoder linears are fp8 (plan/fp8.py)
-        lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
-        held_lin = lin_total if s.resharding == "none" else 2 * lin_layer
+        held_lin, held_lin_at_loss = fsdp_gathered_linears(s, *linear_share(model, r.rank, layout.tp))
         gathered -= gathered_linear_bytes_saved(c, train) * held_lin
-        at_loss -= gathered_linear_bytes_saved(c, train) * (
-            lin_total if s.resharding == "none" else lin_layer * (not s.reshards_layer(last=True)))
+        at_loss -= gathered_linear_bytes_saved(c, train) * held_lin_at_loss
     # lm_head's unsharded grad waits for the root's reduce-scatter at the end of backward; a head
     # unit of its own (fsdp.wrap_embeddings) reduce-scatters it as its backward ends, a transient
     # like a layer's

@@ -20,6 +20,7 @@ from shardwise.plan.pipeline import PipelineRank
 from shardwise.plan.stage import (
     Replica,
     fsdp_gathered_at_loss,
+    fsdp_gathered_linears,
     fsdp_gathered_params,
     fsdp_units,
     persistent_params,
@@ -97,10 +98,9 @@ def lora_states(r: Replica) -> tuple[MemoryBreakdown, HostBreakdown]:
         gathered = fsdp_gathered_params(s, c, psi, units)
         at_loss = fsdp_gathered_at_loss(s, train, c, psi, units)
         if train.base_quant == "nf4":  # the layers' NF4 linears are gathered as stored (nf4_gathered_saving)
-            lin_total, lin_layer = linear_share(model, r.rank, layout.tp)
-            gathered -= nf4_gathered_saving(c) * (lin_total if s.resharding == "none" else 2 * lin_layer)
-            at_loss -= nf4_gathered_saving(c) * (
-                lin_total if s.resharding == "none" else lin_layer * (not s.reshards_layer(last=True)))
+            held_lin, held_lin_at_loss = fsdp_gathered_linears(s, *linear_share(model, r.rank, layout.tp))
+            gathered -= nf4_gathered_saving(c) * held_lin
+            at_loss -= nf4_gathered_saving(c) * held_lin_at_loss
         mem = MemoryBreakdown(
             params=(base + w * a) / n, grads=w * a / n, optimizer_states=os_ * a / n, step_buffers=temp / n,
             gathered_params=gathered, grad_buffers=(c + reduce) * adapter_params_per_layer(model, train) / layout.tp,

@@ -303,6 +303,16 @@ def fsdp_gathered_at_loss(s: Strategy, train: TrainSpec, c: float, psi: float, u
                 + (units.root + units.head) * root_held)
 
 
+def fsdp_gathered_linears(s: Strategy, lin_total: float, lin_layer: float) -> tuple[float, float]:
+    """Decoder linear weights among the gathered parameters, as (backward's, while the loss runs):
+    every layer's under "none"; else backward's two layers (in flight and prefetched) and, at the
+    loss, the last layer's where it stays gathered (`fsdp_gathered_params`,
+    `fsdp_gathered_at_loss`). What fp8 or NF4 all-gathers shrink."""
+    if s.resharding == "none":
+        return lin_total, lin_total
+    return 2 * lin_layer, lin_layer * (not s.reshards_layer(last=True))
+
+
 def fsdp_gathered_params(s: Strategy, c: float, psi: float, units: FsdpUnits) -> float:
     """Bytes of unsharded FSDP2 parameters held through forward and backward (`Strategy.resharding`),
     of a replica of ψ parameters in `units`. "none": every unit stays gathered from its forward
