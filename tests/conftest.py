@@ -50,11 +50,11 @@ def disk_free(monkeypatch):
 
 @pytest.fixture
 def host_memory(monkeypatch):
-    """`host_memory(n)`: from now on /proc/meminfo, as shardwise.train.host_memory reads it in this
+    """`host_memory(n)`: from now on /proc/meminfo, as shardwise.run.host reads it in this
     process, reports `n` bytes MemAvailable (and MemTotal). Returns `n`."""
 
     def set_available(n: int) -> int:
-        import shardwise.train.host_memory as hm
+        import shardwise.run.host as hm
 
         monkeypatch.setattr(hm, "read_meminfo", lambda path=hm.MEMINFO: {"MemTotal": n, "MemAvailable": n})
         return n

@@ -155,7 +155,7 @@ def test_plan_csv_parses_and_carries_the_json_numbers():
                           ("tokens_per_s_per_gpu", t["tokens_per_s_per_gpu"]), ("mfu", t["mfu"])):
             assert float(r[col]) == pytest.approx(want, rel=1e-5, abs=1e-9), (r["strategy"], col)
         assert r["fits"] == ("yes" if s["fits"] else "no")
-        assert int(r["tp"]) == s["tp"] and int(r["pp"]) == s["pp"]
+        assert int(r["tp"]) == s["tp"] and int(r["pp"]) == s["pp"] and r["checkpointing"] == s["checkpointing"]
 
 
 def _md_tables(text: str) -> list[list[list[str]]]:

@@ -149,3 +149,28 @@ def test_llama_70b_fsdp_at_grad_accum_8_fits_with_checkpointing_only_without_hel
     held = json.loads(_shardwise(*args, "--fsdp-reduce-every-micro-batch", "false").stdout)["strategies"][0]
     assert auto["fits"] and auto["grad_sync"]["reduce_every_micro_batch"] is True
     assert not held["fits"] and held["grad_sync"]["chosen"] == "set"
+
+
+def test_llama_70b_fsdp_at_grad_accum_8_fits_as_typed():
+    """The command as a user types it (checkpointing left to the plan, the schema's `auto`): its
+    activations without recomputation (micro-batch 4 × 2048 tokens × 80 layers) do not fit an
+    80 GB A100, so the plan checkpoints every layer, says so with the figure it decided on (the
+    need of the same row planned with --checkpointing none), fits, and its columns add up."""
+    args = (*L70, "-s", "fsdp")
+    table, js = _shardwise(*args), _shardwise(*args, "--json")
+    assert table.returncode == 0 and js.returncode == 0, (table.stderr, js.stderr)
+    doc = json.loads(js.stdout)
+    row = doc["strategies"][0]
+    assert doc["train"]["checkpointing"] == "auto"
+    assert row["fits"] and row["checkpointing"] == "full" and row["checkpointing_choice"]["chosen"] == "auto"
+    assert row["grad_sync"]["reduce_every_micro_batch"] is True
+    bare = json.loads(_shardwise(*args, "--json", "--checkpointing", "none").stdout)["strategies"][0]
+    assert not bare["fits"]
+    need = bare["memory"]["required"] / GIB
+    assert f"without recomputation it would need {need:.1f} GiB of {bare['usable_bytes'] / GIB:.1f} usable" \
+        in row["checkpointing_choice"]["reason"]
+    assert (f"Activation checkpointing (auto): full; without recomputation each would need (GiB): fsdp {need:.1f} "
+            f"of {bare['usable_bytes'] / GIB:.1f} usable") in " ".join(table.stdout.split())
+    headers, rows = memory_table(table.stdout)
+    assert rows[0][headers.index("fits")] == "yes"
+    assert_columns_add_up(headers, rows)

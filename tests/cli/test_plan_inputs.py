@@ -345,11 +345,27 @@ def test_emit_refuses_with_the_reason(args, needles, tmp_path):
 
 
 def test_emit_refusal_suggests_a_setting_that_fits(tmp_path):
-    # 13B ZeRO-2 at micro-batch 8 does not fit 80 GB; a smaller micro-batch or checkpointing does
-    res = plan("-m", "llama-2-13b", "--micro-batch", "8", "--emit", str(tmp_path / "x"), "--emit-strategy", "zero2")
+    # 13B ZeRO-2 at micro-batch 8 without checkpointing does not fit 80 GB; a smaller micro-batch or
+    # checkpointing does
+    res = plan("-m", "llama-2-13b", "--micro-batch", "8", "--checkpointing", "none", "--emit", str(tmp_path / "x"),
+               "--emit-strategy", "zero2")
     assert res.exit_code == 2
     text = flat(res.output)
     assert "does not fit" in text and "It fits with --micro-batch" in text and "--checkpointing" in text
+
+
+def test_emit_of_auto_checkpointing_pins_what_it_decided(tmp_path):
+    # the same row with checkpointing left to the plan (the default): full, which fits, and the
+    # emitted shardwise.yaml says full
+    from shardwise.config.safe_yaml import read_yaml
+
+    res = plan("-m", "llama-2-13b", "--micro-batch", "8", "--emit", str(tmp_path / "x"), "--emit-strategy", "zero2")
+    assert res.exit_code == 0, res.output
+    text = flat(res.output)
+    full = text.split("Activation checkpointing (auto): full; without recomputation each would need (GiB): ")[1]
+    assert " zero2 " in full.split(" of ")[0]
+    assert "Emitted zero2 (micro-batch 8 × accum 1, checkpointing full)" in text
+    assert read_yaml(tmp_path / "x" / "shardwise.yaml")[1]["checkpointing"]["activation"] == "full"
 
 
 def test_nothing_fits_lists_plan_only_alternatives_in_json():

@@ -49,7 +49,8 @@ def plan(*args: str) -> dict:
 
 # Another tool's file is planned with the planner's defaults where it and its tool say nothing, not
 # with shardwise train's (a bare `plan`'s): the flags that state them.
-FOREIGN = ["--micro-batch", "1", "--cross-entropy", "standard", "--packed-attention", "none", "--no-fused-kernels"]
+FOREIGN = ["--micro-batch", "1", "--cross-entropy", "standard", "--packed-attention", "none", "--no-fused-kernels",
+           "--checkpointing", "none"]
 
 
 def foreign(flag_args: list[str]) -> list[str]:
@@ -225,7 +226,7 @@ def test_emit_then_from_gives_the_plan_emitted(tmp_path):
 
 def test_fsdp_emit_round_trip_through_shardwise_yaml_and_stock_accelerate(tmp_path):
     out = tmp_path / "emit"
-    setup = ["-m", "llama-2-7b", "-s", "fsdp", "--micro-batch", "2"]
+    setup = ["-m", "llama-2-7b", "-s", "fsdp", "--micro-batch", "2", "--checkpointing", "none"]
     assert CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "fsdp"]).exit_code == 0
     got = plan(str(out / "shardwise.yaml"), "--set", "model.path=")
     src = got.pop("from")
@@ -323,7 +324,7 @@ def test_autotp_emit_round_trip_through_the_deepspeed_json_and_shardwise_yaml(tm
     """ZeRO-2 x tp 2 (DeepSpeed's AutoTP): --emit writes `tensor_parallel.autotp_size` and
     `strategy.tp`, and --from either file plans the same TP run."""
     out = tmp_path / "emit"
-    setup = ["-m", "llama-2-7b", "-s", "zero2", "--tp", "2", "--micro-batch", "2"]
+    setup = ["-m", "llama-2-7b", "-s", "zero2", "--tp", "2", "--micro-batch", "2", "--checkpointing", "none"]
     r = CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "zero2"])
     assert r.exit_code == 0, r.output
     assert json.loads((out / "ds_config.json").read_text())["tensor_parallel"]["autotp_size"] == 2
@@ -418,7 +419,8 @@ def test_a_shardwise_yaml_pipeline_is_planned(tmp_path):
     the plan: the emitted pipeline plans as its flags do, and says them as flags."""
     out = tmp_path / "emit"
     setup = ["-m", "llama-2-7b", "--gpus", "16", "-s", "fsdp", "--pp", "2", "--pp-schedule", "interleaved-1f1b",
-             "--pp-virtual-stages", "2", "--micro-batch", "1", "--grad-accum", "8"]
+             "--pp-virtual-stages", "2", "--micro-batch", "1", "--grad-accum", "8",
+             "--checkpointing", "none"]
     r = CliRunner().invoke(app, ["plan", *setup, "--emit", str(out), "--emit-strategy", "fsdp"])
     assert r.exit_code == 0, r.output
     got = plan(str(out / "shardwise.yaml"), "--set", "model.path=", "--gpus", "16")

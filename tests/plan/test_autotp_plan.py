@@ -20,7 +20,8 @@ from shardwise.train.preflight import check_memory
 def _run():
     cfg = TrainConfig.model_validate({
         "model": {"name": "llama-3.1-8b"}, "strategy": {"name": "zero2", "tp": 2},
-        "hardware": {"gpu": "a100-40g", "check_memory": True}, "run": {"micro_batch": 2}})  # fmt: skip
+        "hardware": {"gpu": "a100-40g", "check_memory": True}, "run": {"micro_batch": 2},
+        "checkpointing": {"activation": "none"}})  # fmt: skip
     return run_spec(cfg, 8, "cuda", environ={})
 
 

@@ -18,7 +18,8 @@ runner = CliRunner()
 # trainer's default micro-batch of 4 amortises them)
 SEVENTY_ETH = ("--model", "llama-2-70b", "--gpus", "8", "--gpus-per-node", "1", "--interconnect", "eth-10",
                "--micro-batch", "1")
-PCIE_4090 = ("--gpu", "rtx-4090", "--gpus-per-node", "8", "--interconnect", "pcie", "--micro-batch", "1")
+PCIE_4090 = ("--gpu", "rtx-4090", "--gpus-per-node", "8", "--interconnect", "pcie", "--micro-batch", "1",
+             "--checkpointing", "none")
 
 
 def _explain(*args) -> str:

@@ -10,8 +10,8 @@ import pytest
 
 from shardwise.config.schema import TrainConfig
 from shardwise.errors import ShardwiseError
+from shardwise.run.host import read_meminfo
 from shardwise.specs.hardware import GIB
-from shardwise.train.host_memory import read_meminfo
 from shardwise.train.preflight import preflight
 
 
@@ -40,7 +40,7 @@ def config(path, strategy="ddp", **hardware) -> TrainConfig:
         "run": {"steps": 1, "micro_batch": 1, "device": "cpu", "compile": False},
         "logging": {"progress": False, "tensorboard": False},
         "hardware": hardware,
-        "checkpointing": {"output_dir": str(path.parent / "out")},
+        "checkpointing": {"output_dir": str(path.parent / "out"), "activation": "none"},
     })
 
 

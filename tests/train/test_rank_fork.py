@@ -123,8 +123,10 @@ def test_a_rank_execd_by_the_launcher_takes_its_preflight(monkeypatch, tmp_path)
     config.write_text((REPO / "examples" / "fsdp-synthetic-cpu.yaml").read_text())
     overrides = [f"checkpointing.output_dir={tmp_path / 'out'}"]
     memory = {"planned_bytes": 123.0, "capacity_bytes": 456.0, "fits": True, "gpu": "cpu"}
+    # the launcher's `checkpointing: auto` (full here, whatever this node's memory would say)
+    decided = {"checkpointing": "full", "strategy": "fsdp", "need": "9.99", "have": "1.00 per node (host memory)"}
     monkeypatch.setenv(cli.HANDOFF_ENV, json.dumps({"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
-                                                    "memory": memory}))
+                                                    "memory": memory, "recompute": decided}))
 
     def repeated(*_a, **_k):
         raise AssertionError("preflight ran again in an exec'd rank")
@@ -133,7 +135,10 @@ def test_a_rank_execd_by_the_launcher_takes_its_preflight(monkeypatch, tmp_path)
     _, world, device, run, check, _, lock, _ = cli._checked(config, overrides, {"rank": 1, "world_size": 2},
                                                               True, None, False)
     assert (world, lock, check.planned_bytes, check.fits) == (2, None, 123.0, True)
-    assert run == run_spec(load_config(config, overrides), 2, device)
+    from shardwise.plan.recompute import RecomputeChoice
+
+    assert run.train.checkpointing == "full" and run.recompute == RecomputeChoice(**decided)
+    assert run == run_spec(load_config(config, overrides), 2, device, recompute=RecomputeChoice(**decided))
     config.write_text(config.read_text() + "\n# edited\n")
     with pytest.raises(ShardwiseError, match=r"run\.yaml: changed since `shardwise train` checked it"):
         cli._checked(config, overrides, {"rank": 1, "world_size": 2}, True, None, False)

@@ -452,10 +452,11 @@ def plan_cpu(m, hw, train, strategies, knobs, a: dict, source) -> object:
     built from its config, as the trainer builds a catalog model); the node's memory is
     --host-memory-gb, else MemAvailable of this machine."""
     from shardwise.cli.render_cpu import CpuPlan, cpu_rows
-    from shardwise.plan.host_cpu import cpu_rank_memory
+    from shardwise.plan.host_cpu import cpu_checkpointing_choice, cpu_rank_memory
     from shardwise.plan.planner import plan_layouts
+    from shardwise.plan.recompute import grouped_lines
+    from shardwise.run.host import node_memory
     from shardwise.specs.hardware import GIB
-    from shardwise.train.host_memory import node_memory
 
     if "optimizer_impl" not in given_flags() and source is None:  # the trainer's AdamW on CPU: the for-loop
         train = train.model_copy(update={"optimizer_impl": "forloop"})
@@ -467,13 +468,17 @@ def plan_cpu(m, hw, train, strategies, knobs, a: dict, source) -> object:
         fmt_, largest = checkpoint_weights(cfg_path)
     evals, _ = plan_layouts(m, hw, train, strategies, tp=a["tp"] or 1, pp=a["pp"] or 1, knobs=knobs)
     per_node = max(1, min(hw.world_size, hw.gpus_per_node))
-    mems = {e.strategy.name: cpu_rank_memory(m, hw, train, e.strategy, fmt_, largest) for e in evals}
     available, where = (node_memory(a.get("host_memory_gb"), "--host-memory-gb")
                         or (hw.host_memory_bytes, "the default host memory; --host-memory-gb sets it"))
+    # `checkpointing: auto` decided per strategy against the node's memory, as the trainer decides it on CPU
+    choices = {e.strategy.name: cpu_checkpointing_choice(m, hw, train, e.strategy, available) for e in evals}
+    mems = {e.strategy.name: cpu_rank_memory(m, hw, train if choices[e.strategy.name] is None else train.model_copy(
+        update={"checkpointing": choices[e.strategy.name].checkpointing}), e.strategy, fmt_, largest) for e in evals}
     title = (f"{m.name} ({m.params / 1e9:.2f}B params) on {hw.world_size} CPU rank(s), {per_node} per node, seq "
              f"{train.seq_len} × micro-batch {train.micro_batch} × accum {train.grad_accum}, {train.precision}, "
              f"checkpointing {train.checkpointing}"
              + (f", LoRA rank {train.lora_rank} on {', '.join(train.lora_targets)}" if train.lora_rank else ""))
     load_from = (f"weights: {fmt_} files in {cfg_path} (largest {largest / GIB:.2f} GiB)" if fmt_
                  else "weights: none read (the model is built from its config, as a catalog model is)")
-    return CpuPlan(title, cpu_rows(evals, mems, available), available, where, [load_from], source)
+    notes = [load_from, *grouped_lines([c for c in choices.values() if c is not None])]
+    return CpuPlan(title, cpu_rows(evals, mems, available), available, where, notes, source)

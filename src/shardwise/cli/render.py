@@ -105,7 +105,7 @@ TIME_COLS = (
 )  # fmt: skip
 GROUPS = {"states": "params + grads + held + master + optim + ref", "activ+": "activ + recomp + logits + ref fwd",
           "buffers+": "step + gathered + buffers + grad buf + overhead"}  # fmt: skip
-CSV_COLS = ("strategy", "tp", "cp", "pp", *(c.key for c in MEMORY_COLS[1:]), *(c.key for c in TIME_COLS[1:]))
+CSV_COLS = ("strategy", "tp", "cp", "pp", "checkpointing", *(c.key for c in MEMORY_COLS[1:]), *(c.key for c in TIME_COLS[1:]))
 
 
 def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
@@ -118,7 +118,7 @@ def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
         lay = p.layout
         r = {"strategy": label(p) + (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" cp{lay.cp}" if lay.cp > 1 else "")
              + (f" pp{lay.pp}" if lay.pp > 1 else "") + (f" ep{lay.ep}" if lay.ep > 1 else ""),
-             "tp": lay.tp, "cp": lay.cp, "pp": lay.pp,
+             "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "checkpointing": e.train.checkpointing,
              "params_gib": g.params / GIB, "grads_gib": g.grads / GIB, "master_gib": g.master_params / GIB,
              "optim_gib": g.optimizer_states / GIB, "step_gib": g.step_buffers / GIB,
              "activ_gib": g.activations / GIB, "recomp_gib": g.recompute / GIB, "logits_gib": g.logits / GIB,
@@ -281,6 +281,13 @@ def _grad_sync(o: PlanOutput) -> list[str]:
             for e in o.evals if e.memory.grad_sync is not None and e.memory.runs_as is None]
 
 
+def _recompute(o: PlanOutput) -> list[str]:
+    """`checkpointing: auto`'s choice per row, grouped (plan/recompute.py)."""
+    from shardwise.plan.recompute import grouped_lines
+
+    return grouped_lines([e.recompute for e in o.evals if e.recompute is not None])
+
+
 def plan_doc(o: PlanOutput) -> dict:
     """The `--format json` object (docs/plan-json.md)."""
     from shardwise.plan.report import plan_json
@@ -334,7 +341,7 @@ def plan_markdown(o: PlanOutput) -> str:
     rows = plan_rows(o.evals)
     title = plan_title(o)
     out = [f"## {title[0]}", "", *(f"{t}  " for t in title[1:]), "", *_md_table(MEMORY_COLS, rows), "",
-           MEMORY_CAPTION, "", *_load(o), "", *(f"{x}  " for x in _grad_sync(o)), "", f"### {TIME_TITLE}", "", *_md_table(TIME_COLS, rows), "", TIME_CAPTION, ""]
+           MEMORY_CAPTION, "", *_load(o), "", *(f"{x}  " for x in _recompute(o) + _grad_sync(o)), "", f"### {TIME_TITLE}", "", *_md_table(TIME_COLS, rows), "", TIME_CAPTION, ""]
     for style, head, items in _notes(o):
         label, _, rest = head.partition(": ")
         out.append(f"**{label}:** {rest}" if style else head)
@@ -377,7 +384,7 @@ def print_plan(o: PlanOutput, fmt: str, console=None) -> None:
     grouped = [h for h in GROUPS if h in [c.header for c in mem.columns]]
     caption = MEMORY_CAPTION + "".join(f"; {h} = {GROUPS[h]}" for h in grouped)
     console.print(Text(caption + _left_out(dropped), style="dim"))
-    for line in _load(o) + _grad_sync(o):
+    for line in _load(o) + _recompute(o) + _grad_sync(o):
         console.print(Text(line))
     console.print()
     console.print(Text(TIME_TITLE, style="italic"))

@@ -231,7 +231,9 @@ class RunSection(_Section):
 
 
 class CheckpointingSection(_Section):
-    activation: Literal["none", "full"] = Field("none", description="activation checkpointing per layer")
+    activation: Literal["auto", "none", "full"] = Field(
+        "auto", description="activation checkpointing per layer; auto: none where the run's plan fits the device "
+        "without it, else full (the choice is printed)")
     offload: bool = Field(False, description="the tensors saved for backward move to host memory in forward and "
                           "come back in backward (with activation: full, only each layer's kept input); the last "
                           "decoder layer's and the output layer's stay on the device (docs/training.md)")

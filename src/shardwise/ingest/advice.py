@@ -10,6 +10,7 @@ no longer faster) is not shown, and is listed under "dropped" with why."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -67,10 +68,14 @@ def advise(src: Source, m, hw, train, knobs, *, margin: float, accounting: str =
         return src
     current = evaluate(m, hw, train, Strategy.with_knobs(name, knobs, tp=tp, pp=pp), accounting=accounting,
                        margin=margin)
-    base_keys = src.keys_of(_setting(current))
+    # the file's keys as written: a shardwise YAML's `checkpointing.activation: auto` stays auto (an
+    # edit to none or full pins it); other formats say none or full
+    written = train.checkpointing if src.format == "shardwise" else current.train.checkpointing
+    base_keys = src.keys_of(dataclasses.replace(_setting(current), checkpointing=written))
     family = [n for n in (src.family or (name,))]
     cands = sweep(m, hw, train, strategies=family, micro_batches=tuple(sorted({1, 2, 4, 8, train.micro_batch})),
-                  checkpointing=tuple(dict.fromkeys((train.checkpointing, "none", "full"))), tps=(tp,), pps=(pp,),
+                  checkpointing=tuple(dict.fromkeys(c for c in (train.checkpointing, "none", "full") if c != "auto")),
+                  tps=(tp,), pps=(pp,),
                   margin=margin, knobs=knobs, accounting=accounting, base_layout=(tp, pp))
     dropped: list[dict[str, Any]] = []
     replanned: dict[str, Any] = {}

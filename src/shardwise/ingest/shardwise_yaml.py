@@ -85,12 +85,14 @@ def read(doc: Doc, ctx: Context) -> Source:
     v |= {"device": device, "gpu": cfg.hardware.gpu, "gpus": world, "gpus_per_node": hw.gpus_per_node,
           "profile": cfg.hardware.profile, "host_memory_gb": cfg.hardware.host_memory_gb,
           "seq_len": t.seq_len, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "precision": t.precision,
-          "optimizer": t.optimizer, "checkpointing": t.checkpointing, "attention": t.attention,
+          "optimizer": t.optimizer, "attention": t.attention,
           "packed_attention": t.packed_attention, "lora_rank": t.lora_rank, "lora_targets": ",".join(t.lora_targets),
           "lora_modules_to_save": ",".join(t.lora_modules_to_save), "qlora": t.base_quant == "nf4",
           "cross_entropy": t.cross_entropy, "optimizer_impl": t.optimizer_impl, "weight_decay": t.weight_decay,
           "optimizer_in_backward": t.optimizer_in_backward, "activation_offload": t.activation_offload, "fused_kernels": t.fused_kernels, "fused_norm": t.fused_norm, "expandable_segments": t.expandable_segments,
           "strategy": [s.name]}
+    # "auto" decided per row on the plan's hardware, as the trainer decides it on the run's
+    v["checkpointing"] = "auto" if cfg.checkpointing.activation == "auto" else t.checkpointing
     if t.cross_entropy == "chunked":
         v["ce_chunk"] = t.ce_chunk
     if s.tp > 1:  # FSDP2 x TP (DTensor) or ZeRO-1/2 x AutoTP, planned as the trainer runs it
@@ -122,7 +124,8 @@ def read(doc: Doc, ctx: Context) -> Source:
                      f"and packed attention resolved for {'CPU ranks' if device == 'cpu' else 'a GPU'})")
     src.keys_of = lambda st: {"strategy.name": st.strategy, "run.micro_batch": st.micro_batch,
                               "run.grad_accum": st.grad_accum,
-                              "checkpointing.activation": "none" if st.checkpointing == "none" else "full"}
+                              "checkpointing.activation": st.checkpointing if st.checkpointing in ("none", "auto")
+                              else "full"}
     src.saver_keys = _saver_keys
     return src
 

@@ -9,6 +9,7 @@ from shardwise.plan.comm import CommBreakdown, ideal_comm, plan_comm
 from shardwise.plan.experts import rank_model
 from shardwise.plan.grad_sync import GradSync, apart_words, applies, held_words, with_knob
 from shardwise.plan.memory import MemoryPlan, plan_memory
+from shardwise.plan.recompute import RecomputeChoice
 from shardwise.plan.stage import replica_params
 from shardwise.plan.timing import TimeBreakdown, step_time
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
@@ -24,6 +25,7 @@ class Evaluation:
     ideal: CommBreakdown
     time: TimeBreakdown
     model: ModelSpec | None = None  # what was planned (the recommender's TP checks read its shape)
+    recompute: RecomputeChoice | None = None  # `checkpointing: auto`'s choice (`train` holds it); None where set
 
     @property
     def strategy(self) -> Strategy:
@@ -63,6 +65,9 @@ def memory_as_run(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy
 def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
              accounting: str = "engine", margin: float | None = None) -> Evaluation:
     train = train.for_engine(strategy.engine)
+    recompute = checkpointing_choice(model, hw, train, strategy, accounting=accounting, margin=margin)
+    if recompute is not None:
+        train = train.model_copy(update={"checkpointing": recompute.checkpointing})
     if train.optimizer_in_backward:
         layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
         why = strategy.in_backward_refusal(layout.dp)
@@ -73,7 +78,23 @@ def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Str
     comm = plan_comm(model, hw, train, runs, mem.layout)
     psi = replica_params(rank_model(model, runs.ep), runs, mem.layout)  # num_experts/ep experts under EP
     ideal = ideal_comm(psi, runs, train.compute_bytes) if mem.layout.dp > 1 else CommBreakdown()
-    return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, runs, mem.layout, comm), model)
+    return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, runs, mem.layout, comm), model, recompute)
+
+
+def checkpointing_choice(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+                         accounting: str = "engine", margin: float | None = None) -> RecomputeChoice | None:
+    """What `checkpointing: auto` runs for `strategy` on `hw` (plan/recompute.py): none where the
+    plan without recomputation fits, else full; None where `train` sets it."""
+    if train.checkpointing != "auto":
+        return None
+    bare = memory_as_run(model, hw, train.model_copy(update={"checkpointing": "none"}), strategy,
+                         accounting=accounting, margin=margin)
+    if bare.fits or bare.gpu.required > bare.usable_bytes:
+        need, usable = apart_words(bare.gpu.required / GIB, bare.usable_bytes / GIB).removesuffix(" GiB").split(" GiB of ")
+        have = f"{usable} usable"
+    else:  # the host's peak does not fit
+        need, have = f"{bare.host.peak / GIB:.1f}", f"{bare.host_capacity_bytes / GIB:.0f} per node (host memory)"
+    return RecomputeChoice("none" if bare.fits else "full", strategy.name, need, have)
 
 
 def single_rank_runs_as(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,

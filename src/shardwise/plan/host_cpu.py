@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from shardwise.catalog import memory_model
 from shardwise.plan.breakdown import LoadBreakdown
 from shardwise.plan.load import load_path, load_phase
-from shardwise.specs.hardware import HardwareSpec
+from shardwise.plan.recompute import RecomputeChoice
+from shardwise.specs.hardware import GIB, HardwareSpec
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.strategy import Strategy
 from shardwise.specs.train import TrainSpec
@@ -106,3 +107,19 @@ def heap_slack(model: ModelSpec, train: TrainSpec, plan, offloaded: float = 0.0)
         rank = plan.rank or whole_model(model, plan.layout, None)
         acts -= autocast_cache(model, train, plan.layout.tp, rank.layers, rank.head)[0]
     return mm.heap_floor_bytes + max(0.0, acts)
+
+
+def cpu_checkpointing_choice(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
+                             available: float | None, forked: bool | None = None):
+    """What `checkpointing: auto` runs on CPU ranks (plan/recompute.py): none where the node's
+    ranks training without recomputation (`CpuRankMemory.training` × ranks + the launcher; the
+    load phase does not depend on it) fit in `available` bytes of host memory, else full; none
+    where the node's memory is unknown. None where `train` sets it."""
+    if train.checkpointing != "auto":
+        return None
+    bare = cpu_rank_memory(model, hw, train.model_copy(update={"checkpointing": "none"}), strategy, forked=forked)
+    need = bare.training * bare.ranks_per_node + bare.launcher
+    if available is None:
+        return RecomputeChoice("none", strategy.name, f"{need / GIB:.2f}", "an unknown amount of host memory per node")
+    return RecomputeChoice("none" if need <= available else "full", strategy.name, f"{need / GIB:.2f}",
+                           f"{available / GIB:.2f} per node (host memory)")

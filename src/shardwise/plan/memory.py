@@ -417,6 +417,8 @@ def plan_memory(
     train = train.for_engine((runs_as or strategy).engine)
     if runs_as is not None:
         return replace(plan_memory(model, hw, train, runs_as, accounting, margin), strategy=strategy, runs_as=runs_as)
+    if train.checkpointing == "auto":
+        raise ValueError("checkpointing 'auto' is decided before memory is planned (plan.evaluate.checkpointing_choice)")
     if applies(strategy, train) and strategy.fsdp.reduce_every_micro_batch == "auto":
         raise ValueError(f"{strategy.name}: reduce_every_micro_batch 'auto' is decided before memory is planned "
                          "(plan.evaluate.memory_as_run / fsdp_grad_sync)")

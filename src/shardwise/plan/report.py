@@ -103,6 +103,10 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 # FSDP2 under accumulation: held unsharded grads or a reduce-scatter per micro-batch,
                 # and why (plan/evaluate.py fsdp_grad_sync: "auto" resolved); null where there is no choice
                 "grad_sync": p.grad_sync.as_dict() if p.grad_sync and not p.runs_as else None,
+                # what the row runs: `train.checkpointing`, or what "auto" chose for it and why
+                # (plan/recompute.py); the choice null where the run sets it
+                "checkpointing": e.train.checkpointing,
+                "checkpointing_choice": e.recompute.as_dict() if e.recompute else None,
                 "tp": p.layout.tp,
                 "pp": p.layout.pp,
                 "cp": p.layout.cp,

@@ -403,6 +403,8 @@ def _above_peak(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: 
 
 def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
               layout: ParallelLayout, comm: CommBreakdown) -> TimeBreakdown:
+    if train.checkpointing == "auto":
+        raise ValueError("checkpointing 'auto' is decided first (plan.evaluate.checkpointing_choice)")
     if applies(strategy, train.for_engine(strategy.engine)) and strategy.fsdp.reduce_every_micro_batch == "auto":
         raise ValueError(f"{strategy.name}: reduce_every_micro_batch 'auto' is decided first (plan.evaluate.resolved)")
     # as its engine runs it; without sequence parallelism where its TP has none

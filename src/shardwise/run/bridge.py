@@ -11,7 +11,7 @@ Torch-free: the trainer's preflight and `shardwise plan` import it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from shardwise.config.load import validate
 from shardwise.config.schema import LoraSection, OptimizerSection, TrainConfig
 from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.errors import ShardwiseError
+from shardwise.plan.recompute import RecomputeChoice
 from shardwise.run import resolve
 from shardwise.specs import HardwareSpec, ModelSpec, ParallelLayout, Strategy, TrainSpec
 from shardwise.specs.pipeline import schedule_refusal
@@ -56,6 +57,7 @@ class RunSpec:
     train: TrainSpec
     strategy: Strategy
     layout: ParallelLayout
+    recompute: RecomputeChoice | None = None  # what `checkpointing: auto` became and why (plan/recompute.py); None where set
 
     @property
     def world_size(self) -> int:
@@ -256,11 +258,15 @@ def _hardware(cfg: TrainConfig, world_size: int, per_node: int) -> HardwareSpec:
 
 
 def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[str, str] | None = None,
-             model: ModelSpec | None = None) -> RunSpec:
+             model: ModelSpec | None = None, recompute: RecomputeChoice | None = None,
+             forked: bool | None = None) -> RunSpec:
     """The run `cfg` describes on `world_size` ranks of `device`; refuses impossible layouts
     with the config file in the message. `model`: the spec of the configured model when the
     caller already holds it (`plan --emit` of a config.json: its path in the emitted config is
-    the user's to fill in, so nothing is read back from it)."""
+    the user's to fill in, so nothing is read back from it). `recompute`: what `checkpointing: auto`
+    was decided to be by the launcher that checked the run (its ranks keep it, whatever the node's
+    memory says once they run); else it is decided here (`decided_checkpointing`; `forked`: whether
+    CPU ranks are forked, as shardwise.plan.host_cpu.cpu_rank_memory takes it)."""
 
     per_node = gpus_per_node(cfg, world_size, environ)
     model = model or model_spec(cfg)
@@ -288,10 +294,36 @@ def run_spec(cfg: TrainConfig, world_size: int, device: str, *, environ: dict[st
         raise ShardwiseError(f"{cfg.source}: strategy.pp_schedule / run.grad_accum: {why}")
     run = RunSpec(config=cfg, device=device, model=model, hardware=hw, train=train_spec(cfg, device, family=model.family),
                   strategy=strat, layout=layout)
+    run = decided_checkpointing(run, recompute, forked)
     resolve.check_tensor_parallel(run)
     resolve.check_pipeline(run)
     resolve.check_fsdp_units(run)
     return run
+
+
+def decided_checkpointing(run: RunSpec, decided: RecomputeChoice | None = None,
+                          forked: bool | None = None) -> RunSpec:
+    """`run` with `checkpointing: auto` decided as the planner decides it (plan/recompute.py): on
+    CUDA from the GPU plan the memory preflight checks (plan.evaluate.checkpointing_choice), on
+    CPU from the host plan of the node's ranks against its memory (`hardware.host_memory_gb`,
+    else MemAvailable: plan.host_cpu.cpu_checkpointing_choice); `decided`: already decided (by
+    the launcher, for its ranks)."""
+    if run.train.checkpointing != "auto":
+        return run
+    if decided is not None:
+        choice = decided
+    elif run.device == "cpu":
+        from shardwise.plan.host_cpu import cpu_checkpointing_choice
+        from shardwise.run.host import node_memory
+
+        have = node_memory(run.config.hardware.host_memory_gb, "hardware.host_memory_gb")
+        choice = cpu_checkpointing_choice(run.model, run.hardware, run.train, run.strategy,
+                                          have[0] if have else None, forked)
+    else:
+        from shardwise.plan.evaluate import checkpointing_choice
+
+        choice = checkpointing_choice(run.model, run.hardware, run.train, run.strategy)
+    return replace(run, train=run.train.model_copy(update={"checkpointing": choice.checkpointing}), recompute=choice)
 
 
 # --- the inverse: specs -> TrainConfig -----------------------------------------------------
@@ -346,7 +378,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         notes.append(f"planned bf16-pure; the trainer runs {strategy.name} in bf16-mixed (DeepSpeed's bf16 keeps fp32 "
                      "master weights: more memory), or pick an fsdp or ddp strategy for bf16-pure")
         precision = "bf16-mixed"
-    activation = {"none": "none", "full": "full", "selective": "full"}[train.checkpointing]
+    activation = {"none": "none", "full": "full", "selective": "full", "auto": "auto"}[train.checkpointing]
     if train.checkpointing == "selective":
         notes.append("planned selective checkpointing; the trainer offers full (less memory, more recompute)")
     attention = "sdpa" if train.attention == "flash" else train.attention

@@ -17,7 +17,9 @@ Precision = Literal["bf16-mixed", "fp16-mixed", "bf16-pure", "fp32"]
 # PagedAdamW8bit, whose states live in CUDA unified memory that the driver pages to the host
 # (plan/optimizer.py states the bytes of each).
 Optimizer = Literal["adamw", "sgd", "adamw8bit", "adamw4bit", "paged_adamw8bit"]
-Checkpointing = Literal["none", "full", "selective"]
+# "auto": none where the run's plan fits, else full: decided per strategy before memory is planned
+# (plan/evaluate.py `checkpointing_choice`; the trainer decides it the same way, shardwise.run.bridge).
+Checkpointing = Literal["none", "full", "selective", "auto"]
 Attention = Literal["eager", "sdpa", "flash"]
 # The loss over the vocabulary (plan/loss.py): HF's standard one, the trainer's chunked one (lm_head
 # and the loss fused per chunk of tokens), Liger's fused linear cross-entropy, flash-attn's in-place

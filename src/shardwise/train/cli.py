@@ -25,7 +25,7 @@ import typer
 from shardwise.cli_help import HELP
 from shardwise.errors import ExitCode, ShardwiseError
 
-HANDOFF_ENV = "SHARDWISE_PREFLIGHT"  # to exec'd ranks: the config file's sha256, preflight's verdict
+HANDOFF_ENV = "SHARDWISE_PREFLIGHT"  # to exec'd ranks: the config file's sha256, preflight's verdicts
 
 app = typer.Typer(
     add_completion=False,
@@ -109,7 +109,8 @@ def train_cmd(
             argv += ["--force"] if force else []
             argv += ["--resume", str(resume_dir)] if resume_dir else []
             extra = {"SHARDWISE_LAUNCHED": "1"} | ({"DS_ACCELERATOR": "cpu"} if device == "cpu" else {})
-            extra[HANDOFF_ENV] = json.dumps({"config_sha256": _sha256(config), "memory": dataclasses.asdict(check)})
+            extra[HANDOFF_ENV] = json.dumps({"config_sha256": _sha256(config), "memory": dataclasses.asdict(check),
+                                             "recompute": dataclasses.asdict(run.recompute) if run.recompute else None})
             # CPU ranks share the cores: one intra-op pool per rank that does not oversubscribe.
             threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else None
             target = None
@@ -175,10 +176,13 @@ def _checked(config: Path, overrides: list[str], launched: dict | None, by_us: b
     if handoff is None:
         run, check = preflight(cfg, world, device, force=force)
     else:  # a rank exec'd by shardwise's launcher, which ran preflight on this file
+        from shardwise.plan.recompute import RecomputeChoice
         from shardwise.run.bridge import run_spec
         from shardwise.train.preflight import MemoryCheck
 
-        run, check = run_spec(cfg, world, device), MemoryCheck(**handoff["memory"])
+        decided = handoff["recompute"]  # `checkpointing: auto` as the launcher decided it
+        run = run_spec(cfg, world, device, recompute=RecomputeChoice(**decided) if decided else None)
+        check = MemoryCheck(**handoff["memory"])
     resume_dir = resolve_checkpoint(cfg, run, verify_hashes=owner)
     lock = _own_output_dir(cfg, resume_dir) if owner else None
     return cfg, world, device, run, check, resume_dir, lock, fork
@@ -325,6 +329,9 @@ def _worker(run, planned_bytes: float | None, resume_dir: Path | None) -> int:
     extra: dict = {"strategy": run.strategy.name, "engine": run.engine_strategy.engine}
     if run.grad_sync is not None:  # FSDP2 under accumulation: held grads or a reduce-scatter per micro-batch
         extra["grad_sync"] = run.grad_sync.as_dict()
+    # what ran: checkpointing.activation, or what `auto` was decided to be and why
+    extra |= {"checkpointing": run.train.checkpointing,
+              "checkpointing_choice": run.recompute.as_dict() if run.recompute else None}
     try:
         with StopRequest() as stop, watchdog:
             result = train(run, env, metrics=metrics, final_export=cfg.checkpointing.save_final,

@@ -1,46 +1,19 @@
 """Host memory before any rank starts: what this node's ranks will hold (on CPU their whole peak;
 on CUDA the load phase and offloaded states), against what the node has
-(`hardware.host_memory_gb`, else MemAvailable of /proc/meminfo on the launching node). Torch-free."""
+(`hardware.host_memory_gb`, else MemAvailable of /proc/meminfo on the launching node:
+shardwise.run.host). Torch-free."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from shardwise.errors import ShardwiseError
 from shardwise.run import RunSpec
+from shardwise.run.host import node_memory
 from shardwise.specs.hardware import GIB
-
-MEMINFO = Path("/proc/meminfo")
-
-
-def read_meminfo(path: Path = MEMINFO) -> dict[str, int]:
-    """/proc/meminfo as bytes per field (empty where the file is missing: not Linux)."""
-    out: dict[str, int] = {}
-    try:
-        text = path.read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return out
-    for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        fields = rest.split()
-        if fields and fields[0].isdigit():
-            out[name.strip()] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
-    return out
 
 
 def host_available(run: RunSpec) -> tuple[float, str] | None:
     """(bytes, where the figure comes from), or None when nothing says."""
     return node_memory(run.config.hardware.host_memory_gb, f"{run.config.source}: hardware.host_memory_gb")
-
-
-def node_memory(gb: float | None, given_by: str) -> tuple[float, str] | None:
-    """`gb` GB where given (`given_by` names where), else MemAvailable of /proc/meminfo, else None."""
-    if gb is not None:
-        return gb * 1e9, given_by
-    info = read_meminfo()
-    if "MemAvailable" in info:
-        return float(info["MemAvailable"]), f"MemAvailable in {MEMINFO}"
-    return None
 
 
 def planned_cpu(run: RunSpec):

@@ -297,7 +297,8 @@ def check_memory(run: RunSpec, force: bool = False) -> MemoryCheck:
     hint = nearest_fit(run)
     raise ShardwiseError(
         f"{cfg.source}: predicted not to fit: strategy {run.strategy.name!r}, micro_batch {cfg.run.micro_batch}, "
-        f"seq_len {run.train.seq_len}, activation checkpointing {cfg.checkpointing.activation!r} needs "
+        f"seq_len {run.train.seq_len}, activation checkpointing {run.train.checkpointing!r}"
+        + (" (auto)" if run.recompute else "") + " needs "
         f"{plan.gpu.required / GIB:.1f} GiB per GPU (model states {plan.gpu.model_states / GIB:.1f}, "
         f"activations {(plan.gpu.activations + plan.gpu.logits) / GIB:.1f}) of "
         f"{plan.usable_bytes / GIB:.1f} GiB usable on {cfg.hardware.gpu}. "
@@ -401,7 +402,10 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_data(cfg)
     check_eval(cfg)
     try:
-        run = run_spec(cfg, world_size, device)
+        from shardwise.train.launch.fork import exec_forced
+
+        # CPU ranks' host plan as they will start (forked or exec'd), as check_host_memory plans it
+        run = run_spec(cfg, world_size, device, forked=False if exec_forced() else None)
     except ShardwiseError as e:  # a combination the specs refuse: name the file it came from
         raise e if str(e).startswith(cfg.source) else ShardwiseError(f"{cfg.source}: {e}") from None
     note = attention_note(run)  # refuses an SDPA request the architecture cannot run
@@ -416,6 +420,8 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     if note:
         print(f"shardwise: {note}")
     check_low_bit(run)
+    if run.recompute is not None:  # `checkpointing: auto`, decided as the plan decides it (shardwise.plan.recompute)
+        print(f"shardwise: {run.recompute.line()}")
     memory = check_memory(run, force)
     if run.grad_sync is not None:  # the plan's choice, which the FSDP2 engine runs (shardwise.plan.grad_sync)
         print(f"shardwise: {run.grad_sync.line()}")
