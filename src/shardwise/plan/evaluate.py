@@ -84,17 +84,21 @@ def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Str
 def checkpointing_choice(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
                          accounting: str = "engine", margin: float | None = None) -> RecomputeChoice | None:
     """What `checkpointing: auto` runs for `strategy` on `hw` (plan/recompute.py): none where the
-    plan without recomputation fits, else full; None where `train` sets it."""
+    plan without recomputation fits, else full, unless only the host's peak is short and
+    recomputation does not lower it; None where `train` sets it."""
     if train.checkpointing != "auto":
         return None
     bare = memory_as_run(model, hw, train.model_copy(update={"checkpointing": "none"}), strategy,
                          accounting=accounting, margin=margin)
     if bare.fits or bare.gpu.required > bare.usable_bytes:
         need, usable = apart_words(bare.gpu.required / GIB, bare.usable_bytes / GIB).removesuffix(" GiB").split(" GiB of ")
-        have = f"{usable} usable"
-    else:  # the host's peak does not fit
-        need, have = f"{bare.host.peak / GIB:.1f}", f"{bare.host_capacity_bytes / GIB:.0f} per node (host memory)"
-    return RecomputeChoice("none" if bare.fits else "full", strategy.name, need, have)
+        return RecomputeChoice("none" if bare.fits else "full", strategy.name, need, f"{usable} usable")
+    # the GPU fits, the host's peak does not: recomputation helps only where it lowers that peak
+    full = memory_as_run(model, hw, train.model_copy(update={"checkpointing": "full"}), strategy,
+                         accounting=accounting, margin=margin)
+    lowers = full.host.peak < bare.host.peak
+    return RecomputeChoice("full" if lowers else "none", strategy.name, f"{bare.host.peak / GIB:.1f}",
+                           f"{bare.host_capacity_bytes / GIB:.0f} per node (host memory)", moot=not lowers)
 
 
 def single_rank_runs_as(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,

@@ -110,7 +110,7 @@ def heap_slack(model: ModelSpec, train: TrainSpec, plan, offloaded: float = 0.0)
 
 
 def cpu_checkpointing_choice(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Strategy,
-                             available: float | None, forked: bool | None = None):
+                             available: float | None, forked: bool | None = None) -> RecomputeChoice | None:
     """What `checkpointing: auto` runs on CPU ranks (plan/recompute.py): none where the node's
     ranks training without recomputation (`CpuRankMemory.training` × ranks + the launcher; the
     load phase does not depend on it) fit in `available` bytes of host memory, else full; none

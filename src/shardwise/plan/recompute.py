@@ -3,8 +3,11 @@ recomputation where the run fits without it, else every decoder layer's (full) â
 trainer runs. No recomputation is always the faster of the two (full reruns each layer's forward
 in backward), so memory alone decides: the plan with `checkpointing: none` fits (the plan's
 `fits`: the GPU's required bytes within its usable memory and the host's peak within the node's)
-or it does not. LLaMA-Factory checkpoints by default for the same reason; torchtune's and
-torchtitan's large-model recipes turn it on in the config.
+or it does not. Where it does not fit only because of the host's peak and recomputation would
+not lower that peak (offloaded states, the load phase: only offloaded activations shrink with
+it), recomputing would only slow a run that does not fit either way: none, said so (`moot`).
+LLaMA-Factory checkpoints by default for the same reason; torchtune's and torchtitan's
+large-model recipes turn it on in the config.
 
 One decision for the planner and the trainer: plan/evaluate.py `checkpointing_choice` (it plans
 memory, so it lives with it), which `evaluate` (and through it `plan`'s table, `--json` and the
@@ -26,9 +29,12 @@ class RecomputeChoice:
     strategy: str  # the strategy's name
     need: str  # GiB the plan without recomputation needs: "250.9"
     have: str  # against what: "76.0 usable" (GPU), "1907 per node (host memory)"
+    moot: bool = False  # it does not fit, and recomputation would not lower what does not fit
 
     @property
     def reason(self) -> str:
+        if self.moot:
+            return f"auto: {self.need} GiB of {self.have} either way: recomputation would not lower it"
         if self.checkpointing == "none":
             return f"auto: fits without recomputation, {self.need} GiB of {self.have}"
         return f"auto: without recomputation it would need {self.need} GiB of {self.have}"
@@ -45,9 +51,10 @@ def grouped_lines(choices: list[RecomputeChoice]) -> list[str]:
     """`plan`'s lines for a table's rows: those that fit without recomputation on one, those that
     need it on another, with what each needs without it."""
     out = []
-    for what, words in (("none", "each fits without recomputation"),
-                        ("full", "without recomputation each would need")):
-        rows = [c for c in choices if c.checkpointing == what]
+    for what, moot, words in (("none", False, "each fits without recomputation"),
+                              ("none", True, "recomputation would not lower what each needs"),
+                              ("full", False, "without recomputation each would need")):
+        rows = [c for c in choices if c.checkpointing == what and c.moot == moot]
         if not rows:
             continue
         haves = {c.have for c in rows}
