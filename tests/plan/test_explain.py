@@ -111,3 +111,20 @@ def test_crossover_agrees_with_the_table_beside_it():
     rows_nv, prose_nv = _table(nv), _prose(nv)
     faster = round((rows_nv["zero3"]["tokens"] / rows_nv["zero2"]["tokens"] - 1) * 100)
     assert f"the table has ZeRO-3 {faster}% faster than ZeRO-2" in prose_nv
+
+
+def test_auto_checkpointing_is_one_setting_for_every_row():
+    """Left to the plan, checkpointing is the same in every row (the rows differ only in what they
+    shard): full where some row fits only with it, as every row planned with --checkpointing full."""
+    args = ("--model", "llama-2-13b", "--micro-batch", "8")
+    out = _explain(*args)
+    rows = _table(out)
+    assert "checkpointing full in every row (auto: " in " ".join(out.split())
+    assert rows == _table(_explain(*args, "--checkpointing", "full"))
+    bare = _table(_explain(*args, "--checkpointing", "none"))
+    assert any(rows[n]["fits"] and not bare[n]["fits"] for n in rows)
+    # where none fits only with it, none in every row
+    one = ("--model", "llama-2-7b", "--seq-len", "512", "--micro-batch", "1")
+    out = _explain(*one)
+    assert "checkpointing none (auto: no row fits only with it)" in " ".join(out.split())
+    assert _table(out) == _table(_explain(*one, "--checkpointing", "none"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.numfmt import rate
-from shardwise.plan.evaluate import evaluate
+from shardwise.plan.evaluate import checkpointing_choice, evaluate
 from shardwise.plan.report import loss_words
 from shardwise.specs import HardwareSpec, ModelSpec, Strategy, TrainSpec
 
@@ -54,7 +54,23 @@ def _row(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, name: str) -> Row
 
 
 def compare(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> dict[str, Row]:
+    train = comparable(model, hw, train)[0]
     return {n: _row(model, hw, train, n) for n in NAMES}
+
+
+def comparable(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> tuple[TrainSpec, str]:
+    """`train` with one activation checkpointing for every row, so that the rows differ only in
+    what they shard, and its words. `auto` decided per row (plan/recompute.py) would compare a
+    row that recomputes with one that does not: here it is full in every row where some row fits
+    only with it, else none."""
+    if train.checkpointing != "auto":
+        return train, f"checkpointing {train.checkpointing}"
+    full = train.model_copy(update={"checkpointing": "full"})
+    need = [n for n in NAMES if checkpointing_choice(model, hw, train, Strategy.from_name(n)).checkpointing == "full"
+            and evaluate(model, hw, full, Strategy.from_name(n)).fits]
+    if need:
+        return full, f"checkpointing full in every row (auto: {', '.join(need)} fit{'s' if len(need) == 1 else ''} only with it)"
+    return train.model_copy(update={"checkpointing": "none"}), "checkpointing none (auto: no row fits only with it)"
 
 
 def relative(a: float, b: float) -> float:
@@ -190,6 +206,7 @@ def _comm_text(rows: dict[str, Row], train: TrainSpec) -> list[str]:
 
 
 def explain(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> str:
+    train, recompute = comparable(model, hw, train)
     rows = compare(model, hw, train)
     psi = model.params
     link = hw.intra if hw.nodes == 1 else hw.inter
@@ -200,7 +217,7 @@ def explain(model: ModelSpec, hw: HardwareSpec, train: TrainSpec) -> str:
         "What each shards (mixed-precision Adam, ZeRO paper accounting: 2Ψ params + 2Ψ grads + 12Ψ optimizer):",
     ]
     out += [f"- {k}: {v}" for k, v in SHARDS.items()]
-    out += ["", f"Per GPU, seq {train.seq_len} × micro-batch {train.micro_batch}, {train.precision}, "
+    out += ["", f"Per GPU, seq {train.seq_len} × micro-batch {train.micro_batch}, {train.precision}, {recompute}, "
             f"{loss_words(train, flag=False)}:", ""]
     out.append("| strategy | model states GB | peak GB | fits | comm/step paper GB | comm/step engine GB | step s | tokens/s/GPU |")
     out.append("|---|---|---|---|---|---|---|---|")
