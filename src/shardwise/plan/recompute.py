@@ -6,8 +6,8 @@ in backward), so memory alone decides: the plan with `checkpointing: none` fits 
 or it does not. Where it does not fit only because of the host's peak and recomputation would
 not lower that peak (offloaded states, the load phase: only offloaded activations shrink with
 it), recomputing would only slow a run that does not fit either way: none, said so (`moot`).
-LLaMA-Factory checkpoints by default for the same reason; torchtune's and torchtitan's
-large-model recipes turn it on in the config.
+LLaMA-Factory checkpoints by default; torchtune's and torchtitan's large-model recipes turn it on
+in the config.
 
 One decision for the planner and the trainer: plan/evaluate.py `checkpointing_choice` (it plans
 memory, so it lives with it), which `evaluate` (and through it `plan`'s table, `--json` and the
