@@ -471,14 +471,17 @@ def plan_cpu(m, hw, train, strategies, knobs, a: dict, source) -> object:
     available, where = (node_memory(a.get("host_memory_gb"), "--host-memory-gb")
                         or (hw.host_memory_bytes, "the default host memory; --host-memory-gb sets it"))
     # `checkpointing: auto` decided per strategy against the node's memory, as the trainer decides it on CPU
-    choices = {e.strategy.name: cpu_checkpointing_choice(m, hw, train, e.strategy, available) for e in evals}
-    mems = {e.strategy.name: cpu_rank_memory(m, hw, train if choices[e.strategy.name] is None else train.model_copy(
-        update={"checkpointing": choices[e.strategy.name].checkpointing}), e.strategy, fmt_, largest) for e in evals}
+    choices, mems = [], {}
+    for e in evals:
+        choice = cpu_checkpointing_choice(m, hw, train, e.strategy, available)
+        t = train if choice is None else train.model_copy(update={"checkpointing": choice.checkpointing})
+        mems[e.strategy.name] = cpu_rank_memory(m, hw, t, e.strategy, fmt_, largest)
+        choices += [choice] if choice else []
     title = (f"{m.name} ({m.params / 1e9:.2f}B params) on {hw.world_size} CPU rank(s), {per_node} per node, seq "
              f"{train.seq_len} × micro-batch {train.micro_batch} × accum {train.grad_accum}, {train.precision}, "
              f"checkpointing {train.checkpointing}"
              + (f", LoRA rank {train.lora_rank} on {', '.join(train.lora_targets)}" if train.lora_rank else ""))
     load_from = (f"weights: {fmt_} files in {cfg_path} (largest {largest / GIB:.2f} GiB)" if fmt_
                  else "weights: none read (the model is built from its config, as a catalog model is)")
-    notes = [load_from, *grouped_lines([c for c in choices.values() if c is not None])]
+    notes = [load_from, *grouped_lines(choices)]
     return CpuPlan(title, cpu_rows(evals, mems, available), available, where, notes, source)

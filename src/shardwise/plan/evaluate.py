@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import CommBreakdown, ideal_comm, plan_comm
 from shardwise.plan.experts import rank_model
-from shardwise.plan.grad_sync import GradSync, apart_words, applies, held_words, with_knob
+from shardwise.plan.grad_sync import GradSync, apart_figures, apart_words, applies, held_words, with_knob
 from shardwise.plan.memory import MemoryPlan, plan_memory
 from shardwise.plan.recompute import RecomputeChoice
 from shardwise.plan.stage import replica_params
@@ -91,7 +91,7 @@ def checkpointing_choice(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s
     bare = memory_as_run(model, hw, train.model_copy(update={"checkpointing": "none"}), strategy,
                          accounting=accounting, margin=margin)
     if bare.fits or bare.gpu.required > bare.usable_bytes:
-        need, usable = apart_words(bare.gpu.required / GIB, bare.usable_bytes / GIB).removesuffix(" GiB").split(" GiB of ")
+        need, usable = apart_figures(bare.gpu.required / GIB, bare.usable_bytes / GIB)
         return RecomputeChoice("none" if bare.fits else "full", strategy.name, need, f"{usable} usable")
     # the GPU fits, the host's peak does not: recomputation helps only where it lowers that peak
     full = memory_as_run(model, hw, train.model_copy(update={"checkpointing": "full"}), strategy,

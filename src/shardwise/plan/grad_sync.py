@@ -71,10 +71,16 @@ def applies(strategy: Strategy, train: TrainSpec) -> bool:
     return strategy.engine == "fsdp2" and train.grad_accum > 1
 
 
-def apart_words(need: float, usable: float) -> str:
-    """"A GiB of B": with the decimals that tell them apart (one, up to four)."""
+def apart_figures(need: float, usable: float) -> tuple[str, str]:
+    """Both figures with the decimals that tell them apart (one, up to four)."""
     digits = next((d for d in range(1, 5) if f"{need:.{d}f}" != f"{usable:.{d}f}"), 4)
-    return f"{need:.{digits}f} GiB of {usable:.{digits}f}"
+    return f"{need:.{digits}f}", f"{usable:.{digits}f}"
+
+
+def apart_words(need: float, usable: float) -> str:
+    """"A GiB of B": with the decimals that tell them apart (`apart_figures`)."""
+    a, b = apart_figures(need, usable)
+    return f"{a} GiB of {b}"
 
 
 def held_words(held_bytes: float) -> str:

@@ -20,11 +20,11 @@ def planned_cpu(run: RunSpec):
     """The planner's host memory of one rank of this CPU run (shardwise.plan.host_cpu), its load
     phase read off the checkpoint's own files."""
     from shardwise.plan.host_cpu import cpu_rank_memory
-    from shardwise.train.launch.fork import exec_forced
+    from shardwise.train.launch.fork import planned_forked
     from shardwise.train.model.weights import run_weights
 
     return cpu_rank_memory(run.model, run.hardware, run.train, run.strategy, *run_weights(run),
-                           forked=False if exec_forced() else None)
+                           forked=planned_forked())
 
 
 def check_host_memory(run: RunSpec, force: bool = False) -> None:

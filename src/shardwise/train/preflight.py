@@ -402,10 +402,10 @@ def preflight(cfg: TrainConfig, world_size: int, device: str, force: bool = Fals
     check_data(cfg)
     check_eval(cfg)
     try:
-        from shardwise.train.launch.fork import exec_forced
+        from shardwise.train.launch.fork import planned_forked
 
         # CPU ranks' host plan as they will start (forked or exec'd), as check_host_memory plans it
-        run = run_spec(cfg, world_size, device, forked=False if exec_forced() else None)
+        run = run_spec(cfg, world_size, device, forked=planned_forked())
     except ShardwiseError as e:  # a combination the specs refuse: name the file it came from
         raise e if str(e).startswith(cfg.source) else ShardwiseError(f"{cfg.source}: {e}") from None
     note = attention_note(run)  # refuses an SDPA request the architecture cannot run

@@ -53,6 +53,13 @@ def exec_forced() -> bool:
     return outside or rank_start() == "exec"
 
 
+def planned_forked() -> bool | None:
+    """Whether this run's ranks are forked, as the host plan takes it (shardwise.plan.load's and
+    shardwise.plan.host_cpu's `forked`): False where they are exec'd whatever their device and size
+    (`exec_forced`), else None (the planner decides from them: shardwise.plan.load.forked_ranks)."""
+    return False if exec_forced() else None
+
+
 def single_threaded_launcher(device: str, world: int) -> dict[str, str | None] | None:
     """Make this launcher forkable for `world` local ranks on `device`: OMP_NUM_THREADS and
     MKL_NUM_THREADS become 1 before torch loads. Returns their earlier values (None: unset),

@@ -177,10 +177,10 @@ def planned_load(run: Any) -> Any:
     """The planner's load phase (shardwise.plan.load) for this run as it will load: its path,
     device and the checkpoint's largest file. Torch-free (preflight runs it before any rank)."""
     from shardwise.plan.load import load_path, load_phase
-    from shardwise.train.launch.fork import exec_forced
+    from shardwise.train.launch.fork import planned_forked
 
     fmt, largest = run_weights(run)
     per_node = max(1, min(run.world_size, run.hardware.gpus_per_node))
     return load_phase(run.model, run.train, run.engine_strategy, run.layout, per_node, device=run.device,
                       path=load_path(run.engine_strategy, fmt), max_file_bytes=float(largest),
-                      forked=False if exec_forced() else None)
+                      forked=planned_forked())
