@@ -175,7 +175,8 @@ def render_constants() -> str:
 
 
 GPU_CONSTANTS = (("gemm_efficiency", "GEMM"), ("attention_efficiency", "attention (SDPA)"),
-                 ("flash_attention_efficiency", "attention (flash-attn 2)"), ("hbm_efficiency", "streaming (HBM)"))
+                 ("flash_attention_efficiency", "attention (flash-attn 2)"),
+                 ("triton_attention_efficiency", "attention (llm-foundry's Triton)"), ("hbm_efficiency", "streaming (HBM)"))
 
 
 def _gpu_cell(gpu, name: str) -> str:
@@ -183,7 +184,7 @@ def _gpu_cell(gpu, name: str) -> str:
     from shardwise import catalog
 
     prov = gpu.efficiency_provenance.get(name)
-    if prov is None:  # no separate flash-attn 2 figure: the SDPA one is used
+    if prov is None:  # no separate figure for this kernel: the SDPA one is used
         return "as SDPA"
     value = getattr(gpu, name)
     if prov.kind == "assumed":

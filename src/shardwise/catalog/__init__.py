@@ -88,7 +88,7 @@ def memory_model() -> MemoryModel:
 
 
 EFFICIENCIES = ("gemm_efficiency", "attention_efficiency", "hbm_efficiency")
-OPTIONAL_EFFICIENCIES = ("flash_attention_efficiency",)
+OPTIONAL_EFFICIENCIES = ("flash_attention_efficiency", "triton_attention_efficiency")
 
 
 def family_efficiencies(family: str, _seen: tuple[str, ...] = ()) -> tuple[dict[str, float], dict[str, Provenance]]:

@@ -337,7 +337,7 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("precision", "--precision", "precision"),
     RunFlag("optimizer", "--optimizer", "optimizer.name", also=("sgd",)),
     RunFlag("checkpointing", "--checkpointing", "checkpointing.activation", also=("selective",)),
-    RunFlag("attention", "--attention", "model.attention", also=("flash",)),
+    RunFlag("attention", "--attention", "model.attention", also=("flash", "triton")),
     RunFlag("packed_attention", "--packed-attention", "data.sft.packed_attention",
             also=("none", "flash_varlen", "sdpa_varlen"),
             note="(planned as the kernel it resolves to: none without packed SFT rows; flash_varlen or "

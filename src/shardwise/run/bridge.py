@@ -381,9 +381,10 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     activation = {"none": "none", "full": "full", "selective": "full", "auto": "auto"}[train.checkpointing]
     if train.checkpointing == "selective":
         notes.append("planned selective checkpointing; the trainer offers full (less memory, more recompute)")
-    attention = "sdpa" if train.attention == "flash" else train.attention
-    if train.attention == "flash":
-        notes.append("planned flash attention; the trainer uses sdpa (same O(seq) memory with its flash kernel)")
+    attention = "sdpa" if train.attention in ("flash", "triton") else train.attention
+    if train.attention in ("flash", "triton"):
+        notes.append(f"planned {train.attention} attention; the trainer uses sdpa (same O(seq) memory with its flash "
+                     "kernel)")
     optimizer = train.optimizer
     if optimizer == "sgd":
         notes.append(f"planned optimizer {train.optimizer!r}; the trainer (and the DeepSpeed JSON) use AdamW")

@@ -34,6 +34,9 @@ class GPUSpec(Spec):
     # on this GPU (on Hopper torch's SDPA runs cuDNN's kernels; FlashAttention-2 was written for
     # Ampere). None: the same as attention_efficiency.
     flash_attention_efficiency: float | None = Field(None, gt=0, le=1, description="flash-attn 2 fwd+bwd / dense peak")
+    # llm-foundry's Triton flash attention (`attention: triton`); None: attention_efficiency.
+    triton_attention_efficiency: float | None = Field(None, gt=0, le=1,
+                                                      description="llm-foundry's Triton flash attention fwd+bwd / dense peak")
     efficiency_provenance: dict[str, Provenance] = Field(default_factory=dict)
     # A measured AdamW step rate (`shardwise calibrate`): fp32 parameters updated per second by
     # the `adamw_impl` kernel. When set, the planner prices the optimizer step from it (timing.py
@@ -46,6 +49,8 @@ class GPUSpec(Spec):
         """Sustained fraction of peak of the attention kernel a run uses (TrainSpec.attention)."""
         if kernel == "flash" and self.flash_attention_efficiency is not None:
             return self.flash_attention_efficiency
+        if kernel == "triton" and self.triton_attention_efficiency is not None:
+            return self.triton_attention_efficiency
         return self.attention_efficiency
 
     def peak_flops(self, dtype: str) -> float:

@@ -20,7 +20,9 @@ Optimizer = Literal["adamw", "sgd", "adamw8bit", "adamw4bit", "paged_adamw8bit"]
 # "auto": none where the run's plan fits, else full: decided per strategy before memory is planned
 # (plan/evaluate.py `checkpointing_choice`; the trainer decides it the same way, shardwise.run.bridge).
 Checkpointing = Literal["none", "full", "selective", "auto"]
-Attention = Literal["eager", "sdpa", "flash"]
+# The attention kernel: HF's eager code, torch's SDPA, the flash-attn 2 package, or llm-foundry's
+# Triton flash attention (MPT's `attn_impl: triton`, the default of its 2023 benchmarks; plan only).
+Attention = Literal["eager", "sdpa", "flash", "triton"]
 # The loss over the vocabulary (plan/loss.py): HF's standard one, the trainer's chunked one (lm_head
 # and the loss fused per chunk of tokens), Liger's fused linear cross-entropy, flash-attn's in-place
 # kernel, and torchtune's CEWithChunkedOutputLoss (the model's output projection in 8 chunks of the
