@@ -10,8 +10,9 @@ from shardwise.specs.train import TrainSpec
 OUTPUT_CHUNKS = 8
 
 
-def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
-    """Peak memory of logits and loss, by implementation (`train.cross_entropy`):
+def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, loss_parallel: bool = False) -> float:
+    """Peak memory of logits and loss, by implementation (`train.cross_entropy`), `tp` the
+    vocabulary shards:
 
     - standard (HF `ForCausalLMLoss`): the lm_head output (c·V per token, held by the caller)
       and, during log-softmax's backward, its saved fp32 output, the incoming gradient from
@@ -20,6 +21,11 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
       FSDPMemTracker on Llama-3.1-8B, seq 4096 (benchmarks/results/fsdp_trace.json). The
       trainer's engines drop the logits before backward, so for its standard path this is c·V
       per token conservative (measured 12·V: benchmarks/results/cross_entropy.json).
+      Under torch's `loss_parallel` (DTensor TP: the trainer's and torchtitan's) one fused
+      backward (torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`)
+      holds the saved log-softmax output, a zeros gradient, the sum of it and exp(output) and
+      that times the incoming gradient at once: (c + 16)·V. Measured on CPU against both:
+      tests/plan/test_loss_parallel_memory.py.
     - inplace (flash-attn's cross-entropy kernel, llm-foundry MPT's default `fused_crossentropy`):
       the c-byte logits are kept and overwritten by their gradient; fp32 per-row statistics only.
     - chunked (the trainer's, shardwise.train.model.loss: lm_head and the loss fused per `ce_chunk`
@@ -63,7 +69,7 @@ def logits_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1) -> float:
         if not head_trainable(train):
             return loss
         return max(loss, (tokens - chunk) * c * v + 3 * c * v * model.hidden_size)
-    per_token = (c + 12) * v + cap
+    per_token = (c + (16 if loss_parallel and train.cross_entropy == "standard" else 12)) * v + cap
     if train.cross_entropy == "fused":
         tokens = min(tokens, 256)
     return tokens * per_token

@@ -38,6 +38,7 @@ from shardwise.plan.stage import (
     fsdp_gathered_params,
     fsdp_units,
     fullest_rank,
+    loss_parallel,
     persistent_params,
     rank_params,
     replica_params,
@@ -461,7 +462,7 @@ def _rank_memory(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy:
     vocab_tp = vocab_shards(strategy, layout.tp)
     logits = 0.0
     if rank.head:  # the loss is the last stage's: the one computing, and those waiting for their backward
-        logits = logits_bytes(model, seq, vocab_tp)
+        logits = logits_bytes(model, seq, vocab_tp, loss_parallel(strategy, layout.tp))
         if layout.pp > 1:
             actions = rank_actions(strategy.pp_schedule, layout.pp, strategy.pp_virtual_stages, train.grad_accum,
                                    rank.index)

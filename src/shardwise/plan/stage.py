@@ -90,6 +90,11 @@ def vocab_shards(strategy: Strategy, tp: int) -> int:
     return tp if strategy.tp_scheme.vocab_parallel else 1
 
 
+def loss_parallel(strategy: Strategy, tp: int) -> bool:
+    """The standard loss runs torch's `loss_parallel` over vocabulary shards (DTensor TP)."""
+    return vocab_shards(strategy, tp) > 1 and strategy.tp_scheme.torch_loss_parallel
+
+
 def tp_train(train: TrainSpec, strategy: Strategy) -> TrainSpec:
     """`train` as the strategy's TP runs it: without sequence parallelism where its scheme has
     none (AutoTP), whatever `train.sequence_parallel` asks (plan.activations.seq_shards)."""

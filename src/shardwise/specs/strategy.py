@@ -48,26 +48,30 @@ class TPScheme:
     ColwiseParallel) instead of its sequence-sharded one (Megatron-SP re-gathers it in backward).
     reduces_per_linear: backward all-reduces each column-parallel linear's input gradient on its
     own (AutoTP's `LinearLayer`: q, k, v, gate and up each), not once per block (Megatron's
-    `copy_to_tensor_model_parallel_region` ahead of the fused projections)."""
+    `copy_to_tensor_model_parallel_region` ahead of the fused projections).
+    torch_loss_parallel: the standard loss over the vocabulary shards is torch's `loss_parallel`
+    (DTensor's custom log-softmax and NLL ops), not Megatron's vocab-parallel cross-entropy: its
+    memory differs (plan/loss.py `logits_bytes`)."""
 
     name: str
     sequence_parallel: bool
     vocab_parallel: bool
     saves_gathered_input: bool
     reduces_per_linear: bool
+    torch_loss_parallel: bool
 
 
 TP_SCHEMES: dict[str, TPScheme] = {
     # torch DTensor `parallelize_module` (shardwise.train.model.tensor_parallel, torchtitan's parallelize_llama)
     "dtensor": TPScheme("dtensor", sequence_parallel=True, vocab_parallel=True, saves_gathered_input=True,
-                        reduces_per_linear=False),
+                        reduces_per_linear=False, torch_loss_parallel=True),
     # Megatron-LM (and Megatron-DeepSpeed) with --sequence-parallel: the published Megatron rows
     "megatron": TPScheme("megatron", sequence_parallel=True, vocab_parallel=True, saves_gathered_input=False,
-                         reduces_per_linear=False),
+                         reduces_per_linear=False, torch_loss_parallel=False),
     # DeepSpeed AutoTP training (`tensor_parallel.autotp_size`, shardwise.run.deepspeed.autotp_section):
     # the decoder linears only; no sequence parallelism; embedding, norms and lm_head whole
     "autotp": TPScheme("autotp", sequence_parallel=False, vocab_parallel=False, saves_gathered_input=False,
-                       reduces_per_linear=True),
+                       reduces_per_linear=True, torch_loss_parallel=False),
 }
 
 
