@@ -63,7 +63,7 @@ def test_run_schema(run):
         assert isinstance(run[k], int) and run[k] > 0
     assert run.get("tp", 1) * run.get("pp", 1) <= run["gpus"]
     if "global_batch" in run:
-        dp = run["gpus"] // (run.get("tp", 1) * run.get("pp", 1))
+        dp = run["gpus"] // (run.get("tp", 1) * run.get("pp", 1) * run.get("cp", 1))  # a CP group shares its rows
         assert run["global_batch"] == dp * run["micro_batch"] * run.get("grad_accum", 1)
     for k in ("tokens_per_s_per_gpu", "mfu", "hfu", "tflops_per_gpu", "peak_memory_gib"):
         if k in pub:
