@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from shardwise.config.load import validate
-from shardwise.config.schema import LoraSection, OptimizerSection, TrainConfig
+from shardwise.config.schema import LoraSection, ModelSection, OptimizerSection, TrainConfig
 from shardwise.config.strategy import DDPKnobs, DeepSpeedKnobs, FSDPKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.recompute import RecomputeChoice
@@ -381,10 +381,10 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     activation = {"none": "none", "full": "full", "selective": "full", "auto": "auto"}[train.checkpointing]
     if train.checkpointing == "selective":
         notes.append("planned selective checkpointing; the trainer offers full (less memory, more recompute)")
-    attention = "sdpa" if train.attention in ("flash", "triton") else train.attention
-    if train.attention in ("flash", "triton"):
-        notes.append(f"planned {train.attention} attention; the trainer uses sdpa (same O(seq) memory with its flash "
-                     "kernel)")
+    attention = train.attention
+    if attention not in get_args(ModelSection.model_fields["attention"].annotation):  # a kernel only planned
+        notes.append(f"planned {attention} attention; the trainer uses sdpa (same O(seq) memory with its flash kernel)")
+        attention = "sdpa"
     optimizer = train.optimizer
     if optimizer == "sgd":
         notes.append(f"planned optimizer {train.optimizer!r}; the trainer (and the DeepSpeed JSON) use AdamW")
