@@ -175,8 +175,8 @@ def build(run: dict):
     # and the sharded optimizer it runs (a source's `zero_impl`: Megatron-Core's distributed optimizer)
     if zero := run.get("zero_impl") or run.get("_source", {}).get("zero_impl"):
         knobs.setdefault("zero_impl", zero)
-    # expert parallelism of MoE runs (plan/experts.py): ep, and the busiest rank's load where stated
-    ep = {k: run[k] for k in ("ep", "ep_load_imbalance") if k in run}
+    # expert parallelism of MoE runs (plan/experts.py): ep, the busiest rank's load and etp where stated
+    ep = {k: run[k] for k in ("ep", "ep_load_imbalance", "etp") if k in run}
     strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), cp=run.get("cp", 1),
                                   **ep, **knobs)
     return model, hw, train, strategy

@@ -151,7 +151,7 @@ def test_ep1_changes_nothing(name, model):
     assert a.memory.gpu.as_dict() == b.memory.gpu.as_dict()
     assert a.comm.as_dict() == b.comm.as_dict() and a.comm.all_to_all == 0
     assert a.time.as_dict() == b.time.as_dict()
-    assert experts.rank_model(m, 1) is m
+    assert experts.rank_model(m, Strategy.from_name(name)) is m
 
 
 def test_refusals(mixtral, hw8):
@@ -166,8 +166,8 @@ def test_refusals(mixtral, hw8):
         evaluate(mixtral, hw6, TRAIN, Strategy.from_name("fsdp", ep=4))
     with pytest.raises(ShardwiseError, match=r"ep 8 must divide the data-parallel shard group dp_shard 4"):
         ParallelLayout(world_size=8, dp_shard=4, dp_replicate=2, ep=8)
-    with pytest.raises(ShardwiseError, match=r"ep 2 with tp 2"):
-        evaluate(mixtral, hw8, TRAIN, Strategy.from_name("fsdp", ep=2, tp=2))
+    with pytest.raises(ShardwiseError, match=r"ep 2 with tp 2 and tp_impl 'autotp'"):
+        Strategy.from_name("zero2", ep=2, tp=2)
     with pytest.raises(ShardwiseError, match=r"ep_load_imbalance 1.5 needs expert parallelism"):
         Strategy.from_name("fsdp", ep_load_imbalance=1.5)
     with pytest.raises(ShardwiseError):
@@ -214,3 +214,23 @@ def test_plan_from_shardwise_yaml_reads_ep(tmp_path):
     doc = json.loads(r.stdout)
     assert doc["strategies"][0]["ep"] == 4 and doc["strategies"][0]["ep_load_imbalance"] == 1.1
     assert any(x["key"] == "strategy.ep" and x["as"].startswith("--ep 4") for x in doc["from"]["read"])
+
+
+def test_fp8_casts_the_ranks_own_experts(mixtral):
+    # tensorwise fp8 casts each weight in forward (5 bytes an element) and again in backward (5):
+    # a rank casts the weights of the experts it holds, 1 of 8 under ep 8; the tokens it casts
+    # are the same k copies either way. One layer, one micro-batch, no replay.
+    from shardwise.plan.fp8 import cast_bytes
+
+    t = TRAIN.model_copy(update={"fp8": "tensorwise", "checkpointing": "none", "grad_accum": 1})
+    assert cast_bytes(mixtral, t, 1, 1, ep=1) - cast_bytes(mixtral, t, 1, 1, ep=8) == pytest.approx(
+        (5 + 5) * (E - 1) * EXPERT)
+
+
+def test_deepseek_grouped_router_under_ep64():
+    # DeepSeek-V3 routes over 8 groups of its 256 experts before dispatch: a rank holding 256/64 = 4
+    # of them is a valid layout (NVIDIA Megatron-Bridge's DeepSeek-V3 preset runs EP 64)
+    m = get_model("deepseek-v3")
+    hw = build_hardware(gpu="h100-sxm", gpus=64, gpus_per_node=8)
+    e = evaluate(m, hw, TRAIN, Strategy.from_name("fsdp", ep=64))
+    assert e.memory.layout.ep == 64 and experts.rank_model(m, Strategy.from_name("fsdp", ep=64)).num_experts == 4

@@ -163,7 +163,8 @@ def plan_setup(a: dict, source) -> PlanSetup:
     knobs = build_knobs(a["knobs"], a["shard_group"], a["tp_impl"], base=base, pp_schedule=a["pp_schedule"],
                         pp_virtual_stages=a["pp_virtual_stages"], cp=a.get("cp"), cp_impl=a.get("cp_impl"),
                         cp_load_balance=a.get("cp_load_balance"), ep=a.get("ep"),
-                        ep_load_imbalance=a.get("ep_load_imbalance"), zero_impl=a.get("zero_impl"))
+                        ep_load_imbalance=a.get("ep_load_imbalance"), zero_impl=a.get("zero_impl"),
+                        etp=a.get("etp"))
     check_schedule_flags(a["pp"], knobs, m, train)
     if a["device"] not in ("cuda", "cpu"):
         raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")

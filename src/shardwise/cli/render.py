@@ -117,7 +117,8 @@ def plan_rows(evals: Sequence[Any]) -> list[dict[str, Any]]:
         p, g, t = e.memory, e.memory.gpu, e.time
         lay = p.layout
         r = {"strategy": label(p) + (f" tp{lay.tp}" if lay.tp > 1 else "") + (f" cp{lay.cp}" if lay.cp > 1 else "")
-             + (f" pp{lay.pp}" if lay.pp > 1 else "") + (f" ep{lay.ep}" if lay.ep > 1 else ""),
+             + (f" pp{lay.pp}" if lay.pp > 1 else "") + (f" ep{lay.ep}" if lay.ep > 1 else "")
+             + (f" etp{lay.expert_tp}" if lay.ep > 1 and lay.tp > 1 else ""),
              "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "checkpointing": e.train.checkpointing,
              "params_gib": g.params / GIB, "grads_gib": g.grads / GIB, "master_gib": g.master_params / GIB,
              "optim_gib": g.optimizer_states / GIB, "step_gib": g.step_buffers / GIB,

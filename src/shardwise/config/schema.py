@@ -120,6 +120,10 @@ class StrategySection(_Section):
     ep_load_imbalance: Finite = Field(1.0, ge=1.0, description="with ep > 1: tokens the busiest expert-parallel rank "
                                       "receives over the balanced share (1.0 balanced; an engine that drops tokens: "
                                       "its capacity factor)")
+    etp: Int | None = Field(None, gt=0, description="with ep > 1 beside tp: the TP ranks each routed expert is split "
+                            "over, 1 (whole experts; expert parallelism may borrow the TP ranks) or tp "
+                            "(Megatron's --expert-tensor-parallel-size); unset: Megatron's tp, torchtitan's 1 "
+                            "(planned only)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
     fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]

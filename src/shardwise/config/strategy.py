@@ -275,9 +275,11 @@ class StrategyKnobs(Spec):
     cp: int | None = Field(None, gt=0)
     cp_impl: CPImpl | None = None
     cp_load_balance: bool | None = None
-    # Expert parallelism of MoE models (Strategy.ep, ep_load_imbalance; plan-only): None = 1
+    # Expert parallelism of MoE models (Strategy.ep, ep_load_imbalance, etp; plan-only): None = 1,
+    # and for etp the engine's (Strategy.expert_tp)
     ep: int | None = Field(None, gt=0)
     ep_load_imbalance: float | None = Field(None, ge=1.0, allow_inf_nan=False)
+    etp: int | None = Field(None, gt=0)
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()

@@ -56,12 +56,13 @@ def read(doc: Doc, ctx: Context) -> Source:
     world = ctx.given.get("gpus", cfg.run.nproc)
     device = ctx.given.get("device", cfg.run.device if cfg.run.device in ("cpu", "cuda") else "cuda")
     # expert and context parallelism are planned only (shardwise train refuses them, run.bridge):
-    # the rest of the run is planned as the trainer plans it, with strategy.ep / ep_load_imbalance
-    # as --ep / --ep-load-imbalance (plan/experts.py) and strategy.cp / cp_impl / cp_load_balance
+    # the rest of the run is planned as the trainer plans it, with strategy.ep / ep_load_imbalance /
+    # etp as --ep / --ep-load-imbalance / --etp (plan/experts.py) and strategy.cp / cp_impl / cp_load_balance
     # as --cp / --cp-impl / --cp-load-balance (plan/context.py)
-    ep = {k: getattr(cfg.strategy, k) for k in ("ep", "ep_load_imbalance")}
-    if ep != {"ep": 1, "ep_load_imbalance": 1.0}:
-        cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"ep": 1, "ep_load_imbalance": 1.0})})
+    ep = {k: getattr(cfg.strategy, k) for k in ("ep", "ep_load_imbalance", "etp")}
+    if ep != {"ep": 1, "ep_load_imbalance": 1.0, "etp": None}:
+        cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"ep": 1, "ep_load_imbalance": 1.0,
+                                                                                  "etp": None})})
     cp = {k: getattr(cfg.strategy, k) for k in ("cp", "cp_impl", "cp_load_balance")}
     if cp != {"cp": 1, "cp_impl": "auto", "cp_load_balance": True}:
         cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"cp": 1, "cp_impl": "auto",
@@ -69,10 +70,11 @@ def read(doc: Doc, ctx: Context) -> Source:
     run = run_spec(cfg, world, device, environ={})
     t, hw, s = run.train, run.hardware, run.strategy
     v = src.values
-    if ep["ep"] != 1 or ep["ep_load_imbalance"] != 1.0:
-        v |= ep
-        src.read.append(("strategy.ep", f"--ep {ep['ep']} --ep-load-imbalance {ep['ep_load_imbalance']} (planned only: "
-                                        "shardwise train refuses expert parallelism)"))
+    if ep != {"ep": 1, "ep_load_imbalance": 1.0, "etp": None}:
+        v |= {k: x for k, x in ep.items() if x is not None}
+        etp = f" --etp {ep['etp']}" if ep["etp"] is not None else ""
+        src.read.append(("strategy.ep", f"--ep {ep['ep']} --ep-load-imbalance {ep['ep_load_imbalance']}{etp} (planned "
+                                        "only: shardwise train refuses expert parallelism)"))
     if cp != {"cp": 1, "cp_impl": "auto", "cp_load_balance": True}:
         v |= cp
         src.read.append(("strategy.cp", f"--cp {cp['cp']} --cp-impl {cp['cp_impl']}"
@@ -108,7 +110,7 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.shard_group = s.shard_group
     for key, value in flatten(doc.data).items():
         d = dotted(key)
-        if d in ("strategy.ep", "strategy.ep_load_imbalance") and v.get("ep") is not None:
+        if d in ("strategy.ep", "strategy.ep_load_imbalance", "strategy.etp") and v.get("ep") is not None:
             continue  # read above, as --ep
         if d in ("strategy.cp", "strategy.cp_impl", "strategy.cp_load_balance") and v.get("cp") is not None:
             continue  # read above, as --cp

@@ -244,18 +244,22 @@ def _router(model: ModelSpec, train: TrainSpec) -> float:
     return 4 * e + 8 * k + 4 + 4 * k  # mixtral and meta-path MoE
 
 
-def moe_saved(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = False) -> float:
+def moe_saved(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool = False, etp: int | None = None) -> float:
     """One MoE layer's MLP with transformers 5.x fused experts (`grouped_mm`, integrations/moe.py
     grouped_mm_experts_forward): per routed copy (k per token) the gathered input and the down
     output (c·h each), the gate_up output, act(gate) and the product (4c·I'), the routing weight
     (fp32, c for Qwen's cast) and three int64 permutation indices; plus the router and the
     shared expert (Qwen2-MoE: SwiGLU, sigmoid gate and the gated product; DeepSeek: SwiGLU).
     Under autocast the fused experts run in fp32 (autocast does not cast the grouped matmul's
-    3-D weights), so their tensors are 4-byte."""
+    3-D weights), so their tensors are 4-byte. Under expert parallelism with whole experts
+    (`etp` 1 < tp: plan/experts.py) a TP rank holds the copies of its tokens/tp only, each
+    intermediate full-width: k/tp per token of its layer's, the same 4c·I'/tp of intermediates;
+    at etp = tp (the default) the copies of all the TP group's tokens, split over I'."""
     c, h, k = train.compute_bytes, model.hidden_size, model.experts_per_token
+    etp = tp if etp is None else etp
     weight = c if model.family in ("qwen2_moe", "qwen3_moe") else 4
     ce = 4 if autocast else c
-    routed = k * (2 * ce * h + 4 * ce * model.expert_width / tp + weight + 24)
+    routed = k * (etp / tp * (2 * ce * h + weight + 24) + 4 * ce * model.expert_width / tp)
     shared = model.shared_expert_intermediate_size / tp
     out = _router(model, train) + routed + gated_saved(train) * c * shared  # the shared expert: a gated MLP
     if model.family == "qwen2_moe" and shared:
@@ -272,31 +276,33 @@ def gated_saved(train: TrainSpec) -> int:
 
 
 def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int, moe: bool | None = None,
-              autocast: bool = False) -> float:
+              autocast: bool = False, etp: int | None = None) -> float:
     """Per token: SwiGLU/GeGLU save gate (for the activation), act(gate) and up (for the
     product) and the product (for down_proj): 4·c·I, 3·c·I fused (`gated_saved`; Phi-3's fused
     gate_up_proj saves its whole output once: the same 4·c·I). A GPT-style MLP (fc1, activation,
     fc2) saves `GPT_ACT_SAVED[hidden_act]`·c·I: 2·c·I for GeLU (fc1's output, GeLU's output).
-    `moe`: a routed-experts layer (default: the model's layer kind if all layers agree, else MoE)."""
+    `moe`: a routed-experts layer (default: the model's layer kind if all layers agree, else MoE);
+    `etp`: the TP ranks its experts are split over (`moe_saved`)."""
     if moe is None:
         moe = model.is_moe
     if moe:
-        return moe_saved(model, train, tp, autocast)
+        return moe_saved(model, train, tp, autocast, etp)
     if model.is_gpt:  # fc1's output and/or the activation's intermediates, fc2's input (GPT_ACT_SAVED)
         return GPT_ACT_SAVED[model.hidden_act] * train.compute_bytes * model.intermediate_size / tp
     return gated_saved(train) * train.compute_bytes * model.intermediate_size / tp
 
 
 def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,
-                          moe: bool | None = None) -> float:
+                          moe: bool | None = None, etp: int | None = None) -> float:
     """Bytes saved per token by one decoder layer without checkpointing (TP splits attention and
     MLP internals; norms and residuals are split only under sequence parallelism).
     Attention and MLP save the same under autocast: their linears already produce bf16.
-    `moe` picks the layer kind where dense and MoE layers differ (default: MoE if any)."""
+    `moe` picks the layer kind where dense and MoE layers differ (default: MoE if any); `etp` the
+    TP ranks its routed experts are split over (default tp: `moe_saved`)."""
     if moe is None:
         moe = model.is_moe
     return (_norms(model, train, autocast, moe, tp) + attention_saved(model, train, tp, autocast)
-            + mlp_saved(model, train, tp, moe, autocast))
+            + mlp_saved(model, train, tp, moe, autocast, etp))
 
 
 def final_norm_saved(model: ModelSpec, train: TrainSpec, autocast: bool = False, tp: int = 1) -> float:
@@ -350,11 +356,12 @@ def gathered_inputs(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool 
 
 
 def stage_saved(model: ModelSpec, train: TrainSpec, tp: int, layers: Sequence[int], last: bool,
-                autocast: bool = False, gathered: bool = False) -> float:
+                autocast: bool = False, gathered: bool = False, etp: int | None = None) -> float:
     """Saved-for-backward bytes of one micro-batch's forward through one pipeline stage: its
     decoder `layers` and, on the `last` stage, the final norm (whose output lm_head reads); the
     whole model at pp 1. What a micro-batch holds once on a rank whatever its stages (the dense
-    mask) is `mask_bytes`. `autocast` and `gathered` as `activation_bytes`."""
+    mask) is `mask_bytes`. `autocast` and `gathered` as `activation_bytes`, `etp` as
+    `layer_saved_per_token` (selective checkpointing replays the routed experts)."""
     tokens = train.micro_batch * train.seq_len
     c, h = train.compute_bytes, model.hidden_size
     kinds = layer_kinds(model)
@@ -363,9 +370,11 @@ def stage_saved(model: ModelSpec, train: TrainSpec, tp: int, layers: Sequence[in
         # the fp32 residual stream under autocast); the layer recomputed in backward is
         # `recompute_bytes`.
         per = {moe: (4 if autocast else c) * h / seq_shards(train, tp) for moe in (False, True)}
+    elif train.checkpointing == "selective":
+        per = {moe: selective_saved_per_token(model, train, tp, autocast, moe=moe) for moe in {kinds[i] for i in layers}}
     else:
-        per_layer = selective_saved_per_token if train.checkpointing == "selective" else layer_saved_per_token
-        per = {moe: per_layer(model, train, tp, autocast, moe=moe) for moe in {kinds[i] for i in layers}}
+        per = {moe: layer_saved_per_token(model, train, tp, autocast, moe=moe, etp=etp)
+               for moe in {kinds[i] for i in layers}}
     body = sum(per[kinds[i]] for i in layers)
     if gathered:  # DTensor TP: the linears save their gathered input (full checkpointing: only at lm_head)
         per_layer_extra, head_extra = gathered_inputs(model, train, tp, autocast)
@@ -380,14 +389,15 @@ def stage_saved(model: ModelSpec, train: TrainSpec, tp: int, layers: Sequence[in
 
 def rank_saved(model: ModelSpec, train: TrainSpec, tp: int, rank: PipelineRank, pp: int = 1,
                schedule: str = "1f1b", virtual: int = 1, autocast: bool = False, gathered: bool = False,
-               extra: Mapping[int, float] | None = None) -> float:
+               extra: Mapping[int, float] | None = None, etp: int | None = None) -> float:
     """Saved-for-backward bytes one pipeline rank holds at its peak: its stages' (`stage_saved`,
     plus `extra[stage]` where given) for every micro-batch in flight in the schedule's order
     (plan.pipeline: GPipe all grad_accum micro-batches, 1F1B min(m, pp − r) on rank r, interleaved
     1F1B its order's peak), and the dense mask once per micro-batch in flight. One micro-batch at
     pp 1 (its forward, then its backward)."""
     extra = extra or {}
-    per_stage = {s: stage_saved(model, train, tp, layers, s == rank.last_stage, autocast, gathered) + extra.get(s, 0.0)
+    per_stage = {s: stage_saved(model, train, tp, layers, s == rank.last_stage, autocast, gathered, etp)
+                 + extra.get(s, 0.0)
                  for s, layers in zip(rank.stages, rank.stage_layers, strict=True)}
     if pp == 1:
         return per_stage[0] + mask_bytes(train)
@@ -409,7 +419,8 @@ def activation_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, pp: int = 
                for rank in pipeline_ranks(model.num_layers, pp, virtual))
 
 
-def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:
+def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,
+                    etp: int | None = None) -> float:
     """With checkpointing, backward recomputes one layer at a time (the largest): its saved set
     is live on top of what forward kept. Full: everything but the kept layer input. Selective:
     everything but the layer input and SDPA's output and logsumexp (cached, and what SDPA's
@@ -421,14 +432,15 @@ def recompute_bytes(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: b
     # The recomputed layer's input is the kept checkpoint (same storage), and by the time
     # backward reaches the last layer the final norm's saved tensors are already freed
     # (measured: benchmarks/results/measured_activations.json, peak_with_recompute).
-    full = layer_saved_per_token(model, train, tp, autocast)
+    full = layer_saved_per_token(model, train, tp, autocast, etp=etp)
     kept = (4 if autocast else train.compute_bytes) * model.hidden_size / seq_shards(train, tp)
     if train.checkpointing == "selective" and attention_kind(model, train) != "eager":
         kept += (train.compute_bytes * model.o_dim + 4 * model.num_heads) / tp
     return tokens * max(0.0, full - kept - final_norm_saved(model, train, autocast, tp))
 
 
-def offload_kept(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False) -> float:
+def offload_kept(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,
+                 etp: int | None = None) -> float:
     """Saved-for-backward bytes per GPU that stay on the device under activation offloading
     (`activation_offload`): one decoder layer's saved set and lm_head's input. torchtune's
     OffloadActivations (torchtune/training/_activation_offloading.py, with streams) keeps the last
@@ -442,7 +454,8 @@ def offload_kept(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool
     head_input = train.compute_bytes * model.hidden_size / seq_shards(train, tp)
     if train.checkpointing == "full":
         layer = (4 if autocast else train.compute_bytes) * model.hidden_size / seq_shards(train, tp)
+    elif train.checkpointing == "selective":
+        layer = selective_saved_per_token(model, train, tp, autocast)
     else:
-        per_layer = selective_saved_per_token if train.checkpointing == "selective" else layer_saved_per_token
-        layer = per_layer(model, train, tp, autocast)
+        layer = layer_saved_per_token(model, train, tp, autocast, etp=etp)
     return tokens * (layer + head_input)

@@ -34,6 +34,7 @@ from shardwise.plan.stage import (
     persistent_params,
     rank_layer_params,
     replica_params,
+    strategy_ranks,
     tp_train,
 )
 from shardwise.specs.hardware import HardwareSpec
@@ -114,7 +115,7 @@ def plan_comm(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     rank = fullest_rank(model, strategy, layout)
     # expert parallelism: a rank holds (gathers, reduces) num_experts/ep experts, reduced over the
     # dp/ep expert-data-parallel ranks (plan/experts.py); the rest as before
-    dp_model = experts.rank_model(model, strategy.ep)
+    dp_model = experts.rank_model(model, strategy)
     psi = replica_params(dp_model, strategy, layout, rank)
     k = train.grad_accum
     c = train.compute_bytes
@@ -311,6 +312,12 @@ def _tp_pp_comm(model, train, s: Strategy, layout, k, c) -> CommBreakdown:
     scheme = s.tp_scheme
     act = c * train.micro_batch * train.seq_len * model.hidden_size
     layers = busiest_layers(model, s, layout)
+    # per pass a layer runs two pairs, attention's and the MLP's; a MoE layer's MLP runs
+    # experts.moe_tp_pairs (EP beside TP), on the busiest rank's MoE layers
+    busiest = [r for r in strategy_ranks(model, s, layout) if len(r.layers) == layers]
+    moe = max(experts.moe_layers_of(model, r) for r in busiest) if model.is_moe else 0
+    volume, launched = experts.moe_tp_pairs(model, s)
+    pairs, calls = layers + moe * (volume - 1) / 2, layers + moe * (launched - 1) / 2
     if layout.tp > 1:
         if scheme.reduces_per_linear:
             per_layer = 2 * (train.layer_passes - 1) + sum(input_linears(model))  # forward passes, backward
@@ -318,8 +325,8 @@ def _tp_pp_comm(model, train, s: Strategy, layout, k, c) -> CommBreakdown:
             per_layer = 2 * train.layer_passes  # 2 per pass: forward, backward (and recompute)
         root = (2 if layout.pp == 1 else 1) if scheme.vocab_parallel else 0  # embedding, lm_head: a stage each under PP
         loss = 4 * (2 * train.micro_batch * train.seq_len + 1) if scheme.vocab_parallel else 0  # fp32 max, sum-exp; the sum
-        ar = (per_layer * layers + root) * act * k + loss * k
-        n = (per_layer * layers + root) * k
+        ar = (per_layer * pairs + root) * act * k + loss * k
+        n = round((per_layer * calls + root) * k)
         out = out + CommBreakdown(all_reduce=ar, blocking=2 * ar, blocking_calls=n)
     if layout.pp > 1:
         v = s.pp_virtual_stages

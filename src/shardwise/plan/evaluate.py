@@ -76,7 +76,7 @@ def evaluate(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: Str
     mem = memory_as_run(model, hw, train, strategy, accounting=accounting, margin=margin)
     runs = mem.engine_strategy  # FSDP2 with a one-rank shard group may run as DDP
     comm = plan_comm(model, hw, train, runs, mem.layout)
-    psi = replica_params(rank_model(model, runs.ep), runs, mem.layout)  # num_experts/ep experts under EP
+    psi = replica_params(rank_model(model, runs), runs, mem.layout)  # num_experts/ep experts under EP
     ideal = ideal_comm(psi, runs, train.compute_bytes) if mem.layout.dp > 1 else CommBreakdown()
     return Evaluation(train, mem, comm, ideal, step_time(model, hw, train, runs, mem.layout, comm), model, recompute)
 

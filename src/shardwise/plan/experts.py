@@ -1,17 +1,19 @@
 """Expert parallelism (EP) of MoE models, planned (shardwise train runs none): what one rank of an
 expert-parallel group holds, sends and computes. Pure functions; memory, comm and timing call them.
 
-The layout planned is the engines' common one: the `ep` ranks of a group are borrowed from the
-data-parallel ranks, and each holds num_experts / ep routed experts of every MoE layer, whole or
-split over TP as the dense layers are (Megatron-Core's expert tensor parallelism defaults to tp).
-Attention, router, shared experts, embeddings and norms stay data-parallel as before.
+The layout planned is the engines' common one: each of the `ep` ranks of a group holds
+num_experts / ep routed experts of every MoE layer, split over `etp` TP ranks (Strategy.expert_tp,
+1 or tp). At etp = tp the experts are split as the dense layers are and the EP ranks are borrowed
+from the data-parallel ones (ep divides dp); at etp = 1 each expert is whole on its rank and EP may
+borrow the TP ranks too (ep·etp divides dp·tp). Attention, router, shared experts, embeddings and
+norms stay as before (data-parallel, TP-split).
 - Megatron-Core (NVIDIA/Megatron-LM@d98e8a6, megatron/core/parallel_state.py:870-890): the expert
   grid is ETP × EP × EDP × PP, expert_data_parallel_size = world / (ETP·EP·PP): expert gradients
-  are reduced over the dp/ep expert-data-parallel ranks, the rest over dp (`--expert-model-parallel-size`).
+  are reduced over the dp·tp/(ep·etp) expert-data-parallel ranks, the rest over dp
+  (`--expert-model-parallel-size`, `--expert-tensor-parallel-size`, default tp: training/arguments.py:587).
 - torchtitan (pytorch/torchtitan@b5bcd76, torchtitan/distributed/parallel_dims.py:188-191, 282):
-  ep divides dp_shard·cp·tp; the routed experts are `Shard(0)` on the ep mesh and fully_shard over
-  efsdp = dp_shard·cp·tp / ep (models/common/MOE_SHARDING.md). Its newer layout can also borrow TP
-  ranks for EP (experts then not TP-split): not planned here, ep divides the data-parallel degree.
+  ep divides dp_shard·cp·tp; the routed experts are `Shard(0)` on the ep mesh (whole: etp 1) and
+  fully_shard over efsdp = dp_shard·cp·tp / ep (models/common/MOE_SHARDING.md).
 - DeepSpeed-MoE: `deepspeed.moe.layer.MoE(ep_size=...)` in the model's code (not ds_config.json);
   expert parameters form their own optimizer groups, reduced and ZeRO-partitioned over the
   expert-data-parallel group (dp / ep ranks).
@@ -24,6 +26,15 @@ so no replay). Each moves tokens·k·h·c bytes of which (ep − 1)/ep leave the
 `MoEAlltoAllTokenDispatcher`, torchtitan's token_dispatcher.py `all_to_all_single`). They sit on the
 critical path: the next GEMM needs their output (Megatron's `--overlap-moe-expert-parallel-comm`
 can hide them across micro-batches; not planned).
+
+Beside TP both engines keep the MoE layer's tokens sequence-parallel: each TP rank routes and
+sends its tokens/tp (Megatron-Core refuses MoE with TP without `--sequence-parallel`:
+moe/moe_layer.py:636; torchtitan's EP with SP keeps the input `Shard(1)`). At etp = tp
+Megatron's dispatcher then all-gathers the received copies over the expert-TP group and
+reduce-scatters the experts' output back (token_dispatcher.py:741-746 `dispatch_postprocess`,
+`combine_preprocess`): k × the dense MLP's sequence-parallel pair, in its place
+(`moe_tp_pairs`). Megatron's default `allgather` dispatcher moves the dense pair instead; the
+alltoall dispatcher is the one its EP recipes run, and is what is planned under ep > 1.
 
 What backward keeps of the dispatch (plan.activations.moe_saved, unchanged): per routed copy the
 received input of the expert GEMMs (c·h), their gate_up output, activation and product (4c·I'),
@@ -57,15 +68,22 @@ def local_experts(model: ModelSpec, ep: int) -> int:
     return model.num_experts // ep
 
 
-def rank_model(model: ModelSpec, ep: int) -> ModelSpec:
+def rank_model(model: ModelSpec, strategy: Strategy) -> ModelSpec:
     """`model` as one expert-parallel rank holds its parameters: num_experts / ep routed experts per
-    MoE layer (and a router of that many outputs: E·h per layer, ≤ 0.02% of the catalog MoE models'
-    parameters, so counted at the local share). For parameter counts only (memory's model
-    states, the data-parallel traffic): its active parameters and FLOPs are not read."""
+    MoE layer, split over etp of the tp ranks, counted as (num_experts / ep)·(tp / etp) experts that
+    the parameter counts split over tp as they split the dense layers (the same bytes per rank);
+    the router of that many outputs (E·h per layer, ≤ 0.02% of the catalog MoE models'
+    parameters) is counted at that share. For parameter counts only (memory's model states, the
+    data-parallel traffic): its active parameters, FLOPs and routing (DeepSeek-V3's expert groups,
+    one here: its 8 groups need 8 experts) are not read."""
+    ep = strategy.ep
     if ep == 1:
         return model
-    e = local_experts(model, ep)
-    return ModelSpec(**(model.model_dump() | {"num_experts": e, "experts_per_token": min(model.experts_per_token, e)}))
+    e = local_experts(model, ep) * (strategy.tp // strategy.expert_tp)
+    local = {"num_experts": e, "experts_per_token": min(model.experts_per_token, e)}
+    if model.n_group > 1:
+        local |= {"n_group": 1, "topk_group": 1}
+    return ModelSpec(**(model.model_dump() | local))
 
 
 def moe_layers_of(model: ModelSpec, rank: PipelineRank) -> int:
@@ -74,18 +92,19 @@ def moe_layers_of(model: ModelSpec, rank: PipelineRank) -> int:
     return sum(1 for i in rank.layers if moe[i])
 
 
-def expert_params(model: ModelSpec, rank: PipelineRank, tp: int) -> float:
-    """Routed-expert parameters of a pipeline rank's layers on one TP rank, all experts (3·E·I'·h
-    per MoE layer: gate, up, down)."""
-    return 3 * model.num_experts * model.expert_width * model.hidden_size * moe_layers_of(model, rank) / tp
+def expert_params(model: ModelSpec, rank: PipelineRank, etp: int) -> float:
+    """Routed-expert parameters of a pipeline rank's layers on one rank of the expert-TP group,
+    all experts (3·E·I'·h per MoE layer: gate, up, down, over etp)."""
+    return 3 * model.num_experts * model.expert_width * model.hidden_size * moe_layers_of(model, rank) / etp
 
 
 def state_shards(n: int, psi_full: float, psi_held: float) -> float:
-    """The shard count that gives the per-rank size of the sharded states from the held ψ: dense
-    parameters are sharded over the n ranks of the shard group, a rank's num_experts/ep experts
-    over the n/ep ranks left (efsdp, the expert-data-parallel group), so a rank's shard is
-    dense/n + (experts/ep)/(n/ep) = (dense + experts)/n = ψ_full/n. Returned as n·ψ_held/ψ_full,
-    so that ψ_held / it = ψ_full / n; n where nothing is sharded (n = 1)."""
+    """The shard count that gives the per-rank size of the sharded states from the held ψ (both
+    per TP rank): dense parameters are sharded over the n ranks of the shard group, a rank's
+    num_experts/ep experts over etp ranks over the n·tp/(ep·etp) ranks left (efsdp, the
+    expert-data-parallel group), so a rank's shard is dense/n + (experts/(ep·etp))/(n·tp/(ep·etp))
+    = (dense + experts/tp)/n = ψ_full/n. Returned as n·ψ_held/ψ_full, so that ψ_held / it =
+    ψ_full / n; n where nothing is sharded (n = 1)."""
     if n <= 1 or psi_full <= 0:
         return n
     return n * psi_held / psi_full
@@ -94,34 +113,25 @@ def state_shards(n: int, psi_full: float, psi_held: float) -> float:
 def dp_moved_share(model: ModelSpec, strategy: Strategy, layout: ParallelLayout, rank: PipelineRank,
                    psi_held: float) -> float:
     """The share of a rank's held parameters ψ_held whose data-parallel collectives move bytes:
-    all of them, but where the expert-data-parallel group is one rank (dp = ep: every rank holds
-    experts no other rank holds) the experts' gathers and reductions are over nobody. Where it is
-    larger the experts' collectives run over dp/ep ranks, priced on the data-parallel group's link
-    and ring (an upper bound: (g − 1)/g of a smaller group)."""
+    all of them, but where the expert-data-parallel group is one rank (dp·tp = ep·etp: every rank
+    holds experts no other rank holds) the experts' gathers and reductions are over nobody. Where
+    it is larger the experts' collectives run over dp·tp/(ep·etp) ranks, priced on the
+    data-parallel group's link and ring (an upper bound: (g − 1)/g of a smaller group)."""
     ep = strategy.ep
-    if ep <= 1 or layout.dp > ep or psi_held <= 0:
+    if ep <= 1 or layout.expert_dp > 1 or psi_held <= 0:
         return 1.0
-    return max(0.0, 1.0 - expert_params(model, rank, layout.tp) / ep / psi_held)
+    return max(0.0, 1.0 - expert_params(model, rank, layout.expert_tp) / ep / psi_held)
 
 
-def check_ep(model: ModelSpec, strategy: Strategy, layout: ParallelLayout) -> None:
-    """What the planner refuses beside the layout's checks (ParallelLayout.check_model)."""
-    ep = strategy.ep
-    if ep > 1 and layout.tp > 1:
-        raise ShardwiseError(
-            f"ep {ep} with tp {layout.tp}: expert parallelism is planned without tensor parallelism (the token "
-            "exchange between expert-TP and EP ranks is engine-specific: Megatron's ETP, torchtitan's EP over TP "
-            "ranks); plan ep with tp 1")
-
-
-def a2a_bytes(model: ModelSpec, train: TrainSpec, ep: int, load: float = 1.0) -> float:
+def a2a_bytes(model: ModelSpec, train: TrainSpec, ep: int, load: float = 1.0, tp: int = 1) -> float:
     """Bytes one rank sends in one all-to-all (a dispatch or a combine) of one MoE layer and
     micro-batch: its tokens' k routed copies of h elements in the compute dtype, the (ep − 1)/ep
-    of them bound for other ranks, × `load` on the busiest rank."""
+    of them bound for other ranks, × `load` on the busiest rank. Beside TP a rank routes its
+    tokens/tp (sequence parallelism)."""
     if ep <= 1:
         return 0.0
     c, h, k = train.compute_bytes, model.hidden_size, model.experts_per_token
-    return train.tokens_per_micro_batch * k * h * c * (ep - 1) / ep * load
+    return train.tokens_per_micro_batch / tp * k * h * c * (ep - 1) / ep * load
 
 
 def a2a_per_layer(train: TrainSpec) -> int:
@@ -138,16 +148,33 @@ def a2a_step(model: ModelSpec, train: TrainSpec, strategy: Strategy, rank: Pipel
     if ep <= 1:
         return 0.0, 0
     calls = a2a_per_layer(train) * moe_layers_of(model, rank) * train.grad_accum
-    return a2a_bytes(model, train, ep, strategy.ep_load_imbalance) * calls, calls
+    return a2a_bytes(model, train, ep, strategy.ep_load_imbalance, strategy.tp) * calls, calls
 
 
-def ep_ranks_per_node(ep: int, tp: int, gpus_per_node: int) -> int:
-    """EP ranks inside one node: the group's ranks are adjacent after TP's (Megatron's tp-cp-ep-dp
-    order, torchtitan's [..., efsdp, ep] sparse mesh), so a node holds gpus_per_node / tp of them."""
-    return max(1, min(ep, gpus_per_node // max(tp, 1)))
+def moe_tp_pairs(model: ModelSpec, strategy: Strategy) -> tuple[float, int]:
+    """(volume, collectives): the sequence-parallel all-gather + reduce-scatter pairs that a MoE
+    layer's MLP runs per pass beside TP, where a dense MLP runs one, in pairs of the tokens'
+    hidden states (b·s·h, the unit of plan.comm's TP traffic), and how many pairs are launched. Without EP: one (the experts split as a dense MLP, or Megatron's default
+    allgather dispatcher). Under EP with Megatron's alltoall dispatcher: the shared experts' own
+    pair (moe/shared_experts.py:574-583) and, at etp = tp, the k routed copies gathered over the
+    expert-TP group and scattered back (k pairs); at etp = 1 none for the routed experts.
+    torchtitan's DTensor MoE keeps one pair at the layer's boundary (MOE_SHARDING.md: input
+    `Shard(1)`, output `Partial` → `Shard(1)`, the shared experts under the dense TP plan)."""
+    if strategy.ep == 1 or strategy.tp == 1:
+        return 1.0, 1
+    routed = strategy.expert_tp == strategy.tp  # else the experts are whole: nothing to gather
+    boundary = strategy.tp_scheme.name == "dtensor" or model.shared_expert_intermediate_size > 0
+    return boundary + routed * model.experts_per_token, boundary + routed
 
 
-def a2a_time(volume: float, ep: int, hw: HardwareSpec, tp: int = 1) -> float:
+def ep_ranks_per_node(ep: int, etp: int, gpus_per_node: int) -> int:
+    """EP ranks inside one node: the group's ranks are adjacent after the expert-TP ranks'
+    (Megatron's expert grid tp-ep-dp with tp = etp, torchtitan's [..., efsdp, ep] sparse mesh),
+    so a node holds gpus_per_node / etp of them."""
+    return max(1, min(ep, gpus_per_node // max(etp, 1)))
+
+
+def a2a_time(volume: float, ep: int, hw: HardwareSpec, etp: int = 1) -> float:
     """Seconds the all-to-alls that send `volume` bytes from one GPU take on the wire. Of what a
     rank sends, (p − 1)/(ep − 1) goes to the p − 1 peers in its node over the intra link and the
     rest through its share of the node's NICs (network.nic_bytes_per_s_per_gpu: NIC bandwidth ×
@@ -155,7 +182,7 @@ def a2a_time(volume: float, ep: int, hw: HardwareSpec, tp: int = 1) -> float:
     critical path's (CommBreakdown.blocking_calls, timing.step_time)."""
     if ep <= 1 or volume <= 0:
         return 0.0
-    p = ep_ranks_per_node(ep, tp, hw.gpus_per_node)
+    p = ep_ranks_per_node(ep, etp, hw.gpus_per_node)
     intra = volume * (p - 1) / (ep - 1) / hw.intra.bus_bytes_per_s
     inter = 0.0
     if p < ep:
@@ -164,17 +191,20 @@ def a2a_time(volume: float, ep: int, hw: HardwareSpec, tp: int = 1) -> float:
     return max(intra, inter)
 
 
-def a2a_link(ep: int, tp: int, hw: HardwareSpec) -> str:
+def a2a_link(ep: int, etp: int, hw: HardwareSpec) -> str:
     """"intra" when the EP group fits in a node, else "inter"."""
-    return "intra" if ep_ranks_per_node(ep, tp, hw.gpus_per_node) >= ep else "inter"
+    return "intra" if ep_ranks_per_node(ep, etp, hw.gpus_per_node) >= ep else "inter"
 
 
-def expert_gemms(model: ModelSpec, tp: int, ep: int = 1) -> list[tuple[float, float, float]]:
+def expert_gemms(model: ModelSpec, tp: int, ep: int = 1, etp: int | None = None) -> list[tuple[float, float, float]]:
     """(k, n, share of a rank's tokens) of one MoE layer's routed-expert linears on one rank, at
-    the width kernels.layer_gemms prices them: E/ep local experts, each of which gets k·ep/E of
-    the tokens a rank routes (the group's tokens·k spread over E experts, E/ep of them here): the
-    same work as E experts with k/E each, in fewer, taller GEMMs (weights read once per expert)."""
+    the width kernels.layer_gemms prices them: E/ep local experts of width I'/etp (etp default
+    tp), each of which gets k·ep·etp/(tp·E) of the tokens a TP rank's layer sees (the group's
+    tokens·k spread over E experts, E/ep of them here, tokens/tp a rank routes gathered over
+    etp): the same work as E experts with k/E each, in fewer, taller GEMMs (weights read once
+    per expert), whatever etp."""
     e, k = model.num_experts, model.experts_per_token
-    h, i = model.hidden_size, model.intermediate_size / tp
-    share = k * ep / e
+    etp = tp if etp is None else etp
+    h, i = model.hidden_size, model.intermediate_size / etp
+    share = k * ep * etp / (tp * e)
     return [(h, i, share), (h, i, share), (i, h, share)] * (e // ep)

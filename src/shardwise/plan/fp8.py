@@ -42,16 +42,18 @@ CASTS = {"tensorwise": (5.0, 5.0, 10.0, 5.0, 5.0), "rowwise": (5.0, 5.0, 10.0, 5
 FP8_BYTES = 1
 
 
-def cast_bytes(model: ModelSpec, train: TrainSpec, tp: int, layers: float, dp_shard: int = 1) -> float:
+def cast_bytes(model: ModelSpec, train: TrainSpec, tp: int, layers: float, dp_shard: int = 1, ep: int = 1,
+               etp: int | None = None) -> float:
     """Bytes the fp8 casts move on one GPU per optimizer step, over its `layers` decoder layers
-    (its TP shard of each linear): forward casts again in a checkpointed layer's replay; the
-    weights' forward cast once per step under delayed scaling, and on the rank's 1/`dp_shard`
-    shard under the float8 all-gather."""
+    (its TP shard of each linear; under expert parallelism its num_experts/ep experts over `etp`
+    ranks, with the tokens routed to them: kernels.layer_gemms): forward casts again in a
+    checkpointed layer's replay; the weights' forward cast once per step under delayed scaling,
+    and on the rank's 1/`dp_shard` shard under the float8 all-gather."""
     if train.fp8 == "none":
         return 0.0
     fwd_in, fwd_w, bwd_g, bwd_in, bwd_w = CASTS[train.fp8]
     tokens, k = train.micro_batch * train.seq_len, train.grad_accum
-    shapes = layer_gemms(model, tp)
+    shapes = layer_gemms(model, tp, ep, etp)
     inputs = sum(tokens * share * kk for kk, _, share in shapes)
     outputs = sum(tokens * share * nn for _, nn, share in shapes)
     weights = sum(kk * nn for kk, nn, _ in shapes)

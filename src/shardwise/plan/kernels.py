@@ -32,10 +32,10 @@ def gemm_time(tokens: float, k: float, n: float, flops_s: float, bytes_s: float,
     return math.hypot(2 * tokens * k * n / flops_s, c * (tokens * k + k * n + tokens * n) / bytes_s)
 
 
-def layer_gemms(model: ModelSpec, tp: int, ep: int = 1) -> list[tuple[float, float, float]]:
+def layer_gemms(model: ModelSpec, tp: int, ep: int = 1, etp: int | None = None) -> list[tuple[float, float, float]]:
     """(k, n, share of tokens) of one decoder layer's linears (Llama-block widths; the total is
     rescaled to the layer's exact parameter count in `compute_time`); under expert parallelism
-    `ep`, a rank's num_experts/ep experts (plan/experts.py expert_gemms)."""
+    `ep`, a rank's num_experts/ep experts split over `etp` ranks (plan/experts.py expert_gemms)."""
     h, q, kv = model.hidden_size, model.q_dim / tp, model.kv_dim / tp
     i = model.intermediate_size / tp
     if model.is_gpt:  # fused QKV, output projection, 4h MLP (fc1, fc2)
@@ -43,7 +43,7 @@ def layer_gemms(model: ModelSpec, tp: int, ep: int = 1) -> list[tuple[float, flo
     out = [(h, q, 1.0), (h, kv, 1.0), (h, kv, 1.0), (q, h, 1.0)]
     if model.is_moe:
         out.append((h, model.num_experts, 1.0))  # router
-        out += expert_gemms(model, tp, ep)  # each expert sees k/E of the tokens (k·ep/E of a rank's under EP)
+        out += expert_gemms(model, tp, ep, etp)  # each expert sees k/E of the tokens (k·ep/E of a rank's under EP)
     else:
         out += [(h, i, 1.0), (h, i, 1.0), (i, h, 1.0)]
     return out

@@ -105,8 +105,8 @@ def model_states(
     rank = rank or fullest_rank(model, strategy, layout)
     psi = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
     n = layout.dp_shard
-    if (ep := strategy.ep) > 1:  # num_experts/ep experts held, their states over dp_shard/ep
-        model = experts.rank_model(model, ep)
+    if strategy.ep > 1:  # num_experts/ep experts held (over etp), their states over the expert-data-parallel ranks
+        model = experts.rank_model(model, strategy)
         held = rank_params(model, layout.tp, rank, vocab_shards(strategy, layout.tp))
         psi, n = held, experts.state_shards(n, psi, held)
     per_node = max(1, min(layout.world_size, gpus_per_node))  # GPUs sharing one host
@@ -354,7 +354,7 @@ def runtime_overhead(layout: ParallelLayout, gpu: MemoryBreakdown, expandable: b
     whatever their segment: nothing stays unreclaimable."""
     mm = memory_model()
     groups = sum(d > 1 for d in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.cp, layout.pp))
-    groups += (layout.ep > 1) + (layout.ep > 1 and layout.dp > layout.ep)  # EP, expert-data-parallel
+    groups += (layout.ep > 1) + (layout.ep > 1 and layout.expert_dp > 1)  # EP, expert-data-parallel
     resident = gpu.resident + (gpu.grads if gpu.grads_persist else 0.0)
     phases = gpu.phases  # the end of backward reuses blocks of both: the fit is over these two
     fwd, step = (max(0.0, phases[k] - resident) for k in ("forward", "step"))
@@ -375,7 +375,8 @@ def saved_for_backward(model: ModelSpec, train: TrainSpec, strategy: Strategy, l
     rank = whole_model(model, layout, rank)
     # DDP runs an fp32 module under torch.autocast; a LoRA base is already in the compute dtype
     autocast = train.autocasts(strategy.engine)
-    recompute = recompute_bytes(model, train, layout.tp, autocast)
+    etp = strategy.expert_tp  # routed copies a rank holds (plan.activations.moe_saved)
+    recompute = recompute_bytes(model, train, layout.tp, autocast, etp)
     cached: dict[int, float] = {}
     if autocast:  # each micro-batch's forward caches its own casts (one per stage)
         for stage, layers in zip(rank.stages, rank.stage_layers, strict=True):
@@ -384,7 +385,7 @@ def saved_for_backward(model: ModelSpec, train: TrainSpec, strategy: Strategy, l
     # DTensor's column-parallel linears save their gathered input, Megatron-SP's their sharded one
     # (plan.activations.gathered_inputs); AutoTP has no sequence parallelism (`tp_train`)
     acts = rank_saved(model, train, layout.tp, rank, layout.pp, strategy.pp_schedule, strategy.pp_virtual_stages,
-                      autocast, gathered=strategy.tp_scheme.saves_gathered_input, extra=cached)
+                      autocast, gathered=strategy.tp_scheme.saves_gathered_input, extra=cached, etp=etp)
     return acts, recompute
 
 
@@ -399,7 +400,8 @@ def offloaded_activations(model: ModelSpec, train: TrainSpec, strategy: Strategy
     if acts is None:
         rank = rank or (fullest_rank(model, strategy, layout) if layout.pp > 1 else None)
         acts = saved_for_backward(model, train, strategy, layout, rank)[0]
-    kept = offload_kept(model, train, layout.tp, train.autocasts(strategy.engine)) + mask_bytes(train)
+    kept = offload_kept(model, train, layout.tp, train.autocasts(strategy.engine), strategy.expert_tp)
+    kept += mask_bytes(train)
     return max(0.0, acts - kept)
 
 
@@ -425,7 +427,6 @@ def plan_memory(
                          "(plan.evaluate.memory_as_run / fsdp_grad_sync)")
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
-    experts.check_ep(model, strategy, layout)
     if strategy.zero_impl == "megatron" and train.lora_rank:
         raise ShardwiseError(f"{strategy.name} with zero_impl megatron: Megatron-Core's distributed optimizer is "
                              "planned for full fine-tuning (no LoRA)")

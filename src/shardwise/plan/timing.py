@@ -240,8 +240,8 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     recompute = {"full": 1.0, "selective": 1.0, "none": 0.0}[train.checkpointing]
 
     # GEMMs: forward, input-gradient and weight-gradient (+ the recomputed forward)
-    ep = s.ep
-    shapes = layer_gemms(model, tp, ep)
+    ep, etp = s.ep, s.expert_tp
+    shapes = layer_gemms(model, tp, ep, etp)
     # fp8 linears (plan/fp8.py): the layers' GEMMs at the FP8 peak, on 1-byte operands
     linear_flops_s, linear_c = ((gpu.peak_flops("fp8") * gpu.gemm_efficiency, FP8_BYTES) if train.fp8 != "none"
                                 else (flops_s, c))
@@ -250,7 +250,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     if ep > 1:  # the busiest expert-parallel rank runs ep_load_imbalance × the balanced routed tokens
         layer_t += (s.ep_load_imbalance - 1) * sum(
             gemm_time(tokens * share, kk, nn, linear_flops_s, bytes_s, linear_c)
-            for kk, nn, share in experts.expert_gemms(model, tp, ep))
+            for kk, nn, share in experts.expert_gemms(model, tp, ep, etp))
     exact = _matmul_params_per_layer(model) / tp
     layer_t *= exact / approx if approx else 1.0
     replay_mm = recompute
@@ -288,7 +288,7 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     factor = tm.fused_elementwise_factor if train.fused_kernels else tm.elementwise_factor
     per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute + forward_only) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, vocab_tp) * factor / pp)
-    mem += cast_bytes(model, train, tp, layers, layout.dp_shard if s.engine == "fsdp2" else 1) * factor
+    mem += cast_bytes(model, train, tp, layers, layout.dp_shard if s.engine == "fsdp2" else 1, s.ep, s.expert_tp) * factor
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
         copies *= tm.lora_copy_share
@@ -414,7 +414,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
     whole = train.as_sequences()  # a forward's batch: 2 sequences per example for the paired objectives
     train = local_train(whole, layout.cp)  # context parallelism: a rank's seq/cp tokens (plan/context.py)
     tokens = train.micro_batch * train.seq_len * train.grad_accum  # per DP replica (cp rank) per step
-    psi = replica_params(experts.rank_model(model, strategy.ep), strategy, layout)  # experts held
+    psi = replica_params(experts.rank_model(model, strategy), strategy, layout)  # experts held
     ct = compute_time(model, hw, train, strategy, layout, psi, forward_only)
     compute = ct.gpu_s
     work = ct.wall_s  # GPU-bound or hook-bound: the window collectives can hide in
@@ -441,7 +441,7 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
             p2p_s = comm.p2p / link.bus_bytes_per_s
         latency = comm.blocking_calls * hw.intra.latency_s  # the DP calls' latency is in comm_time
         # expert parallelism's dispatch/combine all-to-alls, on the link their group spans (plan/experts.py)
-        a2a_s = experts.a2a_time(comm.all_to_all, strategy.ep, hw, layout.tp)
+        a2a_s = experts.a2a_time(comm.all_to_all, strategy.ep, hw, strategy.expert_tp)
         blocking = tp_s + p2p_s + a2a_s + latency
         # overlapped TP collectives (Megatron's --tp-comm-overlap, async TP) hide behind the GEMMs
         # they feed, as well as compute hides any collective (overlap_efficiency)

@@ -47,6 +47,10 @@ class ParallelLayout(Spec):
     # experts among them (torchtitan's ParallelDims borrows ep from dp_shard × cp; Megatron-Core's
     # --expert-model-parallel-size from the data-parallel ranks): not a factor of the world size
     ep: int = Field(1, gt=0)
+    # the TP ranks each routed expert is split over (Strategy.expert_tp): None = tp. At 1 the EP
+    # group may borrow the TP ranks too (Megatron-Core's expert grid ETP × EP × EDP × PP covers
+    # the world: parallel_state.py; torchtitan's efsdp = dp_shard·cp·tp / ep)
+    etp: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
@@ -61,6 +65,18 @@ class ParallelLayout(Spec):
                 f"parallel layout does not cover the GPUs: dp_replicate {self.dp_replicate} × dp_shard "
                 f"{self.dp_shard} × tp {self.tp} × pp {self.pp} = {prod}, but there are {self.world_size} GPUs"
             )
+        if self.expert_tp not in (1, self.tp):
+            raise ShardwiseError(f"etp {self.etp}: the expert tensor-parallel degree is 1 or tp ({self.tp})")
+        if self.expert_tp < self.tp:
+            if (self.dp * self.tp) % (self.ep * self.expert_tp):
+                raise ShardwiseError(
+                    f"ep {self.ep} must divide the data-parallel degree {self.dp} × tp {self.tp}: with whole experts "
+                    "(etp 1) the expert-parallel ranks are borrowed from the data-parallel and tensor-parallel ones")
+            if self.dp_shard > 1 and (self.dp_shard * self.tp) % self.ep:
+                raise ShardwiseError(
+                    f"ep {self.ep} must divide dp_shard {self.dp_shard} × tp {self.tp}: with whole experts (etp 1) "
+                    "the expert states are sharded over the dp_shard × tp / ep ranks left (torchtitan's efsdp)")
+            return self
         if self.dp % self.ep:
             raise ShardwiseError(
                 f"ep {self.ep} must divide the data-parallel degree {self.dp} (dp_replicate {self.dp_replicate} × "
@@ -77,6 +93,17 @@ class ParallelLayout(Spec):
         return self.dp_replicate * self.dp_shard
 
     @property
+    def expert_tp(self) -> int:
+        """The TP ranks each routed expert is split over (`etp`, default tp)."""
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel degree: the ranks that hold the same experts and reduce their
+        gradients, dp·tp / (ep·etp) (Megatron-Core's expert_data_parallel_size = world / (ETP·EP·PP))."""
+        return self.dp * self.tp // (self.ep * self.expert_tp)
+
+    @property
     def batch_ranks(self) -> int:
         """The data-parallel ranks that take their own sequences (dp / cp)."""
         return self.dp // self.cp
@@ -85,6 +112,7 @@ class ParallelLayout(Spec):
     def for_strategy(cls, strategy, world_size: int, gpus_per_node: int) -> ParallelLayout:
         """Derive the layout a strategy implies on `world_size` GPUs with its TP/PP degrees."""
         tp, pp, cp, ep = strategy.tp, strategy.pp, strategy.cp, strategy.ep
+        expert = {"ep": ep, "etp": strategy.expert_tp if ep > 1 else None}
         if world_size % (tp * pp):
             raise ShardwiseError(
                 f"tp {tp} × pp {pp} = {tp * pp} does not divide the {world_size} GPUs "
@@ -100,15 +128,15 @@ class ParallelLayout(Spec):
             )
         dp = world_size // (tp * pp)
         if not strategy.shards_optimizer:  # DDP, ZeRO-0: every model state replicated
-            return cls(world_size=world_size, dp_replicate=dp, tp=tp, cp=cp, pp=pp, ep=ep)
+            return cls(world_size=world_size, dp_replicate=dp, tp=tp, cp=cp, pp=pp, **expert)
         if strategy.fsdp_sharding == "hybrid":
             group = strategy.shard_group or max(1, gpus_per_node // tp)
             if dp % group:
                 raise ShardwiseError(
                     f"fsdp-hybrid: shard group of {group} GPUs does not divide the data-parallel degree {dp}"
                 )
-            return cls(world_size=world_size, dp_shard=group, dp_replicate=dp // group, tp=tp, cp=cp, pp=pp, ep=ep)
-        return cls(world_size=world_size, dp_shard=dp, tp=tp, cp=cp, pp=pp, ep=ep)
+            return cls(world_size=world_size, dp_shard=group, dp_replicate=dp // group, tp=tp, cp=cp, pp=pp, **expert)
+        return cls(world_size=world_size, dp_shard=dp, tp=tp, cp=cp, pp=pp, **expert)
 
     def check_model(self, model) -> None:
         """Refuse layouts the model's shape cannot split."""

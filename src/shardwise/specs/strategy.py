@@ -92,6 +92,9 @@ class Strategy(Spec):
     ep_load_imbalance: float = Field(1.0, ge=1.0, allow_inf_nan=False,
                                      description="tokens the busiest expert-parallel rank receives over the balanced "
                                      "share (1.0: balanced; a capacity-factor engine: its capacity factor)")
+    etp: int | None = Field(None, gt=0, description="expert tensor-parallel degree under ep > 1: the TP ranks each "
+                            "routed expert is split over, 1 or tp (Megatron's --expert-tensor-parallel-size); "
+                            "None: the engine's (`expert_tp`)")
     shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: GPUs per shard group (default: a node)")
     tp_impl: TPImpl = Field("auto", description="tensor-parallel implementation planned (TP_SCHEMES): auto = "
                             "the engine's (torch's engines: dtensor; DeepSpeed ZeRO-0/1/2 at pp 1: autotp; "
@@ -116,6 +119,18 @@ class Strategy(Spec):
             raise ShardwiseError(f"pp_virtual_stages {self.pp_virtual_stages} needs pipeline parallelism (pp > 1)")
         if self.ep_load_imbalance != 1.0 and self.ep == 1:
             raise ShardwiseError(f"ep_load_imbalance {self.ep_load_imbalance} needs expert parallelism (ep > 1)")
+        if self.etp is not None and self.etp != self.tp and self.ep == 1:
+            raise ShardwiseError(f"etp {self.etp} with ep 1: without expert parallelism the routed experts are "
+                                 f"split over the tp {self.tp} ranks as the dense layers are (give ep > 1)")
+        if self.etp not in (None, 1, self.tp):
+            raise ShardwiseError(f"etp {self.etp}: the expert tensor-parallel degree is planned as 1 (experts whole, "
+                                 f"expert parallelism borrows the TP ranks) or tp ({self.tp}: experts split as the "
+                                 "dense layers are)")
+        if self.ep > 1 and self.tp > 1 and not self.tp_scheme.sequence_parallel:
+            raise ShardwiseError(
+                f"ep {self.ep} with tp {self.tp} and tp_impl {self.tp_scheme.name!r}: expert parallelism beside "
+                "tensor parallelism is planned with sequence parallelism (Megatron-Core's token dispatcher, "
+                "torchtitan's MoE sharding), which DeepSpeed's AutoTP does not run; give tp_impl megatron")
         if self.shard_group is not None and self.fsdp_sharding != "hybrid":
             raise ShardwiseError(f"shard_group {self.shard_group} applies to fsdp-hybrid only, not {self.name!r}")
         if self.tp_impl == "autotp" and (self.engine != "deepspeed" or self.pp > 1 or self.zero_stage == 3):
@@ -151,7 +166,7 @@ class Strategy(Spec):
         k = knobs or StrategyKnobs()
         facts = STRATEGIES.get(name.strip().lower())  # an unknown name fails in from_name, with choices
         extra = {"shard_group": k.shard_group} if facts and facts.fsdp_sharding == "hybrid" and k.shard_group else {}
-        extra |= {f: getattr(k, f) for f in ("ep", "ep_load_imbalance") if getattr(k, f) is not None}
+        extra |= {f: getattr(k, f) for f in ("ep", "ep_load_imbalance", "etp") if getattr(k, f) is not None}
         if overrides.get("pp", 1) > 1:  # the schedule applies to pipeline stages only
             extra |= {f: getattr(k, f) for f in ("pp_schedule", "pp_virtual_stages") if getattr(k, f) is not None}
         if facts and facts.engine != "fsdp2" and k.tp_impl != "auto":
@@ -209,6 +224,20 @@ class Strategy(Spec):
         if self.engine != "deepspeed":
             return TP_SCHEMES["dtensor"]
         return TP_SCHEMES["autotp" if self.zero_stage != 3 and self.pp == 1 else "megatron"]
+
+    @property
+    def expert_tp(self) -> int:
+        """The TP ranks each routed expert is split over (`etp`; None: the engine's). Without expert
+        parallelism, tp: the experts are split as the dense layers are. Under it, Megatron-Core's
+        default is tp (`--expert-tensor-parallel-size` defaults to the TP size: NVIDIA/Megatron-LM@d98e8a6
+        megatron/training/arguments.py); torchtitan's DTensor layout borrows the TP ranks for EP and
+        keeps each expert whole (pytorch/torchtitan@b5bcd76 models/common/MOE_SHARDING.md: routed
+        experts `Shard(0)` on the EP mesh, efsdp = dp_shard·cp·tp / ep): 1."""
+        if self.etp is not None:
+            return self.etp
+        if self.ep == 1 or self.tp_scheme.name != "dtensor":
+            return self.tp
+        return 1
 
     @property
     def cp_scheme(self) -> str:
