@@ -176,7 +176,7 @@ def build(run: dict):
     if zero := run.get("zero_impl") or run.get("_source", {}).get("zero_impl"):
         knobs.setdefault("zero_impl", zero)
     # expert parallelism of MoE runs (plan/experts.py): ep, the busiest rank's load and etp where stated
-    ep = {k: run[k] for k in ("ep", "ep_load_imbalance", "etp") if k in run}
+    ep = {k: run[k] for k in ("ep", "ep_load_imbalance", "etp", "ep_overlap") if k in run}
     strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), cp=run.get("cp", 1),
                                   **ep, **knobs)
     return model, hw, train, strategy

@@ -234,3 +234,31 @@ def test_deepseek_grouped_router_under_ep64():
     hw = build_hardware(gpu="h100-sxm", gpus=64, gpus_per_node=8)
     e = evaluate(m, hw, TRAIN, Strategy.from_name("fsdp", ep=64))
     assert e.memory.layout.ep == 64 and experts.rank_model(m, Strategy.from_name("fsdp", ep=64)).num_experts == 4
+
+
+def test_ep_overlap_hides_paired_micro_batches(mixtral, hw8):
+    # Megatron's combined 1F1B runs micro-batch i's backward beside i+1's forward: of m micro-batches'
+    # all-to-alls, those of the m - 1 pairs hide behind the partner's compute (up to the window)
+    assert experts.a2a_hidden(2.0, 10.0, 4) == pytest.approx(2.0 * 3 / 4)
+    assert experts.a2a_hidden(2.0, 1.0, 4) == pytest.approx(1.0 * 3 / 4)
+    assert experts.a2a_hidden(2.0, 10.0, 1) == 0.0
+    t = TRAIN.model_copy(update={"checkpointing": "none", "grad_accum": 4})
+    off = evaluate(mixtral, hw8, t, Strategy.from_name("fsdp", ep=8))
+    on = evaluate(mixtral, hw8, t, Strategy.from_name("fsdp", ep=8, ep_overlap=True))
+    a2a_s = experts.a2a_time(off.comm.all_to_all, 8, hw8)
+    window = hw8.timing.overlap_efficiency * on.time.compute_s
+    assert a2a_s < window  # all of a paired micro-batch's all-to-alls fit behind its partner
+    assert off.time.step_s - on.time.step_s == pytest.approx(a2a_s * 3 / 4, rel=1e-6)
+    assert on.memory.gpu.as_dict() == off.memory.gpu.as_dict()
+
+
+def test_ep_overlap_refusals(mixtral, hw8):
+    with pytest.raises(ShardwiseError, match=r"ep_overlap needs expert parallelism"):
+        Strategy.from_name("fsdp", ep_overlap=True)
+    with pytest.raises(ShardwiseError, match=r"ep_overlap with pp 2: .* virtual stages only"):
+        Strategy.from_name("zero1", ep=2, pp=2, ep_overlap=True)
+    with pytest.raises(ShardwiseError, match=r"ep_overlap and full checkpointing"):
+        evaluate(mixtral, hw8, TRAIN, Strategy.from_name("fsdp", ep=8, ep_overlap=True))
+    # checkpointing auto never picks the full recomputation Megatron refuses beside it
+    auto = TRAIN.model_copy(update={"checkpointing": "auto"})
+    assert evaluate(mixtral, hw8, auto, Strategy.from_name("fsdp", ep=8, ep_overlap=True)).train.checkpointing == "none"

@@ -146,6 +146,7 @@ def plan(
     ep: int | None = strategy_option("ep", note="for the MoE rows of the table and the recommender"),
     ep_load_imbalance: float | None = strategy_option("ep_load_imbalance"),
     etp: int | None = strategy_option("etp"),
+    ep_overlap: bool | None = strategy_option("ep_overlap"),
     accounting: str = typer.Option("engine", "--accounting", help="engine | paper | deepspeed"),
     margin: float | None = typer.Option(None, "--margin", show_default=False, help="Fraction of GPU memory kept free "
                                         "(default: the memory model's default_margin, catalog/memory.yaml)."),

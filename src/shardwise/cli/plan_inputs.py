@@ -164,7 +164,7 @@ def plan_setup(a: dict, source) -> PlanSetup:
                         pp_virtual_stages=a["pp_virtual_stages"], cp=a.get("cp"), cp_impl=a.get("cp_impl"),
                         cp_load_balance=a.get("cp_load_balance"), ep=a.get("ep"),
                         ep_load_imbalance=a.get("ep_load_imbalance"), zero_impl=a.get("zero_impl"),
-                        etp=a.get("etp"))
+                        etp=a.get("etp"), ep_overlap=a.get("ep_overlap"))
     check_schedule_flags(a["pp"], knobs, m, train)
     if a["device"] not in ("cuda", "cpu"):
         raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")

@@ -1,7 +1,7 @@
 """`shardwise plan`'s flags, from the schema: the engine knobs' flags generated from the knob
 classes, the flags that set a field of the run (RUN_FLAGS) and the pipeline schedule's
 (STRATEGY_FLAGS: strategy.pp_schedule, strategy.pp_virtual_stages, strategy.ep,
-strategy.ep_load_imbalance, strategy.etp), each with its YAML key.
+strategy.ep_load_imbalance, strategy.etp, strategy.ep_overlap), each with its YAML key.
 
 One schema: the pydantic fields of `DeepSpeedKnobs`, `FSDPKnobs` and `DDPKnobs`
 (shardwise.config.strategy) give the trainer's YAML sections (`config/schema._overrides`), `--set`,
@@ -264,7 +264,7 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
                 pp_virtual_stages: int | None = None, cp: int | None = None,
                 cp_impl: str | None = None, cp_load_balance: bool | None = None, ep: int | None = None,
                 ep_load_imbalance: float | None = None, zero_impl: str | None = None,
-                etp: int | None = None) -> StrategyKnobs:
+                etp: int | None = None, ep_overlap: bool | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}}, the rest at `base` (the trainer's knobs for the
     device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own), with
     the pipeline schedule of the PP rows and the context parallelism of every row where given; a
@@ -296,6 +296,8 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
         check_count("--etp", etp, hint=" (TP ranks each routed expert is split over: 1 or tp)")
         if (ep or 1) == 1:
             raise ShardwiseError(f"--etp {etp} needs expert parallelism: give --ep 2 or more")
+    if ep_overlap and (ep or 1) == 1:
+        raise ShardwiseError("--ep-overlap needs expert parallelism: give --ep 2 or more")
     why = virtual_refusal(pp_schedule or "1f1b", pp_virtual_stages or 1)
     if why:
         given = (f"--pp-schedule {pp_schedule}" if pp_schedule else "") + (
@@ -313,7 +315,7 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
             raise ShardwiseError(f"{fields}: {e}") from None
     return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto", pp_schedule=pp_schedule,
                          pp_virtual_stages=pp_virtual_stages, cp=cp, cp_impl=cp_impl,
-                         cp_load_balance=cp_load_balance, ep=ep, ep_load_imbalance=ep_load_imbalance, etp=etp,
+                         cp_load_balance=cp_load_balance, ep=ep, ep_load_imbalance=ep_load_imbalance, etp=etp, ep_overlap=ep_overlap,
                          zero_impl=zero_impl or "deepspeed")
 
 
@@ -425,6 +427,7 @@ STRATEGY_FLAGS: dict[str, str] = {  # plan()'s parameter (the Strategy field) ->
     "ep": "--ep",
     "ep_load_imbalance": "--ep-load-imbalance",
     "etp": "--etp",
+    "ep_overlap": "--ep-overlap",
 }
 
 

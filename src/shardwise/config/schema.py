@@ -124,6 +124,9 @@ class StrategySection(_Section):
                             "over, 1 (whole experts; expert parallelism may borrow the TP ranks) or tp "
                             "(Megatron's --expert-tensor-parallel-size); unset: Megatron's tp, torchtitan's 1 "
                             "(planned only)")
+    ep_overlap: bool = Field(False, description="with ep > 1: the dispatch/combine all-to-alls of one micro-batch "
+                             "overlapped with another's compute (Megatron's --overlap-moe-expert-parallel-comm; under "
+                             "pp > 1 with virtual stages only; planned only)")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection,  # type: ignore[valid-type]
                                         description="ZeRO knobs (shardwise.specs.DeepSpeedKnobs)")
     fsdp: FSDPSection = Field(default_factory=FSDPSection,  # type: ignore[valid-type]

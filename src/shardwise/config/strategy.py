@@ -280,6 +280,7 @@ class StrategyKnobs(Spec):
     ep: int | None = Field(None, gt=0)
     ep_load_imbalance: float | None = Field(None, ge=1.0, allow_inf_nan=False)
     etp: int | None = Field(None, gt=0)
+    ep_overlap: bool | None = None
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()

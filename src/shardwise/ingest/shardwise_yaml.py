@@ -59,10 +59,10 @@ def read(doc: Doc, ctx: Context) -> Source:
     # the rest of the run is planned as the trainer plans it, with strategy.ep / ep_load_imbalance /
     # etp as --ep / --ep-load-imbalance / --etp (plan/experts.py) and strategy.cp / cp_impl / cp_load_balance
     # as --cp / --cp-impl / --cp-load-balance (plan/context.py)
-    ep = {k: getattr(cfg.strategy, k) for k in ("ep", "ep_load_imbalance", "etp")}
-    if ep != {"ep": 1, "ep_load_imbalance": 1.0, "etp": None}:
-        cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"ep": 1, "ep_load_imbalance": 1.0,
-                                                                                  "etp": None})})
+    no_ep = {"ep": 1, "ep_load_imbalance": 1.0, "etp": None, "ep_overlap": False}
+    ep = {k: getattr(cfg.strategy, k) for k in no_ep}
+    if ep != no_ep:
+        cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update=no_ep)})
     cp = {k: getattr(cfg.strategy, k) for k in ("cp", "cp_impl", "cp_load_balance")}
     if cp != {"cp": 1, "cp_impl": "auto", "cp_load_balance": True}:
         cfg = cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update={"cp": 1, "cp_impl": "auto",
@@ -70,11 +70,12 @@ def read(doc: Doc, ctx: Context) -> Source:
     run = run_spec(cfg, world, device, environ={})
     t, hw, s = run.train, run.hardware, run.strategy
     v = src.values
-    if ep != {"ep": 1, "ep_load_imbalance": 1.0, "etp": None}:
+    if ep != no_ep:
         v |= {k: x for k, x in ep.items() if x is not None}
         etp = f" --etp {ep['etp']}" if ep["etp"] is not None else ""
-        src.read.append(("strategy.ep", f"--ep {ep['ep']} --ep-load-imbalance {ep['ep_load_imbalance']}{etp} (planned "
-                                        "only: shardwise train refuses expert parallelism)"))
+        overlap = " --ep-overlap" if ep["ep_overlap"] else ""
+        src.read.append(("strategy.ep", f"--ep {ep['ep']} --ep-load-imbalance {ep['ep_load_imbalance']}{etp}{overlap} "
+                                        "(planned only: shardwise train refuses expert parallelism)"))
     if cp != {"cp": 1, "cp_impl": "auto", "cp_load_balance": True}:
         v |= cp
         src.read.append(("strategy.cp", f"--cp {cp['cp']} --cp-impl {cp['cp_impl']}"
@@ -110,7 +111,7 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.shard_group = s.shard_group
     for key, value in flatten(doc.data).items():
         d = dotted(key)
-        if d in ("strategy.ep", "strategy.ep_load_imbalance", "strategy.etp") and v.get("ep") is not None:
+        if d in ("strategy.ep", "strategy.ep_load_imbalance", "strategy.etp", "strategy.ep_overlap") and v.get("ep") is not None:
             continue  # read above, as --ep
         if d in ("strategy.cp", "strategy.cp_impl", "strategy.cp_load_balance") and v.get("cp") is not None:
             continue  # read above, as --cp

@@ -85,14 +85,16 @@ def checkpointing_choice(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s
                          accounting: str = "engine", margin: float | None = None) -> RecomputeChoice | None:
     """What `checkpointing: auto` runs for `strategy` on `hw` (plan/recompute.py): none where the
     plan without recomputation fits, else full, unless only the host's peak is short and
-    recomputation does not lower it; None where `train` sets it."""
+    recomputation does not lower it, or the strategy overlaps the EP all-to-alls (Megatron-Core
+    refuses full recomputation there); None where `train` sets it."""
     if train.checkpointing != "auto":
         return None
     bare = memory_as_run(model, hw, train.model_copy(update={"checkpointing": "none"}), strategy,
                          accounting=accounting, margin=margin)
     if bare.fits or bare.gpu.required > bare.usable_bytes:
         need, usable = apart_figures(bare.gpu.required / GIB, bare.usable_bytes / GIB)
-        return RecomputeChoice("none" if bare.fits else "full", strategy.name, need, f"{usable} usable")
+        full = not bare.fits and not strategy.ep_overlap
+        return RecomputeChoice("full" if full else "none", strategy.name, need, f"{usable} usable")
     # the GPU fits, the host's peak does not: recomputation helps only where it lowers that peak
     full = memory_as_run(model, hw, train.model_copy(update={"checkpointing": "full"}), strategy,
                          accounting=accounting, margin=margin)

@@ -167,6 +167,18 @@ def moe_tp_pairs(model: ModelSpec, strategy: Strategy) -> tuple[float, int]:
     return boundary + routed * model.experts_per_token, boundary + routed
 
 
+def a2a_hidden(a2a_s: float, window_s: float, micro_batches: int) -> float:
+    """Seconds of the all-to-alls (`a2a_s` a step) hidden under Megatron's
+    `--overlap-moe-expert-parallel-comm` (Strategy.ep_overlap): its schedule runs one
+    micro-batch's forward beside another's backward, each one's all-to-alls behind the other's
+    compute (megatron/core/pipeline_parallel/combined_1f1b.py), as well as compute hides any
+    collective (`window_s`: overlap_efficiency × the step's compute, less what else hides there).
+    The first forward and the last backward have no partner: (m − 1)/m of them, m micro-batches."""
+    if micro_batches <= 1 or a2a_s <= 0:
+        return 0.0
+    return min(a2a_s, max(0.0, window_s)) * (micro_batches - 1) / micro_batches
+
+
 def ep_ranks_per_node(ep: int, etp: int, gpus_per_node: int) -> int:
     """EP ranks inside one node: the group's ranks are adjacent after the expert-TP ranks'
     (Megatron's expert grid tp-ep-dp with tp = etp, torchtitan's [..., efsdp, ep] sparse mesh),

@@ -427,6 +427,10 @@ def plan_memory(
                          "(plan.evaluate.memory_as_run / fsdp_grad_sync)")
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
+    if strategy.ep_overlap and train.checkpointing == "full":
+        raise ShardwiseError(f"{strategy.name} with ep_overlap and full checkpointing: Megatron-Core refuses full "
+                             "recomputation with its EP all-to-all overlap (transformer_config.py); plan "
+                             "--checkpointing none or selective")
     if strategy.zero_impl == "megatron" and train.lora_rank:
         raise ShardwiseError(f"{strategy.name} with zero_impl megatron: Megatron-Core's distributed optimizer is "
                              "planned for full fine-tuning (no LoRA)")

@@ -115,6 +115,7 @@ def plan_json(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, evals: list[
                 "ep": p.layout.ep,
                 "ep_load_imbalance": p.strategy.ep_load_imbalance,
                 "etp": p.layout.expert_tp if p.layout.ep > 1 else None,  # TP ranks per routed expert
+                "ep_overlap": p.strategy.ep_overlap,
                 "dp": p.layout.dp,
                 "dp_shard": p.layout.dp_shard,
                 "dp_replicate": p.layout.dp_replicate,

@@ -446,6 +446,8 @@ def step_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         # overlapped TP collectives (Megatron's --tp-comm-overlap, async TP) hide behind the GEMMs
         # they feed, as well as compute hides any collective (overlap_efficiency)
         hidden = min(tp_s, hw.timing.overlap_efficiency * ct.gemm_s) if train.tp_comm_overlap else 0.0
+        if strategy.ep_overlap:  # experts.a2a_hidden: behind another micro-batch's compute
+            hidden += experts.a2a_hidden(a2a_s, hw.timing.overlap_efficiency * ct.wall_s - hidden, train.grad_accum)
         blocking_exposed = blocking - hidden
     comm_s += blocking
     exposed += blocking_exposed

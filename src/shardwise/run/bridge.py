@@ -204,12 +204,12 @@ def strategy(cfg: TrainConfig, device: str) -> Strategy:
         kw["pp_virtual_stages"] = s.pp_virtual_stages  # refused by Strategy: it needs pp > 1
     if s.cp != 1 or s.cp_impl != "auto" or not s.cp_load_balance:
         kw |= {"cp": s.cp, "cp_impl": s.cp_impl, "cp_load_balance": s.cp_load_balance}
-    if s.ep != 1 or s.ep_load_imbalance != 1.0 or s.etp is not None:
+    if s.ep != 1 or s.ep_load_imbalance != 1.0 or s.etp is not None or s.ep_overlap:
         # refused here, before any rank starts: the planner prices expert parallelism
         # (shardwise.plan.experts), the trainer runs no MoE dispatch
         raise ShardwiseError(f"{cfg.source}: strategy.ep {s.ep}: expert parallelism is planned only (shardwise plan "
                              "--ep); shardwise train runs none. Set strategy.ep to 1 (and drop "
-                             "strategy.ep_load_imbalance and strategy.etp) to train")
+                             "strategy.ep_load_imbalance, strategy.etp and strategy.ep_overlap) to train")
     try:
         return Strategy.from_name(s.name, **kw)
     except ShardwiseError as e:

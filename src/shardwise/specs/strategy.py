@@ -95,6 +95,8 @@ class Strategy(Spec):
     etp: int | None = Field(None, gt=0, description="expert tensor-parallel degree under ep > 1: the TP ranks each "
                             "routed expert is split over, 1 or tp (Megatron's --expert-tensor-parallel-size); "
                             "None: the engine's (`expert_tp`)")
+    ep_overlap: bool = Field(False, description="under ep > 1: the dispatch/combine all-to-alls of one micro-batch "
+                             "overlapped with another's compute (Megatron's --overlap-moe-expert-parallel-comm)")
     shard_group: int | None = Field(None, gt=0, description="fsdp-hybrid: GPUs per shard group (default: a node)")
     tp_impl: TPImpl = Field("auto", description="tensor-parallel implementation planned (TP_SCHEMES): auto = "
                             "the engine's (torch's engines: dtensor; DeepSpeed ZeRO-0/1/2 at pp 1: autotp; "
@@ -122,6 +124,12 @@ class Strategy(Spec):
         if self.etp is not None and self.etp != self.tp and self.ep == 1:
             raise ShardwiseError(f"etp {self.etp} with ep 1: without expert parallelism the routed experts are "
                                  f"split over the tp {self.tp} ranks as the dense layers are (give ep > 1)")
+        if self.ep_overlap and self.ep == 1:
+            raise ShardwiseError("ep_overlap needs expert parallelism (ep > 1): it overlaps the EP all-to-alls")
+        if self.ep_overlap and self.pp > 1 and self.pp_virtual_stages == 1:
+            raise ShardwiseError(f"ep_overlap with pp {self.pp}: Megatron-Core overlaps the EP all-to-alls under "
+                                 "pipeline parallelism with virtual stages only (pp_virtual_stages ≥ 2; "
+                                 "transformer_config.py: virtual_pipeline_model_parallel_size must be specified)")
         if self.etp not in (None, 1, self.tp):
             raise ShardwiseError(f"etp {self.etp}: the expert tensor-parallel degree is planned as 1 (experts whole, "
                                  f"expert parallelism borrows the TP ranks) or tp ({self.tp}: experts split as the "
@@ -166,7 +174,7 @@ class Strategy(Spec):
         k = knobs or StrategyKnobs()
         facts = STRATEGIES.get(name.strip().lower())  # an unknown name fails in from_name, with choices
         extra = {"shard_group": k.shard_group} if facts and facts.fsdp_sharding == "hybrid" and k.shard_group else {}
-        extra |= {f: getattr(k, f) for f in ("ep", "ep_load_imbalance", "etp") if getattr(k, f) is not None}
+        extra |= {f: getattr(k, f) for f in ("ep", "ep_load_imbalance", "etp", "ep_overlap") if getattr(k, f) is not None}
         if overrides.get("pp", 1) > 1:  # the schedule applies to pipeline stages only
             extra |= {f: getattr(k, f) for f in ("pp_schedule", "pp_virtual_stages") if getattr(k, f) is not None}
         if facts and facts.engine != "fsdp2" and k.tp_impl != "auto":
