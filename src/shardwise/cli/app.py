@@ -128,6 +128,11 @@ def plan(
     fp8_all_gather: bool = typer.Option(False, "--fp8-all-gather", help="With --fp8 tensorwise, for the FSDP2 rows: "
                                         "the linears' weights all-gathered and held in fp8 (torchao "
                                         "enable_fsdp_float8_all_gather)."),
+    grad_pass: str | None = typer.Option(None, "--grad-pass", help="What runs over every gradient between backward "
+                                         "and the optimizer step: clip (global-norm clipping: the trainer's, HF "
+                                         "Trainer's, torchtitan's, Megatron-LM's; default) | scale (torchtune's "
+                                         "per-tensor 1/tokens scaling) | none. None runs with "
+                                         "--optimizer-in-backward whatever this says."),
     tp_comm_overlap: bool = typer.Option(False, "--tp-comm-overlap", help="Under --tp > 1: TP's collectives "
                                          "overlapped with the GEMMs they feed (Megatron-LM --tp-comm-overlap, "
                                          "torchtitan's async TP); off: on the critical path."),

@@ -144,7 +144,7 @@ def plan_setup(a: dict, source) -> PlanSetup:
         fused_mlp=a.get("fused_mlp") or False,
         expandable_segments=a["expandable_segments"], sequence_parallel=a["sequence_parallel"],
         tp_comm_overlap=a["tp_comm_overlap"], **objective_fields(a["objective"], a["reference"]),
-        fp8=a.get("fp8"), fp8_all_gather=a.get("fp8_all_gather") or None,
+        fp8=a.get("fp8"), fp8_all_gather=a.get("fp8_all_gather") or None, grad_pass=grad_pass_field(a.get("grad_pass")),
     )
     check_fp8(hw, train, strategy)
     a["margin"] = check_margin(a["margin"])
@@ -316,6 +316,17 @@ def trainer_run(values: dict):
         return out | {"compiled_engines": compiled}  # decided per strategy, as the trainer decides it
 
     return defaults
+
+
+def grad_pass_field(grad_pass: str | None) -> str | None:
+    """--grad-pass as TrainSpec's field (None: not given)."""
+    from typing import get_args
+
+    from shardwise.specs.train import GradPass
+
+    if grad_pass is not None and grad_pass not in get_args(GradPass):
+        raise ShardwiseError(f"--grad-pass {grad_pass!r}: expected {', '.join(get_args(GradPass))}")
+    return grad_pass
 
 
 def objective_fields(objective: str | None, reference: str | None) -> dict:

@@ -171,6 +171,7 @@ FORMAT_NAMES = {
     "training_args": "Hugging Face TrainingArguments JSON",
     "llama_factory": "LLaMA-Factory training YAML",
     "axolotl": "axolotl config YAML",
+    "torchtune": "torchtune recipe config YAML",
 }
 
 
