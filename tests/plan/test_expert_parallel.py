@@ -207,13 +207,17 @@ def test_cli_ep_row_and_json():
 
 
 def test_plan_from_shardwise_yaml_reads_ep(tmp_path):
+    # the trainer's TP plan covers no MoE family, so a training YAML plans MoE at tp 1 (etp 1)
     cfg = tmp_path / "moe.yaml"
-    cfg.write_text("model:\n  name: qwen3-30b-a3b\nstrategy:\n  name: fsdp\n  ep: 4\n  ep_load_imbalance: 1.1\n")
+    cfg.write_text("model:\n  name: qwen3-30b-a3b\nstrategy:\n  name: fsdp\n  ep: 4\n  ep_load_imbalance: 1.1\n"
+                   "  etp: 1\n  ep_overlap: true\n")
     r = _plan(str(cfg), "--gpus", "8", "--gpu", "h100-sxm", "-s", "fsdp", "--json")
     assert r.returncode == 0, r.stderr + r.stdout
-    doc = json.loads(r.stdout)
-    assert doc["strategies"][0]["ep"] == 4 and doc["strategies"][0]["ep_load_imbalance"] == 1.1
-    assert any(x["key"] == "strategy.ep" and x["as"].startswith("--ep 4") for x in doc["from"]["read"])
+    row = json.loads(r.stdout)["strategies"][0]
+    assert (row["ep"], row["ep_load_imbalance"], row["etp"], row["ep_overlap"]) == (4, 1.1, 1, True)
+    read = json.loads(r.stdout)["from"]["read"]
+    assert any(x["key"] == "strategy.ep" and x["as"].startswith("--ep 4 --ep-load-imbalance 1.1 --etp 1 --ep-overlap")
+               for x in read)
 
 
 def test_fp8_casts_the_ranks_own_experts(mixtral):

@@ -7,12 +7,9 @@ shared experts; qwen3-30b-a3b: 128 experts) and the engines' token flow, not rea
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from tests.plan.test_expert_parallel import _plan
 
 from shardwise.catalog import build_hardware, get_model
 from shardwise.errors import ShardwiseError
@@ -174,12 +171,6 @@ def test_train_refuses_etp_before_any_rank():
         strategy(cfg, "cuda")
 
 
-def _plan(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"), COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=300, check=False, env=env)
-
-
 def test_cli_plans_ep_beside_tp():
     args = ["--model", "qwen3-30b-a3b", "--gpu", "h100-sxm", "--gpus", "16", "--seq-len", "4096", "--tp", "2"]
     r = _plan(*args, "-s", "fsdp", "--ep", "16")
@@ -193,14 +184,3 @@ def test_cli_plans_ep_beside_tp():
     assert bad.returncode != 0 and "ep 16 must divide the data-parallel degree 8" in bad.stdout + bad.stderr
     lone = _plan(*args, "-s", "fsdp", "--etp", "1")
     assert lone.returncode != 0 and "--etp 1 needs expert parallelism" in lone.stdout + lone.stderr
-
-
-def test_plan_from_shardwise_yaml_reads_etp(tmp_path):
-    # the trainer's TP plan covers no MoE family, so a training YAML plans MoE at tp 1 (etp 1)
-    cfg = tmp_path / "moe.yaml"
-    cfg.write_text("model:\n  name: qwen3-30b-a3b\nstrategy:\n  name: fsdp\n  ep: 8\n  etp: 1\n")
-    r = _plan(str(cfg), "--gpus", "8", "--gpu", "h100-sxm", "-s", "fsdp", "--json")
-    assert r.returncode == 0, r.stderr + r.stdout
-    doc = json.loads(r.stdout)
-    assert (doc["strategies"][0]["ep"], doc["strategies"][0]["etp"]) == (8, 1)
-    assert any(x["key"] == "strategy.ep" and "--etp 1" in x["as"] for x in doc["from"]["read"])
