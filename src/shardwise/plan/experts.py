@@ -24,8 +24,9 @@ Per MoE layer and micro-batch a rank sends its tokens' top-k copies to the exper
 selective policy saves the all-to-all outputs: torchtitan/distributed/activation_checkpoint.py:63,
 so no replay). Each moves tokens·k·h·c bytes of which (ep − 1)/ep leave the rank (Megatron's
 `MoEAlltoAllTokenDispatcher`, torchtitan's token_dispatcher.py `all_to_all_single`). They sit on the
-critical path: the next GEMM needs their output (Megatron's `--overlap-moe-expert-parallel-comm`
-can hide them across micro-batches; not planned).
+critical path: the next GEMM needs their output, unless Megatron's
+`--overlap-moe-expert-parallel-comm` (Strategy.ep_overlap) hides them behind another micro-batch's
+compute (`a2a_hidden`).
 
 Beside TP both engines keep the MoE layer's tokens sequence-parallel: each TP rank routes and
 sends its tokens/tp (Megatron-Core refuses MoE with TP without `--sequence-parallel`:
@@ -36,9 +37,11 @@ reduce-scatters the experts' output back (token_dispatcher.py:741-746 `dispatch_
 (`moe_tp_pairs`). Megatron's default `allgather` dispatcher moves the dense pair instead; the
 alltoall dispatcher is the one its EP recipes run, and is what is planned under ep > 1.
 
-What backward keeps of the dispatch (plan.activations.moe_saved, unchanged): per routed copy the
-received input of the expert GEMMs (c·h), their gate_up output, activation and product (4c·I'),
-and the combined output back on the token's rank (c·h), with the routing weight and indices: the
+What backward keeps of the dispatch (plan.activations.moe_saved; at etp 1 beside TP, the copies
+of the rank's own tokens/tp): per routed copy the received input of the expert GEMMs (c·h), their
+gate_up output, activation and product (4c·I'), and the combined output back on the token's rank
+(c·h), with the routing weight and indices (transformers' grouped_mm experts, also for Megatron's
+TEGroupedMLP, which keeps less: not planned apart), the
 same bytes as without EP when routing is balanced (a rank runs tokens·k copies either way, its
 own without EP, the group's with it). The send buffers of the all-to-all are not saved (its
 backward is the reverse all-to-all of the gradient).
