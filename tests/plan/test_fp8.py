@@ -60,6 +60,13 @@ def test_the_casts_move_the_bytes_of_each_recipe():
     t = TrainSpec(seq_len=8192, micro_batch=2, fp8="tensorwise", checkpointing="full")
     assert cast_bytes(m, t, 1, LAYERS) == pytest.approx(LAYERS * (per_micro + 5 * tokens * IN_WIDTHS
                                                                   + 5 * LINEAR_PER_LAYER), rel=1e-12)
+    # mxfp8 (Transformer Engine's block scaling): one pass reads 2 bytes and writes both fp8
+    # orientations (1 + 1) with an E8M0 scale per 32 values (2/32) of the input and the gradient
+    # each micro-batch, of the weight once per step; backward reuses the saved columnwise copies
+    t = TrainSpec(seq_len=8192, micro_batch=2, grad_accum=k, fp8="mxfp8")
+    mx = 2 + 1 + 1 + 2 / 32
+    want = LAYERS * (k * mx * tokens * (IN_WIDTHS + OUT_WIDTHS) + mx * LINEAR_PER_LAYER)
+    assert cast_bytes(m, t, 1, LAYERS) == pytest.approx(want, rel=1e-12)
 
 
 def test_fsdp2s_float8_all_gather_moves_and_holds_the_linears_in_one_byte():
@@ -85,6 +92,7 @@ def test_fsdp2s_float8_all_gather_moves_and_holds_the_linears_in_one_byte():
     (["--gpu", "h100-sxm", "--fp8", "tensorwise", "--precision", "fp16-mixed"], "use bf16-mixed or bf16-pure"),
     (["--gpu", "h100-sxm", "--fp8", "tensorwise", "--fp8-all-gather", "-s", "zero3"], "no FSDP2 strategy is planned"),
     (["--gpu", "h100-sxm", "--fp8", "e4m3"], "--fp8"),
+    (["--gpu", "h100-sxm", "--fp8", "mxfp8"], "MXFP8 block scaling runs on Blackwell tensor cores"),
 ])
 def test_what_fp8_cannot_run_is_refused_naming_the_flag(args, says):
     r = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", *args])
@@ -108,3 +116,12 @@ def test_fp8_rows_are_plan_only_and_not_emitted(tmp_path):
 def test_the_spec_refuses_fp8_without_bf16_compute():
     with pytest.raises(ShardwiseError, match="bf16-mixed or bf16-pure"):
         TrainSpec(fp8="delayed", precision="fp32")
+
+
+def test_mxfp8_plans_on_blackwell_and_is_refused_elsewhere_by_the_planner():
+    m, hw, t = build_specs(model="llama-3.1-8b", gpu="b200", gpus=8, seq_len=8192, micro_batch=2,
+                           precision="bf16-mixed", fp8="mxfp8")
+    assert evaluate(m, hw, t, Strategy.from_name("fsdp")).time.tokens_per_s_per_gpu > 0
+    m, hw, t = build_specs(model="llama-3.1-8b", gpu="h100-sxm", gpus=8, fp8="mxfp8")
+    with pytest.raises(ShardwiseError, match=r"--fp8 mxfp8 on h100-sxm"):
+        evaluate(m, hw, t, Strategy.from_name("fsdp"))

@@ -124,7 +124,8 @@ def plan(
     fp8: str | None = typer.Option(None, "--fp8", help="Planner-only (shardwise train runs bf16): the decoder "
                                    "linears' GEMMs in fp8: tensorwise | rowwise (torchao float8: torchtitan --float8."
                                    "recipe_name) | delayed (Transformer Engine: Megatron-LM --fp8-format hybrid, "
-                                   "Composer amp_fp8) | none (default). GPUs with FP8 tensor cores only."),
+                                   "Composer amp_fp8) | mxfp8 (Transformer Engine's MXFP8 block scaling, Blackwell "
+                                   "only: NeMo's FP8-MX) | none (default). GPUs with FP8 tensor cores only."),
     fp8_all_gather: bool = typer.Option(False, "--fp8-all-gather", help="With --fp8 tensorwise, for the FSDP2 rows: "
                                         "the linears' weights all-gathered and held in fp8 (torchao "
                                         "enable_fsdp_float8_all_gather)."),

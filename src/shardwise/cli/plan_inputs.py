@@ -177,7 +177,11 @@ def check_fp8(hw, train, strategies: list[str] | None) -> None:
     from shardwise.specs import Strategy
 
     if train.fp8 != "none":
+        from shardwise.plan.fp8 import recipe_refusal
+
         hw.gpu.peak_flops("fp8")  # refused, naming the GPU, where it has none
+        if why := recipe_refusal(hw.gpu, train):
+            raise ShardwiseError(why)
     if train.fp8_all_gather and strategies:
         try:
             engines = {Strategy.from_name(n).engine for n in strategies}

@@ -20,6 +20,12 @@ Around each fp8 GEMM its operands are cast, memory-bound work per element (`CAST
   cast-transpose (read 2, write fp8 and its transpose: 4) of the input, of the output gradient,
   and of the weight once per optimizer step (`is_first_microbatch` caches it); the fp8 input is
   what backward keeps.
+- Transformer Engine MXFP8 block scaling (`mxfp8`: recipe MXFP8BlockScaling, Blackwell only): one
+  kernel reads a tensor once and writes it quantized along both dimensions with an E8M0 scale per
+  32 values (NVIDIA/TransformerEngine transformer_engine/common/util/cast_kernels.cuh
+  `cast_mxfp8_2D_kernel`, ROWWISE_SCALING and COLWISE_SCALING): 2 + 1 + 1 + 2/32 bytes an element,
+  for the input, the output gradient, and the weight once per step (cached across micro-batches
+  as delayed scaling's); backward reuses the columnwise copies it saved.
 
 With FSDP2's float8 all-gather (`fp8_all_gather`: torchao `enable_fsdp_float8_all_gather`,
 tensorwise) each rank casts its own shard of a weight before the all-gather, so the forward cast
@@ -31,14 +37,20 @@ from __future__ import annotations
 
 from shardwise.plan.kernels import layer_gemms
 from shardwise.plan.pipeline import PipelineRank
+from shardwise.specs.hardware import GPUSpec
 from shardwise.specs.model import ModelSpec
 from shardwise.specs.train import TrainSpec
 
 # bytes an element moves in the casts of one micro-batch, per recipe: (forward input, forward
 # weight, backward output-gradient, backward input, backward weight); derived from the kernels
 # named in the module's docstring, not measured
+MX = 2 + 1 + 1 + 2 / 32  # read bf16, write both fp8 orientations and their E8M0 block scales
 CASTS = {"tensorwise": (5.0, 5.0, 10.0, 5.0, 5.0), "rowwise": (5.0, 5.0, 10.0, 5.0, 5.0),
-         "delayed": (4.0, 4.0, 4.0, 0.0, 0.0)}
+         "delayed": (4.0, 4.0, 4.0, 0.0, 0.0), "mxfp8": (MX, MX, MX, 0.0, 0.0)}
+# recipes whose weights are quantized once per optimizer step (cached across micro-batches)
+WEIGHTS_ONCE = ("delayed", "mxfp8")
+# GPU families whose tensor cores run MXFP8 (SM 10.0: catalog/hardware.yaml's B200 and GB200)
+MXFP8_FAMILIES = ("blackwell",)
 FP8_BYTES = 1
 
 
@@ -60,8 +72,17 @@ def cast_bytes(model: ModelSpec, train: TrainSpec, tp: int, layers: float, dp_sh
     replay = 1.0 if train.checkpointing == "full" else 0.0
     w_fwd = fwd_w * weights / (dp_shard if train.fp8_all_gather else 1)
     per_micro = (fwd_in * inputs) * (1 + replay) + bwd_g * outputs + bwd_in * inputs + bwd_w * weights
-    weight_casts = w_fwd if train.fp8 == "delayed" else k * w_fwd * (1 + replay)
+    weight_casts = w_fwd if train.fp8 in WEIGHTS_ONCE else k * w_fwd * (1 + replay)
     return layers * (k * per_micro + weight_casts)
+
+
+def recipe_refusal(gpu: GPUSpec, train: TrainSpec) -> str | None:
+    """Why `gpu` cannot run `train`'s fp8 recipe, or None: FP8 tensor cores for any (the catalog's
+    fp8_tflops), Blackwell's block-scaled MMA for MXFP8."""
+    if train.fp8 == "mxfp8" and gpu.family not in MXFP8_FAMILIES:
+        return (f"--fp8 mxfp8 on {gpu.name}: MXFP8 block scaling runs on Blackwell tensor cores (SM 10.0: b200, "
+                "gb200) only; use tensorwise, rowwise or delayed")
+    return None
 
 
 def gathered_linear_bytes_saved(c: int, train: TrainSpec) -> float:

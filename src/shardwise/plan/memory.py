@@ -22,7 +22,7 @@ from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, rec
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.context import backward_buffers, local_train, saved_extra
 from shardwise.plan.context import refusal as context_refusal
-from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share
+from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share, recipe_refusal
 from shardwise.plan.grad_sync import GradSync, applies, as_set
 from shardwise.plan.load import load_phase
 from shardwise.plan.loss import logits_bytes, loss_held_bytes
@@ -427,6 +427,8 @@ def plan_memory(
                          "(plan.evaluate.memory_as_run / fsdp_grad_sync)")
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
+    if why := recipe_refusal(hw.gpu, train):
+        raise ShardwiseError(why)
     if strategy.ep_overlap and train.checkpointing == "full":
         raise ShardwiseError(f"{strategy.name} with ep_overlap and full checkpointing: Megatron-Core refuses full "
                              "recomputation with its EP all-to-all overlap (transformer_config.py); plan "

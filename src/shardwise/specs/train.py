@@ -66,8 +66,10 @@ Reference = Literal["model", "precomputed", "adapters_off", "none"]
 # `rowwise` scaling, or Transformer Engine's `delayed` scaling (an amax history per tensor; what
 # Megatron-LM --fp8-format hybrid and Composer's amp_fp8 run). All three run the forward, input-
 # gradient and weight-gradient GEMMs of the decoder's linears in fp8 (E4M3; E5M2 gradients under
-# TE's hybrid format); embeddings, lm_head, norms and attention stay in the compute dtype.
-Fp8 = Literal["none", "tensorwise", "rowwise", "delayed"]
+# TE's hybrid format); embeddings, lm_head, norms and attention stay in the compute dtype. `mxfp8`:
+# Transformer Engine's MXFP8BlockScaling (Megatron --fp8-recipe mxfp8; NeMo's "FP8-MX"), E4M3 with one
+# E8M0 scale per 32 consecutive values, which only Blackwell's tensor cores (SM 10.0) run.
+Fp8 = Literal["none", "tensorwise", "rowwise", "delayed", "mxfp8"]
 PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")  # chosen and rejected sequences of each example in one batch
 REFERENCE_OBJECTIVES = ("dpo", "kto")  # a reference's log-probs in the loss
 
