@@ -37,9 +37,10 @@ KD = DATA / "tt_llama3_2_8B_to_1B_KD_lora_single_device.yaml"
 LLAMA_LORA = "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # every recipe trains in its dtype (bf16: no fp32 master) and scales each gradient by 1/tokens
 TORCHTUNE = ["--precision", "bf16-pure", "--grad-pass", "scale", "--no-activation-offload"]
-# the distributed recipes' fully_shard: every layer and the root resharded, no mixed-precision
+# the distributed recipes' fully_shard (torchtune/training/_distributed.py shard_model): every
+# decoder layer resharded, the root kept (reshard_after_forward=False on it), no mixed-precision
 # policy (gradients reduced in bf16), a reduce-scatter every micro-batch
-FSDP = ["-s", "fsdp", "--fsdp-reshard-after-forward", "all", "--fsdp-reduce-dtype", "param",
+FSDP = ["-s", "fsdp", "--fsdp-reshard-after-forward", "layers", "--fsdp-reduce-dtype", "param",
         "--fsdp-reduce-every-micro-batch", "true"]
 
 
@@ -73,11 +74,14 @@ def test_full_single_device_optimizer_in_backward():
 
 def test_distributed_full_config_shards_embeddings_apart():
     src = same(["--from", str(FULL_8B), "--gpu", "a100-80g", "--gpus", "8", "--seq-len", "4096"],
-               ["-m", "llama-3.1-8b", *FSDP, "--fsdp-wrap-embeddings", "--gpu", "a100-80g", "--gpus", "8",
+               ["-m", "llama-3.1-8b", *FSDP, "--fsdp-reshard-after-forward", "all", "--fsdp-wrap-embeddings",
+                "--gpu", "a100-80g", "--gpus", "8",
                 "--seq-len", "4096", "--micro-batch", "2", "--grad-accum", "1", *TORCHTUNE, "--optimizer", "adamw",
                 "--optimizer-impl", "fused", "--weight-decay", "0.01", "--cross-entropy", "chunked-output",
                 "--checkpointing", "full"])
-    assert src["knobs"]["fsdp"]["wrap_embeddings"] is True
+    # custom_sharded_layers: the embedding and the head are units of their own, resharded as the
+    # layers are; the root keeps only the final norm
+    assert {"wrap_embeddings": True, "reshard_after_forward": "all"}.items() <= src["knobs"]["fsdp"].items()
 
 
 def test_qlora_405b_config():

@@ -18,9 +18,10 @@ Engine = Literal["ddp", "deepspeed", "fsdp2"]
 FsdpSharding = Literal["full", "grad-op", "hybrid"]
 # Which FSDP2 units free their params after forward (and gather them again in backward): "all"
 # (stock `fully_shard(reshard_after_forward=True)` on every layer and on the root, as torchtune
-# runs it: the root is then gathered again in backward too, Strategy.reshards_root), "layers"
-# (every decoder layer, the root kept: FSDP1's FULL_SHARD, whose `_post_forward_reshard` never
-# frees the root's flat parameter), "not-last" (every layer but the last, the first that
+# ran it before its commit cdde80e: the root is then gathered again in backward too,
+# Strategy.reshards_root), "layers" (every decoder layer, the root kept: FSDP1's FULL_SHARD, whose
+# `_post_forward_reshard` never frees the root's flat parameter; torchtune's shard_model since,
+# which passes reshard_after_forward=False to the root), "not-last" (every layer but the last, the first that
 # backward needs: torchtitan's and shardwise's trainer's), "none" (every layer stays gathered
 # from forward to backward: ZeRO-2's parameter memory; the fsdp-grad-op strategy). Except under
 # "all", the root keeps its params gathered after forward (the trainer passes False; torch does

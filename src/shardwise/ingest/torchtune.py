@@ -10,12 +10,14 @@ Stock semantics, each from the recipe that reads the key (line numbers at bd2a0f
 - `dtype: bf16`: the model is built in bf16 (`training.set_default_dtype`) and trained so, AdamW
   states included, with no fp32 master: --precision bf16-pure; fp16 is refused by torchtune
   (`training.get_dtype`), fp32 is fp32.
-- the distributed recipes `fully_shard` every decoder layer and the root with
-  `reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True)` and no MixedPrecisionPolicy
-  (training/_distributed.py `shard_model`): FSDP2 with every unit resharded, gradients reduced in
-  the parameters' dtype, every micro-batch (no `no_sync`); `fsdp_cpu_offload` offloads parameters,
-  gradients and the optimizer to the host (CPUOffloadPolicy); `custom_sharded_layers:
-  [tok_embeddings, output]` makes the embedding and the head units of their own.
+- the distributed recipes `fully_shard` every decoder layer with
+  `reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True)` and the root with
+  `reshard_after_forward=False` (training/_distributed.py `shard_model`, since cdde80e: the loss
+  applies the output projection after the forward), no MixedPrecisionPolicy: FSDP2 with the decoder
+  layers resharded and the root kept, gradients reduced in the parameters' dtype, every micro-batch
+  (no `no_sync`); `fsdp_cpu_offload` offloads parameters, gradients and the optimizer to the host
+  (CPUOffloadPolicy); `custom_sharded_layers: [tok_embeddings, output]` makes the embedding and the
+  head units of their own, resharded as the layers are (the root keeps the final norm only).
   `tensor_parallel_dim`, `context_parallel_dim` (rotate method allgather: torch's),
   `data_parallel_shard_dim` / `data_parallel_replicate_dim` (HSDP) give the mesh.
 - after backward every recipe multiplies each gradient by 1/tokens (`training.scale_grads_`) and
@@ -55,6 +57,7 @@ BUILDERS = {
     "llama3_8b": "llama-3-8b", "llama3_70b": "llama-3-70b",
     "llama3_1_8b": "llama-3.1-8b", "llama3_1_70b": "llama-3.1-70b", "llama3_1_405b": "llama-3.1-405b",
     "llama3_2_1b": "llama-3.2-1b", "llama3_2_3b": "llama-3.2-3b",
+    "llama3_3_70b": "llama-3.3-70b",  # llama3_3/_model_builders.py: llama3_1_70b's layers
     "mistral_7b": "mistral-7b", "phi3_mini": "phi-3-mini", "phi4_14b": "phi-4",
     "qwen2_5_0_5b": "qwen2.5-0.5b", "qwen2_5_1_5b_base": "qwen2.5-1.5b", "qwen2_5_1_5b_instruct": "qwen2.5-1.5b",
     "qwen2_5_3b": "qwen2.5-3b", "qwen2_5_7b_base": "qwen2.5-7b", "qwen2_5_7b_instruct": "qwen2.5-7b",
@@ -351,14 +354,18 @@ def _layout(doc: Doc, d: dict, src: Source, ctx: Context) -> bool:
     src.family = ("fsdp", "fsdp-grad-op", "fsdp+offload")
     src.read.append(("fsdp_cpu_offload/fsdp_reshard_after_forward", f"-s {strategy} (fully_shard on every layer "
                      "and the root, no mixed-precision policy)"))
-    if reshard:
-        src.knobs["fsdp"]["reshard_after_forward"] = "all"
     src.knobs["fsdp"] |= {"reduce_dtype": "param", "reduce_every_micro_batch": True}
     layers = d.get("custom_sharded_layers") or []
     if set(layers) >= {"tok_embeddings", "output"}:
+        # the embedding and the head reshard as the layers do; the root keeps a final norm: planned as
+        # every unit resharded (its kept norm: h elements)
         src.knobs["fsdp"]["wrap_embeddings"] = True
+        if reshard:
+            src.knobs["fsdp"]["reshard_after_forward"] = "all"
         src.read.append(("custom_sharded_layers", "--fsdp-wrap-embeddings (the embedding and the head as units "
-                         "of their own)"))
+                         "of their own, resharded after forward)"))
+    elif reshard:  # the root (embedding, final norm, output) kept gathered from forward into backward
+        src.knobs["fsdp"]["reshard_after_forward"] = "layers"
     for key, flag in (("tensor_parallel_dim", "tp"), ("context_parallel_dim", "cp")):
         if key in d and (n := as_count(doc, (key,), d[key])) > 1:
             src.values[flag] = n
