@@ -18,9 +18,19 @@ __all__ = ["FORMAT_NAMES", "Source", "detect", "read_source"]
 
 def detect(doc: Doc) -> str:
     """The format of a parsed file, from its keys (not its name)."""
-    from shardwise.ingest import axolotl, deepspeed, llama_factory, shardwise_yaml, torchtune, training_args
+    from shardwise.ingest import (
+        axolotl,
+        deepspeed,
+        llama_factory,
+        shardwise_yaml,
+        torchtitan,
+        torchtune,
+        training_args,
+    )
 
     d = doc.data
+    if torchtitan.is_torchtitan(doc):
+        return "torchtitan"
     if deepspeed.is_deepspeed(d):
         return "deepspeed"
     if "distributed_type" in d or "compute_environment" in d:
@@ -41,7 +51,7 @@ def detect(doc: Doc) -> str:
         f"({top}) match none: a DeepSpeed JSON has zero_optimization or train_micro_batch_size_per_gpu, an "
         "accelerate config distributed_type, a shardwise YAML sections such as strategy and run, TrainingArguments "
         "per_device_train_batch_size, LLaMA-Factory model_name_or_path with stage/finetuning_type, axolotl base_model, "
-        "a torchtune config model._component_ naming a torchtune builder")
+        "a torchtune config model._component_ naming a torchtune builder, a torchtitan TOML [model] name")
 
 
 def read_source(path: Path, *, given: dict[str, Any], defaults: dict[str, Any], sets: list[str],

@@ -10,6 +10,7 @@ key: value lines of that file's format (shardwise.ingest.advice ranks them). Tor
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +173,7 @@ FORMAT_NAMES = {
     "llama_factory": "LLaMA-Factory training YAML",
     "axolotl": "axolotl config YAML",
     "torchtune": "torchtune recipe config YAML",
+    "torchtitan": "torchtitan job config TOML",
 }
 
 
@@ -182,7 +184,7 @@ class Doc:
     path: Path
     data: dict[str, Any]
     lines: dict[tuple, int]
-    kind: str  # "json" | "yaml"
+    kind: str  # "json" | "yaml" | "toml"
 
     def where(self, *key: str | int) -> str:
         """`FILE:LINE` of a key path (its nearest enclosing key in the file)."""
@@ -200,12 +202,15 @@ class Doc:
 def load(path: Path) -> Doc:
     """The file as a mapping with key lines, read within shardwise.config.safe_yaml's bounds (a regular
     file of at most MAX_CONFIG_BYTES): JSON as RFC 8259 has it (no NaN or infinities, no key
-    twice, numbers that fit), else YAML through shardwise.config.safe_yaml (no alias bombs, bad bytes,
+    twice, numbers that fit), a `.toml` file as TOML 1.0 (the standard library's parser: no key
+    twice, no code), else YAML through shardwise.config.safe_yaml (no alias bombs, bad bytes,
     duplicate keys). Every refusal is a ShardwiseError naming the file."""
     try:
         text = read_text(path)
     except ShardwiseError as e:
         raise ShardwiseError(f"--from {e}") from None
+    if path.suffix.lower() == ".toml":
+        return Doc(path, _parse_toml(text, path), _toml_key_lines(text), "toml")
     looks_json = path.suffix.lower() == ".json" or text.lstrip().startswith("{")
     if looks_json:
         try:
@@ -227,6 +232,44 @@ def load(path: Path) -> Doc:
     if not isinstance(data, dict):
         raise ShardwiseError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
     return Doc(path, data, lines, kind)
+
+
+def _parse_toml(text: str, path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package
+        import tomli as tomllib
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ShardwiseError(f"{path}: not valid TOML: {e}") from None
+    for key, v in flatten(data).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ShardwiseError(f"{path}: {dotted(key)} = {v}: expected a finite number")
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**40:
+            raise ShardwiseError(f"{path}: {dotted(key)}: an integer of more than 40 digits")
+    return data
+
+
+_TOML_TABLE = re.compile(r"^\[\[?\s*([^\]]+?)\s*\]\]?")
+_TOML_KEY = re.compile(r"^([A-Za-z0-9_\-.\"' ]+?)\s*=")
+
+
+def _toml_key_lines(text: str) -> dict[tuple, int]:
+    """The line of each table header and key of a TOML file ([a.b] tables, dotted and quoted keys)."""
+    def parts(s: str) -> tuple:
+        return tuple(p.strip().strip("\"'") for p in s.split("."))
+
+    lines: dict[tuple, int] = {}
+    table: tuple = ()
+    for n, raw in enumerate(text.splitlines(), 1):
+        s = raw.strip()
+        if (m := _TOML_TABLE.match(s)) is not None:
+            table = parts(m.group(1))
+            lines.setdefault(table, n)
+        elif (m := _TOML_KEY.match(s)) is not None:
+            lines.setdefault(table + parts(m.group(1)), n)
+    return lines
 
 
 def flatten(d: dict[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
