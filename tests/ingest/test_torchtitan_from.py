@@ -124,6 +124,14 @@ def test_pipeline_schedule_microbatches_and_accumulation(tmp_path: Path):
     assert (v["pp_schedule"], v["pp_virtual_stages"], v["strategy"]) == ("interleaved-1f1b", 4, ["fsdp-grad-op"])
 
 
+def test_the_2024_layout_splits_the_batch_into_pp_microbatches(tmp_path: Path):
+    # 9dec370: [experimental] pipeline_parallel_microbatches, default the PP degree
+    text = LLAMA_8B_2024.read_text().replace("pipeline_parallel_degree = 1", "pipeline_parallel_degree = 4")
+    text = text.replace("batch_size = 1", "batch_size = 8")
+    v = plan("--from", str(_written(tmp_path, text)), "--gpu", "h100-sxm", "--gpus", "8")["from"]["values"]
+    assert (v["pp"], v["micro_batch"], v["grad_accum"], v["strategy"]) == (4, 2, 4, ["fsdp-grad-op"])
+
+
 def test_every_second_block_checkpointed_is_said(tmp_path: Path):
     f = _written(tmp_path, '[model]\nname = "qwen3"\nflavor = "32B"\n')  # job_config's defaults: selective "2"
     src = plan("--from", str(f), "--gpu", "h100-sxm", "--gpus", "16")["from"]

@@ -231,7 +231,15 @@ def _training(doc: Doc, d: dict, par: dict, deg: dict, src: Source, ctx: Context
                             f"data-parallel degree ({per})")
         accum = glob // per
     micro = local
-    if deg["pipeline_parallel_degree"] > 1:  # the local batch cut into the schedule's micro-batches
+    if deg["pipeline_parallel_degree"] > 1 and _older(d):
+        # the 2024 layout cuts the batch into pipeline_parallel_microbatches (default: the PP degree;
+        # 9dec370 pipelining_utils.py)
+        n = as_count(doc, _where(d, "pipeline_parallel_microbatches"),
+                     par.get("pipeline_parallel_microbatches") or deg["pipeline_parallel_degree"])
+        if local % n:
+            raise doc.error(_where(d, "pipeline_parallel_microbatches"), n, f"a divisor of {key} {local}")
+        micro, accum = local // n, accum * n
+    elif deg["pipeline_parallel_degree"] > 1:  # the local batch cut into the schedule's micro-batches
         micro = as_count(doc, _where(d, "pipeline_parallel_microbatch_size"),
                          par.get("pipeline_parallel_microbatch_size", 1))
         if local % micro:
