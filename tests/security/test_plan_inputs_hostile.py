@@ -189,7 +189,7 @@ def test_shipped_examples_have_no_duplicate_keys():
     files = [*sorted((REPO / "examples").glob("*.yaml")), *sorted(FROM.iterdir())]
     assert len(files) >= 10
     for f in files:
-        load(f) if f.suffix == ".json" else read_yaml(f)  # raises on a key given twice
+        load(f) if f.suffix in (".json", ".toml") else read_yaml(f)  # raises on a key given twice
 
 
 NUMERIC_KNOBS = [f.flag for f in FLAGS if f.flag.startswith("--ds-") and f.field not in (
