@@ -195,16 +195,17 @@ def _layout(doc: Doc, d: dict, par: dict, deg: dict, src: Source, ctx: Context, 
             if per_stage is None:
                 raise refuse(doc, _where(d, "pipeline_parallel_schedule"), sched, "give "
                              "pipeline_parallel_layers_per_stage: the stages a rank runs follow from it")
-            layers = _layers(src)
+            layers = _layers(src, ctx)
             stages = -(-layers // as_count(doc, _where(d, "pipeline_parallel_layers_per_stage"), per_stage))
             src.values["pp_virtual_stages"] = max(2, stages // pp)
         src.read.append(("parallelism.pipeline_parallel_schedule", f"--pp-schedule {src.values['pp_schedule']}"))
 
 
-def _layers(src: Source) -> int:
-    from shardwise.catalog import get_model
+def _layers(src: Source, ctx: Context) -> int:
+    """Decoder layers of the model planned (the file's, or the --model/--model-config given)."""
+    from shardwise.plan.planner import resolve_model
 
-    return get_model(src.values.get("model", "llama-3.1-8b")).num_layers
+    return resolve_model(*(ctx.value(n, src) for n in ("model", "model_config", "params"))).num_layers
 
 
 def _training(doc: Doc, d: dict, par: dict, deg: dict, src: Source, ctx: Context) -> None:
