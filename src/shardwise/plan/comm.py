@@ -314,10 +314,12 @@ def _tp_pp_comm(model, train, s: Strategy, layout, k, c) -> CommBreakdown:
     layers = busiest_layers(model, s, layout)
     # per pass a layer runs two pairs, attention's and the MLP's; a MoE layer's MLP runs
     # experts.moe_tp_pairs (EP beside TP), on the busiest rank's MoE layers
-    busiest = [r for r in strategy_ranks(model, s, layout) if len(r.layers) == layers]
-    moe = max(experts.moe_layers_of(model, r) for r in busiest) if model.is_moe else 0
+    pairs = calls = layers
     volume, launched = experts.moe_tp_pairs(model, s)
-    pairs, calls = layers + moe * (volume - 1) / 2, layers + moe * (launched - 1) / 2
+    if (volume, launched) != (1, 1):
+        busiest = [r for r in strategy_ranks(model, s, layout) if len(r.layers) == layers]
+        moe = max(experts.moe_layers_of(model, r) for r in busiest)
+        pairs, calls = layers + moe * (volume - 1) / 2, layers + moe * (launched - 1) / 2
     if layout.tp > 1:
         if scheme.reduces_per_linear:
             per_layer = 2 * (train.layer_passes - 1) + sum(input_linears(model))  # forward passes, backward
