@@ -175,6 +175,10 @@ def build(run: dict):
     # and the sharded optimizer it runs (a source's `zero_impl`: Megatron-Core's distributed optimizer)
     if zero := run.get("zero_impl") or run.get("_source", {}).get("zero_impl"):
         knobs.setdefault("zero_impl", zero)
+    # with its gradient buffer's dtype (`grad_reduce_in_bf16`: Megatron-Bridge's grad_reduce_in_fp32 false)
+    bf16_grads = run.get("grad_reduce_in_bf16", run.get("_source", {}).get("grad_reduce_in_bf16"))
+    if bf16_grads is not None and knobs.get("zero_impl") == "megatron":
+        knobs.setdefault("grad_reduce_in_bf16", bf16_grads)
     # expert parallelism of MoE runs (plan/experts.py): ep, the busiest rank's load and etp where stated
     ep = {k: run[k] for k in ("ep", "ep_load_imbalance", "etp", "ep_overlap") if k in run}
     strategy = Strategy.from_name(run["strategy"], tp=run.get("tp", 1), pp=run.get("pp", 1), cp=run.get("cp", 1),

@@ -125,3 +125,58 @@ def test_mxfp8_plans_on_blackwell_and_is_refused_elsewhere_by_the_planner():
     m, hw, t = build_specs(model="llama-3.1-8b", gpu="h100-sxm", gpus=8, fp8="mxfp8")
     with pytest.raises(ShardwiseError, match=r"--fp8 mxfp8 on h100-sxm"):
         evaluate(m, hw, t, Strategy.from_name("fsdp"))
+
+
+# --- Transformer Engine's recipes keep each linear's input in fp8 ------------------------------
+# Llama 3.1 8B per token and layer: what TE's linears keep of their inputs against a bf16 input
+# (2 bytes): q/k/v's and gate/up's (the two norm outputs, each read by those linears alone) and
+# down_proj's (the MLP product) one byte each; o_proj's fp8 copy is a byte beside the attention
+# output the kernel keeps (layernorm_linear.py `ln_out_to_save`, linear.py `saved_inputmat`)
+def _per_token(fp8: str, tp: int = 1, model: str = "llama-3.1-8b") -> float:
+    from shardwise import catalog
+    from shardwise.plan.activations import layer_saved_per_token
+
+    train = TrainSpec(seq_len=8192, micro_batch=1, fp8=fp8, attention="sdpa", sequence_parallel=tp > 1)
+    return layer_saved_per_token(catalog.get_model(model), train, tp=tp)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_transformer_engine_keeps_the_linears_inputs_in_fp8(tp):
+    saved = 2 * H + INTER - H  # the two norm outputs and the product one byte fewer, o_proj's copy one more
+    for te in ("delayed", "current"):
+        assert _per_token("tensorwise", tp) - _per_token(te, tp) == pytest.approx(saved / tp)
+    mx = 1 + 1 / 32  # MXFP8 keeps the columnwise copy with an E8M0 scale per 32 values
+    assert _per_token("tensorwise", tp) - _per_token("mxfp8", tp) == pytest.approx((2 * H * (2 - mx) + INTER * (2 - mx)
+                                                                                  - H * mx) / tp)
+    assert _per_token("tensorwise", tp) == _per_token("none", tp)  # torchao keeps the bf16 inputs
+
+
+def test_transformer_engine_in_a_gpt_block_and_an_moe_layer():
+    # MPT-7B (d_model 4096, 4h GeLU MLP): fc1's GeLU keeps fc1's output, fc2 the GeLU output in fp8
+    h, inter = 4096, 4 * 4096
+    assert _per_token("none", model="mpt-7b") - _per_token("delayed", model="mpt-7b") == pytest.approx(2 * h + inter - h)
+    # Qwen3-30B-A3B (hidden 2048, 32 query heads of 128): only the attention side's norm output is the
+    # linears' alone (the MoE norm feeds the router too); o_proj reads 4096 wide; the experts stay bf16
+    assert _per_token("none", model="qwen3-30b-a3b") - _per_token("current", model="qwen3-30b-a3b") \
+        == pytest.approx(2048 - 32 * 128)
+
+
+def test_current_scaling_reads_each_tensor_once_more_than_delayed():
+    """Current scaling: an amax read (2 bytes) before delayed scaling's cast-transpose (4): every
+    cast 6/4 of delayed's, the weights' once a step as delayed's."""
+    from shardwise import catalog
+
+    m = catalog.get_model("llama-3.1-8b")
+    for ckpt in ("none", "full"):
+        t = TrainSpec(seq_len=8192, micro_batch=2, grad_accum=4, checkpointing=ckpt, fp8="delayed")
+        cur = t.model_copy(update={"fp8": "current"})
+        assert cast_bytes(m, cur, 1, LAYERS) == pytest.approx(1.5 * cast_bytes(m, t, 1, LAYERS))
+
+
+def test_current_scaling_through_the_cli():
+    ok = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "-s", "fsdp",
+                                  "--fp8", "current", "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["train"]["fp8"] == "current"
+    bad = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "a100-80g", "--fp8", "current"])
+    assert bad.exit_code == 2 and "a100-80g has no FP8 tensor-core rate" in bad.output

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardwise import catalog
-from shardwise.config.strategy import DeepSpeedKnobs
+from shardwise.config.strategy import DeepSpeedKnobs, FSDPKnobs
 from shardwise.errors import ShardwiseError
 from shardwise.plan.comm import plan_comm
 from shardwise.plan.evaluate import evaluate
@@ -118,3 +118,76 @@ def test_tensor_and_pipeline_launches_are_not_priced_as_data_parallel_ones():
     assert comm.calls == 2 * buckets
     layers_per_stage, k = M7.num_layers // 2, TRAIN.grad_accum
     assert comm.blocking_calls >= 4 * layers_per_stage * k  # 2 TP pairs a layer each way, and the PP sends
+
+
+# --- its precision settings: the bf16 gradient buffer and fp8 parameters ----------------------
+# llama-2-7b's decoder linears (q, k, v, o: h × h each; gate, up, down: h × I), from its
+# config.json shape: hidden 4096, intermediate 11008, 32 layers, no GQA
+LINEARS = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+FP8 = TrainSpec(micro_batch=1, seq_len=4096, grad_accum=4, checkpointing="full", fp8="tensorwise")
+
+
+def test_bf16_gradient_buffer_halves_the_buffer_and_its_reduce_scatter():
+    s = Strategy.from_name("zero1", zero_impl="megatron", grad_reduce_in_bf16=True)
+    gpu = plan_memory(M7, HW16, TRAIN, s).gpu
+    assert gpu.grads == 2 * PSI and gpu.grads_persist
+    assert gpu.master_params == pytest.approx(4 * PSI / 16)  # the fp32 main params stay
+    comm = plan_comm(M7, HW16, TRAIN, s)
+    assert comm.reduce_scatter == 2 * PSI and comm.all_gather == 2 * PSI
+    # an fp32 run's buffer is fp32 whatever the flag says of bf16 (Megatron reads it for bf16 only)
+    fp32 = TRAIN.model_copy(update={"precision": "fp32"})
+    assert plan_memory(M7, HW16, fp32, s).gpu.grads == 4 * PSI
+
+
+def test_fp8_param_gather_keeps_the_linears_in_fp8_and_gathers_them_so():
+    s = Strategy.from_name("zero1", zero_impl="megatron")
+    plain = plan_memory(M7, HW16, FP8, s).gpu
+    fp8 = FP8.model_copy(update={"fp8_all_gather": True})
+    gpu = plan_memory(M7, HW16, fp8, s).gpu
+    assert plain.params == 2 * PSI
+    assert gpu.params == pytest.approx(2 * PSI - LINEARS)  # one byte for each linear weight
+    assert gpu.grads == plain.grads and gpu.master_params == plain.master_params  # fp32 main params unchanged
+    assert plan_comm(M7, HW16, fp8, s).all_gather == pytest.approx(2 * PSI - LINEARS)
+    # the casts: the weights' once a step, on the rank's 1/16 shard, where tensorwise casts them in
+    # every micro-batch's forward and its replay (5 bytes an element: plan/fp8.py)
+    from shardwise.plan.fp8 import cast_bytes
+
+    layers = M7.num_layers
+    per_layer = LINEARS / layers
+    saved = cast_bytes(M7, FP8, 1, layers) - cast_bytes(M7, fp8, 1, layers, 16, fp8_params=True)
+    assert saved == pytest.approx(layers * 5 * per_layer * (4 * 2 - 1 / 16))
+
+
+def test_its_refusals_name_the_setting():
+    with pytest.raises(ShardwiseError, match="zero_impl megatron"):
+        Strategy.from_name("zero1", grad_reduce_in_bf16=True)  # DeepSpeed's ZeRO-1
+    with pytest.raises(ShardwiseError, match="tensorwise scaling only"):
+        plan_memory(M7, HW16, FP8.model_copy(update={"fp8": "delayed", "fp8_all_gather": True}),
+                    Strategy.from_name("fsdp", fsdp=FSDPKnobs(reduce_every_micro_batch=True)))
+    delayed = FP8.model_copy(update={"fp8": "delayed", "fp8_all_gather": True})
+    assert plan_memory(M7, HW16, delayed, Strategy.from_name("zero1", zero_impl="megatron")).gpu.params \
+        == pytest.approx(2 * PSI - LINEARS)  # Transformer Engine keeps fp8 weights of any recipe
+    with pytest.raises(ShardwiseError, match="without --fp8"):
+        TrainSpec(fp8_all_gather=True)
+
+
+def test_plan_cli_takes_megatrons_precision_flags():
+    base = ["--model", "llama-2-7b", "--gpu", "h100-sxm", "--gpus", "16", "--micro-batch", "1", "--seq-len", "4096",
+            "--checkpointing", "full", "--json"]
+    r = _plan(*base, "-s", "zero1", "-s", "fsdp", "--zero-impl", "megatron", "--grad-reduce-in-bf16",
+              "--fp8", "tensorwise", "--fp8-all-gather")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {s["name"]: s for s in json.loads(r.stdout)["strategies"]}
+    assert rows["zero1"]["memory"]["grads"] == 2 * PSI
+    assert rows["zero1"]["memory"]["params"] == pytest.approx(2 * PSI - LINEARS)
+    assert rows["zero1"]["knobs"] == {"zero_impl": "megatron", "overlap_comm": False, "grad_reduce_in_bf16": True}
+    assert rows["fsdp"]["memory"]["grads"] == pytest.approx(4 * PSI / 16)  # FSDP2's own: fp32 sharded grads
+    for args, said in [
+        (["-s", "zero1", "--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 sets Megatron-Core's gradient buffer"),
+        (["-s", "fsdp", "--fp8", "delayed", "--fp8-all-gather"], "tensorwise scaling only"),
+        (["-s", "zero2", "--fp8", "tensorwise", "--fp8-all-gather"], "nor zero1 with --zero-impl megatron"),
+    ]:
+        bad = _plan(*base, *args)
+        assert bad.returncode != 0 and said in bad.stdout + bad.stderr, (args, bad.stdout[-500:], bad.stderr[-500:])
+    ok = _plan(*base, "-s", "zero1", "--zero-impl", "megatron", "--fp8", "delayed", "--fp8-all-gather")
+    assert ok.returncode == 0, ok.stderr[-2000:]

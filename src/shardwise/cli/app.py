@@ -124,11 +124,13 @@ def plan(
     fp8: str | None = typer.Option(None, "--fp8", help="Planner-only (shardwise train runs bf16): the decoder "
                                    "linears' GEMMs in fp8: tensorwise | rowwise (torchao float8: torchtitan --float8."
                                    "recipe_name) | delayed (Transformer Engine: Megatron-LM --fp8-format hybrid, "
-                                   "Composer amp_fp8) | mxfp8 (Transformer Engine's MXFP8 block scaling, Blackwell "
+                                   "Composer amp_fp8) | current (Transformer Engine's current scaling: Megatron-LM "
+                                   "--fp8-recipe tensorwise, NeMo FP8-CS) | mxfp8 (Transformer Engine's MXFP8 block scaling, Blackwell "
                                    "only: NeMo's FP8-MX) | none (default). GPUs with FP8 tensor cores only."),
-    fp8_all_gather: bool = typer.Option(False, "--fp8-all-gather", help="With --fp8 tensorwise, for the FSDP2 rows: "
-                                        "the linears' weights all-gathered and held in fp8 (torchao "
-                                        "enable_fsdp_float8_all_gather)."),
+    fp8_all_gather: bool = typer.Option(False, "--fp8-all-gather", help="With --fp8, the linears' weights "
+                                        "all-gathered and held in fp8: the FSDP2 rows' (--fp8 tensorwise: torchao "
+                                        "enable_fsdp_float8_all_gather); zero1 with --zero-impl megatron "
+                                        "(Megatron-LM --fp8-param-gather: the module keeps them in fp8)."),
     grad_pass: str | None = typer.Option(None, "--grad-pass", help="What runs over every gradient between backward "
                                          "and the optimizer step: clip (global-norm clipping: the trainer's, HF "
                                          "Trainer's, torchtitan's, Megatron-LM's; default) | scale (torchtune's "

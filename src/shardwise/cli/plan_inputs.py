@@ -83,6 +83,7 @@ def plan_inputs(ctx: typer.Context, knob_values: dict, *, from_file: Path | None
     values["knobs"], values["cli_knobs"], values["shard_group"] = cli_knobs, cli_knobs, knob_values.get("shard_group")
     values["tp_impl"] = knob_values.get("tp_impl")
     values["zero_impl"] = knob_values.get("zero_impl")
+    values["grad_reduce_in_bf16"] = knob_values.get("grad_reduce_in_bf16")
     if path is None:
         if sets:
             raise ShardwiseError(f"--set {sets[0]}: --set overrides a shardwise training YAML; give one "
@@ -146,7 +147,7 @@ def plan_setup(a: dict, source) -> PlanSetup:
         tp_comm_overlap=a["tp_comm_overlap"], **objective_fields(a["objective"], a["reference"]),
         fp8=a.get("fp8"), fp8_all_gather=a.get("fp8_all_gather") or None, grad_pass=grad_pass_field(a.get("grad_pass")),
     )
-    check_fp8(hw, train, strategy)
+    check_fp8(hw, train, strategy, a.get("zero_impl") or "deepspeed")
     a["margin"] = check_margin(a["margin"])
     warnings = input_warnings(m, train)
     if a["accounting"] not in ("engine", "paper", "deepspeed"):
@@ -164,16 +165,18 @@ def plan_setup(a: dict, source) -> PlanSetup:
                         pp_virtual_stages=a["pp_virtual_stages"], cp=a.get("cp"), cp_impl=a.get("cp_impl"),
                         cp_load_balance=a.get("cp_load_balance"), ep=a.get("ep"),
                         ep_load_imbalance=a.get("ep_load_imbalance"), zero_impl=a.get("zero_impl"),
-                        etp=a.get("etp"), ep_overlap=a.get("ep_overlap"))
+                        etp=a.get("etp"), ep_overlap=a.get("ep_overlap"),
+                        grad_reduce_in_bf16=a.get("grad_reduce_in_bf16"))
     check_schedule_flags(a["pp"], knobs, m, train)
     if a["device"] not in ("cuda", "cpu"):
         raise ShardwiseError(f"--device {a['device']!r}: expected cuda or cpu")
     return PlanSetup(m, hw, train, knobs, warnings)
 
 
-def check_fp8(hw, train, strategies: list[str] | None) -> None:
+def check_fp8(hw, train, strategies: list[str] | None, zero_impl: str = "deepspeed") -> None:
     """--fp8 on a GPU with FP8 tensor cores, before anything is planned; --fp8-all-gather where an
-    FSDP2 strategy is planned (it changes nothing else)."""
+    FSDP2 strategy or Megatron's distributed optimizer (zero1 with `zero_impl` megatron) is planned
+    (it changes nothing else), with a recipe each named strategy gathers."""
     from shardwise.specs import Strategy
 
     if train.fp8 != "none":
@@ -182,15 +185,27 @@ def check_fp8(hw, train, strategies: list[str] | None) -> None:
         hw.gpu.peak_flops("fp8")  # refused, naming the GPU, where it has none
         if why := recipe_refusal(hw.gpu, train):
             raise ShardwiseError(why)
+    if train.fp8_all_gather and not strategies and zero_impl != "megatron" and train.fp8 != "tensorwise":
+        # every strategy planned: the float8 all-gather asked for is FSDP2's, which is torchao's tensorwise
+        from shardwise.plan.fp8 import all_gather_refusal
+
+        raise ShardwiseError(all_gather_refusal(Strategy.from_name("fsdp"), train))
     if train.fp8_all_gather and strategies:
+        from shardwise.plan.fp8 import all_gather_refusal
+
         try:
-            engines = {Strategy.from_name(n).engine for n in strategies}
+            named = [Strategy.from_name(n, zero_impl=zero_impl if n.strip().lower() == "zero1" else "deepspeed")
+                     for n in strategies]
         except ShardwiseError:
             return  # an unknown name is refused with its own message when it is planned
-        if "fsdp2" not in engines:
+        for s in named:
+            if why := all_gather_refusal(s, train):
+                raise ShardwiseError(why)
+        if not any(s.engine == "fsdp2" or s.zero_impl == "megatron" for s in named):
             raise ShardwiseError(f"--fp8-all-gather is FSDP2's (torchao's float8 all-gather of fully_shard's "
-                                 f"weights), but no FSDP2 strategy is planned (-s {', '.join(strategies)}): add one "
-                                 "with -s, or drop the flag")
+                                 f"weights) or Megatron-Core's (--fp8-param-gather), but no FSDP2 strategy is planned, "
+                                 f"nor zero1 with --zero-impl megatron (-s {', '.join(strategies)}): add one, or drop "
+                                 "the flag")
 
 
 def naming_file(err: ShardwiseError, path: Path | None) -> ShardwiseError:

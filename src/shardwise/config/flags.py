@@ -174,6 +174,12 @@ def generated_parameters() -> list[inspect.Parameter]:
                              "gradient buffer the size of the model for bf16, reduce-scatter and param all-gather "
                              "overlapped where --ds-overlap-comm says, as --overlap-grad-reduce "
                              "--overlap-param-gather; plan-only).")))
+    params.append(inspect.Parameter(
+        "grad_reduce_in_bf16", inspect.Parameter.KEYWORD_ONLY, annotation=bool | None,
+        default=typer.Option(None, "--grad-reduce-in-bf16", show_default=False,
+                             help="With --zero-impl megatron: the gradient buffer and its reduce-scatter in bf16 "
+                             "(Megatron-LM --grad-reduce-in-bf16 or --main-grads-dtype bf16; Megatron-Bridge "
+                             "grad_reduce_in_fp32 false), not Megatron-LM's fp32 for bf16 runs.")))
     return params
 
 
@@ -264,7 +270,8 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
                 pp_virtual_stages: int | None = None, cp: int | None = None,
                 cp_impl: str | None = None, cp_load_balance: bool | None = None, ep: int | None = None,
                 ep_load_imbalance: float | None = None, zero_impl: str | None = None,
-                etp: int | None = None, ep_overlap: bool | None = None) -> StrategyKnobs:
+                etp: int | None = None, ep_overlap: bool | None = None,
+                grad_reduce_in_bf16: bool | None = None) -> StrategyKnobs:
     """StrategyKnobs of {section: {field: value}}, the rest at `base` (the trainer's knobs for the
     device: shardwise.run.trainer_knobs), else at the classes' defaults (the engines' own), with
     the pipeline schedule of the PP rows and the context parallelism of every row where given; a
@@ -298,6 +305,10 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
             raise ShardwiseError(f"--etp {etp} needs expert parallelism: give --ep 2 or more")
     if ep_overlap and (ep or 1) == 1:
         raise ShardwiseError("--ep-overlap needs expert parallelism: give --ep 2 or more")
+    if grad_reduce_in_bf16 and zero_impl != "megatron":
+        raise ShardwiseError("--grad-reduce-in-bf16 sets Megatron-Core's gradient buffer dtype: give --zero-impl "
+                             "megatron (-s zero1); DeepSpeed's reduction dtype is --ds-comm-dtype, FSDP2's "
+                             "--fsdp-reduce-dtype")
     why = virtual_refusal(pp_schedule or "1f1b", pp_virtual_stages or 1)
     if why:
         given = (f"--pp-schedule {pp_schedule}" if pp_schedule else "") + (
@@ -316,7 +327,7 @@ def build_knobs(knobs: dict[str, dict[str, Any]], shard_group: int | None, tp_im
     return StrategyKnobs(**built, shard_group=shard_group, tp_impl=tp_impl or "auto", pp_schedule=pp_schedule,
                          pp_virtual_stages=pp_virtual_stages, cp=cp, cp_impl=cp_impl,
                          cp_load_balance=cp_load_balance, ep=ep, ep_load_imbalance=ep_load_imbalance, etp=etp, ep_overlap=ep_overlap,
-                         zero_impl=zero_impl or "deepspeed")
+                         zero_impl=zero_impl or "deepspeed", grad_reduce_in_bf16=grad_reduce_in_bf16)
 
 
 # --- plan's flags that set a field of the run -------------------------------------------------

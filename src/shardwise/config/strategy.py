@@ -267,6 +267,9 @@ class StrategyKnobs(Spec):
     # Which implementation runs the zero1 rows' sharded optimizer (Strategy.zero_impl; plan-only
     # for "megatron"): DeepSpeed's ZeRO stage 1, or Megatron-Core's distributed optimizer
     zero_impl: ZeroImpl = "deepspeed"
+    # Megatron-Core's gradient buffer (and its reduce-scatter) in bf16 for a bf16 run (zero_impl
+    # megatron only; Strategy.grad_reduce_in_bf16): None = Megatron-LM's default, fp32
+    grad_reduce_in_bf16: bool | None = None
     # The schedule of the PP rows (Strategy.pp_schedule / pp_virtual_stages; at pp 1 nothing):
     # None = 1f1b in the table, and the sweep tries 1f1b and, where it runs, interleaved-1f1b
     # over 2 stages a rank (shardwise.plan.recommend.sweep)

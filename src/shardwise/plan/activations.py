@@ -43,6 +43,8 @@ _SANDWICH = ("gemma2", "gemma3_text")
 GPT_ACT_SAVED = {"gelu": 2, "gelu_pytorch_tanh": 2, "gelu_new": 5, "gelu_fast": 8, "gelu_python": 4,
                  "gelu_accurate": 5, "gelu_10": 3, "quick_gelu": 3, "relu": 1, "silu": 2, "mish": 2, "tanh": 1,
                  "sigmoid": 1}
+# activations whose one saved tensor is their output, which fc2 reads too (GPT_ACT_SAVED 1)
+_SAVES_OUTPUT = ("relu", "tanh", "sigmoid")
 
 
 def rmsnorm_saved(c: int, h: float, consumers: int = 1, autocast: bool = False, fp32_normed: bool = False,
@@ -105,13 +107,13 @@ def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False
     reading a norm's output under autocast: q/k/v 3 (Phi-3's qkv_proj 1, MLA's q_a/kv_a 2),
     gate/up 2 (Phi-3's gate_up_proj 1; MoE: router 1, shared expert gate/up 2, its gate 1)."""
     c, h, f = train.compute_bytes, model.hidden_size, model.family
-    if model.is_gpt:  # norm 1 read by the fused qkv projection, norm 2 by fc1
-        return 2 * _norm(model, train, 1, autocast) / seq_shards(train, tp)
     qkv, mlp = input_linears(model)
     if moe:  # the router's linear (DeepSeek's upcasts instead), the shared expert's gate/up and gate
         shared = model.shared_expert_intermediate_size > 0
         mlp = (f != "deepseek_v3") + 2 * shared + (f == "qwen2_moe" and shared)
-    if f in _SANDWICH:  # input, post_attention (no linear reads it), pre_feedforward, post_feedforward
+    if model.is_gpt:  # norm 1 read by the fused qkv projection, norm 2 by fc1
+        out = 2 * _norm(model, train, 1, autocast)
+    elif f in _SANDWICH:  # input, post_attention (no linear reads it), pre_feedforward, post_feedforward
         out = (_norm(model, train, qkv, autocast) + _norm(model, train, 0, autocast)
                + _norm(model, train, mlp, autocast) + _norm(model, train, 0, autocast))
     elif f == "olmo2":  # post_attention, post_feedforward; q/k/v and gate/up read the residual itself
@@ -119,6 +121,11 @@ def _norms(model: ModelSpec, train: TrainSpec, autocast: bool, moe: bool = False
         out = 2 * _norm(model, train, 0, autocast) + residual
     else:
         out = _norm(model, train, qkv, autocast) + _norm(model, train, mlp, autocast)
+    fp8 = train.linear_saved_input_bytes
+    if fp8 is not None and not autocast:
+        # Transformer Engine's qkv and fc1 keep their input (the norm's output, which nothing
+        # else saves) in fp8; an MoE layer's is read by the router and the experts' dispatch
+        out -= (1 if moe else 2) * (c - fp8) * h
     return out / seq_shards(train, tp)
 
 
@@ -225,6 +232,9 @@ def attention_saved(model: ModelSpec, train: TrainSpec, tp: int, autocast: bool 
     # a copy. Eager's matmul output always needs one.
     copy = kind == "eager" or model.family == "phi3" or model.is_mla
     out = core + (c * o if copy else 0) + _qk_norms(model, train, tp)
+    fp8 = train.linear_saved_input_bytes
+    if fp8 is not None:  # Transformer Engine's o_proj keeps an fp8 cast: beside the core's output, or for its copy
+        out += fp8 * o - (c * o if copy else 0)
     if model.is_mla:
         out += _mla_low_rank(model, train)
     return out
@@ -287,9 +297,17 @@ def mlp_saved(model: ModelSpec, train: TrainSpec, tp: int, moe: bool | None = No
         moe = model.is_moe
     if moe:
         return moe_saved(model, train, tp, autocast, etp)
+    c, width = train.compute_bytes, model.intermediate_size / tp
     if model.is_gpt:  # fc1's output and/or the activation's intermediates, fc2's input (GPT_ACT_SAVED)
-        return GPT_ACT_SAVED[model.hidden_act] * train.compute_bytes * model.intermediate_size / tp
-    return gated_saved(train) * train.compute_bytes * model.intermediate_size / tp
+        saved, shared = GPT_ACT_SAVED[model.hidden_act], model.hidden_act in _SAVES_OUTPUT
+    else:
+        saved, shared = gated_saved(train), False
+    fp8 = train.linear_saved_input_bytes
+    if fp8 is None:
+        return saved * c * width
+    # Transformer Engine's down projection (fc2) keeps its input in fp8: in place of the product's
+    # (or the activation output's) c-byte copy, beside it where the activation saves its own output
+    return (saved - (0 if shared else 1)) * c * width + fp8 * width
 
 
 def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,

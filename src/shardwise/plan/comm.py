@@ -181,8 +181,9 @@ def _dp_comm(model, train, s: Strategy, layout, hw, psi, k, c, rank: PipelineRan
         # micro-batch's backward (its DDP's no_sync before), then the updated params all-gathered
         # in the compute dtype; both in buckets of max(40M, 1M × dp) parameters
         # (megatron/core/distributed/distributed_data_parallel_config.py bucket_size)
-        grad = (4 if train.compute_dtype == "bf16" else c) * trained
-        ag = c * trained
+        grad = s.main_grad_bytes(train.compute_dtype, c) * trained
+        # --fp8-param-gather: the updated fp8 linear weights are gathered as they are kept
+        ag = c * trained - gathered_linear_bytes_saved(c, train) * linear_share(model, rank, layout.tp)[0]
         buckets = int(trained // max(40_000_000, 1_000_000 * layout.dp)) + 1
         return CommBreakdown(reduce_scatter=grad, all_gather=ag, calls=2 * buckets, **_on(link, grad + ag))
     if s.engine == "deepspeed" and s.zero_stage in (1, 2):

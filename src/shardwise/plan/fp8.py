@@ -20,6 +20,11 @@ Around each fp8 GEMM its operands are cast, memory-bound work per element (`CAST
   cast-transpose (read 2, write fp8 and its transpose: 4) of the input, of the output gradient,
   and of the weight once per optimizer step (`is_first_microbatch` caches it); the fp8 input is
   what backward keeps.
+- Transformer Engine current scaling (`current`: recipe Float8CurrentScaling, Megatron's
+  --fp8-recipe tensorwise): the amax of each tensor read first (2 bytes), then the fused
+  cast-transpose (read 2, write fp8 and its transpose: 4): 6 bytes an element of the input and of
+  the output gradient; the weight once per optimizer step, cached as delayed scaling's; backward
+  reuses the saved fp8 input.
 - Transformer Engine MXFP8 block scaling (`mxfp8`: recipe MXFP8BlockScaling, Blackwell only): one
   kernel reads a tensor once and writes it quantized along both dimensions with an E8M0 scale per
   32 values (NVIDIA/TransformerEngine transformer_engine/common/util/cast_kernels.cuh
@@ -46,21 +51,23 @@ from shardwise.specs.train import TrainSpec
 # named in the module's docstring, not measured
 MX = 2 + 1 + 1 + 2 / 32  # read bf16, write both fp8 orientations and their E8M0 block scales
 CASTS = {"tensorwise": (5.0, 5.0, 10.0, 5.0, 5.0), "rowwise": (5.0, 5.0, 10.0, 5.0, 5.0),
-         "delayed": (4.0, 4.0, 4.0, 0.0, 0.0), "mxfp8": (MX, MX, MX, 0.0, 0.0)}
+         "delayed": (4.0, 4.0, 4.0, 0.0, 0.0), "current": (6.0, 6.0, 6.0, 0.0, 0.0), "mxfp8": (MX, MX, MX, 0.0, 0.0)}
 # recipes whose weights are quantized once per optimizer step (cached across micro-batches)
-WEIGHTS_ONCE = ("delayed", "mxfp8")
+WEIGHTS_ONCE = ("delayed", "current", "mxfp8")
 # GPU families whose tensor cores run MXFP8 (SM 10.0: catalog/hardware.yaml's B200 and GB200)
 MXFP8_FAMILIES = ("blackwell",)
 FP8_BYTES = 1
 
 
 def cast_bytes(model: ModelSpec, train: TrainSpec, tp: int, layers: float, dp_shard: int = 1, ep: int = 1,
-               etp: int | None = None) -> float:
+               etp: int | None = None, *, fp8_params: bool = False) -> float:
     """Bytes the fp8 casts move on one GPU per optimizer step, over its `layers` decoder layers
     (its TP shard of each linear; under expert parallelism its num_experts/ep experts over `etp`
     ranks, with the tokens routed to them: kernels.layer_gemms): forward casts again in a
     checkpointed layer's replay; the weights' forward cast once per step under delayed scaling,
-    and on the rank's 1/`dp_shard` shard under the float8 all-gather."""
+    and on the rank's 1/`dp_shard` shard under the float8 all-gather. `fp8_params`: the module
+    keeps the weights in fp8 (Megatron-Core's --fp8-param-gather), cast once a step by the
+    optimizer as it writes its updated shard."""
     if train.fp8 == "none":
         return 0.0
     fwd_in, fwd_w, bwd_g, bwd_in, bwd_w = CASTS[train.fp8]
@@ -72,7 +79,7 @@ def cast_bytes(model: ModelSpec, train: TrainSpec, tp: int, layers: float, dp_sh
     replay = 1.0 if train.checkpointing == "full" else 0.0
     w_fwd = fwd_w * weights / (dp_shard if train.fp8_all_gather else 1)
     per_micro = (fwd_in * inputs) * (1 + replay) + bwd_g * outputs + bwd_in * inputs + bwd_w * weights
-    weight_casts = w_fwd if train.fp8 in WEIGHTS_ONCE else k * w_fwd * (1 + replay)
+    weight_casts = w_fwd if train.fp8 in WEIGHTS_ONCE or fp8_params else k * w_fwd * (1 + replay)
     return layers * (k * per_micro + weight_casts)
 
 
@@ -81,13 +88,27 @@ def recipe_refusal(gpu: GPUSpec, train: TrainSpec) -> str | None:
     fp8_tflops), Blackwell's block-scaled MMA for MXFP8."""
     if train.fp8 == "mxfp8" and gpu.family not in MXFP8_FAMILIES:
         return (f"--fp8 mxfp8 on {gpu.name}: MXFP8 block scaling runs on Blackwell tensor cores (SM 10.0: b200, "
-                "gb200) only; use tensorwise, rowwise or delayed")
+                "gb200) only; use tensorwise, rowwise, delayed or current")
+    return None
+
+
+def all_gather_refusal(strategy, train: TrainSpec) -> str | None:
+    """Why `strategy` does not gather `train`'s fp8 weights in fp8 (`fp8_all_gather`), or None:
+    torchao's FSDP2 float8 all-gather runs tensorwise scaling only
+    (Float8LinearConfig.enable_fsdp_float8_all_gather); Megatron-Core's --fp8-param-gather keeps
+    Transformer Engine's fp8 weights of any recipe (delayed, current scaling, MXFP8). Other
+    engines gather nothing in fp8: the flag changes nothing for their rows."""
+    if not train.fp8_all_gather:
+        return None
+    if strategy.engine == "fsdp2" and train.fp8 != "tensorwise":
+        return (f"--fp8-all-gather with --fp8 {train.fp8} and {strategy.name}: torchao gathers fp8 weights with "
+                "tensorwise scaling only (Float8LinearConfig.enable_fsdp_float8_all_gather): use --fp8 tensorwise")
     return None
 
 
 def gathered_linear_bytes_saved(c: int, train: TrainSpec) -> float:
-    """Bytes fewer per decoder-linear parameter that FSDP2 all-gathers and holds unsharded with
-    the float8 all-gather (fp8 instead of the compute dtype)."""
+    """Bytes fewer per decoder-linear parameter that the fp8 all-gather moves and holds (fp8
+    instead of the compute dtype): FSDP2's unsharded weights, Megatron-Core's module weights."""
     return float(c - FP8_BYTES) if train.fp8_all_gather else 0.0
 
 

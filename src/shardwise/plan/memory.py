@@ -22,7 +22,7 @@ from shardwise.plan.activations import mask_bytes, offload_kept, rank_saved, rec
 from shardwise.plan.breakdown import HostBreakdown, MemoryBreakdown
 from shardwise.plan.context import backward_buffers, local_train, saved_extra
 from shardwise.plan.context import refusal as context_refusal
-from shardwise.plan.fp8 import gathered_linear_bytes_saved, linear_share, recipe_refusal
+from shardwise.plan.fp8 import all_gather_refusal, gathered_linear_bytes_saved, linear_share, recipe_refusal
 from shardwise.plan.grad_sync import GradSync, applies, as_set
 from shardwise.plan.load import load_phase
 from shardwise.plan.loss import logits_bytes, loss_held_bytes
@@ -261,11 +261,17 @@ def _megatron_distributed_optimizer(r: Replica) -> MemoryBreakdown:
     main params and Adam states of its shard; the reduce-scatter writes into the gradient buffer
     and the step reads its shard there, and the updated params are all-gathered into the module's
     own buffer: no gradient partition copy and no reduce buckets beside them (NVIDIA/Megatron-LM
-    @d98e8a64). Its fused Adam (Transformer Engine's or apex's) allocates no temporaries."""
+    @d98e8a64). Its fused Adam (Transformer Engine's or apex's) allocates no temporaries.
+    `grad_reduce_in_bf16` makes the gradient buffer bf16 (Strategy.main_grad_bytes). With fp8
+    linears and `fp8_all_gather` (`--fp8-param-gather`) the module keeps the decoder linears'
+    weights as Transformer Engine fp8 tensors (one byte an element) and the optimizer casts its
+    updated fp32 shard into them (megatron/core/optimizer/distrib_optimizer.py
+    `_copy_main_params_to_model_params` → `quantize_param_shard`): no bf16 copy of them exists."""
     train, psi, n = r.train, r.psi, r.n
     c = train.compute_bytes
-    grad = 4 if train.compute_dtype == "bf16" else c
-    return MemoryBreakdown(params=c * psi, grads=grad * psi, master_params=4 * psi / n if c != 4 else 0.0,
+    grad = r.strategy.main_grad_bytes(train.compute_dtype, c)
+    params = c * psi - gathered_linear_bytes_saved(c, train) * linear_share(r.model, r.rank, r.layout.tp)[0]
+    return MemoryBreakdown(params=params, grads=grad * psi, master_params=4 * psi / n if c != 4 else 0.0,
                            optimizer_states=optimizer_bytes(train) * psi / n, grads_persist=True)
 
 
@@ -427,7 +433,7 @@ def plan_memory(
                          "(plan.evaluate.memory_as_run / fsdp_grad_sync)")
     layout = ParallelLayout.for_strategy(strategy, hw.world_size, hw.gpus_per_node)
     layout.check_model(model)
-    if why := recipe_refusal(hw.gpu, train):
+    if why := recipe_refusal(hw.gpu, train) or all_gather_refusal(strategy, train):
         raise ShardwiseError(why)
     if strategy.ep_overlap and train.checkpointing == "full":
         raise ShardwiseError(f"{strategy.name} with ep_overlap and full checkpointing: Megatron-Core refuses full "

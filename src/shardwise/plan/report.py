@@ -80,6 +80,9 @@ def engine_knobs(strategy, model: ModelSpec) -> dict[str, Any]:
         out["overlap_comm"] = knobs.overlap(strategy.zero_stage or 0)
         if strategy.zero_stage == 3:
             out["fetch_unit"] = knobs.zero3_unit(model.params_per_layer / strategy.tp)
+    if strategy.zero_impl == "megatron":  # Megatron-Core's distributed optimizer, not DeepSpeed's knobs
+        out = {"zero_impl": "megatron", "overlap_comm": out["overlap_comm"],
+               "grad_reduce_in_bf16": strategy.grad_reduce_in_bf16}
     if strategy.shard_group is not None:
         out["shard_group"] = strategy.shard_group
     return out

@@ -27,7 +27,7 @@ from shardwise.plan.flops import (
     run_flops_per_token,
     selective_recompute_params,
 )
-from shardwise.plan.fp8 import FP8_BYTES, cast_bytes
+from shardwise.plan.fp8 import FP8_BYTES, cast_bytes, gathered_linear_bytes_saved, linear_share
 from shardwise.plan.grad_sync import applies
 from shardwise.plan.kernels import (
     DENSE_SQUARE,
@@ -184,8 +184,9 @@ def _engine_copy_bytes(model: ModelSpec, train: TrainSpec, s: Strategy, layout: 
         return k * gathered * ((4 + c) / n + 2 * c) + psi * (reductions * (c + reduce + 8 / n) + accumulate)
     if s.zero_impl == "megatron":
         # wgrads accumulate into the gradient buffer (gradient-accumulation fusion); after the step
-        # each rank casts its updated fp32 shard into the module's buffer
-        return psi * (4 + c) / n
+        # each rank casts its updated fp32 shard into the module's buffer (fp8 linears' weights
+        # under --fp8-param-gather: one byte written)
+        return (psi * (4 + c) - gathered_linear_bytes_saved(c, train) * linear_share(model, rank, layout.tp)[0]) / n
     if s.engine == "deepspeed":
         if s.zero_stage == 3:
             passes = train.layer_passes
@@ -288,7 +289,10 @@ def compute_time(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, s: Strate
     factor = tm.fused_elementwise_factor if train.fused_kernels else tm.elementwise_factor
     per_token = elementwise_bytes(model, train, autocast, tp) * (3 + recompute + forward_only) * factor
     mem += k * tokens * (per_token * layers + loss_bytes_per_token(model, train, vocab_tp) * factor / pp)
-    mem += cast_bytes(model, train, tp, layers, layout.dp_shard if s.engine == "fsdp2" else 1, s.ep, s.expert_tp) * factor
+    fp8_params = s.zero_impl == "megatron" and train.fp8_all_gather  # --fp8-param-gather (plan/memory.py)
+    sharded_cast = s.engine == "fsdp2" or fp8_params
+    mem += cast_bytes(model, train, tp, layers, layout.dp_shard if sharded_cast else 1, s.ep, s.expert_tp,
+                      fp8_params=fp8_params) * factor
     copies = _engine_copy_bytes(model, train, s, layout, psi)
     if train.lora_rank:  # frozen base: gathered as stored (no cast), only adapter grads reduced
         copies *= tm.lora_copy_share

@@ -103,6 +103,9 @@ class Strategy(Spec):
                             "else megatron)")
     zero_impl: ZeroImpl = Field("deepspeed", description="zero1's sharded optimizer: deepspeed (ZeRO stage 1) or "
                                 "megatron (Megatron-Core's distributed optimizer; plan-only)")
+    grad_reduce_in_bf16: bool = Field(False, description="zero_impl megatron: the gradient buffer and its "
+                                      "reduce-scatter in bf16 (Megatron-LM --grad-reduce-in-bf16, --main-grads-dtype "
+                                      "bf16; Megatron-Bridge grad_reduce_in_fp32 false), not Megatron-LM's fp32")
     ds: DeepSpeedKnobs = DeepSpeedKnobs()
     fsdp: FSDPKnobs = FSDPKnobs()
     ddp: DDPKnobs = DDPKnobs()
@@ -155,6 +158,11 @@ class Strategy(Spec):
         if self.zero_impl == "megatron" and self.name != "zero1":
             raise ShardwiseError(f"zero_impl 'megatron' with strategy {self.name!r}: Megatron-Core's distributed "
                                  "optimizer shards the optimizer states as ZeRO stage 1 does (strategy zero1)")
+        if self.grad_reduce_in_bf16 and self.zero_impl != "megatron":
+            raise ShardwiseError(f"grad_reduce_in_bf16 with strategy {self.name!r} and zero_impl {self.zero_impl!r}: "
+                                 "it sets Megatron-Core's gradient buffer dtype (zero1 with zero_impl megatron); "
+                                 "DeepSpeed's reduction dtype is ds.communication_data_type, FSDP2's "
+                                 "fsdp.reduce_dtype")
         given = self.fsdp.reshard_after_forward
         if self.fsdp_sharding == "grad-op" and "reshard_after_forward" in self.fsdp.model_fields_set and given != "none":
             raise ShardwiseError(
@@ -181,6 +189,8 @@ class Strategy(Spec):
             extra["tp_impl"] = k.tp_impl
         if name.strip().lower() == "zero1":  # the other strategies have one implementation each
             extra["zero_impl"] = k.zero_impl
+            if k.zero_impl == "megatron" and k.grad_reduce_in_bf16 is not None:
+                extra["grad_reduce_in_bf16"] = k.grad_reduce_in_bf16
         extra |= {f: getattr(k, f) for f in ("cp", "cp_impl", "cp_load_balance") if getattr(k, f) is not None}
         fsdp = k.fsdp
         if facts and facts.fsdp_sharding == "grad-op":  # its resharding is its definition, not a knob
@@ -246,6 +256,14 @@ class Strategy(Spec):
         if self.ep == 1 or self.tp_scheme.name != "dtensor":
             return self.tp
         return 1
+
+    def main_grad_bytes(self, compute_dtype: str, compute_bytes: int) -> int:
+        """Bytes per element of Megatron-Core's gradient buffer (zero_impl megatron), which its
+        reduce-scatter also moves: fp32 for a bf16 run (megatron/training/arguments.py: "bfloat16
+        requires gradient accumulation and all-reduce to be done in fp32"), bf16 under
+        `grad_reduce_in_bf16` (`--grad-reduce-in-bf16` sets accumulate_allreduce_grads_in_fp32
+        False: NVIDIA/Megatron-LM@d98e8a64); the compute dtype's for fp16 and fp32 runs."""
+        return 4 if compute_dtype == "bf16" and not self.grad_reduce_in_bf16 else compute_bytes
 
     @property
     def cp_scheme(self) -> str:

@@ -66,10 +66,15 @@ Reference = Literal["model", "precomputed", "adapters_off", "none"]
 # `rowwise` scaling, or Transformer Engine's `delayed` scaling (an amax history per tensor; what
 # Megatron-LM --fp8-format hybrid and Composer's amp_fp8 run). All three run the forward, input-
 # gradient and weight-gradient GEMMs of the decoder's linears in fp8 (E4M3; E5M2 gradients under
-# TE's hybrid format); embeddings, lm_head, norms and attention stay in the compute dtype. `mxfp8`:
-# Transformer Engine's MXFP8BlockScaling (Megatron --fp8-recipe mxfp8; NeMo's "FP8-MX"), E4M3 with one
-# E8M0 scale per 32 consecutive values, which only Blackwell's tensor cores (SM 10.0) run.
-Fp8 = Literal["none", "tensorwise", "rowwise", "delayed", "mxfp8"]
+# TE's hybrid format); embeddings, lm_head, norms and attention stay in the compute dtype. `current`:
+# Transformer Engine's Float8CurrentScaling (Megatron --fp8-recipe tensorwise; NeMo's "FP8-CS"), each
+# tensor's scale from its own amax as it is cast. `mxfp8`: Transformer Engine's MXFP8BlockScaling
+# (Megatron --fp8-recipe mxfp8; NeMo's "FP8-MX"), E4M3 with one E8M0 scale per 32 consecutive values,
+# which only Blackwell's tensor cores (SM 10.0) run.
+Fp8 = Literal["none", "tensorwise", "rowwise", "delayed", "current", "mxfp8"]
+# Transformer Engine's recipes: their linears keep the fp8 cast of their input for backward
+# (TrainSpec.linear_saved_input_bytes), where torchao's keep the high-precision input
+TE_RECIPES = ("delayed", "current", "mxfp8")
 PAIRED_OBJECTIVES = ("dpo", "orpo", "simpo")  # chosen and rejected sequences of each example in one batch
 REFERENCE_OBJECTIVES = ("dpo", "kto")  # a reference's log-probs in the loss
 
@@ -147,10 +152,13 @@ class TrainSpec(Spec):
                                   "torchtitan's async TP); no effect at tp 1")
 
     fp8: Fp8 = Field("none", description="planner-only: the decoder linears' GEMMs in fp8: none | tensorwise | "
-                     "rowwise (torchao float8, torchtitan --float8) | delayed (Transformer Engine, Megatron-LM --fp8-format)")
-    fp8_all_gather: bool = Field(False, description="planner-only: FSDP2 all-gathers the decoder linears' weights in "
-                                 "fp8 (torchao enable_fsdp_float8_all_gather; tensorwise only): 1 byte per element "
-                                 "gathered and held unsharded, the cast before the all-gather on each shard")
+                     "rowwise (torchao float8, torchtitan --float8) | delayed | current | mxfp8 (Transformer Engine's "
+                     "delayed, current and MXFP8 block scaling: Megatron-LM --fp8-recipe delayed, tensorwise, mxfp8)")
+    fp8_all_gather: bool = Field(False, description="planner-only: the decoder linears' weights all-gathered in fp8, "
+                                 "1 byte per element: FSDP2's (torchao enable_fsdp_float8_all_gather; tensorwise "
+                                 "only), held so unsharded, cast on each shard before the gather; Megatron-Core's "
+                                 "distributed optimizer's (zero_impl megatron: --fp8-param-gather), where the module "
+                                 "keeps them in fp8 and the optimizer casts its updated shard")
     objective: Objective = Field("sft", description="planner-only (shardwise train runs sft): sft | dpo | orpo | "
                                  "kto | simpo; dpo, orpo and simpo run each example's chosen and rejected sequences "
                                  "in one batch (2 × micro_batch sequences of seq_len tokens per forward)")
@@ -199,10 +207,9 @@ class TrainSpec(Spec):
         if self.fp8 != "none" and (self.lora_rank or self.base_quant != "none"):
             raise ShardwiseError(f"--fp8 {self.fp8} with LoRA: fp8 training is planned for full fine-tuning (torchao's "
                                  "Float8Linear and Transformer Engine train every weight of the linears they swap)")
-        if self.fp8_all_gather and self.fp8 != "tensorwise":
-            raise ShardwiseError(f"--fp8-all-gather with --fp8 {self.fp8}: torchao gathers fp8 weights with "
-                                 "tensorwise scaling only (Float8LinearConfig.enable_fsdp_float8_all_gather): use "
-                                 "--fp8 tensorwise")
+        if self.fp8_all_gather and self.fp8 == "none":
+            raise ShardwiseError("--fp8-all-gather without --fp8: it gathers the fp8 linears' weights in fp8 "
+                                 "(give --fp8 tensorwise for FSDP2, or the recipe Megatron runs)")
         return self
 
     @property
@@ -285,6 +292,18 @@ class TrainSpec(Spec):
     @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def linear_saved_input_bytes(self) -> float | None:
+        """Bytes per element a decoder linear keeps of its input for backward where that is not
+        the compute dtype: Transformer Engine's recipes keep the fp8 cast their weight-gradient GEMM
+        reads (module/linear.py `saved_inputmat`, layernorm_linear.py `ln_out_to_save`: the rank's
+        own sequence shard under sequence parallelism; NVIDIA/TransformerEngine@d0067d0), one byte,
+        and under MXFP8 its columnwise copy with an E8M0 scale per 32 values (1 + 1/32). torchao's
+        keep the high-precision input (float8_linear.py), as bf16 linears do: None."""
+        if self.fp8 not in TE_RECIPES:
+            return None
+        return 1 + 1 / 32 if self.fp8 == "mxfp8" else 1.0
 
     @property
     def master_dtype(self) -> str:
