@@ -180,3 +180,23 @@ def test_current_scaling_through_the_cli():
     assert json.loads(ok.output)["train"]["fp8"] == "current"
     bad = CliRunner().invoke(app, ["plan", "--model", "llama-3.1-8b", "--gpu", "a100-80g", "--fp8", "current"])
     assert bad.exit_code == 2 and "a100-80g has no FP8 tensor-core rate" in bad.output
+
+
+def test_torchaos_mxlinear_keeps_bf16_inputs_and_casts_a_dimension_a_kernel():
+    """torchao's MXLinear (torchtitan's "mx" converter) saves input_hp and weight_hp, as its float8
+    does; each cast writes one orientation (2 + 1 + 1/32 bytes): input and weight forward, the
+    gradient twice and the saved input and weight again in backward, every micro-batch."""
+    from shardwise import catalog
+
+    assert _per_token("mxfp8-torchao") == _per_token("none")
+    m = catalog.get_model("llama-3.1-8b")
+    t = TrainSpec(seq_len=8192, micro_batch=2, grad_accum=3, fp8="mxfp8-torchao")
+    one = 2 + 1 + 1 / 32
+    tokens, k = 2 * 8192, 3
+    per_micro = one * (tokens * IN_WIDTHS) * 2 + 2 * one * tokens * OUT_WIDTHS + 2 * one * LINEAR_PER_LAYER
+    assert cast_bytes(m, t, 1, LAYERS) == pytest.approx(LAYERS * k * per_micro)
+    from shardwise.plan.fp8 import recipe_refusal
+
+    assert recipe_refusal(catalog.get_gpu("b200"), t) is None
+    assert "--fp8 mxfp8-torchao on h100-sxm: MXFP8 block scaling runs on Blackwell" in recipe_refusal(
+        catalog.get_gpu("h100-sxm"), t)

@@ -126,7 +126,8 @@ def plan(
                                    "recipe_name) | delayed (Transformer Engine: Megatron-LM --fp8-format hybrid, "
                                    "Composer amp_fp8) | current (Transformer Engine's current scaling: Megatron-LM "
                                    "--fp8-recipe tensorwise, NeMo FP8-CS) | mxfp8 (Transformer Engine's MXFP8 block scaling, Blackwell "
-                                   "only: NeMo's FP8-MX) | none (default). GPUs with FP8 tensor cores only."),
+                                   "only: NeMo's FP8-MX) | mxfp8-torchao (torchao's MXLinear: torchtitan's mx converter; Blackwell only) | "
+                                   "none (default). GPUs with FP8 tensor cores only."),
     fp8_all_gather: bool = typer.Option(False, "--fp8-all-gather", help="With --fp8, the linears' weights "
                                         "all-gathered and held in fp8: the FSDP2 rows' (--fp8 tensorwise: torchao "
                                         "enable_fsdp_float8_all_gather); zero1 with --zero-impl megatron "

@@ -10,7 +10,7 @@ Stock semantics (job_config.py defaults where a key is absent):
 - the model is `[model] name` and `flavor` (llama3 8B/70B/405B are Llama 3.1's shapes, as their
   hf_assets_path says; qwen3, deepseek_v3, llama2 flavors likewise); `converters` "float8" (or
   "quantize.linear.float8") swaps the linears for torchao Float8Linear, `recipe_name` default
-  tensorwise, `enable_fsdp_float8_all_gather` its all-gather; "mx" (or "quantize.linear.mx") MXFP8.
+  tensorwise, `enable_fsdp_float8_all_gather` its all-gather; "mx" (or "quantize.linear.mx") MXFP8 through torchao's MXLinear.
 - FSDP2 over data_parallel_shard_degree (-1: the GPUs left) × context_parallel_degree, HSDP with
   data_parallel_replicate_degree > 1, DDP (`replicate`) where the shard degree is 1;
   MixedPrecisionPolicy(param bfloat16, reduce float32); `apply_fsdp` shards the token embedding
@@ -319,8 +319,8 @@ def _fp8(doc: Doc, d: dict, src: Source) -> None:
                      f"its converters as quantize.linear.{stale[0]}: {stale[0]!r} stops the run at startup; name it "
                      f"quantize.linear.{stale[0]}")
     if any(c in MX_CONVERTERS for c in converters):
-        src.values["fp8"] = "mxfp8"
-        src.read.append(("model.converters", "mx: --fp8 mxfp8 (planned with Transformer Engine's MXFP8 casts)"))
+        src.values["fp8"] = "mxfp8-torchao"
+        src.read.append(("model.converters", "mx: --fp8 mxfp8-torchao (torchao's MXLinear)"))
         return
     if not (any(c in FP8_CONVERTERS for c in converters) or old.get("enable_float8_linear")):
         return

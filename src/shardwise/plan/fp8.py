@@ -25,6 +25,11 @@ Around each fp8 GEMM its operands are cast, memory-bound work per element (`CAST
   cast-transpose (read 2, write fp8 and its transpose: 4): 6 bytes an element of the input and of
   the output gradient; the weight once per optimizer step, cached as delayed scaling's; backward
   reuses the saved fp8 input.
+- torchao's MXLinear (`mxfp8-torchao`: torchao/prototype/mx_formats/mx_linear.py `mx_mm`, pytorch/ao
+  before ac6f6411b; torchtitan's "mx" converter) casts each operand along one dimension a kernel
+  (2 + 1 + 1/32 bytes an element): forward the input and the weight, backward the output gradient
+  along both dimensions and the saved bf16 input and weight again along the other; it saves the
+  bf16 input and weight (`save_for_backward(input_hp, weight_hp)`), as torchao's float8 does.
 - Transformer Engine MXFP8 block scaling (`mxfp8`: recipe MXFP8BlockScaling, Blackwell only): one
   kernel reads a tensor once and writes it quantized along both dimensions with an E8M0 scale per
   32 values (NVIDIA/TransformerEngine transformer_engine/common/util/cast_kernels.cuh
@@ -50,12 +55,15 @@ from shardwise.specs.train import TrainSpec
 # weight, backward output-gradient, backward input, backward weight); derived from the kernels
 # named in the module's docstring, not measured
 MX = 2 + 1 + 1 + 2 / 32  # read bf16, write both fp8 orientations and their E8M0 block scales
+MX1 = 2 + 1 + 1 / 32  # read bf16, write one orientation and its scales (torchao: a kernel per dimension)
 CASTS = {"tensorwise": (5.0, 5.0, 10.0, 5.0, 5.0), "rowwise": (5.0, 5.0, 10.0, 5.0, 5.0),
-         "delayed": (4.0, 4.0, 4.0, 0.0, 0.0), "current": (6.0, 6.0, 6.0, 0.0, 0.0), "mxfp8": (MX, MX, MX, 0.0, 0.0)}
+         "delayed": (4.0, 4.0, 4.0, 0.0, 0.0), "current": (6.0, 6.0, 6.0, 0.0, 0.0), "mxfp8": (MX, MX, MX, 0.0, 0.0),
+         "mxfp8-torchao": (MX1, MX1, 2 * MX1, MX1, MX1)}
 # recipes whose weights are quantized once per optimizer step (cached across micro-batches)
 WEIGHTS_ONCE = ("delayed", "current", "mxfp8")
 # GPU families whose tensor cores run MXFP8 (SM 10.0: catalog/hardware.yaml's B200 and GB200)
 MXFP8_FAMILIES = ("blackwell",)
+MX_RECIPES = ("mxfp8", "mxfp8-torchao")
 FP8_BYTES = 1
 
 
@@ -86,8 +94,8 @@ def cast_bytes(model: ModelSpec, train: TrainSpec, tp: int, layers: float, dp_sh
 def recipe_refusal(gpu: GPUSpec, train: TrainSpec) -> str | None:
     """Why `gpu` cannot run `train`'s fp8 recipe, or None: FP8 tensor cores for any (the catalog's
     fp8_tflops), Blackwell's block-scaled MMA for MXFP8."""
-    if train.fp8 == "mxfp8" and gpu.family not in MXFP8_FAMILIES:
-        return (f"--fp8 mxfp8 on {gpu.name}: MXFP8 block scaling runs on Blackwell tensor cores (SM 10.0: b200, "
+    if train.fp8 in MX_RECIPES and gpu.family not in MXFP8_FAMILIES:
+        return (f"--fp8 {train.fp8} on {gpu.name}: MXFP8 block scaling runs on Blackwell tensor cores (SM 10.0: b200, "
                 "gb200) only; use tensorwise, rowwise, delayed or current")
     return None
 

@@ -70,8 +70,9 @@ Reference = Literal["model", "precomputed", "adapters_off", "none"]
 # Transformer Engine's Float8CurrentScaling (Megatron --fp8-recipe tensorwise; NeMo's "FP8-CS"), each
 # tensor's scale from its own amax as it is cast. `mxfp8`: Transformer Engine's MXFP8BlockScaling
 # (Megatron --fp8-recipe mxfp8; NeMo's "FP8-MX"), E4M3 with one E8M0 scale per 32 consecutive values,
-# which only Blackwell's tensor cores (SM 10.0) run.
-Fp8 = Literal["none", "tensorwise", "rowwise", "delayed", "current", "mxfp8"]
+# which only Blackwell's tensor cores (SM 10.0) run; `mxfp8-torchao`: the same format through torchao's
+# MXLinear (torchao.prototype.mx_formats, torchtitan's "mx" converter).
+Fp8 = Literal["none", "tensorwise", "rowwise", "delayed", "current", "mxfp8", "mxfp8-torchao"]
 # Transformer Engine's recipes: their linears keep the fp8 cast of their input for backward
 # (TrainSpec.linear_saved_input_bytes), where torchao's keep the high-precision input
 TE_RECIPES = ("delayed", "current", "mxfp8")
@@ -153,7 +154,8 @@ class TrainSpec(Spec):
 
     fp8: Fp8 = Field("none", description="planner-only: the decoder linears' GEMMs in fp8: none | tensorwise | "
                      "rowwise (torchao float8, torchtitan --float8) | delayed | current | mxfp8 (Transformer Engine's "
-                     "delayed, current and MXFP8 block scaling: Megatron-LM --fp8-recipe delayed, tensorwise, mxfp8)")
+                     "delayed, current and MXFP8 block scaling: Megatron-LM --fp8-recipe delayed, tensorwise, mxfp8) | "
+                     "mxfp8-torchao (torchao's MXLinear: torchtitan's mx converter)")
     fp8_all_gather: bool = Field(False, description="planner-only: the decoder linears' weights all-gathered in fp8, "
                                  "1 byte per element: FSDP2's (torchao enable_fsdp_float8_all_gather; tensorwise "
                                  "only), held so unsharded, cast on each shard before the gather; Megatron-Core's "
