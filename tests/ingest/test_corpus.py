@@ -29,11 +29,12 @@ from shardwise.cli.app import app
 CORPUS = Path(__file__).parents[1] / "data" / "corpus"
 MANIFEST = yaml.safe_load((CORPUS / "MANIFEST.yaml").read_text())
 ENTRIES = MANIFEST["files"]
-FIELDS = {"strategy", "precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank",
+FIELDS = {"strategy", "precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank", "lora_dropout",
           "base_quant", "optimizer", "model", "gpus", "tp", "pp", "cp", "cp_impl", "knobs", "fp8", "fp8_all_gather", "objective", "reference"}
 # exit 0: planned; 3: planned, and nothing fits the GPUs (the JSON document is printed all the same)
 PLANNED = (0, 3)
-TRAIN_FIELDS = ("precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank", "base_quant", "optimizer",
+TRAIN_FIELDS = ("precision", "micro_batch", "grad_accum", "seq_len", "checkpointing", "lora_rank", "lora_dropout",
+                "base_quant", "optimizer",
                 "objective", "reference", "fp8", "fp8_all_gather")
 
 

@@ -206,7 +206,7 @@ def test_accelerate_deepspeed_file_with_auto_precision_is_fp32(tmp_path: Path):
 
 def test_alignment_handbook_qlora_recipe_is_qlora():
     """TRL ModelConfig: use_peft + load_in_4bit = a 4-bit bitsandbytes base with LoRA adapters of
-    rank lora_r on lora_target_modules (trl/trainer/model_config.py, get_quantization_config,
+    rank lora_r on lora_target_modules with lora_dropout 0.05 (trl/trainer/model_config.py, get_quantization_config,
     get_peft_config); the SFT arguments as HF Trainer reads them: per_device_train_batch_size 4,
     gradient_accumulation_steps 2, bf16, gradient_checkpointing, max_length 2048 (SFTConfig); no
     deepspeed/fsdp: DDP; attn_implementation flash_attention_2."""
@@ -214,7 +214,7 @@ def test_alignment_handbook_qlora_recipe_is_qlora():
     src = same(["--from", str(DATA / "ah_zephyr_sft_qlora.yaml")],
                ["-m", "mistral-7b", "-s", "ddp", "--micro-batch", "4", "--grad-accum", "2", "--precision",
                 "bf16-mixed", "--checkpointing", "full", "--seq-len", "2048", "--lora-rank", "16", "--lora-targets",
-                seven, "--qlora", "--attention", "flash"])
+                seven, "--lora-dropout", "0.05", "--qlora", "--attention", "flash"])
     ignored = {i["key"] for i in src["ignored"]}
     assert not ignored & {"use_peft", "load_in_4bit", "lora_r", "lora_alpha", "lora_target_modules"}
     # the launcher's process count is not in the file: the plan says which it used
@@ -251,12 +251,13 @@ FSDP_ACCELERATE = ["--fsdp-reshard-after-forward", "layers", "--fsdp-wrap-embedd
 def test_axolotl_fsdp_offload_params_is_offload():
     """fsdp_config.fsdp_offload_params: true is accelerate's CPUOffload of the FSDP units
     (FullyShardedDataParallelPlugin.cpu_offload): fsdp+offload. adapter qlora, lora_r 8,
-    lora_target_linear (every linear), sequence_len 512, micro_batch_size 1, accumulation 4,
+    lora_target_linear (every linear), lora_dropout 0.05, sequence_len 512, micro_batch_size 1, accumulation 4,
     gradient_checkpointing, flash_attention, optimizer adamw_torch (HF's foreach AdamW), bf16 auto."""
     src = same(["--from", str(DATA / "axolotl_qlora_fsdp_70b.yaml"), "-m", "llama-3-70b"],
                ["-m", "llama-3-70b", "-s", "fsdp+offload", "--micro-batch", "1", "--grad-accum", "4", "--seq-len",
-                "512", "--lora-rank", "8", "--lora-targets", "all-linear", "--qlora", "--checkpointing", "full",
-                "--attention", "flash", "--weight-decay", "0", "--optimizer-impl", "foreach", *FSDP_ACCELERATE])
+                "512", "--lora-rank", "8", "--lora-targets", "all-linear", "--lora-dropout", "0.05", "--qlora",
+                "--checkpointing", "full", "--attention", "flash", "--weight-decay", "0", "--optimizer-impl", "foreach",
+                *FSDP_ACCELERATE])
     read = {i["key"]: i["as"] for i in src["read"]}
     assert read["fsdp_config.fsdp_offload_params"].startswith("true: -s fsdp+offload")
 

@@ -131,8 +131,8 @@ def test_llama_factory_example_and_its_deepspeed_json(monkeypatch):
 def test_axolotl_qlora_example():
     same(["--from", str(DATA / "axolotl_qlora.yaml")],
          ["-m", "llama-2-7b", "-s", "ddp", "--micro-batch", "2", "--grad-accum", "4", "--seq-len", "4096",
-          "--lora-rank", "32", "--lora-targets", "all-linear", "--qlora", "--checkpointing", "full",
-          "--packed-attention", "flash_varlen", "--attention", "flash", "--weight-decay", "0"])
+          "--lora-rank", "32", "--lora-targets", "all-linear", "--lora-dropout", "0.05", "--qlora", "--checkpointing",
+          "full", "--packed-attention", "flash_varlen", "--attention", "flash", "--weight-decay", "0"])
 
 
 def test_training_args_json_with_inline_deepspeed(tmp_path):

@@ -92,6 +92,7 @@ def plan(
     lora_rank: int | None = run_option("lora_rank"),
     lora_targets: str | None = run_option("lora_targets"),
     lora_modules_to_save: str | None = run_option("lora_modules_to_save"),
+    lora_dropout: float | None = run_option("lora_dropout"),
     qlora: bool = typer.Option(False, "--qlora", help="LoRA on a 4-bit NF4 base (bitsandbytes; YAML "
                                "lora.quantization: nf4)."),
     cross_entropy: str | None = run_option("cross_entropy"),

@@ -363,6 +363,7 @@ RUN_FLAGS: tuple[RunFlag, ...] = (
     RunFlag("lora_rank", "--lora-rank", "lora.rank"),
     RunFlag("lora_targets", "--lora-targets", "lora.target_modules", note="(comma-separated)"),
     RunFlag("lora_modules_to_save", "--lora-modules-to-save", "lora.modules_to_save", note="(comma-separated)"),
+    RunFlag("lora_dropout", "--lora-dropout", "lora.dropout"),
     RunFlag("cross_entropy", "--cross-entropy", "loss.implementation", also=("fused", "inplace", "chunked-output"),
             note="(fused: Liger's kernel; inplace: flash-attn's; chunked-output: torchtune's "
                  "CEWithChunkedOutputLoss)"),

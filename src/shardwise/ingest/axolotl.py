@@ -18,6 +18,7 @@ from shardwise.ingest.common import (
     as_count,
     hub_model,
     ignore,
+    lora_dropout,
     refuse,
     unstated,
 )
@@ -31,7 +32,7 @@ MESH = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_p
 
 AX_KEYS = {"base_model", "micro_batch_size", "sequence_len", "adapter", "lora_r"}
 AX_NO_EFFECT = NO_EFFECT | {"model_type", "tokenizer_type", "datasets", "dataset_prepared_path", "val_set_size",
-                            "lora_alpha", "lora_dropout", "lr_scheduler", "num_epochs", "wandb_project",
+                            "lora_alpha", "lr_scheduler", "num_epochs", "wandb_project",
                             "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model", "train_on_inputs",
                             "group_by_length", "early_stopping_patience", "local_rank", "xformers_attention",
                             "warmup_steps", "evals_per_epoch", "saves_per_epoch", "debug", "special_tokens",
@@ -61,7 +62,7 @@ def read(doc: Doc, ctx: Context) -> Source:
                              batch_key="micro_batch_size", ckpt_key="gradient_checkpointing")
     seen |= {"base_model", "trust_remote_code", "sequence_len", "adapter", "lora_r", "lora_target_modules",
              "lora_target_linear", "load_in_4bit", "sample_packing", "fsdp_version", "fsdp_config", "fsdp",
-             "lora_modules_to_save", "plugins", "liger_fused_linear_cross_entropy", "liger_rms_norm",
+             "lora_modules_to_save", "lora_dropout", "plugins", "liger_fused_linear_cross_entropy", "liger_rms_norm",
              "liger_glu_activation", "liger_rope", "liger_layer_norm"}
     if "sequence_len" in d:
         src.values["seq_len"] = as_count(doc, ("sequence_len",), d["sequence_len"])
@@ -76,6 +77,8 @@ def read(doc: Doc, ctx: Context) -> Source:
             targets = ",".join(mods if isinstance(mods, list) else [str(mods)])
         src.values |= {"lora_rank": rank, "lora_targets": targets}
         src.read.append(("adapter", f"{adapter}: --lora-rank {rank} --lora-targets {targets}"))
+        if "lora_dropout" in d:
+            lora_dropout(doc, ("lora_dropout",), d["lora_dropout"], src)
         if d.get("lora_modules_to_save"):
             src.values["lora_modules_to_save"] = ",".join(d["lora_modules_to_save"])
             src.read.append(("lora_modules_to_save", f"--lora-modules-to-save {src.values['lora_modules_to_save']}"))
@@ -85,6 +88,8 @@ def read(doc: Doc, ctx: Context) -> Source:
             src.read.append(("load_in_4bit", "--qlora (bitsandbytes NF4 base)"))
     elif adapter is not None:
         src.ignored.append(("adapter", f"{adapter}: planned as full fine-tuning"))
+    if adapter not in ("lora", "qlora") and "lora_dropout" in d:
+        src.read.append(("lora_dropout", "no adapter: no change to memory or time"))
     _bf16_weights(d, src, lora=adapter in ("lora", "qlora"))
     eight = d.get("load_in_8bit")
     if eight is not None and as_bool(doc, ("load_in_8bit",), eight):

@@ -321,6 +321,17 @@ def as_number(doc: Doc, key: tuple, value: Any) -> float:
     return v
 
 
+def lora_dropout(doc: Doc, key: tuple, value: Any, src: Source, default: str = "") -> None:
+    """A LoRA dropout probability (PEFT's lora_dropout, torchtune's and LitGPT's alike): at least 0
+    and below 1, as --lora-dropout; `default` says whose default it is where the file left it unset."""
+    p = as_number(doc, key, value)
+    if p >= 1:
+        raise doc.error(key, value, "a dropout probability, at least 0 and below 1")
+    src.values["lora_dropout"] = p
+    src.read.append((dotted(key), f"--lora-dropout {p:g}" + (f" ({default})" if default else "")
+                     + (": each adapted linear keeps its dropped input and the mask for backward" if p else "")))
+
+
 def resolve_path(doc: Doc, key: tuple, value: Any) -> Path:
     """A file the config names: as the tools resolve it (the working directory), else beside the config."""
     if not isinstance(value, str) or not value.strip():

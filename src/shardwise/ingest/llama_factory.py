@@ -18,6 +18,7 @@ from shardwise.ingest.common import (
     as_count,
     hub_model,
     ignore,
+    lora_dropout,
     refuse,
     unstated,
 )
@@ -26,7 +27,7 @@ from shardwise.ingest.training_args import NO_EFFECT, read_trainer_args, rest
 LF_KEYS = {"stage", "finetuning_type", "cutoff_len", "template", "lora_target", "dataset"}
 LF_NO_EFFECT = NO_EFFECT | {"stage", "template", "dataset", "dataset_dir", "max_samples", "overwrite_cache",
                             "preprocessing_num_workers", "val_size", "lora_alpha",
-                            "lora_dropout", "quantization_method", "eval_dataset", "image_max_pixels",
+                            "quantization_method", "eval_dataset", "image_max_pixels",
                             "video_max_pixels", "mix_strategy", "neat_packing", "tokenized_path", "report_to",
                             "do_predict", "predict_with_generate", "infer_backend", "quantization_type"}
 
@@ -55,7 +56,7 @@ def read(doc: Doc, ctx: Context) -> Source:
             src.read.append(("flash_attn", f"{d['flash_attn']}: transformers' default (sdpa)"))
     seen |= {"model_name_or_path", "trust_remote_code", "cutoff_len", "finetuning_type", "lora_rank", "lora_target",
              "quantization_bit", "disable_gradient_checkpointing", "additional_target", "packing",
-             "enable_liger_kernel", "pure_bf16"}
+             "enable_liger_kernel", "pure_bf16", "lora_dropout"}
     src.values["seq_len"] = as_count(doc, ("cutoff_len",), d.get("cutoff_len", 2048))
     src.read.append(("cutoff_len", f"--seq-len {src.values['seq_len']}" + ("" if "cutoff_len" in d else
                                                                           " (LLaMA-Factory's default 2048)")))
@@ -71,6 +72,8 @@ def read(doc: Doc, ctx: Context) -> Source:
             str(t).strip() for t in (target if isinstance(target, list) else str(target).split(",")))
         src.values |= {"lora_rank": rank, "lora_targets": targets}
         src.read.append(("finetuning_type", f"lora: --lora-rank {rank} --lora-targets {targets}"))
+        if "lora_dropout" in d:
+            lora_dropout(doc, ("lora_dropout",), d["lora_dropout"], src)
         extra = d.get("additional_target")
         if extra:
             src.values["lora_modules_to_save"] = extra if isinstance(extra, str) else ",".join(map(str, extra))
@@ -87,6 +90,8 @@ def read(doc: Doc, ctx: Context) -> Source:
         src.read.append(("finetuning_type", "full: --lora-rank 0"))
     else:
         ignore(src, "finetuning_type", f"{kind}: planned as full fine-tuning")
+    if kind != "lora" and "lora_dropout" in d:
+        src.read.append(("lora_dropout", f"finetuning_type {kind}: no adapters, no change to memory or time"))
     if d.get("packing"):
         src.values["packed_attention"] = "sdpa_varlen"
         src.read.append(("packing", "true: documents packed (--packed-attention sdpa_varlen)"))

@@ -17,7 +17,7 @@ PLANNED = ("model", "data.kind", "data.sft.max_length", "data.sft.packing", "dat
            "precision", "run.micro_batch", "run.grad_accum", "run.nproc", "run.compile", "checkpointing.activation",
            "checkpointing.offload",
            "hardware.gpu", "hardware.gpus_per_node", "hardware.profile", "hardware.host_memory_gb", "lora", "loss")
-UNUSED = {"lora.alpha", "lora.dropout", "lora.save_merged", "model.trust_remote_code", "model.random_init"}
+UNUSED = {"lora.alpha", "lora.save_merged", "model.trust_remote_code", "model.random_init"}
 
 
 def is_shardwise(data: dict[str, Any]) -> bool:
@@ -90,7 +90,8 @@ def read(doc: Doc, ctx: Context) -> Source:
           "seq_len": t.seq_len, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum, "precision": t.precision,
           "optimizer": t.optimizer, "attention": t.attention,
           "packed_attention": t.packed_attention, "lora_rank": t.lora_rank, "lora_targets": ",".join(t.lora_targets),
-          "lora_modules_to_save": ",".join(t.lora_modules_to_save), "qlora": t.base_quant == "nf4",
+          "lora_modules_to_save": ",".join(t.lora_modules_to_save), "lora_dropout": t.lora_dropout,
+          "qlora": t.base_quant == "nf4",
           "cross_entropy": t.cross_entropy, "optimizer_impl": t.optimizer_impl, "weight_decay": t.weight_decay,
           "optimizer_in_backward": t.optimizer_in_backward, "activation_offload": t.activation_offload, "fused_kernels": t.fused_kernels, "fused_norm": t.fused_norm, "expandable_segments": t.expandable_segments,
           "strategy": [s.name]}

@@ -42,6 +42,7 @@ from shardwise.ingest.common import (
     as_bool,
     as_count,
     ignore,
+    lora_dropout,
     refuse,
     unstated,
 )
@@ -193,6 +194,8 @@ def _model(doc: Doc, d: dict, src: Source, ctx: Context) -> bool:
         raise doc.error(("model", "lora_attn_modules"), attn, "at least one adapted module (or apply_lora_to_mlp)")
     src.values |= {"lora_rank": rank, "lora_targets": ",".join(targets)}
     src.read.append(("model.lora_rank/lora_attn_modules", f"--lora-rank {rank} --lora-targets {','.join(targets)}"))
+    if "lora_dropout" in m:  # the builders' default 0.0: torchtune's LoRALinear runs nn.Identity then
+        lora_dropout(doc, ("model", "lora_dropout"), m["lora_dropout"], src)
     quant = builder.startswith("qlora_") or as_bool(doc, ("model", "quantize_base"), m.get("quantize_base", False))
     if quant:
         src.values["qlora"] = True

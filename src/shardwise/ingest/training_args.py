@@ -22,6 +22,7 @@ from shardwise.ingest.common import (
     hub_model,
     ignore,
     load,
+    lora_dropout,
     refuse,
     resolve_path,
     unstated,
@@ -46,7 +47,7 @@ NO_EFFECT = {"output_dir", "learning_rate", "num_train_epochs", "max_steps", "lr
              # TRL / alignment-handbook script and logging arguments
              "model_revision", "chat_template", "dataset_mixture", "dataset_name", "dataset_configs",
              "dataset_num_proc", "hub_model_id", "hub_strategy", "log_level", "logging_strategy", "lora_alpha",
-             "lora_dropout", "log_completions"}
+             "log_completions"}
 # fsdp_config keys (without the fsdp_ prefix) that change nothing the plan counts
 FSDP_NO_EFFECT = {"state_dict_type", "transformer_layer_cls_to_wrap", "sync_module_states", "use_orig_params",
                   "cpu_ram_efficient_loading", "min_num_params"}
@@ -164,7 +165,8 @@ def _preference(doc: Doc, d: dict, src: Source) -> set:
 
 def model_config(doc: Doc, d: dict, src: Source) -> set:
     """TRL's ModelConfig (trl/trainer/model_config.py), which TRL's scripts and the alignment
-    handbook read beside the trainer's arguments: `use_peft` with `lora_r` (default 16),
+    handbook read beside the trainer's arguments: `use_peft` with `lora_r` (default 16), `lora_dropout`
+    (default 0.05: huggingface/trl@bc13ae6d trl/trainer/model_config.py),
     `lora_target_modules` (default None: PEFT's own targets for the architecture, q_proj and v_proj
     for Llama, Mistral and Qwen: peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING),
     `lora_modules_to_save`; `load_in_4bit` (get_quantization_config: bitsandbytes 4-bit,
@@ -174,7 +176,7 @@ def model_config(doc: Doc, d: dict, src: Source) -> set:
     if "use_peft" in d:
         seen.add("use_peft")
         if peft:
-            seen |= {"lora_r", "lora_target_modules", "lora_modules_to_save"}
+            seen |= {"lora_r", "lora_target_modules", "lora_modules_to_save", "lora_dropout"}
             rank = as_count(doc, ("lora_r",), d.get("lora_r", 16))
             mods = d.get("lora_target_modules")
             if mods is None:
@@ -186,6 +188,8 @@ def model_config(doc: Doc, d: dict, src: Source) -> set:
             src.values |= {"lora_rank": rank, "lora_targets": targets}
             src.read.append(("use_peft", f"true: --lora-rank {rank}" + ("" if "lora_r" in d else " (TRL's default 16)")
                              + f" --lora-targets {targets}{how}"))
+            lora_dropout(doc, ("lora_dropout",), d.get("lora_dropout", 0.05), src,
+                         "" if "lora_dropout" in d else "TRL's ModelConfig default 0.05")
             if d.get("lora_modules_to_save"):
                 extra = d["lora_modules_to_save"]
                 src.values["lora_modules_to_save"] = extra if isinstance(extra, str) else ",".join(map(str, extra))
@@ -193,7 +197,7 @@ def model_config(doc: Doc, d: dict, src: Source) -> set:
         else:
             src.read.append(("use_peft", "false: full fine-tuning"))
     if not peft:  # TRL builds no PEFT config then (get_peft_config returns None)
-        for k in ("lora_r", "lora_target_modules", "lora_modules_to_save"):
+        for k in ("lora_r", "lora_target_modules", "lora_modules_to_save", "lora_dropout"):
             if k in d:
                 seen.add(k)
                 src.read.append((k, "without use_peft: no adapters (no change to the plan)"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from shardwise.plan.lora import dropout_saved_per_token
 from shardwise.plan.pipeline import PipelineRank, in_flight_peak, pipeline_ranks, rank_actions
 from shardwise.plan.selective import mm_order
 from shardwise.specs.model import ModelSpec
@@ -320,7 +321,8 @@ def layer_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autoc
     if moe is None:
         moe = model.is_moe
     return (_norms(model, train, autocast, moe, tp) + attention_saved(model, train, tp, autocast)
-            + mlp_saved(model, train, tp, moe, autocast, etp))
+            + mlp_saved(model, train, tp, moe, autocast, etp)
+            + dropout_saved_per_token(model, train, tp, autocast, moe, seq_shards(train, tp)))
 
 
 def final_norm_saved(model: ModelSpec, train: TrainSpec, autocast: bool = False, tp: int = 1) -> float:

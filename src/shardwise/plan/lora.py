@@ -301,3 +301,53 @@ def linear_weight_params(model: ModelSpec, tp: int = 1, pp: int = 1, virtual: in
     per = {moe: sum(d_in * d_out for _, d_in, d_out in layer_linears(model, moe)) for moe in set(model.moe_layers)}
     kinds = model.moe_layers
     return max(sum(per[kinds[i]] for i in layers) for layers in _held_layers(model, pp, virtual, rank)) / tp
+
+
+# LoRA dropout (PEFT `lora_dropout` > 0: `lora_B(lora_A(dropout(x)))` in each adapted Linear,
+# peft/tuners/lora/layer.py `Linear.forward`). On CUDA `F.dropout` runs aten's fused native_dropout,
+# which keeps a bool mask (one byte an element) for backward; lora_A then saves the dropped copy
+# instead of x. Where an adapted linear's input is a tensor nothing but the adapters keep (the
+# norm output q/k/v and gate/up read, the MLP product down_proj reads), x itself is no longer
+# saved; the attention output o_proj reads stays saved by the attention kernel.
+DROPOUT_MASK_BYTES = 1
+# the adapted linears whose input only the adapters keep in a LoRA run, by the input they read:
+# the attention block's (a norm output, or OLMo 2's residual), the MLP's, the MLP's middle
+_ATTN_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj", "attn.c_attn",
+            "attn.Wqkv")
+_MLP_IN = ("mlp.gate_proj", "mlp.up_proj", "mlp.gate_up_proj", "mlp.c_fc", "ffn.up_proj")
+_MLP_MID = ("mlp.down_proj", "mlp.c_proj", "ffn.down_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "c_proj")
+
+
+def dropout_saved_per_token(model: ModelSpec, train: TrainSpec, tp: int = 1, autocast: bool = False,
+                            moe: bool = False, sp_shards: int = 1,
+                            mask_bytes: float = DROPOUT_MASK_BYTES) -> float:
+    """Bytes per token LoRA dropout adds to what one decoder layer (of kind `moe`) saves, against
+    the same run without it: per adapted Linear the mask over its input (`mask_bytes` an element;
+    CPU's dropout keeps a noise tensor of the input's dtype instead) and, outside autocast, the
+    dropped copy lora_A saves (the compute dtype: the adapters run in it), less the input it no
+    longer saves where only the adapters kept it (the activations plan counts that input once).
+    Under torch.autocast lora_A saves its own bf16 cast whether or not the input was dropped: the
+    mask alone. Row-parallel inputs are split over `tp`, the norm outputs over `sp_shards`.
+    Dense layers of the families with a known layout get the subtraction; the others (MLA, MoE
+    layers, meta-path models) keep the x they do not save, an overestimate. PEFT refuses dropout
+    on adapted fused expert parameters (its ParamWrapper: `lora_dropout != 0`): refused here too."""
+    if not train.lora_rank or not train.lora_dropout:
+        return 0.0
+    c = train.compute_bytes
+    out, groups = 0.0, set()
+    for a in adapters(model, train.lora_targets, moe):
+        if a.copies > 1 or a.name.endswith(".weight"):
+            raise ShardwiseError(f"lora_dropout {train.lora_dropout} with LoRA on {model.name}'s fused experts "
+                                 f"({a.name}): PEFT's ParamWrapper refuses lora_dropout != 0 there; set it to 0 "
+                                 "or target the Linear modules only")
+        width = a.d_in / (tp if a.name.rsplit(".", 1)[-1] in _ROW_PARALLEL else 1)
+        out += (mask_bytes if autocast else c + mask_bytes) * width
+        if not autocast and not moe and not model.is_mla and model.family != "hf":
+            groups |= {g for g, names in (("attn", _ATTN_IN), ("mlp", _MLP_IN), ("mid", _MLP_MID))
+                       if a.name in names}
+    h = model.hidden_size
+    if "mid" in groups and model.hidden_act in ("relu", "tanh", "sigmoid") and model.is_gpt:
+        groups.discard("mid")  # the activation keeps its output (fc2's input) itself
+    width = {"attn": h / sp_shards, "mlp": h / sp_shards, "mid": model.intermediate_size / tp}
+    return out - sum(c * width[g] for g in groups)

@@ -170,7 +170,8 @@ def train_spec(cfg: TrainConfig, device: str = "cuda", *, family: str | None = N
     if cfg.lora is not None:
         t = cfg.lora.target_modules
         fields |= {"lora_rank": cfg.lora.rank, "lora_targets": ("all-linear",) if t == "all-linear" else tuple(t),
-                   "lora_modules_to_save": tuple(cfg.lora.modules_to_save), "base_quant": cfg.lora.quantization}
+                   "lora_modules_to_save": tuple(cfg.lora.modules_to_save), "base_quant": cfg.lora.quantization,
+                   "lora_dropout": cfg.lora.dropout}
     return TrainSpec(**(fields | overrides))
 
 
@@ -468,6 +469,7 @@ def to_config(model: ModelSpec, hw: HardwareSpec, train: TrainSpec, strategy: St
         lora = dict(raw.get("lora") or {})
         targets = train.lora_targets
         lora |= {"rank": train.lora_rank, "modules_to_save": list(train.lora_modules_to_save),
+                 "dropout": train.lora_dropout,
                  "target_modules": "all-linear" if targets == ("all-linear",) else list(targets),
                  "quantization": train.base_quant}
         raw["lora"] = lora

@@ -115,6 +115,9 @@ class TrainSpec(Spec):
                                           description="adapted module names (PEFT's match), or ('all-linear',)")
     lora_modules_to_save: tuple[str, ...] = Field((), description="modules trained in full beside the adapters "
                                                   "(PEFT modules_to_save: a trainable copy of each)")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False,
+                                description="dropout on each adapter's input (PEFT lora_dropout): above 0 every "
+                                "adapted linear keeps the dropped input and its mask for backward")
     base_quant: BaseQuant = Field("none", description="nf4: the frozen base's decoder linears in 4-bit NF4 "
                                   "(QLoRA, bitsandbytes)")
     cross_entropy: CrossEntropy = "standard"
@@ -198,6 +201,9 @@ class TrainSpec(Spec):
             raise ShardwiseError(
                 "--reference adapters-off needs --lora-rank: the reference is the base with the LoRA adapters "
                 "disabled; full fine-tuning has no adapters to disable (use --reference model or precomputed)")
+        if self.lora_dropout and not self.lora_rank:
+            raise ShardwiseError(f"--lora-dropout {self.lora_dropout} needs --lora-rank: the dropout is on the LoRA "
+                                 "adapters' input; full fine-tuning has none")
         return self
 
     @model_validator(mode="after")
