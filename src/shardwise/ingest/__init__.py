@@ -21,6 +21,7 @@ def detect(doc: Doc) -> str:
     from shardwise.ingest import (
         axolotl,
         deepspeed,
+        litgpt,
         llama_factory,
         shardwise_yaml,
         torchtitan,
@@ -37,6 +38,8 @@ def detect(doc: Doc) -> str:
         return "accelerate"
     if torchtune.is_torchtune(d):  # before shardwise's: both have a `model` section
         return "torchtune"
+    if litgpt.is_litgpt(d):
+        return "litgpt"
     if shardwise_yaml.is_shardwise(d):
         return "shardwise"
     if axolotl.is_axolotl(d):
@@ -51,7 +54,8 @@ def detect(doc: Doc) -> str:
         f"({top}) match none: a DeepSpeed JSON has zero_optimization or train_micro_batch_size_per_gpu, an "
         "accelerate config distributed_type, a shardwise YAML sections such as strategy and run, TrainingArguments "
         "per_device_train_batch_size, LLaMA-Factory model_name_or_path with stage/finetuning_type, axolotl base_model, "
-        "a torchtune config model._component_ naming a torchtune builder, a torchtitan TOML [model] name")
+        "a torchtune config model._component_ naming a torchtune builder, a torchtitan TOML [model] name, a LitGPT "
+        "finetune config checkpoint_dir with its train section")
 
 
 def read_source(path: Path, *, given: dict[str, Any], defaults: dict[str, Any], sets: list[str],

@@ -174,6 +174,7 @@ FORMAT_NAMES = {
     "axolotl": "axolotl config YAML",
     "torchtune": "torchtune recipe config YAML",
     "torchtitan": "torchtitan job config TOML",
+    "litgpt": "LitGPT finetune config YAML",
 }
 
 
