@@ -270,8 +270,9 @@ class LoraSection(_Section):
     rank: Int = Field(16, gt=0, description="adapter rank r")
     alpha: Finite | None = Field(None, gt=0, description="scaling numerator (the update is alpha/r · B·A); "
                                 "default 2 × rank")
-    dropout: Finite = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: runs are "
-                           "reproducible across world sizes)")
+    dropout: Finite = Field(0.0, ge=0, lt=1, description="dropout on each adapter's input (PEFT lora_dropout; 0: "
+                           "runs are reproducible across world sizes; above 0 each adapted linear keeps the dropped "
+                           "input and its mask for backward)")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names to adapt (PEFT's rule: the name or its last components), "
         "or 'all-linear': every linear of the decoder layers (not lm_head)")
