@@ -185,14 +185,14 @@ def check_fp8(hw, train, strategies: list[str] | None, zero_impl: str = "deepspe
         hw.gpu.peak_flops("fp8")  # refused, naming the GPU, where it has none
         if why := recipe_refusal(hw.gpu, train):
             raise ShardwiseError(why)
-    if train.fp8_all_gather and not strategies and zero_impl != "megatron" and train.fp8 != "tensorwise":
+    if not train.fp8_all_gather:
+        return
+    from shardwise.plan.fp8 import all_gather_refusal
+
+    if not strategies and zero_impl != "megatron" and train.fp8 != "tensorwise":
         # every strategy planned: the float8 all-gather asked for is FSDP2's, which is torchao's tensorwise
-        from shardwise.plan.fp8 import all_gather_refusal
-
         raise ShardwiseError(all_gather_refusal(Strategy.from_name("fsdp"), train))
-    if train.fp8_all_gather and strategies:
-        from shardwise.plan.fp8 import all_gather_refusal
-
+    if strategies:
         try:
             named = [Strategy.from_name(n, zero_impl=zero_impl if n.strip().lower() == "zero1" else "deepspeed")
                      for n in strategies]
